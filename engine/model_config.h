@@ -1,0 +1,80 @@
+/* model_config.h -- A model's shape and behaviour, read from a HuggingFace config.json and
+ * generation_config.json: architecture, sizes, RoPE (both the rope_theta/rope_scaling and the
+ * rope_parameters styles; default, linear, llama3 and yarn types), biases, tied embeddings,
+ * stop token ids. */
+#ifndef PD_MODEL_CONFIG_H
+#define PD_MODEL_CONFIG_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/dtype.h"
+
+#define MC_MAX_EOS 16
+
+typedef enum {
+    MC_ARCH_LLAMA = 0,   /* LlamaForCausalLM */
+    MC_ARCH_MISTRAL,     /* MistralForCausalLM */
+    MC_ARCH_QWEN2,       /* Qwen2ForCausalLM: q/k/v bias */
+    MC_ARCH_QWEN3,       /* Qwen3ForCausalLM: per-head q/k RMSNorm */
+} mc_arch;
+
+typedef enum {
+    MC_ROPE_DEFAULT = 0,
+    MC_ROPE_LINEAR,      /* positions divided by factor */
+    MC_ROPE_LLAMA3,      /* Llama 3.1 frequency-dependent scaling */
+    MC_ROPE_YARN,        /* YaRN ramp + attention factor */
+} mc_rope_type;
+
+typedef struct {
+    mc_arch arch;
+    char arch_name[64];          /* as in config.json "architectures"[0] */
+    int32_t hidden_size;         /* model width */
+    int32_t intermediate_size;   /* MLP width */
+    int32_t n_layers;
+    int32_t n_heads;             /* query heads */
+    int32_t n_kv_heads;          /* key/value heads (GQA); = n_heads when absent */
+    int32_t head_dim;            /* may differ from hidden_size / n_heads (Qwen3) */
+    int32_t vocab_size;
+    int32_t max_position;        /* max_position_embeddings: longest sequence accepted */
+    float rms_eps;
+    int32_t sliding_window;      /* attention window in tokens; 0 = full attention */
+    pd_dtype dtype;              /* torch_dtype / dtype in the file (F32 when absent) */
+
+    mc_rope_type rope_type;
+    double rope_theta;           /* base */
+    double rope_factor;          /* linear / llama3 / yarn factor */
+    double rope_low_freq_factor; /* llama3 */
+    double rope_high_freq_factor;/* llama3 */
+    int32_t rope_orig_max_position; /* llama3 / yarn original_max_position_embeddings */
+    double rope_beta_fast;       /* yarn, default 32 */
+    double rope_beta_slow;       /* yarn, default 1 */
+    double rope_attn_factor;     /* yarn mscale applied to cos/sin; 1 otherwise */
+
+    int32_t bos_token_id;        /* -1 when unknown */
+    int32_t eos_token_ids[MC_MAX_EOS]; /* generation_config.json first, else config.json */
+    int32_t n_eos;
+
+    bool tie_word_embeddings;    /* lm_head shares embed_tokens */
+    bool qkv_bias;               /* q/k/v projections have biases (Qwen2, attention_bias) */
+    bool o_bias;                 /* o_proj has a bias (Llama attention_bias) */
+    bool qk_norm;                /* per-head q/k RMSNorm (Qwen3) */
+} mc_config;
+
+/* Reads dir/config.json and, if present, dir/generation_config.json. Returns 0, PD_EIO (no
+ * config.json), PD_EFORMAT (malformed JSON, missing or mistyped key, inconsistent sizes),
+ * PD_EUNSUPPORTED (architecture, activation, rope type, sliding-window mode, MLP bias not
+ * supported). err names the file and key. */
+int mc_load(const char *dir, mc_config *out, char *err);
+
+/* Fills inv_freq[head_dim / 2] with the rotary inverse frequencies of cfg's RoPE settings
+ * (scaling applied) and returns the cos/sin multiplier (YaRN attention factor, else 1). */
+float mc_rope_inv_freq(const mc_config *cfg, float *inv_freq);
+
+/* True when tok is one of the model's end-of-sequence ids. */
+bool mc_is_eos(const mc_config *cfg, int32_t tok);
+
+/* Parameters, in elements, of a model of this shape (embeddings counted once when tied). */
+int64_t mc_param_count(const mc_config *cfg);
+
+#endif

@@ -1,0 +1,62 @@
+/* model_runner.h -- The forward pass of a decoder-only transformer over a paged KV cache, for
+ * one batch of sequences of different lengths per call: any mix of prompt chunks (with or
+ * without an already-cached prefix) and single-token decode steps. The runner owns the KV
+ * cache and the activation workspace, all allocated once at creation. */
+#ifndef PD_MODEL_RUNNER_H
+#define PD_MODEL_RUNNER_H
+
+#include <stdint.h>
+
+#include "engine/model.h"
+
+typedef struct {
+    int32_t max_num_batched_tokens; /* query rows one forward may hold; default 2048 */
+    int32_t max_num_seqs;           /* sequences one forward may hold; default 256 */
+    int32_t block_size;             /* tokens per KV block; default 16 */
+    int32_t n_blocks;               /* KV blocks in the pool; 0 = from kv_cache_bytes */
+    int64_t kv_cache_bytes;         /* KV pool size when n_blocks = 0; default 256 MiB */
+} mr_params;
+
+mr_params mr_default_params(void);
+
+/* One forward's batch, in host memory (borrowed for the call). Sequence s owns token rows
+ * [cu_q[s], cu_q[s+1]); its context after this step is ctx_lens[s] tokens, so its rows are at
+ * positions ctx_lens[s] - q_len .. ctx_lens[s] - 1 and the KV of earlier positions must already
+ * be in its blocks (a cached prefix, or earlier chunks and steps). */
+typedef struct {
+    int32_t n_tokens;             /* rows, 1..max_num_batched_tokens */
+    const int32_t *input_ids;     /* [n_tokens] */
+    const int32_t *positions;     /* [n_tokens] absolute positions */
+    const int32_t *slot_mapping;  /* [n_tokens] block * block_size + offset where KV is stored */
+    int32_t n_seqs;               /* 1..max_num_seqs */
+    const int32_t *cu_q;          /* [n_seqs + 1] */
+    const int32_t *ctx_lens;      /* [n_seqs] */
+    const int32_t *block_tables;  /* [n_seqs][max_blocks_per_seq] */
+    int32_t max_blocks_per_seq;   /* row length of block_tables, <= mr_max_blocks_per_seq() */
+    int32_t n_logits;             /* rows whose logits are wanted, >= 0 */
+    const int32_t *logits_rows;   /* [n_logits] token rows (e.g. each sequence's last row) */
+} mr_batch;
+
+typedef struct mr mr; /* opaque */
+
+/* Creates a runner for model m (borrowed; must outlive the runner) and allocates its KV
+ * cache and workspace on m's backend. Returns 0, PD_EINVAL (bad params), PD_ENOMEM. */
+int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err);
+void mr_destroy(mr *r); /* NULL is a no-op */
+
+/* Runs one forward. Stores every row's K/V at its slot and writes the logits of the requested
+ * rows to logits[n_logits][vocab] (host memory, may be NULL when n_logits = 0). The batch is
+ * validated first (ids, positions, lengths, block ids, slots): PD_EINVAL with err set, and
+ * nothing is computed. */
+int mr_forward(mr *r, const mr_batch *b, float *logits, char *err);
+
+int32_t mr_n_blocks(const mr *r);
+int32_t mr_block_size(const mr *r);
+/* Longest block table a sequence can need: ceil(max_position / block_size). */
+int32_t mr_max_blocks_per_seq(const mr *r);
+const mr_params *mr_params_get(const mr *r);
+/* The layer's K and V cache buffers ([n_blocks][block_size][n_kv_heads][head_dim], backend
+ * memory; borrowed). */
+void mr_kv_cache(const mr *r, int32_t layer, void **k, void **v);
+
+#endif

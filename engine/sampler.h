@@ -1,0 +1,47 @@
+/* sampler.h -- Turns one sequence's logits into its next token: penalties, temperature,
+ * top-k, top-p, min-p and a seeded draw. The draw for output position n of a request depends
+ * only on (seed, n), so a request gets the same tokens whatever else is in the batch and
+ * after a preemption by recompute. Host-side reference; backends may offer their own. */
+#ifndef PD_SAMPLER_H
+#define PD_SAMPLER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+typedef struct {
+    float temperature;        /* 0 = greedy; > 0 scales logits; default 1.0 */
+    float top_p;              /* nucleus mass in (0, 1]; 1 = off */
+    int32_t top_k;            /* keep the k most likely; 0 or -1 = off */
+    float min_p;              /* drop tokens with p < min_p * p_max; in [0, 1]; 0 = off */
+    float repetition_penalty; /* > 0; 1 = off; HF rule over prompt and output tokens */
+    float presence_penalty;   /* [-2, 2]; subtracted once per token present in the output */
+    float frequency_penalty;  /* [-2, 2]; subtracted per occurrence in the output */
+    uint64_t seed;            /* draw key; meaningful when has_seed, else the engine picks one */
+    bool has_seed;            /* seed was given by the caller */
+} smp_params;
+
+smp_params smp_default_params(void);
+
+/* Checks ranges (temperature >= 0 and finite, 0 < top_p <= 1, top_k >= -1, 0 <= min_p <= 1,
+ * repetition_penalty > 0, |presence|, |frequency| <= 2). Returns 0 or PD_EINVAL with err
+ * naming the field and value. */
+int smp_validate(const smp_params *p, char *err);
+
+/* Scratch space for smp_sample, sized for a vocabulary. Create once, reuse every step. */
+typedef struct smp_scratch smp_scratch;
+int smp_scratch_create(int32_t vocab, smp_scratch **out);
+void smp_scratch_destroy(smp_scratch *s); /* NULL is a no-op */
+
+/* Samples the next token from logits[vocab] (modified in place: penalties, scaling).
+ * prompt/output are the sequence's tokens so far (penalties read them); n_output is also the
+ * position used for the seeded draw. If logprob is not NULL it receives the log-probability
+ * of the chosen token under the final (filtered, temperature-scaled) distribution, or under
+ * the penalized softmax for greedy. Returns the token id. */
+int32_t smp_sample(const smp_params *p, float *logits, int32_t vocab, const int32_t *prompt,
+                   int32_t n_prompt, const int32_t *output, int32_t n_output, smp_scratch *s,
+                   float *logprob);
+
+/* The uniform number in [0, 1) used for the draw at output position n under seed. */
+double smp_uniform(uint64_t seed, int64_t n);
+
+#endif

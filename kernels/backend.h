@@ -1,0 +1,134 @@
+/* backend.h -- The compute backend interface: a table of operations over buffers that live
+ * wherever the backend keeps its memory (host for "cpu", device for "cuda"), with a void *ctx.
+ * The engine's forward pass is a sequence of calls into this table; no backend header is
+ * needed by engine code. All sizes are element counts, never bytes, unless named *_bytes. */
+#ifndef PD_BACKEND_H
+#define PD_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/dtype.h"
+
+/* Paged attention over a batch of sequences with different lengths.
+ * Sequence s owns query rows [cu_q[s], cu_q[s+1]) of q; its total context (cached prefix plus
+ * these new tokens) is ctx_lens[s] tokens, so query row i of s sits at absolute position
+ * ctx_lens[s] - (cu_q[s+1] - cu_q[s]) + i and attends causally to positions 0..that position.
+ * Key/value of position p of s live in block block_tables[s * max_blocks_per_seq + p / block_size]
+ * at offset p % block_size. All pointers are backend buffers. */
+typedef struct {
+    const void *q;               /* [n_tokens][q_row_stride], head h at column h * head_dim */
+    int64_t q_row_stride;        /* elements between consecutive query rows */
+    const void *k_cache;         /* [n_blocks][block_size][n_kv_heads][head_dim] */
+    const void *v_cache;         /* same layout as k_cache */
+    void *out;                   /* [n_tokens][n_heads * head_dim] */
+    const int32_t *cu_q;         /* [n_seqs + 1] prefix sums of query lengths, cu_q[0] = 0 */
+    const int32_t *ctx_lens;     /* [n_seqs] total context length per sequence */
+    const int32_t *block_tables; /* [n_seqs][max_blocks_per_seq] */
+    int32_t n_seqs;              /* sequences in the batch */
+    int32_t n_tokens;            /* query rows, = cu_q[n_seqs] */
+    int32_t max_q_len;           /* longest query length in the batch (1 for pure decode) */
+    int32_t max_ctx_len;         /* longest context length in the batch */
+    int32_t max_blocks_per_seq;  /* row length of block_tables */
+    int32_t n_heads;             /* query heads */
+    int32_t n_kv_heads;          /* key/value heads; n_heads % n_kv_heads == 0 (GQA) */
+    int32_t head_dim;            /* elements per head */
+    int32_t block_size;          /* tokens per KV block */
+    int32_t sliding_window;      /* attend only to the last this-many positions; 0 = unlimited */
+    float scale;                 /* softmax scale, usually 1/sqrt(head_dim) */
+} pd_attn_args;
+
+/* RoPE on the q and k parts of a fused qkv buffer, then store k and v by slot mapping. */
+typedef struct {
+    void *qkv;                   /* [n_tokens][(n_heads + 2 * n_kv_heads) * head_dim]: q | k | v */
+    const int32_t *positions;    /* [n_tokens] absolute positions */
+    const int32_t *slot_mapping; /* [n_tokens] block_id * block_size + offset; < 0 = don't store */
+    const float *inv_freq;       /* [head_dim / 2] rotary inverse frequencies (backend buffer) */
+    void *k_cache;               /* [n_blocks][block_size][n_kv_heads][head_dim] */
+    void *v_cache;               /* same layout */
+    int32_t n_tokens;
+    int32_t n_heads;
+    int32_t n_kv_heads;
+    int32_t head_dim;
+    float attn_factor;           /* multiplies cos and sin (YaRN's mscale); 1 otherwise */
+} pd_rope_args;
+
+typedef struct pd_backend_ops {
+    const char *name;            /* "cpu", "cuda" */
+    pd_dtype act_dtype;          /* storage type of activations, weights and KV cache */
+
+    void (*destroy)(void *ctx);
+
+    /* Memory. alloc returns a zeroed buffer of n elements of dtype (act_dtype, F32 or I32). */
+    int (*alloc)(void *ctx, pd_dtype dtype, size_t n, void **out);
+    void (*free)(void *ctx, void *buf); /* NULL is a no-op */
+    /* Host -> backend: converts n elements of src_type at src into dst (a buffer of dst_type),
+     * starting at element dst_off. */
+    int (*upload)(void *ctx, void *dst, pd_dtype dst_type, size_t dst_off, const void *src,
+                  pd_dtype src_type, size_t n);
+    /* Backend -> host f32: n elements of src (a buffer of src_type) from element src_off. */
+    int (*download_f32)(void *ctx, float *dst, const void *src, pd_dtype src_type,
+                        size_t src_off, size_t n);
+    /* Fills a buffer of dtype with uniform values in [lo, hi) from a seeded generator (dummy
+     * weights are made where they live). */
+    int (*fill_uniform)(void *ctx, void *dst, pd_dtype dtype, size_t n, uint64_t seed, float lo,
+                        float hi);
+    /* Waits until all queued work is done (a no-op on the CPU). */
+    int (*sync)(void *ctx);
+
+    /* out[i] = table[ids[i]]; ids is an I32 buffer of n entries, rows have dim elements. */
+    int (*embedding)(void *ctx, const int32_t *ids, int32_t n, const void *table, int32_t dim,
+                     void *out);
+    /* RMSNorm with the residual add fused: if residual is not NULL, residual += x first and
+     * the norm is taken of residual; out = norm(.) * w. out may alias x. [n][dim] rows. */
+    int (*rmsnorm)(void *ctx, const void *x, void *residual, const void *w, int32_t n,
+                   int32_t dim, float eps, void *out);
+    /* In-place RMSNorm of each head_dim vector of n_heads consecutive heads per row
+     * (Qwen3's q_norm / k_norm). x rows are row_stride apart. */
+    int (*head_rmsnorm)(void *ctx, void *x, int32_t n, int64_t row_stride, int32_t n_heads,
+                        int32_t head_dim, const void *w, float eps);
+    /* out[n][m] = x[n][k] . w[m][k]^T (+ bias[m] if bias is not NULL). */
+    int (*linear)(void *ctx, const void *x, const void *w, const void *bias, int32_t n,
+                  int32_t k, int32_t m, void *out);
+    int (*rope_store_kv)(void *ctx, const pd_rope_args *a);
+    /* Attention for batches containing prompt chunks (query length >= 1). */
+    int (*attention_prefill)(void *ctx, const pd_attn_args *a);
+    /* Attention for batches where every sequence has query length 1. */
+    int (*attention_decode)(void *ctx, const pd_attn_args *a);
+    /* out[n][f] = silu(gate_up[n][0:f]) * gate_up[n][f:2f]. */
+    int (*swiglu)(void *ctx, const void *gate_up, int32_t n, int32_t f, void *out);
+    /* out[i] = x[idx[i]] for n_idx rows of dim elements; idx is an I32 buffer. */
+    int (*gather_rows)(void *ctx, const void *x, const int32_t *idx, int32_t n_idx, int32_t dim,
+                       void *out);
+    /* KV blocks to / from host memory (for transfer staging). For each i, block ids[i] of a
+     * cache laid out [n_blocks][block_elems] is copied to / from host + i * block_elems,
+     * converted to / from f32. ids is host memory. */
+    int (*kv_blocks_to_host)(void *ctx, const void *cache, const int32_t *ids, int32_t n,
+                             size_t block_elems, float *host);
+    int (*kv_blocks_from_host)(void *ctx, void *cache, const int32_t *ids, int32_t n,
+                               size_t block_elems, const float *host);
+} pd_backend_ops;
+
+typedef struct pd_backend {
+    const pd_backend_ops *ops;
+    void *ctx;
+} pd_backend;
+
+typedef struct {
+    int32_t n_threads; /* CPU threads for matrix products; 0 = all cores */
+    int32_t device;    /* GPU ordinal for "cuda" */
+} pd_backend_params;
+
+pd_backend_params pd_backend_default_params(void);
+
+/* Creates a backend by name: "cpu", "cuda", or "auto" (cuda when built with it and a device is
+ * present, else cpu). Returns 0, PD_ENOTFOUND for an unknown or unavailable backend (err says
+ * why), PD_ENOMEM. Free with pd_backend_destroy. */
+int pd_backend_create(const char *name, const pd_backend_params *p, pd_backend **out, char *err);
+void pd_backend_destroy(pd_backend *b); /* NULL is a no-op */
+
+/* The CPU reference backend (fp32, BLAS). */
+int pd_backend_cpu_create(const pd_backend_params *p, pd_backend **out, char *err);
+
+#endif

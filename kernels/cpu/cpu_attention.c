@@ -1,0 +1,69 @@
+/* cpu_attention.c -- Paged causal attention for a batch of sequences of different lengths,
+ * reading keys and values through block tables. One routine serves prefill chunks (with or
+ * without a cached prefix) and decode steps: a decode step is a chunk of one query. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "kernels/cpu/cpu_backend.h"
+
+int pd_cpu__attention(void *ctx, const pd_attn_args *a)
+{
+    pd_cpu_ctx *c = ctx;
+    const int32_t hd = a->head_dim, group = a->n_heads / a->n_kv_heads;
+    const int64_t kv_row = (int64_t)a->n_kv_heads * hd;
+    const int64_t out_row = (int64_t)a->n_heads * hd;
+    size_t need = (size_t)(a->max_ctx_len > 0 ? a->max_ctx_len : 1) + (size_t)hd;
+    if (need > c->scratch_cap) {
+        float *p = realloc(c->scratch, need * sizeof(float));
+        if (!p) return PD_ENOMEM;
+        c->scratch = p;
+        c->scratch_cap = need;
+    }
+    float *scores = c->scratch, *acc = c->scratch + (need - (size_t)hd);
+    const float *kc = a->k_cache, *vc = a->v_cache, *qb = a->q;
+    float *ob = a->out;
+    for (int32_t s = 0; s < a->n_seqs; s++) {
+        const int32_t q0 = a->cu_q[s], q_len = a->cu_q[s + 1] - q0, ctx_len = a->ctx_lens[s];
+        const int32_t *bt = a->block_tables + (size_t)s * a->max_blocks_per_seq;
+        for (int32_t i = 0; i < q_len; i++) {
+            const int32_t pos = ctx_len - q_len + i;
+            int32_t start = 0;
+            if (a->sliding_window > 0 && pos - a->sliding_window + 1 > 0)
+                start = pos - a->sliding_window + 1;
+            const float *qrow = qb + (size_t)(q0 + i) * a->q_row_stride;
+            float *orow = ob + (size_t)(q0 + i) * out_row;
+            for (int32_t h = 0; h < a->n_heads; h++) {
+                const float *q = qrow + (size_t)h * hd;
+                const int32_t kvh = h / group;
+                float mx = -INFINITY;
+                for (int32_t p = start; p <= pos; p++) {
+                    size_t slot = (size_t)bt[p / a->block_size] * a->block_size + p % a->block_size;
+                    const float *k = kc + slot * kv_row + (size_t)kvh * hd;
+                    float d = 0;
+                    for (int32_t j = 0; j < hd; j++) d += q[j] * k[j];
+                    d *= a->scale;
+                    scores[p - start] = d;
+                    if (d > mx) mx = d;
+                }
+                double sum = 0;
+                for (int32_t p = start; p <= pos; p++) {
+                    float e = expf(scores[p - start] - mx);
+                    scores[p - start] = e;
+                    sum += e;
+                }
+                memset(acc, 0, (size_t)hd * sizeof(float));
+                for (int32_t p = start; p <= pos; p++) {
+                    size_t slot = (size_t)bt[p / a->block_size] * a->block_size + p % a->block_size;
+                    const float *v = vc + slot * kv_row + (size_t)kvh * hd;
+                    float w = scores[p - start];
+                    for (int32_t j = 0; j < hd; j++) acc[j] += w * v[j];
+                }
+                float inv = (float)(1.0 / sum);
+                for (int32_t j = 0; j < hd; j++) orow[(size_t)h * hd + j] = acc[j] * inv;
+            }
+        }
+    }
+    return 0;
+}

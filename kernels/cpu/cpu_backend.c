@@ -1,0 +1,285 @@
+/* cpu_backend.c -- The reference backend: fp32 host buffers, BLAS for matrix products, plain
+ * loops for everything else. It is the oracle every other backend is tested against, so it
+ * favours clarity and accumulates reductions in double where that is cheap. */
+#include "kernels/cpu/cpu_backend.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+
+static void cpu_destroy(void *ctx)
+{
+    pd_cpu_ctx *c = ctx;
+    if (!c) return;
+    free(c->scratch);
+    free(c);
+}
+
+static int cpu_alloc(void *ctx, pd_dtype dtype, size_t n, void **out)
+{
+    (void)ctx;
+    *out = NULL;
+    if (dtype != PD_DTYPE_F32 && dtype != PD_DTYPE_I32) return PD_EINVAL;
+    size_t bytes = (n ? n : 1) * 4;
+    bytes = (bytes + 63) & ~(size_t)63;
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes) != 0) return PD_ENOMEM;
+    memset(p, 0, bytes);
+    *out = p;
+    return 0;
+}
+
+static void cpu_free(void *ctx, void *buf)
+{
+    (void)ctx;
+    free(buf);
+}
+
+static int cpu_upload(void *ctx, void *dst, pd_dtype dst_type, size_t dst_off, const void *src,
+                      pd_dtype src_type, size_t n)
+{
+    (void)ctx;
+    if (dst_type == PD_DTYPE_I32) {
+        if (src_type != PD_DTYPE_I32) return PD_EINVAL;
+        memcpy((int32_t *)dst + dst_off, src, n * sizeof(int32_t));
+        return 0;
+    }
+    if (dst_type != PD_DTYPE_F32) return PD_EINVAL;
+    pd_convert_to_f32((float *)dst + dst_off, src, src_type, n);
+    return 0;
+}
+
+static int cpu_download_f32(void *ctx, float *dst, const void *src, pd_dtype src_type,
+                            size_t src_off, size_t n)
+{
+    (void)ctx;
+    if (src_type == PD_DTYPE_F32) memcpy(dst, (const float *)src + src_off, n * sizeof(float));
+    else if (src_type == PD_DTYPE_I32) pd_convert_to_f32(dst, (const int32_t *)src + src_off, src_type, n);
+    else return PD_EINVAL;
+    return 0;
+}
+
+static uint64_t splitmix64(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static int cpu_fill_uniform(void *ctx, void *dst, pd_dtype dtype, size_t n, uint64_t seed,
+                            float lo, float hi)
+{
+    (void)ctx;
+    if (dtype != PD_DTYPE_F32) return PD_EINVAL;
+    float *d = dst;
+    uint64_t s = seed;
+    const float scale = (hi - lo) / 16777216.0f; /* 24-bit mantissa draws */
+    for (size_t i = 0; i < n; i += 2) {
+        uint64_t r = splitmix64(&s);
+        d[i] = lo + (float)(r & 0xffffff) * scale;
+        if (i + 1 < n) d[i + 1] = lo + (float)((r >> 32) & 0xffffff) * scale;
+    }
+    return 0;
+}
+
+static int cpu_sync(void *ctx)
+{
+    (void)ctx;
+    return 0;
+}
+
+static int cpu_embedding(void *ctx, const int32_t *ids, int32_t n, const void *table, int32_t dim,
+                         void *out)
+{
+    (void)ctx;
+    const float *t = table;
+    float *o = out;
+    for (int32_t i = 0; i < n; i++)
+        memcpy(o + (size_t)i * dim, t + (size_t)ids[i] * dim, (size_t)dim * sizeof(float));
+    return 0;
+}
+
+static void rmsnorm_row(const float *x, const float *w, int32_t dim, float eps, float *out)
+{
+    double ss = 0;
+    for (int32_t j = 0; j < dim; j++) ss += (double)x[j] * x[j];
+    float r = (float)(1.0 / sqrt(ss / dim + eps));
+    for (int32_t j = 0; j < dim; j++) out[j] = w[j] * (x[j] * r);
+}
+
+static int cpu_rmsnorm(void *ctx, const void *x, void *residual, const void *w, int32_t n,
+                       int32_t dim, float eps, void *out)
+{
+    (void)ctx;
+    const float *xf = x;
+    float *rf = residual, *of = out;
+    for (int32_t i = 0; i < n; i++) {
+        const float *xi = xf + (size_t)i * dim;
+        float *oi = of + (size_t)i * dim;
+        if (rf) {
+            float *ri = rf + (size_t)i * dim;
+            for (int32_t j = 0; j < dim; j++) ri[j] += xi[j];
+            rmsnorm_row(ri, w, dim, eps, oi);
+        } else {
+            rmsnorm_row(xi, w, dim, eps, oi);
+        }
+    }
+    return 0;
+}
+
+static int cpu_head_rmsnorm(void *ctx, void *x, int32_t n, int64_t row_stride, int32_t n_heads,
+                            int32_t head_dim, const void *w, float eps)
+{
+    (void)ctx;
+    float *xf = x;
+    for (int32_t i = 0; i < n; i++)
+        for (int32_t h = 0; h < n_heads; h++) {
+            float *v = xf + (size_t)i * row_stride + (size_t)h * head_dim;
+            rmsnorm_row(v, w, head_dim, eps, v);
+        }
+    return 0;
+}
+
+static int cpu_linear(void *ctx, const void *x, const void *w, const void *bias, int32_t n,
+                      int32_t k, int32_t m, void *out)
+{
+    (void)ctx;
+    float *o = out;
+    if (n == 1)
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, m, k, 1.0f, w, k, x, 1, 0.0f, o, 1);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, k, 1.0f, x, k, w, k, 0.0f, o, m);
+    if (bias) {
+        const float *b = bias;
+        for (int32_t i = 0; i < n; i++)
+            for (int32_t j = 0; j < m; j++) o[(size_t)i * m + j] += b[j];
+    }
+    return 0;
+}
+
+static void rotate(float *v, const float *cs, const float *sn, int32_t half)
+{
+    for (int32_t i = 0; i < half; i++) {
+        float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * cs[i] - x2 * sn[i];
+        v[i + half] = x2 * cs[i] + x1 * sn[i];
+    }
+}
+
+static int cpu_rope_store_kv(void *ctx, const pd_rope_args *a)
+{
+    (void)ctx;
+    const int32_t hd = a->head_dim, half = hd / 2;
+    const int64_t row = (int64_t)(a->n_heads + 2 * a->n_kv_heads) * hd;
+    const int64_t kv_row = (int64_t)a->n_kv_heads * hd;
+    float cs[512], sn[512];
+    if (half > 512) return PD_EUNSUPPORTED;
+    float *qkv = a->qkv;
+    for (int32_t t = 0; t < a->n_tokens; t++) {
+        /* Angles in fp32 as transformers computes them, cos/sin rounded once. */
+        float pos = (float)a->positions[t];
+        for (int32_t i = 0; i < half; i++) {
+            float ang = pos * a->inv_freq[i];
+            cs[i] = (float)cos((double)ang) * a->attn_factor;
+            sn[i] = (float)sin((double)ang) * a->attn_factor;
+        }
+        float *q = qkv + (size_t)t * row;
+        float *k = q + (size_t)a->n_heads * hd;
+        float *v = k + kv_row;
+        for (int32_t h = 0; h < a->n_heads; h++) rotate(q + (size_t)h * hd, cs, sn, half);
+        for (int32_t h = 0; h < a->n_kv_heads; h++) rotate(k + (size_t)h * hd, cs, sn, half);
+        int32_t slot = a->slot_mapping[t];
+        if (slot < 0) continue;
+        memcpy((float *)a->k_cache + (size_t)slot * kv_row, k, (size_t)kv_row * sizeof(float));
+        memcpy((float *)a->v_cache + (size_t)slot * kv_row, v, (size_t)kv_row * sizeof(float));
+    }
+    return 0;
+}
+
+static int cpu_swiglu(void *ctx, const void *gate_up, int32_t n, int32_t f, void *out)
+{
+    (void)ctx;
+    const float *gu = gate_up;
+    float *o = out;
+    for (int32_t i = 0; i < n; i++) {
+        const float *g = gu + (size_t)i * 2 * f, *u = g + f;
+        float *oi = o + (size_t)i * f;
+        for (int32_t j = 0; j < f; j++) oi[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+    return 0;
+}
+
+static int cpu_gather_rows(void *ctx, const void *x, const int32_t *idx, int32_t n_idx,
+                           int32_t dim, void *out)
+{
+    (void)ctx;
+    for (int32_t i = 0; i < n_idx; i++)
+        memcpy((float *)out + (size_t)i * dim, (const float *)x + (size_t)idx[i] * dim,
+               (size_t)dim * sizeof(float));
+    return 0;
+}
+
+static int cpu_kv_to_host(void *ctx, const void *cache, const int32_t *ids, int32_t n,
+                          size_t block_elems, float *host)
+{
+    (void)ctx;
+    for (int32_t i = 0; i < n; i++)
+        memcpy(host + (size_t)i * block_elems, (const float *)cache + (size_t)ids[i] * block_elems,
+               block_elems * sizeof(float));
+    return 0;
+}
+
+static int cpu_kv_from_host(void *ctx, void *cache, const int32_t *ids, int32_t n,
+                            size_t block_elems, const float *host)
+{
+    (void)ctx;
+    for (int32_t i = 0; i < n; i++)
+        memcpy((float *)cache + (size_t)ids[i] * block_elems, host + (size_t)i * block_elems,
+               block_elems * sizeof(float));
+    return 0;
+}
+
+static const pd_backend_ops k_cpu_ops = {
+    .name = "cpu",
+    .act_dtype = PD_DTYPE_F32,
+    .destroy = cpu_destroy,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_upload,
+    .download_f32 = cpu_download_f32,
+    .fill_uniform = cpu_fill_uniform,
+    .sync = cpu_sync,
+    .embedding = cpu_embedding,
+    .rmsnorm = cpu_rmsnorm,
+    .head_rmsnorm = cpu_head_rmsnorm,
+    .linear = cpu_linear,
+    .rope_store_kv = cpu_rope_store_kv,
+    .attention_prefill = pd_cpu__attention,
+    .attention_decode = pd_cpu__attention,
+    .swiglu = cpu_swiglu,
+    .gather_rows = cpu_gather_rows,
+    .kv_blocks_to_host = cpu_kv_to_host,
+    .kv_blocks_from_host = cpu_kv_from_host,
+};
+
+int pd_backend_cpu_create(const pd_backend_params *p, pd_backend **out, char *err)
+{
+    *out = NULL;
+    pd_backend *b = calloc(1, sizeof *b);
+    pd_cpu_ctx *c = calloc(1, sizeof *c);
+    if (!b || !c) {
+        free(b);
+        free(c);
+        return pd_errf(err, PD_ENOMEM, "out of memory creating the cpu backend");
+    }
+    c->n_threads = p ? p->n_threads : 0;
+    if (c->n_threads > 0) openblas_set_num_threads(c->n_threads);
+    b->ops = &k_cpu_ops;
+    b->ctx = c;
+    *out = b;
+    return 0;
+}

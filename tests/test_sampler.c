@@ -1,0 +1,435 @@
+/* test_sampler.c -- Checks the host sampler: validation, greedy ties, each penalty's exact
+ * effect, top-k/top-p/min-p filtering against brute force, and that seeded draws follow the
+ * softmax of the temperature-scaled logits. */
+#include <stdint.h>
+
+#include "common/error.h"
+#include "engine/sampler.h"
+#include "tests/test_util.h"
+
+#define MAX_VOCAB 50000
+
+static float g_work[MAX_VOCAB];
+static const int32_t g_zeros[512]; /* an output of n token-0s, for draws at position n */
+
+/* Samples from a copy of base, so that base survives the in-place penalties and scaling. */
+static int32_t sample_copy(const smp_params *p, const float *base, int32_t vocab,
+                           const int32_t *prompt, int32_t n_prompt, const int32_t *output,
+                           int32_t n_output, smp_scratch *s, float *logprob)
+{
+    memcpy(g_work, base, (size_t)vocab * sizeof *base);
+    return smp_sample(p, g_work, vocab, prompt, n_prompt, output, n_output, s, logprob);
+}
+
+/* Fills probs with softmax(logits / temperature), computed in double. */
+static void softmax_ref(const float *logits, int32_t n, double temperature, double *probs)
+{
+    double m = -INFINITY, sum = 0.0;
+    for (int32_t i = 0; i < n; i++)
+        if (logits[i] / temperature > m) m = logits[i] / temperature;
+    for (int32_t i = 0; i < n; i++) sum += probs[i] = exp(logits[i] / temperature - m);
+    for (int32_t i = 0; i < n; i++) probs[i] /= sum;
+}
+
+/* Draws n_draws tokens (seed d, position 7) and returns Pearson's chi-square statistic of the
+ * counts against probs; tokens with zero expected probability must never appear. */
+static double chi_square(const smp_params *base_p, const float *logits, int32_t vocab,
+                         const double *probs, int n_draws, smp_scratch *s)
+{
+    int counts[64] = {0};
+    int32_t out[8] = {0};
+    smp_params p = *base_p;
+    for (int d = 0; d < n_draws; d++) {
+        p.seed = (uint64_t)d * 7919u + 13u;
+        int32_t t = sample_copy(&p, logits, vocab, NULL, 0, out, 7, s, NULL);
+        if (t < 0 || t >= vocab) return INFINITY;
+        counts[t]++;
+    }
+    double chi = 0.0;
+    for (int32_t i = 0; i < vocab; i++) {
+        double e = probs[i] * n_draws;
+        if (e == 0.0) {
+            if (counts[i]) return INFINITY;
+            continue;
+        }
+        chi += (counts[i] - e) * (counts[i] - e) / e;
+    }
+    return chi;
+}
+
+static void test_defaults_and_validate(void)
+{
+    char err[PD_ERR_LEN];
+    smp_params d = smp_default_params();
+    CHECK_NEAR(d.temperature, 1.0, 0);
+    CHECK_NEAR(d.top_p, 1.0, 0);
+    CHECK_EQ_INT(d.top_k, 0);
+    CHECK_NEAR(d.min_p, 0.0, 0);
+    CHECK_NEAR(d.repetition_penalty, 1.0, 0);
+    CHECK_NEAR(d.presence_penalty, 0.0, 0);
+    CHECK_NEAR(d.frequency_penalty, 0.0, 0);
+    CHECK_EQ_INT(d.seed, 0);
+    CHECK(!d.has_seed);
+    CHECK_EQ_INT(smp_validate(&d, err), 0);
+
+    /* Edges that must be accepted. */
+    smp_params p = d;
+    p.temperature = 0.0f;
+    p.top_k = -1;
+    p.min_p = 1.0f;
+    p.presence_penalty = -2.0f;
+    p.frequency_penalty = 2.0f;
+    p.repetition_penalty = 0.01f;
+    CHECK_EQ_INT(smp_validate(&p, err), 0);
+
+#define BAD(field, value, needle)                                 \
+    do {                                                          \
+        smp_params b_ = d;                                        \
+        b_.field = (value);                                       \
+        err[0] = 0;                                               \
+        CHECK_EQ_INT(smp_validate(&b_, err), PD_EINVAL);          \
+        CHECK_STR_CONTAINS(err, needle);                          \
+        CHECK_EQ_INT(smp_validate(&b_, NULL), PD_EINVAL);         \
+    } while (0)
+    BAD(temperature, -1.0f, "temperature must be >= 0 and finite (got -1)");
+    BAD(temperature, NAN, "temperature");
+    BAD(temperature, INFINITY, "temperature");
+    BAD(top_p, 0.0f, "top_p must be in (0, 1] (got 0)");
+    BAD(top_p, 1.5f, "top_p must be in (0, 1] (got 1.5)");
+    BAD(top_p, NAN, "top_p");
+    BAD(top_k, -2, "top_k must be >= -1");
+    BAD(top_k, -2, "(got -2)");
+    BAD(min_p, 1.5f, "min_p must be in [0, 1] (got 1.5)");
+    BAD(min_p, -0.1f, "min_p");
+    BAD(min_p, NAN, "min_p");
+    BAD(repetition_penalty, 0.0f, "repetition_penalty must be > 0");
+    BAD(repetition_penalty, -1.0f, "repetition_penalty");
+    BAD(repetition_penalty, NAN, "repetition_penalty");
+    BAD(presence_penalty, 3.0f, "presence_penalty must be in [-2, 2] (got 3)");
+    BAD(presence_penalty, -2.5f, "presence_penalty");
+    BAD(presence_penalty, NAN, "presence_penalty");
+    BAD(frequency_penalty, -3.0f, "frequency_penalty must be in [-2, 2] (got -3)");
+    BAD(frequency_penalty, NAN, "frequency_penalty");
+#undef BAD
+}
+
+static void test_scratch(void)
+{
+    smp_scratch *s = (smp_scratch *)&s; /* must be reset to NULL on failure */
+    CHECK_EQ_INT(smp_scratch_create(0, &s), PD_EINVAL);
+    CHECK(s == NULL);
+    CHECK_EQ_INT(smp_scratch_create(-5, &s), PD_EINVAL);
+    smp_scratch_destroy(NULL);
+}
+
+static void test_greedy(smp_scratch *s)
+{
+    const float l[5] = {1.0f, 3.0f, 2.0f, 3.0f, -INFINITY};
+    smp_params p = smp_default_params();
+    float lp = 1.0f;
+    p.temperature = 0.0f;
+    CHECK_EQ_INT(sample_copy(&p, l, 5, NULL, 0, NULL, 0, s, &lp), 1); /* tie: lowest id */
+    double want = -log(exp(-2.0) + 1.0 + exp(-1.0) + 1.0);
+    CHECK_NEAR(lp, want, 1e-6);
+    p.temperature = 5e-6f; /* below the greedy threshold */
+    for (uint64_t seed = 0; seed < 20; seed++) {
+        p.seed = seed;
+        CHECK_EQ_INT(sample_copy(&p, l, 5, NULL, 0, NULL, 0, s, NULL), 1);
+    }
+    /* Greedy does not scale the logits. */
+    memcpy(g_work, l, sizeof l);
+    smp_sample(&p, g_work, 5, NULL, 0, NULL, 0, s, NULL);
+    CHECK_NEAR(g_work[2], 2.0, 0);
+    /* NaN never wins. */
+    const float nanl[3] = {NAN, 0.5f, 0.25f};
+    CHECK_EQ_INT(sample_copy(&p, nanl, 3, NULL, 0, NULL, 0, s, NULL), 1);
+}
+
+static void test_top_k_one_is_greedy(smp_scratch *s)
+{
+    float l[100];
+    uint64_t x = 12345;
+    for (int i = 0; i < 100; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        l[i] = (float)((x >> 40) % 1000) / 100.0f;
+    }
+    smp_params g = smp_default_params();
+    g.temperature = 0.0f;
+    int32_t want = sample_copy(&g, l, 100, NULL, 0, NULL, 0, s, NULL);
+    smp_params p = smp_default_params();
+    p.top_k = 1;
+    p.temperature = 1.7f;
+    for (uint64_t seed = 0; seed < 200; seed++) {
+        float lp = -1.0f;
+        p.seed = seed;
+        CHECK_EQ_INT(sample_copy(&p, l, 100, NULL, 0, NULL, 0, s, &lp), want);
+        CHECK_NEAR(lp, 0.0, 0);
+    }
+}
+
+static void test_penalties(smp_scratch *s)
+{
+    const float base[6] = {2.0f, -2.0f, 1.0f, 0.5f, 3.0f, -1.0f};
+    smp_params p = smp_default_params();
+    p.temperature = 0.0f;
+
+    /* Repetition 2: once per distinct token of prompt or output, HF sign rule. */
+    p.repetition_penalty = 2.0f;
+    const int32_t prompt[4] = {0, 0, 1, 99};
+    const int32_t out_rep[4] = {1, 1, 2, -3}; /* out-of-range ids are ignored */
+    memcpy(g_work, base, sizeof base);
+    smp_sample(&p, g_work, 6, prompt, 4, out_rep, 4, s, NULL);
+    CHECK_NEAR(g_work[0], 1.0, 0);
+    CHECK_NEAR(g_work[1], -4.0, 0);
+    CHECK_NEAR(g_work[2], 0.5, 0);
+    CHECK_NEAR(g_work[3], 0.5, 0);
+    CHECK_NEAR(g_work[4], 3.0, 0);
+    CHECK_NEAR(g_work[5], -1.0, 0);
+
+    /* Frequency 0.5: per occurrence, output only. */
+    p = smp_default_params();
+    p.temperature = 0.0f;
+    p.frequency_penalty = 0.5f;
+    const int32_t out_freq[5] = {2, 2, 4, 2, 5};
+    memcpy(g_work, base, sizeof base);
+    smp_sample(&p, g_work, 6, prompt, 4, out_freq, 5, s, NULL);
+    CHECK_NEAR(g_work[0], 2.0, 0);
+    CHECK_NEAR(g_work[2], -0.5, 0);
+    CHECK_NEAR(g_work[4], 2.5, 0);
+    CHECK_NEAR(g_work[5], -1.5, 0);
+    CHECK_NEAR(g_work[3], 0.5, 0);
+
+    /* Presence 1: once per distinct output token. */
+    p.frequency_penalty = 0.0f;
+    p.presence_penalty = 1.0f;
+    memcpy(g_work, base, sizeof base);
+    smp_sample(&p, g_work, 6, prompt, 4, out_freq, 5, s, NULL);
+    CHECK_NEAR(g_work[2], 0.0, 0);
+    CHECK_NEAR(g_work[4], 2.0, 0);
+    CHECK_NEAR(g_work[5], -2.0, 0);
+    CHECK_NEAR(g_work[0], 2.0, 0);
+    /* Negative presence rewards. */
+    p.presence_penalty = -1.5f;
+    memcpy(g_work, base, sizeof base);
+    smp_sample(&p, g_work, 6, NULL, 0, out_freq, 5, s, NULL);
+    CHECK_NEAR(g_work[2], 2.5, 0);
+
+    /* All three, repetition first: 2 -> 1 (rep) -> 0 (freq 0.5 x 2) -> -0.25 (presence). */
+    p = smp_default_params();
+    p.temperature = 0.0f;
+    p.repetition_penalty = 2.0f;
+    p.frequency_penalty = 0.5f;
+    p.presence_penalty = 0.25f;
+    const int32_t out_all[3] = {0, 3, 0};
+    memcpy(g_work, base, sizeof base);
+    smp_sample(&p, g_work, 6, NULL, 0, out_all, 3, s, NULL);
+    CHECK_NEAR(g_work[0], -0.25, 0);
+    CHECK_NEAR(g_work[3], 0.25 - 0.5 - 0.25, 1e-7);
+    CHECK_NEAR(g_work[1], -2.0, 0);
+
+    /* Repeated use of one scratch: marks from earlier calls must not leak into this one. */
+    for (int rep = 0; rep < 3; rep++) {
+        const int32_t out_one[1] = {4};
+        memcpy(g_work, base, sizeof base);
+        smp_sample(&p, g_work, 6, NULL, 0, out_one, 1, s, NULL);
+        CHECK_NEAR(g_work[0], 2.0, 0);
+        CHECK_NEAR(g_work[3], 0.5, 0);
+        CHECK_NEAR(g_work[4], 1.5 - 0.5 - 0.25, 0);
+    }
+
+    /* A penalty changes the greedy pick. */
+    const float two[2] = {1.0f, 0.9f};
+    const int32_t out0[1] = {0};
+    p = smp_default_params();
+    p.temperature = 0.0f;
+    CHECK_EQ_INT(sample_copy(&p, two, 2, NULL, 0, out0, 1, s, NULL), 0);
+    p.presence_penalty = 0.5f;
+    CHECK_EQ_INT(sample_copy(&p, two, 2, NULL, 0, out0, 1, s, NULL), 1);
+}
+
+static void test_top_p_and_min_p(smp_scratch *s)
+{
+    const float l[4] = {0.0f, 2.0f, 1.0f, -1.0f};
+    smp_params p = smp_default_params();
+    p.top_p = 0.01f;
+    for (uint64_t seed = 0; seed < 200; seed++) {
+        float lp = -1.0f;
+        p.seed = seed;
+        CHECK_EQ_INT(sample_copy(&p, l, 4, NULL, 0, NULL, 0, s, &lp), 1);
+        CHECK_NEAR(lp, 0.0, 0);
+    }
+
+    /* probs {0.5, 0.3, 0.15, 0.05}: top_p 0.75 keeps {0, 1}, renormalized to {0.625, 0.375}. */
+    const float q[4] = {logf(0.5f), logf(0.3f), logf(0.15f), logf(0.05f)};
+    double want[4] = {0.625, 0.375, 0.0, 0.0};
+    p = smp_default_params();
+    p.top_p = 0.75f;
+    double chi = chi_square(&p, q, 4, want, 4000, s);
+    CHECK_MSG(chi < 16.0, "top_p chi-square %g", chi);
+    float lp = 0.0f;
+    p.seed = 3;
+    int32_t t = sample_copy(&p, q, 4, NULL, 0, NULL, 0, s, &lp);
+    CHECK(t == 0 || t == 1);
+    CHECK_NEAR(lp, log(want[t]), 1e-5);
+
+    /* min_p 0.2: threshold 0.1 drops only token 3; kept mass 0.95. */
+    p = smp_default_params();
+    p.min_p = 0.2f;
+    double want_m[4] = {0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0};
+    chi = chi_square(&p, q, 4, want_m, 4000, s);
+    CHECK_MSG(chi < 20.0, "min_p chi-square %g", chi);
+    /* min_p 1 keeps only the most likely token. */
+    p.min_p = 1.0f;
+    for (uint64_t seed = 0; seed < 50; seed++) {
+        p.seed = seed;
+        CHECK_EQ_INT(sample_copy(&p, q, 4, NULL, 0, NULL, 0, s, &lp), 0);
+        CHECK_NEAR(lp, 0.0, 0);
+    }
+
+    /* top_k 2 with a three-way tie at the threshold keeps the two lowest ids. */
+    const float tie[4] = {1.0f, 2.0f, 2.0f, 2.0f};
+    double want_t[4] = {0.0, 0.5, 0.5, 0.0};
+    p = smp_default_params();
+    p.top_k = 2;
+    chi = chi_square(&p, tie, 4, want_t, 2000, s);
+    CHECK_MSG(chi < 16.0, "top_k tie chi-square %g", chi);
+
+    /* top_p measures mass after top_k renormalizes: {0.4, 0.3} -> {4/7, 3/7}, and 4/7 alone
+     * reaches 0.5 (against the full vocabulary 0.4 would not). */
+    const float r[4] = {logf(0.4f), logf(0.3f), logf(0.2f), logf(0.1f)};
+    p = smp_default_params();
+    p.top_k = 2;
+    p.top_p = 0.5f;
+    for (uint64_t seed = 0; seed < 100; seed++) {
+        p.seed = seed;
+        CHECK_EQ_INT(sample_copy(&p, r, 4, NULL, 0, NULL, 0, s, NULL), 0);
+    }
+}
+
+static void test_distribution(smp_scratch *s)
+{
+    const float l[8] = {0.3f, -1.2f, 1.5f, 0.0f, 2.0f, -0.5f, 0.9f, 1.1f};
+    const double temps[4] = {1.0, 0.5, 2.0, 0.7};
+    for (int i = 0; i < 4; i++) {
+        double want[8];
+        softmax_ref(l, 8, temps[i], want);
+        smp_params p = smp_default_params();
+        p.temperature = (float)temps[i];
+        /* 7 degrees of freedom: 24.3 is the 0.1% critical value. */
+        double chi = chi_square(&p, l, 8, want, 20000, s);
+        CHECK_MSG(chi < 24.3, "temperature %g chi-square %g", temps[i], chi);
+        /* The logits are scaled in place and logprob is the log of the scaled softmax. */
+        float lp = 0.0f;
+        p.seed = 99;
+        int32_t t = sample_copy(&p, l, 8, NULL, 0, NULL, 0, s, &lp);
+        CHECK_NEAR(lp, log(want[t]), 1e-5);
+        CHECK_NEAR(g_work[4], 2.0 / temps[i], 1e-6);
+    }
+    /* Scaling must matter: at temperature 0.5 token 4 is drawn more often than at 2. */
+    double hot[8], cold[8];
+    softmax_ref(l, 8, 2.0, hot);
+    softmax_ref(l, 8, 0.5, cold);
+    smp_params p = smp_default_params();
+    p.temperature = 0.5f;
+    double chi = chi_square(&p, l, 8, hot, 5000, s);
+    CHECK_MSG(chi > 200.0, "temperature 0.5 matched the temperature 2 law (chi %g)", chi);
+    CHECK(cold[4] > hot[4] + 0.2);
+}
+
+static int cmp_desc(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x < y) - (x > y);
+}
+
+/* Large vocabulary: the heap selection and the full ranking agree with a brute-force sort. */
+static void test_large_vocab(smp_scratch *s)
+{
+    static float l[MAX_VOCAB], sorted[MAX_VOCAB];
+    uint64_t x = 777;
+    for (int i = 0; i < MAX_VOCAB; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        l[i] = (float)((x >> 33) % 1000000) / 100000.0f; /* distinct enough, in [0, 10) */
+    }
+    memcpy(sorted, l, sizeof l);
+    qsort(sorted, MAX_VOCAB, sizeof *sorted, cmp_desc);
+
+    smp_params p = smp_default_params();
+    p.top_k = 50;
+    double mass = 0.0;
+    for (int i = 0; i < 50; i++) mass += exp((double)sorted[i] - sorted[0]);
+    for (int n = 0; n < 300; n++) {
+        float lp = 0.0f;
+        p.seed = 42;
+        int32_t t = sample_copy(&p, l, MAX_VOCAB, NULL, 0, g_zeros, n, s, &lp);
+        CHECK_MSG(l[t] >= sorted[49], "token %d logit %g below the 50th %g", t, l[t], sorted[49]);
+        CHECK_NEAR(lp, (double)l[t] - sorted[0] - log(mass), 1e-4);
+    }
+
+    /* top_p 0.5 alone: the kept set is the best-first prefix reaching half the mass. */
+    double total = 0.0, cum = 0.0;
+    for (int i = 0; i < MAX_VOCAB; i++) total += exp((double)sorted[i] - sorted[0]);
+    int keep = 0;
+    while (cum < 0.5 * total) cum += exp((double)sorted[keep++] - sorted[0]);
+    p = smp_default_params();
+    p.top_p = 0.5f;
+    for (int n = 0; n < 100; n++) {
+        float lp = 0.0f;
+        p.seed = 5;
+        int32_t t = sample_copy(&p, l, MAX_VOCAB, NULL, 0, g_zeros, n, s, &lp);
+        CHECK_MSG(l[t] >= sorted[keep - 1], "top_p kept token %d (%g < %g)", t, l[t],
+                  sorted[keep - 1]);
+        CHECK_NEAR(lp, (double)l[t] - sorted[0] - log(cum), 1e-3);
+    }
+}
+
+static void test_determinism(smp_scratch *s)
+{
+    float flat[16];
+    for (int i = 0; i < 16; i++) flat[i] = 0.0f;
+    smp_params p = smp_default_params();
+    p.seed = 1234;
+    p.has_seed = true;
+    int32_t a = sample_copy(&p, flat, 16, NULL, 0, g_zeros, 5, s, NULL);
+    int32_t b = sample_copy(&p, flat, 16, NULL, 0, g_zeros, 5, s, NULL);
+    CHECK_EQ_INT(a, b);
+    CHECK(smp_uniform(1234, 5) == smp_uniform(1234, 5));
+    CHECK(smp_uniform(1234, 5) != smp_uniform(1234, 6));
+    CHECK(smp_uniform(1234, 5) != smp_uniform(1235, 5));
+
+    int seen[16] = {0}, distinct = 0;
+    for (int n = 0; n < 100; n++) {
+        int32_t t = sample_copy(&p, flat, 16, NULL, 0, g_zeros, n, s, NULL);
+        if (!seen[t]++) distinct++;
+    }
+    CHECK_MSG(distinct >= 12, "only %d distinct tokens over 100 positions", distinct);
+
+    double sum = 0.0, lo = 1.0, hi = 0.0;
+    for (int64_t n = 0; n < 100000; n++) {
+        double u = smp_uniform(7, n);
+        CHECK(u >= 0.0 && u < 1.0);
+        sum += u;
+        lo = u < lo ? u : lo;
+        hi = u > hi ? u : hi;
+    }
+    CHECK_NEAR(sum / 100000.0, 0.5, 0.005);
+    CHECK(lo < 1e-3 && hi > 1.0 - 1e-3);
+}
+
+int main(void)
+{
+    smp_scratch *s = NULL;
+    CHECK_EQ_INT(smp_scratch_create(MAX_VOCAB, &s), 0);
+    if (!s) return pd_test_result("test_sampler");
+    test_defaults_and_validate();
+    test_scratch();
+    test_greedy(s);
+    test_top_k_one_is_greedy(s);
+    test_penalties(s);
+    test_top_p_and_min_p(s);
+    test_distribution(s);
+    test_large_vocab(s);
+    test_determinism(s);
+    smp_scratch_destroy(s);
+    return pd_test_result("test_sampler");
+}
