@@ -32,7 +32,8 @@ int pd_json_get_int(const json_t *obj, const char *key, int64_t *out, const char
     }
     if (json_is_real(v)) { /* accept 2.0 but not 2.5 */
         double d = json_real_value(v);
-        if (d == (double)(int64_t)d) {
+        /* range check first: casting a double outside int64 is undefined behaviour */
+        if (d >= -0x1p63 && d < 0x1p63 && d == (double)(int64_t)d) {
             *out = (int64_t)d;
             return 0;
         }

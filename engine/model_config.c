@@ -183,6 +183,8 @@ static int parse_ids(const json_t *root, const char *key, int32_t *ids, int max,
     json_t *v = json_object_get(root, key);
     if (!v || json_is_null(v)) return 0;
     if (json_is_integer(v)) {
+        if (json_integer_value(v) < INT32_MIN || json_integer_value(v) > INT32_MAX)
+            return pd_errf(err, PD_EFORMAT, "%s: \"%s\" is out of range", path, key);
         ids[0] = (int32_t)json_integer_value(v);
         return 1;
     }
@@ -192,8 +194,9 @@ static int parse_ids(const json_t *root, const char *key, int32_t *ids, int max,
     size_t i;
     json_t *e;
     json_array_foreach(v, i, e) {
-        if (!json_is_integer(e))
-            return pd_errf(err, PD_EFORMAT, "%s: \"%s\" must hold integers", path, key);
+        if (!json_is_integer(e) || json_integer_value(e) < INT32_MIN ||
+            json_integer_value(e) > INT32_MAX)
+            return pd_errf(err, PD_EFORMAT, "%s: \"%s\" must hold int32 integers", path, key);
         if (n == max)
             return pd_errf(err, PD_EFORMAT, "%s: \"%s\" lists more than %d ids", path, key, max);
         ids[n++] = (int32_t)json_integer_value(e);
@@ -382,6 +385,7 @@ int64_t mc_param_count(const mc_config *c)
     int64_t qkv = (int64_t)(c->n_heads + 2 * c->n_kv_heads) * hd;
     int64_t per_layer = h * qkv + (int64_t)c->n_heads * hd * h + 3 * h * c->intermediate_size + 2 * h;
     if (c->qkv_bias) per_layer += qkv;
+    if (c->o_bias) per_layer += h;
     if (c->qk_norm) per_layer += 2 * hd;
     int64_t emb = (int64_t)c->vocab_size * h;
     return c->n_layers * per_layer + emb * (c->tie_word_embeddings ? 1 : 2) + h;

@@ -89,6 +89,15 @@ static float *dl(const void *b, size_t n) /* download into a fresh host array */
 
 static void dev_free(void *b) { g_be->ops->free(g_be->ctx, b); }
 
+/* Frees a list of device buffers / host arrays. */
+static void free_list(void *const *p, size_t n, int device)
+{
+    for (size_t i = 0; i < n; i++) device ? dev_free(p[i]) : free(p[i]);
+}
+#define PTRS(...) (void *const[]){__VA_ARGS__}
+#define DEV_FREE(...) free_list(PTRS(__VA_ARGS__), sizeof PTRS(__VA_ARGS__) / sizeof(void *), 1)
+#define HOST_FREE(...) free_list(PTRS(__VA_ARGS__), sizeof PTRS(__VA_ARGS__) / sizeof(void *), 0)
+
 /* All elements written (finite) and max |got - ref| <= TOL * max |ref|. */
 static void check_close(const char *what, const float *got, const double *ref, size_t n)
 {
@@ -135,8 +144,7 @@ static void test_create_and_memory(void)
         CHECK_EQ_INT(nz, 0);
         memset(f, 0xab, 1000 * sizeof(float));
         memset(iv, 0xcd, 333 * sizeof(int32_t));
-        dev_free(f);
-        dev_free(iv);
+        DEV_FREE(f, iv);
     }
 }
 
@@ -237,12 +245,8 @@ static void test_fill_uniform(void)
     out_of_range = 0;
     for (size_t i = 0; i < 1000; i++) out_of_range += !(ha[i] >= lo1 && ha[i] < hi1);
     CHECK_EQ_INT(out_of_range, 0);
-    free(ha);
-    free(hb);
-    free(hc);
-    dev_free(a);
-    dev_free(b);
-    dev_free(c);
+    DEV_FREE(a, b, c);
+    HOST_FREE(ha, hb, hc);
 }
 
 static void test_embedding_gather_swiglu(void)
@@ -286,13 +290,8 @@ static void test_embedding_gather_swiglu(void)
         }
     got = dl(so, N * F);
     check_close("swiglu", got, ref, N * F);
-    free(got);
-    dev_free(t);
-    dev_free(out);
-    dev_free(di);
-    dev_free(dx);
-    dev_free(dgu);
-    dev_free(so);
+    DEV_FREE(t, out, di, dx, dgu, so);
+    HOST_FREE(got);
 }
 
 static void rmsnorm_ref(const double *x, const float *w, int dim, double eps, double *out)
@@ -307,7 +306,6 @@ static void test_rmsnorm(void)
 {
     const pd_backend_ops *o = g_be->ops;
     enum { N = 3, D = 37 };
-    const float eps = 1e-6f;
     float x[N * D], res[N * D], w[D];
     fill_rand(x, N * D, 2.0);
     fill_rand(res, N * D, 2.0);
@@ -318,6 +316,7 @@ static void test_rmsnorm(void)
      * 3: no residual, out aliases x */
     for (int mode = 0; mode < 4; mode++) {
         const int use_res = mode == 1 || mode == 2, alias = mode >= 2;
+        const float eps = mode % 2 ? 0.05f : 1e-6f; /* a large eps must show in the result */
         void *dx = dev_f32(x, N * D), *dr = use_res ? dev_f32(res, N * D) : NULL;
         void *dout = alias ? dx : dev_poisoned(N * D);
         for (int i = 0; i < N * D; i++) in[i] = use_res ? (double)res[i] + x[i] : x[i];
@@ -334,8 +333,8 @@ static void test_rmsnorm(void)
             int exact = 1;
             for (int i = 0; i < N * D; i++) exact &= got[i] == res[i] + x[i];
             CHECK_MSG(exact, "rmsnorm mode %d: residual not updated to residual + x", mode);
-            free(got);
-            dev_free(dr);
+            DEV_FREE(dr);
+            HOST_FREE(got);
         }
         if (!alias) dev_free(dout);
         dev_free(dx);
@@ -347,7 +346,7 @@ static void test_head_rmsnorm(void)
 {
     const pd_backend_ops *o = g_be->ops;
     enum { N = 3, H = 3, HD = 8, STRIDE = H * HD + 2 * 2 * HD + 5 };
-    const float eps = 1e-6f;
+    const float eps = 0.05f;
     float x[N * STRIDE], w[HD];
     fill_rand(x, N * STRIDE, 3.0);
     fill_rand(w, HD, 1.5);
@@ -367,9 +366,8 @@ static void test_head_rmsnorm(void)
     }
     check_close("head_rmsnorm", g, ref, N * H * HD);
     CHECK_MSG(untouched, "head_rmsnorm changed columns past n_heads * head_dim");
-    free(got);
-    dev_free(dx);
-    dev_free(dw);
+    DEV_FREE(dx, dw);
+    HOST_FREE(got);
 }
 
 static void test_linear(void)
@@ -398,12 +396,10 @@ static void test_linear(void)
         snprintf(what, sizeof what, "linear n=%d bias=%d", n, with_bias);
         check_close(what, got, ref, (size_t)n * M);
         CHECK_MSG(isnan(got[n * M]), "%s wrote past n * m", what);
-        free(got);
-        dev_free(dx);
-        dev_free(out);
+        DEV_FREE(dx, out);
+        HOST_FREE(got);
     }
-    dev_free(dw);
-    dev_free(db);
+    DEV_FREE(dw, db);
 }
 
 static void test_rope_store_kv(void)
@@ -450,7 +446,8 @@ static void test_rope_store_kv(void)
         check_close(what, got, ref, T * ROW);
         int v_same = 1;
         for (int t = 0; t < T; t++)
-            for (int j = (H + KVH) * HD; j < ROW; j++) v_same &= got[t * ROW + j] == qkv[t * ROW + j];
+            for (int j = (H + KVH) * HD; j < ROW; j++)
+                v_same &= got[t * ROW + j] == qkv[t * ROW + j];
         CHECK_MSG(v_same, "rope_store_kv changed v");
         /* caches: rotated k and raw v at the mapped slots; every other slot untouched */
         float *hk = dl(kc, CACHE), *hv = dl(vc, CACHE);
@@ -471,16 +468,10 @@ static void test_rope_store_kv(void)
         }
         CHECK_MSG(k_ok && v_ok, "rope_store_kv stored wrong k (%d) or v (%d)", k_ok, v_ok);
         CHECK_MSG(rest_ok, "rope_store_kv wrote an unmapped slot (or the slot < 0 token)");
-        free(got);
-        free(hk);
-        free(hv);
-        dev_free(dqkv);
-        dev_free(kc);
-        dev_free(vc);
+        DEV_FREE(dqkv, kc, vc);
+        HOST_FREE(got, hk, hv);
     }
-    dev_free(dfreq);
-    dev_free(dpos);
-    dev_free(dslots);
+    DEV_FREE(dfreq, dpos, dslots);
 }
 
 /* Builds a batch with the given query and context lengths over a shuffled paged cache, runs
@@ -514,7 +505,8 @@ static void run_attention(const char *what, int n_seqs, const int32_t *q_lens,
     fill_rand(q, (size_t)n_tok * QSTRIDE, 2.0);
     fill_rand(kc, CACHE, 1.0);
     fill_rand(vc, CACHE, 1.0);
-    void *dq = dev_f32(q, (size_t)n_tok * QSTRIDE), *dk = dev_f32(kc, CACHE), *dv = dev_f32(vc, CACHE);
+    void *dq = dev_f32(q, (size_t)n_tok * QSTRIDE), *dk = dev_f32(kc, CACHE);
+    void *dv = dev_f32(vc, CACHE);
     void *dout = dev_poisoned((size_t)n_tok * H * HD);
     int32_t *dcu = dev_i32(cu, (size_t)n_seqs + 1), *dctx = dev_i32(ctx_lens, (size_t)n_seqs);
     int32_t *dbt = dev_i32(bt, (size_t)n_seqs * MAXBPS);
@@ -528,7 +520,8 @@ static void run_attention(const char *what, int n_seqs, const int32_t *q_lens,
     CHECK_EQ_INT((decode ? o->attention_decode : o->attention_prefill)(g_be->ctx, &a), 0);
 
     double *ref = calloc((size_t)n_tok * H * HD, sizeof(double));
-    double *K = malloc(MAXBPS * BS * KVROW * sizeof(double)), *Vv = malloc(MAXBPS * BS * KVROW * sizeof(double));
+    double *K = malloc(MAXBPS * BS * KVROW * sizeof(double));
+    double *Vv = malloc(MAXBPS * BS * KVROW * sizeof(double));
     double sc[MAXBPS * BS];
     if (!ref || !K || !Vv) abort();
     for (int s = 0; s < n_seqs; s++) {
@@ -561,20 +554,8 @@ static void run_attention(const char *what, int n_seqs, const int32_t *q_lens,
     }
     float *got = dl(dout, (size_t)n_tok * H * HD);
     check_close(what, got, ref, (size_t)n_tok * H * HD);
-    free(got);
-    free(ref);
-    free(K);
-    free(Vv);
-    free(q);
-    free(kc);
-    free(vc);
-    dev_free(dq);
-    dev_free(dk);
-    dev_free(dv);
-    dev_free(dout);
-    dev_free(dcu);
-    dev_free(dctx);
-    dev_free(dbt);
+    DEV_FREE(dq, dk, dv, dout, dcu, dctx, dbt);
+    HOST_FREE(got, ref, K, Vv, q, kc, vc);
 }
 
 static void test_attention(void)
@@ -619,9 +600,8 @@ static void test_kv_blocks_roundtrip(void)
             exact &= got[b * BE + j] == (i < 0 ? SENTINEL : cache[ids[i] * BE + j]);
     }
     CHECK_MSG(exact, "kv_blocks_from_host roundtrip mismatch or wrote other blocks");
-    free(got);
-    dev_free(dc);
-    dev_free(dc2);
+    DEV_FREE(dc, dc2);
+    HOST_FREE(got);
 }
 
 int main(void)

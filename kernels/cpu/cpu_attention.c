@@ -11,6 +11,7 @@
 int pd_cpu__attention(void *ctx, const pd_attn_args *a)
 {
     pd_cpu_ctx *c = ctx;
+    const int32_t bs = a->block_size;
     const int32_t hd = a->head_dim, group = a->n_heads / a->n_kv_heads;
     const int64_t kv_row = (int64_t)a->n_kv_heads * hd;
     const int64_t out_row = (int64_t)a->n_heads * hd;
@@ -27,6 +28,7 @@ int pd_cpu__attention(void *ctx, const pd_attn_args *a)
     for (int32_t s = 0; s < a->n_seqs; s++) {
         const int32_t q0 = a->cu_q[s], q_len = a->cu_q[s + 1] - q0, ctx_len = a->ctx_lens[s];
         const int32_t *bt = a->block_tables + (size_t)s * a->max_blocks_per_seq;
+        if (ctx_len > a->max_ctx_len) return PD_EINVAL; /* scratch is sized by max_ctx_len */
         for (int32_t i = 0; i < q_len; i++) {
             const int32_t pos = ctx_len - q_len + i;
             int32_t start = 0;
@@ -38,14 +40,19 @@ int pd_cpu__attention(void *ctx, const pd_attn_args *a)
                 const float *q = qrow + (size_t)h * hd;
                 const int32_t kvh = h / group;
                 float mx = -INFINITY;
-                for (int32_t p = start; p <= pos; p++) {
-                    size_t slot = (size_t)bt[p / a->block_size] * a->block_size + p % a->block_size;
-                    const float *k = kc + slot * kv_row + (size_t)kvh * hd;
-                    float d = 0;
-                    for (int32_t j = 0; j < hd; j++) d += q[j] * k[j];
-                    d *= a->scale;
-                    scores[p - start] = d;
-                    if (d > mx) mx = d;
+                /* Walk the context block by block: no division per key. */
+                for (int32_t p0 = start - start % bs; p0 <= pos; p0 += bs) {
+                    const size_t base = (size_t)bt[p0 / bs] * bs;
+                    const int32_t lo = p0 < start ? start : p0;
+                    const int32_t hi = p0 + bs - 1 < pos ? p0 + bs - 1 : pos;
+                    for (int32_t p = lo; p <= hi; p++) {
+                        const float *k = kc + (base + (size_t)(p - p0)) * kv_row + (size_t)kvh * hd;
+                        float d = 0;
+                        for (int32_t j = 0; j < hd; j++) d += q[j] * k[j];
+                        d *= a->scale;
+                        scores[p - start] = d;
+                        if (d > mx) mx = d;
+                    }
                 }
                 double sum = 0;
                 for (int32_t p = start; p <= pos; p++) {
@@ -54,11 +61,15 @@ int pd_cpu__attention(void *ctx, const pd_attn_args *a)
                     sum += e;
                 }
                 memset(acc, 0, (size_t)hd * sizeof(float));
-                for (int32_t p = start; p <= pos; p++) {
-                    size_t slot = (size_t)bt[p / a->block_size] * a->block_size + p % a->block_size;
-                    const float *v = vc + slot * kv_row + (size_t)kvh * hd;
-                    float w = scores[p - start];
-                    for (int32_t j = 0; j < hd; j++) acc[j] += w * v[j];
+                for (int32_t p0 = start - start % bs; p0 <= pos; p0 += bs) {
+                    const size_t base = (size_t)bt[p0 / bs] * bs;
+                    const int32_t lo = p0 < start ? start : p0;
+                    const int32_t hi = p0 + bs - 1 < pos ? p0 + bs - 1 : pos;
+                    for (int32_t p = lo; p <= hi; p++) {
+                        const float *v = vc + (base + (size_t)(p - p0)) * kv_row + (size_t)kvh * hd;
+                        const float w = scores[p - start];
+                        for (int32_t j = 0; j < hd; j++) acc[j] += w * v[j];
+                    }
                 }
                 float inv = (float)(1.0 / sum);
                 for (int32_t j = 0; j < hd; j++) orow[(size_t)h * hd + j] = acc[j] * inv;

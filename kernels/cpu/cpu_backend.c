@@ -78,10 +78,11 @@ static int cpu_fill_uniform(void *ctx, void *dst, pd_dtype dtype, size_t n, uint
     float *d = dst;
     uint64_t s = seed;
     const float scale = (hi - lo) / 16777216.0f; /* 24-bit mantissa draws */
+    const float top = nextafterf(hi, lo); /* lo + u * scale can round up to hi: keep [lo, hi) */
     for (size_t i = 0; i < n; i += 2) {
         uint64_t r = splitmix64(&s);
-        d[i] = lo + (float)(r & 0xffffff) * scale;
-        if (i + 1 < n) d[i + 1] = lo + (float)((r >> 32) & 0xffffff) * scale;
+        d[i] = fminf(lo + (float)(r & 0xffffff) * scale, top);
+        if (i + 1 < n) d[i + 1] = fminf(lo + (float)((r >> 32) & 0xffffff) * scale, top);
     }
     return 0;
 }
