@@ -1,14 +1,14 @@
-/* generate.h -- Offline batched generation on one model runner: every request's prompt is
- * prefilled (packed into chunks of up to max_num_batched_tokens, a long prompt split across
- * chunks), then all unfinished sequences are decoded together step by step. Each request gets
- * a fixed range of KV blocks for its prompt plus max_tokens; the continuous-batching engine
- * (block manager, scheduler) replaces this for serving. */
+/* generate.h -- Offline generation: a list of requests run to completion on the engine
+ * (continuous batching, prefix cache, chunked prefill, preemption), results collected per
+ * request. Used by pdserve-generate, the offline bench and the tests. */
 #ifndef PD_GENERATE_H
 #define PD_GENERATE_H
 
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "engine/engine.h"
+#include "engine/model.h"
 #include "engine/model_runner.h"
 #include "engine/sampler.h"
 
@@ -25,31 +25,43 @@ typedef struct {
     const int32_t *prompt;       /* [n_prompt] token ids, borrowed for the call */
     int32_t n_prompt;            /* >= 1 */
     smp_params sampling;
-    int32_t max_tokens;          /* new tokens at most, >= 1 */
+    int32_t max_tokens;          /* new tokens at most, >= 1 (clamped to the model maximum) */
     int32_t min_tokens;          /* EOS/stop ids are ignored before this many tokens */
-    const int32_t *stop_ids;     /* extra stop token ids, borrowed */
+    const int32_t *stop_ids;     /* extra stop token ids (at most 16), borrowed */
     int32_t n_stop_ids;
     bool ignore_eos;             /* don't stop on the model's EOS ids */
 } gen_request;
 
 typedef struct {
-    int32_t *tokens;             /* [n_tokens] generated ids incl. the stop token; caller frees
-                                    with free() */
+    int32_t *tokens;             /* [n_tokens] generated ids incl. the stop token; free with
+                                    gen_results_free */
     int32_t n_tokens;
     gen_finish finish;
 } gen_result;
 
 typedef struct {
-    double prefill_s;            /* wall time of the prefill phase */
-    double decode_s;             /* wall time of the decode phase */
-    int64_t prompt_tokens;
+    double elapsed_s;            /* wall time from the first step to the last */
+    int64_t prompt_tokens;       /* sum of prompt lengths */
     int64_t generated_tokens;
-    int32_t decode_steps;
+    eng_stats eng;               /* the engine's counters for this run */
 } gen_stats;
 
-/* Validates every request (ids in the vocabulary, prompt + max_tokens within the model's
- * maximum, sampling values, KV blocks sufficient), then generates. Results are written to
- * res[n]; stats may be NULL. Returns 0 or an error with err naming the request. */
+typedef struct {
+    bool enable_prefix_cache;    /* default true */
+    bool enable_chunked_prefill; /* default true */
+    int32_t max_num_batched_tokens; /* 0 = the runner's */
+    int32_t max_num_seqs;        /* 0 = the runner's */
+    bool progress;               /* a progress line on stderr while running */
+} gen_options;
+
+gen_options gen_default_options(void);
+
+/* Runs every request to completion on a fresh engine over r (whose KV pool it uses) and
+ * writes res[n]; stats may be NULL, opt may be NULL for defaults. Requests are validated
+ * first (err names the request). Returns 0 or an error. */
+int gen_run_opts(mr *r, const pd_model *m, const gen_request *reqs, int32_t n,
+                 const gen_options *opt, gen_result *res, gen_stats *stats, char *err);
+/* gen_run_opts with default options. */
 int gen_run(mr *r, const pd_model *m, const gen_request *reqs, int32_t n, gen_result *res,
             gen_stats *stats, char *err);
 

@@ -108,7 +108,7 @@ static void test_prefix_reuse(const char *name)
     tg_model t;
     if (tg_open(dir, &mp, &t) < 0) { CHECK(0); goto out; }
     const int32_t V = t.m->cfg.vocab_size, L = lens[big], steps = 16;
-    int32_t *ids_a = malloc((size_t)(L + steps) * 4), *ids_b = malloc((size_t)(L + steps) * 4);
+    int32_t *ids_a = malloc((size_t)(L + steps + 2) * 4), *ids_b = malloc((size_t)(L + steps + 2) * 4);
     memcpy(ids_a, prompts[big], (size_t)L * 4);
     memcpy(ids_b, prompts[big], (size_t)L * 4);
     float *la = malloc((size_t)V * 4), *lb = malloc((size_t)V * 4);

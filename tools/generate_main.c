@@ -378,12 +378,14 @@ int main(int argc, char **argv)
     }
     for (int32_t i = 0; i < n; i++) print_result(&a, i, &res[i]);
     if (!a.quiet) {
-        fprintf(stderr, "pdserve-generate: %d prompts, %lld prompt tokens in %.3f s (%.1f tok/s "
-                "prefill); %lld new tokens in %.3f s, %d steps (%.1f tok/s decode)\n", n,
-                (long long)st.prompt_tokens, st.prefill_s,
-                st.prefill_s > 0 ? st.prompt_tokens / st.prefill_s : 0.0,
-                (long long)st.generated_tokens, st.decode_s, st.decode_steps,
-                st.decode_s > 0 ? (st.generated_tokens - n) / st.decode_s : 0.0);
+        const eng_stats *es = &st.eng;
+        fprintf(stderr, "pdserve-generate: %d prompts, %lld prompt + %lld new tokens in %.3f s: "
+                "%.1f new tok/s; prefill %.1f tok/s, decode %.1f tok/s (%lld steps)\n", n,
+                (long long)st.prompt_tokens, (long long)st.generated_tokens, st.elapsed_s,
+                st.elapsed_s > 0 ? st.generated_tokens / st.elapsed_s : 0.0,
+                es->prefill_model_s > 0 ? es->prompt_tokens_computed / es->prefill_model_s : 0.0,
+                es->decode_model_s > 0 ? es->decode_tokens / es->decode_model_s : 0.0,
+                (long long)es->steps);
     }
     status = 0;
 out:

@@ -1,0 +1,548 @@
+/* engine.c -- The engine loop: request validation and bookkeeping, step = schedule -> build
+ * the batch -> run -> sample and stop -> report. All per-step buffers are allocated once. */
+#include "engine/engine.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/error.h"
+
+/* Open-addressing map from request id to sequence, grown by doubling. */
+typedef struct {
+    uint64_t *keys;
+    pd_seq **vals; /* NULL = empty */
+    uint32_t mask;
+    uint32_t n;
+} id_map;
+
+struct eng {
+    eng_params p;
+    mc_config cfg;
+    eng_executor exec;
+    bm *blocks;
+    sched *sch;
+    id_map map;
+    smp_scratch *scratch;
+    uint64_t seed_counter;
+    /* per-step buffers */
+    int32_t *ids, *pos, *slots, *cu_q, *ctx, *bt, *rows;
+    pd_seq **row_seq;
+    float *logits;
+    eng_output *outs;
+    int32_t max_blocks;     /* blocks of the longest allowed sequence */
+    pd_seq **finished;      /* sequences to free at the start of the next step */
+    int32_t n_finished;
+    pd_seq **pending;       /* decode-only: admitted sequences already finished */
+    int32_t n_pending, cap_pending;
+    eng_stats st;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+const char *seq_finish_name(seq_finish f)
+{
+    switch (f) {
+    case SEQ_FINISH_LENGTH: return "length";
+    case SEQ_FINISH_EOS: return "eos";
+    case SEQ_FINISH_STOP: return "stop";
+    case SEQ_FINISH_ABORTED: return "abort";
+    case SEQ_FINISH_PREFILLED: return "prefilled";
+    default: return "none";
+    }
+}
+
+/* ---- id map ---- */
+
+static uint32_t id_slot(uint64_t id, uint32_t mask)
+{
+    id ^= id >> 33;
+    id *= 0xff51afd7ed558ccdull;
+    id ^= id >> 33;
+    return (uint32_t)id & mask;
+}
+
+static int map_init(id_map *m, uint32_t cap)
+{
+    m->keys = calloc(cap, sizeof *m->keys);
+    m->vals = calloc(cap, sizeof *m->vals);
+    m->mask = cap - 1;
+    m->n = 0;
+    return m->keys && m->vals ? 0 : PD_ENOMEM;
+}
+
+static pd_seq *map_get(const id_map *m, uint64_t id)
+{
+    for (uint32_t i = id_slot(id, m->mask);; i = (i + 1) & m->mask) {
+        if (!m->vals[i]) return NULL;
+        if (m->keys[i] == id) return m->vals[i];
+    }
+}
+
+static void map_put_nogrow(id_map *m, uint64_t id, pd_seq *s)
+{
+    uint32_t i = id_slot(id, m->mask);
+    while (m->vals[i]) i = (i + 1) & m->mask;
+    m->keys[i] = id;
+    m->vals[i] = s;
+    m->n++;
+}
+
+static int map_put(id_map *m, uint64_t id, pd_seq *s)
+{
+    if (2 * (m->n + 1) > m->mask + 1) {
+        id_map g;
+        if (map_init(&g, 2 * (m->mask + 1)) < 0) {
+            free(g.keys);
+            free(g.vals);
+            return PD_ENOMEM;
+        }
+        for (uint32_t i = 0; i <= m->mask; i++)
+            if (m->vals[i]) map_put_nogrow(&g, m->keys[i], m->vals[i]);
+        free(m->keys);
+        free(m->vals);
+        *m = g;
+    }
+    map_put_nogrow(m, id, s);
+    return 0;
+}
+
+static void map_del(id_map *m, uint64_t id)
+{
+    uint32_t i = id_slot(id, m->mask);
+    while (m->vals[i] && m->keys[i] != id) i = (i + 1) & m->mask;
+    if (!m->vals[i]) return;
+    uint32_t hole = i;
+    for (uint32_t j = (i + 1) & m->mask; m->vals[j]; j = (j + 1) & m->mask) {
+        uint32_t home = id_slot(m->keys[j], m->mask);
+        bool between = hole <= j ? (home > hole && home <= j) : (home > hole || home <= j);
+        if (!between) {
+            m->keys[hole] = m->keys[j];
+            m->vals[hole] = m->vals[j];
+            hole = j;
+        }
+    }
+    m->vals[hole] = NULL;
+    m->n--;
+}
+
+/* ---- lifecycle ---- */
+
+static int runner_forward(void *ctx, const mr_batch *b, float *logits, char *err)
+{
+    return mr_forward(ctx, b, logits, err);
+}
+
+eng_executor eng_executor_runner(mr *r)
+{
+    eng_executor x = {runner_forward, r};
+    return x;
+}
+
+eng_params eng_default_params(const mr *r)
+{
+    const mr_params *mp = mr_params_get(r);
+    eng_params p = {
+        .mode = ENG_MODE_COLOCATED,
+        .n_blocks = mr_n_blocks(r),
+        .block_size = mr_block_size(r),
+        .max_num_batched_tokens = mp->max_num_batched_tokens,
+        .max_num_seqs = mp->max_num_seqs,
+        .max_model_len = 0,
+        .enable_prefix_cache = true,
+        .enable_chunked_prefill = true,
+    };
+    return p;
+}
+
+int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng **out, char *err)
+{
+    *out = NULL;
+    if (p->n_blocks <= 0 || p->block_size <= 0 || p->max_num_batched_tokens <= 0 ||
+        p->max_num_seqs <= 0 || p->max_model_len < 0)
+        return pd_errf(err, PD_EINVAL, "engine: block and batch sizes must be positive");
+    eng *e = calloc(1, sizeof *e);
+    if (!e) return pd_errf(err, PD_ENOMEM, "out of memory");
+    e->p = *p;
+    e->cfg = *cfg;
+    e->exec = exec;
+    if (e->p.max_model_len == 0 || e->p.max_model_len > cfg->max_position)
+        e->p.max_model_len = cfg->max_position;
+    e->max_blocks = (e->p.max_model_len + p->block_size - 1) / p->block_size;
+    bm_params bp = {p->n_blocks, p->block_size, p->enable_prefix_cache};
+    sched_params sp = {p->max_num_batched_tokens, p->max_num_seqs, p->enable_chunked_prefill};
+    const size_t T = (size_t)p->max_num_batched_tokens, S = (size_t)p->max_num_seqs;
+    int rc = PD_ENOMEM;
+    if (bm_create(&bp, &e->blocks) < 0 || sched_create(&sp, e->blocks, &e->sch) < 0 ||
+        map_init(&e->map, 64) < 0 || smp_scratch_create(cfg->vocab_size, &e->scratch) < 0)
+        goto fail;
+    e->ids = malloc(T * sizeof(int32_t));
+    e->pos = malloc(T * sizeof(int32_t));
+    e->slots = malloc(T * sizeof(int32_t));
+    e->cu_q = malloc((S + 1) * sizeof(int32_t));
+    e->ctx = malloc(S * sizeof(int32_t));
+    e->bt = malloc(S * (size_t)e->max_blocks * sizeof(int32_t));
+    e->rows = malloc(S * sizeof(int32_t));
+    e->row_seq = malloc(S * sizeof(pd_seq *));
+    e->logits = malloc(S * (size_t)cfg->vocab_size * sizeof(float));
+    e->outs = malloc(S * sizeof(eng_output));
+    e->finished = malloc(S * sizeof(pd_seq *));
+    if (!e->ids || !e->pos || !e->slots || !e->cu_q || !e->ctx || !e->bt || !e->rows ||
+        !e->row_seq || !e->logits || !e->outs || !e->finished)
+        goto fail;
+    *out = e;
+    return 0;
+fail:
+    eng_destroy(e);
+    return pd_errf(err, rc, "out of memory creating the engine");
+}
+
+static void seq_free(pd_seq *s)
+{
+    if (!s) return;
+    free(s->tokens);
+    free(s->block_table);
+    free(s);
+}
+
+/* Forgets s entirely: queues, blocks, map, memory. */
+static void seq_drop(eng *e, pd_seq *s)
+{
+    sched_remove(e->sch, s);
+    if (s->n_blocks) bm_free(e->blocks, s);
+    map_del(&e->map, s->id);
+    seq_free(s);
+}
+
+void eng_destroy(eng *e)
+{
+    if (!e) return;
+    if (e->map.vals) {
+        for (uint32_t i = 0; i <= e->map.mask; i++)
+            if (e->map.vals[i]) seq_free(e->map.vals[i]);
+    }
+    for (int32_t i = 0; i < e->n_finished; i++) seq_free(e->finished[i]);
+    free(e->map.keys);
+    free(e->map.vals);
+    sched_destroy(e->sch);
+    bm_destroy(e->blocks);
+    smp_scratch_destroy(e->scratch);
+    free(e->ids); free(e->pos); free(e->slots); free(e->cu_q); free(e->ctx); free(e->bt);
+    free(e->rows); free(e->row_seq); free(e->logits); free(e->outs); free(e->finished);
+    free(e->pending);
+    free(e);
+}
+
+/* ---- requests ---- */
+
+static int validate(eng *e, const eng_request *r, char *err)
+{
+    const int32_t V = e->cfg.vocab_size, L = e->p.max_model_len;
+    if (map_get(&e->map, r->id))
+        return pd_errf(err, PD_EINVAL, "request id %llu is already in use", (unsigned long long)r->id);
+    if (r->n_prompt <= 0 || !r->prompt) return pd_errf(err, PD_EINVAL, "the prompt is empty");
+    if (r->n_prompt >= L)
+        return pd_errf(err, PD_ERANGE, "the prompt has %d tokens; the maximum length of %d "
+                       "leaves no room for output", r->n_prompt, L);
+    for (int32_t i = 0; i < r->n_prompt; i++)
+        if (r->prompt[i] < 0 || r->prompt[i] >= V)
+            return pd_errf(err, PD_EINVAL, "token id %d at position %d is out of range [0, %d)",
+                           r->prompt[i], i, V);
+    const seq_stopping *st = &r->stop;
+    if (st->max_tokens <= 0)
+        return pd_errf(err, PD_EINVAL, "max_tokens must be >= 1 (got %d)", st->max_tokens);
+    if (st->min_tokens < 0 || st->min_tokens > st->max_tokens)
+        return pd_errf(err, PD_EINVAL, "min_tokens (%d) must be in [0, max_tokens]", st->min_tokens);
+    if ((int64_t)r->n_prompt + st->max_tokens > L)
+        return pd_errf(err, PD_ERANGE, "prompt (%d tokens) + max_tokens (%d) exceeds the maximum "
+                       "length of %d", r->n_prompt, st->max_tokens, L);
+    if (st->n_stop_ids < 0 || st->n_stop_ids > (int32_t)(sizeof st->stop_ids / sizeof st->stop_ids[0]))
+        return pd_errf(err, PD_EINVAL, "too many stop token ids (%d, at most 16)", st->n_stop_ids);
+    int64_t need = ((int64_t)r->n_prompt + st->max_tokens + e->p.block_size - 1) / e->p.block_size;
+    if (need > e->p.n_blocks)
+        return pd_errf(err, PD_ERANGE, "prompt + max_tokens need %lld KV blocks but the cache "
+                       "holds %d", (long long)need, e->p.n_blocks);
+    if (!e->p.enable_chunked_prefill && r->n_prompt > e->p.max_num_batched_tokens)
+        return pd_errf(err, PD_ERANGE, "the prompt (%d tokens) exceeds max_num_batched_tokens "
+                       "(%d) and chunked prefill is off", r->n_prompt, e->p.max_num_batched_tokens);
+    char e2[PD_ERR_LEN];
+    if (smp_validate(&r->sampling, e2) < 0) return pd_errf(err, PD_EINVAL, "%s", e2);
+    return 0;
+}
+
+static int seq_new(eng *e, const eng_request *r, pd_seq **out, char *err)
+{
+    pd_seq *s = calloc(1, sizeof *s);
+    if (!s) return pd_errf(err, PD_ENOMEM, "out of memory");
+    s->id = r->id;
+    s->n_prompt = s->n_tokens = r->n_prompt;
+    s->cap = r->n_prompt + r->stop.max_tokens;
+    s->max_blocks = (s->cap + e->p.block_size - 1) / e->p.block_size;
+    s->tokens = malloc((size_t)s->cap * sizeof(int32_t));
+    s->block_table = malloc((size_t)s->max_blocks * sizeof(int32_t));
+    if (!s->tokens || !s->block_table || map_put(&e->map, s->id, s) < 0) {
+        seq_free(s);
+        return pd_errf(err, PD_ENOMEM, "out of memory");
+    }
+    memcpy(s->tokens, r->prompt, (size_t)r->n_prompt * sizeof(int32_t));
+    s->sampling = r->sampling;
+    if (!s->sampling.has_seed) {
+        /* Unseeded requests still draw from a per-request stream, so that batch company and
+         * preemption never change their tokens. */
+        uint64_t z = (e->seed_counter += 0x9e3779b97f4a7c15ull) ^ (uint64_t)time(NULL);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        s->sampling.seed = z ^ (z >> 31);
+        s->sampling.has_seed = true;
+    }
+    s->stop = r->stop;
+    *out = s;
+    return 0;
+}
+
+int eng_add_request(eng *e, const eng_request *r, char *err)
+{
+    if (e->p.mode == ENG_MODE_DECODE)
+        return pd_errf(err, PD_ESTATE, "a decode-only engine takes requests through eng_reserve");
+    int rc = validate(e, r, err);
+    if (rc < 0) return rc;
+    pd_seq *s;
+    if ((rc = seq_new(e, r, &s, err)) < 0) return rc;
+    sched_add_waiting(e->sch, s);
+    return 0;
+}
+
+int eng_abort(eng *e, uint64_t id)
+{
+    pd_seq *s = map_get(&e->map, id);
+    if (!s) return PD_ENOTFOUND;
+    for (int32_t i = 0; i < e->n_pending; i++)
+        if (e->pending[i] == s) e->pending[i] = e->pending[--e->n_pending];
+    seq_drop(e, s);
+    return 0;
+}
+
+int eng_release(eng *e, uint64_t id)
+{
+    pd_seq *s = map_get(&e->map, id);
+    if (!s || s->status != SEQ_PREFILLED) return PD_ENOTFOUND;
+    seq_drop(e, s);
+    return 0;
+}
+
+int eng_reserve(eng *e, const eng_request *r, const int32_t **block_ids, int32_t *n_blocks,
+                char *err)
+{
+    if (e->p.mode != ENG_MODE_DECODE)
+        return pd_errf(err, PD_ESTATE, "eng_reserve needs a decode-only engine");
+    int rc = validate(e, r, err);
+    if (rc < 0) return rc;
+    pd_seq *s;
+    if ((rc = seq_new(e, r, &s, err)) < 0) return rc;
+    s->skip_prefix_cache = true; /* its blocks will be overwritten from outside */
+    if (bm_allocate(e->blocks, s, r->n_prompt + 1) < 0) {
+        map_del(&e->map, s->id);
+        seq_free(s);
+        return pd_errf(err, PD_ENOSPC, "no free KV blocks for %d tokens now", r->n_prompt + 1);
+    }
+    s->status = SEQ_RESERVED;
+    int32_t used = bm_n_used(e->blocks);
+    if (used > e->st.peak_blocks_used) e->st.peak_blocks_used = used;
+    *block_ids = s->block_table;
+    *n_blocks = (r->n_prompt + e->p.block_size - 1) / e->p.block_size;
+    return 0;
+}
+
+/* Appends tok to s and decides whether s is done. */
+static seq_finish append_token(eng *e, pd_seq *s, int32_t tok)
+{
+    s->tokens[s->n_tokens++] = tok;
+    const int32_t n_out = seq_n_output(s);
+    const seq_stopping *st = &s->stop;
+    if (n_out >= st->min_tokens) {
+        if (!st->ignore_eos && mc_is_eos(&e->cfg, tok)) return SEQ_FINISH_EOS;
+        for (int32_t i = 0; i < st->n_stop_ids; i++)
+            if (st->stop_ids[i] == tok) return SEQ_FINISH_STOP;
+    }
+    if (n_out >= st->max_tokens || s->n_tokens >= e->p.max_model_len) return SEQ_FINISH_LENGTH;
+    return SEQ_FINISH_NONE;
+}
+
+int eng_admit(eng *e, uint64_t id, int32_t first_token, char *err)
+{
+    pd_seq *s = map_get(&e->map, id);
+    if (!s || s->status != SEQ_RESERVED)
+        return pd_errf(err, PD_ENOTFOUND, "no reserved request %llu", (unsigned long long)id);
+    if (first_token < 0 || first_token >= e->cfg.vocab_size)
+        return pd_errf(err, PD_EINVAL, "first token %d is out of range [0, %d)", first_token,
+                       e->cfg.vocab_size);
+    s->n_computed = s->n_prompt;
+    s->skip_prefix_cache = false;
+    bm_commit(e->blocks, s); /* the prompt's full blocks become reusable prefixes */
+    s->finish = append_token(e, s, first_token);
+    if (s->finish != SEQ_FINISH_NONE) {
+        if (e->n_pending == e->cap_pending) {
+            int32_t cap = e->cap_pending ? 2 * e->cap_pending : 16;
+            pd_seq **np = realloc(e->pending, (size_t)cap * sizeof *np);
+            if (!np) return pd_errf(err, PD_ENOMEM, "out of memory");
+            e->pending = np;
+            e->cap_pending = cap;
+        }
+        s->status = SEQ_FINISHED;
+        e->pending[e->n_pending++] = s;
+        return 0;
+    }
+    sched_add_running(e->sch, s);
+    return 0;
+}
+
+/* ---- step ---- */
+
+static void report(eng *e, int32_t *n_out, const pd_seq *s, int32_t tok, float lp)
+{
+    eng_output *o = &e->outs[(*n_out)++];
+    o->id = s->id;
+    o->token = tok;
+    o->logprob = lp;
+    o->finish = s->finish;
+    o->n_prompt = s->n_prompt;
+    o->n_cached = s->n_cached;
+    o->n_output = seq_n_output(s);
+    o->block_ids = s->finish == SEQ_FINISH_PREFILLED ? s->block_table : NULL;
+    o->n_blocks = s->finish == SEQ_FINISH_PREFILLED ? (s->n_prompt + e->p.block_size - 1) / e->p.block_size : 0;
+}
+
+/* Moves s out of the running set after it finished; memory is freed next step. */
+static void retire(eng *e, pd_seq *s)
+{
+    sched_remove(e->sch, s);
+    if (s->finish == SEQ_FINISH_PREFILLED) {
+        s->status = SEQ_PREFILLED; /* keeps its blocks until eng_release */
+        return;
+    }
+    if (s->n_blocks) bm_free(e->blocks, s);
+    map_del(&e->map, s->id);
+    s->status = SEQ_FINISHED;
+    e->finished[e->n_finished++] = s;
+}
+
+int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
+{
+    double t0 = now_s();
+    for (int32_t i = 0; i < e->n_finished; i++) seq_free(e->finished[i]);
+    e->n_finished = 0;
+    int32_t n_out = 0;
+    /* Decode-only admissions that finished on their first token. */
+    while (e->n_pending > 0 && n_out < e->p.max_num_seqs) {
+        pd_seq *s = e->pending[--e->n_pending];
+        report(e, &n_out, s, -1, 0.0f);
+        bm_free(e->blocks, s);
+        map_del(&e->map, s->id);
+        e->finished[e->n_finished++] = s;
+    }
+    sched_out so;
+    sched_schedule(e->sch, &so);
+    e->st.preemptions += so.n_preempted;
+    e->st.cached_tokens += so.n_cached_tokens;
+    e->st.admitted_prompt_tokens += so.n_admitted_tokens;
+    *outs = e->outs;
+    if (so.n_items == 0) {
+        *n_outs = n_out;
+        e->st.host_s += now_s() - t0;
+        return 0;
+    }
+    /* Batch: rows of each item's new tokens; compact block tables. */
+    const int32_t bs = e->p.block_size;
+    int32_t width = 1, nt = 0, nl = 0;
+    bool all_decode = true;
+    for (int32_t i = 0; i < so.n_items; i++)
+        if (so.items[i].seq->n_blocks > width) width = so.items[i].seq->n_blocks;
+    e->cu_q[0] = 0;
+    for (int32_t i = 0; i < so.n_items; i++) {
+        const sched_item *it = &so.items[i];
+        pd_seq *s = it->seq;
+        for (int32_t j = 0; j < it->n_new; j++) {
+            int32_t p = s->n_computed + j;
+            e->ids[nt + j] = s->tokens[p];
+            e->pos[nt + j] = p;
+            e->slots[nt + j] = s->block_table[p / bs] * bs + p % bs;
+        }
+        nt += it->n_new;
+        e->cu_q[i + 1] = nt;
+        e->ctx[i] = s->n_computed + it->n_new;
+        memcpy(e->bt + (size_t)i * width, s->block_table, (size_t)s->n_blocks * sizeof(int32_t));
+        for (int32_t j = s->n_blocks; j < width; j++) e->bt[(size_t)i * width + j] = 0;
+        if (it->sample) {
+            e->rows[nl] = nt - 1;
+            e->row_seq[nl++] = s;
+        }
+        if (it->n_new == 1 && s->n_computed >= s->n_prompt) {
+            e->st.decode_tokens++;
+        } else {
+            e->st.prompt_tokens_computed += it->n_new;
+            all_decode = false;
+        }
+    }
+    mr_batch b = {nt, e->ids, e->pos, e->slots, so.n_items, e->cu_q, e->ctx, e->bt, width, nl, e->rows};
+    double t1 = now_s();
+    int rc = e->exec.forward(e->exec.ctx, &b, e->logits, err);
+    double t2 = now_s();
+    e->st.model_s += t2 - t1;
+    e->st.steps++;
+    if (nt == so.n_items && all_decode) {
+        e->st.decode_model_s += t2 - t1;
+        e->st.decode_steps++;
+    } else {
+        e->st.prefill_model_s += t2 - t1;
+    }
+    e->st.batch_seqs_sum += so.n_items;
+    int32_t used = bm_n_used(e->blocks);
+    if (used > e->st.peak_blocks_used) e->st.peak_blocks_used = used;
+    if (rc < 0) { /* the step is lost: fail its requests cleanly */
+        for (int32_t i = 0; i < so.n_items; i++) {
+            pd_seq *s = so.items[i].seq;
+            s->finish = SEQ_FINISH_ABORTED;
+            report(e, &n_out, s, -1, 0.0f);
+            retire(e, s);
+        }
+        *n_outs = n_out;
+        return rc;
+    }
+    /* Postprocess: advance, register full blocks, sample, stop. */
+    for (int32_t i = 0; i < so.n_items; i++) {
+        pd_seq *s = so.items[i].seq;
+        s->n_computed += so.items[i].n_new;
+        bm_commit(e->blocks, s);
+    }
+    const int32_t V = e->cfg.vocab_size;
+    for (int32_t k = 0; k < nl; k++) {
+        pd_seq *s = e->row_seq[k];
+        float lp = 0.0f;
+        int32_t tok = smp_sample(&s->sampling, e->logits + (size_t)k * V, V, s->tokens,
+                                 s->n_prompt, s->tokens + s->n_prompt, seq_n_output(s),
+                                 e->scratch, &lp);
+        s->finish = append_token(e, s, tok);
+        if (e->p.mode == ENG_MODE_PREFILL && seq_n_output(s) == 1) s->finish = SEQ_FINISH_PREFILLED;
+        report(e, &n_out, s, tok, lp);
+        if (s->finish != SEQ_FINISH_NONE) retire(e, s);
+    }
+    *n_outs = n_out;
+    e->st.host_s += now_s() - t0 - (t2 - t1);
+    return 0;
+}
+
+bool eng_has_work(const eng *e)
+{
+    return sched_n_waiting(e->sch) > 0 || sched_n_running(e->sch) > 0 || e->n_pending > 0;
+}
+
+int32_t eng_n_waiting(const eng *e) { return sched_n_waiting(e->sch); }
+int32_t eng_n_running(const eng *e) { return sched_n_running(e->sch); }
+int32_t eng_n_free_blocks(const eng *e) { return bm_n_free(e->blocks); }
+const eng_stats *eng_stats_get(const eng *e) { return &e->st; }
+const bm *eng_block_manager(const eng *e) { return e->blocks; }

@@ -1,0 +1,131 @@
+/* engine.h -- The serving engine: requests in, one step at a time (schedule -> run ->
+ * postprocess), new tokens out per step so a caller can stream. One thread owns an engine.
+ *
+ * Modes: colocated (prefill and decode here), prefill-only (compute the prompt, sample the
+ * first token, hand the block ids out, keep the blocks until eng_release), decode-only (reserve
+ * blocks for a prompt whose KV arrives from outside, then eng_admit with the first token). */
+#ifndef PD_ENGINE_H
+#define PD_ENGINE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "engine/model_config.h"
+#include "engine/model_runner.h"
+#include "engine/scheduler.h"
+#include "engine/sequence.h"
+
+typedef enum {
+    ENG_MODE_COLOCATED = 0,
+    ENG_MODE_PREFILL,
+    ENG_MODE_DECODE,
+} eng_mode;
+
+/* What runs a forward: the model runner, or a fake in tests. */
+typedef struct {
+    int (*forward)(void *ctx, const mr_batch *b, float *logits, char *err);
+    void *ctx;
+} eng_executor;
+
+/* The executor that runs r (borrowed; must outlive the engine). */
+eng_executor eng_executor_runner(mr *r);
+
+typedef struct {
+    eng_mode mode;
+    int32_t n_blocks;               /* KV blocks (must match the executor's pool), > 0 */
+    int32_t block_size;             /* tokens per block (must match the executor's), > 0 */
+    int32_t max_num_batched_tokens; /* tokens per step (<= the runner's), > 0 */
+    int32_t max_num_seqs;           /* sequences per step (<= the runner's), > 0 */
+    int32_t max_model_len;          /* longest sequence; 0 = the model's max_position */
+    bool enable_prefix_cache;       /* reuse cached full blocks of earlier prompts */
+    bool enable_chunked_prefill;    /* split long prompts over steps */
+} eng_params;
+
+/* Defaults for a runner: its pool, block size and step sizes; prefix cache and chunked
+ * prefill on; colocated. */
+eng_params eng_default_params(const mr *r);
+
+typedef struct {
+    uint64_t id;                    /* caller's id, unique among live requests */
+    const int32_t *prompt;          /* [n_prompt], copied */
+    int32_t n_prompt;               /* >= 1 */
+    smp_params sampling;
+    seq_stopping stop;
+} eng_request;
+
+/* One sequence's news from a step. */
+typedef struct {
+    uint64_t id;
+    int32_t token;                  /* the new token, or -1 when none (abort) */
+    float logprob;                  /* log-probability of token under the sampling dist. */
+    seq_finish finish;              /* SEQ_FINISH_NONE while running */
+    int32_t n_prompt;
+    int32_t n_cached;               /* prompt tokens taken from the prefix cache */
+    int32_t n_output;               /* output tokens so far, including this one */
+    const int32_t *block_ids;       /* prefill-only, finish PREFILLED: its blocks (borrowed
+                                       until eng_release) */
+    int32_t n_blocks;
+} eng_output;
+
+typedef struct {
+    int64_t steps;
+    int64_t prompt_tokens_computed; /* prompt (and recompute) tokens run through the model */
+    int64_t decode_tokens;          /* tokens run as single-token decode steps */
+    int64_t cached_tokens;          /* prompt tokens served by the prefix cache */
+    int64_t admitted_prompt_tokens; /* prompt tokens of admitted sequences */
+    int64_t preemptions;
+    int64_t batch_seqs_sum;         /* sum over steps of sequences in the step */
+    int32_t peak_blocks_used;
+    double model_s;                 /* time inside the executor */
+    double prefill_model_s;         /* executor time of steps with any prompt tokens */
+    double decode_model_s;          /* executor time of steps with only decode tokens */
+    int64_t decode_steps;           /* steps with only decode tokens */
+    double host_s;                  /* time in scheduling, batch building and postprocess */
+} eng_stats;
+
+typedef struct eng eng; /* opaque */
+
+/* Creates an engine for the model described by cfg (copied) that runs forwards with exec.
+ * Returns 0, PD_EINVAL (bad params, err says which), PD_ENOMEM. */
+int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng **out,
+               char *err);
+void eng_destroy(eng *e); /* NULL is a no-op; drops every request */
+
+/* Queues a request (colocated and prefill modes). Checks it first: non-empty prompt, ids in
+ * the vocabulary, prompt + max_tokens within max_model_len and within the KV pool, sampling
+ * values, a unique id. Returns 0 or PD_EINVAL / PD_ERANGE / PD_ENOMEM with err set. */
+int eng_add_request(eng *e, const eng_request *r, char *err);
+/* Aborts a request in any state and frees its blocks at once. Returns 0 or PD_ENOTFOUND. */
+int eng_abort(eng *e, uint64_t id);
+
+/* Runs one step. *outs receives one entry per sequence that got a token or finished this step
+ * (borrowed; valid until the next eng_step). Returns 0 or an executor error (then every
+ * request of the step is aborted and reported with SEQ_FINISH_ABORTED). */
+int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err);
+/* True while any request is waiting or running. */
+bool eng_has_work(const eng *e);
+
+/* Prefill-only: frees the blocks of a request that finished with SEQ_FINISH_PREFILLED (after
+ * its KV was shipped). Returns 0 or PD_ENOTFOUND. */
+int eng_release(eng *e, uint64_t id);
+
+/* Decode-only, phase 1: checks r as eng_add_request does and reserves blocks for its prompt
+ * (plus the first token). *block_ids (borrowed; valid until eng_admit / eng_abort) receives
+ * the blocks into which the prompt's KV must be written. Returns 0, PD_ENOSPC (no room now;
+ * try later or elsewhere) or a validation error. */
+int eng_reserve(eng *e, const eng_request *r, const int32_t **block_ids, int32_t *n_blocks,
+                char *err);
+/* Decode-only, phase 2: the prompt's KV is in the reserved blocks and first_token was sampled
+ * by the prefill side; the sequence joins the running batch. Returns 0, PD_ENOTFOUND, or
+ * PD_EINVAL (token out of range). If the first token already ends the request, it finishes at
+ * the next step. */
+int eng_admit(eng *e, uint64_t id, int32_t first_token, char *err);
+
+int32_t eng_n_waiting(const eng *e);
+int32_t eng_n_running(const eng *e);
+int32_t eng_n_free_blocks(const eng *e);
+const eng_stats *eng_stats_get(const eng *e);
+/* The block manager (for tests and metrics). */
+const bm *eng_block_manager(const eng *e);
+
+#endif

@@ -1,0 +1,64 @@
+/* sequence.h -- One request's state inside the engine: its tokens (prompt, then output), how
+ * many of them have KV in the cache, its block table, sampling and stopping settings, and its
+ * place in the scheduler's queues. Plain data; the engine owns every pd_seq. */
+#ifndef PD_SEQUENCE_H
+#define PD_SEQUENCE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "engine/sampler.h"
+
+typedef enum {
+    SEQ_WAITING = 0,   /* queued for (re)prefill; holds no blocks */
+    SEQ_RUNNING,       /* holds blocks, scheduled every step until it finishes */
+    SEQ_PREFILLED,     /* prefill-only mode: prompt done, blocks held until released */
+    SEQ_RESERVED,      /* decode-only mode: blocks reserved, waiting for its KV to arrive */
+    SEQ_FINISHED,
+} seq_status;
+
+typedef enum {
+    SEQ_FINISH_NONE = 0,
+    SEQ_FINISH_LENGTH,     /* max_tokens, or the model's maximum length */
+    SEQ_FINISH_EOS,        /* a model EOS id */
+    SEQ_FINISH_STOP,       /* a caller stop token id */
+    SEQ_FINISH_ABORTED,    /* aborted by the caller */
+    SEQ_FINISH_PREFILLED,  /* prefill-only: first token sampled, blocks handed out */
+} seq_finish;
+
+const char *seq_finish_name(seq_finish f); /* "length", "eos", "stop", "abort", ... */
+
+typedef struct {
+    int32_t max_tokens;        /* new tokens at most, >= 1 */
+    int32_t min_tokens;        /* EOS / stop ids do not stop before this many new tokens */
+    int32_t stop_ids[16];      /* extra stop token ids */
+    int32_t n_stop_ids;
+    bool ignore_eos;           /* don't stop at the model's EOS ids */
+} seq_stopping;
+
+typedef struct pd_seq {
+    uint64_t id;               /* caller's request id, unique among live requests */
+    seq_status status;
+    seq_finish finish;
+    int32_t *tokens;           /* [cap]: prompt, then output tokens */
+    int32_t n_tokens;          /* prompt + output so far */
+    int32_t n_prompt;
+    int32_t cap;               /* n_prompt + max_tokens */
+    int32_t n_computed;        /* leading tokens whose KV is in this sequence's blocks */
+    int32_t n_cached;          /* prompt tokens found in the prefix cache at admission */
+    int32_t n_hashed;          /* leading full blocks registered in the prefix cache */
+    uint64_t last_hash;        /* chained hash of block n_hashed - 1 (0 if none) */
+    int32_t *block_table;      /* [max_blocks] */
+    int32_t n_blocks;
+    int32_t max_blocks;
+    smp_params sampling;
+    seq_stopping stop;
+    int32_t n_preempted;       /* times preempted by recompute */
+    bool skip_prefix_cache;    /* never map this sequence onto cached blocks (its KV is
+                                  written from outside: decode-only reservations) */
+    struct pd_seq *prev, *next; /* queue links */
+} pd_seq;
+
+static inline int32_t seq_n_output(const pd_seq *s) { return s->n_tokens - s->n_prompt; }
+
+#endif
