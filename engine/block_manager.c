@@ -252,10 +252,10 @@ int bm_append(bm *m, pd_seq *s, int32_t n_total)
     return 0;
 }
 
-void bm_commit(bm *m, pd_seq *s)
+void bm_commit(bm *m, pd_seq *s, int32_t n_ready)
 {
     const int32_t bs = m->p.block_size;
-    while ((s->n_hashed + 1) * bs <= s->n_computed && s->n_hashed < s->n_blocks) {
+    while ((s->n_hashed + 1) * bs <= n_ready && s->n_hashed < s->n_blocks) {
         const int32_t *t = s->tokens + (size_t)s->n_hashed * bs;
         uint64_t h = bm_hash_block(s->last_hash, t, bs);
         int32_t id = s->block_table[s->n_hashed];
@@ -270,6 +270,11 @@ void bm_commit(bm *m, pd_seq *s)
         s->last_hash = h;
         s->n_hashed++;
     }
+}
+
+void bm_drop_cache(bm *m)
+{
+    for (int32_t id = 0; id < m->p.n_blocks; id++) uncache(m, id);
 }
 
 void bm_free(bm *m, pd_seq *s)

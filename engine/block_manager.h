@@ -51,9 +51,13 @@ int bm_allocate(bm *m, pd_seq *s, int32_t n_reserve);
 bool bm_can_append(const bm *m, const pd_seq *s, int32_t n_total);
 /* Grows s's block table to hold n_total tokens. Returns 0 or PD_ENOSPC (nothing changed). */
 int bm_append(bm *m, pd_seq *s, int32_t n_total);
-/* Registers in the prefix cache every full block of s whose tokens are all computed
- * (s->n_computed) and not yet registered. */
-void bm_commit(bm *m, pd_seq *s);
+/* Registers in the prefix cache every full block among the first n_ready tokens of s that is
+ * not yet registered. n_ready counts tokens whose KV is in the cache, or will be once the
+ * current step's forward has run: a forward stores every token's KV before any attention
+ * reads it, so a sequence admitted in the same step may already share these blocks. */
+void bm_commit(bm *m, pd_seq *s, int32_t n_ready);
+/* Forgets every prefix-cache entry (after a failed forward left blocks unwritten). */
+void bm_drop_cache(bm *m);
 /* Releases all of s's blocks (ref - 1; cached blocks stay reusable) and clears its table. */
 void bm_free(bm *m, pd_seq *s);
 

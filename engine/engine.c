@@ -383,7 +383,7 @@ int eng_admit(eng *e, uint64_t id, int32_t first_token, char *err)
                        e->cfg.vocab_size);
     s->n_computed = s->n_prompt;
     s->skip_prefix_cache = false;
-    bm_commit(e->blocks, s); /* the prompt's full blocks become reusable prefixes */
+    bm_commit(e->blocks, s, s->n_prompt); /* the prompt's full blocks become reusable */
     s->finish = append_token(e, s, first_token);
     if (s->finish != SEQ_FINISH_NONE) {
         if (e->n_pending == e->cap_pending) {
@@ -504,6 +504,7 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
     int32_t used = bm_n_used(e->blocks);
     if (used > e->st.peak_blocks_used) e->st.peak_blocks_used = used;
     if (rc < 0) { /* the step is lost: fail its requests cleanly */
+        bm_drop_cache(e->blocks); /* blocks registered for this step were never written */
         for (int32_t i = 0; i < so.n_items; i++) {
             pd_seq *s = so.items[i].seq;
             s->finish = SEQ_FINISH_ABORTED;
@@ -517,7 +518,6 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
     for (int32_t i = 0; i < so.n_items; i++) {
         pd_seq *s = so.items[i].seq;
         s->n_computed += so.items[i].n_new;
-        bm_commit(e->blocks, s);
     }
     const int32_t V = e->cfg.vocab_size;
     for (int32_t k = 0; k < nl; k++) {
@@ -546,3 +546,31 @@ int32_t eng_n_running(const eng *e) { return sched_n_running(e->sch); }
 int32_t eng_n_free_blocks(const eng *e) { return bm_n_free(e->blocks); }
 const eng_stats *eng_stats_get(const eng *e) { return &e->st; }
 const bm *eng_block_manager(const eng *e) { return e->blocks; }
+
+int eng_check(const eng *e)
+{
+    if (bm_check(e->blocks) < 0) return -1;
+    int32_t nb = bm_n_blocks(e->blocks);
+    int32_t *refs = calloc((size_t)nb, sizeof *refs);
+    if (!refs) return -1;
+    int rc = 0;
+    for (uint32_t i = 0; i <= e->map.mask; i++) {
+        const pd_seq *s = e->map.vals[i];
+        if (!s) continue;
+        if (s->status == SEQ_WAITING && s->n_blocks != 0) {
+            fprintf(stderr, "eng_check: waiting request %llu holds %d blocks\n",
+                    (unsigned long long)s->id, s->n_blocks);
+            rc = -1;
+        }
+        for (int32_t j = 0; j < s->n_blocks; j++) refs[s->block_table[j]]++;
+    }
+    for (int32_t b = 0; b < nb && rc == 0; b++) {
+        if (refs[b] != bm_ref(e->blocks, b)) {
+            fprintf(stderr, "eng_check: block %d has ref %d but %d holders\n", b,
+                    bm_ref(e->blocks, b), refs[b]);
+            rc = -1;
+        }
+    }
+    free(refs);
+    return rc;
+}

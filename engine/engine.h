@@ -125,6 +125,9 @@ int32_t eng_n_waiting(const eng *e);
 int32_t eng_n_running(const eng *e);
 int32_t eng_n_free_blocks(const eng *e);
 const eng_stats *eng_stats_get(const eng *e);
+/* Checks that every block's reference count equals the number of live sequences holding it,
+ * plus the block manager's own invariants. Returns 0 or -1 with a message on stderr (tests). */
+int eng_check(const eng *e);
 /* The block manager (for tests and metrics). */
 const bm *eng_block_manager(const eng *e);
 

@@ -142,6 +142,7 @@ int sched_schedule(sched *s, sched_out *out)
         int rc = bm_append(s->blocks, seq, seq->n_computed + n_new);
         PD_ASSERT(rc == 0, "bm_append failed after bm_can_append");
         s->items[n++] = (sched_item){seq, n_new, seq->n_computed + n_new == seq->n_tokens};
+        bm_commit(s->blocks, seq, seq->n_computed + n_new);
         budget -= n_new;
         seq = next;
     }
@@ -163,6 +164,7 @@ int sched_schedule(sched *s, sched_out *out)
         seq->status = SEQ_RUNNING;
         q_push_back(&s->running, seq);
         s->items[n++] = (sched_item){seq, n_new, seq->n_computed + n_new == seq->n_tokens};
+        bm_commit(s->blocks, seq, seq->n_computed + n_new);
         budget -= n_new;
     }
     out->items = s->items;

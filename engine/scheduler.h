@@ -53,7 +53,9 @@ void sched_remove(sched *s, pd_seq *seq);
  * tokens (1 when decoding) within the budget; when a running sequence needs a block and none is
  * free, the newest running sequences are preempted (blocks freed, back to the front of the
  * waiting queue, to be recomputed). Then waiting sequences are admitted in order while blocks,
- * budget and sequence slots last (none after a preemption in the same step). Returns 0. */
+ * budget and sequence slots last (none after a preemption in the same step). Full blocks the
+ * step will complete are registered in the prefix cache (bm_commit), so later admissions in
+ * the same step can share them. Returns 0. */
 int sched_schedule(sched *s, sched_out *out);
 
 int32_t sched_n_waiting(const sched *s);
