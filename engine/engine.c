@@ -301,6 +301,7 @@ static int seq_new(eng *e, const eng_request *r, pd_seq **out, char *err)
         s->sampling.has_seed = true;
     }
     s->stop = r->stop;
+    s->want_logprob = r->logprobs;
     *out = s;
     return 0;
 }
@@ -520,19 +521,22 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
         s->n_computed += so.items[i].n_new;
     }
     const int32_t V = e->cfg.vocab_size;
+    double t3 = now_s();
     for (int32_t k = 0; k < nl; k++) {
         pd_seq *s = e->row_seq[k];
         float lp = 0.0f;
         int32_t tok = smp_sample(&s->sampling, e->logits + (size_t)k * V, V, s->tokens,
                                  s->n_prompt, s->tokens + s->n_prompt, seq_n_output(s),
-                                 e->scratch, &lp);
+                                 e->scratch, s->want_logprob ? &lp : NULL);
         s->finish = append_token(e, s, tok);
         if (e->p.mode == ENG_MODE_PREFILL && seq_n_output(s) == 1) s->finish = SEQ_FINISH_PREFILLED;
         report(e, &n_out, s, tok, lp);
         if (s->finish != SEQ_FINISH_NONE) retire(e, s);
     }
     *n_outs = n_out;
-    e->st.host_s += now_s() - t0 - (t2 - t1);
+    double t4 = now_s();
+    e->st.sample_s += t4 - t3;
+    e->st.host_s += t4 - t0 - (t2 - t1);
     return 0;
 }
 

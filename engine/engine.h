@@ -51,13 +51,15 @@ typedef struct {
     int32_t n_prompt;               /* >= 1 */
     smp_params sampling;
     seq_stopping stop;
+    bool logprobs;                  /* report each token's log-probability (costs a softmax) */
 } eng_request;
 
 /* One sequence's news from a step. */
 typedef struct {
     uint64_t id;
     int32_t token;                  /* the new token, or -1 when none (abort) */
-    float logprob;                  /* log-probability of token under the sampling dist. */
+    float logprob;                  /* log-probability of token under the sampling
+                                       distribution when the request asked for it, else 0 */
     seq_finish finish;              /* SEQ_FINISH_NONE while running */
     int32_t n_prompt;
     int32_t n_cached;               /* prompt tokens taken from the prefix cache */
@@ -81,6 +83,7 @@ typedef struct {
     double decode_model_s;          /* executor time of steps with only decode tokens */
     int64_t decode_steps;           /* steps with only decode tokens */
     double host_s;                  /* time in scheduling, batch building and postprocess */
+    double sample_s;                /* of host_s, time in the host sampler */
 } eng_stats;
 
 typedef struct eng eng; /* opaque */

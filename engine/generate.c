@@ -46,18 +46,26 @@ int gen_run_opts(mr *r, const pd_model *m, const gen_request *reqs, int32_t n,
                  const gen_options *opt, gen_result *res, gen_stats *stats, char *err)
 {
     gen_options o = opt ? *opt : gen_default_options();
-    memset(res, 0, sizeof *res * (size_t)(n > 0 ? n : 0));
-    if (n <= 0) return pd_errf(err, PD_EINVAL, "no requests");
     eng_params ep = eng_default_params(r);
     ep.enable_prefix_cache = o.enable_prefix_cache;
     ep.enable_chunked_prefill = o.enable_chunked_prefill;
     if (o.max_num_batched_tokens > 0 && o.max_num_batched_tokens < ep.max_num_batched_tokens)
         ep.max_num_batched_tokens = o.max_num_batched_tokens;
     if (o.max_num_seqs > 0 && o.max_num_seqs < ep.max_num_seqs) ep.max_num_seqs = o.max_num_seqs;
+    return gen_run_engine(&ep, &m->cfg, eng_executor_runner(r), reqs, n, &o, res, stats, err);
+}
+
+int gen_run_engine(const eng_params *ep, const mc_config *cfg, eng_executor x,
+                   const gen_request *reqs, int32_t n, const gen_options *opt, gen_result *res,
+                   gen_stats *stats, char *err)
+{
+    gen_options o = opt ? *opt : gen_default_options();
+    memset(res, 0, sizeof *res * (size_t)(n > 0 ? n : 0));
+    if (n <= 0) return pd_errf(err, PD_EINVAL, "no requests");
     eng *e = NULL;
-    int rc = eng_create(&ep, &m->cfg, eng_executor_runner(r), &e, err);
+    int rc = eng_create(ep, cfg, x, &e, err);
     if (rc < 0) return rc;
-    const int32_t L = m->cfg.max_position;
+    const int32_t L = cfg->max_position;
     int64_t prompt_tokens = 0, generated = 0, total_max = 0;
     for (int32_t i = 0; i < n && rc == 0; i++) {
         const gen_request *q = &reqs[i];
@@ -90,13 +98,13 @@ int gen_run_opts(mr *r, const pd_model *m, const gen_request *reqs, int32_t n,
         int32_t k;
         if ((rc = eng_step(e, &outs, &k, err)) < 0) break;
         for (int32_t j = 0; j < k; j++) {
-            const eng_output *x = &outs[j];
-            gen_result *g = &res[x->id];
-            if (x->token >= 0) {
-                g->tokens[g->n_tokens++] = x->token;
+            const eng_output *ox = &outs[j];
+            gen_result *g = &res[ox->id];
+            if (ox->token >= 0) {
+                g->tokens[g->n_tokens++] = ox->token;
                 generated++;
             }
-            if (x->finish != SEQ_FINISH_NONE) g->finish = map_finish(x->finish);
+            if (ox->finish != SEQ_FINISH_NONE) g->finish = map_finish(ox->finish);
         }
         double t = now_s();
         if (o.progress && t - last_print > (tty ? 0.2 : 5.0)) {

@@ -61,6 +61,11 @@ gen_options gen_default_options(void);
  * first (err names the request). Returns 0 or an error. */
 int gen_run_opts(mr *r, const pd_model *m, const gen_request *reqs, int32_t n,
                  const gen_options *opt, gen_result *res, gen_stats *stats, char *err);
+/* The same on an engine built from p over any executor (e.g. a null model that isolates the
+ * host-side cost); p's step sizes are used as given. */
+int gen_run_engine(const eng_params *p, const mc_config *cfg, eng_executor x,
+                   const gen_request *reqs, int32_t n, const gen_options *opt, gen_result *res,
+                   gen_stats *stats, char *err);
 /* gen_run_opts with default options. */
 int gen_run(mr *r, const pd_model *m, const gen_request *reqs, int32_t n, gen_result *res,
             gen_stats *stats, char *err);

@@ -54,6 +54,7 @@ typedef struct pd_seq {
     smp_params sampling;
     seq_stopping stop;
     int32_t n_preempted;       /* times preempted by recompute */
+    bool want_logprob;         /* report the sampled token's log-probability */
     bool skip_prefix_cache;    /* never map this sequence onto cached blocks (its KV is
                                   written from outside: decode-only reservations) */
     struct pd_seq *prev, *next; /* queue links */
