@@ -10,7 +10,8 @@ PKGS=(
   libjansson-dev                                   # JSON (config.json, tokenizer.json, ...)
   libxxhash-dev                                    # prefix-cache block hashes
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler  # gRPC services
-  libucx-dev                                       # KV transfer
+  protobuf-compiler-grpc                           # grpc_python_plugin (test stubs)
+  libucx-dev ucx-utils                             # KV transfer (+ ucx_perftest)
   libpcre2-dev libutf8proc-dev                     # tokenizer
   libmicrohttpd-dev                                # metrics endpoint
   python3 python3-grpcio python3-protobuf          # external test client
