@@ -548,6 +548,17 @@ bool eng_has_work(const eng *e)
 int32_t eng_n_waiting(const eng *e) { return sched_n_waiting(e->sch); }
 int32_t eng_n_running(const eng *e) { return sched_n_running(e->sch); }
 int32_t eng_n_free_blocks(const eng *e) { return bm_n_free(e->blocks); }
+
+int64_t eng_queued_prompt_tokens(const eng *e)
+{
+    int64_t n = 0;
+    for (uint32_t i = 0; i <= e->map.mask; i++) {
+        const pd_seq *s = e->map.vals[i];
+        if (s && (s->status == SEQ_WAITING || s->status == SEQ_RUNNING) && s->n_tokens - s->n_computed > 1)
+            n += s->n_tokens - s->n_computed;
+    }
+    return n;
+}
 const eng_stats *eng_stats_get(const eng *e) { return &e->st; }
 const bm *eng_block_manager(const eng *e) { return e->blocks; }
 

@@ -127,6 +127,8 @@ int eng_admit(eng *e, uint64_t id, int32_t first_token, char *err);
 int32_t eng_n_waiting(const eng *e);
 int32_t eng_n_running(const eng *e);
 int32_t eng_n_free_blocks(const eng *e);
+/* Prompt (or recompute) tokens of waiting and running requests not computed yet. */
+int64_t eng_queued_prompt_tokens(const eng *e);
 const eng_stats *eng_stats_get(const eng *e);
 /* Checks that every block's reference count equals the number of live sequences holding it,
  * plus the block manager's own invariants. Returns 0 or -1 with a message on stderr (tests). */

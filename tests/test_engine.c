@@ -12,47 +12,7 @@
 #include "engine/engine.h"
 #include "tests/test_util.h"
 
-#define V 48
-
-typedef struct {
-    int64_t *kv;     /* [n_slots] (position << 16 | token) + 1; 0 = never written */
-    int64_t n_slots;
-    int64_t corrupt; /* rows whose context read back something unexpected */
-} fake;
-
-static uint64_t mix(uint64_t h, uint64_t x)
-{
-    h ^= x + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-    h *= 0xbf58476d1ce4e5b9ull;
-    return h ^ (h >> 29);
-}
-
-static int fake_forward(void *ctx, const mr_batch *b, float *logits, char *err)
-{
-    fake *f = ctx;
-    (void)err;
-    for (int32_t i = 0; i < b->n_tokens; i++) {
-        if (b->slot_mapping[i] < 0 || b->slot_mapping[i] >= f->n_slots) return PD_EINVAL;
-        f->kv[b->slot_mapping[i]] = ((int64_t)b->positions[i] << 16 | b->input_ids[i]) + 1;
-    }
-    for (int32_t k = 0; k < b->n_logits; k++) {
-        int32_t row = b->logits_rows[k], s = 0;
-        while (b->cu_q[s + 1] <= row) s++;
-        int32_t pos = b->positions[row];
-        const int32_t *bt = b->block_tables + (size_t)s * b->max_blocks_per_seq;
-        uint64_t h = 1469598103934665603ull;
-        for (int32_t p = 0; p <= pos; p++) {
-            int64_t slot = (int64_t)bt[p / 4] * 4 + p % 4; /* block size 4 in this test */
-            int64_t v = f->kv[slot];
-            if (v == 0 || ((v - 1) >> 16) != p) f->corrupt++;
-            h = mix(h, (uint64_t)v);
-        }
-        float *l = logits + (size_t)k * V;
-        for (int32_t t = 0; t < V; t++) l[t] = (float)((h >> (t % 48)) & 7) * 0.7f;
-        l[h % V] += 4.0f;
-    }
-    return 0;
-}
+#include "tests/fake_model.h"
 
 typedef struct {
     int32_t prompt[64];
@@ -63,17 +23,6 @@ typedef struct {
     seq_finish finish;
     bool added, aborted, done;
 } req;
-
-static mc_config fake_cfg(void)
-{
-    mc_config c;
-    memset(&c, 0, sizeof c);
-    c.vocab_size = V;
-    c.max_position = 256;
-    c.eos_token_ids[0] = 0;
-    c.n_eos = 1;
-    return c;
-}
 
 static uint64_t rng_next(uint64_t *s)
 {
@@ -87,7 +36,7 @@ static uint64_t rng_next(uint64_t *s)
 static void run_alone(const eng_request *rq, int32_t *out, int32_t *n_out, seq_finish *fin)
 {
     mc_config cfg = fake_cfg();
-    fake f = {calloc(256 * 4, sizeof(int64_t)), 256 * 4, 0};
+    fake f = {calloc(256 * 4, sizeof(int64_t)), 256 * 4, 0, 0};
     eng_params p = {ENG_MODE_COLOCATED, 256, 4, 512, 8, 0, false, true};
     eng *e;
     char err[PD_ERR_LEN];
@@ -151,7 +100,7 @@ static int run_case(uint64_t seed)
         while ((r->n_prompt + r->rq.stop.max_tokens + 3) / 4 > p.n_blocks) r->rq.stop.max_tokens--;
     }
     mc_config cfg = fake_cfg();
-    fake f = {calloc((size_t)p.n_blocks * 4, sizeof(int64_t)), (int64_t)p.n_blocks * 4, 0};
+    fake f = {calloc((size_t)p.n_blocks * 4, sizeof(int64_t)), (int64_t)p.n_blocks * 4, 0, 0};
     eng *e;
     char err[PD_ERR_LEN];
     eng_executor x = {fake_forward, &f};
@@ -223,7 +172,7 @@ static void test_modes(void)
     char err[PD_ERR_LEN];
     /* Prefill-only: the request finishes with PREFILLED after one token and keeps its blocks
      * until released. */
-    fake f = {calloc(64 * 4, sizeof(int64_t)), 64 * 4, 0};
+    fake f = {calloc(64 * 4, sizeof(int64_t)), 64 * 4, 0, 0};
     eng_params p = {ENG_MODE_PREFILL, 64, 4, 64, 4, 0, true, true};
     eng *e;
     CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f}, &e, err) == 0);
@@ -297,7 +246,7 @@ static void test_bad_requests(void)
 {
     mc_config cfg = fake_cfg();
     char err[PD_ERR_LEN];
-    fake f = {calloc(16 * 4, sizeof(int64_t)), 16 * 4, 0};
+    fake f = {calloc(16 * 4, sizeof(int64_t)), 16 * 4, 0, 0};
     eng_params p = {ENG_MODE_COLOCATED, 16, 4, 32, 4, 0, true, false};
     eng *e;
     CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f}, &e, err) == 0);

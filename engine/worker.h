@@ -1,0 +1,61 @@
+/* worker.h -- The engine thread: one thread owns an engine and runs its steps; other threads
+ * (gRPC I/O) hand it commands through a queue and get results through callbacks that run on
+ * the engine thread. This is the only way services touch an engine.
+ *
+ * Callback contract: for every request submitted with ew_submit (or ew_reserve), exactly one
+ * terminal callback happens: an output with finish != SEQ_FINISH_NONE, or on_error. After it
+ * the worker never mentions that request's `user` pointer again, so the caller may free it.
+ * ew_abort of a live request produces a terminal output with SEQ_FINISH_ABORTED. */
+#ifndef PD_WORKER_H
+#define PD_WORKER_H
+
+#include <stdint.h>
+
+#include "engine/engine.h"
+
+typedef struct {
+    /* A step produced news for a request (a token, a finish). Runs on the engine thread. */
+    void (*on_output)(void *user, const eng_output *o);
+    /* A request was refused (validation, no room) or failed; code is a PD_E* error and msg a
+     * human-readable reason. Terminal. Runs on the engine thread. */
+    void (*on_error)(void *user, int code, const char *msg);
+    /* Decode-only: blocks were reserved for a request (ew_reserve). block_ids is borrowed for
+     * the call. Not terminal. Runs on the engine thread. */
+    void (*on_reserved)(void *user, const int32_t *block_ids, int32_t n_blocks);
+} ew_callbacks;
+
+/* A snapshot of the engine's load, refreshed after every step (for load reports). */
+typedef struct {
+    int32_t n_running;
+    int32_t n_waiting;
+    int32_t n_free_blocks;
+    int32_t n_blocks;
+    int64_t queued_prompt_tokens; /* prompt tokens submitted but not yet computed */
+    eng_stats stats;
+} ew_load;
+
+typedef struct ew ew; /* opaque */
+
+/* Starts the engine thread. e is taken over (destroyed by ew_destroy); cb is copied.
+ * Returns 0 or PD_ENOMEM / PD_EBACKEND (thread creation failed). */
+int ew_create(eng *e, const ew_callbacks *cb, ew **out);
+/* Stops the thread: requests still live get on_error(PD_ESTATE, "shutting down"); then the
+ * engine is destroyed. NULL is a no-op. */
+void ew_destroy(ew *w);
+
+/* Queues a request (prompt copied). Thread-safe. Returns 0 or PD_ENOMEM; validation happens
+ * on the engine thread and failures arrive through on_error. */
+int ew_submit(ew *w, const eng_request *r, void *user);
+/* Decode-only: queues a reservation; on_reserved or on_error follows. Thread-safe. */
+int ew_reserve(ew *w, const eng_request *r, void *user);
+/* Decode-only: the reserved request's KV has arrived; it joins the batch. Thread-safe. */
+int ew_admit(ew *w, uint64_t id, int32_t first_token);
+/* Prefill-only: the request's blocks may be reused (its KV was shipped). Thread-safe. */
+int ew_release(ew *w, uint64_t id);
+/* Aborts a live request (a terminal SEQ_FINISH_ABORTED output follows; unknown ids are
+ * ignored). Thread-safe. */
+int ew_abort(ew *w, uint64_t id);
+/* Copies the latest load snapshot. Thread-safe. */
+void ew_load_get(ew *w, ew_load *out);
+
+#endif

@@ -1,0 +1,73 @@
+/* fake_model.h -- A fake model for engine tests that reads the KV cache: every token's "KV"
+ * records (token, position) at its slot, and each row's logits are a hash of the whole context
+ * read back through the block table (block size 4). A request that sees another's block, a
+ * stale block or a lost one gets different tokens than when run alone. Header-only. */
+#ifndef PD_FAKE_MODEL_H
+#define PD_FAKE_MODEL_H
+
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/error.h"
+#include "engine/engine.h"
+
+#define V 48
+
+typedef struct {
+    int64_t *kv;     /* [n_slots] (position << 16 | token) + 1; 0 = never written */
+    int64_t n_slots;
+    int64_t corrupt; /* rows whose context read back something unexpected */
+    int32_t delay_us;/* sleep per forward (to keep requests alive in thread tests) */
+} fake;
+
+static inline uint64_t fake_mix(uint64_t h, uint64_t x)
+{
+    h ^= x + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    h *= 0xbf58476d1ce4e5b9ull;
+    return h ^ (h >> 29);
+}
+
+static inline int fake_forward(void *ctx, const mr_batch *b, float *logits, char *err)
+{
+    fake *f = ctx;
+    (void)err;
+    if (f->delay_us > 0) {
+        struct timespec ts = {0, (long)f->delay_us * 1000};
+        nanosleep(&ts, NULL);
+    }
+    for (int32_t i = 0; i < b->n_tokens; i++) {
+        if (b->slot_mapping[i] < 0 || b->slot_mapping[i] >= f->n_slots) return PD_EINVAL;
+        f->kv[b->slot_mapping[i]] = ((int64_t)b->positions[i] << 16 | b->input_ids[i]) + 1;
+    }
+    for (int32_t k = 0; k < b->n_logits; k++) {
+        int32_t row = b->logits_rows[k], s = 0;
+        while (b->cu_q[s + 1] <= row) s++;
+        int32_t pos = b->positions[row];
+        const int32_t *bt = b->block_tables + (size_t)s * b->max_blocks_per_seq;
+        uint64_t h = 1469598103934665603ull;
+        for (int32_t p = 0; p <= pos; p++) {
+            int64_t slot = (int64_t)bt[p / 4] * 4 + p % 4; /* block size 4 in this test */
+            int64_t v = f->kv[slot];
+            if (v == 0 || ((v - 1) >> 16) != p) f->corrupt++;
+            h = fake_mix(h, (uint64_t)v);
+        }
+        float *l = logits + (size_t)k * V;
+        for (int32_t t = 0; t < V; t++) l[t] = (float)((h >> (t % 48)) & 7) * 0.7f;
+        l[h % V] += 4.0f;
+    }
+    return 0;
+}
+
+static inline mc_config fake_cfg(void)
+{
+    mc_config c;
+    memset(&c, 0, sizeof c);
+    c.vocab_size = V;
+    c.max_position = 256;
+    c.eos_token_ids[0] = 0;
+    c.n_eos = 1;
+    return c;
+}
+
+#endif

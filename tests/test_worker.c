@@ -1,0 +1,221 @@
+/* test_worker.c -- The engine thread: requests submitted from several threads while others
+ * abort, each request gets exactly one terminal callback and the same tokens as when run
+ * alone; decode-only reserve/admit through the worker; shutdown with live requests. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "engine/worker.h"
+#include "tests/fake_model.h"
+#include "tests/test_util.h"
+
+#define N_THREADS 4
+#define PER_THREAD 60
+#define N_REQ (N_THREADS * PER_THREAD)
+
+typedef struct {
+    eng_request rq;
+    int32_t prompt[32];
+    int32_t out[256];
+    atomic_int n_out;
+    atomic_int terminal;     /* terminal callbacks seen */
+    atomic_int aborted;
+    atomic_int errored;
+    int32_t reserved_blocks[16];
+    atomic_int n_reserved;
+} item;
+
+static item g_items[N_REQ];
+static ew *g_w;
+
+static void on_output(void *user, const eng_output *o)
+{
+    item *it = user;
+    if (o->token >= 0) it->out[atomic_fetch_add(&it->n_out, 1)] = o->token;
+    if (o->finish != SEQ_FINISH_NONE) {
+        atomic_fetch_add(&it->terminal, 1);
+        if (o->finish == SEQ_FINISH_ABORTED) atomic_store(&it->aborted, 1);
+    }
+}
+
+static void on_error(void *user, int code, const char *msg)
+{
+    item *it = user;
+    (void)code;
+    (void)msg;
+    atomic_fetch_add(&it->terminal, 1);
+    atomic_store(&it->errored, 1);
+}
+
+static void on_reserved(void *user, const int32_t *ids, int32_t n)
+{
+    item *it = user;
+    for (int32_t i = 0; i < n && i < 16; i++) it->reserved_blocks[i] = ids[i];
+    atomic_store(&it->n_reserved, n);
+}
+
+static void *submitter(void *arg)
+{
+    int t = (int)(intptr_t)arg;
+    for (int i = 0; i < PER_THREAD; i++) {
+        item *it = &g_items[t * PER_THREAD + i];
+        CHECK(ew_submit(g_w, &it->rq, it) == 0);
+        if (i % 7 == 3) usleep(100);
+    }
+    return NULL;
+}
+
+static void *aborter(void *arg)
+{
+    (void)arg;
+    /* Abort every fifth request once it has produced a token (or finished). */
+    for (int i = 0; i < N_REQ; i += 5) {
+        for (int s = 0; s < 2000 && atomic_load(&g_items[i].n_out) == 0 &&
+                        atomic_load(&g_items[i].terminal) == 0; s++)
+            usleep(100);
+        ew_abort(g_w, g_items[i].rq.id);
+    }
+    return NULL;
+}
+
+static void run_alone(const eng_request *rq, int32_t *out, int32_t *n)
+{
+    mc_config cfg = fake_cfg();
+    fake f = {calloc(64 * 4, sizeof(int64_t)), 64 * 4, 0, 0};
+    eng_params p = {ENG_MODE_COLOCATED, 64, 4, 256, 8, 0, false, true};
+    eng *e;
+    char err[PD_ERR_LEN];
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f}, &e, err) == 0);
+    CHECK(eng_add_request(e, rq, err) == 0);
+    *n = 0;
+    while (eng_has_work(e)) {
+        const eng_output *o;
+        int32_t k;
+        CHECK(eng_step(e, &o, &k, err) == 0);
+        for (int32_t j = 0; j < k; j++) if (o[j].token >= 0) out[(*n)++] = o[j].token;
+    }
+    eng_destroy(e);
+    free(f.kv);
+}
+
+static void test_concurrent(void)
+{
+    uint64_t rs = 12345;
+    for (int i = 0; i < N_REQ; i++) {
+        item *it = &g_items[i];
+        memset(it, 0, sizeof *it);
+        int32_t n = 1 + (int32_t)((rs = rs * 6364136223846793005ull + 1442695040888963407ull) >> 59);
+        for (int32_t j = 0; j < n; j++) it->prompt[j] = 1 + (int32_t)((i * 31 + j * 7) % 40);
+        it->rq.id = 500 + (uint64_t)i;
+        it->rq.prompt = it->prompt;
+        it->rq.n_prompt = n;
+        it->rq.sampling = smp_default_params();
+        it->rq.sampling.seed = (uint64_t)i;
+        it->rq.sampling.has_seed = true;
+        it->rq.stop.max_tokens = i % 5 == 0 ? 60 : 1 + i % 30;
+        it->rq.stop.ignore_eos = i % 2;
+    }
+    /* The 13th request is invalid (token out of range): it must get on_error. */
+    g_items[13].prompt[0] = V + 1;
+    mc_config cfg = fake_cfg();
+    fake f = {calloc(48 * 4, sizeof(int64_t)), 48 * 4, 0, 200};
+    eng_params p = {ENG_MODE_COLOCATED, 48, 4, 64, 16, 0, true, true};
+    eng *e;
+    char err[PD_ERR_LEN];
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f}, &e, err) == 0);
+    ew_callbacks cb = {on_output, on_error, on_reserved};
+    CHECK(ew_create(e, &cb, &g_w) == 0);
+    pthread_t th[N_THREADS + 1];
+    for (int t = 0; t < N_THREADS; t++) pthread_create(&th[t], NULL, submitter, (void *)(intptr_t)t);
+    pthread_create(&th[N_THREADS], NULL, aborter, NULL);
+    for (int t = 0; t <= N_THREADS; t++) pthread_join(th[t], NULL);
+    /* Wait for every terminal callback. */
+    for (int spins = 0; spins < 2000; spins++) {
+        int done = 0;
+        for (int i = 0; i < N_REQ; i++) done += atomic_load(&g_items[i].terminal) > 0;
+        if (done == N_REQ) break;
+        usleep(5000);
+    }
+    ew_load load;
+    ew_load_get(g_w, &load);
+    CHECK_EQ_INT(load.n_running + load.n_waiting, 0);
+    CHECK_EQ_INT(load.n_free_blocks, 48);
+    ew_destroy(g_w);
+    CHECK_EQ_INT(f.corrupt, 0);
+    int n_aborted = 0, n_compared = 0;
+    for (int i = 0; i < N_REQ; i++) {
+        item *it = &g_items[i];
+        CHECK_MSG(atomic_load(&it->terminal) == 1, "request %d: %d terminal callbacks", i,
+                  atomic_load(&it->terminal));
+        if (i == 13) {
+            CHECK(atomic_load(&it->errored));
+            continue;
+        }
+        CHECK(!atomic_load(&it->errored));
+        if (atomic_load(&it->aborted)) {
+            n_aborted++;
+            continue;
+        }
+        int32_t ref[64], nr;
+        run_alone(&it->rq, ref, &nr);
+        CHECK_EQ_INT(atomic_load(&it->n_out), nr);
+        CHECK_MSG(memcmp(it->out, ref, (size_t)nr * 4) == 0, "request %d: tokens differ", i);
+        n_compared++;
+    }
+    fprintf(stderr, "test_worker: %d requests compared, %d aborted\n", n_compared, n_aborted);
+    CHECK(n_compared > N_REQ / 2);
+    CHECK(n_aborted > 10);
+    free(f.kv);
+}
+
+static void test_decode_and_shutdown(void)
+{
+    mc_config cfg = fake_cfg();
+    fake f = {calloc(64 * 4, sizeof(int64_t)), 64 * 4, 0, 2000};
+    eng_params p = {ENG_MODE_DECODE, 64, 4, 64, 8, 0, true, true};
+    eng *e;
+    char err[PD_ERR_LEN];
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f}, &e, err) == 0);
+    ew_callbacks cb = {on_output, on_error, on_reserved};
+    CHECK(ew_create(e, &cb, &g_w) == 0);
+    item *a = &g_items[0], *b = &g_items[1];
+    memset(a, 0, sizeof *a);
+    memset(b, 0, sizeof *b);
+    for (int j = 0; j < 9; j++) a->prompt[j] = b->prompt[j] = 3 + j;
+    a->rq = (eng_request){.id = 1, .prompt = a->prompt, .n_prompt = 9, .sampling = smp_default_params()};
+    a->rq.sampling.temperature = 0;
+    a->rq.stop.max_tokens = 12;
+    a->rq.stop.ignore_eos = true;
+    b->rq = a->rq;
+    b->rq.id = 2;
+    b->rq.prompt = b->prompt;
+    b->rq.stop.max_tokens = 200; /* never finishes before the shutdown */
+    CHECK(ew_reserve(g_w, &a->rq, a) == 0);
+    CHECK(ew_reserve(g_w, &b->rq, b) == 0);
+    for (int s = 0; s < 400 && (!atomic_load(&a->n_reserved) || !atomic_load(&b->n_reserved)); s++) usleep(5000);
+    CHECK_EQ_INT(atomic_load(&a->n_reserved), 3);
+    /* The prefill side writes the prompt's KV, then the first token arrives. */
+    int32_t ref[64], nr;
+    run_alone(&a->rq, ref, &nr);
+    for (int i = 0; i < 9; i++) {
+        f.kv[a->reserved_blocks[i / 4] * 4 + i % 4] = ((int64_t)i << 16 | a->prompt[i]) + 1;
+        f.kv[b->reserved_blocks[i / 4] * 4 + i % 4] = ((int64_t)i << 16 | b->prompt[i]) + 1;
+    }
+    CHECK(ew_admit(g_w, 1, ref[0]) == 0);
+    CHECK(ew_admit(g_w, 2, ref[0]) == 0);
+    for (int s = 0; s < 400 && !atomic_load(&a->terminal); s++) usleep(5000);
+    CHECK_EQ_INT(atomic_load(&a->n_out), nr - 1);
+    CHECK(memcmp(a->out, ref + 1, (size_t)(nr - 1) * 4) == 0);
+    ew_destroy(g_w); /* b is still running: it gets on_error */
+    CHECK_EQ_INT(atomic_load(&b->terminal), 1);
+    CHECK(atomic_load(&b->errored));
+    free(f.kv);
+}
+
+int main(void)
+{
+    test_concurrent();
+    test_decode_and_shutdown();
+    return pd_test_result("test_worker");
+}
