@@ -21,7 +21,8 @@ struct mr {
     int32_t qkv_dim;              /* (n_heads + 2 n_kv_heads) head_dim */
     float attn_factor;
     size_t kv_layer_elems;        /* elements in one layer's K (or V) cache */
-    void **k_cache, **v_cache;    /* [n_layers] */
+    void *kv;                     /* the whole pool: [n_layers][K, V][n_blocks][block elems] */
+    void **k_cache, **v_cache;    /* [n_layers] pointers into kv */
     /* workspace (backend memory) */
     void *a, *b, *h, *qkv, *attn, *gate_up, *act, *lh, *logits;
     int32_t *d_ids, *d_pos, *d_slots, *d_cu_q, *d_ctx, *d_bt, *d_rows;
@@ -87,10 +88,13 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
         rc = pd_errf(err, PD_ENOMEM, "out of memory");
         goto fail;
     }
+    /* One allocation for every layer's K and V, so that the KV transfer can register (and a
+     * peer can address) the whole pool as one region. */
+    if ((rc = be_alloc(r, act, r->kv_layer_elems * 2 * (size_t)c->n_layers, &r->kv, err)) < 0)
+        goto fail;
     for (int32_t l = 0; l < c->n_layers; l++) {
-        if ((rc = be_alloc(r, act, r->kv_layer_elems, &r->k_cache[l], err)) < 0 ||
-            (rc = be_alloc(r, act, r->kv_layer_elems, &r->v_cache[l], err)) < 0)
-            goto fail;
+        r->k_cache[l] = (char *)r->kv + (size_t)(2 * l) * r->kv_layer_elems * es;
+        r->v_cache[l] = (char *)r->kv + (size_t)(2 * l + 1) * r->kv_layer_elems * es;
     }
     size_t chunk = LOGITS_CHUNK;
     if ((rc = be_alloc(r, act, T * hs, &r->a, err)) < 0 ||
@@ -135,8 +139,7 @@ void mr_destroy(mr *r)
     if (!r) return;
     pd_backend *be = r->be;
 #define FREE(x) be->ops->free(be->ctx, (x))
-    for (int32_t l = 0; r->k_cache && l < r->m->cfg.n_layers; l++) FREE(r->k_cache[l]);
-    for (int32_t l = 0; r->v_cache && l < r->m->cfg.n_layers; l++) FREE(r->v_cache[l]);
+    FREE(r->kv);
     free(r->k_cache);
     free(r->v_cache);
     FREE(r->a); FREE(r->b); FREE(r->h); FREE(r->qkv); FREE(r->attn); FREE(r->gate_up);
@@ -151,6 +154,13 @@ int32_t mr_n_blocks(const mr *r) { return r->p.n_blocks; }
 int32_t mr_block_size(const mr *r) { return r->p.block_size; }
 int32_t mr_max_blocks_per_seq(const mr *r) { return r->max_blocks_per_seq; }
 const mr_params *mr_params_get(const mr *r) { return &r->p; }
+
+void mr_kv_pool(const mr *r, void **base, size_t *bytes)
+{
+    *base = r->kv;
+    *bytes = r->kv_layer_elems * 2 * (size_t)r->m->cfg.n_layers *
+             pd_dtype_size(r->be->ops->act_dtype);
+}
 
 void mr_kv_cache(const mr *r, int32_t layer, void **k, void **v)
 {

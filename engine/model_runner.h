@@ -58,5 +58,9 @@ const mr_params *mr_params_get(const mr *r);
 /* The layer's K and V cache buffers ([n_blocks][block_size][n_kv_heads][head_dim], backend
  * memory; borrowed). */
 void mr_kv_cache(const mr *r, int32_t layer, void **k, void **v);
+/* The whole KV pool as one region (backend memory; borrowed): layer l's K starts at
+ * 2 l * layer bytes and its V at (2 l + 1) * layer bytes, where layer bytes = n_blocks *
+ * block_size * n_kv_heads * head_dim * element size. */
+void mr_kv_pool(const mr *r, void **base, size_t *bytes);
 
 #endif
