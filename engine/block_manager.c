@@ -255,6 +255,7 @@ int bm_append(bm *m, pd_seq *s, int32_t n_total)
 void bm_commit(bm *m, pd_seq *s, int32_t n_ready)
 {
     const int32_t bs = m->p.block_size;
+    if (n_ready > s->n_tokens) n_ready = s->n_tokens; /* never hash tokens that don't exist */
     while ((s->n_hashed + 1) * bs <= n_ready && s->n_hashed < s->n_blocks) {
         const int32_t *t = s->tokens + (size_t)s->n_hashed * bs;
         uint64_t h = bm_hash_block(s->last_hash, t, bs);

@@ -90,8 +90,11 @@ void sched_add_running(sched *s, pd_seq *seq)
 
 void sched_remove(sched *s, pd_seq *seq)
 {
-    if (seq->status == SEQ_WAITING) q_unlink(&s->waiting, seq);
-    else if (seq->status == SEQ_RUNNING) q_unlink(&s->running, seq);
+    seq_queue *q = seq->status == SEQ_WAITING ? &s->waiting
+                 : seq->status == SEQ_RUNNING ? &s->running : NULL;
+    /* The status alone does not say the sequence is queued (removed already, never added):
+     * unlinking one that is not would empty the queue. Unlinked sequences have prev NULL. */
+    if (q && (seq->prev || q->head == seq)) q_unlink(q, seq);
 }
 
 static void preempt(sched *s, pd_seq *victim)
@@ -119,7 +122,9 @@ int sched_schedule(sched *s, sched_out *out)
             continue;
         }
         if (n_new > budget) {
-            if (!s->p.enable_chunked_prefill) {
+            /* Without chunked prefill a sequence waits for a step with room, unless it can
+             * never fit one (a recompute after preemption: prompt + output). */
+            if (!s->p.enable_chunked_prefill && n_new <= s->p.max_num_batched_tokens) {
                 seq = next;
                 continue;
             }
@@ -153,7 +158,7 @@ int sched_schedule(sched *s, sched_out *out)
         if (cached < 0) break;
         int32_t n_new = seq->n_tokens - cached;
         if (n_new > budget) {
-            if (!s->p.enable_chunked_prefill) break;
+            if (!s->p.enable_chunked_prefill && n_new <= s->p.max_num_batched_tokens) break;
             n_new = budget;
         }
         cached = bm_allocate(s->blocks, seq, seq->n_tokens);
