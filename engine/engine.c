@@ -308,8 +308,6 @@ static int seq_new(eng *e, const eng_request *r, pd_seq **out, char *err)
 
 int eng_add_request(eng *e, const eng_request *r, char *err)
 {
-    if (e->p.mode == ENG_MODE_DECODE)
-        return pd_errf(err, PD_ESTATE, "a decode-only engine takes requests through eng_reserve");
     int rc = validate(e, r, err);
     if (rc < 0) return rc;
     pd_seq *s;
@@ -339,8 +337,8 @@ int eng_release(eng *e, uint64_t id)
 int eng_reserve(eng *e, const eng_request *r, const int32_t **block_ids, int32_t *n_blocks,
                 char *err)
 {
-    if (e->p.mode != ENG_MODE_DECODE)
-        return pd_errf(err, PD_ESTATE, "eng_reserve needs a decode-only engine");
+    if (e->p.mode == ENG_MODE_PREFILL)
+        return pd_errf(err, PD_ESTATE, "a prefill-only engine does not take reservations");
     int rc = validate(e, r, err);
     if (rc < 0) return rc;
     pd_seq *s;

@@ -94,7 +94,8 @@ int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng
                char *err);
 void eng_destroy(eng *e); /* NULL is a no-op; drops every request */
 
-/* Queues a request (colocated and prefill modes). Checks it first: non-empty prompt, ids in
+/* Queues a request (any mode; a decode-only engine then computes the prompt itself). Checks
+ * it first: non-empty prompt, ids in
  * the vocabulary, prompt + max_tokens within max_model_len and within the KV pool, sampling
  * values, a unique id. Returns 0 or PD_EINVAL / PD_ERANGE / PD_ENOMEM with err set. */
 int eng_add_request(eng *e, const eng_request *r, char *err);
@@ -112,7 +113,7 @@ bool eng_has_work(const eng *e);
  * its KV was shipped). Returns 0 or PD_ENOTFOUND. */
 int eng_release(eng *e, uint64_t id);
 
-/* Decode-only, phase 1: checks r as eng_add_request does and reserves blocks for its prompt
+/* Decode (and colocated) modes, phase 1: checks r as eng_add_request does and reserves blocks for its prompt
  * (plus the first token). *block_ids (borrowed; valid until eng_admit / eng_abort) receives
  * the blocks into which the prompt's KV must be written. Returns 0, PD_ENOSPC (no room now;
  * try later or elsewhere) or a validation error. */

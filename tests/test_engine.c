@@ -201,7 +201,6 @@ static void test_modes(void)
     p.mode = ENG_MODE_DECODE;
     memset(f.kv, 0, 64 * 4 * sizeof(int64_t));
     CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f}, &e, err) == 0);
-    CHECK_EQ_INT(eng_add_request(e, &rq, err), PD_ESTATE);
     const int32_t *blocks;
     int32_t nb;
     CHECK(eng_reserve(e, &rq, &blocks, &nb, err) == 0);

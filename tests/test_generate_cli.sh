@@ -35,9 +35,23 @@ got = json.loads(open(sys.argv[1]).readline())
 ref = json.load(open(sys.argv[2]))["cases"][0]["greedy_ids"]
 assert got["token_ids"] == ref, f"token ids differ: {got['token_ids'][:10]} vs {ref[:10]}"
 assert got["finish_reason"] == "eos", got["finish_reason"]
-print("ok   golden story token ids + finish_reason")
+want = json.load(open(sys.argv[2]))["cases"][0]["greedy_text"]
+assert got["text"] == want, f"text differs: {got['text'][:60]!r} vs {want[:60]!r}"
+print("ok   golden story token ids, text and finish_reason")
 PY
 grep -q "tok/s" "$TMP/err" && echo "ok   tokens/s reported" || { echo "FAIL no tok/s on stderr"; fails=$((fails+1)); }
+# A text prompt goes through the tokenizer; the completion comes back as text.
+"$GEN" --model "$STORIES" --prompt "Once upon a time" --max-tokens 80 --temperature 0 --json >"$TMP/t.json" 2>"$TMP/err2" \
+    || { echo "FAIL text prompt"; cat "$TMP/err2"; fails=$((fails+1)); }
+python3 - "$TMP/t.json" "$STORIES/golden.json" <<'PY' || fails=$((fails+1))
+import json, sys
+got = json.loads(open(sys.argv[1]).readline())
+case = json.load(open(sys.argv[2]))["cases"][1]
+assert got["token_ids"] == case["greedy_ids"], "ids differ"
+assert got["text"].strip() == case["greedy_text"].strip(), f"{got['text'][:50]!r} vs {case['greedy_text'][:50]!r}"
+print("ok   --prompt text reproduces the golden continuation")
+PY
+expect_fail "invalid UTF-8 prompt" "UTF-8" --model "$STORIES" --prompt $'\xff\xfe' --max-tokens 2
 
 # 2. Several prompts in one batch, JSON line per prompt.
 "$GEN" --model "$STORIES" --prompt-ids 1 --prompt-ids 1,403,407 --max-tokens 5 --temperature 0 --json >"$TMP/two" 2>/dev/null

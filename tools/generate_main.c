@@ -15,6 +15,7 @@
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/model_runner.h"
+#include "engine/tokenizer.h"
 
 #define MAX_PROMPTS 4096
 
@@ -24,7 +25,7 @@ static void usage(FILE *f)
         "usage: pdserve-generate --model DIR (--prompt-ids 1,2,3 ... | --prompt TEXT) [options]\n"
         "\n"
         "Generates a completion for each prompt (all prompts run together in one batch) and\n"
-        "prints the new token ids. Throughput goes to stderr.\n"
+        "prints its text (token ids when the model has no tokenizer). Throughput goes to stderr.\n"
         "\n"
         "model:\n"
         "  --model DIR                 HuggingFace model directory (config.json, *.safetensors)\n"
@@ -33,7 +34,8 @@ static void usage(FILE *f)
         "  --threads N                 CPU threads for matrix products (default: all cores)\n"
         "prompts:\n"
         "  --prompt-ids LIST           comma-separated token ids; repeat for more prompts\n"
-        "  --prompt TEXT               text prompt (needs the tokenizer)\n"
+        "  --prompt TEXT               text prompt (tokenized with the model's tokenizer.json,\n"
+        "                              BOS added as its config says); repeat for more prompts\n"
         "  --random-prompt-len N       add one prompt of N random token ids (benchmarks)\n"
         "  --repeat N                  run every prompt N times in the batch (default 1)\n"
         "sampling and stopping:\n"
@@ -182,6 +184,9 @@ typedef struct {
     long long kv_mb;
     long long random_lens[MAX_PROMPTS];
     int32_t n_random;
+    const char *texts[MAX_PROMPTS];  /* --prompt TEXT, tokenized after loading */
+    int32_t n_text;
+    tok_tokenizer *tok;              /* NULL when the model has no tokenizer.json */
 } cli;
 
 static int parse_args(int argc, char **argv, cli *a)
@@ -216,9 +221,9 @@ static int parse_args(int argc, char **argv, cli *a)
             break;
         }
         case OPT_PROMPT:
-            fprintf(stderr, "pdserve-generate: --prompt needs the tokenizer, which is not built "
-                    "yet; pass token ids with --prompt-ids\n");
-            return -1;
+            if (a->n_prompts + a->n_random + a->n_text >= MAX_PROMPTS) { fprintf(stderr, "pdserve-generate: too many prompts\n"); return -1; }
+            a->texts[a->n_text++] = optarg;
+            break;
         case OPT_RANDOM_LEN:
             if (parse_i64(fl, optarg, 1, 1 << 20, &v)) return -1;
             if (a->n_prompts + a->n_random >= MAX_PROMPTS) { fprintf(stderr, "pdserve-generate: too many prompts\n"); return -1; }
@@ -264,23 +269,52 @@ static int parse_args(int argc, char **argv, cli *a)
         fprintf(stderr, "pdserve-generate: --model DIR is required (try --help)\n");
         return -1;
     }
-    if (a->n_prompts + a->n_random == 0) {
-        fprintf(stderr, "pdserve-generate: give a prompt with --prompt-ids (try --help)\n");
+    if (a->n_prompts + a->n_random + a->n_text == 0) {
+        fprintf(stderr, "pdserve-generate: give a prompt with --prompt or --prompt-ids (try --help)\n");
         return -1;
     }
     return 0;
 }
 
+/* Prints s as a JSON string. */
+static void json_string(const char *s, size_t n)
+{
+    putchar('"');
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        if (ch == '"' || ch == '\\') printf("\\%c", ch);
+        else if (ch == '\n') printf("\\n");
+        else if (ch == '\t') printf("\\t");
+        else if (ch == '\r') printf("\\r");
+        else if (ch < 0x20) printf("\\u%04x", ch);
+        else putchar(ch);
+    }
+    putchar('"');
+}
+
 static void print_result(const cli *a, int32_t idx, const gen_result *r)
 {
+    char *text = NULL, err[PD_ERR_LEN];
+    size_t len = 0;
+    if (a->tok && tok_decode(a->tok, r->tokens, r->n_tokens, true, &text, &len, err) < 0) {
+        fprintf(stderr, "pdserve-generate: cannot decode the output: %s\n", err);
+        text = NULL;
+    }
     if (a->json) {
         printf("{\"index\": %d, \"token_ids\": [", idx);
         for (int32_t i = 0; i < r->n_tokens; i++) printf("%s%d", i ? ", " : "", r->tokens[i]);
-        printf("], \"text\": null, \"finish_reason\": \"%s\"}\n", gen_finish_name(r->finish));
+        printf("], \"text\": ");
+        if (text) json_string(text, len);
+        else printf("null");
+        printf(", \"finish_reason\": \"%s\"}\n", gen_finish_name(r->finish));
+    } else if (text) {
+        fwrite(text, 1, len, stdout);
+        printf("\n");
     } else {
         for (int32_t i = 0; i < r->n_tokens; i++) printf("%s%d", i ? "," : "", r->tokens[i]);
         printf("\n");
     }
+    free(text);
 }
 
 int main(int argc, char **argv)
@@ -310,6 +344,34 @@ int main(int argc, char **argv)
     if (mc_load(a.model_dir, &cfg, err) < 0) {
         fprintf(stderr, "pdserve-generate: %s\n", err);
         goto out;
+    }
+    /* The tokenizer, when the model has one: text prompts in, text out. */
+    char tpath[4096];
+    snprintf(tpath, sizeof tpath, "%s/tokenizer.json", a.model_dir);
+    FILE *tf = fopen(tpath, "r");
+    if (tf) {
+        fclose(tf);
+        if (tok_load(a.model_dir, &a.tok, err) < 0) {
+            fprintf(stderr, "pdserve-generate: %s\n", err);
+            goto out;
+        }
+    } else if (a.n_text > 0) {
+        fprintf(stderr, "pdserve-generate: --prompt needs %s; pass token ids with --prompt-ids\n", tpath);
+        goto out;
+    }
+    for (int32_t i = 0; i < a.n_text; i++) {
+        int32_t *ids = NULL, nid = 0;
+        if (tok_encode(a.tok, a.texts[i], strlen(a.texts[i]), true, &ids, &nid, err) < 0) {
+            fprintf(stderr, "pdserve-generate: --prompt: %s\n", err);
+            goto out;
+        }
+        if (nid == 0) {
+            free(ids);
+            fprintf(stderr, "pdserve-generate: --prompt '%s' encodes to no tokens\n", a.texts[i]);
+            goto out;
+        }
+        a.prompts[a.n_prompts] = ids;
+        a.prompt_lens[a.n_prompts++] = nid;
     }
     /* Random prompts (benchmarks) are drawn now that the vocabulary is known. */
     uint64_t rs = 0x9e3779b97f4a7c15ull;
@@ -397,5 +459,6 @@ out:
     pd_backend_destroy(be);
     for (int32_t i = 0; i < a.n_prompts; i++) free(a.prompts[i]);
     free(a.stop_ids);
+    tok_destroy(a.tok);
     return status;
 }
