@@ -17,7 +17,11 @@
     X(ENOSPC, -7, "no space left")                                   \
     X(ENOTFOUND, -8, "not found")                                    \
     X(EBACKEND, -9, "compute backend failure")                       \
-    X(ESTATE, -10, "operation not valid in this state")
+    X(ESTATE, -10, "operation not valid in this state")              \
+    X(ETIMEDOUT, -11, "deadline exceeded")                           \
+    X(ECANCELED, -12, "cancelled")                                   \
+    X(EUNAVAILABLE, -13, "peer unreachable or gone")                 \
+    X(EMISMATCH, -14, "incompatible configuration between peers")
 
 enum {
     PD_OK = 0,

@@ -1,0 +1,388 @@
+/* rpc_client.c -- Client side of the gRPC layer: channels, blocking unary calls and blocking
+ * server-stream readers. Each blocking call or stream has its own pluck completion queue, so
+ * any number of threads can use one channel at once (core allows only a few pluckers per
+ * queue). The callback-based calls are in rpc_client_async.c. */
+#include "common/rpc/rpc_client_impl.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
+
+rpc_channel_params rpc_channel_default_params(void)
+{
+    rpc_channel_params p;
+    memset(&p, 0, sizeof p);
+    p.target = NULL;
+    p.max_recv_msg_bytes = 64 << 20;
+    p.max_send_msg_bytes = -1;
+    p.wait_for_ready = false;
+    return p;
+}
+
+int rpc_channel_create(const rpc_channel_params *p, rpc_channel **out, char *err)
+{
+    *out = NULL;
+    if (!p->target || !*p->target) return pd_errf(err, PD_EINVAL, "rpc channel: empty target");
+    if (p->max_recv_msg_bytes == 0 || p->max_recv_msg_bytes < -1 || p->max_send_msg_bytes == 0 ||
+        p->max_send_msg_bytes < -1)
+        return pd_errf(err, PD_EINVAL, "rpc channel: message size limits must be > 0 or -1");
+    rpc_channel *ch = calloc(1, sizeof *ch);
+    if (!ch) return pd_errf(err, PD_ENOMEM, "rpc channel: out of memory");
+    ch->p = *p;
+    ch->p.target = NULL;
+    pthread_mutex_init(&ch->mu, NULL);
+    pthread_cond_init(&ch->cv, NULL);
+    rpc__global_init();
+    grpc_init();
+    grpc_arg args[2];
+    args[0].type = GRPC_ARG_INTEGER;
+    args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+    args[0].value.integer = p->max_recv_msg_bytes;
+    args[1].type = GRPC_ARG_INTEGER;
+    args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
+    args[1].value.integer = p->max_send_msg_bytes;
+    grpc_channel_args cargs = {2, args};
+    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    ch->ch = grpc_channel_create(p->target, creds, &cargs);
+    grpc_channel_credentials_release(creds);
+    if (!ch->ch) {
+        rpc_channel_destroy(ch);
+        return pd_errf(err, PD_EINVAL, "rpc channel: cannot create a channel to %s", p->target);
+    }
+    *out = ch;
+    return 0;
+}
+
+void rpc_channel_destroy(rpc_channel *ch)
+{
+    if (!ch) return;
+    rpc__channel_stop_async(ch);
+    if (ch->ch) grpc_channel_destroy(ch->ch);
+    pthread_mutex_destroy(&ch->mu);
+    pthread_cond_destroy(&ch->cv);
+    free(ch);
+    grpc_shutdown();
+}
+
+int rpc__md_build(const rpc_call_opts *opts, rpc__md *out, char *err)
+{
+    out->md = NULL;
+    out->n = 0;
+    if (!opts || opts->n_md == 0) return 0;
+    if (!opts->md) return pd_errf(err, PD_EINVAL, "rpc client: n_md > 0 with md NULL");
+    out->md = calloc(opts->n_md, sizeof *out->md);
+    if (!out->md) return pd_errf(err, PD_ENOMEM, "rpc client: out of memory");
+    for (size_t i = 0; i < opts->n_md; i++) {
+        const rpc_metadata *m = &opts->md[i];
+        if (!m->key || !m->value) {
+            rpc__md_free(out);
+            return pd_errf(err, PD_EINVAL, "rpc client: metadata %zu has a NULL key or value",
+                           i);
+        }
+        out->md[i].key = grpc_slice_from_copied_string(m->key);
+        out->md[i].value = grpc_slice_from_copied_string(m->value);
+        out->n++;
+        if (!grpc_header_key_is_legal(out->md[i].key) ||
+            (!grpc_is_binary_header(out->md[i].key) &&
+             !grpc_header_nonbin_value_is_legal(out->md[i].value))) {
+            rpc__md_free(out);
+            return pd_errf(err, PD_EINVAL,
+                           "rpc client: illegal metadata \"%s\" (keys are lowercase ASCII; "
+                           "values printable ASCII unless the key ends in -bin)", m->key);
+        }
+    }
+    return 0;
+}
+
+void rpc__md_free(rpc__md *m)
+{
+    for (size_t i = 0; i < m->n; i++) {
+        grpc_slice_unref(m->md[i].key);
+        grpc_slice_unref(m->md[i].value);
+    }
+    free(m->md);
+    m->md = NULL;
+    m->n = 0;
+}
+
+grpc_call *rpc__channel_new_call(rpc_channel *ch, grpc_completion_queue *cq, const char *path,
+                                 const rpc_call_opts *opts)
+{
+    grpc_slice method = grpc_slice_from_copied_string(path);
+    grpc_call *call =
+        grpc_channel_create_call(ch->ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, method, NULL,
+                                 rpc__deadline_from_ms(opts ? opts->timeout_ms : 0), NULL);
+    grpc_slice_unref(method);
+    return call;
+}
+
+void rpc__fill_status(rpc_status *st, grpc_status_code code, grpc_slice details,
+                      const char *error_string)
+{
+    st->code = (int)code;
+    rpc__copy_slice(st->details, sizeof st->details, details);
+    if (!st->details[0] && error_string && code != GRPC_STATUS_OK)
+        snprintf(st->details, sizeof st->details, "%s", error_string);
+}
+
+static void destroy_pluck_cq(grpc_completion_queue *cq)
+{
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(cq);
+}
+
+static void set_local_status(rpc_status *st, int code, const char *msg)
+{
+    if (!st) return;
+    st->code = code;
+    snprintf(st->details, sizeof st->details, "%s", msg);
+}
+
+int rpc_unary_call(rpc_channel *ch, const char *path, const ProtobufCMessage *req,
+                   const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
+                   ProtobufCMessage **resp, rpc_status *st)
+{
+    rpc_call_opts o = {.timeout_ms = timeout_ms};
+    return rpc_unary_call_opts(ch, path, req, resp_desc, &o, resp, st);
+}
+
+int rpc_unary_call_opts(rpc_channel *ch, const char *path, const ProtobufCMessage *req,
+                        const ProtobufCMessageDescriptor *resp_desc, const rpc_call_opts *opts,
+                        ProtobufCMessage **resp, rpc_status *st)
+{
+    *resp = NULL;
+    if (!path || !req || !resp_desc) return PD_EINVAL;
+    char err[PD_ERR_LEN];
+    rpc__md md;
+    int rc = rpc__md_build(opts, &md, err);
+    if (rc != 0) {
+        set_local_status(st, RPC_STATUS_INVALID_ARGUMENT, err);
+        return RPC_STATUS_INVALID_ARGUMENT;
+    }
+    grpc_byte_buffer *send_bb = NULL;
+    rc = rpc__encode(req, ch->p.max_send_msg_bytes, &send_bb);
+    if (rc != 0) {
+        rpc__md_free(&md);
+        set_local_status(st, RPC_STATUS_RESOURCE_EXHAUSTED,
+                         rc == PD_EINVAL ? "the request is larger than max_send_msg_bytes"
+                                         : "out of memory");
+        return RPC_STATUS_RESOURCE_EXHAUSTED;
+    }
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+    grpc_call *call = rpc__channel_new_call(ch, cq, path, opts);
+    grpc_metadata_array init_md, trail_md;
+    grpc_metadata_array_init(&init_md);
+    grpc_metadata_array_init(&trail_md);
+    grpc_byte_buffer *recv_bb = NULL;
+    grpc_status_code status = GRPC_STATUS_UNKNOWN;
+    grpc_slice details = grpc_empty_slice();
+    const char *error_string = NULL;
+
+    grpc_op ops[6];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].flags = ch->p.wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+    ops[0].data.send_initial_metadata.count = md.n;
+    ops[0].data.send_initial_metadata.metadata = md.md;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send_bb;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &init_md;
+    ops[4].op = GRPC_OP_RECV_MESSAGE;
+    ops[4].data.recv_message.recv_message = &recv_bb;
+    ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[5].data.recv_status_on_client.trailing_metadata = &trail_md;
+    ops[5].data.recv_status_on_client.status = &status;
+    ops[5].data.recv_status_on_client.status_details = &details;
+    ops[5].data.recv_status_on_client.error_string = &error_string;
+    void *tag = &ops[0];
+    grpc_call_error e = grpc_call_start_batch(call, ops, 6, tag, NULL);
+    PD_ASSERT(e == GRPC_CALL_OK, "rpc_unary_call: grpc_call_start_batch failed");
+    grpc_completion_queue_pluck(cq, tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+
+    rpc_status local;
+    rpc_status *s = st ? st : &local;
+    rpc__fill_status(s, status, details, error_string);
+    if (status == GRPC_STATUS_OK) {
+        if (!recv_bb) {
+            set_local_status(s, RPC_STATUS_INTERNAL, "the server sent no response message");
+        } else if (rpc__decode(recv_bb, resp_desc, resp) != 0) {
+            char msg[PD_ERR_LEN];
+            snprintf(msg, sizeof msg, "the response is not a valid %s", resp_desc->name);
+            set_local_status(s, RPC_STATUS_INTERNAL, msg);
+        }
+    }
+    if (recv_bb) grpc_byte_buffer_destroy(recv_bb);
+    grpc_byte_buffer_destroy(send_bb);
+    grpc_metadata_array_destroy(&init_md);
+    grpc_metadata_array_destroy(&trail_md);
+    grpc_slice_unref(details);
+    gpr_free((void *)error_string);
+    grpc_call_unref(call);
+    destroy_pluck_cq(cq);
+    rpc__md_free(&md);
+    return s->code;
+}
+
+/* ---- blocking stream reader ---- */
+
+struct rpc_client_stream {
+    rpc_channel *ch;
+    grpc_completion_queue *cq;          /* pluck, this stream's own */
+    grpc_call *call;
+    const ProtobufCMessageDescriptor *desc;
+    grpc_byte_buffer *send_bb, *recv_bb;
+    rpc__md md;                         /* request metadata */
+    grpc_metadata_array init_md, trail_md;
+    grpc_status_code status;
+    grpc_slice details;
+    const char *error_string;
+    bool start_done, status_done, eos;
+    bool bad_response;
+    char tag_start, tag_status, tag_msg; /* distinct addresses used as tags */
+};
+
+int rpc_client_stream_open(rpc_channel *ch, const char *path, const ProtobufCMessage *req,
+                           const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
+                           rpc_client_stream **out, char *err)
+{
+    rpc_call_opts o = {.timeout_ms = timeout_ms};
+    return rpc_client_stream_open_opts(ch, path, req, resp_desc, &o, out, err);
+}
+
+int rpc_client_stream_open_opts(rpc_channel *ch, const char *path, const ProtobufCMessage *req,
+                                const ProtobufCMessageDescriptor *resp_desc,
+                                const rpc_call_opts *opts, rpc_client_stream **out, char *err)
+{
+    *out = NULL;
+    if (!path || !req || !resp_desc) return pd_errf(err, PD_EINVAL, "rpc stream: bad arguments");
+    rpc_client_stream *s = calloc(1, sizeof *s);
+    if (!s) return pd_errf(err, PD_ENOMEM, "rpc stream: out of memory");
+    int rc = rpc__md_build(opts, &s->md, err);
+    if (rc != 0) {
+        free(s);
+        return rc;
+    }
+    rc = rpc__encode(req, ch->p.max_send_msg_bytes, &s->send_bb);
+    if (rc != 0) {
+        rpc__md_free(&s->md);
+        free(s);
+        return pd_errf(err, rc, "rpc stream: cannot encode the request (%s)",
+                       rc == PD_EINVAL ? "larger than max_send_msg_bytes" : "out of memory");
+    }
+    s->ch = ch;
+    s->desc = resp_desc;
+    s->details = grpc_empty_slice();
+    s->status = GRPC_STATUS_UNKNOWN;
+    grpc_metadata_array_init(&s->init_md);
+    grpc_metadata_array_init(&s->trail_md);
+    s->cq = grpc_completion_queue_create_for_pluck(NULL);
+    s->call = rpc__channel_new_call(ch, s->cq, path, opts);
+
+    grpc_op ops[4];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].flags = ch->p.wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+    ops[0].data.send_initial_metadata.count = s->md.n;
+    ops[0].data.send_initial_metadata.metadata = s->md.md;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = s->send_bb;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
+    grpc_call_error e = grpc_call_start_batch(s->call, ops, 4, &s->tag_start, NULL);
+    PD_ASSERT(e == GRPC_CALL_OK, "rpc stream: grpc_call_start_batch failed");
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[0].data.recv_status_on_client.trailing_metadata = &s->trail_md;
+    ops[0].data.recv_status_on_client.status = &s->status;
+    ops[0].data.recv_status_on_client.status_details = &s->details;
+    ops[0].data.recv_status_on_client.error_string = &s->error_string;
+    e = grpc_call_start_batch(s->call, ops, 1, &s->tag_status, NULL);
+    PD_ASSERT(e == GRPC_CALL_OK, "rpc stream: grpc_call_start_batch failed");
+    *out = s;
+    return 0;
+}
+
+static void stream_pluck(rpc_client_stream *s, void *tag)
+{
+    grpc_completion_queue_pluck(s->cq, tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+}
+
+int rpc_client_stream_next(rpc_client_stream *s, ProtobufCMessage **msg)
+{
+    *msg = NULL;
+    if (s->eos) return 0;
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_MESSAGE;
+    op.data.recv_message.recv_message = &s->recv_bb;
+    grpc_call_error e = grpc_call_start_batch(s->call, &op, 1, &s->tag_msg, NULL);
+    PD_ASSERT(e == GRPC_CALL_OK, "rpc stream: grpc_call_start_batch failed");
+    stream_pluck(s, &s->tag_msg);
+    if (!s->recv_bb) {
+        s->eos = true;
+        return 0;
+    }
+    int rc = rpc__decode(s->recv_bb, s->desc, msg);
+    grpc_byte_buffer_destroy(s->recv_bb);
+    s->recv_bb = NULL;
+    if (rc != 0) {
+        s->bad_response = true;
+        s->eos = true;
+        grpc_call_cancel_with_status(s->call, GRPC_STATUS_INTERNAL, "bad response message",
+                                     NULL);
+        return 0;
+    }
+    return 1;
+}
+
+void rpc_client_stream_cancel(rpc_client_stream *s) { grpc_call_cancel(s->call, NULL); }
+
+int rpc_client_stream_status(rpc_client_stream *s, rpc_status *st)
+{
+    ProtobufCMessage *m;
+    while (rpc_client_stream_next(s, &m) == 1) protobuf_c_message_free_unpacked(m, NULL);
+    if (!s->status_done) {
+        stream_pluck(s, &s->tag_status);
+        s->status_done = true;
+    }
+    rpc__fill_status(st, s->status, s->details, s->error_string);
+    if (s->bad_response) {
+        st->code = RPC_STATUS_INTERNAL;
+        snprintf(st->details, sizeof st->details, "the response is not a valid %s",
+                 s->desc->name);
+    }
+    return st->code;
+}
+
+void rpc_client_stream_close(rpc_client_stream *s)
+{
+    if (!s) return;
+    if (!s->status_done) {
+        grpc_call_cancel(s->call, NULL);
+        stream_pluck(s, &s->tag_status);
+        s->status_done = true;
+    }
+    if (!s->start_done) {
+        stream_pluck(s, &s->tag_start);
+        s->start_done = true;
+    }
+    grpc_call_unref(s->call);
+    destroy_pluck_cq(s->cq);
+    if (s->recv_bb) grpc_byte_buffer_destroy(s->recv_bb);
+    grpc_byte_buffer_destroy(s->send_bb);
+    rpc__md_free(&s->md);
+    grpc_metadata_array_destroy(&s->init_md);
+    grpc_metadata_array_destroy(&s->trail_md);
+    grpc_slice_unref(s->details);
+    gpr_free((void *)s->error_string);
+    free(s);
+}

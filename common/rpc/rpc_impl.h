@@ -1,0 +1,127 @@
+/* rpc_impl.h -- Internal structures of the gRPC layer (common/rpc/): server, server call and
+ * the helpers shared by its files. Not for use outside common/rpc/. */
+#ifndef PD_RPC_IMPL_H
+#define PD_RPC_IMPL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include <grpc/byte_buffer.h>
+#include <grpc/grpc.h>
+#include <grpc/support/time.h>
+
+#include "common/rpc/rpc.h"
+
+/* What a completion-queue tag stands for; every tag points at one of these. */
+typedef enum {
+    RPC__TAG_NEW = 0,   /* a requested call arrived (or the request died at shutdown) */
+    RPC__TAG_CLOSE,     /* RECV_CLOSE_ON_SERVER completed: the call is over, maybe cancelled */
+    RPC__TAG_SEND,      /* the outbound batch in flight completed */
+    RPC__TAG_SHUTDOWN,  /* grpc_server_shutdown_and_notify completed */
+} rpc__tag_kind;
+
+typedef struct {
+    rpc__tag_kind kind;
+    void *obj;          /* rpc_call (NEW, CLOSE, SEND) or rpc_server (SHUTDOWN) */
+} rpc__tag;
+
+/* A registered method. */
+typedef struct {
+    char *path;                                 /* "/pkg.Svc/Method", owned */
+    const ProtobufCMessageDescriptor *req_desc; /* request type */
+    rpc_method_kind kind;
+    rpc_handler_fn handler;
+    void *user;
+    void *handle;                               /* grpc_server_register_method's handle */
+} rpc__method;
+
+struct rpc_server {
+    rpc_server_params p;
+    char *listen_addr;                  /* owned copy of p.listen_addr */
+    rpc__method **methods;              /* [n_methods], owned */
+    int n_methods;
+    char **services;                    /* [n_services] names the health check knows, owned */
+    int n_services;
+
+    grpc_server *server;                /* NULL until started and after shutdown */
+    grpc_completion_queue *cq;          /* shared by every worker */
+    pthread_t *threads;                 /* [n_threads_started] */
+    int n_threads_started;
+    int port;
+
+    pthread_mutex_t mu;                 /* guards the fields below and the lifecycle */
+    pthread_cond_t cv;                  /* signalled when live/pending drop, shutdown tag */
+    int64_t live;                       /* calls delivered and not yet freed */
+    int64_t pending;                    /* request slots posted to core, not completed */
+    bool started, shutting_down, shut_down, shutdown_tag_done;
+    rpc__tag shutdown_tag;
+
+    atomic_bool serving;                /* health answer */
+    atomic_llong n_started, n_cancelled, n_unimplemented, n_bad_request, n_msgs_sent;
+    int64_t live_peak;                  /* under mu */
+};
+
+struct rpc_call {
+    rpc_server *srv;
+    const rpc__method *m;               /* NULL for calls of unknown methods */
+    uint64_t id;
+
+    /* Filled by core when the call arrives. */
+    grpc_call *call;
+    gpr_timespec deadline;              /* GPR_CLOCK_MONOTONIC, or infinite */
+    grpc_metadata_array md;
+    grpc_byte_buffer *payload;          /* registered calls: the request, may be NULL */
+    grpc_call_details details;          /* unknown-method calls: the path */
+    char *path;                         /* unknown-method calls: owned copy of the path */
+    ProtobufCMessage *req;              /* decoded request, freed with the call */
+
+    rpc__tag tag_new, tag_close, tag_send;
+    int close_cancelled;                /* RECV_CLOSE_ON_SERVER's out-parameter */
+
+    pthread_mutex_t mu;                 /* guards everything below */
+    pthread_cond_t cv;                  /* writable / cancel callback finished */
+    int refs;                           /* holders + core batches in flight; freed at 0 */
+    int holders;                        /* dispatch + application references */
+
+    grpc_byte_buffer **q;               /* ring of queued responses [q_cap] */
+    int q_head, q_len, q_cap;
+    grpc_byte_buffer *inflight;         /* the SEND_MESSAGE buffer in flight */
+    int n_writers_waiting;              /* threads in rpc_stream_wait_writable */
+    bool md_sent, send_inflight, finish_queued, status_sent;
+    atomic_bool cancelled;
+    int status_code;
+    grpc_slice status_details;          /* owned; unref'd when the call is freed */
+
+    rpc_cancel_fn cancel_fn;
+    void *cancel_user;
+    bool cancel_fired;
+    bool cb_running;
+    pthread_t cb_thread;
+};
+
+/* rpc_common.c */
+void rpc__global_init(void); /* once per process: routes gRPC's log lines to common/log.h */
+/* Serializes msg into a new byte buffer (caller destroys). Returns 0, PD_ENOMEM, or PD_EINVAL
+ * when it is larger than max_bytes (> 0). */
+int rpc__encode(const ProtobufCMessage *msg, int max_bytes, grpc_byte_buffer **out);
+/* Decodes bb (NULL: PD_EINVAL) as desc. Returns 0 or PD_EFORMAT (not a valid message). */
+int rpc__decode(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
+                ProtobufCMessage **out);
+gpr_timespec rpc__deadline_from_ms(int64_t timeout_ms);
+void rpc__copy_slice(char *dst, size_t len, grpc_slice s);
+
+/* rpc_call.c: the per-call state machine, driven by the server's workers. */
+void rpc__call_on_new(rpc_call *c, bool ok);
+void rpc__call_on_close(rpc_call *c, bool ok);
+void rpc__call_on_send(rpc_call *c, bool ok);
+rpc_call *rpc__call_alloc(rpc_server *s, const rpc__method *m);
+void rpc__call_free_unused(rpc_call *c);
+
+/* rpc_server.c: called by rpc_call.c. */
+/* Posts one request slot for method m (NULL: unknown methods) unless shutting down. */
+void rpc__server_post(rpc_server *s, const rpc__method *m);
+void rpc__server_call_delivered(rpc_server *s);
+void rpc__server_call_freed(rpc_server *s);
+void rpc__server_slot_done(rpc_server *s);
+
+#endif
