@@ -1,12 +1,28 @@
 #!/usr/bin/env bash
-# run.sh -- Sets up a fresh Debian machine and runs pdserve's main job: builds pdserve and
-# generates a story with the tiny real model ../shared/models/stories260k (greedy, on the CPU;
-# the GPU is used when a CUDA build finds one). Extra arguments go to pdserve-generate.
+# run.sh -- Sets up a fresh Debian machine and runs pdserve's main job: builds pdserve, starts
+# the disaggregated stack locally (pdserve-prefill + pdserve-decode + pdserve-router on
+# loopback with pdserve-up, KV moving over UCX) on the tiny real model
+# ../shared/models/stories260k (CPU; the GPU backend is used when a CUDA build finds one),
+# streams a story through the public gRPC API with pdserve-cli, and stops the stack.
+#   PDSERVE_MODEL=DIR   another model directory
+#   extra arguments     go to pdserve-cli (e.g. --prompt "The dog" --max-tokens 64)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${PDSERVE_MODEL:-../shared/models/stories260k}
 
 bash tools/install_deps.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build build -j "$(nproc)" --target pdserve-generate
-./build/bin/pdserve-generate --model "$MODEL" --prompt-ids 1 --max-tokens 256 --temperature 0 "$@"
+cmake --build build -j "$(nproc)" --target pdserve-prefill pdserve-decode pdserve-router pdserve-cli
+
+LOG=$(mktemp)
+./build/bin/pdserve-up --model "$MODEL" --port 0 >"$LOG" 2>&1 &
+UP=$!
+trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null; rm -f "$LOG"' EXIT
+for _ in $(seq 600); do
+    grep -q '^ROUTER ' "$LOG" && break
+    kill -0 $UP 2>/dev/null || { cat "$LOG" >&2; exit 1; }
+    sleep 0.1
+done
+ROUTER=$(awk '/^ROUTER /{print $2; exit}' "$LOG")
+grep 'router listening' "$LOG" >&2
+./build/bin/pdserve-cli generate --addr "$ROUTER" --temperature 0 --max-tokens 256 "$@"

@@ -1,0 +1,293 @@
+/* svc.c -- Conversions, status mapping, model setup and signals for the services. */
+#include "common/svc/svc.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+#include "common/error.h"
+#include "common/log.h"
+
+int svc_sampling_from_proto(const Pdserve__V1__SamplingParams *m, smp_params *out, char *err)
+{
+    *out = smp_default_params();
+    if (m) {
+        if (m->temperature_set_case == PDSERVE__V1__SAMPLING_PARAMS__TEMPERATURE_SET_TEMPERATURE)
+            out->temperature = m->temperature;
+        if (m->top_p_set_case == PDSERVE__V1__SAMPLING_PARAMS__TOP_P_SET_TOP_P) out->top_p = m->top_p;
+        out->top_k = m->top_k;
+        out->min_p = m->min_p;
+        if (m->repetition_penalty_set_case ==
+            PDSERVE__V1__SAMPLING_PARAMS__REPETITION_PENALTY_SET_REPETITION_PENALTY)
+            out->repetition_penalty = m->repetition_penalty;
+        out->presence_penalty = m->presence_penalty;
+        out->frequency_penalty = m->frequency_penalty;
+        if (m->seed_set_case == PDSERVE__V1__SAMPLING_PARAMS__SEED_SET_SEED) {
+            out->seed = m->seed;
+            out->has_seed = true;
+        }
+    }
+    char e2[PD_ERR_LEN];
+    if (smp_validate(out, e2) < 0) return pd_errf(err, PD_EINVAL, "sampling: %s", e2);
+    return 0;
+}
+
+void svc_sampling_to_proto(const smp_params *p, Pdserve__V1__SamplingParams *m)
+{
+    pdserve__v1__sampling_params__init(m);
+    m->temperature_set_case = PDSERVE__V1__SAMPLING_PARAMS__TEMPERATURE_SET_TEMPERATURE;
+    m->temperature = p->temperature;
+    m->top_p_set_case = PDSERVE__V1__SAMPLING_PARAMS__TOP_P_SET_TOP_P;
+    m->top_p = p->top_p;
+    m->top_k = p->top_k;
+    m->min_p = p->min_p;
+    m->repetition_penalty_set_case = PDSERVE__V1__SAMPLING_PARAMS__REPETITION_PENALTY_SET_REPETITION_PENALTY;
+    m->repetition_penalty = p->repetition_penalty;
+    m->presence_penalty = p->presence_penalty;
+    m->frequency_penalty = p->frequency_penalty;
+    if (p->has_seed) {
+        m->seed_set_case = PDSERVE__V1__SAMPLING_PARAMS__SEED_SET_SEED;
+        m->seed = p->seed;
+    }
+}
+
+int svc_stopping_from_proto(const Pdserve__V1__StoppingCriteria *m, int32_t default_max_tokens,
+                            seq_stopping *out, char *err)
+{
+    memset(out, 0, sizeof *out);
+    out->max_tokens = default_max_tokens;
+    if (!m) return 0;
+    if (m->max_tokens_set_case == PDSERVE__V1__STOPPING_CRITERIA__MAX_TOKENS_SET_MAX_TOKENS) {
+        if (m->max_tokens == 0 || m->max_tokens > (uint32_t)INT32_MAX)
+            return pd_errf(err, PD_EINVAL, "stopping.max_tokens must be >= 1 (got %u)", m->max_tokens);
+        out->max_tokens = (int32_t)m->max_tokens;
+    }
+    if (m->min_tokens > (uint32_t)out->max_tokens)
+        return pd_errf(err, PD_EINVAL, "stopping.min_tokens (%u) exceeds max_tokens (%d)",
+                       m->min_tokens, out->max_tokens);
+    out->min_tokens = (int32_t)m->min_tokens;
+    const size_t cap = sizeof out->stop_ids / sizeof out->stop_ids[0];
+    if (m->n_stop_token_ids > cap)
+        return pd_errf(err, PD_EINVAL, "stopping.stop_token_ids: at most %zu ids (got %zu)", cap,
+                       m->n_stop_token_ids);
+    for (size_t i = 0; i < m->n_stop_token_ids; i++) {
+        if (m->stop_token_ids[i] > (uint32_t)INT32_MAX)
+            return pd_errf(err, PD_EINVAL, "stopping.stop_token_ids[%zu] is out of range", i);
+        out->stop_ids[i] = (int32_t)m->stop_token_ids[i];
+    }
+    out->n_stop_ids = (int32_t)m->n_stop_token_ids;
+    out->ignore_eos = m->ignore_eos;
+    return 0;
+}
+
+rpc_status_code svc_status_for(int e)
+{
+    switch (e) {
+    case PD_OK: return RPC_STATUS_OK;
+    case PD_EINVAL: case PD_EFORMAT: case PD_ERANGE: return RPC_STATUS_INVALID_ARGUMENT;
+    case PD_ENOSPC: case PD_ENOMEM: return RPC_STATUS_RESOURCE_EXHAUSTED;
+    case PD_ENOTFOUND: return RPC_STATUS_NOT_FOUND;
+    case PD_EUNSUPPORTED: return RPC_STATUS_UNIMPLEMENTED;
+    case PD_ETIMEDOUT: return RPC_STATUS_DEADLINE_EXCEEDED;
+    case PD_ECANCELED: return RPC_STATUS_CANCELLED;
+    case PD_EUNAVAILABLE: case PD_ESTATE: return RPC_STATUS_UNAVAILABLE;
+    case PD_EMISMATCH: return RPC_STATUS_FAILED_PRECONDITION;
+    default: return RPC_STATUS_INTERNAL;
+    }
+}
+
+Pdserve__V1__FinishReason svc_finish_reason(seq_finish f)
+{
+    switch (f) {
+    case SEQ_FINISH_LENGTH: return PDSERVE__V1__FINISH_REASON__FINISH_REASON_LENGTH;
+    case SEQ_FINISH_EOS: return PDSERVE__V1__FINISH_REASON__FINISH_REASON_EOS;
+    case SEQ_FINISH_STOP: return PDSERVE__V1__FINISH_REASON__FINISH_REASON_STOP;
+    case SEQ_FINISH_ABORTED: return PDSERVE__V1__FINISH_REASON__FINISH_REASON_CANCELLED;
+    default: return PDSERVE__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED;
+    }
+}
+
+void svc_model_flags_init(svc_model_flags *f)
+{
+    memset(f, 0, sizeof *f);
+    f->model = "../shared/models/stories260k";
+    f->model_name = "";
+    f->backend = "auto";
+    f->load_format = "safetensors";
+    f->block_size = 16;
+    f->kv_cache_mb = 256;
+    f->max_num_seqs = 256;
+    f->max_num_batched_tokens = 2048;
+}
+
+void svc_model_flags_add(svc_model_flags *f, pd_flag *fl, int *n)
+{
+    pd_flag add[] = {
+        {"model", PD_FLAG_STRING, &f->model, "HuggingFace model directory", 1, 0},
+        {"model-name", PD_FLAG_STRING, &f->model_name, "name served in GetModelInfo (default: directory name)", 1, 0},
+        {"backend", PD_FLAG_STRING, &f->backend, "compute backend: auto, cpu, cuda", 1, 0},
+        {"load-format", PD_FLAG_STRING, &f->load_format, "safetensors, or dummy (random weights)", 1, 0},
+        {"threads", PD_FLAG_INT, &f->threads, "CPU threads for matrix products (0 = all)", 0, 1024},
+        {"block-size", PD_FLAG_INT, &f->block_size, "tokens per KV block (same on prefill and decode)", 1, 1024},
+        {"kv-cache-mb", PD_FLAG_INT, &f->kv_cache_mb, "KV cache size in MiB", 1, 1 << 24},
+        {"max-num-seqs", PD_FLAG_INT, &f->max_num_seqs, "sequences per engine step", 1, 65536},
+        {"max-num-batched-tokens", PD_FLAG_INT, &f->max_num_batched_tokens, "tokens per engine step", 16, 1 << 20},
+        {"max-model-len", PD_FLAG_INT, &f->max_model_len, "longest sequence (0 = the model's)", 0, 1 << 24},
+        {"no-prefix-cache", PD_FLAG_BOOL, &f->no_prefix_cache, "disable prefix caching", 1, 0},
+        {"no-chunked-prefill", PD_FLAG_BOOL, &f->no_chunked_prefill, "disable chunked prefill", 1, 0},
+    };
+    for (size_t i = 0; i < sizeof add / sizeof add[0]; i++) fl[(*n)++] = add[i];
+}
+
+static uint64_t fingerprint(const char *dir, const char *load_format, pd_dtype kv)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    XXH64_state_t *st = XXH64_createState();
+    XXH64_reset(st, 0x70d5e7e1);
+    FILE *f = fopen(path, "rb");
+    if (f) {
+        char buf[4096];
+        size_t n;
+        while ((n = fread(buf, 1, sizeof buf, f)) > 0) XXH64_update(st, buf, n);
+        fclose(f);
+    }
+    XXH64_update(st, load_format, strlen(load_format));
+    XXH64_update(st, &kv, sizeof kv);
+    uint64_t h = XXH64_digest(st);
+    XXH64_freeState(st);
+    return h;
+}
+
+int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *err)
+{
+    memset(m, 0, sizeof *m);
+    int rc;
+    pd_load_format fmt;
+    if (!strcmp(f->load_format, "safetensors")) fmt = PD_LOAD_SAFETENSORS;
+    else if (!strcmp(f->load_format, "dummy")) fmt = PD_LOAD_DUMMY;
+    else return pd_errf(err, PD_EINVAL, "unknown --load-format '%s' (safetensors, dummy)", f->load_format);
+    if ((rc = mc_load(f->model, &m->cfg, err)) < 0) return rc;
+    pd_backend_params bp = pd_backend_default_params();
+    bp.n_threads = (int32_t)f->threads;
+    if ((rc = pd_backend_create(f->backend, &bp, &m->be, err)) < 0) goto fail;
+    if ((rc = pd_model_load(&m->cfg, f->model, fmt, 1234, m->be, &m->model, err)) < 0) goto fail;
+    mr_params mp = mr_default_params();
+    mp.block_size = (int32_t)f->block_size;
+    mp.kv_cache_bytes = f->kv_cache_mb << 20;
+    mp.max_num_seqs = (int32_t)f->max_num_seqs;
+    mp.max_num_batched_tokens = (int32_t)f->max_num_batched_tokens;
+    if ((rc = mr_create(&mp, m->model, &m->runner, err)) < 0) goto fail;
+    m->ep = eng_default_params(m->runner);
+    m->ep.mode = mode;
+    m->ep.max_model_len = (int32_t)f->max_model_len;
+    m->ep.enable_prefix_cache = !f->no_prefix_cache;
+    m->ep.enable_chunked_prefill = !f->no_chunked_prefill;
+    if (f->model_name && f->model_name[0]) {
+        snprintf(m->model_name, sizeof m->model_name, "%s", f->model_name);
+    } else {
+        const char *base = f->model;
+        size_t len = strlen(base);
+        while (len > 1 && base[len - 1] == '/') len--;
+        size_t start = len;
+        while (start > 0 && base[start - 1] != '/') start--;
+        snprintf(m->model_name, sizeof m->model_name, "%.*s", (int)(len - start), base + start);
+    }
+    m->fingerprint = fingerprint(f->model, f->load_format, m->be->ops->act_dtype);
+    PD_LOGI("model %s (%s, %.1fM params) on %s: %d KV blocks of %d tokens", m->model_name,
+            m->cfg.arch_name, (double)m->model->n_params / 1e6, m->be->ops->name,
+            mr_n_blocks(m->runner), mr_block_size(m->runner));
+    return 0;
+fail:
+    svc_model_close(m);
+    return rc;
+}
+
+void svc_model_close(svc_model *m)
+{
+    mr_destroy(m->runner);
+    pd_model_destroy(m->model);
+    pd_backend_destroy(m->be);
+    memset(m, 0, sizeof *m);
+}
+
+void svc_kv_layout(const svc_model *m, kvt_layout *out)
+{
+    memset(out, 0, sizeof *out);
+    snprintf(out->model_id, sizeof out->model_id, "%.40s-%016llx", m->model_name,
+             (unsigned long long)m->fingerprint);
+    out->dtype = m->be->ops->act_dtype;
+    out->n_layers = m->cfg.n_layers;
+    out->block_size = mr_block_size(m->runner);
+    out->n_kv_heads = m->cfg.n_kv_heads;
+    out->head_dim = m->cfg.head_dim;
+}
+
+void svc_kv_layout_to_proto(const svc_model *m, Pdserve__Internal__V1__KvLayout *out)
+{
+    pdserve__internal__v1__kv_layout__init(out);
+    out->block_size = (uint32_t)mr_block_size(m->runner);
+    switch (m->be->ops->act_dtype) {
+    case PD_DTYPE_F32: out->dtype = PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_F32; break;
+    case PD_DTYPE_F16: out->dtype = PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_F16; break;
+    case PD_DTYPE_BF16: out->dtype = PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_BF16; break;
+    default: out->dtype = PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_UNSPECIFIED; break;
+    }
+    out->num_layers = (uint32_t)m->cfg.n_layers;
+    out->num_kv_heads = (uint32_t)m->cfg.n_kv_heads;
+    out->head_dim = (uint32_t)m->cfg.head_dim;
+    out->model_fingerprint = m->fingerprint;
+}
+
+void svc_block_signals(void)
+{
+    sigset_t s;
+    sigemptyset(&s);
+    sigaddset(&s, SIGINT);
+    sigaddset(&s, SIGTERM);
+    sigaddset(&s, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &s, NULL);
+}
+
+int svc_wait_signal(void)
+{
+    sigset_t s;
+    sigemptyset(&s);
+    sigaddset(&s, SIGINT);
+    sigaddset(&s, SIGTERM);
+    int sig = 0;
+    sigwait(&s, &sig);
+    return sig;
+}
+
+static void load_report(rpc_call *call, const ProtobufCMessage *req, void *user)
+{
+    (void)req;
+    svc_instance *inst = user;
+    ew_load l;
+    ew_load_get(inst->worker, &l);
+    Pdserve__Internal__V1__LoadReportResponse r = PDSERVE__INTERNAL__V1__LOAD_REPORT_RESPONSE__INIT;
+    Pdserve__Internal__V1__KvLayout layout;
+    svc_kv_layout_to_proto(inst->model, &layout);
+    r.instance_id = inst->instance_id;
+    r.role = inst->role;
+    r.model_name = (char *)inst->model->model_name;
+    r.kv_layout = &layout;
+    r.free_blocks = (uint32_t)l.n_free_blocks;
+    r.total_blocks = (uint32_t)l.n_blocks;
+    r.running_seqs = (uint32_t)l.n_running;
+    r.waiting_seqs = (uint32_t)l.n_waiting;
+    r.queued_prefill_tokens = (uint64_t)l.queued_prompt_tokens;
+    r.draining = inst->draining != 0;
+    rpc_call_reply(call, &r.base);
+}
+
+int svc_instance_register(rpc_server *s, svc_instance *inst, char *err)
+{
+    return rpc_server_register(s, &pdserve__internal__v1__instance__descriptor, "LoadReport",
+                               RPC_UNARY, load_report, inst, err);
+}

@@ -1,0 +1,102 @@
+/* svc.h -- Glue shared by pdserve's services (router, prefill, decode): protobuf <-> engine
+ * conversions with validation, error -> gRPC status mapping, model and engine setup from
+ * flags, the KV layout, and the process lifecycle (signals, drain). Protobuf types stop here:
+ * nothing below the services sees them. */
+#ifndef PD_SVC_H
+#define PD_SVC_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/flags.h"
+#include "common/rpc/rpc.h"
+#include "engine/engine.h"
+#include "engine/model.h"
+#include "engine/model_runner.h"
+#include "kvtransfer/kvtransfer.h"
+#include "pdserve/internal/v1/kv.pb-c.h"
+#include "pdserve/v1/generation.pb-c.h"
+
+/* ---- conversions ---- */
+
+/* Fills *out from a SamplingParams message (NULL = all defaults: temperature 1, top_p 1, ...)
+ * and validates it. Returns 0, or PD_EINVAL with a message for the client in err. */
+int svc_sampling_from_proto(const Pdserve__V1__SamplingParams *m, smp_params *out, char *err);
+/* Copies *p into a message (the oneof presence fields set); strings none. */
+void svc_sampling_to_proto(const smp_params *p, Pdserve__V1__SamplingParams *m);
+/* Fills *out from StoppingCriteria (NULL = defaults) with max_tokens defaulting to
+ * default_max_tokens when unset; stop strings are not copied (router business). Returns 0 or
+ * PD_EINVAL with err. */
+int svc_stopping_from_proto(const Pdserve__V1__StoppingCriteria *m, int32_t default_max_tokens,
+                            seq_stopping *out, char *err);
+/* The gRPC status for a pdserve error code. */
+rpc_status_code svc_status_for(int pd_err);
+/* The public finish reason for an engine finish. */
+Pdserve__V1__FinishReason svc_finish_reason(seq_finish f);
+
+/* ---- model and engine from flags ---- */
+
+typedef struct {
+    const char *model;          /* model directory */
+    const char *model_name;     /* served name; default: the directory's last component */
+    const char *backend;        /* auto | cpu | cuda */
+    const char *load_format;    /* safetensors | dummy */
+    int64_t threads;            /* CPU threads, 0 = all */
+    int64_t block_size;         /* tokens per KV block */
+    int64_t kv_cache_mb;        /* KV pool size */
+    int64_t max_num_seqs;
+    int64_t max_num_batched_tokens;
+    int64_t max_model_len;      /* 0 = the model's */
+    bool no_prefix_cache;
+    bool no_chunked_prefill;
+} svc_model_flags;
+
+/* Defaults, and the flag table entries (appended at flags[*n], at most 12). */
+void svc_model_flags_init(svc_model_flags *f);
+void svc_model_flags_add(svc_model_flags *f, pd_flag *flags, int *n);
+
+typedef struct {
+    mc_config cfg;
+    pd_backend *be;
+    pd_model *model;
+    mr *runner;
+    eng_params ep;
+    char model_name[128];
+    uint64_t fingerprint;       /* of config + weights identity (KV compatibility) */
+} svc_model;
+
+/* Loads backend, weights and runner; fills ep for mode. Returns 0 or an error with err. */
+int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *out, char *err);
+void svc_model_close(svc_model *m);
+
+/* The KV layout of the model (for kvtransfer and for the KvLayout message). */
+void svc_kv_layout(const svc_model *m, kvt_layout *out);
+/* Fills a KvLayout message (no allocation). */
+void svc_kv_layout_to_proto(const svc_model *m, Pdserve__Internal__V1__KvLayout *out);
+
+/* ---- lifecycle ---- */
+
+/* Blocks SIGINT/SIGTERM/SIGPIPE in the calling thread (call first in main, before any thread
+ * starts, so that every thread inherits the mask). */
+void svc_block_signals(void);
+/* Waits for SIGINT or SIGTERM; returns the signal number. */
+int svc_wait_signal(void);
+
+#endif
+
+/* ---- the Instance service (LoadReport), served by prefill and decode ---- */
+
+#include "engine/worker.h"
+#include "pdserve/internal/v1/instance.pb-c.h"
+
+typedef struct {
+    char instance_id[128];
+    Pdserve__Internal__V1__Role role;
+    const svc_model *model;   /* borrowed */
+    ew *worker;               /* borrowed; must outlive the server */
+    volatile int draining;    /* set on SIGTERM */
+} svc_instance;
+
+/* Registers /pdserve.internal.v1.Instance/LoadReport answering from inst (borrowed; must
+ * outlive the server). Returns 0 or an rpc_server_register error. */
+int svc_instance_register(rpc_server *s, svc_instance *inst, char *err);

@@ -1,0 +1,498 @@
+/* decode_main.c -- pdserve-decode: the decode instance. Serves the internal Decode RPC:
+ * reserves KV blocks for a request, lands its KV from a prefill instance over kvtransfer,
+ * decodes it with continuous batching and streams the tokens; with --colocated (or a
+ * request's local_prefill) it computes the prompt itself. Also LoadReport and health.
+ *
+ * Threads: gRPC workers run the handlers; the engine thread owns the engine (engine/worker.h)
+ * and runs the output callbacks, which stream to the calls; the kvt thread owns the UCX
+ * context and runs the transfer events. A request (dreq) is reference counted by whoever may
+ * still reach it: the engine (until its terminal callback) and kvtransfer (until its event). */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/svc/svc.h"
+#include "common/svc/svc_kvt.h"
+#include "pdserve/internal/v1/decode.pb-c.h"
+
+typedef struct dreq {
+    atomic_int refs;
+    rpc_call *call;             /* our reference; dropped when the call is finished */
+    uint64_t id;                /* engine and kvtransfer request id */
+    int32_t n_prompt;
+    bool local_prefill;
+    bool want_logprobs;
+    pthread_mutex_t mu;
+    bool finished;              /* the call got its status */
+    bool kv_expected;           /* a kvt reservation exists and has not ended */
+    int err_code;               /* rpc status to end with after an abort (0 = CANCELLED) */
+    char err_msg[PD_ERR_LEN];
+    uint32_t *pend;             /* tokens not yet sent (the stream queue was full) */
+    float *pend_lp;
+    size_t n_pend, cap_pend;
+} dreq;
+
+typedef struct {
+    svc_model model;
+    ew *worker;
+    svc_kvt *kvt;
+    kvt_pool *pool;             /* kvt thread only */
+    void *desc;                 /* exported pool descriptor */
+    size_t desc_len;
+    rpc_server *server;
+    svc_instance inst;
+    atomic_uint_fast64_t next_id;
+    int64_t default_max_tokens;
+    bool colocated;
+} dsvc;
+
+static dsvc g;
+
+static void dreq_unref(dreq *r)
+{
+    if (atomic_fetch_sub(&r->refs, 1) != 1) return;
+    pthread_mutex_destroy(&r->mu);
+    free(r->pend);
+    free(r->pend_lp);
+    free(r);
+}
+
+/* Ends the call once (status OK = normal end); drops the call reference. */
+static void finish_call(dreq *r, rpc_status_code code, const char *msg)
+{
+    pthread_mutex_lock(&r->mu);
+    bool already = r->finished;
+    r->finished = true;
+    pthread_mutex_unlock(&r->mu);
+    if (already) return;
+    rpc_stream_finish(r->call, code, msg && *msg ? "%s" : NULL, msg);
+    rpc_call_unref(r->call);
+}
+
+/* Sends the pending tokens (and the final fields when o is terminal). Engine thread. */
+static void flush_burst(dreq *r, const eng_output *o)
+{
+    bool terminal = o && o->finish != SEQ_FINISH_NONE;
+    if (r->n_pend == 0 && !terminal) return;
+    Pdserve__Internal__V1__TokenBurst b = PDSERVE__INTERNAL__V1__TOKEN_BURST__INIT;
+    Pdserve__V1__Usage usage = PDSERVE__V1__USAGE__INIT;
+    Pdserve__V1__TokenLogprob *lps = NULL, **lpp = NULL;
+    b.n_token_ids = r->n_pend;
+    b.token_ids = r->pend;
+    if (r->want_logprobs && r->n_pend) {
+        lps = calloc(r->n_pend, sizeof *lps);
+        lpp = calloc(r->n_pend, sizeof *lpp);
+        if (lps && lpp) {
+            for (size_t i = 0; i < r->n_pend; i++) {
+                pdserve__v1__token_logprob__init(&lps[i]);
+                lps[i].token_id = r->pend[i];
+                lps[i].logprob = r->pend_lp[i];
+                lpp[i] = &lps[i];
+            }
+            b.n_logprobs = r->n_pend;
+            b.logprobs = lpp;
+        }
+    }
+    if (terminal) {
+        b.finish_reason = svc_finish_reason(o->finish);
+        usage.prompt_tokens = (uint32_t)o->n_prompt;
+        usage.completion_tokens = (uint32_t)o->n_output;
+        usage.cached_prompt_tokens = (uint32_t)o->n_cached;
+        b.usage = &usage;
+    }
+    Pdserve__Internal__V1__DecodeResponse m = PDSERVE__INTERNAL__V1__DECODE_RESPONSE__INIT;
+    m.kind_case = PDSERVE__INTERNAL__V1__DECODE_RESPONSE__KIND_TOKENS;
+    m.tokens = &b;
+    int rc = rpc_stream_send(r->call, &m.base);
+    if (rc == 0) r->n_pend = 0;
+    else if (rc == PD_ENOSPC && terminal)
+        finish_call(r, RPC_STATUS_RESOURCE_EXHAUSTED, "the client reads too slowly");
+    free(lps);
+    free(lpp);
+    /* PD_ENOSPC (not terminal): keep the tokens; the next output retries. PD_ESTATE: the call
+     * is gone (cancelled); the abort is on its way. */
+}
+
+static void on_output(void *user, const eng_output *o)
+{
+    dreq *r = user;
+    if (o->token >= 0) {
+        if (r->n_pend == r->cap_pend) {
+            size_t cap = r->cap_pend ? 2 * r->cap_pend : 8;
+            uint32_t *np = realloc(r->pend, cap * sizeof *np);
+            float *nl = np ? realloc(r->pend_lp, cap * sizeof *nl) : NULL;
+            if (np) r->pend = np;
+            if (nl) r->pend_lp = nl;
+            if (np && nl) r->cap_pend = cap;
+        }
+        if (r->n_pend < r->cap_pend) {
+            r->pend[r->n_pend] = (uint32_t)o->token;
+            r->pend_lp[r->n_pend++] = o->logprob;
+        }
+    }
+    if (o->finish == SEQ_FINISH_NONE) {
+        flush_burst(r, NULL);
+        return;
+    }
+    if (o->finish == SEQ_FINISH_ABORTED) {
+        pthread_mutex_lock(&r->mu);
+        int code = r->err_code ? r->err_code : RPC_STATUS_CANCELLED;
+        char msg[PD_ERR_LEN];
+        snprintf(msg, sizeof msg, "%s", r->err_code ? r->err_msg : "request cancelled");
+        pthread_mutex_unlock(&r->mu);
+        finish_call(r, (rpc_status_code)code, msg);
+    } else {
+        flush_burst(r, o);
+        finish_call(r, RPC_STATUS_OK, NULL);
+    }
+    dreq_unref(r); /* the engine's reference */
+}
+
+static void on_error(void *user, int code, const char *msg)
+{
+    dreq *r = user;
+    finish_call(r, svc_status_for(code), msg);
+    dreq_unref(r);
+}
+
+/* ---- kvtransfer side (kvt thread) ---- */
+
+typedef struct {
+    dreq *r;
+    int32_t n;
+    int32_t ids[];
+} expect_job;
+
+static void do_expect(kvt_ctx *ctx, void *arg)
+{
+    (void)ctx;
+    expect_job *j = arg;
+    dreq *r = j->r;
+    char err[PD_ERR_LEN];
+    kvt_recv_params p = kvt_recv_default_params();
+    p.req_id = r->id;
+    p.n_blocks = j->n;
+    p.block_ids = j->ids;
+    p.user = r;
+    int rc = kvt_recv_expect(g.pool, &p, err);
+    if (rc < 0) {
+        pthread_mutex_lock(&r->mu);
+        r->err_code = RPC_STATUS_INTERNAL;
+        snprintf(r->err_msg, sizeof r->err_msg, "cannot expect the KV transfer: %.400s", err);
+        pthread_mutex_unlock(&r->mu);
+        ew_abort(g.worker, r->id);
+        dreq_unref(r); /* the kvt reference taken for this job */
+        free(j);
+        return;
+    }
+    pthread_mutex_lock(&r->mu);
+    r->kv_expected = true;
+    pthread_mutex_unlock(&r->mu);
+    /* Tell the router where the prefill side writes. */
+    Pdserve__Internal__V1__KvLayout layout;
+    svc_kv_layout_to_proto(&g.model, &layout);
+    Pdserve__Internal__V1__KvTarget t = PDSERVE__INTERNAL__V1__KV_TARGET__INIT;
+    t.kv_descriptor.data = g.desc;
+    t.kv_descriptor.len = g.desc_len;
+    uint32_t *ids = malloc((size_t)j->n * sizeof *ids);
+    for (int32_t i = 0; ids && i < j->n; i++) ids[i] = (uint32_t)j->ids[i];
+    t.n_block_ids = ids ? (size_t)j->n : 0;
+    t.block_ids = ids;
+    t.decode_instance_id = g.inst.instance_id;
+    t.reservation_id = r->id;
+    t.layout = &layout;
+    Pdserve__Internal__V1__DecodeReservation res = PDSERVE__INTERNAL__V1__DECODE_RESERVATION__INIT;
+    res.kv_target = &t;
+    Pdserve__Internal__V1__DecodeResponse m = PDSERVE__INTERNAL__V1__DECODE_RESPONSE__INIT;
+    m.kind_case = PDSERVE__INTERNAL__V1__DECODE_RESPONSE__KIND_RESERVATION;
+    m.reservation = &res;
+    if (rpc_stream_send(r->call, &m.base) < 0 || !ids) {
+        /* The call is gone (cancelled): undo the reservation; its event drops the reference. */
+        kvt_recv_release(g.pool, r->id);
+        ew_abort(g.worker, r->id);
+    }
+    free(ids);
+    free(j);
+}
+
+static void on_kvt_event(void *arg, const kvt_event *ev)
+{
+    (void)arg;
+    dreq *r = ev->user;
+    if (!r) return;
+    pthread_mutex_lock(&r->mu);
+    r->kv_expected = false;
+    pthread_mutex_unlock(&r->mu);
+    if (ev->type == KVT_EV_RECV_DONE) {
+        PD_LOGD("request %llu: KV landed (%llu bytes in %.2f ms)", (unsigned long long)r->id,
+                (unsigned long long)ev->bytes, ev->elapsed_ns / 1e6);
+        ew_admit(g.worker, r->id, ev->first_token);
+        kvt_recv_release(g.pool, r->id);
+    } else if (ev->type == KVT_EV_RECV_FAILED) {
+        pthread_mutex_lock(&r->mu);
+        if (!r->err_code) {
+            r->err_code = ev->status == PD_ECANCELED ? RPC_STATUS_CANCELLED : RPC_STATUS_UNAVAILABLE;
+            snprintf(r->err_msg, sizeof r->err_msg, "KV transfer failed: %.400s", ev->detail);
+        }
+        pthread_mutex_unlock(&r->mu);
+        ew_abort(g.worker, r->id);
+    }
+    dreq_unref(r);
+}
+
+static void do_release(kvt_ctx *ctx, void *arg)
+{
+    (void)ctx;
+    dreq *r = arg;
+    kvt_recv_release(g.pool, r->id); /* unknown ids are fine */
+    dreq_unref(r);
+}
+
+/* ---- handlers ---- */
+
+static void on_reserved(void *user, const int32_t *ids, int32_t n)
+{
+    dreq *r = user;
+    expect_job *j = malloc(sizeof *j + (size_t)n * sizeof(int32_t));
+    if (!j) {
+        ew_abort(g.worker, r->id);
+        return;
+    }
+    j->r = r;
+    j->n = n;
+    memcpy(j->ids, ids, (size_t)n * sizeof(int32_t));
+    atomic_fetch_add(&r->refs, 1); /* kvtransfer's reference */
+    if (svc_kvt_post(g.kvt, do_expect, j) < 0) {
+        free(j);
+        dreq_unref(r);
+        ew_abort(g.worker, r->id);
+    }
+}
+
+static void on_cancel(rpc_call *call, void *user)
+{
+    (void)call;
+    dreq *r = user;
+    ew_abort(g.worker, r->id);
+    atomic_fetch_add(&r->refs, 1);
+    if (svc_kvt_post(g.kvt, do_release, r) < 0) dreq_unref(r);
+}
+
+static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *user)
+{
+    (void)user;
+    const Pdserve__Internal__V1__DecodeRequest *q = (const Pdserve__Internal__V1__DecodeRequest *)msg;
+    char err[PD_ERR_LEN];
+    eng_request er;
+    memset(&er, 0, sizeof er);
+    if (q->n_prompt_token_ids == 0) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "prompt_token_ids is empty");
+        return;
+    }
+    if (q->n_prompt_token_ids > (size_t)g.model.cfg.max_position) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "the prompt has %zu tokens; the "
+                          "maximum length is %d", q->n_prompt_token_ids, g.model.cfg.max_position);
+        return;
+    }
+    if (svc_sampling_from_proto(q->sampling, &er.sampling, err) < 0 ||
+        svc_stopping_from_proto(q->stopping, (int32_t)g.default_max_tokens, &er.stop, err) < 0) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
+        return;
+    }
+    int32_t *prompt = malloc(q->n_prompt_token_ids * sizeof *prompt);
+    dreq *r = calloc(1, sizeof *r);
+    if (!prompt || !r) {
+        free(prompt);
+        free(r);
+        rpc_stream_finish(call, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    for (size_t i = 0; i < q->n_prompt_token_ids; i++) {
+        uint32_t t = q->prompt_token_ids[i];
+        prompt[i] = t > (uint32_t)INT32_MAX ? -1 : (int32_t)t;
+    }
+    atomic_init(&r->refs, 1); /* the engine's reference */
+    pthread_mutex_init(&r->mu, NULL);
+    r->id = atomic_fetch_add(&g.next_id, 1);
+    r->call = call;
+    r->n_prompt = (int32_t)q->n_prompt_token_ids;
+    r->local_prefill = q->local_prefill || g.colocated;
+    r->want_logprobs = q->logprobs > 0;
+    rpc_call_ref(call);
+    er.id = r->id;
+    er.prompt = prompt;
+    er.n_prompt = r->n_prompt;
+    er.logprobs = r->want_logprobs;
+    /* A local prefill has no reservation message: the tokens follow directly. */
+    int rc = r->local_prefill ? ew_submit(g.worker, &er, r) : ew_reserve(g.worker, &er, r);
+    free(prompt);
+    if (rc < 0) {
+        finish_call(r, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        dreq_unref(r);
+        return;
+    }
+    rpc_call_set_cancel_cb(call, on_cancel, r);
+    PD_LOGD("decode request %s -> %llu (%d prompt tokens%s)", q->request_id,
+            (unsigned long long)r->id, r->n_prompt, r->local_prefill ? ", local prefill" : "");
+}
+
+/* ---- setup ---- */
+
+typedef struct {
+    int rc;
+    char err[PD_ERR_LEN];
+} setup_box;
+
+static void do_setup_pool(kvt_ctx *ctx, void *arg)
+{
+    setup_box *b = arg;
+    kvt_pool_params pp = kvt_pool_default_params();
+    svc_kv_layout(&g.model, &pp.layout);
+    pp.n_blocks = mr_n_blocks(g.model.runner);
+    int32_t L = g.model.cfg.n_layers;
+    void **k = calloc((size_t)L, sizeof *k), **v = calloc((size_t)L, sizeof *v);
+    if (!k || !v) {
+        b->rc = pd_errf(b->err, PD_ENOMEM, "out of memory");
+        free(k);
+        free(v);
+        return;
+    }
+    for (int32_t l = 0; l < L; l++) mr_kv_cache(g.model.runner, l, &k[l], &v[l]);
+    pp.k_base = k;
+    pp.v_base = v;
+    pp.mem_type = KVT_MEM_HOST;
+    b->rc = kvt_pool_create(ctx, &pp, &g.pool, b->err);
+    if (b->rc == 0) b->rc = kvt_pool_export(g.pool, &g.desc, &g.desc_len, b->err);
+    free(k);
+    free(v);
+}
+
+static void do_teardown_pool(kvt_ctx *ctx, void *arg)
+{
+    (void)ctx;
+    (void)arg;
+    kvt_pool_destroy(g.pool);
+    g.pool = NULL;
+}
+
+int main(int argc, char **argv)
+{
+    svc_block_signals();
+    svc_model_flags mf;
+    svc_model_flags_init(&mf);
+    const char *listen = "0.0.0.0:50061", *instance_id = "", *log_level = "info";
+    int64_t grace_ms = 30000, health_drain_ms = 0, threads = 2, max_tokens = 256, port = -1;
+    bool colocated = false;
+    pd_flag flags[32];
+    int n = 0;
+    svc_model_flags_add(&mf, flags, &n);
+    pd_flag more[] = {
+        {"listen", PD_FLAG_STRING, &listen, "gRPC listen address (host:port; port 0 = any)", 1, 0},
+        {"port", PD_FLAG_INT, &port, "listen on 0.0.0.0:PORT (overrides --listen; 0 = any)", 0, 65535},
+        {"instance-id", PD_FLAG_STRING, &instance_id, "instance id in load reports (default decode@<listen>)", 1, 0},
+        {"colocated", PD_FLAG_BOOL, &colocated, "compute prompts here too (no prefill instance)", 1, 0},
+        {"default-max-tokens", PD_FLAG_INT, &max_tokens, "max_tokens when a request sets none", 1, 1 << 24},
+        {"grpc-threads", PD_FLAG_INT, &threads, "gRPC worker threads", 1, 64},
+        {"shutdown-grace-ms", PD_FLAG_INT, &grace_ms, "SIGTERM: time in-flight requests get to finish", 0, 3600000},
+        {"health-drain-ms", PD_FLAG_INT, &health_drain_ms, "SIGTERM: time health says NOT_SERVING before the listener closes", 0, 600000},
+        {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
+    };
+    for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) flags[n++] = more[i];
+    int prc = pd_flags_parse(flags, n, argc, argv, "pdserve-decode",
+                             "The decode instance of pdserve: receives KV from prefill instances "
+                             "and streams generated tokens (internal Decode RPC).");
+    if (prc != 0) {
+        pd_flags_free();
+        return prc > 0 ? 0 : 2;
+    }
+    pd_log_level lv;
+    if (pd_log_parse_level(log_level, &lv) == 0) pd_log_set_level(lv);
+    char err[PD_ERR_LEN], listen_buf[64];
+    if (port >= 0) {
+        snprintf(listen_buf, sizeof listen_buf, "0.0.0.0:%lld", (long long)port);
+        listen = listen_buf;
+    }
+    int status = 1;
+    eng *e = NULL;
+    g.colocated = colocated;
+    g.default_max_tokens = max_tokens;
+    atomic_init(&g.next_id, 1);
+    if (svc_model_open(&mf, ENG_MODE_DECODE, &g.model, err) < 0) {
+        fprintf(stderr, "pdserve-decode: %s\n", err);
+        goto out;
+    }
+    /* Decode-only requests come through reservations, colocated ones as plain requests: the
+     * engine runs in decode mode for both (a local prefill is an ordinary admission). */
+    g.model.ep.mode = colocated ? ENG_MODE_COLOCATED : ENG_MODE_DECODE;
+    if (eng_create(&g.model.ep, &g.model.cfg, eng_executor_runner(g.model.runner), &e, err) < 0) {
+        fprintf(stderr, "pdserve-decode: %s\n", err);
+        goto out;
+    }
+    ew_callbacks cb = {on_output, on_error, on_reserved};
+    if (ew_create(e, &cb, &g.worker) < 0) {
+        eng_destroy(e);
+        fprintf(stderr, "pdserve-decode: cannot start the engine thread\n");
+        goto out;
+    }
+    kvt_params kp = kvt_default_params();
+    kp.name = "decode";
+    kp.on_event = on_kvt_event;
+    if (svc_kvt_create(&kp, &g.kvt, err) < 0) {
+        fprintf(stderr, "pdserve-decode: kvtransfer: %s\n", err);
+        goto out;
+    }
+    setup_box sb = {0, ""};
+    svc_kvt_call(g.kvt, do_setup_pool, &sb);
+    if (sb.rc < 0) {
+        fprintf(stderr, "pdserve-decode: KV pool: %s\n", sb.err);
+        goto out;
+    }
+    rpc_server_params sp = rpc_server_default_params();
+    sp.listen_addr = listen;
+    sp.n_threads = (int)threads;
+    sp.shutdown_grace_ms = (int)grace_ms;
+    sp.health_drain_ms = (int)health_drain_ms;
+    sp.stream_queue_max = 4096;
+    if (rpc_server_create(&sp, &g.server, err) < 0 ||
+        rpc_server_register(g.server, &pdserve__internal__v1__decode__descriptor, "Decode",
+                            RPC_SERVER_STREAMING, handle_decode, NULL, err) < 0) {
+        fprintf(stderr, "pdserve-decode: %s\n", err);
+        goto out;
+    }
+    g.inst.role = colocated ? PDSERVE__INTERNAL__V1__ROLE__ROLE_COLOCATED
+                            : PDSERVE__INTERNAL__V1__ROLE__ROLE_DECODE;
+    g.inst.model = &g.model;
+    g.inst.worker = g.worker;
+    if (svc_instance_register(g.server, &g.inst, err) < 0 || rpc_server_start(g.server, err) < 0) {
+        fprintf(stderr, "pdserve-decode: %s\n", err);
+        goto out;
+    }
+    if (instance_id[0]) snprintf(g.inst.instance_id, sizeof g.inst.instance_id, "%s", instance_id);
+    else snprintf(g.inst.instance_id, sizeof g.inst.instance_id, "decode@%s", listen);
+    PD_LOGI("pdserve-decode %s listening on port %d (%s)", g.inst.instance_id,
+            rpc_server_port(g.server), colocated ? "colocated" : "decode-only");
+    printf("PORT %d\n", rpc_server_port(g.server));
+    fflush(stdout);
+    int sig = svc_wait_signal();
+    PD_LOGI("signal %d: draining (grace %lld ms)", sig, (long long)grace_ms);
+    g.inst.draining = 1;
+    int cancelled = rpc_server_shutdown(g.server);
+    PD_LOGI("drained; %d calls cancelled", cancelled);
+    status = 0;
+out:
+    rpc_server_destroy(g.server); /* before the engine: calls reference requests */
+    ew_destroy(g.worker);
+    if (g.kvt) {
+        if (g.pool) svc_kvt_call(g.kvt, do_teardown_pool, NULL);
+        svc_kvt_destroy(g.kvt);
+    }
+    free(g.desc);
+    svc_model_close(&g.model);
+    pd_flags_free();
+    return status;
+}

@@ -1,0 +1,648 @@
+/* kvt_peer.c -- Connections between contexts and the targets built on them: endpoint creation
+ * with peer-failure detection, the HELLO handshake (which also gives the receiver its own
+ * endpoint back to the sender), detection and logging of the transport actually in use,
+ * failure and two-phase close, and opening a target from a pool descriptor. */
+#include "kvtransfer/kvt_impl.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "common/error.h"
+#include "common/log.h"
+
+static void peer_free(kvt__peer *peer);
+
+kvt__peer *kvt__peer_find(kvt_ctx *ctx, uint64_t remote_id)
+{
+    for (kvt__list *it = ctx->peers.next; it != &ctx->peers; it = it->next) {
+        kvt__peer *p = KVT_CONTAINER(it, kvt__peer, link);
+        if (p->remote_id == remote_id && p->initiator && p->state <= KVT_PEER_READY) return p;
+    }
+    return NULL;
+}
+
+static kvt__peer *find_accepted(kvt_ctx *ctx, uint64_t remote_id)
+{
+    for (kvt__list *it = ctx->peers.next; it != &ctx->peers; it = it->next) {
+        kvt__peer *p = KVT_CONTAINER(it, kvt__peer, link);
+        if (p->remote_id == remote_id && !p->initiator && p->state <= KVT_PEER_READY) return p;
+    }
+    return NULL;
+}
+
+void kvt__peer_mark_dirty(kvt__peer *peer)
+{
+    if (kvt__list_empty(&peer->dirty)) kvt__list_add(&peer->ctx->dirty_peers, &peer->dirty);
+}
+
+static void ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    kvt__peer *peer = arg;
+    (void)ep;
+    peer->ucx_error = true;
+    kvt__peer_fail(peer, kvt__pd_status(status), "connection to %016llx lost: %s",
+                   (unsigned long long)peer->remote_id, ucs_status_string(status));
+}
+
+static kvt__peer *peer_new(kvt_ctx *ctx, uint64_t remote_id, bool initiator)
+{
+    kvt__peer *peer = calloc(1, sizeof *peer);
+    if (!peer) return NULL;
+    peer->ctx = ctx;
+    peer->remote_id = remote_id;
+    peer->initiator = initiator;
+    peer->t_created = kvt__now_ns();
+    kvt__list_init(&peer->dirty);
+    kvt__list_add(&ctx->peers, &peer->link);
+    return peer;
+}
+
+static int ep_create(kvt__peer *peer, const void *addr, char *err)
+{
+    ucp_ep_params_t ep = {
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .address = addr,
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = ep_err_cb, .arg = peer},
+    };
+    ucs_status_t st = ucp_ep_create(peer->ctx->worker, &ep, &peer->ep);
+    if (st != UCS_OK) {
+        peer->ep = NULL;
+        return pd_errf(err, PD_EUNAVAILABLE, "kvt: cannot reach %016llx: ucp_ep_create: %s",
+                       (unsigned long long)peer->remote_id, ucs_status_string(st));
+    }
+    return 0;
+}
+
+int kvt__peer_connect(kvt_ctx *ctx, uint64_t remote_id, const void *addr, size_t len,
+                      bool same_host, kvt__peer **out, char *err)
+{
+    kvt__peer *peer = kvt__peer_find(ctx, remote_id);
+    if (peer) {
+        *out = peer;
+        return 0;
+    }
+    (void)len;
+    peer = peer_new(ctx, remote_id, true);
+    if (!peer) return pd_errf(err, PD_ENOMEM, "kvt: out of memory");
+    peer->same_host = same_host;
+    peer->gen = ctx->next_gen++;
+    peer->state = KVT_PEER_CONNECTING;
+    peer->deadline = kvt__now_ns() + (int64_t)ctx->p.connect_timeout_ms * 1000000ll;
+    int rc = ep_create(peer, addr, err);
+    kvt__op *op = rc < 0 ? NULL : kvt__op_get(ctx, KVT_OP_CTRL);
+    if (rc == 0 && !op) rc = pd_errf(err, PD_ENOMEM, "kvt: out of memory");
+    if (rc == 0) {
+        op->hdr.hello = (kvt__msg_hello){.src_ctx = ctx->id, .dst_ctx = remote_id,
+                                         .gen = peer->gen, .version = KVT_WIRE_VERSION};
+        rc = kvt__send_ctrl(ctx, peer, op, KVT_AM_HELLO, sizeof op->hdr.hello, ctx->addr,
+                            ctx->addr_len);
+        if (rc < 0) pd_errf(err, rc, "kvt: cannot send the handshake to %016llx",
+                            (unsigned long long)remote_id);
+    }
+    if (rc < 0) {
+        if (peer->state < KVT_PEER_FAILED)
+            kvt__peer_fail(peer, rc, "%s", err ? err : "connect failed");
+        return rc;
+    }
+    kvt__rescan(ctx); /* include the connect deadline */
+    *out = peer;
+    return 0;
+}
+
+void kvt__peer_fail(kvt__peer *peer, int status, const char *fmt, ...)
+{
+    if (peer->state >= KVT_PEER_FAILED) return;
+    kvt_ctx *ctx = peer->ctx;
+    bool was_ready = peer->state == KVT_PEER_READY;
+    peer->state = KVT_PEER_FAILED;
+    peer->status = status;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(peer->detail, sizeof peer->detail, fmt, ap);
+    va_end(ap);
+    if (was_ready) ctx->peers_by_transport[peer->transport]--;
+    /* Users learn it now; the endpoint is closed outside of UCX callbacks. */
+    int users = kvt__sends_peer_failed(ctx, peer) + kvt__resvs_peer_failed(ctx, peer);
+    if (!ctx->destroying)
+        pd_log(users > 0 || status == PD_ETIMEDOUT ? PD_LOG_WARN : PD_LOG_INFO,
+               "kvt[%s]: %s (%s; %d transfers affected)", ctx->name, peer->detail,
+               pd_err_name(status), users);
+    kvt__peer_mark_dirty(peer); /* targets drop it from their cache there */
+}
+
+void kvt__peer_unref(kvt__peer *peer)
+{
+    PD_ASSERT(peer->refs > 0, "kvt: peer reference count underflow");
+    if (--peer->refs == 0 && peer->state == KVT_PEER_CLOSED && peer->inflight == 0)
+        peer_free(peer);
+}
+
+static void peer_free(kvt__peer *peer)
+{
+    kvt__list_del(&peer->link);
+    kvt__list_del(&peer->dirty);
+    free(peer->remote_addr);
+    free(peer);
+}
+
+/* ---------------------------------------------------------------- transport detection */
+
+static kvt_transport classify(const char *name)
+{
+    static const char *shm[] = {"sysv", "posix", "cma", "knem", "xpmem"};
+    for (size_t i = 0; i < sizeof shm / sizeof *shm; i++)
+        if (!strncmp(name, shm[i], strlen(shm[i]))) return KVT_TRANSPORT_SHM;
+    if (!strncmp(name, "tcp", 3)) return KVT_TRANSPORT_TCP;
+    if (!strncmp(name, "self", 4)) return KVT_TRANSPORT_SELF;
+    if (!strncmp(name, "rc", 2) || !strncmp(name, "ud", 2) || !strncmp(name, "dc", 2) ||
+        !strncmp(name, "mlx", 3))
+        return KVT_TRANSPORT_RDMA;
+    return KVT_TRANSPORT_UNKNOWN;
+}
+
+/* Reads the endpoint's lanes from ucp_ep_print_info (UCX 1.13 has no query for them): the
+ * first lane that carries active messages names the transport, and a "put[" protocol line
+ * means a native RMA lane exists. */
+static void detect_transport(kvt__peer *peer)
+{
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    snprintf(peer->tname, sizeof peer->tname, "unknown");
+    peer->transport = KVT_TRANSPORT_UNKNOWN;
+    peer->has_put_lane = false;
+    if (!f) return;
+    ucp_ep_print_info(peer->ep, f);
+    fclose(f);
+    bool named = false;
+    for (char *line = strtok(buf, "\n"); line; line = strtok(NULL, "\n")) {
+        char *lane = strstr(line, "lane[");
+        if (lane && !named) {
+            char *colon = strchr(lane + 5, ':');
+            if (colon) colon = strchr(colon + 1, ':');
+            if (colon) {
+                char *name = colon + 1;
+                size_t n = strcspn(name, " ");
+                char tmp[48];
+                snprintf(tmp, sizeof tmp, "%.*s", (int)n, name);
+                char *dot = strrchr(tmp, '.');
+                if (dot) *dot = 0;
+                snprintf(peer->tname, sizeof peer->tname, "%s", tmp);
+                peer->transport = classify(tmp);
+                named = true;
+            }
+        }
+        if (strstr(line, "put[")) peer->has_put_lane = true;
+    }
+    free(buf);
+}
+
+static void peer_ready(kvt__peer *peer)
+{
+    kvt_ctx *ctx = peer->ctx;
+    peer->state = KVT_PEER_READY;
+    detect_transport(peer);
+    ctx->peers_by_transport[peer->transport]++;
+    ctx->st.last_transport = peer->transport;
+    snprintf(ctx->st.last_transport_name, sizeof ctx->st.last_transport_name, "%s", peer->tname);
+    double ms = (double)(kvt__now_ns() - peer->t_created) / 1e6;
+    PD_LOGI("kvt[%s]: %s %016llx over %s (%s) in %.1f ms", ctx->name,
+            peer->initiator ? "connected to" : "accepted", (unsigned long long)peer->remote_id,
+            peer->tname, kvt_transport_name(peer->transport), ms);
+    if (peer->transport == KVT_TRANSPORT_TCP && peer->same_host && !ctx->p.net_only && ctx->has_shm)
+        PD_LOGW("kvt[%s]: peer %016llx is on this host but reached over %s: shared memory is "
+                "not in use (check UCX_TLS and UCX_MM_ERROR_HANDLING)", ctx->name,
+                (unsigned long long)peer->remote_id, peer->tname);
+    for (kvt__list *it = ctx->targets.next; it != &ctx->targets; it = it->next) {
+        kvt_target *t = KVT_CONTAINER(it, kvt_target, link);
+        if (t->peer == peer) kvt__target_decide_path(t);
+    }
+}
+
+/* ---------------------------------------------------------------- handshake */
+
+ucs_status_t kvt__am_hello(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                           const ucp_am_recv_param_t *param)
+{
+    kvt_ctx *ctx = arg;
+    (void)param;
+    kvt__msg_hello h;
+    if (hlen != sizeof h || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || len == 0)
+        return UCS_OK;
+    memcpy(&h, hdr, sizeof h);
+    if (h.dst_ctx != ctx->id || h.version != KVT_WIRE_VERSION) {
+        PD_LOGW("kvt[%s]: handshake from %016llx for context %016llx version %u ignored (this is "
+                "%016llx version %u)", ctx->name, (unsigned long long)h.src_ctx,
+                (unsigned long long)h.dst_ctx, h.version, (unsigned long long)ctx->id,
+                KVT_WIRE_VERSION);
+        return UCS_OK;
+    }
+    kvt__peer *old = find_accepted(ctx, h.src_ctx);
+    if (old && old->gen == h.gen) return UCS_OK; /* duplicate */
+    if (old)
+        kvt__peer_fail(old, PD_EUNAVAILABLE, "connection from %016llx replaced by a new one",
+                       (unsigned long long)h.src_ctx);
+    kvt__peer *peer = peer_new(ctx, h.src_ctx, false);
+    if (!peer || !(peer->remote_addr = malloc(len))) {
+        if (peer) peer_free(peer);
+        PD_LOGE("kvt[%s]: out of memory accepting %016llx", ctx->name,
+                (unsigned long long)h.src_ctx);
+        return UCS_OK;
+    }
+    memcpy(peer->remote_addr, data, len);
+    peer->remote_addr_len = len;
+    peer->gen = h.gen;
+    peer->state = KVT_PEER_ACCEPTING;
+    peer->ack_pending = true;
+    kvt__peer_mark_dirty(peer);
+    return UCS_OK;
+}
+
+ucs_status_t kvt__am_hello_ack(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
+                               const ucp_am_recv_param_t *param)
+{
+    kvt_ctx *ctx = arg;
+    (void)data, (void)len, (void)param;
+    kvt__msg_hello_ack h;
+    if (hlen != sizeof h) return UCS_OK;
+    memcpy(&h, hdr, sizeof h);
+    kvt__peer *peer = kvt__peer_find(ctx, h.src_ctx);
+    if (!peer || peer->gen != h.gen || peer->state != KVT_PEER_CONNECTING || h.dst_ctx != ctx->id)
+        return UCS_OK;
+    if (h.status != 0) {
+        kvt__peer_fail(peer, h.status, "%016llx refused the connection: %s",
+                       (unsigned long long)h.src_ctx, pd_strerror(h.status));
+        return UCS_OK;
+    }
+    peer->ack_pending = true; /* "became ready": handled in the main loop */
+    kvt__peer_mark_dirty(peer);
+    return UCS_OK;
+}
+
+static void close_cb(void *request, ucs_status_t status, void *user_data)
+{
+    kvt__peer *peer = user_data;
+    (void)status;
+    peer->state = KVT_PEER_CLOSED;
+    peer->close_req = NULL;
+    peer->ep = NULL;
+    ucp_request_free(request);
+    kvt__peer_mark_dirty(peer);
+}
+
+static void peer_close(kvt__peer *peer)
+{
+    kvt_ctx *ctx = peer->ctx;
+    if (!peer->ep) {
+        peer->state = KVT_PEER_CLOSED;
+        return;
+    }
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                        UCP_OP_ATTR_FIELD_USER_DATA,
+        .flags = UCP_EP_CLOSE_FLAG_FORCE,
+        .cb.send = close_cb,
+        .user_data = peer,
+    };
+    peer->state = KVT_PEER_CLOSING;
+    peer->deadline = kvt__now_ns() + 5000000000ll;
+    void *req = ucp_ep_close_nbx(peer->ep, &prm);
+    if (req == NULL || UCS_PTR_IS_ERR(req)) {
+        peer->state = KVT_PEER_CLOSED;
+        peer->ep = NULL;
+    } else {
+        peer->close_req = req;
+    }
+    kvt__rescan(ctx);
+}
+
+int kvt__peers_process(kvt_ctx *ctx)
+{
+    int n = 0;
+    while (!kvt__list_empty(&ctx->dirty_peers)) {
+        kvt__peer *peer = KVT_CONTAINER(ctx->dirty_peers.next, kvt__peer, dirty);
+        kvt__list_del(&peer->dirty);
+        n++;
+        if (peer->state == KVT_PEER_ACCEPTING) {
+            char err[PD_ERR_LEN];
+            int rc = ep_create(peer, peer->remote_addr, err);
+            free(peer->remote_addr);
+            peer->remote_addr = NULL;
+            kvt__op *op = rc < 0 ? NULL : kvt__op_get(ctx, KVT_OP_CTRL);
+            if (rc == 0 && !op) rc = pd_errf(err, PD_ENOMEM, "kvt: out of memory");
+            if (rc == 0) {
+                op->hdr.hello_ack = (kvt__msg_hello_ack){.src_ctx = ctx->id,
+                                                         .dst_ctx = peer->remote_id,
+                                                         .gen = peer->gen};
+                peer->ack_pending = false;
+                rc = kvt__send_ctrl(ctx, peer, op, KVT_AM_HELLO_ACK, sizeof op->hdr.hello_ack,
+                                    NULL, 0);
+            }
+            if (rc < 0) kvt__peer_fail(peer, rc, "cannot answer %016llx: %s",
+                                       (unsigned long long)peer->remote_id, err);
+            else if (peer->state == KVT_PEER_ACCEPTING) peer_ready(peer);
+        } else if (peer->state == KVT_PEER_CONNECTING && peer->ack_pending) {
+            peer->ack_pending = false;
+            peer_ready(peer);
+        }
+        if (peer->state == KVT_PEER_FAILED) {
+            kvt__list *it, *nx;
+            KVT_LIST_EACH_SAFE(it, nx, &ctx->targets)
+            {
+                kvt_target *t = KVT_CONTAINER(it, kvt_target, link);
+                if (t->peer != peer) continue;
+                if (t->pf_region >= 0) t->pf_region = -1, ctx->n_prefault--;
+                free(t->lptr); /* the mapping goes with the keys */
+                t->lptr = NULL;
+                for (int i = 0; i < t->n_rkeys; i++)
+                    if (t->rkeys[i]) ucp_rkey_destroy(t->rkeys[i]), t->rkeys[i] = NULL;
+                kvt__target_uncache(t); /* may free it */
+            }
+            peer_close(peer);
+        }
+        if (peer->state == KVT_PEER_CLOSED && peer->refs == 0 && peer->inflight == 0)
+            peer_free(peer);
+    }
+    return n;
+}
+
+void kvt__peers_deadlines(kvt_ctx *ctx, int64_t now, int64_t *next)
+{
+    kvt__list *it, *nx;
+    KVT_LIST_EACH_SAFE(it, nx, &ctx->peers)
+    {
+        kvt__peer *p = KVT_CONTAINER(it, kvt__peer, link);
+        if (p->state == KVT_PEER_CONNECTING) {
+            if (now >= p->deadline)
+                kvt__peer_fail(p, PD_ETIMEDOUT, "no handshake answer from %016llx within %d ms",
+                               (unsigned long long)p->remote_id, ctx->p.connect_timeout_ms);
+            else if (p->deadline < *next) *next = p->deadline;
+        } else if (p->state == KVT_PEER_CLOSING && now >= p->deadline) {
+            PD_LOGW("kvt[%s]: closing the connection to %016llx did not finish", ctx->name,
+                    (unsigned long long)p->remote_id);
+            /* Releasing the request is allowed before completion; UCX frees it later. */
+            ucp_request_free(p->close_req);
+            p->close_req = NULL;
+            p->ep = NULL;
+            p->state = KVT_PEER_CLOSED;
+            kvt__peer_mark_dirty(p);
+        }
+    }
+}
+
+void kvt__peers_close_all(kvt_ctx *ctx)
+{
+    for (kvt__list *it = ctx->peers.next; it != &ctx->peers; it = it->next) {
+        kvt__peer *p = KVT_CONTAINER(it, kvt__peer, link);
+        if (p->state < KVT_PEER_FAILED)
+            kvt__peer_fail(p, PD_ECANCELED, "closing the connection to %016llx",
+                           (unsigned long long)p->remote_id);
+    }
+    kvt__peers_process(ctx);
+}
+
+/* ---------------------------------------------------------------- targets */
+
+/* Puts into a shm pool are memory copies into our mapping of the receiver's segment; its page
+ * tables start empty, and a fault per 4 KiB page halves the speed of the first transfers that
+ * touch each block. They are populated (writable) once per target, a slice per progress turn so
+ * that a large pool does not stall the loop. */
+#define KVT_PREFAULT_SLICE (16u << 20)
+
+int kvt__targets_prefault(kvt_ctx *ctx)
+{
+    for (kvt__list *it = ctx->targets.next; it != &ctx->targets; it = it->next) {
+        kvt_target *t = KVT_CONTAINER(it, kvt_target, link);
+        if (t->pf_region < 0) continue;
+        size_t rlen = (size_t)t->n_blocks * t->bb, page = (size_t)sysconf(_SC_PAGESIZE);
+        size_t done = 0;
+        while (t->lptr && t->pf_region < 2 * t->layout.n_layers && done < KVT_PREFAULT_SLICE) {
+            size_t len = rlen - t->pf_off;
+            if (len > KVT_PREFAULT_SLICE - done) len = KVT_PREFAULT_SLICE - done;
+            uintptr_t a = (uintptr_t)(t->lptr[t->pf_region] + t->pf_off) & ~(uintptr_t)(page - 1);
+            uintptr_t e = ((uintptr_t)(t->lptr[t->pf_region] + t->pf_off + len) + page - 1) &
+                          ~(uintptr_t)(page - 1);
+            if (madvise((void *)a, e - a, MADV_POPULATE_WRITE) != 0) {
+                PD_LOGD("kvt[%s]: madvise(MADV_POPULATE_WRITE): %s", ctx->name, strerror(errno));
+                t->pf_region = 2 * t->layout.n_layers;
+                break;
+            }
+            done += len;
+            if ((t->pf_off += len) == rlen) t->pf_region++, t->pf_off = 0;
+        }
+        if (!t->lptr || t->pf_region >= 2 * t->layout.n_layers) {
+            t->pf_region = -1;
+            ctx->n_prefault--;
+            PD_LOGI("kvt[%s]: mapped %.1f MiB of pool %016llx in %.1f ms", ctx->name,
+                    (double)rlen * 2 * t->layout.n_layers / 1048576.0,
+                    (unsigned long long)t->pool_id, (double)(kvt__now_ns() - t->pf_t0) / 1e6);
+        }
+        return 1;
+    }
+    return 0;
+}
+
+void kvt__target_decide_path(kvt_target *t)
+{
+    kvt_ctx *ctx = t->ctx;
+    kvt__peer *peer = t->peer;
+    bool native = false;
+    if (peer->has_put_lane) {
+        if (peer->transport == KVT_TRANSPORT_SHM) {
+            /* One-sided only if the remote pool is a segment we can map. */
+            native = t->remote_allocated;
+            for (int r = 0; native && r < 2 * t->layout.n_layers; r++) {
+                void *ptr;
+                if (!t->rkeys[t->rkey_idx[r]] ||
+                    ucp_rkey_ptr(t->rkeys[t->rkey_idx[r]], t->raddr[r], &ptr) != UCS_OK)
+                    native = false;
+            }
+        } else if (peer->transport == KVT_TRANSPORT_RDMA || peer->transport == KVT_TRANSPORT_SELF) {
+            native = true;
+        }
+    }
+    t->put_native = native;
+    t->path = ctx->p.path != KVT_PATH_AUTO ? ctx->p.path : native ? KVT_PATH_PUT : KVT_PATH_AM;
+    if (native && t->path == KVT_PATH_PUT && peer->transport == KVT_TRANSPORT_SHM &&
+        t->src->mem_type == KVT_MEM_HOST && !t->lptr) {
+        /* A put into a mapped segment is a memory copy: do it directly (what the shm
+         * transport's put does, minus a UCX request per block). */
+        t->lptr = calloc((size_t)(2 * t->layout.n_layers), sizeof *t->lptr);
+        for (int r = 0; t->lptr && r < 2 * t->layout.n_layers; r++) {
+            void *ptr;
+            if (ucp_rkey_ptr(t->rkeys[t->rkey_idx[r]], t->raddr[r], &ptr) != UCS_OK) {
+                free(t->lptr);
+                t->lptr = NULL;
+                break;
+            }
+            t->lptr[r] = ptr;
+        }
+        if (t->lptr) t->pf_region = 0, t->pf_off = 0, t->pf_t0 = kvt__now_ns(), ctx->n_prefault++;
+    }
+    PD_LOGI("kvt[%s]: target pool %016llx at %016llx: %s over %s, put %s", ctx->name,
+            (unsigned long long)t->pool_id, (unsigned long long)t->remote_ctx,
+            kvt_path_name(t->path), peer->tname,
+            t->lptr ? "native (direct copy into the mapped segment)"
+                    : native ? "native (one-sided)" : "emulated");
+    if (t->path == KVT_PATH_PUT && !native)
+        PD_LOGW("kvt[%s]: puts to pool %016llx over %s are emulated with active messages "
+                "(slower, and the decode CPU copies); the AM path is faster here", ctx->name,
+                (unsigned long long)t->pool_id, peer->tname);
+}
+
+static void target_free(kvt_target *t)
+{
+    kvt__list_del(&t->link);
+    if (t->pf_region >= 0) t->ctx->n_prefault--;
+    free(t->lptr);
+    for (int i = 0; i < t->n_rkeys; i++)
+        if (t->rkeys && t->rkeys[i]) ucp_rkey_destroy(t->rkeys[i]);
+    if (t->src) t->src->src_refs--;
+    if (t->peer) kvt__peer_unref(t->peer);
+    free(t->rkeys);
+    free(t->raddr);
+    free(t->rkey_idx);
+    free(t->desc);
+    free(t);
+}
+
+void kvt__target_unref(kvt_target *t)
+{
+    PD_ASSERT(t->refs > 0, "kvt: target reference count underflow");
+    if (--t->refs == 0) target_free(t);
+}
+
+void kvt__target_uncache(kvt_target *t)
+{
+    if (!t->cached) return;
+    t->cached = false;
+    kvt__target_unref(t);
+}
+
+#define KVT_TARGET_CACHE 64 /* idle cached targets kept (least recently opened go first) */
+
+static void cache_trim(kvt_ctx *ctx)
+{
+    int n = 0;
+    for (kvt__list *it = ctx->targets.next; it != &ctx->targets; it = it->next)
+        n += KVT_CONTAINER(it, kvt_target, link)->cached;
+    for (kvt__list *it = ctx->targets.prev; it != &ctx->targets && n > KVT_TARGET_CACHE;) {
+        kvt_target *t = KVT_CONTAINER(it, kvt_target, link);
+        it = it->prev;
+        if (t->cached && t->refs == 1) kvt__target_uncache(t), n--;
+    }
+}
+
+/* Names every layout field that differs, for an error a person can act on. */
+static int layout_mismatch(const kvt_layout *a, const kvt_layout *b, char *err)
+{
+    char msg[PD_ERR_LEN];
+    size_t n = 0;
+#define KVT_DIFF(cond, ...)                                                                 \
+    if ((cond) && n < sizeof msg) n += (size_t)snprintf(msg + n, sizeof msg - n, __VA_ARGS__)
+    KVT_DIFF(strcmp(a->model_id, b->model_id) != 0, " model_id '%s' vs '%s';", a->model_id,
+             b->model_id);
+    KVT_DIFF(a->dtype != b->dtype, " dtype %s vs %s;", pd_dtype_name(a->dtype),
+             pd_dtype_name(b->dtype));
+    KVT_DIFF(a->n_layers != b->n_layers, " layers %d vs %d;", a->n_layers, b->n_layers);
+    KVT_DIFF(a->block_size != b->block_size, " block_size %d vs %d;", a->block_size,
+             b->block_size);
+    KVT_DIFF(a->n_kv_heads != b->n_kv_heads, " kv heads %d vs %d;", a->n_kv_heads, b->n_kv_heads);
+    KVT_DIFF(a->head_dim != b->head_dim, " head_dim %d vs %d;", a->head_dim, b->head_dim);
+#undef KVT_DIFF
+    if (n == 0) return 0;
+    return pd_errf(err, PD_EMISMATCH, "kvt: KV layout of this side (first) and of the decode "
+                   "pool differ:%s refusing to transfer", msg);
+}
+
+int kvt_target_open(kvt_ctx *ctx, kvt_pool *src, const void *desc, size_t len,
+                    kvt_target **out, char *err)
+{
+    *out = NULL;
+    if (!src || src->ctx != ctx) return pd_errf(err, PD_EINVAL, "kvt: source pool of another ctx");
+    for (kvt__list *it = ctx->targets.next; it != &ctx->targets; it = it->next) {
+        kvt_target *t = KVT_CONTAINER(it, kvt_target, link);
+        if (t->cached && t->src == src && t->desc_len == len && !memcmp(t->desc, desc, len)) {
+            t->refs++;
+            kvt__list_del(&t->link); /* most recently used first */
+            kvt__list_add(ctx->targets.next, &t->link);
+            *out = t;
+            return 0;
+        }
+    }
+    kvt_target *t = calloc(1, sizeof *t);
+    if (!t) return pd_errf(err, PD_ENOMEM, "kvt: out of memory");
+    t->ctx = ctx;
+    t->pf_region = -1;
+    kvt__list_init(&t->link);
+    void **blobs = NULL;
+    size_t *lens = NULL, addr_len = 0;
+    void *addr = NULL;
+    uint64_t fp = 0;
+    char boot[40] = {0};
+    int rc = kvt__desc_parse(desc, len, t, &blobs, &lens, &addr, &addr_len, &fp, boot, err);
+    if (rc == 0) rc = layout_mismatch(&src->layout, &t->layout, err);
+    if (rc == 0 && !(t->desc = malloc(len))) rc = pd_errf(err, PD_ENOMEM, "kvt: out of memory");
+    if (rc == 0) {
+        memcpy(t->desc, desc, len);
+        t->desc_len = len;
+        t->src = src;
+        src->src_refs++;
+        t->bb = src->bb;
+        bool same_host = boot[0] && !strcmp(boot, ctx->boot_id);
+        rc = kvt__peer_connect(ctx, t->remote_ctx, addr, addr_len, same_host, &t->peer, err);
+    }
+    if (rc == 0) {
+        t->peer->refs++;
+        for (int i = 0; i < t->n_rkeys && rc == 0; i++) {
+            ucs_status_t st = ucp_ep_rkey_unpack(t->peer->ep, blobs[i], &t->rkeys[i]);
+            if (st != UCS_OK) {
+                t->rkeys[i] = NULL;
+                rc = pd_errf(err, PD_EFORMAT, "kvt: remote key %d of the descriptor: %s", i,
+                             ucs_status_string(st));
+            }
+        }
+    }
+    free(blobs);
+    free(lens);
+    kvt__list_add(ctx->targets.next, &t->link);
+    t->refs = 1;
+    if (rc < 0) {
+        target_free(t);
+        return rc;
+    }
+    t->cached = true;
+    t->refs++; /* the cache's */
+    cache_trim(ctx);
+    t->path = ctx->p.path == KVT_PATH_AUTO ? KVT_PATH_AM : ctx->p.path;
+    if (t->peer->state == KVT_PEER_READY) kvt__target_decide_path(t);
+    *out = t;
+    return 0;
+}
+
+void kvt_target_close(kvt_target *t)
+{
+    if (!t) return;
+    kvt__target_unref(t);
+}
+
+void kvt_target_info_get(const kvt_target *t, kvt_target_info *out)
+{
+    memset(out, 0, sizeof *out);
+    const kvt__peer *p = t->peer;
+    out->connected = p && p->state == KVT_PEER_READY;
+    out->failed = !p || p->state >= KVT_PEER_FAILED || !t->src;
+    out->path = t->path;
+    out->put_native = t->put_native;
+    if (p && p->state >= KVT_PEER_READY) {
+        out->transport = p->transport;
+        snprintf(out->transport_name, sizeof out->transport_name, "%s", p->tname);
+    }
+}

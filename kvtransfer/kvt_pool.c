@@ -1,0 +1,518 @@
+/* kvt_pool.c -- KV block pools: layout checks and fingerprints, memory registration (the
+ * caller's regions or a UCX allocation), and the descriptor a receiver exports and a sender
+ * parses. */
+#include "kvtransfer/kvt_impl.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH64_state_t on the stack */
+#include <xxhash.h>
+
+#include "common/error.h"
+#include "common/log.h"
+
+#define KVT_DESC_MAGIC 0x4454564bu /* "KVTD" */
+#define KVT_DESC_ALLOCATED 1u
+#define KVT_DESC_CUDA 2u
+
+kvt_pool_params kvt_pool_default_params(void)
+{
+    kvt_pool_params p;
+    memset(&p, 0, sizeof p);
+    p.layout.dtype = PD_DTYPE_BF16;
+    p.layout.block_size = 16;
+    p.mem_type = KVT_MEM_HOST;
+    return p;
+}
+
+size_t kvt_layout_block_bytes(const kvt_layout *l)
+{
+    if (l->block_size <= 0 || l->n_kv_heads <= 0 || l->head_dim <= 0) return 0;
+    return (size_t)l->block_size * (size_t)l->n_kv_heads * (size_t)l->head_dim *
+           pd_dtype_size(l->dtype);
+}
+
+static void le32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+uint64_t kvt_layout_fingerprint(const kvt_layout *l)
+{
+    uint8_t buf[64 + 20];
+    memset(buf, 0, sizeof buf);
+    size_t n = strnlen(l->model_id, sizeof l->model_id);
+    memcpy(buf, l->model_id, n < 64 ? n : 64);
+    le32(buf + 64, (uint32_t)l->dtype);
+    le32(buf + 68, (uint32_t)l->n_layers);
+    le32(buf + 72, (uint32_t)l->block_size);
+    le32(buf + 76, (uint32_t)l->n_kv_heads);
+    le32(buf + 80, (uint32_t)l->head_dim);
+    return XXH64(buf, sizeof buf, 0x6b7674);
+}
+
+uint64_t kvt__meta_sum(uint64_t req_id, uint64_t pool_id, int32_t n_layers, size_t bb,
+                       int32_t n, const int32_t *dst)
+{
+    XXH64_state_t st;
+    XXH64_reset(&st, 0x6d657461);
+    uint64_t hdr[4] = {req_id, pool_id, (uint64_t)n_layers, (uint64_t)bb};
+    XXH64_update(&st, hdr, sizeof hdr);
+    XXH64_update(&st, &n, sizeof n);
+    XXH64_update(&st, dst, sizeof *dst * (size_t)n);
+    return XXH64_digest(&st);
+}
+
+uint64_t kvt__layer_sum(const kvt_pool *pool, int32_t layer, int32_t n, const int32_t *ids)
+{
+    XXH3_state_t *st = XXH3_createState();
+    if (!st) return 0;
+    XXH3_64bits_reset(st);
+    for (int kv = 0; kv < 2; kv++) {
+        const uint8_t *base = pool->base[2 * layer + kv];
+        for (int32_t i = 0; i < n; i++) XXH3_64bits_update(st, base + (size_t)ids[i] * pool->bb, pool->bb);
+    }
+    uint64_t h = XXH3_64bits_digest(st);
+    XXH3_freeState(st);
+    return h;
+}
+
+uint64_t kvt__data_sum(const uint64_t *layer_sums, int32_t n_layers)
+{
+    return XXH3_64bits(layer_sums, sizeof *layer_sums * (size_t)n_layers);
+}
+
+kvt_pool *kvt__pool_find(kvt_ctx *ctx, uint64_t pool_id)
+{
+    for (kvt__list *it = ctx->pools.next; it != &ctx->pools; it = it->next) {
+        kvt_pool *p = KVT_CONTAINER(it, kvt_pool, link);
+        if (p->id == pool_id) return p;
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- create / destroy */
+
+static int map_mem(kvt_pool *pool, void *addr, size_t len, bool allocate, ucp_mem_h *mh,
+                   char *err)
+{
+    ucp_mem_map_params_t mp = {
+        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        .address = addr,
+        .length = len,
+    };
+    if (allocate) {
+        mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+        mp.flags = UCP_MEM_MAP_ALLOCATE;
+    }
+    if (pool->mem_type == KVT_MEM_CUDA) {
+        mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+        mp.memory_type = UCS_MEMORY_TYPE_CUDA;
+    }
+    ucs_status_t st = ucp_mem_map(pool->ctx->uctx, &mp, mh);
+    if (st != UCS_OK)
+        return pd_errf(err, st == UCS_ERR_NO_MEMORY ? PD_ENOMEM : PD_EIO,
+                       "kvt: ucp_mem_map of %zu bytes: %s", len, ucs_status_string(st));
+    return 0;
+}
+
+static int cmp_region(const void *a, const void *b, void *arg)
+{
+    uint8_t **base = arg;
+    uintptr_t x = (uintptr_t)base[*(const int *)a], y = (uintptr_t)base[*(const int *)b];
+    return x < y ? -1 : x > y;
+}
+
+/* Registers the caller's regions, one memory handle per run of adjacent regions. */
+static int map_user_regions(kvt_pool *pool, char *err)
+{
+    int nr = 2 * pool->n_layers;
+    size_t rlen = (size_t)pool->n_blocks * pool->bb;
+    int *order = malloc(sizeof *order * (size_t)nr);
+    pool->mh = calloc((size_t)nr, sizeof *pool->mh);
+    if (!order || !pool->mh) {
+        free(order);
+        return pd_errf(err, PD_ENOMEM, "kvt: out of memory");
+    }
+    for (int i = 0; i < nr; i++) order[i] = i;
+    qsort_r(order, (size_t)nr, sizeof *order, cmp_region, pool->base);
+    int rc = 0;
+    for (int i = 0; i < nr;) {
+        uint8_t *start = pool->base[order[i]];
+        int j = i + 1;
+        while (j < nr && pool->base[order[j]] == pool->base[order[j - 1]] + rlen) j++;
+        if (j < nr && pool->base[order[j]] < pool->base[order[j - 1]] + rlen) {
+            rc = pd_errf(err, PD_EINVAL, "kvt: pool regions overlap");
+            break;
+        }
+        if ((rc = map_mem(pool, start, (size_t)(j - i) * rlen, false, &pool->mh[pool->n_mh],
+                          err)) < 0)
+            break;
+        for (int k = i; k < j; k++) pool->region_mh[order[k]] = pool->n_mh;
+        pool->n_mh++;
+        i = j;
+    }
+    free(order);
+    return rc;
+}
+
+static int check_layout(const kvt_layout *l, char *err)
+{
+    if (!memchr(l->model_id, 0, sizeof l->model_id))
+        return pd_errf(err, PD_EINVAL, "kvt: layout model_id is not NUL-terminated");
+    if (l->n_layers <= 0 || l->n_layers > 4096 || l->block_size <= 0 || l->n_kv_heads <= 0 ||
+        l->head_dim <= 0 || (int)l->dtype < 0 || l->dtype > PD_DTYPE_I32)
+        return pd_errf(err, PD_EINVAL, "kvt: bad layout (layers %d, block size %d, kv heads %d, "
+                       "head dim %d, dtype %d)", l->n_layers, l->block_size, l->n_kv_heads,
+                       l->head_dim, (int)l->dtype);
+    return 0;
+}
+
+int kvt_pool_create(kvt_ctx *ctx, const kvt_pool_params *p, kvt_pool **out, char *err)
+{
+    *out = NULL;
+    int rc = check_layout(&p->layout, err);
+    if (rc < 0) return rc;
+    if (p->n_blocks <= 0 || (!p->k_base) != (!p->v_base))
+        return pd_errf(err, PD_EINVAL, "kvt: pool needs n_blocks > 0 and both or neither of "
+                       "k_base / v_base");
+    if (p->mem_type == KVT_MEM_CUDA && !(ctx->mem_types & (1u << KVT_MEM_CUDA)))
+        return pd_errf(err, PD_EUNSUPPORTED, "kvt: this UCX cannot access CUDA memory; hand in "
+                       "pinned host staging buffers instead");
+    if (p->mem_type != KVT_MEM_HOST && p->mem_type != KVT_MEM_CUDA)
+        return pd_errf(err, PD_EINVAL, "kvt: bad memory type %d", (int)p->mem_type);
+    kvt_pool *pool = calloc(1, sizeof *pool);
+    if (!pool) return pd_errf(err, PD_ENOMEM, "kvt: out of memory");
+    pool->ctx = ctx;
+    pool->id = ctx->next_pool_id++;
+    pool->layout = p->layout;
+    pool->fingerprint = kvt_layout_fingerprint(&p->layout);
+    pool->n_layers = p->layout.n_layers;
+    pool->n_blocks = p->n_blocks;
+    pool->bb = kvt_layout_block_bytes(&p->layout);
+    pool->mem_type = p->mem_type;
+    kvt__list_init(&pool->resvs);
+    kvt__list_init(&pool->link);
+    int nr = 2 * pool->n_layers;
+    pool->base = calloc((size_t)nr, sizeof *pool->base);
+    pool->region_mh = calloc((size_t)nr, sizeof *pool->region_mh);
+    pool->slot_busy = calloc((size_t)pool->n_blocks, 1);
+    if (!pool->base || !pool->region_mh || !pool->slot_busy) {
+        rc = pd_errf(err, PD_ENOMEM, "kvt: out of memory");
+        goto fail;
+    }
+    pool->n_free = pool->n_blocks;
+    size_t rlen = (size_t)pool->n_blocks * pool->bb;
+    if (p->k_base) {
+        for (int l = 0; l < pool->n_layers; l++) {
+            pool->base[2 * l] = p->k_base[l];
+            pool->base[2 * l + 1] = p->v_base[l];
+            if (!p->k_base[l] || !p->v_base[l]) {
+                rc = pd_errf(err, PD_EINVAL, "kvt: region of layer %d is NULL", l);
+                goto fail;
+            }
+        }
+        if ((rc = map_user_regions(pool, err)) < 0) goto fail;
+    } else {
+        pool->mh = calloc(1, sizeof *pool->mh);
+        if (!pool->mh) {
+            rc = pd_errf(err, PD_ENOMEM, "kvt: out of memory");
+            goto fail;
+        }
+        if ((rc = map_mem(pool, NULL, rlen * (size_t)nr, true, &pool->mh[0], err)) < 0) goto fail;
+        pool->n_mh = 1;
+        pool->allocated = true;
+        ucp_mem_attr_t ma = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS};
+        ucs_status_t st = ucp_mem_query(pool->mh[0], &ma);
+        if (st != UCS_OK) {
+            rc = pd_errf(err, PD_EIO, "kvt: ucp_mem_query: %s", ucs_status_string(st));
+            goto fail;
+        }
+        for (int r = 0; r < nr; r++) pool->base[r] = (uint8_t *)ma.address + (size_t)r * rlen;
+        /* Fault the pages in here rather than in the first transfer. */
+        if (pool->mem_type == KVT_MEM_HOST) memset(ma.address, 0, rlen * (size_t)nr);
+        /* UCX allocates from the first memory domain that can (sysv, then posix, by
+         * default), so with a shm transport loaded the pool is a shm segment. */
+        pool->shm_backed = ctx->has_shm && pool->mem_type == KVT_MEM_HOST;
+    }
+    kvt__list_add(&ctx->pools, &pool->link);
+    PD_LOGI("kvt[%s]: pool %016llx: %d layers x %d blocks x %zu B (K and V), %.1f MiB, %s%s",
+            ctx->name, (unsigned long long)pool->id, pool->n_layers, pool->n_blocks, pool->bb,
+            (double)rlen * nr / 1048576.0, pool->allocated ? "allocated by UCX" : "caller memory",
+            pool->shm_backed ? " (shm: one-sided puts)" : "");
+    *out = pool;
+    return 0;
+fail:
+    for (int i = 0; i < pool->n_mh; i++) ucp_mem_unmap(ctx->uctx, pool->mh[i]);
+    free(pool->mh);
+    free(pool->base);
+    free(pool->region_mh);
+    free(pool->slot_busy);
+    free(pool);
+    return rc;
+}
+
+static bool pool_busy(kvt_pool *pool)
+{
+    if (pool->n_resv > 0) return true;
+    kvt_ctx *ctx = pool->ctx;
+    for (kvt__list *it = ctx->sends.next; it != &ctx->sends; it = it->next) {
+        kvt_send *s = KVT_CONTAINER(it, kvt_send, link);
+        if (s->t && s->t->src == pool && (s->inflight > 0 || s->state < KVT_SEND_ENDING))
+            return true;
+    }
+    return false;
+}
+
+void kvt_pool_destroy(kvt_pool *pool)
+{
+    if (!pool) return;
+    kvt_ctx *ctx = pool->ctx;
+    kvt__list *it, *nx;
+    if (!ctx->destroying) {
+        KVT_LIST_EACH_SAFE(it, nx, &pool->resvs)
+        {
+            kvt__resv *r = KVT_CONTAINER(it, kvt__resv, link);
+            if (r->state == KVT_RESV_HELD) kvt__resv_free(r);
+            else kvt__resv_fail(r, PD_ECANCELED, true, "landing pool destroyed");
+        }
+        KVT_LIST_EACH_SAFE(it, nx, &ctx->sends)
+        {
+            kvt_send *s = KVT_CONTAINER(it, kvt_send, link);
+            if (s->t && s->t->src == pool && s->state < KVT_SEND_ENDING)
+                kvt__send_fail(s, PD_ECANCELED, true, "source pool destroyed");
+        }
+        /* Wait (progressing, so events are delivered) until no UCX operation touches the
+         * memory. Peers that hold operations up are force-closed, which completes them; as a
+         * last resort the requests are released. */
+        int64_t soft = kvt__now_ns() + (int64_t)ctx->p.deadline_min_ms * 1000000ll;
+        int64_t hard = soft + 5000000000ll;
+        while (pool_busy(pool) && kvt__now_ns() < hard) {
+            kvt_wait(ctx, 10);
+            if (kvt__now_ns() > soft) kvt__peers_close_all(ctx), soft = hard;
+        }
+        if (pool_busy(pool)) {
+            PD_LOGE("kvt[%s]: operations on pool %016llx did not finish; releasing them",
+                    ctx->name, (unsigned long long)pool->id);
+            kvt__ops_release(ctx, pool);
+            kvt_progress(ctx);
+        }
+    }
+    while (!kvt__list_empty(&pool->resvs))
+        kvt__resv_free(KVT_CONTAINER(pool->resvs.next, kvt__resv, link));
+    KVT_LIST_EACH_SAFE(it, nx, &ctx->targets)
+    {
+        kvt_target *t = KVT_CONTAINER(it, kvt_target, link);
+        if (t->src == pool) {
+            t->src->src_refs--;
+            t->src = NULL;
+            kvt__target_uncache(t); /* may free it */
+        }
+    }
+    kvt__list_del(&pool->link);
+    for (int i = 0; i < pool->n_mh; i++) ucp_mem_unmap(ctx->uctx, pool->mh[i]);
+    free(pool->mh);
+    free(pool->base);
+    free(pool->region_mh);
+    free(pool->slot_busy);
+    free(pool);
+}
+
+void *kvt_pool_region(const kvt_pool *pool, int32_t layer, int kv)
+{
+    if (layer < 0 || layer >= pool->n_layers || kv < 0 || kv > 1) return NULL;
+    return pool->base[2 * layer + kv];
+}
+int32_t kvt_pool_n_blocks(const kvt_pool *pool) { return pool->n_blocks; }
+size_t kvt_pool_block_bytes(const kvt_pool *pool) { return pool->bb; }
+const kvt_layout *kvt_pool_layout(const kvt_pool *pool) { return &pool->layout; }
+int32_t kvt_pool_n_free(const kvt_pool *pool) { return pool->n_free; }
+int32_t kvt_pool_n_reservations(const kvt_pool *pool) { return pool->n_resv; }
+bool kvt_pool_shm_backed(const kvt_pool *pool) { return pool->shm_backed; }
+
+/* ---------------------------------------------------------------- descriptor */
+
+typedef struct {
+    uint8_t *p;
+    size_t len, cap;
+    bool oom;
+} wbuf;
+
+static void put_bytes(wbuf *b, const void *src, size_t n)
+{
+    if (b->oom) return;
+    if (b->len + n > b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 1024;
+        while (cap < b->len + n) cap *= 2;
+        uint8_t *q = realloc(b->p, cap);
+        if (!q) {
+            b->oom = true;
+            return;
+        }
+        b->p = q;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, src, n);
+    b->len += n;
+}
+static void put_u32(wbuf *b, uint32_t v)
+{
+    uint8_t x[4];
+    le32(x, v);
+    put_bytes(b, x, 4);
+}
+static void put_u64(wbuf *b, uint64_t v)
+{
+    put_u32(b, (uint32_t)v);
+    put_u32(b, (uint32_t)(v >> 32));
+}
+
+int kvt_pool_export(kvt_pool *pool, void **desc, size_t *len, char *err)
+{
+    kvt_ctx *ctx = pool->ctx;
+    *desc = NULL;
+    *len = 0;
+    wbuf b = {0};
+    put_u32(&b, KVT_DESC_MAGIC);
+    uint32_t flags = (pool->allocated ? KVT_DESC_ALLOCATED : 0) |
+                     (pool->mem_type == KVT_MEM_CUDA ? KVT_DESC_CUDA : 0);
+    put_u32(&b, KVT_WIRE_VERSION | flags << 16);
+    put_u64(&b, ctx->id);
+    put_u64(&b, pool->id);
+    char boot[40] = {0};
+    memcpy(boot, ctx->boot_id, sizeof boot);
+    put_bytes(&b, boot, sizeof boot);
+    put_bytes(&b, pool->layout.model_id, sizeof pool->layout.model_id);
+    put_u32(&b, (uint32_t)pool->layout.dtype);
+    put_u32(&b, (uint32_t)pool->layout.n_layers);
+    put_u32(&b, (uint32_t)pool->layout.block_size);
+    put_u32(&b, (uint32_t)pool->layout.n_kv_heads);
+    put_u32(&b, (uint32_t)pool->layout.head_dim);
+    put_u64(&b, pool->fingerprint);
+    put_u32(&b, (uint32_t)pool->n_blocks);
+    put_u64(&b, pool->bb);
+    put_u32(&b, (uint32_t)ctx->addr_len);
+    put_bytes(&b, ctx->addr, ctx->addr_len);
+    put_u32(&b, (uint32_t)pool->n_mh);
+    for (int i = 0; i < pool->n_mh; i++) {
+        void *rk = NULL;
+        size_t rkl = 0;
+        ucs_status_t st = ucp_rkey_pack(ctx->uctx, pool->mh[i], &rk, &rkl);
+        if (st != UCS_OK) {
+            free(b.p);
+            return pd_errf(err, PD_EIO, "kvt: ucp_rkey_pack: %s", ucs_status_string(st));
+        }
+        put_u32(&b, (uint32_t)rkl);
+        put_bytes(&b, rk, rkl);
+        ucp_rkey_buffer_release(rk);
+    }
+    for (int r = 0; r < 2 * pool->n_layers; r++) {
+        put_u64(&b, (uint64_t)(uintptr_t)pool->base[r]);
+        put_u32(&b, (uint32_t)pool->region_mh[r]);
+    }
+    if (!b.oom) put_u64(&b, XXH64(b.p, b.len, 0));
+    if (b.oom) {
+        free(b.p);
+        return pd_errf(err, PD_ENOMEM, "kvt: out of memory");
+    }
+    *desc = b.p;
+    *len = b.len;
+    return 0;
+}
+
+typedef struct {
+    const uint8_t *p;
+    size_t len, off;
+    bool bad;
+} rbuf;
+
+static const uint8_t *get_bytes(rbuf *b, size_t n)
+{
+    if (b->bad || b->len - b->off < n) {
+        b->bad = true;
+        return NULL;
+    }
+    const uint8_t *q = b->p + b->off;
+    b->off += n;
+    return q;
+}
+static uint32_t get_u32(rbuf *b)
+{
+    const uint8_t *q = get_bytes(b, 4);
+    if (!q) return 0;
+    return (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24;
+}
+static uint64_t get_u64(rbuf *b)
+{
+    uint64_t lo = get_u32(b);
+    return lo | (uint64_t)get_u32(b) << 32;
+}
+
+int kvt__desc_parse(const void *desc, size_t len, kvt_target *t, void ***rkey_blobs,
+                    size_t **rkey_lens, void **addr, size_t *addr_len, uint64_t *fp,
+                    char boot_id[40], char *err)
+{
+    rbuf b = {.p = desc, .len = len};
+    if (!desc || len < 16 || get_u32(&b) != KVT_DESC_MAGIC)
+        return pd_errf(err, PD_EFORMAT, "kvt: not a kvtransfer descriptor");
+    {
+        rbuf tail = {.p = desc, .len = len, .off = len - 8};
+        if (XXH64(desc, len - 8, 0) != get_u64(&tail))
+            return pd_errf(err, PD_EFORMAT, "kvt: descriptor is corrupt (checksum)");
+    }
+    uint32_t ver = get_u32(&b);
+    if ((ver & 0xffff) != KVT_WIRE_VERSION)
+        return pd_errf(err, PD_EFORMAT, "kvt: descriptor version %u, this build speaks %u",
+                       ver & 0xffff, KVT_WIRE_VERSION);
+    t->remote_allocated = ((ver >> 16) & KVT_DESC_ALLOCATED) != 0;
+    t->remote_cuda = ((ver >> 16) & KVT_DESC_CUDA) != 0;
+    t->remote_ctx = get_u64(&b);
+    t->pool_id = get_u64(&b);
+    const uint8_t *boot = get_bytes(&b, 40);
+    if (boot) {
+        memcpy(boot_id, boot, 40);
+        boot_id[39] = 0;
+    }
+    const uint8_t *mid = get_bytes(&b, sizeof t->layout.model_id);
+    if (mid) memcpy(t->layout.model_id, mid, sizeof t->layout.model_id);
+    t->layout.model_id[sizeof t->layout.model_id - 1] = 0;
+    t->layout.dtype = (pd_dtype)get_u32(&b);
+    t->layout.n_layers = (int32_t)get_u32(&b);
+    t->layout.block_size = (int32_t)get_u32(&b);
+    t->layout.n_kv_heads = (int32_t)get_u32(&b);
+    t->layout.head_dim = (int32_t)get_u32(&b);
+    *fp = get_u64(&b);
+    t->n_blocks = (int32_t)get_u32(&b);
+    t->bb = (size_t)get_u64(&b);
+    if (b.bad || check_layout(&t->layout, err) < 0 || t->n_blocks <= 0 ||
+        t->bb != kvt_layout_block_bytes(&t->layout) || *fp != kvt_layout_fingerprint(&t->layout))
+        return pd_errf(err, PD_EFORMAT, "kvt: descriptor has an inconsistent layout");
+    *addr_len = get_u32(&b);
+    *addr = (void *)get_bytes(&b, *addr_len);
+    uint32_t nrk = get_u32(&b);
+    if (b.bad || nrk == 0 || nrk > (uint32_t)(2 * t->layout.n_layers))
+        return pd_errf(err, PD_EFORMAT, "kvt: descriptor is truncated");
+    int nr = 2 * t->layout.n_layers;
+    *rkey_blobs = calloc(nrk, sizeof **rkey_blobs);
+    *rkey_lens = calloc(nrk, sizeof **rkey_lens);
+    t->raddr = calloc((size_t)nr, sizeof *t->raddr);
+    t->rkey_idx = calloc((size_t)nr, sizeof *t->rkey_idx);
+    t->rkeys = calloc(nrk, sizeof *t->rkeys);
+    if (!*rkey_blobs || !*rkey_lens || !t->raddr || !t->rkey_idx || !t->rkeys)
+        return pd_errf(err, PD_ENOMEM, "kvt: out of memory");
+    t->n_rkeys = (int)nrk;
+    for (uint32_t i = 0; i < nrk; i++) {
+        (*rkey_lens)[i] = get_u32(&b);
+        (*rkey_blobs)[i] = (void *)get_bytes(&b, (*rkey_lens)[i]);
+    }
+    for (int r = 0; r < nr; r++) {
+        t->raddr[r] = get_u64(&b);
+        uint32_t k = get_u32(&b);
+        t->rkey_idx[r] = (int)k;
+        if (k >= nrk) b.bad = true;
+    }
+    if (b.bad || b.off + 8 != len)
+        return pd_errf(err, PD_EFORMAT, "kvt: descriptor is truncated or has trailing bytes");
+    return 0;
+}

@@ -1,0 +1,478 @@
+/* prefill_main.c -- pdserve-prefill: the prefill instance. Serves the internal Prefill RPC:
+ * computes a prompt (batched, chunked, prefix-cached) in a prefill-only engine, samples the
+ * first token, pushes the prompt's KV into the blocks a decode instance reserved (kvtransfer),
+ * and answers with the first token once the decode side acknowledged the KV. Also LoadReport
+ * and health.
+ *
+ * Threads as in pdserve-decode: gRPC workers, the engine thread, the kvt thread. A request
+ * (preq) is referenced by the engine until its terminal callback and by kvtransfer until its
+ * event; the call is answered exactly once. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/svc/svc.h"
+#include "common/svc/svc_kvt.h"
+#include "pdserve/internal/v1/prefill.pb-c.h"
+
+typedef struct preq {
+    atomic_int refs;
+    rpc_call *call;
+    uint64_t id;
+    int32_t n_prompt;
+    bool want_logprobs;
+    uint64_t reservation_id;       /* decode side's id for the transfer */
+    void *desc;                    /* decode pool descriptor (copy) */
+    size_t desc_len;
+    int32_t *dst_ids;              /* decode block ids (copy) */
+    int32_t n_dst;
+    pthread_mutex_t mu;
+    bool answered;
+    bool prefilled;                /* the engine holds the blocks until ew_release */
+    kvt_send *send;                /* kvt thread only */
+    int32_t first_token;
+    float first_logprob;
+    int32_t n_cached;
+    double t_recv, t_prefilled;
+} preq;
+
+typedef struct {
+    svc_model model;
+    ew *worker;
+    svc_kvt *kvt;
+    kvt_pool *pool;                /* kvt thread only: the engine's KV cache as source */
+    rpc_server *server;
+    svc_instance inst;
+    atomic_uint_fast64_t next_id;
+    int64_t default_max_tokens;
+} psvc;
+
+static psvc g;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void preq_unref(preq *r)
+{
+    if (atomic_fetch_sub(&r->refs, 1) != 1) return;
+    pthread_mutex_destroy(&r->mu);
+    free(r->desc);
+    free(r->dst_ids);
+    free(r);
+}
+
+/* Answers the call once: with the first token when code is OK, else the error. */
+static void answer(preq *r, rpc_status_code code, const char *msg)
+{
+    pthread_mutex_lock(&r->mu);
+    bool already = r->answered;
+    r->answered = true;
+    pthread_mutex_unlock(&r->mu);
+    if (already) return;
+    if (code == RPC_STATUS_OK) {
+        Pdserve__Internal__V1__PrefillResponse resp = PDSERVE__INTERNAL__V1__PREFILL_RESPONSE__INIT;
+        Pdserve__Internal__V1__PrefillTiming tm = PDSERVE__INTERNAL__V1__PREFILL_TIMING__INIT;
+        Pdserve__V1__TokenLogprob lp = PDSERVE__V1__TOKEN_LOGPROB__INIT;
+        resp.first_token_id = (uint32_t)r->first_token;
+        resp.cached_prompt_tokens = (uint32_t)r->n_cached;
+        if (r->want_logprobs) {
+            lp.token_id = (uint32_t)r->first_token;
+            lp.logprob = r->first_logprob;
+            resp.first_logprob = &lp;
+        }
+        double t = now_s();
+        tm.compute_us = (uint64_t)((r->t_prefilled - r->t_recv) * 1e6);
+        tm.transfer_us = (uint64_t)((t - r->t_prefilled) * 1e6);
+        tm.total_us = (uint64_t)((t - r->t_recv) * 1e6);
+        resp.timing = &tm;
+        if (rpc_call_reply(r->call, &resp.base) < 0)
+            rpc_stream_finish(r->call, RPC_STATUS_INTERNAL, "cannot send the response");
+    } else {
+        rpc_stream_finish(r->call, code, msg && *msg ? "%s" : NULL, msg);
+    }
+    rpc_call_unref(r->call);
+}
+
+/* ---- kvtransfer (kvt thread) ---- */
+
+typedef struct {
+    preq *r;
+    int32_t n;
+    int32_t src[];
+} push_job;
+
+/* Opens the decode side's pool and pushes the prompt's blocks (every layer is ready: the
+ * prompt was computed whole), then DONE with the first token. */
+static void do_push(kvt_ctx *ctx, void *arg)
+{
+    (void)ctx;
+    push_job *j = arg;
+    preq *r = j->r;
+    char err[PD_ERR_LEN];
+    kvt_target *t = NULL;
+    int rc = kvt_target_open(ctx, g.pool, r->desc, r->desc_len, &t, err);
+    if (rc == 0) {
+        kvt_send_params sp = kvt_send_default_params();
+        sp.req_id = r->reservation_id;
+        sp.n_blocks = j->n;
+        sp.src_ids = j->src;
+        sp.dst_ids = r->dst_ids;
+        sp.user = r;
+        rc = kvt_send_begin(t, &sp, &r->send, err);
+        kvt_target_close(t);
+    }
+    if (rc == 0) {
+        for (int32_t l = 0; l < g.model.cfg.n_layers && rc == 0; l++)
+            rc = kvt_send_layer_ready(r->send, l);
+        if (rc == 0) rc = kvt_send_finish(r->send, r->first_token);
+        /* On a failure here the transfer's SEND_FAILED event follows and finishes the work. */
+        free(j);
+        return;
+    }
+    PD_LOGW("request %llu: KV push failed: %s", (unsigned long long)r->id, err);
+    ew_release(g.worker, r->id);
+    answer(r, svc_status_for(rc), err);
+    preq_unref(r);
+    free(j);
+}
+
+static void do_cancel_send(kvt_ctx *ctx, void *arg)
+{
+    (void)ctx;
+    preq *r = arg;
+    if (r->send) kvt_send_cancel(r->send);
+    preq_unref(r);
+}
+
+static void on_kvt_event(void *arg, const kvt_event *ev)
+{
+    (void)arg;
+    preq *r = ev->user;
+    if (!r) return;
+    ew_release(g.worker, r->id); /* the source blocks may be reused now */
+    if (ev->type == KVT_EV_SEND_DONE) {
+        PD_LOGD("request %llu: KV pushed (%llu bytes, %.2f ms)", (unsigned long long)r->id,
+                (unsigned long long)ev->bytes, ev->elapsed_ns / 1e6);
+        answer(r, RPC_STATUS_OK, NULL);
+    } else {
+        char msg[PD_ERR_LEN];
+        snprintf(msg, sizeof msg, "KV transfer to the decode instance failed: %.400s", ev->detail);
+        answer(r, ev->status == PD_ECANCELED ? RPC_STATUS_CANCELLED : svc_status_for(ev->status), msg);
+    }
+    kvt_send_destroy(r->send);
+    r->send = NULL;
+    preq_unref(r);
+}
+
+/* ---- engine callbacks (engine thread) ---- */
+
+static void on_output(void *user, const eng_output *o)
+{
+    preq *r = user;
+    if (o->finish != SEQ_FINISH_PREFILLED) {
+        /* Aborted (client gone) before the prompt was done. */
+        answer(r, RPC_STATUS_CANCELLED, "request cancelled");
+        preq_unref(r);
+        return;
+    }
+    r->first_token = o->token;
+    r->first_logprob = o->logprob;
+    r->n_cached = o->n_cached;
+    r->t_prefilled = now_s();
+    if (o->n_blocks != r->n_dst) {
+        ew_release(g.worker, r->id);
+        char msg[128];
+        snprintf(msg, sizeof msg, "kv_target has %d block ids; the prompt needs %d", r->n_dst, o->n_blocks);
+        answer(r, RPC_STATUS_INVALID_ARGUMENT, msg);
+        preq_unref(r);
+        return;
+    }
+    push_job *j = malloc(sizeof *j + (size_t)o->n_blocks * sizeof(int32_t));
+    if (!j) {
+        ew_release(g.worker, r->id);
+        answer(r, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        preq_unref(r);
+        return;
+    }
+    pthread_mutex_lock(&r->mu);
+    r->prefilled = true;
+    pthread_mutex_unlock(&r->mu);
+    j->r = r;
+    j->n = o->n_blocks;
+    memcpy(j->src, o->block_ids, (size_t)o->n_blocks * sizeof(int32_t));
+    /* The engine's reference passes to the push job (and then to kvtransfer's event). */
+    if (svc_kvt_post(g.kvt, do_push, j) < 0) {
+        free(j);
+        ew_release(g.worker, r->id);
+        answer(r, RPC_STATUS_UNAVAILABLE, "shutting down");
+        preq_unref(r);
+    }
+}
+
+static void on_error(void *user, int code, const char *msg)
+{
+    preq *r = user;
+    answer(r, svc_status_for(code), msg);
+    preq_unref(r);
+}
+
+static void on_cancel(rpc_call *call, void *user)
+{
+    (void)call;
+    preq *r = user;
+    pthread_mutex_lock(&r->mu);
+    bool prefilled = r->prefilled;
+    pthread_mutex_unlock(&r->mu);
+    if (!prefilled) {
+        ew_abort(g.worker, r->id);
+        return;
+    }
+    atomic_fetch_add(&r->refs, 1);
+    if (svc_kvt_post(g.kvt, do_cancel_send, r) < 0) preq_unref(r);
+}
+
+static bool layout_matches(const Pdserve__Internal__V1__KvLayout *l, char *msg, size_t n)
+{
+    Pdserve__Internal__V1__KvLayout mine;
+    svc_kv_layout_to_proto(&g.model, &mine);
+    if (!l) {
+        snprintf(msg, n, "kv_target.layout is missing");
+        return false;
+    }
+    if (l->block_size != mine.block_size || l->dtype != mine.dtype ||
+        l->num_layers != mine.num_layers || l->num_kv_heads != mine.num_kv_heads ||
+        l->head_dim != mine.head_dim || l->model_fingerprint != mine.model_fingerprint) {
+        snprintf(msg, n, "KV layout mismatch: decode has block %u, dtype %d, %u layers, %u kv "
+                 "heads, head dim %u, model %016llx; this prefill instance has %u, %d, %u, %u, "
+                 "%u, %016llx", l->block_size, l->dtype, l->num_layers, l->num_kv_heads,
+                 l->head_dim, (unsigned long long)l->model_fingerprint, mine.block_size,
+                 mine.dtype, mine.num_layers, mine.num_kv_heads, mine.head_dim,
+                 (unsigned long long)mine.model_fingerprint);
+        return false;
+    }
+    return true;
+}
+
+static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *user)
+{
+    (void)user;
+    const Pdserve__Internal__V1__PrefillRequest *q = (const Pdserve__Internal__V1__PrefillRequest *)msg;
+    char err[PD_ERR_LEN];
+    eng_request er;
+    memset(&er, 0, sizeof er);
+    if (q->n_prompt_token_ids == 0) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "prompt_token_ids is empty");
+        return;
+    }
+    if (!q->kv_target || q->kv_target->kv_descriptor.len == 0 || q->kv_target->n_block_ids == 0) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "kv_target (descriptor and block ids) is required");
+        return;
+    }
+    if (!layout_matches(q->kv_target->layout, err, sizeof err)) {
+        rpc_stream_finish(call, RPC_STATUS_FAILED_PRECONDITION, "%s", err);
+        return;
+    }
+    if (svc_sampling_from_proto(q->sampling, &er.sampling, err) < 0 ||
+        svc_stopping_from_proto(q->stopping, (int32_t)g.default_max_tokens, &er.stop, err) < 0) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
+        return;
+    }
+    preq *r = calloc(1, sizeof *r);
+    int32_t *prompt = malloc(q->n_prompt_token_ids * sizeof *prompt);
+    if (r) {
+        r->desc = malloc(q->kv_target->kv_descriptor.len);
+        r->dst_ids = malloc(q->kv_target->n_block_ids * sizeof *r->dst_ids);
+    }
+    if (!r || !prompt || !r->desc || !r->dst_ids) {
+        if (r) {
+            free(r->desc);
+            free(r->dst_ids);
+        }
+        free(r);
+        free(prompt);
+        rpc_stream_finish(call, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    for (size_t i = 0; i < q->n_prompt_token_ids; i++) {
+        uint32_t t = q->prompt_token_ids[i];
+        prompt[i] = t > (uint32_t)INT32_MAX ? -1 : (int32_t)t;
+    }
+    memcpy(r->desc, q->kv_target->kv_descriptor.data, q->kv_target->kv_descriptor.len);
+    r->desc_len = q->kv_target->kv_descriptor.len;
+    for (size_t i = 0; i < q->kv_target->n_block_ids; i++)
+        r->dst_ids[i] = q->kv_target->block_ids[i] > (uint32_t)INT32_MAX ? -1 : (int32_t)q->kv_target->block_ids[i];
+    r->n_dst = (int32_t)q->kv_target->n_block_ids;
+    r->reservation_id = q->kv_target->reservation_id;
+    atomic_init(&r->refs, 1);
+    pthread_mutex_init(&r->mu, NULL);
+    r->id = atomic_fetch_add(&g.next_id, 1);
+    r->call = call;
+    r->n_prompt = (int32_t)q->n_prompt_token_ids;
+    r->want_logprobs = q->logprobs > 0;
+    r->t_recv = now_s();
+    rpc_call_ref(call);
+    er.id = r->id;
+    er.prompt = prompt;
+    er.n_prompt = r->n_prompt;
+    er.logprobs = r->want_logprobs;
+    int rc = ew_submit(g.worker, &er, r);
+    free(prompt);
+    if (rc < 0) {
+        answer(r, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        preq_unref(r);
+        return;
+    }
+    rpc_call_set_cancel_cb(call, on_cancel, r);
+}
+
+/* ---- setup ---- */
+
+typedef struct {
+    int rc;
+    char err[PD_ERR_LEN];
+} setup_box;
+
+static void do_setup_pool(kvt_ctx *ctx, void *arg)
+{
+    setup_box *b = arg;
+    kvt_pool_params pp = kvt_pool_default_params();
+    svc_kv_layout(&g.model, &pp.layout);
+    pp.n_blocks = mr_n_blocks(g.model.runner);
+    int32_t L = g.model.cfg.n_layers;
+    void **k = calloc((size_t)L, sizeof *k), **v = calloc((size_t)L, sizeof *v);
+    if (!k || !v) {
+        b->rc = pd_errf(b->err, PD_ENOMEM, "out of memory");
+    } else {
+        for (int32_t l = 0; l < L; l++) mr_kv_cache(g.model.runner, l, &k[l], &v[l]);
+        pp.k_base = k;
+        pp.v_base = v;
+        pp.mem_type = KVT_MEM_HOST;
+        b->rc = kvt_pool_create(ctx, &pp, &g.pool, b->err);
+    }
+    free(k);
+    free(v);
+}
+
+static void do_teardown_pool(kvt_ctx *ctx, void *arg)
+{
+    (void)ctx;
+    (void)arg;
+    kvt_pool_destroy(g.pool);
+    g.pool = NULL;
+}
+
+int main(int argc, char **argv)
+{
+    svc_block_signals();
+    svc_model_flags mf;
+    svc_model_flags_init(&mf);
+    const char *listen = "0.0.0.0:50071", *instance_id = "", *log_level = "info";
+    int64_t grace_ms = 30000, health_drain_ms = 0, threads = 2, max_tokens = 256, port = -1;
+    pd_flag flags[32];
+    int n = 0;
+    svc_model_flags_add(&mf, flags, &n);
+    pd_flag more[] = {
+        {"listen", PD_FLAG_STRING, &listen, "gRPC listen address (host:port; port 0 = any)", 1, 0},
+        {"port", PD_FLAG_INT, &port, "listen on 0.0.0.0:PORT (overrides --listen; 0 = any)", 0, 65535},
+        {"instance-id", PD_FLAG_STRING, &instance_id, "instance id in load reports (default prefill@<listen>)", 1, 0},
+        {"default-max-tokens", PD_FLAG_INT, &max_tokens, "max_tokens when a request sets none", 1, 1 << 24},
+        {"grpc-threads", PD_FLAG_INT, &threads, "gRPC worker threads", 1, 64},
+        {"shutdown-grace-ms", PD_FLAG_INT, &grace_ms, "SIGTERM: time in-flight requests get to finish", 0, 3600000},
+        {"health-drain-ms", PD_FLAG_INT, &health_drain_ms, "SIGTERM: time health says NOT_SERVING before the listener closes", 0, 600000},
+        {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
+    };
+    for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) flags[n++] = more[i];
+    int prc = pd_flags_parse(flags, n, argc, argv, "pdserve-prefill",
+                             "The prefill instance of pdserve: computes prompts and pushes their "
+                             "KV to decode instances (internal Prefill RPC).");
+    if (prc != 0) {
+        pd_flags_free();
+        return prc > 0 ? 0 : 2;
+    }
+    pd_log_level lv;
+    if (pd_log_parse_level(log_level, &lv) == 0) pd_log_set_level(lv);
+    char err[PD_ERR_LEN], listen_buf[64];
+    if (port >= 0) {
+        snprintf(listen_buf, sizeof listen_buf, "0.0.0.0:%lld", (long long)port);
+        listen = listen_buf;
+    }
+    int status = 1;
+    eng *e = NULL;
+    g.default_max_tokens = max_tokens;
+    atomic_init(&g.next_id, 1);
+    if (svc_model_open(&mf, ENG_MODE_PREFILL, &g.model, err) < 0) {
+        fprintf(stderr, "pdserve-prefill: %s\n", err);
+        goto out;
+    }
+    if (eng_create(&g.model.ep, &g.model.cfg, eng_executor_runner(g.model.runner), &e, err) < 0) {
+        fprintf(stderr, "pdserve-prefill: %s\n", err);
+        goto out;
+    }
+    ew_callbacks cb = {on_output, on_error, NULL};
+    if (ew_create(e, &cb, &g.worker) < 0) {
+        eng_destroy(e);
+        fprintf(stderr, "pdserve-prefill: cannot start the engine thread\n");
+        goto out;
+    }
+    kvt_params kp = kvt_default_params();
+    kp.name = "prefill";
+    kp.on_event = on_kvt_event;
+    if (svc_kvt_create(&kp, &g.kvt, err) < 0) {
+        fprintf(stderr, "pdserve-prefill: kvtransfer: %s\n", err);
+        goto out;
+    }
+    setup_box sb = {0, ""};
+    svc_kvt_call(g.kvt, do_setup_pool, &sb);
+    if (sb.rc < 0) {
+        fprintf(stderr, "pdserve-prefill: KV pool: %s\n", sb.err);
+        goto out;
+    }
+    rpc_server_params sp = rpc_server_default_params();
+    sp.listen_addr = listen;
+    sp.n_threads = (int)threads;
+    sp.shutdown_grace_ms = (int)grace_ms;
+    sp.health_drain_ms = (int)health_drain_ms;
+    if (rpc_server_create(&sp, &g.server, err) < 0 ||
+        rpc_server_register(g.server, &pdserve__internal__v1__prefill__descriptor, "Prefill",
+                            RPC_UNARY, handle_prefill, NULL, err) < 0) {
+        fprintf(stderr, "pdserve-prefill: %s\n", err);
+        goto out;
+    }
+    g.inst.role = PDSERVE__INTERNAL__V1__ROLE__ROLE_PREFILL;
+    g.inst.model = &g.model;
+    g.inst.worker = g.worker;
+    if (svc_instance_register(g.server, &g.inst, err) < 0 || rpc_server_start(g.server, err) < 0) {
+        fprintf(stderr, "pdserve-prefill: %s\n", err);
+        goto out;
+    }
+    if (instance_id[0]) snprintf(g.inst.instance_id, sizeof g.inst.instance_id, "%s", instance_id);
+    else snprintf(g.inst.instance_id, sizeof g.inst.instance_id, "prefill@%s", listen);
+    PD_LOGI("pdserve-prefill %s listening on port %d", g.inst.instance_id, rpc_server_port(g.server));
+    printf("PORT %d\n", rpc_server_port(g.server));
+    fflush(stdout);
+    int sig = svc_wait_signal();
+    PD_LOGI("signal %d: draining (grace %lld ms)", sig, (long long)grace_ms);
+    g.inst.draining = 1;
+    int cancelled = rpc_server_shutdown(g.server);
+    PD_LOGI("drained; %d calls cancelled", cancelled);
+    status = 0;
+out:
+    rpc_server_destroy(g.server);
+    ew_destroy(g.worker);
+    if (g.kvt) {
+        if (g.pool) svc_kvt_call(g.kvt, do_teardown_pool, NULL);
+        svc_kvt_destroy(g.kvt);
+    }
+    svc_model_close(&g.model);
+    pd_flags_free();
+    return status;
+}

@@ -1,0 +1,54 @@
+/* registry.h -- The router's view of prefill and decode instances: addresses from flags or
+ * DNS names (re-resolved periodically: a Kubernetes headless service gives one address per
+ * pod), one gRPC channel each, load reports polled in the background, and the routing policy
+ * (decode: most free KV blocks; prefill: least queued prompt tokens, with prefix affinity). */
+#ifndef PD_ROUTER_REGISTRY_H
+#define PD_ROUTER_REGISTRY_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/rpc/rpc.h"
+#include "pdserve/internal/v1/instance.pb-c.h"
+
+typedef struct rtr_registry rtr_registry;
+typedef struct rtr_instance rtr_instance; /* reference counted; valid while referenced */
+
+typedef struct {
+    const char *prefill;          /* comma-separated host:port list (names re-resolved) */
+    const char *decode;           /* the same for decode (or colocated) instances */
+    int64_t poll_ms;              /* load report period */
+    int64_t resolve_ms;           /* DNS re-resolution period */
+    int64_t report_timeout_ms;    /* a load report slower than this marks the instance down */
+} rtr_registry_params;
+
+int rtr_registry_create(const rtr_registry_params *p, rtr_registry **out, char *err);
+void rtr_registry_destroy(rtr_registry *r); /* NULL is a no-op */
+
+/* Picks a decode instance (healthy, not draining, most free blocks net of what the router
+ * has in flight there) and takes a reference on it; NULL when none can serve. exclude (may
+ * be NULL) is skipped. */
+rtr_instance *rtr_pick_decode(rtr_registry *r, const rtr_instance *exclude);
+/* Picks a prefill instance whose KV layout equals layout (may be NULL: any), preferring the
+ * one that last served the same prefix key when it is not much busier; NULL when none. */
+rtr_instance *rtr_pick_prefill(rtr_registry *r, const Pdserve__Internal__V1__KvLayout *layout,
+                               uint64_t prefix_key, int32_t n_prompt, const rtr_instance *exclude);
+/* Remembers that prefix_key was prefilled on inst. */
+void rtr_note_prefix(rtr_registry *r, uint64_t prefix_key, rtr_instance *inst);
+/* True when at least one prefill instance is configured (else decode computes prompts). */
+bool rtr_has_prefill(rtr_registry *r);
+
+void rtr_instance_ref(rtr_instance *i);
+void rtr_instance_unref(rtr_instance *i);
+rpc_channel *rtr_instance_channel(const rtr_instance *i);
+const char *rtr_instance_addr(const rtr_instance *i);
+bool rtr_instance_colocated(const rtr_instance *i);
+/* Local in-flight accounting (routing uses it between load reports). */
+void rtr_instance_add_load(rtr_instance *i, int64_t blocks, int64_t prompt_tokens);
+/* Counts a failed call (marks the instance down until its next good load report). */
+void rtr_instance_failed(rtr_instance *i);
+
+/* Instances known (for logs and metrics): prefill, decode, and how many are healthy. */
+void rtr_registry_counts(rtr_registry *r, int *n_prefill, int *n_decode, int *healthy);
+
+#endif

@@ -1,0 +1,652 @@
+/* router_main.c -- pdserve-router: the public pdserve.v1.Generation API. Validates and
+ * tokenizes each request, reserves KV blocks on a decode instance (Decode stream), has a
+ * prefill instance compute the prompt and push its KV there (Prefill call), streams the first
+ * token as soon as prefill returns it and then the decode tokens, detokenized incrementally
+ * with stop strings applied; the last message carries the finish reason and usage. With no
+ * prefill instances (or a colocated decode instance) the decode instance computes the prompt.
+ *
+ * A request (rreq) is touched by a gRPC worker (the handler, the cancel callback) and by the
+ * completion threads of two client calls; its mutex serializes them. It is freed when the
+ * public call is finished and both client calls have ended. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "common/flags.h"
+#include "common/log.h"
+#include "common/rpc/rpc.h"
+#include "common/svc/svc.h"
+#include "engine/block_manager.h"
+#include "engine/model_config.h"
+#include "engine/stopstr.h"
+#include "engine/tokenizer.h"
+#include "pdserve/internal/v1/decode.pb-c.h"
+#include "pdserve/internal/v1/prefill.pb-c.h"
+#include "router/registry.h"
+
+typedef struct {
+    mc_config cfg;
+    tok_tokenizer *tok;
+    char model_name[128];
+    rtr_registry *reg;
+    rpc_server *server;
+    int64_t default_max_tokens;
+    int64_t max_pending;
+    int64_t call_timeout_ms;
+    atomic_int_fast64_t pending;
+    atomic_uint_fast64_t next_id;
+} router;
+
+static router g;
+
+typedef struct rreq {
+    atomic_int refs;                 /* public call side + decode call + prefill call */
+    pthread_mutex_t mu;
+    rpc_call *call;                  /* the public call (our reference until finished) */
+    char request_id[128];
+    int32_t *prompt;
+    int32_t n_prompt;
+    Pdserve__V1__SamplingParams sampling;   /* normalized (seed filled) */
+    Pdserve__V1__StoppingCriteria stopping; /* copy without strings */
+    uint32_t logprobs;
+    uint64_t prefix_key;
+    rtr_instance *dec, *pre;
+    rpc_client_call *dcall, *pcall;
+    bool local_prefill;
+    int prefill_tries;               /* Prefill calls made (retries on another instance) */
+    Pdserve__Internal__V1__KvTarget *kv; /* the reservation's target (copy, for retries) */
+    bool first_sent;                 /* first token emitted to the client */
+    bool finished;                   /* public call finished */
+    uint32_t *held;                  /* decode tokens that arrived before the first token */
+    size_t n_held, cap_held;
+    int held_finish;                 /* finish reason that arrived with held tokens */
+    Pdserve__V1__Usage held_usage;
+    bool have_held_usage;
+    uint32_t cached_tokens;          /* from prefill */
+    uint32_t completion;             /* tokens emitted */
+    tok_stream *detok;
+    stopstr *stops;
+} rreq;
+
+static void rreq_unref(rreq *r)
+{
+    if (atomic_fetch_sub(&r->refs, 1) != 1) return;
+    rtr_instance_unref(r->dec);
+    rtr_instance_unref(r->pre);
+    rpc_client_call_release(r->dcall);
+    rpc_client_call_release(r->pcall);
+    if (r->kv) protobuf_c_message_free_unpacked(&r->kv->base, NULL);
+    tok_stream_destroy(r->detok);
+    stopstr_destroy(r->stops);
+    free(r->prompt);
+    free(r->held);
+    pthread_mutex_destroy(&r->mu);
+    free(r);
+    atomic_fetch_sub(&g.pending, 1);
+}
+
+/* Finishes the public call (mu held). */
+static void finish_locked(rreq *r, rpc_status_code code, const char *fmt, const char *detail)
+{
+    if (r->finished) return;
+    r->finished = true;
+    if (code == RPC_STATUS_OK) rpc_stream_finish(r->call, RPC_STATUS_OK, NULL);
+    else rpc_stream_finish(r->call, code, fmt, detail);
+    rpc_call_unref(r->call);
+    if (r->dcall) rpc_client_call_cancel(r->dcall);
+    if (r->pcall) rpc_client_call_cancel(r->pcall);
+}
+
+/* Emits tokens to the client (mu held): detokenize, stop strings, one GenerateResponse.
+ * finish is a FinishReason (0 = not final); usage is for the final message. */
+static void emit_locked(rreq *r, const uint32_t *ids, size_t n, int finish, const Pdserve__V1__Usage *usage_in)
+{
+    if (r->finished) return;
+    char *text = NULL;
+    size_t tlen = 0, tcap = 0;
+    char err[PD_ERR_LEN];
+    bool stopped = false;
+    size_t n_keep = n;
+    for (size_t i = 0; i < n && !stopped; i++) {
+        const char *piece;
+        size_t plen;
+        if (!r->detok || tok_stream_push(r->detok, (int32_t)ids[i], &piece, &plen, err) < 0) {
+            piece = "";
+            plen = 0;
+        }
+        const char *shown;
+        size_t slen;
+        if (stopstr_push(r->stops, piece, plen, &shown, &slen, &stopped) < 0) slen = 0;
+        if (tlen + slen + 1 > tcap) {
+            tcap = (tlen + slen + 1) * 2;
+            char *nt = realloc(text, tcap);
+            if (!nt) break;
+            text = nt;
+        }
+        memcpy(text + tlen, shown, slen);
+        tlen += slen;
+        if (stopped) n_keep = i + 1;
+    }
+    if (stopped) finish = PDSERVE__V1__FINISH_REASON__FINISH_REASON_STOP;
+    if (finish && !stopped) { /* the end: release held-back text */
+        const char *piece, *shown;
+        size_t plen = 0, slen = 0;
+        if (!r->detok || tok_stream_flush(r->detok, &piece, &plen, err) < 0) {
+            piece = "";
+            plen = 0;
+        }
+        bool st2;
+        stopstr_push(r->stops, piece, plen, &shown, &slen, &st2);
+        const char *rest;
+        size_t rlen = 0;
+        if (!st2) stopstr_flush(r->stops, &rest, &rlen);
+        char *nt = realloc(text, tlen + slen + rlen + 1);
+        if (nt) {
+            text = nt;
+            memcpy(text + tlen, shown, slen);
+            tlen += slen;
+            if (!st2) {
+                memcpy(text + tlen, rest, rlen);
+                tlen += rlen;
+            }
+        }
+        if (st2) finish = PDSERVE__V1__FINISH_REASON__FINISH_REASON_STOP;
+    }
+    r->completion += (uint32_t)n_keep;
+    Pdserve__V1__GenerateResponse m = PDSERVE__V1__GENERATE_RESPONSE__INIT;
+    Pdserve__V1__Usage usage = PDSERVE__V1__USAGE__INIT;
+    m.request_id = r->request_id;
+    m.n_token_ids = n_keep;
+    m.token_ids = (uint32_t *)ids;
+    if (!text) text = calloc(1, 1);
+    if (text) text[tlen] = 0;
+    m.text = text ? text : "";
+    if (finish) {
+        m.finish_reason = (Pdserve__V1__FinishReason)finish;
+        usage.prompt_tokens = (uint32_t)r->n_prompt;
+        usage.completion_tokens = r->completion;
+        usage.cached_prompt_tokens = r->cached_tokens;
+        if (usage_in && r->local_prefill) usage.cached_prompt_tokens = usage_in->cached_prompt_tokens;
+        m.usage = &usage;
+    }
+    if (n_keep > 0 || tlen > 0 || finish) {
+        int rc = rpc_stream_send(r->call, &m.base);
+        if (rc == PD_ENOSPC) finish_locked(r, RPC_STATUS_RESOURCE_EXHAUSTED, "%s", "the client reads too slowly");
+    }
+    free(text);
+    if (finish) finish_locked(r, RPC_STATUS_OK, NULL, NULL);
+}
+
+/* ---- prefill call ---- */
+
+static void start_prefill(rreq *r, const Pdserve__Internal__V1__KvTarget *kv, const rtr_instance *exclude);
+
+static void pre_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user)
+{
+    (void)c;
+    rreq *r = user;
+    const Pdserve__Internal__V1__PrefillResponse *p = (const void *)msg;
+    pthread_mutex_lock(&r->mu);
+    r->cached_tokens = p->cached_prompt_tokens;
+    r->first_sent = true;
+    uint32_t first = p->first_token_id;
+    emit_locked(r, &first, 1, 0, NULL);
+    /* Decode tokens that overtook the prefill answer. */
+    if (r->n_held || r->held_finish)
+        emit_locked(r, r->held, r->n_held, r->held_finish, r->have_held_usage ? &r->held_usage : NULL);
+    r->n_held = 0;
+    pthread_mutex_unlock(&r->mu);
+    protobuf_c_message_free_unpacked(msg, NULL);
+}
+
+static void pre_on_done(rpc_client_call *c, const rpc_status *st, void *user)
+{
+    (void)c;
+    rreq *r = user;
+    pthread_mutex_lock(&r->mu);
+    if (st->code == RPC_STATUS_UNAVAILABLE && !r->finished && !r->first_sent && r->kv &&
+        r->prefill_tries < 3) {
+        /* The prefill instance is gone or refused before answering: the decode side's
+         * reservation still waits, so another prefill instance can fill it. */
+        rtr_instance_failed(r->pre);
+        PD_LOGW("request %s: prefill on %s unavailable (%s); retrying elsewhere", r->request_id,
+                rtr_instance_addr(r->pre), st->details);
+        rpc_client_call_release(r->pcall);
+        r->pcall = NULL;
+        start_prefill(r, r->kv, r->pre);
+    } else if (st->code != RPC_STATUS_OK && !r->finished) {
+        if (st->code == RPC_STATUS_UNAVAILABLE || st->code == RPC_STATUS_DEADLINE_EXCEEDED)
+            rtr_instance_failed(r->pre);
+        PD_LOGW("request %s: prefill on %s failed: %s: %s", r->request_id,
+                rtr_instance_addr(r->pre), rpc_status_name(st->code), st->details);
+        finish_locked(r, st->code == RPC_STATUS_INVALID_ARGUMENT || st->code == RPC_STATUS_CANCELLED
+                             ? (rpc_status_code)st->code : RPC_STATUS_UNAVAILABLE,
+                      "prefill failed: %s", st->details);
+    }
+    pthread_mutex_unlock(&r->mu);
+    rreq_unref(r);
+}
+
+static void start_prefill(rreq *r, const Pdserve__Internal__V1__KvTarget *kv, const rtr_instance *exclude)
+{
+    rtr_instance *p = rtr_pick_prefill(g.reg, kv->layout, r->prefix_key, r->n_prompt, exclude);
+    if (!p) {
+        finish_locked(r, RPC_STATUS_UNAVAILABLE, "%s", "no prefill instance can serve this model now");
+        return;
+    }
+    rtr_instance_unref(r->pre);
+    r->pre = p;
+    r->prefill_tries++;
+    rtr_instance_add_load(p, 0, r->n_prompt);
+    rtr_note_prefix(g.reg, r->prefix_key, p);
+    Pdserve__Internal__V1__PrefillRequest q = PDSERVE__INTERNAL__V1__PREFILL_REQUEST__INIT;
+    q.request_id = r->request_id;
+    q.n_prompt_token_ids = (size_t)r->n_prompt;
+    q.prompt_token_ids = (uint32_t *)r->prompt;
+    q.sampling = &r->sampling;
+    q.stopping = &r->stopping;
+    q.logprobs = r->logprobs;
+    q.kv_target = (Pdserve__Internal__V1__KvTarget *)kv;
+    rpc_client_callbacks cb = {pre_on_message, pre_on_done, r};
+    char err[PD_ERR_LEN];
+    atomic_fetch_add(&r->refs, 1);
+    if (rpc_client_call_start(rtr_instance_channel(p), "/pdserve.internal.v1.Prefill/Prefill",
+                              &q.base, &pdserve__internal__v1__prefill_response__descriptor,
+                              g.call_timeout_ms, &cb, &r->pcall, err) < 0) {
+        atomic_fetch_sub(&r->refs, 1);
+        finish_locked(r, RPC_STATUS_INTERNAL, "cannot call prefill: %s", err);
+    }
+}
+
+/* ---- decode call ---- */
+
+static void dec_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user)
+{
+    (void)c;
+    rreq *r = user;
+    const Pdserve__Internal__V1__DecodeResponse *d = (const void *)msg;
+    pthread_mutex_lock(&r->mu);
+    if (r->finished) {
+        /* nothing */
+    } else if (d->kind_case == PDSERVE__INTERNAL__V1__DECODE_RESPONSE__KIND_RESERVATION) {
+        if (d->reservation && d->reservation->kv_target && !r->local_prefill) {
+            /* Keep a copy for retries on another prefill instance. */
+            size_t len = protobuf_c_message_get_packed_size(&d->reservation->kv_target->base);
+            uint8_t *buf = malloc(len ? len : 1);
+            if (buf) {
+                protobuf_c_message_pack(&d->reservation->kv_target->base, buf);
+                r->kv = pdserve__internal__v1__kv_target__unpack(NULL, len, buf);
+                free(buf);
+            }
+            start_prefill(r, d->reservation->kv_target, NULL);
+        }
+    } else if (d->kind_case == PDSERVE__INTERNAL__V1__DECODE_RESPONSE__KIND_TOKENS && d->tokens) {
+        const Pdserve__Internal__V1__TokenBurst *b = d->tokens;
+        if (r->first_sent || r->local_prefill) {
+            r->first_sent = true;
+            emit_locked(r, b->token_ids, b->n_token_ids, b->finish_reason, b->usage);
+        } else { /* hold until the prefill answer with the first token */
+            if (r->n_held + b->n_token_ids > r->cap_held) {
+                size_t cap = (r->n_held + b->n_token_ids) * 2 + 8;
+                uint32_t *nh = realloc(r->held, cap * sizeof *nh);
+                if (nh) {
+                    r->held = nh;
+                    r->cap_held = cap;
+                }
+            }
+            for (size_t i = 0; i < b->n_token_ids && r->n_held < r->cap_held; i++)
+                r->held[r->n_held++] = b->token_ids[i];
+            if (b->finish_reason) r->held_finish = b->finish_reason;
+            if (b->usage) {
+                r->held_usage = *b->usage;
+                r->have_held_usage = true;
+            }
+        }
+    }
+    pthread_mutex_unlock(&r->mu);
+    protobuf_c_message_free_unpacked(msg, NULL);
+}
+
+static void dec_on_done(rpc_client_call *c, const rpc_status *st, void *user)
+{
+    (void)c;
+    rreq *r = user;
+    pthread_mutex_lock(&r->mu);
+    if (!r->finished && !(st->code == RPC_STATUS_OK && r->held_finish)) {
+        if (st->code == RPC_STATUS_OK) {
+            finish_locked(r, RPC_STATUS_INTERNAL, "%s", "the decode stream ended without a finish reason");
+        } else {
+            if (st->code == RPC_STATUS_UNAVAILABLE) rtr_instance_failed(r->dec);
+            PD_LOGW("request %s: decode on %s failed: %s: %s", r->request_id,
+                    rtr_instance_addr(r->dec), rpc_status_name(st->code), st->details);
+            finish_locked(r, (rpc_status_code)st->code, "%s", st->details);
+        }
+    }
+    pthread_mutex_unlock(&r->mu);
+    rreq_unref(r);
+}
+
+/* ---- public API ---- */
+
+static void on_cancel(rpc_call *call, void *user)
+{
+    (void)call;
+    rreq *r = user;
+    pthread_mutex_lock(&r->mu);
+    if (!r->finished) {
+        r->finished = true;
+        rpc_call_unref(r->call);
+        if (r->dcall) rpc_client_call_cancel(r->dcall);
+        if (r->pcall) rpc_client_call_cancel(r->pcall);
+    }
+    pthread_mutex_unlock(&r->mu);
+}
+
+static uint64_t prefix_key(const int32_t *ids, int32_t n)
+{
+    /* The chained block hash of the first (up to 4) full blocks of 16 tokens: the same value
+     * the instances' prefix caches compute for their first blocks (docs/kv-blocks.md). */
+    const int32_t bs = 16;
+    int32_t nb = (n - 1) / bs;
+    if (nb > 4) nb = 4;
+    uint64_t h = 0;
+    for (int32_t i = 0; i < nb; i++) h = bm_hash_block(h, ids + i * bs, bs);
+    return h;
+}
+
+static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *user)
+{
+    (void)user;
+    const Pdserve__V1__GenerateRequest *q = (const void *)msg;
+    char err[PD_ERR_LEN];
+    bool has_text = q->prompt && q->prompt[0], has_ids = q->n_prompt_token_ids > 0;
+    if (has_text == has_ids) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "give exactly one of prompt and prompt_token_ids");
+        return;
+    }
+    smp_params sp;
+    seq_stopping ss;
+    if (svc_sampling_from_proto(q->sampling, &sp, err) < 0 ||
+        svc_stopping_from_proto(q->stopping, 1, &ss, err) < 0) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
+        return;
+    }
+    if (q->stopping && q->stopping->n_stop > 16) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "stopping.stop: at most 16 stop "
+                          "strings (got %zu)", q->stopping->n_stop);
+        return;
+    }
+    if (q->stopping)
+        for (size_t i = 0; i < q->stopping->n_stop; i++)
+            if (!q->stopping->stop[i] || !q->stopping->stop[i][0]) {
+                rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "stopping.stop[%zu] is empty", i);
+                return;
+            }
+    if (atomic_fetch_add(&g.pending, 1) >= g.max_pending) {
+        atomic_fetch_sub(&g.pending, 1);
+        rpc_stream_finish(call, RPC_STATUS_RESOURCE_EXHAUSTED, "the router has %lld requests in "
+                          "flight (--max-pending); retry later", (long long)g.max_pending);
+        return;
+    }
+    rreq *r = calloc(1, sizeof *r);
+    if (!r) {
+        atomic_fetch_sub(&g.pending, 1);
+        rpc_stream_finish(call, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    atomic_init(&r->refs, 1);
+    pthread_mutex_init(&r->mu, NULL);
+    if (q->request_id && q->request_id[0]) snprintf(r->request_id, sizeof r->request_id, "%s", q->request_id);
+    else snprintf(r->request_id, sizeof r->request_id, "req-%llu", (unsigned long long)atomic_fetch_add(&g.next_id, 1));
+    int rc = 0;
+    const char *bad = NULL;
+    if (has_text && !g.tok) {
+        bad = "this model has no tokenizer; send prompt_token_ids";
+    } else if (has_text) {
+        rc = tok_encode(g.tok, q->prompt, strlen(q->prompt), true, &r->prompt, &r->n_prompt, err);
+        if (rc < 0) bad = err;
+        else if (r->n_prompt == 0) bad = "the prompt encodes to no tokens";
+    } else {
+        r->n_prompt = (int32_t)q->n_prompt_token_ids;
+        r->prompt = malloc(q->n_prompt_token_ids * sizeof *r->prompt);
+        if (!r->prompt) bad = "out of memory";
+        for (size_t i = 0; !bad && i < q->n_prompt_token_ids; i++) {
+            if (q->prompt_token_ids[i] >= (uint32_t)g.cfg.vocab_size) {
+                snprintf(err, sizeof err, "prompt_token_ids[%zu] = %u is out of range [0, %d)", i,
+                         q->prompt_token_ids[i], g.cfg.vocab_size);
+                bad = err;
+            }
+            if (!bad) r->prompt[i] = (int32_t)q->prompt_token_ids[i];
+        }
+    }
+    if (!bad && r->n_prompt >= g.cfg.max_position) {
+        snprintf(err, sizeof err, "the prompt has %d tokens; the model's maximum length is %d",
+                 r->n_prompt, g.cfg.max_position);
+        bad = err;
+    }
+    int64_t room = g.cfg.max_position - r->n_prompt;
+    if (!bad && q->stopping && q->stopping->max_tokens_set_case && q->stopping->max_tokens > room) {
+        snprintf(err, sizeof err, "prompt (%d tokens) + max_tokens (%u) exceeds the model's "
+                 "maximum length of %d", r->n_prompt, q->stopping->max_tokens, g.cfg.max_position);
+        bad = err;
+    }
+    if (bad) {
+        rpc_stream_finish(call, rc == PD_ENOMEM ? RPC_STATUS_RESOURCE_EXHAUSTED : RPC_STATUS_INVALID_ARGUMENT, "%s", bad);
+        rreq_unref(r);
+        return;
+    }
+    /* Normalized parameters for both instances: an unset seed gets one here, so that prefill
+     * and decode draw from the same per-request stream. */
+    if (!sp.has_seed) {
+        sp.seed = ((uint64_t)rand() << 32) ^ (uint64_t)rand() ^ atomic_fetch_add(&g.next_id, 1);
+        sp.has_seed = true;
+    }
+    svc_sampling_to_proto(&sp, &r->sampling);
+    pdserve__v1__stopping_criteria__init(&r->stopping);
+    r->stopping.max_tokens_set_case = PDSERVE__V1__STOPPING_CRITERIA__MAX_TOKENS_SET_MAX_TOKENS;
+    r->stopping.max_tokens = (q->stopping && q->stopping->max_tokens_set_case)
+                                 ? q->stopping->max_tokens
+                                 : (uint32_t)(g.default_max_tokens < room ? g.default_max_tokens : room);
+    r->stopping.min_tokens = (uint32_t)ss.min_tokens;
+    r->stopping.ignore_eos = ss.ignore_eos;
+    r->stopping.n_stop_token_ids = q->stopping ? q->stopping->n_stop_token_ids : 0;
+    r->stopping.stop_token_ids = q->stopping ? q->stopping->stop_token_ids : NULL;
+    r->logprobs = q->logprobs;
+    r->prefix_key = prefix_key(r->prompt, r->n_prompt);
+    if ((g.tok && tok_stream_create(g.tok, true, &r->detok) < 0) ||
+        stopstr_create(q->stopping ? (const char *const *)q->stopping->stop : NULL,
+                       q->stopping ? (int)q->stopping->n_stop : 0, &r->stops) < 0) {
+        rpc_stream_finish(call, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        rreq_unref(r);
+        return;
+    }
+    r->dec = rtr_pick_decode(g.reg, NULL);
+    if (!r->dec) {
+        rpc_stream_finish(call, RPC_STATUS_UNAVAILABLE, "no decode instance is available");
+        rreq_unref(r);
+        return;
+    }
+    r->local_prefill = !rtr_has_prefill(g.reg) || rtr_instance_colocated(r->dec);
+    rtr_instance_add_load(r->dec, (r->n_prompt + r->stopping.max_tokens + 15) / 16, 0);
+    r->call = call;
+    rpc_call_ref(call);
+    Pdserve__Internal__V1__DecodeRequest d = PDSERVE__INTERNAL__V1__DECODE_REQUEST__INIT;
+    d.request_id = r->request_id;
+    d.n_prompt_token_ids = (size_t)r->n_prompt;
+    d.prompt_token_ids = (uint32_t *)r->prompt;
+    d.sampling = &r->sampling;
+    d.stopping = &r->stopping;
+    d.logprobs = r->logprobs;
+    d.local_prefill = r->local_prefill;
+    rpc_client_callbacks cb = {dec_on_message, dec_on_done, r};
+    pthread_mutex_lock(&r->mu);
+    atomic_fetch_add(&r->refs, 1);
+    if (rpc_client_call_start(rtr_instance_channel(r->dec), "/pdserve.internal.v1.Decode/Decode",
+                              &d.base, &pdserve__internal__v1__decode_response__descriptor,
+                              g.call_timeout_ms, &cb, &r->dcall, err) < 0) {
+        atomic_fetch_sub(&r->refs, 1);
+        finish_locked(r, RPC_STATUS_INTERNAL, "cannot call decode: %s", err);
+    }
+    pthread_mutex_unlock(&r->mu);
+    rpc_call_set_cancel_cb(call, on_cancel, r);
+    rreq_unref(r); /* the handler's reference; the calls hold theirs */
+}
+
+static void handle_tokenize(rpc_call *call, const ProtobufCMessage *msg, void *user)
+{
+    (void)user;
+    const Pdserve__V1__TokenizeRequest *q = (const void *)msg;
+    int32_t *ids = NULL, n = 0;
+    char err[PD_ERR_LEN];
+    if (!g.tok) {
+        rpc_stream_finish(call, RPC_STATUS_FAILED_PRECONDITION, "this model has no tokenizer");
+        return;
+    }
+    int rc = tok_encode(g.tok, q->text ? q->text : "", q->text ? strlen(q->text) : 0,
+                        q->add_special_tokens, &ids, &n, err);
+    if (rc < 0) {
+        rpc_stream_finish(call, svc_status_for(rc), "%s", err);
+        return;
+    }
+    Pdserve__V1__TokenizeResponse resp = PDSERVE__V1__TOKENIZE_RESPONSE__INIT;
+    resp.n_token_ids = (size_t)n;
+    resp.token_ids = (uint32_t *)ids;
+    rpc_call_reply(call, &resp.base);
+    free(ids);
+}
+
+static void handle_model_info(rpc_call *call, const ProtobufCMessage *msg, void *user)
+{
+    (void)msg;
+    (void)user;
+    Pdserve__V1__GetModelInfoResponse resp = PDSERVE__V1__GET_MODEL_INFO_RESPONSE__INIT;
+    uint32_t eos[MC_MAX_EOS];
+    for (int i = 0; i < g.cfg.n_eos; i++) eos[i] = (uint32_t)g.cfg.eos_token_ids[i];
+    resp.model_name = g.model_name;
+    resp.architecture = g.cfg.arch_name;
+    resp.max_model_len = (uint32_t)g.cfg.max_position;
+    resp.vocab_size = (uint32_t)g.cfg.vocab_size;
+    resp.n_eos_token_ids = (size_t)g.cfg.n_eos;
+    resp.eos_token_ids = eos;
+    if (g.cfg.bos_token_id >= 0) {
+        resp.bos_token_id_set_case = PDSERVE__V1__GET_MODEL_INFO_RESPONSE__BOS_TOKEN_ID_SET_BOS_TOKEN_ID;
+        resp.bos_token_id = (uint32_t)g.cfg.bos_token_id;
+    }
+    rpc_call_reply(call, &resp.base);
+}
+
+int main(int argc, char **argv)
+{
+    svc_block_signals();
+    const char *model = "../shared/models/stories260k", *model_name = "", *listen = "0.0.0.0:50051";
+    const char *prefill = "", *decode = "", *log_level = "info";
+    int64_t max_tokens = 256, max_pending = 4096, threads = 2, poll_ms = 500, resolve_ms = 10000;
+    int64_t grace_ms = 30000, health_drain_ms = 0, timeout_ms = 600000, port = -1;
+    pd_flag flags[] = {
+        {"model", PD_FLAG_STRING, &model, "model directory (tokenizer.json, config.json)", 1, 0},
+        {"model-name", PD_FLAG_STRING, &model_name, "name served in GetModelInfo (default: directory name)", 1, 0},
+        {"listen", PD_FLAG_STRING, &listen, "public gRPC address (host:port; port 0 = any)", 1, 0},
+        {"port", PD_FLAG_INT, &port, "listen on 0.0.0.0:PORT (overrides --listen; 0 = any)", 0, 65535},
+        {"prefill", PD_FLAG_LIST, &prefill, "prefill instances host:port,... (DNS names re-resolved)", 1, 0},
+        {"decode", PD_FLAG_LIST, &decode, "decode (or colocated) instances host:port,...", 1, 0},
+        {"default-max-tokens", PD_FLAG_INT, &max_tokens, "max_tokens when a request sets none", 1, 1 << 24},
+        {"max-pending", PD_FLAG_INT, &max_pending, "requests in flight before RESOURCE_EXHAUSTED", 1, 1 << 24},
+        {"request-timeout-ms", PD_FLAG_INT, &timeout_ms, "deadline of the internal calls of a request", 100, 86400000},
+        {"load-poll-ms", PD_FLAG_INT, &poll_ms, "load report period", 10, 600000},
+        {"resolve-ms", PD_FLAG_INT, &resolve_ms, "DNS re-resolution period", 100, 3600000},
+        {"grpc-threads", PD_FLAG_INT, &threads, "gRPC worker threads", 1, 64},
+        {"shutdown-grace-ms", PD_FLAG_INT, &grace_ms, "SIGTERM: time in-flight requests get to finish", 0, 3600000},
+        {"health-drain-ms", PD_FLAG_INT, &health_drain_ms, "SIGTERM: time health says NOT_SERVING first", 0, 600000},
+        {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
+    };
+    int prc = pd_flags_parse(flags, (int)(sizeof flags / sizeof flags[0]), argc, argv, "pdserve-router",
+                             "The public entry of pdserve: the pdserve.v1.Generation gRPC API, "
+                             "routed over prefill and decode instances.");
+    if (prc != 0) {
+        pd_flags_free();
+        return prc > 0 ? 0 : 2;
+    }
+    pd_log_level lv;
+    if (pd_log_parse_level(log_level, &lv) == 0) pd_log_set_level(lv);
+    char err[PD_ERR_LEN], listen_buf[64];
+    if (port >= 0) {
+        snprintf(listen_buf, sizeof listen_buf, "0.0.0.0:%lld", (long long)port);
+        listen = listen_buf;
+    }
+    int status = 1;
+    g.default_max_tokens = max_tokens;
+    g.max_pending = max_pending;
+    g.call_timeout_ms = timeout_ms;
+    atomic_init(&g.pending, 0);
+    atomic_init(&g.next_id, 1);
+    if (mc_load(model, &g.cfg, err) < 0) {
+        fprintf(stderr, "pdserve-router: %s\n", err);
+        goto out;
+    }
+    char tpath[4096];
+    snprintf(tpath, sizeof tpath, "%s/tokenizer.json", model);
+    FILE *tf = fopen(tpath, "r");
+    if (tf) {
+        fclose(tf);
+        if (tok_load(model, &g.tok, err) < 0) {
+            fprintf(stderr, "pdserve-router: %s\n", err);
+            goto out;
+        }
+    } else {
+        PD_LOGW("%s has no tokenizer.json: only prompt_token_ids are accepted and responses "
+                "carry token ids without text", model);
+    }
+    if (model_name[0]) {
+        snprintf(g.model_name, sizeof g.model_name, "%s", model_name);
+    } else {
+        const char *b = strrchr(model, '/');
+        snprintf(g.model_name, sizeof g.model_name, "%s", b && b[1] ? b + 1 : model);
+    }
+    if (!decode[0]) {
+        fprintf(stderr, "pdserve-router: --decode host:port,... is required\n");
+        goto out;
+    }
+    rtr_registry_params rp = {prefill, decode, poll_ms, resolve_ms, 2000};
+    if (rtr_registry_create(&rp, &g.reg, err) < 0) {
+        fprintf(stderr, "pdserve-router: %s\n", err);
+        goto out;
+    }
+    rpc_server_params sp = rpc_server_default_params();
+    sp.listen_addr = listen;
+    sp.n_threads = (int)threads;
+    sp.shutdown_grace_ms = (int)grace_ms;
+    sp.health_drain_ms = (int)health_drain_ms;
+    sp.stream_queue_max = 4096;
+    if (rpc_server_create(&sp, &g.server, err) < 0 ||
+        rpc_server_register(g.server, &pdserve__v1__generation__descriptor, "Generate",
+                            RPC_SERVER_STREAMING, handle_generate, NULL, err) < 0 ||
+        rpc_server_register(g.server, &pdserve__v1__generation__descriptor, "Tokenize",
+                            RPC_UNARY, handle_tokenize, NULL, err) < 0 ||
+        rpc_server_register(g.server, &pdserve__v1__generation__descriptor, "GetModelInfo",
+                            RPC_UNARY, handle_model_info, NULL, err) < 0 ||
+        rpc_server_start(g.server, err) < 0) {
+        fprintf(stderr, "pdserve-router: %s\n", err);
+        goto out;
+    }
+    int np, nd, nh;
+    rtr_registry_counts(g.reg, &np, &nd, &nh);
+    PD_LOGI("pdserve-router serving %s on port %d: %d prefill, %d decode instances (%d up)%s",
+            g.model_name, rpc_server_port(g.server), np, nd, nh,
+            np ? "" : "; decode instances compute prompts (no prefill instances)");
+    printf("PORT %d\n", rpc_server_port(g.server));
+    fflush(stdout);
+    int sig = svc_wait_signal();
+    PD_LOGI("signal %d: draining (grace %lld ms)", sig, (long long)grace_ms);
+    int cancelled = rpc_server_shutdown(g.server);
+    PD_LOGI("drained; %d calls cancelled", cancelled);
+    status = 0;
+out:
+    rpc_server_destroy(g.server);
+    rtr_registry_destroy(g.reg); /* after the server: requests reference instances */
+    tok_destroy(g.tok);
+    pd_flags_free();
+    return status;
+}

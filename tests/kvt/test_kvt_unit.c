@@ -1,0 +1,351 @@
+/* test_kvt_unit.c -- kvtransfer in one process: parameter checks, descriptors (round trip,
+ * corruption, truncation), the layout-mismatch refusal, slot reservations, a loopback
+ * transfer between two contexts, misuse of a transfer's calls, CUDA refusal on a host-only
+ * UCX, and destroying contexts with transfers in flight. */
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include "kvt_test.h"
+
+static kt_events ev_a, ev_b;
+
+static void pump2(kvt_ctx *a, kvt_ctx *b, int ms)
+{
+    double end = kvh_ms() + ms;
+    while (kvh_ms() < end) {
+        kvt_progress(a);
+        kvt_progress(b);
+    }
+}
+
+/* Progresses both until events of a reach na and of b reach nb (or 10 s pass). */
+static void pump_until(kvt_ctx *a, kvt_ctx *b, int na, int nb)
+{
+    double end = kvh_ms() + 10000;
+    while ((ev_a.n < na || ev_b.n < nb) && kvh_ms() < end) {
+        kvt_progress(a);
+        kvt_progress(b);
+    }
+    if (ev_a.n < na || ev_b.n < nb) KT_FAIL("events: %d of %d and %d of %d", ev_a.n, na, ev_b.n, nb);
+}
+
+static kvt_pool *make_pool(kvt_ctx *ctx, kvt_layout l, int32_t n_blocks)
+{
+    kvt_pool_params pp = kvt_pool_default_params();
+    pp.layout = l;
+    pp.n_blocks = n_blocks;
+    kvt_pool *pool;
+    char err[PD_ERR_LEN];
+    KT_OK(kvt_pool_create(ctx, &pp, &pool, err), err);
+    return pool;
+}
+
+static void test_params(void)
+{
+    char err[PD_ERR_LEN];
+    kvt_ctx *ctx;
+    kvt_params p = kvt_default_params();
+    KT_EQ(kvt_ctx_create(&p, &ctx, err), PD_EINVAL); /* no on_event */
+    p = kt_params("bad", &ev_a);
+    p.window = 0;
+    KT_EQ(kvt_ctx_create(&p, &ctx, err), PD_EINVAL);
+    p = kt_params("bad", &ev_a);
+    p.am_max_kib = 0;
+    KT_EQ(kvt_ctx_create(&p, &ctx, err), PD_EINVAL);
+    kvt_ctx_destroy(NULL);
+    kvt_pool_destroy(NULL);
+    kvt_target_close(NULL);
+    kvt_send_destroy(NULL);
+}
+
+static void test_descriptor_and_mismatch(void)
+{
+    char err[PD_ERR_LEN];
+    kvt_params pa = kt_params("recv", &ev_a), pb = kt_params("send", &ev_b);
+    kvt_ctx *a, *b;
+    KT_OK(kvt_ctx_create(&pa, &a, err), err);
+    KT_OK(kvt_ctx_create(&pb, &b, err), err);
+    kvt_layout l = kt_layout();
+    kvt_pool *dst = make_pool(a, l, 32);
+    KT_EQ(kvt_pool_n_free(dst), 32);
+    KT_EQ(kvt_pool_block_bytes(dst), 16 * 2 * 64 * 2);
+    KT_CHECK((char *)kvt_pool_region(dst, 0, 1) ==
+             (char *)kvt_pool_region(dst, 0, 0) + 32 * kvt_pool_block_bytes(dst));
+    KT_CHECK(kvt_pool_region(dst, 4, 0) == NULL && kvt_pool_region(dst, 0, 2) == NULL);
+    void *desc;
+    size_t len;
+    KT_OK(kvt_pool_export(dst, &desc, &len, err), err);
+
+    /* Corrupt, truncated and foreign descriptors are refused before anything is sent. */
+    kvt_pool *src = make_pool(b, l, 16);
+    kvt_target *t;
+    uint8_t *bad = malloc(len);
+    memcpy(bad, desc, len);
+    bad[len / 2] ^= 0x40;
+    KT_EQ(kvt_target_open(b, src, bad, len, &t, err), PD_EFORMAT);
+    KT_EQ(kvt_target_open(b, src, desc, len - 1, &t, err), PD_EFORMAT);
+    KT_EQ(kvt_target_open(b, src, "hello", 5, &t, err), PD_EFORMAT);
+    free(bad);
+
+    /* A different layout: refused with every differing field named. */
+    kvt_layout l2 = l;
+    l2.head_dim = 128;
+    l2.dtype = PD_DTYPE_F16;
+    kvt_pool *src2 = make_pool(b, l2, 16);
+    KT_EQ(kvt_target_open(b, src2, desc, len, &t, err), PD_EMISMATCH);
+    fprintf(stderr, "mismatch error: %s\n", err);
+    KT_CHECK(strstr(err, "head_dim 128 vs 64") && strstr(err, "dtype F16 vs BF16"));
+    KT_CHECK(!strstr(err, "block_size"));
+    pump2(a, b, 50);
+    kvt_stats st;
+    kvt_ctx_stats(a, &st);
+    KT_EQ(st.peers, 0); /* nothing reached the receiver */
+    kvt_ctx_stats(b, &st);
+    KT_EQ(st.peers, 0);
+
+    /* The matching one connects, and is cached. */
+    KT_OK(kvt_target_open(b, src, desc, len, &t, err), err);
+    kvt_target *t2;
+    KT_OK(kvt_target_open(b, src, desc, len, &t2, err), err);
+    KT_CHECK(t == t2);
+    kvt_target_close(t2);
+    double end = kvh_ms() + 5000;
+    kvt_target_info info;
+    do {
+        pump2(a, b, 5);
+        kvt_target_info_get(t, &info);
+    } while (!info.connected && kvh_ms() < end);
+    KT_CHECK(info.connected && !info.failed);
+    fprintf(stderr, "transport %s (%s), path %s, native put %d\n", info.transport_name,
+            kvt_transport_name(info.transport), kvt_path_name(info.path), info.put_native);
+    kvt_ctx_stats(b, &st);
+    KT_EQ(st.peers, 1);
+    KT_CHECK(st.last_transport != KVT_TRANSPORT_UNKNOWN);
+    KT_EQ(st.peers_by_transport[st.last_transport], 1);
+    /* Closed by every caller, the target stays cached with its connection and keys. */
+    kvt_target_close(t);
+    KT_OK(kvt_target_open(b, src, desc, len, &t2, err), err);
+    KT_CHECK(t == t2);
+    kvt_target_close(t);
+    free(desc);
+    kvt_pool_destroy(src2);
+    kvt_ctx_destroy(b);
+    kvt_ctx_destroy(a);
+}
+
+static void test_reservations(void)
+{
+    char err[PD_ERR_LEN];
+    kvt_params pa = kt_params("recv", &ev_a);
+    kvt_ctx *a;
+    KT_OK(kvt_ctx_create(&pa, &a, err), err);
+    kvt_pool *pool = make_pool(a, kt_layout(), 8);
+    kvt_recv_params rp = kvt_recv_default_params();
+    int32_t dup[] = {3, 5, 3}, ok[] = {1, 2}, clash[] = {7, 2}, out_of_range[] = {8};
+    rp.req_id = 1;
+    rp.n_blocks = 3;
+    rp.block_ids = dup;
+    KT_EQ(kvt_recv_expect(pool, &rp, err), PD_EINVAL);
+    KT_CHECK(strstr(err, "twice"));
+    KT_EQ(kvt_pool_n_free(pool), 8); /* nothing stays marked after a refusal */
+    rp.n_blocks = 1;
+    rp.block_ids = out_of_range;
+    KT_EQ(kvt_recv_expect(pool, &rp, err), PD_EINVAL);
+    rp.n_blocks = 2;
+    rp.block_ids = ok;
+    KT_OK(kvt_recv_expect(pool, &rp, err), err);
+    KT_EQ(kvt_recv_expect(pool, &rp, err), PD_ESTATE); /* same request id */
+    rp.req_id = 2;
+    rp.block_ids = clash;
+    KT_EQ(kvt_recv_expect(pool, &rp, err), PD_ESTATE);
+    KT_CHECK(strstr(err, "held by request 1"));
+    KT_EQ(kvt_pool_n_free(pool), 6);
+    rp.block_ids = NULL; /* kvt picks */
+    rp.n_blocks = 7;
+    KT_EQ(kvt_recv_expect(pool, &rp, err), PD_ENOSPC);
+    rp.n_blocks = 6;
+    KT_OK(kvt_recv_expect(pool, &rp, err), err);
+    int32_t n;
+    const int32_t *ids = kvt_recv_block_ids(pool, 2, &n);
+    KT_EQ(n, 6);
+    for (int i = 0; i < n; i++) KT_CHECK(ids[i] != 1 && ids[i] != 2);
+    KT_EQ(kvt_pool_n_free(pool), 0);
+    KT_EQ(kvt_pool_n_reservations(pool), 2);
+    /* Cancelling before any sender: RECV_FAILED(ECANCELED), slots free again. */
+    int n0 = ev_a.n;
+    KT_EQ(kvt_recv_release(pool, 2), 0);
+    KT_EQ(kvt_recv_release(pool, 99), PD_ENOTFOUND);
+    KT_EQ(kt_wait_event(a, &ev_a, n0, -1, 2000), 1);
+    KT_EQ(ev_a.ev[n0].type, KVT_EV_RECV_FAILED);
+    KT_EQ(ev_a.ev[n0].status, PD_ECANCELED);
+    KT_EQ(kvt_pool_n_free(pool), 6);
+    /* A reservation nobody starts expires on its own deadline. */
+    rp.req_id = 3;
+    rp.n_blocks = 2;
+    rp.block_ids = NULL;
+    rp.start_timeout_ms = 150;
+    KT_OK(kvt_recv_expect(pool, &rp, err), err);
+    double t0 = kvh_ms();
+    n0 = ev_a.n;
+    KT_EQ(kt_wait_event(a, &ev_a, n0, -1, 3000), 1);
+    KT_EQ(ev_a.ev[n0].status, PD_ETIMEDOUT);
+    KT_CHECK(kvh_ms() - t0 < 1500);
+    KT_EQ(kvt_pool_n_free(pool), 6);
+    KT_EQ(kvt_recv_release(pool, 1), 0); /* cancels request 1 */
+    KT_EQ(kt_wait_event(a, &ev_a, ev_a.n, -1, 2000), 1);
+    KT_EQ(kvt_pool_n_free(pool), 8);
+    KT_EQ(kvt_pool_n_reservations(pool), 0);
+    /* CUDA memory with a host-only UCX is refused with a clear error. */
+    if (!(kvt_ctx_mem_types(a) & (1u << KVT_MEM_CUDA))) {
+        kvt_pool_params pp = kvt_pool_default_params();
+        pp.layout = kt_layout();
+        pp.n_blocks = 4;
+        pp.mem_type = KVT_MEM_CUDA;
+        kvt_pool *cp;
+        KT_EQ(kvt_pool_create(a, &pp, &cp, err), PD_EUNSUPPORTED);
+        KT_CHECK(strstr(err, "staging"));
+    }
+    kvt_ctx_destroy(a); /* destroys the pool too */
+}
+
+/* Caller-provided regions (as the CPU backend's KV cache: one allocation per layer and kind). */
+static kvt_pool *user_pool(kvt_ctx *ctx, void **k, void **v, int32_t nb)
+{
+    kvt_layout l = kt_layout();
+    size_t rlen = (size_t)nb * kvt_layout_block_bytes(&l);
+    for (int i = 0; i < l.n_layers; i++) {
+        k[i] = calloc(1, rlen);
+        v[i] = calloc(1, rlen);
+    }
+    kvt_pool_params pp = kvt_pool_default_params();
+    pp.layout = l;
+    pp.n_blocks = nb;
+    pp.k_base = k;
+    pp.v_base = v;
+    kvt_pool *pool;
+    char err[PD_ERR_LEN];
+    KT_OK(kvt_pool_create(ctx, &pp, &pool, err), err);
+    return pool;
+}
+
+static void test_loopback(bool user_mem)
+{
+    char err[PD_ERR_LEN];
+    ev_a.n = ev_b.n = 0;
+    kvt_params pa = kt_params("recv", &ev_a), pb = kt_params("send", &ev_b);
+    kvt_ctx *a, *b;
+    KT_OK(kvt_ctx_create(&pa, &a, err), err);
+    KT_OK(kvt_ctx_create(&pb, &b, err), err);
+    kvt_layout l = kt_layout();
+    void *uk[4], *uv[4];
+    kvt_pool *dst = user_mem ? user_pool(a, uk, uv, 40) : make_pool(a, l, 40);
+    kvt_pool *src = make_pool(b, l, 24);
+    kvh_fill_pool(src, 7);
+    void *desc;
+    size_t len;
+    KT_OK(kvt_pool_export(dst, &desc, &len, err), err);
+    kvt_target *t;
+    KT_OK(kvt_target_open(b, src, desc, len, &t, err), err);
+    free(desc);
+    size_t bb = kvt_pool_block_bytes(dst);
+    for (int r = 0; r < 3; r++) {
+        int32_t n = 5 + 4 * r, srcs[24], dsts[40];
+        kvh_permute(dsts, 40, 100 + (uint64_t)r);
+        kvh_permute(srcs, 24, 200 + (uint64_t)r);
+        kvt_recv_params rp = kvt_recv_default_params();
+        rp.req_id = 10 + (uint64_t)r;
+        rp.n_blocks = n;
+        rp.block_ids = dsts;
+        KT_OK(kvt_recv_expect(dst, &rp, err), err);
+        kvt_send_params sp = kvt_send_default_params();
+        sp.req_id = rp.req_id;
+        sp.n_blocks = n;
+        sp.src_ids = srcs;
+        sp.dst_ids = dsts;
+        sp.checksum_data = r != 1;
+        kvt_send *s;
+        KT_OK(kvt_send_begin(t, &sp, &s, err), err);
+        KT_EQ(kvt_send_finish(s, 5), PD_ESTATE); /* layers missing */
+        for (int32_t layer = l.n_layers - 1; layer >= 0; layer--) { /* any order */
+            KT_EQ(kvt_send_layer_ready(s, layer), 0);
+            pump2(a, b, 1);
+        }
+        KT_EQ(kvt_send_layer_ready(s, 0), PD_EINVAL); /* twice */
+        KT_EQ(kvt_send_layer_ready(s, 9), PD_EINVAL);
+        int na = ev_a.n, nb = ev_b.n;
+        KT_EQ(kvt_send_finish(s, 1000 + r), 0);
+        pump_until(a, b, na + 1, nb + 1);
+        KT_EQ(ev_a.ev[na].type, KVT_EV_RECV_DONE);
+        KT_EQ(ev_a.ev[na].first_token, 1000 + r);
+        KT_EQ(ev_b.ev[nb].type, KVT_EV_SEND_DONE);
+        KT_CHECK(ev_b.ev[nb].send == s);
+        KT_EQ(kvt_send_layer_ready(s, 1), PD_ESTATE); /* ended */
+        for (int32_t layer = 0; layer < l.n_layers; layer++)
+            for (int kv = 0; kv < 2; kv++)
+                for (int32_t i = 0; i < n; i++) {
+                    const uint8_t *p = (uint8_t *)kvt_pool_region(dst, layer, kv) + (size_t)dsts[i] * bb;
+                    long off = kvh_check(p, bb, 7, layer, kv, srcs[i]);
+                    if (off >= 0) KT_FAIL("request %d layer %d kv %d block %d byte %ld", r, layer, kv, i, off);
+                }
+        KT_EQ(kvt_recv_release(dst, rp.req_id), 0);
+        kvt_send_destroy(s);
+    }
+    KT_EQ(kvt_pool_n_free(dst), 40);
+    /* Idle with a live connection: no deadline, and waiting costs no CPU. */
+    pump2(a, b, 20);
+    KT_EQ(kvt_timeout_ms(a), -1);
+    KT_EQ(kvt_timeout_ms(b), -1);
+    struct rusage ru0, ru1;
+    getrusage(RUSAGE_SELF, &ru0);
+    double t0 = kvh_ms();
+    while (kvh_ms() - t0 < 500) kvt_wait(a, 100), kvt_wait(b, 100);
+    getrusage(RUSAGE_SELF, &ru1);
+    double cpu_ms = (double)(ru1.ru_utime.tv_sec - ru0.ru_utime.tv_sec) * 1e3 +
+                    (double)(ru1.ru_utime.tv_usec - ru0.ru_utime.tv_usec) / 1e3 +
+                    (double)(ru1.ru_stime.tv_sec - ru0.ru_stime.tv_sec) * 1e3 +
+                    (double)(ru1.ru_stime.tv_usec - ru0.ru_stime.tv_usec) / 1e3;
+    fprintf(stderr, "idle: %.1f ms of CPU in %.0f ms\n", cpu_ms, kvh_ms() - t0);
+    KT_CHECK(cpu_ms < 100);
+    kvt_stats st;
+    kvt_ctx_stats(b, &st);
+    KT_EQ(st.sends_done, 3);
+    KT_EQ(st.ops_in_flight, 0);
+    KT_EQ(st.sends_active, 0);
+    kvt_ctx_stats(a, &st);
+    KT_EQ(st.recvs_done, 3);
+    KT_EQ(st.recvs_active, 0);
+
+    /* Destroying both contexts with a transfer in flight releases everything. */
+    int32_t ids[4] = {0, 1, 2, 3};
+    kvt_recv_params rp = kvt_recv_default_params();
+    rp.req_id = 77;
+    rp.n_blocks = 4;
+    rp.block_ids = ids;
+    KT_OK(kvt_recv_expect(dst, &rp, err), err);
+    kvt_send_params sp = kvt_send_default_params();
+    sp.req_id = 77;
+    sp.n_blocks = 4;
+    sp.src_ids = ids;
+    sp.dst_ids = ids;
+    kvt_send *s;
+    KT_OK(kvt_send_begin(t, &sp, &s, err), err);
+    KT_EQ(kvt_send_layer_ready(s, 0), 0);
+    pump2(a, b, 20);
+    kvt_target_close(t);
+    kvt_ctx_destroy(b);
+    kvt_ctx_destroy(a);
+    if (user_mem)
+        for (int i = 0; i < 4; i++) free(uk[i]), free(uv[i]);
+}
+
+int main(void)
+{
+    setenv("UCX_LOG_FILE", "stderr", 0);
+    test_params();
+    test_descriptor_and_mismatch();
+    test_reservations();
+    test_loopback(false);
+    test_loopback(true);
+    fprintf(stderr, "test_kvt_unit: all passed\n");
+    return 0;
+}

@@ -1,0 +1,239 @@
+/* cli_main.c -- pdserve-cli: a command-line client of the public API.
+ *   pdserve-cli generate [--addr HOST:PORT] [flags] "prompt"   streams the completion's text
+ *   pdserve-cli info [--addr HOST:PORT]                         model information
+ *   pdserve-cli health [--addr HOST:PORT]                       exit 0 when SERVING */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "common/flags.h"
+#include "common/rpc/rpc.h"
+#include "grpc/health/v1/health.pb-c.h"
+#include "pdserve/v1/generation.pb-c.h"
+
+static const char *finish_name(int f)
+{
+    switch (f) {
+    case PDSERVE__V1__FINISH_REASON__FINISH_REASON_LENGTH: return "length";
+    case PDSERVE__V1__FINISH_REASON__FINISH_REASON_STOP: return "stop";
+    case PDSERVE__V1__FINISH_REASON__FINISH_REASON_EOS: return "eos";
+    case PDSERVE__V1__FINISH_REASON__FINISH_REASON_CANCELLED: return "cancelled";
+    case PDSERVE__V1__FINISH_REASON__FINISH_REASON_ERROR: return "error";
+    default: return "unspecified";
+    }
+}
+
+static int cmd_info(const char *addr)
+{
+    char err[PD_ERR_LEN];
+    rpc_channel_params cp = rpc_channel_default_params();
+    cp.target = addr;
+    rpc_channel *ch = NULL;
+    if (rpc_channel_create(&cp, &ch, err) < 0) {
+        fprintf(stderr, "pdserve-cli: %s\n", err);
+        return 1;
+    }
+    Pdserve__V1__GetModelInfoRequest q = PDSERVE__V1__GET_MODEL_INFO_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    rpc_status st;
+    int rc = rpc_unary_call(ch, "/pdserve.v1.Generation/GetModelInfo", &q.base,
+                            &pdserve__v1__get_model_info_response__descriptor, 10000, &resp, &st);
+    if (rc == 0) {
+        const Pdserve__V1__GetModelInfoResponse *m = (const void *)resp;
+        printf("{\"model_name\": \"%s\", \"architecture\": \"%s\", \"max_model_len\": %u, "
+               "\"vocab_size\": %u}\n", m->model_name, m->architecture, m->max_model_len, m->vocab_size);
+        protobuf_c_message_free_unpacked(resp, NULL);
+    } else {
+        fprintf(stderr, "pdserve-cli: %s: %s\n", rpc_status_name(st.code), st.details);
+    }
+    rpc_channel_destroy(ch);
+    return rc == 0 ? 0 : 1;
+}
+
+static int cmd_health(const char *addr)
+{
+    char err[PD_ERR_LEN];
+    rpc_channel_params cp = rpc_channel_default_params();
+    cp.target = addr;
+    rpc_channel *ch = NULL;
+    if (rpc_channel_create(&cp, &ch, err) < 0) {
+        fprintf(stderr, "pdserve-cli: %s\n", err);
+        return 1;
+    }
+    Grpc__Health__V1__HealthCheckRequest q = GRPC__HEALTH__V1__HEALTH_CHECK_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    rpc_status st;
+    int rc = rpc_unary_call(ch, "/grpc.health.v1.Health/Check", &q.base,
+                            &grpc__health__v1__health_check_response__descriptor, 3000, &resp, &st);
+    int serving = rc == 0 && ((const Grpc__Health__V1__HealthCheckResponse *)resp)->status ==
+                                 GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
+    printf("%s\n", rc != 0 ? rpc_status_name(st.code) : serving ? "SERVING" : "NOT_SERVING");
+    if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+    rpc_channel_destroy(ch);
+    return serving ? 0 : 1;
+}
+
+static void usage(void)
+{
+    fprintf(stderr, "usage: pdserve-cli generate [--addr HOST:PORT] [flags] \"prompt\"\n"
+                    "       pdserve-cli info [--addr HOST:PORT]\n"
+                    "       pdserve-cli health [--addr HOST:PORT]\n"
+                    "'pdserve-cli generate --help' lists the generation flags.\n");
+}
+
+int main(int argc0, char **argv0)
+{
+    if (argc0 < 2 || argv0[1][0] == '-') {
+        usage();
+        return argc0 >= 2 && (!strcmp(argv0[1], "-h") || !strcmp(argv0[1], "--help")) ? 0 : 2;
+    }
+    const char *cmd = argv0[1];
+    if (strcmp(cmd, "generate") && strcmp(cmd, "info") && strcmp(cmd, "health")) {
+        fprintf(stderr, "pdserve-cli: unknown command '%s'\n", cmd);
+        usage();
+        return 2;
+    }
+    const char *addr = "127.0.0.1:50051", *prompt = "", *stop = "";
+    int64_t max_tokens = 128, seed = -1, timeout_ms = 600000;
+    double temperature = 1.0, top_p = 1.0;
+    bool json = false, ignore_eos = false;
+    pd_flag flags[] = {
+        {"addr", PD_FLAG_STRING, &addr, "router address host:port", 1, 0},
+        {"prompt", PD_FLAG_STRING, &prompt, "prompt text, also as the last argument (empty = just BOS)", 1, 0},
+        {"max-tokens", PD_FLAG_INT, &max_tokens, "new tokens at most", 1, 1 << 24},
+        {"temperature", PD_FLAG_DOUBLE, &temperature, "0 = greedy", 0, 100},
+        {"top-p", PD_FLAG_DOUBLE, &top_p, "nucleus mass", 0, 1},
+        {"seed", PD_FLAG_INT, &seed, "sampling seed (-1 = none)", -1, 9.2e18},
+        {"stop", PD_FLAG_LIST, &stop, "stop strings, comma-separated", 1, 0},
+        {"ignore-eos", PD_FLAG_BOOL, &ignore_eos, "don't stop at EOS", 1, 0},
+        {"timeout-ms", PD_FLAG_INT, &timeout_ms, "deadline of the call", 1, 86400000},
+        {"json", PD_FLAG_BOOL, &json, "print one JSON object with ids, text, finish, usage", 1, 0},
+    };
+    /* argv without the command; a bare argument (not a flag's value) is the prompt. */
+    const int nf = (int)(sizeof flags / sizeof flags[0]);
+    char **argv = calloc((size_t)argc0 + 1, sizeof *argv);
+    if (!argv) return 1;
+    int argc = 0;
+    argv[argc++] = argv0[0];
+    for (int i = 2; i < argc0; i++) {
+        const char *a = argv0[i];
+        if (!strncmp(a, "--", 2)) {
+            argv[argc++] = argv0[i];
+            const char *eq = strchr(a, '=');
+            size_t len = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
+            for (int k = 0; k < nf && !eq; k++)
+                if (strlen(flags[k].name) == len && !strncmp(flags[k].name, a + 2, len) &&
+                    flags[k].type != PD_FLAG_BOOL && i + 1 < argc0)
+                    argv[argc++] = argv0[++i];
+        } else if (!prompt[0]) {
+            prompt = a;
+        } else {
+            fprintf(stderr, "pdserve-cli: unexpected argument '%s' (quote the prompt)\n", a);
+            free(argv);
+            return 2;
+        }
+    }
+    int prc = pd_flags_parse(flags, nf, argc, argv, "pdserve-cli generate",
+                             "Streams a completion from a pdserve router.");
+    free(argv);
+    if (prc != 0) return prc > 0 ? 0 : 2;
+    if (!strcmp(cmd, "info")) return cmd_info(addr);
+    if (!strcmp(cmd, "health")) return cmd_health(addr);
+    Pdserve__V1__GenerateRequest q = PDSERVE__V1__GENERATE_REQUEST__INIT;
+    Pdserve__V1__SamplingParams sp = PDSERVE__V1__SAMPLING_PARAMS__INIT;
+    Pdserve__V1__StoppingCriteria st = PDSERVE__V1__STOPPING_CRITERIA__INIT;
+    uint32_t bos = 1;
+    char *stops_buf = strdup(stop), *stops[64];
+    size_t n_stops = 0;
+    for (char *s = strtok(stops_buf, ","); s && n_stops < 64; s = strtok(NULL, ",")) stops[n_stops++] = s;
+    if (prompt[0]) {
+        q.prompt = (char *)prompt;
+    } else { /* an empty prompt: the model's BOS alone (id 1 for Llama-2-style vocabularies) */
+        q.n_prompt_token_ids = 1;
+        q.prompt_token_ids = &bos;
+    }
+    sp.temperature_set_case = PDSERVE__V1__SAMPLING_PARAMS__TEMPERATURE_SET_TEMPERATURE;
+    sp.temperature = (float)temperature;
+    sp.top_p_set_case = PDSERVE__V1__SAMPLING_PARAMS__TOP_P_SET_TOP_P;
+    sp.top_p = (float)top_p;
+    if (seed >= 0) {
+        sp.seed_set_case = PDSERVE__V1__SAMPLING_PARAMS__SEED_SET_SEED;
+        sp.seed = (uint64_t)seed;
+    }
+    st.max_tokens_set_case = PDSERVE__V1__STOPPING_CRITERIA__MAX_TOKENS_SET_MAX_TOKENS;
+    st.max_tokens = (uint32_t)max_tokens;
+    st.ignore_eos = ignore_eos;
+    st.n_stop = n_stops;
+    st.stop = stops;
+    q.sampling = &sp;
+    q.stopping = &st;
+    char err[PD_ERR_LEN];
+    rpc_channel_params cp = rpc_channel_default_params();
+    cp.target = addr;
+    rpc_channel *ch = NULL;
+    rpc_client_stream *s = NULL;
+    int status = 1;
+    if (rpc_channel_create(&cp, &ch, err) < 0 ||
+        rpc_client_stream_open(ch, "/pdserve.v1.Generation/Generate", &q.base,
+                               &pdserve__v1__generate_response__descriptor, timeout_ms, &s, err) < 0) {
+        fprintf(stderr, "pdserve-cli: %s\n", err);
+        goto out;
+    }
+    ProtobufCMessage *m;
+    char *text = NULL;
+    size_t tlen = 0;
+    uint32_t *ids = NULL;
+    size_t n_ids = 0;
+    int finish = 0;
+    Pdserve__V1__Usage usage = PDSERVE__V1__USAGE__INIT;
+    while (rpc_client_stream_next(s, &m) == 1) {
+        const Pdserve__V1__GenerateResponse *r = (const void *)m;
+        size_t l = strlen(r->text);
+        char *nt = realloc(text, tlen + l + 1);
+        uint32_t *ni = realloc(ids, (n_ids + r->n_token_ids + 1) * sizeof *ids);
+        if (nt) { text = nt; memcpy(text + tlen, r->text, l); tlen += l; text[tlen] = 0; }
+        if (ni) { ids = ni; memcpy(ids + n_ids, r->token_ids, r->n_token_ids * sizeof *ids); n_ids += r->n_token_ids; }
+        if (!json) {
+            fputs(r->text, stdout);
+            fflush(stdout);
+        }
+        if (r->finish_reason) {
+            finish = r->finish_reason;
+            if (r->usage) usage = *r->usage;
+        }
+        protobuf_c_message_free_unpacked(m, NULL);
+    }
+    rpc_status rs;
+    rpc_client_stream_status(s, &rs);
+    if (rs.code != RPC_STATUS_OK) {
+        fprintf(stderr, "\npdserve-cli: %s: %s\n", rpc_status_name(rs.code), rs.details);
+    } else if (json) {
+        printf("{\"token_ids\": [");
+        for (size_t i = 0; i < n_ids; i++) printf("%s%u", i ? ", " : "", ids[i]);
+        printf("], \"text\": \"");
+        for (size_t i = 0; i < tlen; i++) {
+            unsigned char ch2 = (unsigned char)text[i];
+            if (ch2 == '"' || ch2 == '\\') printf("\\%c", ch2);
+            else if (ch2 == '\n') printf("\\n");
+            else if (ch2 < 0x20) printf("\\u%04x", ch2);
+            else putchar(ch2);
+        }
+        printf("\", \"finish_reason\": \"%s\", \"prompt_tokens\": %u, \"completion_tokens\": %u, "
+               "\"cached_prompt_tokens\": %u}\n", finish_name(finish), usage.prompt_tokens,
+               usage.completion_tokens, usage.cached_prompt_tokens);
+        status = 0;
+    } else {
+        fprintf(stderr, "\n[finish: %s, %u prompt + %u completion tokens]\n", finish_name(finish),
+                usage.prompt_tokens, usage.completion_tokens);
+        status = 0;
+    }
+    free(text);
+    free(ids);
+out:
+    rpc_client_stream_close(s);
+    rpc_channel_destroy(ch);
+    free(stops_buf);
+    pd_flags_free();
+    return status;
+}

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# pdserve-up -- starts a local pdserve stack on loopback: N prefill and M decode instances (or
+# one colocated decode instance) and the router on --port; waits until every process answers
+# its health check, prints where the router listens, and stops everything cleanly on Ctrl-C
+# or SIGTERM (each process drains). Installed as build/bin/pdserve-up; it runs the binaries
+# beside it.
+set -uo pipefail
+BIN=$(cd "$(dirname "$0")" && pwd)
+MODEL=${PDSERVE_MODEL:-}
+PORT=50051 N_PREFILL=1 N_DECODE=1 COLOCATED=0 EXTRA=()
+usage() {
+    cat <<USAGE
+usage: pdserve-up --model DIR [--port P] [--colocated] [--prefill N] [--decode M] [-- ARGS...]
+
+Starts pdserve on loopback: N prefill instances (default 1) and M decode instances (default
+1), or with --colocated one decode instance that also computes prompts, plus the router on
+port P (default 50051; 0 = any free port). ARGS after -- go to every instance (e.g.
+--kv-cache-mb 512 --backend cpu). Ctrl-C or SIGTERM stops the stack.
+USAGE
+}
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --model) MODEL=$2; shift 2 ;;
+        --port) PORT=$2; shift 2 ;;
+        --prefill) N_PREFILL=$2; shift 2 ;;
+        --decode) N_DECODE=$2; shift 2 ;;
+        --colocated) COLOCATED=1; shift ;;
+        -h|--help) usage; exit 0 ;;
+        --) shift; EXTRA=("$@"); break ;;
+        *) echo "pdserve-up: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+    esac
+done
+[ -n "$MODEL" ] || { echo "pdserve-up: --model DIR is required" >&2; exit 2; }
+[ -f "$MODEL/config.json" ] || { echo "pdserve-up: $MODEL/config.json not found" >&2; exit 2; }
+for n in "$N_PREFILL" "$N_DECODE" "$PORT"; do
+    [[ $n =~ ^[0-9]+$ ]] || { echo "pdserve-up: '$n' is not a number" >&2; exit 2; }
+done
+if [ "$COLOCATED" = 1 ]; then N_PREFILL=0; N_DECODE=1; fi
+[ "$N_DECODE" -ge 1 ] || { echo "pdserve-up: at least one decode instance" >&2; exit 2; }
+
+LOGS=${PDSERVE_LOG_DIR:-$(mktemp -d /tmp/pdserve-up.XXXXXX)}
+mkdir -p "$LOGS"
+export UCX_WARN_UNUSED_ENV_VARS=${UCX_WARN_UNUSED_ENV_VARS:-n}
+PIDS=()
+stopping=0
+stop() {
+    [ $stopping = 1 ] && return
+    stopping=1
+    echo "pdserve-up: stopping (router first, then instances)" >&2
+    for ((i=${#PIDS[@]}-1; i>=0; i--)); do kill -TERM "${PIDS[$i]}" 2>/dev/null; wait "${PIDS[$i]}" 2>/dev/null; done
+    exit 0
+}
+trap stop INT TERM
+
+# start NAME LOG ARGS...: runs NAME in the background, sets PORT_OUT from its "PORT n" line.
+start() {
+    local name=$1 log=$2; shift 2
+    "$BIN/$name" "$@" >"$LOGS/$log.out" 2>"$LOGS/$log.log" &
+    local pid=$!
+    PIDS+=("$pid")
+    for _ in $(seq 1200); do
+        if grep -q '^PORT ' "$LOGS/$log.out" 2>/dev/null; then
+            PORT_OUT=$(awk '/^PORT /{print $2; exit}' "$LOGS/$log.out"); return 0
+        fi
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    echo "pdserve-up: $log did not start; its log ($LOGS/$log.log):" >&2
+    tail -20 "$LOGS/$log.log" >&2
+    stop
+}
+PREFILLS="" DECODES=""
+for ((i=0; i<N_PREFILL; i++)); do
+    start pdserve-prefill "prefill-$i" --model "$MODEL" --listen 127.0.0.1:0 --instance-id "prefill-$i" "${EXTRA[@]}"
+    PREFILLS+="${PREFILLS:+,}127.0.0.1:$PORT_OUT"
+done
+for ((i=0; i<N_DECODE; i++)); do
+    if [ "$COLOCATED" = 1 ]; then col=(--colocated); else col=(); fi
+    start pdserve-decode "decode-$i" --model "$MODEL" --listen 127.0.0.1:0 --instance-id "decode-$i" "${col[@]}" "${EXTRA[@]}"
+    DECODES+="${DECODES:+,}127.0.0.1:$PORT_OUT"
+done
+ARGS=(--model "$MODEL" --listen "127.0.0.1:$PORT" --decode "$DECODES")
+[ -n "$PREFILLS" ] && ARGS+=(--prefill "$PREFILLS")
+start pdserve-router router "${ARGS[@]}"
+ROUTER=$PORT_OUT
+for _ in $(seq 100); do
+    "$BIN/pdserve-cli" health --addr "127.0.0.1:$ROUTER" >/dev/null 2>&1 && break
+    sleep 0.1
+done
+echo "pdserve-up: router listening on 127.0.0.1:$ROUTER (prefill: ${PREFILLS:-none}; decode: $DECODES${COLOCATED:+}; logs in $LOGS)"
+echo "ROUTER 127.0.0.1:$ROUTER"
+# Wait until a signal, or until any process dies.
+while [ $stopping = 0 ]; do
+    for p in "${PIDS[@]}"; do
+        if ! kill -0 "$p" 2>/dev/null; then echo "pdserve-up: a process exited (pid $p); see $LOGS" >&2; stop; fi
+    done
+    sleep 1 & wait $!
+done
