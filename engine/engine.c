@@ -34,6 +34,11 @@ struct eng {
     int32_t max_blocks;     /* blocks of the longest allowed sequence */
     pd_seq **finished;      /* sequences to free at the start of the next step */
     int32_t n_finished;
+    eng_kv_listener kvl;    /* prefill-only: layer-by-layer KV news */
+    bool has_kvl;
+    uint64_t *kvl_ids;      /* [max_num_seqs] scratch for on_prompt_step */
+    const int32_t **kvl_blocks;
+    int32_t *kvl_n;
     pd_seq **pending;       /* decode-only: admitted sequences already finished */
     int32_t n_pending, cap_pending;
     eng_stats st;
@@ -139,9 +144,14 @@ static int runner_forward(void *ctx, const mr_batch *b, float *logits, char *err
     return mr_forward(ctx, b, logits, err);
 }
 
+static void runner_set_hook(void *ctx, mr_layer_fn fn, void *arg)
+{
+    mr_set_layer_hook(ctx, fn, arg);
+}
+
 eng_executor eng_executor_runner(mr *r)
 {
-    eng_executor x = {runner_forward, r};
+    eng_executor x = {runner_forward, r, runner_set_hook};
     return x;
 }
 
@@ -193,7 +203,10 @@ int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng
     e->logits = malloc(S * (size_t)cfg->vocab_size * sizeof(float));
     e->outs = malloc(S * sizeof(eng_output));
     e->finished = malloc(S * sizeof(pd_seq *));
-    if (!e->ids || !e->pos || !e->slots || !e->cu_q || !e->ctx || !e->bt || !e->rows ||
+    e->kvl_ids = malloc(S * sizeof *e->kvl_ids);
+    e->kvl_blocks = malloc(S * sizeof *e->kvl_blocks);
+    e->kvl_n = malloc(S * sizeof *e->kvl_n);
+    if (!e->kvl_ids || !e->kvl_blocks || !e->kvl_n || !e->ids || !e->pos || !e->slots || !e->cu_q || !e->ctx || !e->bt || !e->rows ||
         !e->row_seq || !e->logits || !e->outs || !e->finished)
         goto fail;
     *out = e;
@@ -236,7 +249,16 @@ void eng_destroy(eng *e)
     free(e->ids); free(e->pos); free(e->slots); free(e->cu_q); free(e->ctx); free(e->bt);
     free(e->rows); free(e->row_seq); free(e->logits); free(e->outs); free(e->finished);
     free(e->pending);
+    free(e->kvl_ids);
+    free(e->kvl_blocks);
+    free(e->kvl_n);
     free(e);
+}
+
+void eng_set_kv_listener(eng *e, const eng_kv_listener *l)
+{
+    e->has_kvl = l != NULL;
+    if (l) e->kvl = *l;
 }
 
 /* ---- requests ---- */
@@ -488,9 +510,30 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
         }
     }
     mr_batch b = {nt, e->ids, e->pos, e->slots, so.n_items, e->cu_q, e->ctx, e->bt, width, nl, e->rows};
+    /* Prefill-only: requests whose prompt completes in this forward can ship each layer's KV
+     * as soon as the layer is done. */
+    bool hooked = false;
+    if (e->p.mode == ENG_MODE_PREFILL && e->has_kvl) {
+        int32_t n = 0;
+        for (int32_t k = 0; k < nl; k++) {
+            pd_seq *s = e->row_seq[k];
+            if (seq_n_output(s) != 0) continue;
+            e->kvl_ids[n] = s->id;
+            e->kvl_blocks[n] = s->block_table;
+            e->kvl_n[n++] = (s->n_prompt + bs - 1) / bs;
+        }
+        if (n > 0) {
+            e->kvl.on_prompt_step(e->kvl.arg, e->kvl_ids, e->kvl_blocks, e->kvl_n, n);
+            if (e->exec.set_layer_hook) {
+                e->exec.set_layer_hook(e->exec.ctx, e->kvl.on_layer, e->kvl.arg);
+                hooked = true;
+            }
+        }
+    }
     double t1 = now_s();
     int rc = e->exec.forward(e->exec.ctx, &b, e->logits, err);
     double t2 = now_s();
+    if (hooked) e->exec.set_layer_hook(e->exec.ctx, NULL, NULL);
     e->st.model_s += t2 - t1;
     e->st.steps++;
     if (nt == so.n_items && all_decode) {

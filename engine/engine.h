@@ -25,6 +25,9 @@ typedef enum {
 typedef struct {
     int (*forward)(void *ctx, const mr_batch *b, float *logits, char *err);
     void *ctx;
+    /* Optional: installs (fn != NULL) or removes a per-layer KV-ready hook for the next
+     * forwards (see mr_set_layer_hook). */
+    void (*set_layer_hook)(void *ctx, mr_layer_fn fn, void *arg);
 } eng_executor;
 
 /* The executor that runs r (borrowed; must outlive the engine). */
@@ -88,11 +91,28 @@ typedef struct {
 
 typedef struct eng eng; /* opaque */
 
+/* Prefill-only engines: news for pushing KV layer by layer while the prompt is computed.
+ * Both run on the engine thread. */
+typedef struct {
+    /* Before the forward of a step in which n requests compute their last prompt tokens:
+     * their ids and block tables (borrowed for the call; the blocks stay held until
+     * eng_release). */
+    void (*on_prompt_step)(void *arg, const uint64_t *ids, const int32_t *const *block_ids,
+                           const int32_t *n_blocks, int32_t n);
+    /* During that forward: layer `layer`'s KV of those requests is final. */
+    void (*on_layer)(void *arg, int32_t layer);
+    void *arg;
+} eng_kv_listener;
+
 /* Creates an engine for the model described by cfg (copied) that runs forwards with exec.
  * Returns 0, PD_EINVAL (bad params, err says which), PD_ENOMEM. */
 int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng **out,
                char *err);
 void eng_destroy(eng *e); /* NULL is a no-op; drops every request */
+
+/* Sets (copies) the KV listener of a prefill-only engine; NULL removes it. Layer news needs an
+ * executor with set_layer_hook. */
+void eng_set_kv_listener(eng *e, const eng_kv_listener *l);
 
 /* Queues a request (any mode; a decode-only engine then computes the prompt itself). Checks
  * it first: non-empty prompt, ids in

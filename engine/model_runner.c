@@ -27,6 +27,8 @@ struct mr {
     void *a, *b, *h, *qkv, *attn, *gate_up, *act, *lh, *logits;
     int32_t *d_ids, *d_pos, *d_slots, *d_cu_q, *d_ctx, *d_bt, *d_rows;
     float *inv_freq;
+    mr_layer_fn layer_fn;         /* optional per-layer KV-ready hook */
+    void *layer_arg;
 };
 
 mr_params mr_default_params(void)
@@ -148,6 +150,12 @@ void mr_destroy(mr *r)
     FREE(r->inv_freq);
 #undef FREE
     free(r);
+}
+
+void mr_set_layer_hook(mr *r, mr_layer_fn fn, void *arg)
+{
+    r->layer_fn = fn;
+    r->layer_arg = arg;
 }
 
 int32_t mr_n_blocks(const mr *r) { return r->p.n_blocks; }
@@ -289,6 +297,10 @@ int mr_forward(mr *r, const mr_batch *b, float *logits, char *err)
         aa.k_cache = r->k_cache[l];
         aa.v_cache = r->v_cache[l];
         CALL(attention(x, &aa));
+        if (r->layer_fn) { /* this layer's KV is stored: a transfer may take it now */
+            CALL(o->sync(x));
+            r->layer_fn(r->layer_arg, l);
+        }
         CALL(o->linear(x, r->attn, w->o_proj, w->o_bias, T, nq, hs, r->b));
         /* MLP block */
         CALL(o->rmsnorm(x, r->b, r->a, w->mlp_norm, T, hs, c->rms_eps, r->h));

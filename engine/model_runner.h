@@ -50,6 +50,12 @@ void mr_destroy(mr *r); /* NULL is a no-op */
  * nothing is computed. */
 int mr_forward(mr *r, const mr_batch *b, float *logits, char *err);
 
+/* Called during a forward after layer `layer` stored every token's K and V (the backend is
+ * synchronized first, so the KV cache memory of that layer is final for those tokens). Set
+ * with mr_set_layer_hook; NULL fn removes it. Runs on the forward's thread. */
+typedef void (*mr_layer_fn)(void *arg, int32_t layer);
+void mr_set_layer_hook(mr *r, mr_layer_fn fn, void *arg);
+
 int32_t mr_n_blocks(const mr *r);
 int32_t mr_block_size(const mr *r);
 /* Longest block table a sequence can need: ceil(max_position / block_size). */

@@ -35,6 +35,10 @@ typedef struct preq {
     bool answered;
     bool prefilled;                /* the engine holds the blocks until ew_release */
     kvt_send *send;                /* kvt thread only */
+    bool layered;                  /* the push began before the forward (layer by layer) */
+    int begin_rc;                  /* kvt thread: kvt_send_begin's error, 0 if fine */
+    char begin_err[PD_ERR_LEN];
+    struct preq *next_in_map;
     int32_t first_token;
     float first_logprob;
     int32_t n_cached;
@@ -53,6 +57,42 @@ typedef struct {
 } psvc;
 
 static psvc g;
+
+/* ---- live requests by engine id (the layer hooks name requests by id) ---- */
+
+#define MAP_BUCKETS 1024
+static preq *g_map[MAP_BUCKETS];
+static pthread_mutex_t g_map_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void map_add(preq *r)
+{
+    pthread_mutex_lock(&g_map_mu);
+    r->next_in_map = g_map[r->id % MAP_BUCKETS];
+    g_map[r->id % MAP_BUCKETS] = r;
+    pthread_mutex_unlock(&g_map_mu);
+}
+
+static void map_del(preq *r)
+{
+    pthread_mutex_lock(&g_map_mu);
+    for (preq **pp = &g_map[r->id % MAP_BUCKETS]; *pp; pp = &(*pp)->next_in_map)
+        if (*pp == r) {
+            *pp = r->next_in_map;
+            break;
+        }
+    pthread_mutex_unlock(&g_map_mu);
+}
+
+/* Returns the request with a new reference, or NULL. */
+static preq *map_get(uint64_t id)
+{
+    pthread_mutex_lock(&g_map_mu);
+    preq *r = g_map[id % MAP_BUCKETS];
+    while (r && r->id != id) r = r->next_in_map;
+    if (r) atomic_fetch_add(&r->refs, 1);
+    pthread_mutex_unlock(&g_map_mu);
+    return r;
+}
 
 static double now_s(void)
 {
@@ -78,6 +118,7 @@ static void answer(preq *r, rpc_status_code code, const char *msg)
     r->answered = true;
     pthread_mutex_unlock(&r->mu);
     if (already) return;
+    map_del(r);
     if (code == RPC_STATUS_OK) {
         Pdserve__Internal__V1__PrefillResponse resp = PDSERVE__INTERNAL__V1__PREFILL_RESPONSE__INIT;
         Pdserve__Internal__V1__PrefillTiming tm = PDSERVE__INTERNAL__V1__PREFILL_TIMING__INIT;
@@ -145,11 +186,138 @@ static void do_push(kvt_ctx *ctx, void *arg)
     free(j);
 }
 
+/* Layer-by-layer path. begin: before the forward that completes the prompt. */
+typedef struct {
+    preq *r;
+    int32_t n;
+    int32_t src[];
+} begin_job;
+
+static void do_begin(kvt_ctx *ctx, void *arg)
+{
+    begin_job *j = arg;
+    preq *r = j->r;
+    kvt_target *t = NULL;
+    r->begin_rc = kvt_target_open(ctx, g.pool, r->desc, r->desc_len, &t, r->begin_err);
+    if (r->begin_rc == 0 && j->n != r->n_dst) {
+        r->begin_rc = pd_errf(r->begin_err, PD_EINVAL, "kv_target has %d block ids; the prompt "
+                              "needs %d", r->n_dst, j->n);
+    }
+    if (r->begin_rc == 0) {
+        kvt_send_params sp = kvt_send_default_params();
+        sp.req_id = r->reservation_id;
+        sp.n_blocks = j->n;
+        sp.src_ids = j->src;
+        sp.dst_ids = r->dst_ids;
+        sp.user = r;
+        r->begin_rc = kvt_send_begin(t, &sp, &r->send, r->begin_err);
+    }
+    kvt_target_close(t);
+    preq_unref(r);
+    free(j);
+}
+
+typedef struct {
+    int32_t layer, n;
+    uint64_t ids[];
+} layer_job;
+
+static void do_layer(kvt_ctx *ctx, void *arg)
+{
+    (void)ctx;
+    layer_job *j = arg;
+    for (int32_t i = 0; i < j->n; i++) {
+        preq *r = map_get(j->ids[i]);
+        if (!r) continue;
+        if (r->send) kvt_send_layer_ready(r->send, j->layer); /* failures come as events */
+        preq_unref(r);
+    }
+    free(j);
+}
+
+/* The engine's callbacks for the layered path (engine thread). */
+static uint64_t g_step_ids[4096];
+static int32_t g_step_n;
+
+static void on_prompt_step(void *arg, const uint64_t *ids, const int32_t *const *blocks,
+                           const int32_t *n_blocks, int32_t n)
+{
+    (void)arg;
+    g_step_n = 0;
+    for (int32_t i = 0; i < n; i++) {
+        preq *r = map_get(ids[i]);
+        if (!r) continue;
+        begin_job *j = malloc(sizeof *j + (size_t)n_blocks[i] * sizeof(int32_t));
+        if (!j) {
+            preq_unref(r);
+            continue; /* falls back to the whole-prompt push after the forward */
+        }
+        j->r = r; /* the map's reference passes to the job */
+        j->n = n_blocks[i];
+        memcpy(j->src, blocks[i], (size_t)n_blocks[i] * sizeof(int32_t));
+        r->layered = true;
+        if (svc_kvt_post(g.kvt, do_begin, j) < 0) {
+            r->layered = false;
+            free(j);
+            preq_unref(r);
+            continue;
+        }
+        if (g_step_n < (int32_t)(sizeof g_step_ids / sizeof g_step_ids[0])) g_step_ids[g_step_n++] = ids[i];
+        PD_LOGD("request %llu: pushing KV layer by layer during its last prompt step",
+                (unsigned long long)ids[i]);
+    }
+}
+
+static void on_layer(void *arg, int32_t layer)
+{
+    (void)arg;
+    if (g_step_n == 0) return;
+    layer_job *j = malloc(sizeof *j + (size_t)g_step_n * sizeof(uint64_t));
+    if (!j) return; /* that layer is then missing: its transfer fails by its deadline */
+    j->layer = layer;
+    j->n = g_step_n;
+    memcpy(j->ids, g_step_ids, (size_t)g_step_n * sizeof(uint64_t));
+    if (svc_kvt_post(g.kvt, do_layer, j) < 0) free(j);
+}
+
+/* After the forward: every layer was handed over; send DONE with the first token. */
+static void do_finish(kvt_ctx *ctx, void *arg)
+{
+    (void)ctx;
+    preq *r = arg;
+    int rc = r->begin_rc;
+    if (rc == 0 && r->send) rc = kvt_send_finish(r->send, r->first_token);
+    if (rc == 0) return; /* SEND_DONE / SEND_FAILED follows and answers */
+    if (r->send) {
+        kvt_send_cancel(r->send); /* its SEND_FAILED event answers and drops the reference */
+        return;
+    }
+    PD_LOGW("request %llu: KV push failed: %s", (unsigned long long)r->id, r->begin_err);
+    ew_release(g.worker, r->id);
+    answer(r, svc_status_for(rc), r->begin_err);
+    preq_unref(r);
+}
+
+/* Client cancel after the prompt was done (consumes the caller's extra reference). */
 static void do_cancel_send(kvt_ctx *ctx, void *arg)
 {
     (void)ctx;
     preq *r = arg;
-    if (r->send) kvt_send_cancel(r->send);
+    if (r->send) kvt_send_cancel(r->send); /* SEND_FAILED follows: it answers and unrefs */
+    preq_unref(r);
+}
+
+/* The engine aborted a request whose layered push began (consumes the engine's reference). */
+static void do_abort_push(kvt_ctx *ctx, void *arg)
+{
+    (void)ctx;
+    preq *r = arg;
+    if (r->send) {
+        kvt_send_cancel(r->send); /* its SEND_FAILED event answers and drops the reference */
+        return;
+    }
+    ew_release(g.worker, r->id);
+    answer(r, RPC_STATUS_CANCELLED, "request cancelled");
     preq_unref(r);
 }
 
@@ -179,7 +347,10 @@ static void on_output(void *user, const eng_output *o)
 {
     preq *r = user;
     if (o->finish != SEQ_FINISH_PREFILLED) {
-        /* Aborted (client gone) before the prompt was done. */
+        /* Aborted (client gone, or the forward failed) before the prompt was done. */
+        if (r->layered) { /* a push began: cancel it; its event answers */
+            if (svc_kvt_post(g.kvt, do_abort_push, r) == 0) return;
+        }
         answer(r, RPC_STATUS_CANCELLED, "request cancelled");
         preq_unref(r);
         return;
@@ -188,6 +359,16 @@ static void on_output(void *user, const eng_output *o)
     r->first_logprob = o->logprob;
     r->n_cached = o->n_cached;
     r->t_prefilled = now_s();
+    if (r->layered) {
+        pthread_mutex_lock(&r->mu);
+        r->prefilled = true;
+        pthread_mutex_unlock(&r->mu);
+        if (svc_kvt_post(g.kvt, do_finish, r) == 0) return; /* the engine's reference moves */
+        ew_release(g.worker, r->id);
+        answer(r, RPC_STATUS_UNAVAILABLE, "shutting down");
+        preq_unref(r);
+        return;
+    }
     if (o->n_blocks != r->n_dst) {
         ew_release(g.worker, r->id);
         char msg[128];
@@ -320,6 +501,7 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
     r->want_logprobs = q->logprobs > 0;
     r->t_recv = now_s();
     rpc_call_ref(call);
+    map_add(r);
     er.id = r->id;
     er.prompt = prompt;
     er.n_prompt = r->n_prompt;
@@ -417,6 +599,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-prefill: %s\n", err);
         goto out;
     }
+    eng_kv_listener kl = {on_prompt_step, on_layer, NULL};
+    eng_set_kv_listener(e, &kl);
     ew_callbacks cb = {on_output, on_error, NULL};
     if (ew_create(e, &cb, &g.worker) < 0) {
         eng_destroy(e);

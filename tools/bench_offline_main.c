@@ -180,7 +180,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-bench-offline: null model of %s's shape; %ld requests, input "
                 "%d..%d, output %d..%d; KV pool %d blocks of %d\n", model_dir, n_req, in_lo,
                 in_hi, out_lo, out_hi, n_blocks, block_size);
-        eng_executor x = {null_forward, &cfg};
+        eng_executor x = {null_forward, &cfg, NULL};
         if (gen_run_engine(&ep, &cfg, x, reqs, (int32_t)n_req, &go, res, &st, err) < 0) {
             fprintf(stderr, "pdserve-bench-offline: %s\n", err);
             goto out;
