@@ -5,6 +5,10 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/log.h"
+#ifdef PD_WITH_CUDA
+#include "kernels/cuda/cuda_backend.h"
+#endif
 
 pd_backend_params pd_backend_default_params(void)
 {
@@ -15,11 +19,23 @@ pd_backend_params pd_backend_default_params(void)
 int pd_backend_create(const char *name, const pd_backend_params *p, pd_backend **out, char *err)
 {
     *out = NULL;
-    if (!name || strcmp(name, "auto") == 0 || strcmp(name, "cpu") == 0)
+    if (!name || strcmp(name, "auto") == 0) {
+#ifdef PD_WITH_CUDA
+        if (pd_backend_cuda_device_count() > 0) return pd_backend_cuda_create(p, out, err);
+        PD_LOGI("backend auto: no CUDA device found, using cpu");
+#endif
         return pd_backend_cpu_create(p, out, err);
-    if (strcmp(name, "cuda") == 0)
+    }
+    if (strcmp(name, "cpu") == 0) return pd_backend_cpu_create(p, out, err);
+    if (strcmp(name, "cuda") == 0) {
+#ifdef PD_WITH_CUDA
+        return pd_backend_cuda_create(p, out, err);
+#else
         return pd_errf(err, PD_ENOTFOUND,
-                       "backend \"cuda\" is not built yet (CUDA backend issue); use --backend cpu");
+                       "backend \"cuda\" is not built in (configure with -DPD_CUDA=ON); use "
+                       "--backend cpu");
+#endif
+    }
     return pd_errf(err, PD_ENOTFOUND, "unknown backend \"%s\" (known: auto, cpu, cuda)", name);
 }
 

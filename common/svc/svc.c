@@ -174,7 +174,18 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
     if ((rc = mc_load(f->model, &m->cfg, err)) < 0) return rc;
     pd_backend_params bp = pd_backend_default_params();
     bp.n_threads = (int32_t)f->threads;
-    if ((rc = pd_backend_create(f->backend, &bp, &m->be, err)) < 0) goto fail;
+    /* The services hand the KV cache to kvtransfer as host memory; GPU KV needs the staging
+     * path (pinned host copies per layer), which is not built yet: serve from the CPU. */
+    const char *backend = f->backend;
+    if (!strcmp(backend, "auto")) {
+        backend = "cpu";
+    } else if (strcmp(backend, "cpu") != 0) {
+        rc = pd_errf(err, PD_EUNSUPPORTED, "--backend %s: the services serve from the CPU backend "
+                     "for now (KV transfer of GPU memory is not built yet); use --backend cpu",
+                     backend);
+        goto fail;
+    }
+    if ((rc = pd_backend_create(backend, &bp, &m->be, err)) < 0) goto fail;
     if ((rc = pd_model_load(&m->cfg, f->model, fmt, 1234, m->be, &m->model, err)) < 0) goto fail;
     mr_params mp = mr_default_params();
     mp.block_size = (int32_t)f->block_size;

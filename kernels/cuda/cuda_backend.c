@@ -1,0 +1,47 @@
+/* cuda_backend.c -- The CUDA backend's op table and constructor. Plain C: the ops themselves
+ * live one per .cu file (see cuda_ops.h); this file only wires them into pd_backend_ops. */
+#include "kernels/cuda/cuda_backend.h"
+
+#include <stdlib.h>
+
+#include "common/error.h"
+#include "kernels/cuda/cuda_ops.h"
+
+static const pd_backend_ops k_cuda_ops = {
+    .name = "cuda",
+    .act_dtype = PD_DTYPE_BF16,
+    .destroy = pd_cuda__ctx_destroy,
+    .alloc = pd_cuda__alloc,
+    .free = pd_cuda__free,
+    .upload = pd_cuda__upload,
+    .download_f32 = pd_cuda__download_f32,
+    .fill_uniform = pd_cuda__fill_uniform,
+    .sync = pd_cuda__sync,
+    .embedding = pd_cuda__embedding,
+    .rmsnorm = pd_cuda__rmsnorm,
+    .head_rmsnorm = pd_cuda__head_rmsnorm,
+    .linear = pd_cuda__linear,
+    .rope_store_kv = pd_cuda__rope_store_kv,
+    .attention_prefill = pd_cuda__attention,
+    .attention_decode = pd_cuda__attention,
+    .swiglu = pd_cuda__swiglu,
+    .gather_rows = pd_cuda__gather_rows,
+    .kv_blocks_to_host = pd_cuda__kv_blocks_to_host,
+    .kv_blocks_from_host = pd_cuda__kv_blocks_from_host,
+};
+
+int pd_backend_cuda_create(const pd_backend_params *p, pd_backend **out, char *err)
+{
+    *out = NULL;
+    const int32_t device = p ? p->device : 0;
+    pd_backend *b = calloc(1, sizeof *b);
+    if (!b) return pd_errf(err, PD_ENOMEM, "out of memory creating the cuda backend");
+    int rc = pd_cuda__ctx_create(device, &b->ctx, err);
+    if (rc < 0) {
+        free(b);
+        return rc;
+    }
+    b->ops = &k_cuda_ops;
+    *out = b;
+    return 0;
+}

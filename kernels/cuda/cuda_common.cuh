@@ -1,0 +1,110 @@
+/* cuda_common.cuh -- Internal to the .cu files of the CUDA backend: the context behind the
+ * op table's void *ctx, the check macros every CUDA and cuBLAS call goes through, and small
+ * device helpers (bf16 conversion, warp and block sums). Never included by C code. */
+#ifndef PD_CUDA_COMMON_CUH
+#define PD_CUDA_COMMON_CUH
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+extern "C" {
+#include "common/dtype.h"
+#include "common/error.h"
+#include "common/log.h"
+}
+#include "kernels/cuda/cuda_ops.h"
+
+typedef __nv_bfloat16 bf16;
+
+typedef struct {
+    int32_t device;        /* CUDA ordinal */
+    cudaStream_t stream;   /* every op is queued here */
+    cublasHandle_t cublas; /* bound to stream */
+    void *staging;         /* pinned host memory for conversions on the way in and out */
+    size_t staging_bytes;  /* size of staging */
+} pd_cuda_ctx;
+
+/* Logs a failed CUDA or cuBLAS call with its text, the library's message, file and line. */
+void pd_cuda__report(const char *call, const char *msg, const char *file, int line);
+
+/* Runs a CUDA runtime call (or a launcher returning cudaError_t); on failure logs it and
+ * returns PD_ENOMEM for an allocation failure, PD_EBACKEND otherwise, from the caller. */
+#define PD_CUDA_CHECK(call)                                                            \
+    do {                                                                               \
+        cudaError_t e_ = (call);                                                       \
+        if (e_ != cudaSuccess) {                                                       \
+            pd_cuda__report(#call, cudaGetErrorString(e_), __FILE__, __LINE__);        \
+            return e_ == cudaErrorMemoryAllocation ? PD_ENOMEM : PD_EBACKEND;          \
+        }                                                                              \
+    } while (0)
+
+/* The same for cuBLAS calls. */
+#define PD_CUBLAS_CHECK(call)                                                          \
+    do {                                                                               \
+        cublasStatus_t s_ = (call);                                                    \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                             \
+            pd_cuda__report(#call, cublasGetStatusString(s_), __FILE__, __LINE__);     \
+            return s_ == CUBLAS_STATUS_ALLOC_FAILED ? PD_ENOMEM : PD_EBACKEND;         \
+        }                                                                              \
+    } while (0)
+
+/* The context behind an op's void *ctx, with its device made current on the calling thread:
+ * the engine may run the ops on another thread than the one that created the backend, and
+ * each thread starts on device 0. (A failure here resurfaces at the op's first CUDA call.) */
+static inline pd_cuda_ctx *pd_cuda__ctx(void *ctx)
+{
+    pd_cuda_ctx *c = (pd_cuda_ctx *)ctx;
+    (void)cudaSetDevice(c->device);
+    return c;
+}
+
+/* Blocks of 1-D grids: enough to cover n items at `per_block` each, capped for grid-stride
+ * loops (a kernel given this must loop). */
+static inline unsigned pd_cuda__blocks(size_t n, unsigned per_block)
+{
+    size_t b = (n + per_block - 1) / per_block;
+    if (b < 1) b = 1;
+    if (b > 65535u * 16u) b = 65535u * 16u;
+    return (unsigned)b;
+}
+
+static __device__ __forceinline__ float pd_ld(const bf16 *p) { return __bfloat162float(*p); }
+static __device__ __forceinline__ void pd_st(bf16 *p, float v) { *p = __float2bfloat16_rn(v); }
+
+static __device__ __forceinline__ float pd_warp_sum(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+static __device__ __forceinline__ float pd_warp_max(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the
+ * result. Uses 33 floats of shared memory and two barriers. */
+static __device__ __forceinline__ float pd_block_sum(float v)
+{
+    __shared__ float part[32];
+    __shared__ float total;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = pd_warp_sum(v);
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float s = lane < (int)(blockDim.x >> 5) ? part[lane] : 0.0f;
+        s = pd_warp_sum(s);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    return total;
+}
+
+#endif

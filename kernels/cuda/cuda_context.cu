@@ -1,0 +1,121 @@
+/* cuda_context.cu -- The CUDA backend's context (device, stream, cuBLAS handle, pinned staging
+ * buffer) and its memory ops: alloc, free, sync. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_common.cuh"
+
+#define STAGING_BYTES ((size_t)16 << 20) /* pinned bytes for converting transfers, per chunk */
+
+void pd_cuda__report(const char *call, const char *msg, const char *file, int line)
+{
+    PD_LOGE("cuda: %s failed: %s (%s:%d)", call, msg, file, line);
+}
+
+extern "C" int pd_backend_cuda_device_count(void)
+{
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError(); /* "no driver" / "no device" is an answer, not a failure */
+        return 0;
+    }
+    return n;
+}
+
+extern "C" void pd_cuda__ctx_destroy(void *ctx)
+{
+    if (!ctx) return;
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    if (c->stream) (void)cudaStreamSynchronize(c->stream);
+    if (c->cublas) (void)cublasDestroy(c->cublas);
+    if (c->staging) (void)cudaFreeHost(c->staging);
+    if (c->stream) (void)cudaStreamDestroy(c->stream);
+    free(c);
+}
+
+/* The constructor's checks: log the call, set rc and the caller's message, unwind. */
+#define CTX_TRY(call, code)                                                             \
+    do {                                                                                \
+        if (!(call)) {                                                                  \
+            rc = pd_errf(err, (code), "cuda backend: %s failed on device %d", #call,    \
+                         device);                                                       \
+            goto fail;                                                                  \
+        }                                                                               \
+    } while (0)
+
+extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
+{
+    *out = NULL;
+    int n = 0, rc;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return pd_errf(err, PD_ENOTFOUND, "cuda backend: no usable CUDA device (%s)",
+                       cudaGetErrorString(e));
+    }
+    if (device < 0 || device >= n)
+        return pd_errf(err, PD_ENOTFOUND, "cuda backend: device %d does not exist (%d present)",
+                       device, n);
+    pd_cuda_ctx *c = (pd_cuda_ctx *)calloc(1, sizeof *c);
+    if (!c) return pd_errf(err, PD_ENOMEM, "out of memory creating the cuda backend");
+    c->device = device;
+    cudaDeviceProp prop;
+    CTX_TRY(cudaSetDevice(device) == cudaSuccess, PD_EBACKEND);
+    CTX_TRY(cudaGetDeviceProperties(&prop, device) == cudaSuccess, PD_EBACKEND);
+    CTX_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking) == cudaSuccess,
+            PD_EBACKEND);
+    CTX_TRY(cublasCreate(&c->cublas) == CUBLAS_STATUS_SUCCESS, PD_EBACKEND);
+    CTX_TRY(cublasSetStream(c->cublas, c->stream) == CUBLAS_STATUS_SUCCESS, PD_EBACKEND);
+    CTX_TRY(cudaMallocHost(&c->staging, STAGING_BYTES) == cudaSuccess, PD_ENOMEM);
+    c->staging_bytes = STAGING_BYTES;
+    PD_LOGI("cuda backend: device %d, %s (sm_%d%d, %d SMs, %.1f GiB)", device, prop.name,
+            prop.major, prop.minor, prop.multiProcessorCount,
+            (double)prop.totalGlobalMem / (1 << 30));
+    *out = c;
+    return 0;
+fail:
+    {
+        cudaError_t last = cudaGetLastError();
+        if (last != cudaSuccess) PD_LOGE("cuda backend: %s", cudaGetErrorString(last));
+    }
+    pd_cuda__ctx_destroy(c);
+    return rc;
+}
+
+extern "C" int pd_cuda__alloc(void *ctx, pd_dtype dtype, size_t n, void **out)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    *out = NULL;
+    if (dtype != PD_DTYPE_BF16 && dtype != PD_DTYPE_F32 && dtype != PD_DTYPE_I32)
+        return PD_EINVAL;
+    size_t bytes = (n ? n : 1) * pd_dtype_size(dtype);
+    void *p = NULL;
+    PD_CUDA_CHECK(cudaMalloc(&p, bytes));
+    cudaError_t e = cudaMemsetAsync(p, 0, bytes, c->stream);
+    if (e != cudaSuccess) {
+        pd_cuda__report("cudaMemsetAsync(p, 0, bytes, c->stream)", cudaGetErrorString(e),
+                        __FILE__, __LINE__);
+        (void)cudaFree(p);
+        return PD_EBACKEND;
+    }
+    *out = p;
+    return 0;
+}
+
+extern "C" void pd_cuda__free(void *ctx, void *buf)
+{
+    if (!buf) return;
+    (void)pd_cuda__ctx(ctx);
+    cudaError_t e = cudaFree(buf);
+    if (e != cudaSuccess) pd_cuda__report("cudaFree(buf)", cudaGetErrorString(e), __FILE__, __LINE__);
+}
+
+extern "C" int pd_cuda__sync(void *ctx)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    PD_CUDA_CHECK(cudaGetLastError());
+    return 0;
+}

@@ -1,0 +1,59 @@
+/* cuda_ops.h -- Internal: the CUDA backend's op entry points, one per .cu file, shared between
+ * the op table (cuda_backend.c) and the files that implement them. Each has the signature of
+ * its pd_backend_ops slot and validates its arguments before launching. No CUDA header here. */
+#ifndef PD_CUDA_OPS_H
+#define PD_CUDA_OPS_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#include "kernels/backend.h"
+
+/* cuda_context.cu: context (device, stream, cuBLAS handle, pinned staging) and memory. */
+int pd_cuda__ctx_create(int32_t device, void **out, char *err);
+void pd_cuda__ctx_destroy(void *ctx);
+int pd_cuda__alloc(void *ctx, pd_dtype dtype, size_t n, void **out);
+void pd_cuda__free(void *ctx, void *buf);
+int pd_cuda__sync(void *ctx);
+
+/* cuda_transfer.cu */
+int pd_cuda__upload(void *ctx, void *dst, pd_dtype dst_type, size_t dst_off, const void *src,
+                    pd_dtype src_type, size_t n);
+int pd_cuda__download_f32(void *ctx, float *dst, const void *src, pd_dtype src_type,
+                          size_t src_off, size_t n);
+/* cuda_fill.cu */
+int pd_cuda__fill_uniform(void *ctx, void *dst, pd_dtype dtype, size_t n, uint64_t seed,
+                          float lo, float hi);
+/* cuda_embedding.cu */
+int pd_cuda__embedding(void *ctx, const int32_t *ids, int32_t n, const void *table, int32_t dim,
+                       void *out);
+/* cuda_rmsnorm.cu */
+int pd_cuda__rmsnorm(void *ctx, const void *x, void *residual, const void *w, int32_t n,
+                     int32_t dim, float eps, void *out);
+/* cuda_head_rmsnorm.cu */
+int pd_cuda__head_rmsnorm(void *ctx, void *x, int32_t n, int64_t row_stride, int32_t n_heads,
+                          int32_t head_dim, const void *w, float eps);
+/* cuda_linear.cu */
+int pd_cuda__linear(void *ctx, const void *x, const void *w, const void *bias, int32_t n,
+                    int32_t k, int32_t m, void *out);
+/* cuda_rope.cu */
+int pd_cuda__rope_store_kv(void *ctx, const pd_rope_args *a);
+/* cuda_attention.cu: one kernel serves prefill and decode batches. */
+int pd_cuda__attention(void *ctx, const pd_attn_args *a);
+/* cuda_swiglu.cu */
+int pd_cuda__swiglu(void *ctx, const void *gate_up, int32_t n, int32_t f, void *out);
+/* cuda_gather_rows.cu */
+int pd_cuda__gather_rows(void *ctx, const void *x, const int32_t *idx, int32_t n_idx,
+                         int32_t dim, void *out);
+/* cuda_kv_blocks.cu */
+int pd_cuda__kv_blocks_to_host(void *ctx, const void *cache, const int32_t *ids, int32_t n,
+                               size_t block_elems, float *host);
+int pd_cuda__kv_blocks_from_host(void *ctx, void *cache, const int32_t *ids, int32_t n,
+                                 size_t block_elems, const float *host);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

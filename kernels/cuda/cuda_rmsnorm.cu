@@ -1,0 +1,51 @@
+/* cuda_rmsnorm.cu -- RMSNorm with the residual add fused, one block per row. With a residual,
+ * residual += x is rounded to bf16 and stored first, and the norm is taken of the stored
+ * values (what the next layer will read), as the CPU op takes it of its stored residual. */
+#include "kernels/cuda/cuda_common.cuh"
+
+#define THREADS 256
+
+/* out may alias x: every x element is read before the block's barrier (with a residual) or
+ * read and written by the same thread (without). */
+static __global__ void __launch_bounds__(THREADS)
+rmsnorm_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, float eps, bf16 *out)
+{
+    const size_t row = (size_t)blockIdx.x * dim;
+    const bf16 *xr = x + row;
+    bf16 *rr = residual ? residual + row : NULL;
+    float ss = 0.0f;
+    for (int32_t j = threadIdx.x; j < dim; j += THREADS) {
+        float v;
+        if (rr) {
+            const bf16 s = __float2bfloat16_rn(pd_ld(rr + j) + pd_ld(xr + j));
+            rr[j] = s;
+            v = __bfloat162float(s);
+        } else {
+            v = pd_ld(xr + j);
+        }
+        ss += v * v;
+    }
+    ss = pd_block_sum(ss);
+    const float r = (float)(1.0 / sqrt((double)ss / dim + eps));
+    const bf16 *src = rr ? rr : xr;
+    bf16 *o = out + row;
+    for (int32_t j = threadIdx.x; j < dim; j += THREADS) pd_st(o + j, pd_ld(w + j) * (pd_ld(src + j) * r));
+}
+
+static cudaError_t launch_rmsnorm(const bf16 *x, bf16 *residual, const bf16 *w, int32_t n,
+                                  int32_t dim, float eps, bf16 *out, cudaStream_t stream)
+{
+    rmsnorm_kernel<<<n, THREADS, 0, stream>>>(x, residual, w, dim, eps, out);
+    return cudaGetLastError();
+}
+
+extern "C" int pd_cuda__rmsnorm(void *ctx, const void *x, void *residual, const void *w,
+                                int32_t n, int32_t dim, float eps, void *out)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    if (n == 0) return 0;
+    if (n < 0 || dim <= 0 || !x || !w || !out) return PD_EINVAL;
+    PD_CUDA_CHECK(launch_rmsnorm((const bf16 *)x, (bf16 *)residual, (const bf16 *)w, n, dim, eps,
+                                 (bf16 *)out, c->stream));
+    return 0;
+}

@@ -1,0 +1,663 @@
+/* test_cuda_backend.c -- Every op of the CUDA backend against the CPU backend (the oracle) on
+ * the same random inputs (never zeros), rounded to bf16 first so that both backends see
+ * identical values. Outputs are poisoned (NaN) before each op, so an unwritten element fails;
+ * regions an op must leave alone hold a sentinel. Each comparison prints its relative L2 error
+ * and max abs error; tolerances are per op, for bf16 storage with fp32 accumulation.
+ * Exits 77 (skipped) when the CUDA backend is not built in or no device is present. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "common/dtype.h"
+#include "common/error.h"
+#include "kernels/backend.h"
+#include "tests/test_util.h"
+
+#define SENTINEL 1000.0f /* exact in bf16, far outside the data: memory an op must leave alone */
+#define TOL_BF16 1e-2   /* relative L2 error of an op whose output is rounded to bf16 */
+
+static pd_backend *g_cpu, *g_gpu;
+static uint64_t g_rng = 0x243f6a8885a308d3ull;
+
+static double urand(void) /* [0, 1) */
+{
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return (double)(g_rng >> 11) * (1.0 / 9007199254740992.0);
+}
+
+static float *hmalloc(size_t n)
+{
+    float *p = malloc((n ? n : 1) * sizeof(float));
+    if (!p) abort();
+    return p;
+}
+
+static float bf16_round(float x) { return pd_bf16_to_f32(pd_f32_to_bf16(x)); }
+
+/* n random values of magnitude in [0.1, 1) * amp with random signs, rounded to bf16. */
+static float *hrand(size_t n, double amp)
+{
+    float *x = hmalloc(n);
+    for (size_t i = 0; i < n; i++) {
+        double m = (0.1 + 0.9 * urand()) * amp;
+        x[i] = bf16_round((float)(urand() < 0.5 ? -m : m));
+    }
+    return x;
+}
+
+static float *hconst(size_t n, float v)
+{
+    float *x = hmalloc(n);
+    for (size_t i = 0; i < n; i++) x[i] = v;
+    return x;
+}
+
+/* The same logical buffer on both backends: f32 on the CPU, act_dtype (bf16) or I32 on the
+ * GPU. */
+typedef struct {
+    void *c, *g;
+    size_t n;
+    pd_dtype gt; /* GPU dtype */
+} pair;
+
+static void *alloc_on(pd_backend *be, pd_dtype t, size_t n)
+{
+    void *b = NULL;
+    int rc = be->ops->alloc(be->ctx, t, n, &b);
+    if (rc != 0 || !b) {
+        fprintf(stderr, "alloc of %zu elements on %s failed: %d\n", n, be->ops->name, rc);
+        abort();
+    }
+    return b;
+}
+
+static void pair_set(pair *p, const float *host)
+{
+    CHECK_EQ_INT(g_cpu->ops->upload(g_cpu->ctx, p->c, PD_DTYPE_F32, 0, host, PD_DTYPE_F32, p->n), 0);
+    CHECK_EQ_INT(g_gpu->ops->upload(g_gpu->ctx, p->g, p->gt, 0, host, PD_DTYPE_F32, p->n), 0);
+}
+
+static pair pair_new(const float *host, size_t n) /* activation buffer; host may be NULL */
+{
+    pair p = {alloc_on(g_cpu, PD_DTYPE_F32, n), alloc_on(g_gpu, g_gpu->ops->act_dtype, n), n,
+              g_gpu->ops->act_dtype};
+    if (host) pair_set(&p, host);
+    return p;
+}
+
+static pair pair_f32(const float *host, size_t n) /* an F32 buffer on both */
+{
+    pair p = {alloc_on(g_cpu, PD_DTYPE_F32, n), alloc_on(g_gpu, PD_DTYPE_F32, n), n, PD_DTYPE_F32};
+    pair_set(&p, host);
+    return p;
+}
+
+static pair pair_i32(const int32_t *host, size_t n)
+{
+    pair p = {alloc_on(g_cpu, PD_DTYPE_I32, n), alloc_on(g_gpu, PD_DTYPE_I32, n), n, PD_DTYPE_I32};
+    CHECK_EQ_INT(g_cpu->ops->upload(g_cpu->ctx, p.c, PD_DTYPE_I32, 0, host, PD_DTYPE_I32, n), 0);
+    CHECK_EQ_INT(g_gpu->ops->upload(g_gpu->ctx, p.g, PD_DTYPE_I32, 0, host, PD_DTYPE_I32, n), 0);
+    return p;
+}
+
+static pair pair_poisoned(size_t n)
+{
+    float *h = hconst(n, NAN);
+    pair p = pair_new(h, n);
+    free(h);
+    return p;
+}
+
+static void pair_fill(pair *p, float v)
+{
+    float *h = hconst(p->n, v);
+    pair_set(p, h);
+    free(h);
+}
+
+static void pair_free(pair *p)
+{
+    g_cpu->ops->free(g_cpu->ctx, p->c);
+    g_gpu->ops->free(g_gpu->ctx, p->g);
+    p->c = p->g = NULL;
+}
+
+/* Downloads both sides into fresh host arrays (caller frees). */
+static void pair_get(const pair *p, float **cpu, float **gpu)
+{
+    *cpu = hmalloc(p->n);
+    *gpu = hmalloc(p->n);
+    CHECK_EQ_INT(g_cpu->ops->download_f32(g_cpu->ctx, *cpu, p->c, PD_DTYPE_F32, 0, p->n), 0);
+    CHECK_EQ_INT(g_gpu->ops->download_f32(g_gpu->ctx, *gpu, p->g, p->gt, 0, p->n), 0);
+}
+
+/* Compares got (GPU) with ref (CPU): both must have NaN exactly where the other has (a NaN
+ * only on the GPU side is an unwritten output), relative L2 error <= tol. Prints the errors. */
+static void compare(const char *what, const float *got, const float *ref, size_t n, double tol)
+{
+    size_t unwritten = 0, extra = 0;
+    double num = 0, den = 0, max_abs = 0, max_ref = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(ref[i]) || isnan(got[i])) {
+            if (!isnan(ref[i])) unwritten++;
+            else if (!isnan(got[i])) extra++;
+            continue;
+        }
+        double d = (double)got[i] - ref[i];
+        num += d * d;
+        den += (double)ref[i] * ref[i];
+        if (fabs(d) > max_abs) max_abs = fabs(d);
+        if (fabs(ref[i]) > max_ref) max_ref = fabs(ref[i]);
+    }
+    double rel = den > 0 ? sqrt(num / den) : sqrt(num);
+    printf("  %-44s n=%-9zu rel_l2 %.2e  max_abs %.2e  (max |ref| %.3g, tol %.0e)\n", what, n,
+           rel, max_abs, max_ref, tol);
+    CHECK_MSG(unwritten == 0, "%s: %zu of %zu elements not written (NaN) on the GPU", what,
+              unwritten, n);
+    CHECK_MSG(extra == 0, "%s: %zu elements written on the GPU that the CPU leaves NaN", what, extra);
+    CHECK_MSG(den > 0, "%s: reference is all zero", what);
+    CHECK_MSG(rel <= tol, "%s: relative L2 error %.3g > %.3g (max abs %.3g)", what, rel, tol,
+              max_abs);
+}
+
+static void compare_pair(const char *what, const pair *p, double tol)
+{
+    float *c, *g;
+    pair_get(p, &c, &g);
+    compare(what, g, c, p->n, tol);
+    free(c);
+    free(g);
+}
+
+static int sync_both(void)
+{
+    int a = g_cpu->ops->sync(g_cpu->ctx), b = g_gpu->ops->sync(g_gpu->ctx);
+    return a ? a : b;
+}
+
+/* ---- memory ---- */
+
+static void test_memory(void)
+{
+    const pd_backend_ops *o = g_gpu->ops;
+    CHECK_EQ_INT(o->act_dtype, PD_DTYPE_BF16);
+    const pd_dtype types[3] = {PD_DTYPE_BF16, PD_DTYPE_F32, PD_DTYPE_I32};
+    for (int i = 0; i < 3; i++) {
+        const size_t n = 1001;
+        void *b = alloc_on(g_gpu, types[i], n);
+        float *h = hconst(n, 5.0f);
+        CHECK_EQ_INT(o->download_f32(g_gpu->ctx, h, b, types[i], 0, n), 0);
+        size_t nz = 0;
+        for (size_t j = 0; j < n; j++) nz += h[j] != 0.0f;
+        CHECK_MSG(nz == 0, "alloc(%s): %zu of %zu elements not zero", pd_dtype_name(types[i]), nz, n);
+        free(h);
+        o->free(g_gpu->ctx, b);
+    }
+    void *b = NULL;
+    CHECK(o->alloc(g_gpu->ctx, PD_DTYPE_F16, 4, &b) == PD_EINVAL && b == NULL);
+    o->free(g_gpu->ctx, NULL);
+}
+
+/* Upload from every source type into every buffer type, at an offset, and back. */
+static void test_upload_download(void)
+{
+    const pd_backend_ops *o = g_gpu->ops;
+    enum { N = 3001, OFF = 17 };
+    float *src = hmalloc(N);
+    for (int i = 0; i < N; i++) src[i] = (float)((urand() - 0.5) * 200.0);
+    uint16_t *s_bf = malloc(N * 2), *s_f16 = malloc(N * 2);
+    int32_t *s_i = malloc(N * 4);
+    for (int i = 0; i < N; i++) {
+        s_bf[i] = pd_f32_to_bf16(src[i]);
+        s_f16[i] = pd_f32_to_f16(src[i]);
+        s_i[i] = (int32_t)lrintf(src[i] * 1000.0f);
+    }
+    const void *srcs[4] = {src, s_bf, s_f16, s_i};
+    const pd_dtype st[4] = {PD_DTYPE_F32, PD_DTYPE_BF16, PD_DTYPE_F16, PD_DTYPE_I32};
+    const pd_dtype dt[3] = {PD_DTYPE_BF16, PD_DTYPE_F32, PD_DTYPE_I32};
+    float *want = hmalloc(N), *got = hmalloc(N + OFF);
+    for (int d = 0; d < 3; d++)
+        for (int s = 0; s < 4; s++) {
+            void *b = alloc_on(g_gpu, dt[d], N + OFF);
+            int rc = o->upload(g_gpu->ctx, b, dt[d], OFF, srcs[s], st[s], N);
+            if (dt[d] == PD_DTYPE_I32 && st[s] != PD_DTYPE_I32) {
+                CHECK_EQ_INT(rc, PD_EINVAL);
+                o->free(g_gpu->ctx, b);
+                continue;
+            }
+            CHECK_EQ_INT(rc, 0);
+            pd_convert_to_f32(want, srcs[s], st[s], N);
+            if (dt[d] == PD_DTYPE_BF16)
+                for (int i = 0; i < N; i++) want[i] = bf16_round(want[i]);
+            CHECK_EQ_INT(o->download_f32(g_gpu->ctx, got, b, dt[d], 0, N + OFF), 0);
+            size_t bad = 0, head = 0;
+            for (int i = 0; i < OFF; i++) head += got[i] != 0.0f;
+            for (int i = 0; i < N; i++) bad += got[OFF + i] != want[i];
+            CHECK_MSG(bad == 0 && head == 0, "upload %s -> %s: %zu wrong, %zu before the offset",
+                      pd_dtype_name(st[s]), pd_dtype_name(dt[d]), bad, head);
+            /* download from an offset */
+            CHECK_EQ_INT(o->download_f32(g_gpu->ctx, got, b, dt[d], OFF + 5, 10), 0);
+            for (int i = 0; i < 10; i++) CHECK(got[i] == want[5 + i]);
+            o->free(g_gpu->ctx, b);
+        }
+    printf("  upload/download: 4 source types x 3 buffer types exact\n");
+    /* a transfer larger than the staging buffer (16 MiB) */
+    const size_t big = (size_t)9 << 20;
+    float *h = hmalloc(big), *back = hmalloc(big);
+    for (size_t i = 0; i < big; i++) h[i] = bf16_round((float)(i % 1000) - 500.25f);
+    void *b = alloc_on(g_gpu, PD_DTYPE_BF16, big);
+    CHECK_EQ_INT(o->upload(g_gpu->ctx, b, PD_DTYPE_BF16, 0, h, PD_DTYPE_F32, big), 0);
+    CHECK_EQ_INT(o->download_f32(g_gpu->ctx, back, b, PD_DTYPE_BF16, 0, big), 0);
+    size_t bad = 0;
+    for (size_t i = 0; i < big; i++) bad += back[i] != h[i];
+    CHECK_MSG(bad == 0, "large upload/download: %zu of %zu wrong", bad, big);
+    o->free(g_gpu->ctx, b);
+    free(h);
+    free(back);
+    free(src); free(s_bf); free(s_f16); free(s_i); free(want); free(got);
+}
+
+/* fill_uniform: the CUDA stream is the CPU's stream, bit for bit (rounded to bf16). */
+static void test_fill_uniform(void)
+{
+    const size_t ns[3] = {1, 4097, 1000003};
+    for (int k = 0; k < 3; k++) {
+        const size_t n = ns[k];
+        const uint64_t seed = 0x1234567ull * (k + 1);
+        const float lo = -0.02f, hi = 0.05f;
+        float *c = hmalloc(n), *g = hmalloc(n), *g32 = hmalloc(n);
+        void *bc = alloc_on(g_cpu, PD_DTYPE_F32, n), *bg = alloc_on(g_gpu, PD_DTYPE_BF16, n);
+        void *bg32 = alloc_on(g_gpu, PD_DTYPE_F32, n);
+        CHECK_EQ_INT(g_cpu->ops->fill_uniform(g_cpu->ctx, bc, PD_DTYPE_F32, n, seed, lo, hi), 0);
+        CHECK_EQ_INT(g_gpu->ops->fill_uniform(g_gpu->ctx, bg, PD_DTYPE_BF16, n, seed, lo, hi), 0);
+        CHECK_EQ_INT(g_gpu->ops->fill_uniform(g_gpu->ctx, bg32, PD_DTYPE_F32, n, seed, lo, hi), 0);
+        CHECK_EQ_INT(g_cpu->ops->download_f32(g_cpu->ctx, c, bc, PD_DTYPE_F32, 0, n), 0);
+        CHECK_EQ_INT(g_gpu->ops->download_f32(g_gpu->ctx, g, bg, PD_DTYPE_BF16, 0, n), 0);
+        CHECK_EQ_INT(g_gpu->ops->download_f32(g_gpu->ctx, g32, bg32, PD_DTYPE_F32, 0, n), 0);
+        size_t bad = 0, bad32 = 0, out = 0;
+        double mean = 0;
+        for (size_t i = 0; i < n; i++) {
+            bad += g[i] != bf16_round(c[i]);
+            bad32 += g32[i] != c[i];
+            out += !(g32[i] >= lo && g32[i] < hi);
+            mean += g32[i];
+        }
+        CHECK_MSG(bad == 0 && bad32 == 0 && out == 0,
+                  "fill_uniform n=%zu: %zu bf16 and %zu f32 values differ from the CPU's, %zu "
+                  "out of range", n, bad, bad32, out);
+        printf("  fill_uniform n=%-8zu identical to the CPU stream (mean %.4f)\n", n, mean / n);
+        g_cpu->ops->free(g_cpu->ctx, bc);
+        g_gpu->ops->free(g_gpu->ctx, bg);
+        g_gpu->ops->free(g_gpu->ctx, bg32);
+        free(c); free(g); free(g32);
+    }
+}
+
+/* ---- row ops ---- */
+
+static void test_embedding_gather(void)
+{
+    enum { V = 1000, DIM = 200, N = 37, NIDX = 9 };
+    float *table = hrand((size_t)V * DIM, 1.0);
+    int32_t ids[N], rows[NIDX];
+    for (int i = 0; i < N; i++) ids[i] = (int32_t)(urand() * V);
+    ids[0] = V - 1;
+    for (int i = 0; i < NIDX; i++) rows[i] = (int32_t)(urand() * N);
+    pair t = pair_new(table, (size_t)V * DIM), id = pair_i32(ids, N), rw = pair_i32(rows, NIDX);
+    pair out = pair_poisoned((size_t)N * DIM), g = pair_poisoned((size_t)NIDX * DIM);
+    CHECK_EQ_INT(g_cpu->ops->embedding(g_cpu->ctx, id.c, N, t.c, DIM, out.c), 0);
+    CHECK_EQ_INT(g_gpu->ops->embedding(g_gpu->ctx, id.g, N, t.g, DIM, out.g), 0);
+    compare_pair("embedding (exact)", &out, 0.0);
+    CHECK_EQ_INT(g_cpu->ops->gather_rows(g_cpu->ctx, out.c, rw.c, NIDX, DIM, g.c), 0);
+    CHECK_EQ_INT(g_gpu->ops->gather_rows(g_gpu->ctx, out.g, rw.g, NIDX, DIM, g.g), 0);
+    compare_pair("gather_rows (exact)", &g, 0.0);
+    pair_free(&t); pair_free(&id); pair_free(&rw); pair_free(&out); pair_free(&g);
+    free(table);
+}
+
+static void test_swiglu(void)
+{
+    const int32_t shapes[2][2] = {{5, 172}, {33, 3072}};
+    for (int s = 0; s < 2; s++) {
+        const int32_t n = shapes[s][0], f = shapes[s][1];
+        float *gu = hrand((size_t)n * 2 * f, 4.0);
+        pair in = pair_new(gu, (size_t)n * 2 * f), out = pair_poisoned((size_t)n * f);
+        CHECK_EQ_INT(g_cpu->ops->swiglu(g_cpu->ctx, in.c, n, f, out.c), 0);
+        CHECK_EQ_INT(g_gpu->ops->swiglu(g_gpu->ctx, in.g, n, f, out.g), 0);
+        char what[64];
+        snprintf(what, sizeof what, "swiglu n=%d f=%d", n, f);
+        compare_pair(what, &out, TOL_BF16);
+        pair_free(&in); pair_free(&out);
+        free(gu);
+    }
+}
+
+static void test_rmsnorm(void)
+{
+    const int32_t shapes[3][2] = {{3, 64}, {17, 1024}, {5, 4000}};
+    for (int s = 0; s < 3; s++) {
+        const int32_t n = shapes[s][0], dim = shapes[s][1];
+        const size_t sz = (size_t)n * dim;
+        float *x = hrand(sz, 3.0), *res = hrand(sz, 3.0), *w = hrand((size_t)dim, 1.5);
+        pair px = pair_new(x, sz), pr = pair_new(res, sz), pw = pair_new(w, (size_t)dim);
+        pair out = pair_poisoned(sz);
+        char what[96];
+        /* plain */
+        CHECK_EQ_INT(g_cpu->ops->rmsnorm(g_cpu->ctx, px.c, NULL, pw.c, n, dim, 1e-6f, out.c), 0);
+        CHECK_EQ_INT(g_gpu->ops->rmsnorm(g_gpu->ctx, px.g, NULL, pw.g, n, dim, 1e-6f, out.g), 0);
+        snprintf(what, sizeof what, "rmsnorm n=%d dim=%d", n, dim);
+        compare_pair(what, &out, TOL_BF16);
+        /* fused residual add */
+        pair_fill(&out, NAN);
+        CHECK_EQ_INT(g_cpu->ops->rmsnorm(g_cpu->ctx, px.c, pr.c, pw.c, n, dim, 1e-5f, out.c), 0);
+        CHECK_EQ_INT(g_gpu->ops->rmsnorm(g_gpu->ctx, px.g, pr.g, pw.g, n, dim, 1e-5f, out.g), 0);
+        snprintf(what, sizeof what, "rmsnorm+residual n=%d dim=%d: out", n, dim);
+        compare_pair(what, &out, TOL_BF16);
+        snprintf(what, sizeof what, "rmsnorm+residual n=%d dim=%d: residual", n, dim);
+        compare_pair(what, &pr, TOL_BF16);
+        /* out aliasing x, with a residual */
+        pair_set(&pr, res);
+        CHECK_EQ_INT(g_cpu->ops->rmsnorm(g_cpu->ctx, px.c, pr.c, pw.c, n, dim, 1e-5f, px.c), 0);
+        CHECK_EQ_INT(g_gpu->ops->rmsnorm(g_gpu->ctx, px.g, pr.g, pw.g, n, dim, 1e-5f, px.g), 0);
+        snprintf(what, sizeof what, "rmsnorm+residual out=x n=%d dim=%d", n, dim);
+        compare_pair(what, &px, TOL_BF16);
+        /* out aliasing x, no residual */
+        pair_set(&px, x);
+        CHECK_EQ_INT(g_cpu->ops->rmsnorm(g_cpu->ctx, px.c, NULL, pw.c, n, dim, 1e-5f, px.c), 0);
+        CHECK_EQ_INT(g_gpu->ops->rmsnorm(g_gpu->ctx, px.g, NULL, pw.g, n, dim, 1e-5f, px.g), 0);
+        snprintf(what, sizeof what, "rmsnorm out=x n=%d dim=%d", n, dim);
+        compare_pair(what, &px, TOL_BF16);
+        pair_free(&px); pair_free(&pr); pair_free(&pw); pair_free(&out);
+        free(x); free(res); free(w);
+    }
+}
+
+static void test_head_rmsnorm(void)
+{
+    const int32_t cases[2][4] = {/* n, n_heads, n_kv_heads, head_dim */
+                                 {7, 16, 8, 128}, {3, 4, 2, 32}};
+    for (int s = 0; s < 2; s++) {
+        const int32_t n = cases[s][0], nh = cases[s][1], nkv = cases[s][2], hd = cases[s][3];
+        const int64_t stride = (int64_t)(nh + 2 * nkv) * hd;
+        float *qkv = hrand((size_t)n * stride, 2.0), *wq = hrand((size_t)hd, 1.2);
+        float *wk = hrand((size_t)hd, 1.2);
+        pair p = pair_new(qkv, (size_t)n * stride), pq = pair_new(wq, (size_t)hd);
+        pair pk = pair_new(wk, (size_t)hd);
+        /* q heads at offset 0, k heads after them; v must stay as it was */
+        const size_t koff_c = (size_t)nh * hd * 4, koff_g = (size_t)nh * hd * 2;
+        CHECK_EQ_INT(g_cpu->ops->head_rmsnorm(g_cpu->ctx, p.c, n, stride, nh, hd, pq.c, 1e-6f), 0);
+        CHECK_EQ_INT(g_gpu->ops->head_rmsnorm(g_gpu->ctx, p.g, n, stride, nh, hd, pq.g, 1e-6f), 0);
+        CHECK_EQ_INT(g_cpu->ops->head_rmsnorm(g_cpu->ctx, (char *)p.c + koff_c, n, stride, nkv,
+                                              hd, pk.c, 1e-6f), 0);
+        CHECK_EQ_INT(g_gpu->ops->head_rmsnorm(g_gpu->ctx, (char *)p.g + koff_g, n, stride, nkv,
+                                              hd, pk.g, 1e-6f), 0);
+        float *c, *g;
+        pair_get(&p, &c, &g);
+        char what[96];
+        snprintf(what, sizeof what, "head_rmsnorm n=%d heads=%d+%d hd=%d", n, nh, nkv, hd);
+        compare(what, g, c, p.n, TOL_BF16);
+        size_t v_changed = 0;
+        for (int32_t i = 0; i < n; i++)
+            for (int64_t j = (int64_t)(nh + nkv) * hd; j < stride; j++)
+                v_changed += g[i * stride + j] != qkv[i * stride + j];
+        CHECK_MSG(v_changed == 0, "head_rmsnorm changed %zu v elements", v_changed);
+        free(c); free(g);
+        pair_free(&p); pair_free(&pq); pair_free(&pk);
+        free(qkv); free(wq); free(wk);
+    }
+}
+
+static void test_linear(void)
+{
+    const int32_t shapes[6][3] = {/* n, k, m */
+                                  {1, 64, 96}, {7, 172, 64}, {1, 1024, 3072},
+                                  {33, 1024, 4096}, {128, 3072, 1024}, {5, 100, 151}};
+    for (int s = 0; s < 6; s++) {
+        const int32_t n = shapes[s][0], k = shapes[s][1], m = shapes[s][2];
+        float *x = hrand((size_t)n * k, 1.0), *w = hrand((size_t)m * k, 0.1);
+        float *b = hrand((size_t)m, 0.5);
+        pair px = pair_new(x, (size_t)n * k), pw = pair_new(w, (size_t)m * k);
+        pair pb = pair_new(b, (size_t)m), out = pair_poisoned((size_t)n * m);
+        for (int with_bias = 0; with_bias < 2; with_bias++) {
+            if (with_bias) pair_fill(&out, NAN);
+            CHECK_EQ_INT(g_cpu->ops->linear(g_cpu->ctx, px.c, pw.c, with_bias ? pb.c : NULL, n, k,
+                                            m, out.c), 0);
+            CHECK_EQ_INT(g_gpu->ops->linear(g_gpu->ctx, px.g, pw.g, with_bias ? pb.g : NULL, n, k,
+                                            m, out.g), 0);
+            char what[96];
+            snprintf(what, sizeof what, "linear n=%d k=%d m=%d%s", n, k, m,
+                     with_bias ? " +bias" : "");
+            compare_pair(what, &out, TOL_BF16);
+        }
+        pair_free(&px); pair_free(&pw); pair_free(&pb); pair_free(&out);
+        free(x); free(w); free(b);
+    }
+}
+
+static void test_rope_store_kv(void)
+{
+    const int32_t cases[3][3] = {/* heads, kv heads, head_dim */
+                                 {16, 8, 128}, {4, 2, 32}, {8, 4, 8}};
+    for (int s = 0; s < 3; s++) {
+        const int32_t H = cases[s][0], KVH = cases[s][1], HD = cases[s][2], HALF = HD / 2;
+        enum { T = 6, BS = 4, NB = 5 };
+        const size_t row = (size_t)(H + 2 * KVH) * HD, kvrow = (size_t)KVH * HD;
+        const size_t cache = (size_t)NB * BS * kvrow;
+        const int32_t pos[T] = {0, 5, 17, 123, 4095, 40000}, slots[T] = {3, 9, -1, 14, 0, 19};
+        float *inv = hmalloc((size_t)HALF);
+        for (int i = 0; i < HALF; i++) inv[i] = (float)pow(1e6, -2.0 * i / HD);
+        pair pf = pair_f32(inv, (size_t)HALF), pp = pair_i32(pos, T), ps = pair_i32(slots, T);
+        const float factors[2] = {1.0f, 1.37f};
+        for (int fi = 0; fi < 2; fi++) {
+            float *qkv = hrand(T * row, 2.0);
+            pair pq = pair_new(qkv, T * row), kc = pair_new(NULL, cache), vc = pair_new(NULL, cache);
+            pair_fill(&kc, SENTINEL);
+            pair_fill(&vc, SENTINEL);
+            pd_rope_args a = {.positions = pp.c, .slot_mapping = ps.c, .inv_freq = pf.c,
+                              .qkv = pq.c, .k_cache = kc.c, .v_cache = vc.c, .n_tokens = T,
+                              .n_heads = H, .n_kv_heads = KVH, .head_dim = HD,
+                              .attn_factor = factors[fi]};
+            CHECK_EQ_INT(g_cpu->ops->rope_store_kv(g_cpu->ctx, &a), 0);
+            a.positions = pp.g;
+            a.slot_mapping = ps.g;
+            a.inv_freq = pf.g;
+            a.qkv = pq.g;
+            a.k_cache = kc.g;
+            a.v_cache = vc.g;
+            CHECK_EQ_INT(g_gpu->ops->rope_store_kv(g_gpu->ctx, &a), 0);
+            char what[96];
+            snprintf(what, sizeof what, "rope qkv H=%d KVH=%d HD=%d factor=%g", H, KVH, HD,
+                     factors[fi]);
+            compare_pair(what, &pq, TOL_BF16);
+            snprintf(what, sizeof what, "rope k_cache H=%d KVH=%d HD=%d factor=%g", H, KVH, HD,
+                     factors[fi]);
+            compare_pair(what, &kc, TOL_BF16);
+            /* v is copied: exact; untouched slots keep the sentinel on both */
+            float *c, *g;
+            pair_get(&vc, &c, &g);
+            size_t bad = 0;
+            for (size_t i = 0; i < cache; i++) bad += c[i] != g[i];
+            CHECK_MSG(bad == 0, "rope v_cache: %zu of %zu differ", bad, cache);
+            free(c); free(g);
+            pair_get(&kc, &c, &g);
+            bad = 0;
+            for (size_t i = 0; i < cache; i++) bad += (c[i] == SENTINEL) != (g[i] == SENTINEL);
+            CHECK_MSG(bad == 0, "rope k_cache: %zu elements written on one side only", bad);
+            free(c); free(g);
+            pair_free(&pq); pair_free(&kc); pair_free(&vc);
+            free(qkv);
+        }
+        pair_free(&pf); pair_free(&pp); pair_free(&ps);
+        free(inv);
+    }
+}
+
+/* ---- attention ---- */
+
+typedef struct {
+    int32_t n_heads, n_kv_heads, head_dim, block_size, window;
+} attn_shape;
+
+/* A batch with the given query and context lengths over a shuffled paged cache; runs the
+ * decode entry when every query has length 1 (and decode is set), else prefill. */
+static void run_attention(const char *what, const attn_shape *sh, int n_seqs,
+                          const int32_t *q_lens, const int32_t *ctx_lens, int decode)
+{
+    const int32_t H = sh->n_heads, KVH = sh->n_kv_heads, HD = sh->head_dim, BS = sh->block_size;
+    int32_t n_tokens = 0, max_q = 0, max_ctx = 0, n_blocks = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        n_tokens += q_lens[s];
+        if (q_lens[s] > max_q) max_q = q_lens[s];
+        if (ctx_lens[s] > max_ctx) max_ctx = ctx_lens[s];
+        n_blocks += (ctx_lens[s] + BS - 1) / BS;
+    }
+    n_blocks += 3; /* spare blocks nobody references */
+    const int32_t mbps = (max_ctx + BS - 1) / BS + 1;
+    int32_t *perm = malloc((size_t)n_blocks * 4), *bt = malloc((size_t)n_seqs * mbps * 4);
+    int32_t *cu = malloc((size_t)(n_seqs + 1) * 4);
+    for (int i = 0; i < n_blocks; i++) perm[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) {
+        int j = (int)(urand() * (i + 1));
+        int32_t t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    int next = 0;
+    cu[0] = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        cu[s + 1] = cu[s] + q_lens[s];
+        const int need = (ctx_lens[s] + BS - 1) / BS;
+        for (int b = 0; b < mbps; b++) bt[s * mbps + b] = b < need ? perm[next++] : -1;
+    }
+    const int64_t qstride = (int64_t)(H + 2 * KVH) * HD;
+    const size_t cache = (size_t)n_blocks * BS * KVH * HD;
+    float *q = hrand((size_t)n_tokens * qstride, 1.5), *k = hrand(cache, 1.5);
+    float *v = hrand(cache, 1.0);
+    pair pq = pair_new(q, (size_t)n_tokens * qstride), pk = pair_new(k, cache);
+    pair pv = pair_new(v, cache), out = pair_poisoned((size_t)n_tokens * H * HD);
+    pair pcu = pair_i32(cu, (size_t)n_seqs + 1), pctx = pair_i32(ctx_lens, (size_t)n_seqs);
+    pair pbt = pair_i32(bt, (size_t)n_seqs * mbps);
+    pd_attn_args a = {.q_row_stride = qstride, .n_seqs = n_seqs, .n_tokens = n_tokens,
+                      .max_q_len = max_q, .max_ctx_len = max_ctx, .max_blocks_per_seq = mbps,
+                      .n_heads = H, .n_kv_heads = KVH, .head_dim = HD, .block_size = BS,
+                      .sliding_window = sh->window, .scale = (float)(1.0 / sqrt((double)HD))};
+    a.q = pq.c; a.k_cache = pk.c; a.v_cache = pv.c; a.out = out.c;
+    a.cu_q = pcu.c; a.ctx_lens = pctx.c; a.block_tables = pbt.c;
+    CHECK_EQ_INT((decode ? g_cpu->ops->attention_decode : g_cpu->ops->attention_prefill)(g_cpu->ctx, &a), 0);
+    a.q = pq.g; a.k_cache = pk.g; a.v_cache = pv.g; a.out = out.g;
+    a.cu_q = pcu.g; a.ctx_lens = pctx.g; a.block_tables = pbt.g;
+    CHECK_EQ_INT((decode ? g_gpu->ops->attention_decode : g_gpu->ops->attention_prefill)(g_gpu->ctx, &a), 0);
+    CHECK_EQ_INT(sync_both(), 0);
+    char name[160];
+    snprintf(name, sizeof name, "%s H=%d/%d HD=%d bs=%d win=%d", what, H, KVH, HD, BS, sh->window);
+    compare_pair(name, &out, TOL_BF16);
+    pair_free(&pq); pair_free(&pk); pair_free(&pv); pair_free(&out);
+    pair_free(&pcu); pair_free(&pctx); pair_free(&pbt);
+    free(q); free(k); free(v); free(perm); free(bt); free(cu);
+}
+
+static void test_attention(void)
+{
+    const attn_shape shapes[5] = {
+        {16, 8, 128, 16, 0}, /* Qwen3-0.6B */
+        {4, 2, 32, 16, 0},   /* qwen3-tiny */
+        {8, 4, 8, 16, 0},    /* stories260k */
+        {8, 1, 256, 8, 0},   /* MQA, widest head */
+        {6, 2, 64, 16, 37},  /* sliding window */
+    };
+    for (int s = 0; s < 5; s++) {
+        const attn_shape *sh = &shapes[s];
+        /* prefill: a fresh prompt, a chunk after a cached prefix, a one-token sequence */
+        const int32_t pq[3] = {45, 20, 1}, pc[3] = {45, 83, 9};
+        run_attention("prefill mixed", sh, 3, pq, pc, 0);
+        /* decode: several sequences, one query each, short and long contexts */
+        const int32_t dq[5] = {1, 1, 1, 1, 1}, dc[5] = {1, 16, 17, 300, 1500};
+        run_attention("decode", sh, 5, dq, dc, 1);
+    }
+    /* one long prompt (no N x N matrix anywhere) */
+    const int32_t lq[1] = {2100}, lc[1] = {2100};
+    run_attention("prefill long", &shapes[1], 1, lq, lc, 0);
+}
+
+/* ---- KV blocks to and from the host ---- */
+
+static void test_kv_blocks(void)
+{
+    enum { NB = 40, BS = 16, KVH = 8, HD = 128, N = 7 };
+    const size_t be = (size_t)BS * KVH * HD, cache = (size_t)NB * be;
+    float *init = hrand(cache, 2.0);
+    void *c = alloc_on(g_gpu, PD_DTYPE_BF16, cache);
+    CHECK_EQ_INT(g_gpu->ops->upload(g_gpu->ctx, c, PD_DTYPE_BF16, 0, init, PD_DTYPE_F32, cache), 0);
+    const int32_t ids[N] = {39, 0, 5, 17, 18, 3, 22}, ids2[N] = {1, 2, 38, 10, 11, 30, 31};
+    float *host = hconst((size_t)N * be, NAN);
+    CHECK_EQ_INT(g_gpu->ops->kv_blocks_to_host(g_gpu->ctx, c, ids, N, be, host), 0);
+    size_t bad = 0;
+    for (int i = 0; i < N; i++)
+        for (size_t j = 0; j < be; j++) bad += host[i * be + j] != init[(size_t)ids[i] * be + j];
+    CHECK_MSG(bad == 0, "kv_blocks_to_host: %zu of %zu wrong", bad, (size_t)N * be);
+    /* back into other blocks; every other block unchanged */
+    CHECK_EQ_INT(g_gpu->ops->kv_blocks_from_host(g_gpu->ctx, c, ids2, N, be, host), 0);
+    float *after = hmalloc(cache);
+    CHECK_EQ_INT(g_gpu->ops->download_f32(g_gpu->ctx, after, c, PD_DTYPE_BF16, 0, cache), 0);
+    bad = 0;
+    for (int b = 0; b < NB; b++) {
+        int slot = -1;
+        for (int i = 0; i < N; i++)
+            if (ids2[i] == b) slot = i;
+        for (size_t j = 0; j < be; j++) {
+            float want = slot >= 0 ? host[slot * be + j] : init[(size_t)b * be + j];
+            bad += after[(size_t)b * be + j] != want;
+        }
+    }
+    CHECK_MSG(bad == 0, "kv_blocks_from_host: %zu of %zu wrong", bad, cache);
+    printf("  kv_blocks_to_host / from_host: %d blocks of %zu elements exact\n", N, be);
+    g_gpu->ops->free(g_gpu->ctx, c);
+    free(init); free(host); free(after);
+}
+
+static void test_errors(void)
+{
+    /* arguments the entries reject before launching anything */
+    pd_attn_args a = {.n_tokens = 1, .n_seqs = 1, .n_heads = 3, .n_kv_heads = 2, .head_dim = 8};
+    CHECK(g_gpu->ops->attention_prefill(g_gpu->ctx, &a) == PD_EINVAL);
+    pd_rope_args r = {.n_tokens = 1, .n_heads = 1, .n_kv_heads = 1, .head_dim = 7};
+    CHECK(g_gpu->ops->rope_store_kv(g_gpu->ctx, &r) == PD_EINVAL);
+    CHECK(g_gpu->ops->linear(g_gpu->ctx, NULL, NULL, NULL, 1, 1, 1, NULL) == PD_EINVAL);
+    CHECK_EQ_INT(g_gpu->ops->sync(g_gpu->ctx), 0);
+}
+
+int main(void)
+{
+    char err[PD_ERR_LEN] = "";
+    pd_backend_params p = pd_backend_default_params();
+    int rc = pd_backend_create("cuda", &p, &g_gpu, err);
+    if (rc < 0) {
+        fprintf(stderr, "test_cuda_backend: skipped: %s\n", err);
+        return 77;
+    }
+    p.n_threads = 0;
+    if (pd_backend_create("cpu", &p, &g_cpu, err) < 0) {
+        fprintf(stderr, "cpu backend: %s\n", err);
+        pd_backend_destroy(g_gpu);
+        return 1;
+    }
+    printf("test_cuda_backend: every op on cuda against cpu\n");
+    test_memory();
+    test_upload_download();
+    test_fill_uniform();
+    test_embedding_gather();
+    test_swiglu();
+    test_rmsnorm();
+    test_head_rmsnorm();
+    test_linear();
+    test_rope_store_kv();
+    test_attention();
+    test_kv_blocks();
+    test_errors();
+    pd_backend_destroy(g_cpu);
+    pd_backend_destroy(g_gpu);
+    return pd_test_result("test_cuda_backend");
+}
