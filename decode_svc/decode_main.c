@@ -18,6 +18,7 @@
 #include "common/log.h"
 #include "common/svc/svc.h"
 #include "common/svc/svc_kvt.h"
+#include "common/svc/svc_metrics.h"
 #include "pdserve/internal/v1/decode.pb-c.h"
 
 typedef struct dreq {
@@ -27,6 +28,7 @@ typedef struct dreq {
     int32_t n_prompt;
     bool local_prefill;
     bool want_logprobs;
+    bool queue_seen;            /* its queue time was observed (engine thread) */
     pthread_mutex_t mu;
     bool finished;              /* the call got its status */
     bool kv_expected;           /* a kvt reservation exists and has not ended */
@@ -46,6 +48,7 @@ typedef struct {
     size_t desc_len;
     rpc_server *server;
     svc_instance inst;
+    svc_metrics *metrics;
     atomic_uint_fast64_t next_id;
     int64_t default_max_tokens;
     bool colocated;
@@ -70,6 +73,7 @@ static void finish_call(dreq *r, rpc_status_code code, const char *msg)
     r->finished = true;
     pthread_mutex_unlock(&r->mu);
     if (already) return;
+    svc_metrics_request(g.metrics, code);
     rpc_stream_finish(r->call, code, msg && *msg ? "%s" : NULL, msg);
     rpc_call_unref(r->call);
 }
@@ -121,6 +125,10 @@ static void flush_burst(dreq *r, const eng_output *o)
 static void on_output(void *user, const eng_output *o)
 {
     dreq *r = user;
+    if (!r->queue_seen && o->finish != SEQ_FINISH_ABORTED) {
+        r->queue_seen = true;
+        svc_metrics_queue_time(g.metrics, o->queue_s);
+    }
     if (o->token >= 0) {
         if (r->n_pend == r->cap_pend) {
             size_t cap = r->cap_pend ? 2 * r->cap_pend : 8;
@@ -231,6 +239,7 @@ static void on_kvt_event(void *arg, const kvt_event *ev)
     if (ev->type == KVT_EV_RECV_DONE) {
         PD_LOGD("request %llu: KV landed (%llu bytes in %.2f ms)", (unsigned long long)r->id,
                 (unsigned long long)ev->bytes, ev->elapsed_ns / 1e6);
+        svc_metrics_kv_transfer(g.metrics, (double)ev->elapsed_ns * 1e-9);
         ew_admit(g.worker, r->id, ev->first_token);
         kvt_recv_release(g.pool, r->id);
     } else if (ev->type == KVT_EV_RECV_FAILED) {
@@ -387,6 +396,7 @@ int main(int argc, char **argv)
     svc_model_flags_init(&mf);
     const char *listen = "0.0.0.0:50061", *instance_id = "", *log_level = "info";
     int64_t grace_ms = 30000, health_drain_ms = 0, threads = 2, max_tokens = 256, port = -1;
+    int64_t metrics_port = -1;
     bool colocated = false;
     pd_flag flags[32];
     int n = 0;
@@ -403,6 +413,7 @@ int main(int argc, char **argv)
         {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
     };
     for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) flags[n++] = more[i];
+    svc_metrics_flag_add(&metrics_port, flags, &n);
     int prc = pd_flags_parse(flags, n, argc, argv, "pdserve-decode",
                              "The decode instance of pdserve: receives KV from prefill instances "
                              "and streams generated tokens (internal Decode RPC).");
@@ -422,6 +433,11 @@ int main(int argc, char **argv)
     g.colocated = colocated;
     g.default_max_tokens = max_tokens;
     atomic_init(&g.next_id, 1);
+    svc_metrics_params mp = {colocated ? "colocated" : "decode", "recv", listen, metrics_port};
+    if (svc_metrics_create(&mp, &g.metrics, err) < 0) {
+        fprintf(stderr, "pdserve-decode: %s\n", err);
+        goto out;
+    }
     if (svc_model_open(&mf, ENG_MODE_DECODE, &g.model, err) < 0) {
         fprintf(stderr, "pdserve-decode: %s\n", err);
         goto out;
@@ -433,7 +449,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-decode: %s\n", err);
         goto out;
     }
-    ew_callbacks cb = {on_output, on_error, on_reserved};
+    ew_callbacks cb = {on_output, on_error, on_reserved, svc_metrics_on_step, g.metrics};
     if (ew_create(e, &cb, &g.worker) < 0) {
         eng_destroy(e);
         fprintf(stderr, "pdserve-decode: cannot start the engine thread\n");
@@ -478,6 +494,11 @@ int main(int argc, char **argv)
             rpc_server_port(g.server), colocated ? "colocated" : "decode-only");
     printf("PORT %d\n", rpc_server_port(g.server));
     fflush(stdout);
+    svc_metrics_watch(g.metrics, g.server, g.worker, g.kvt, &g.inst.draining);
+    if (svc_metrics_start(g.metrics, err) < 0) {
+        fprintf(stderr, "pdserve-decode: %s\n", err);
+        goto out;
+    }
     int sig = svc_wait_signal();
     PD_LOGI("signal %d: draining (grace %lld ms)", sig, (long long)grace_ms);
     g.inst.draining = 1;
@@ -485,6 +506,7 @@ int main(int argc, char **argv)
     PD_LOGI("drained; %d calls cancelled", cancelled);
     status = 0;
 out:
+    svc_metrics_stop(g.metrics); /* before its sources go */
     rpc_server_destroy(g.server); /* before the engine: calls reference requests */
     ew_destroy(g.worker);
     if (g.kvt) {
@@ -492,6 +514,7 @@ out:
         svc_kvt_destroy(g.kvt);
     }
     free(g.desc);
+    svc_metrics_destroy(g.metrics); /* after the engine thread (its step hook) */
     svc_model_close(&g.model);
     pd_flags_free();
     return status;

@@ -324,6 +324,7 @@ static int seq_new(eng *e, const eng_request *r, pd_seq **out, char *err)
     }
     s->stop = r->stop;
     s->want_logprob = r->logprobs;
+    s->t_arrival = now_s();
     *out = s;
     return 0;
 }
@@ -404,6 +405,7 @@ int eng_admit(eng *e, uint64_t id, int32_t first_token, char *err)
                        e->cfg.vocab_size);
     s->n_computed = s->n_prompt;
     s->skip_prefix_cache = false;
+    s->t_arrival = now_s(); /* decode-only queue time counts from the KV's arrival */
     bm_commit(e->blocks, s, s->n_prompt); /* the prompt's full blocks become reusable */
     s->finish = append_token(e, s, first_token);
     if (s->finish != SEQ_FINISH_NONE) {
@@ -434,6 +436,7 @@ static void report(eng *e, int32_t *n_out, const pd_seq *s, int32_t tok, float l
     o->n_prompt = s->n_prompt;
     o->n_cached = s->n_cached;
     o->n_output = seq_n_output(s);
+    o->queue_s = s->t_scheduled > 0 ? s->t_scheduled - s->t_arrival : 0.0;
     o->block_ids = s->finish == SEQ_FINISH_PREFILLED ? s->block_table : NULL;
     o->n_blocks = s->finish == SEQ_FINISH_PREFILLED ? (s->n_prompt + e->p.block_size - 1) / e->p.block_size : 0;
 }
@@ -471,6 +474,8 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
     e->st.preemptions += so.n_preempted;
     e->st.cached_tokens += so.n_cached_tokens;
     e->st.admitted_prompt_tokens += so.n_admitted_tokens;
+    for (int32_t i = 0; i < so.n_items; i++)
+        if (so.items[i].seq->t_scheduled == 0) so.items[i].seq->t_scheduled = t0;
     *outs = e->outs;
     if (so.n_items == 0) {
         *n_outs = n_out;

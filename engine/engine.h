@@ -67,6 +67,8 @@ typedef struct {
     int32_t n_prompt;
     int32_t n_cached;               /* prompt tokens taken from the prefix cache */
     int32_t n_output;               /* output tokens so far, including this one */
+    double queue_s;                 /* seconds from arrival (decode-only: admission) to the
+                                       first step that scheduled it (0 if never) */
     const int32_t *block_ids;       /* prefill-only, finish PREFILLED: its blocks (borrowed
                                        until eng_release) */
     int32_t n_blocks;

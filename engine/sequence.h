@@ -54,6 +54,8 @@ typedef struct pd_seq {
     smp_params sampling;
     seq_stopping stop;
     int32_t n_preempted;       /* times preempted by recompute */
+    double t_arrival;          /* monotonic s: added (decode-only: admitted) */
+    double t_scheduled;        /* monotonic s: first step that scheduled it; 0 before */
     bool want_logprob;         /* report the sampled token's log-probability */
     bool skip_prefix_cache;    /* never map this sequence onto cached blocks (its KV is
                                   written from outside: decode-only reservations) */

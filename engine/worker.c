@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -111,6 +112,13 @@ static void um_del(user_map *m, uint64_t k)
     }
     m->used[hole] = 0;
     m->n--;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 static void push(ew *w, cmd *c)
@@ -277,7 +285,12 @@ static void *loop(void *arg)
         }
         const eng_output *outs;
         int32_t n = 0;
+        const eng_stats *st = eng_stats_get(w->e);
+        int64_t steps0 = st->steps, seqs0 = st->batch_seqs_sum;
+        double t0 = w->cb.on_step ? now_s() : 0.0;
         int rc = eng_step(w->e, &outs, &n, err);
+        if (w->cb.on_step && st->steps > steps0)
+            w->cb.on_step(w->cb.step_arg, now_s() - t0, (int32_t)(st->batch_seqs_sum - seqs0));
         if (rc < 0) PD_LOGE("engine step failed: %s", err);
         for (int32_t i = 0; i < n; i++) {
             int32_t f = um_find(&w->users, outs[i].id);

@@ -22,6 +22,11 @@ typedef struct {
     /* Decode-only: blocks were reserved for a request (ew_reserve). block_ids is borrowed for
      * the call. Not terminal. Runs on the engine thread. */
     void (*on_reserved)(void *user, const int32_t *block_ids, int32_t n_blocks);
+    /* Optional (metrics): after every step that ran a forward, with its wall time in seconds
+     * (eng_step as a whole) and the number of sequences in its batch. Runs on the engine
+     * thread; step_arg is passed through. */
+    void (*on_step)(void *step_arg, double seconds, int32_t n_seqs);
+    void *step_arg;
 } ew_callbacks;
 
 /* A snapshot of the engine's load, refreshed after every step (for load reports). */

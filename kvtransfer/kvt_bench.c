@@ -286,16 +286,11 @@ static int run_receiver(const bench_opts *o, int sock, pid_t child)
         if (o->contiguous) /* runs of consecutive blocks at a rotating offset */
             for (int32_t i = 0; i < o->pool_blocks; i++)
                 perm_dst[i] = perm_src[i] = (i + it * n * C) % o->pool_blocks;
-        const char *cx = getenv("KVT_BENCH_CONTIG"); /* experiments: "src" or "dst" only */
-        for (int32_t i = 0; cx && i < o->pool_blocks; i++) {
-            if (!strcmp(cx, "src")) perm_src[i] = i;
-            else perm_dst[i] = i;
-        }
         st.req_base = next_req;
         st.n_req = C;
         memset(st.done, 0, sizeof st.done);
         /* Poison the slots so that stale bytes cannot pass verification. */
-        for (int32_t c = 0; c < C; c++)
+        for (int32_t c = 0; c < C && o->verify; c++)
             for (int32_t l = 0; l < L; l++)
                 for (int kv = 0; kv < 2; kv++)
                     for (int32_t i = 0; i < n; i++)

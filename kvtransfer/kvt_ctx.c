@@ -151,7 +151,7 @@ void kvt__op_complete(kvt_ctx *ctx, kvt__op *op, ucs_status_t status)
             if (op->kind == KVT_OP_DATA) s->bytes_done += op->bytes;
             else s->flush_done = true;
         } else if (s->state < KVT_SEND_ENDING) {
-            kvt__send_fail(s, kvt__pd_status(status), false, "%s failed: %s",
+            kvt__send_fail(s, kvt__pd_status(status), true, "%s failed: %s",
                            op->kind == KVT_OP_DATA ? "block write" : "flush",
                            ucs_status_string(status));
         }

@@ -170,6 +170,41 @@ char *kvh_devshm_list(void)
     return out;
 }
 
+/* Whether a live process maps or holds open /dev/shm/name (then it is someone's segment in use,
+ * e.g. of a test running beside this one, not a leftover). */
+static bool devshm_in_use(const char *name)
+{
+    char want[300];
+    snprintf(want, sizeof want, "/dev/shm/%s", name);
+    DIR *proc = opendir("/proc");
+    if (!proc) return false;
+    bool used = false;
+    struct dirent *e;
+    while (!used && (e = readdir(proc))) {
+        if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+        char path[300], line[1024];
+        snprintf(path, sizeof path, "/proc/%s/maps", e->d_name);
+        FILE *f = fopen(path, "r");
+        while (f && !used && fgets(line, sizeof line, f)) used = strstr(line, want) != NULL;
+        if (f) fclose(f);
+        snprintf(path, sizeof path, "/proc/%s/fd", e->d_name);
+        DIR *fds = opendir(path);
+        struct dirent *fe;
+        while (fds && !used && (fe = readdir(fds))) {
+            char link[600], target[300];
+            snprintf(link, sizeof link, "%s/%s", path, fe->d_name);
+            ssize_t n = readlink(link, target, sizeof target - 1);
+            if (n > 0) {
+                target[n] = 0;
+                used = strncmp(target, want, strlen(want)) == 0;
+            }
+        }
+        if (fds) closedir(fds);
+    }
+    closedir(proc);
+    return used;
+}
+
 int kvh_shm_leftovers(const pid_t *pids, int n_pids, const char *devshm_before)
 {
     int found = 0;
@@ -209,6 +244,12 @@ int kvh_shm_leftovers(const pid_t *pids, int n_pids, const char *devshm_before)
                 if (seen) continue;
             }
             if (strncmp(name, "ucx", 3) != 0) continue; /* only what UCX creates */
+            char path[300];
+            snprintf(path, sizeof path, "/dev/shm/%s", name);
+            /* Someone else's in use, or a file that was just going away, is not ours. */
+            if (devshm_in_use(name)) continue;
+            usleep(200000);
+            if (access(path, F_OK) != 0 || devshm_in_use(name)) continue;
             fprintf(stderr, "leftover /dev/shm/%s\n", name);
             found++;
         }

@@ -106,8 +106,8 @@ typedef struct {
     int32_t window;             /* data operations in flight per ctx; default 64 */
     int32_t max_op_kib;         /* put path: largest put in KiB when blocks adjacent on both
                                    sides are merged; default 1024 */
-    int32_t am_max_kib;         /* AM path: largest message in KiB (at least one block, at
-                                   most 64); default 256 (best on tcp here) */
+    int32_t am_max_kib;         /* AM path: largest message in KiB (always at least one
+                                   block, at most 64 blocks); default 256 (best on tcp here) */
     int32_t am_staging_slots;   /* AM path: slots of am_max_kib into which scattered source
                                    blocks are gathered so that each AM leaves one contiguous
                                    buffer (UCX 1.13 sends iov data by copying fragments, about

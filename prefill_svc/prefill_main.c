@@ -18,6 +18,7 @@
 #include "common/log.h"
 #include "common/svc/svc.h"
 #include "common/svc/svc_kvt.h"
+#include "common/svc/svc_metrics.h"
 #include "pdserve/internal/v1/prefill.pb-c.h"
 
 typedef struct preq {
@@ -52,6 +53,7 @@ typedef struct {
     kvt_pool *pool;                /* kvt thread only: the engine's KV cache as source */
     rpc_server *server;
     svc_instance inst;
+    svc_metrics *metrics;
     atomic_uint_fast64_t next_id;
     int64_t default_max_tokens;
 } psvc;
@@ -119,6 +121,7 @@ static void answer(preq *r, rpc_status_code code, const char *msg)
     pthread_mutex_unlock(&r->mu);
     if (already) return;
     map_del(r);
+    svc_metrics_request(g.metrics, code);
     if (code == RPC_STATUS_OK) {
         Pdserve__Internal__V1__PrefillResponse resp = PDSERVE__INTERNAL__V1__PREFILL_RESPONSE__INIT;
         Pdserve__Internal__V1__PrefillTiming tm = PDSERVE__INTERNAL__V1__PREFILL_TIMING__INIT;
@@ -330,6 +333,7 @@ static void on_kvt_event(void *arg, const kvt_event *ev)
     if (ev->type == KVT_EV_SEND_DONE) {
         PD_LOGD("request %llu: KV pushed (%llu bytes, %.2f ms)", (unsigned long long)r->id,
                 (unsigned long long)ev->bytes, ev->elapsed_ns / 1e6);
+        svc_metrics_kv_transfer(g.metrics, (double)ev->elapsed_ns * 1e-9);
         answer(r, RPC_STATUS_OK, NULL);
     } else {
         char msg[PD_ERR_LEN];
@@ -355,6 +359,7 @@ static void on_output(void *user, const eng_output *o)
         preq_unref(r);
         return;
     }
+    svc_metrics_queue_time(g.metrics, o->queue_s);
     r->first_token = o->token;
     r->first_logprob = o->logprob;
     r->n_cached = o->n_cached;
@@ -559,6 +564,7 @@ int main(int argc, char **argv)
     svc_model_flags_init(&mf);
     const char *listen = "0.0.0.0:50071", *instance_id = "", *log_level = "info";
     int64_t grace_ms = 30000, health_drain_ms = 0, threads = 2, max_tokens = 256, port = -1;
+    int64_t metrics_port = -1;
     pd_flag flags[32];
     int n = 0;
     svc_model_flags_add(&mf, flags, &n);
@@ -573,6 +579,7 @@ int main(int argc, char **argv)
         {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
     };
     for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) flags[n++] = more[i];
+    svc_metrics_flag_add(&metrics_port, flags, &n);
     int prc = pd_flags_parse(flags, n, argc, argv, "pdserve-prefill",
                              "The prefill instance of pdserve: computes prompts and pushes their "
                              "KV to decode instances (internal Prefill RPC).");
@@ -591,6 +598,11 @@ int main(int argc, char **argv)
     eng *e = NULL;
     g.default_max_tokens = max_tokens;
     atomic_init(&g.next_id, 1);
+    svc_metrics_params mp = {"prefill", "send", listen, metrics_port};
+    if (svc_metrics_create(&mp, &g.metrics, err) < 0) {
+        fprintf(stderr, "pdserve-prefill: %s\n", err);
+        goto out;
+    }
     if (svc_model_open(&mf, ENG_MODE_PREFILL, &g.model, err) < 0) {
         fprintf(stderr, "pdserve-prefill: %s\n", err);
         goto out;
@@ -601,7 +613,7 @@ int main(int argc, char **argv)
     }
     eng_kv_listener kl = {on_prompt_step, on_layer, NULL};
     eng_set_kv_listener(e, &kl);
-    ew_callbacks cb = {on_output, on_error, NULL};
+    ew_callbacks cb = {on_output, on_error, NULL, svc_metrics_on_step, g.metrics};
     if (ew_create(e, &cb, &g.worker) < 0) {
         eng_destroy(e);
         fprintf(stderr, "pdserve-prefill: cannot start the engine thread\n");
@@ -643,6 +655,11 @@ int main(int argc, char **argv)
     PD_LOGI("pdserve-prefill %s listening on port %d", g.inst.instance_id, rpc_server_port(g.server));
     printf("PORT %d\n", rpc_server_port(g.server));
     fflush(stdout);
+    svc_metrics_watch(g.metrics, g.server, g.worker, g.kvt, &g.inst.draining);
+    if (svc_metrics_start(g.metrics, err) < 0) {
+        fprintf(stderr, "pdserve-prefill: %s\n", err);
+        goto out;
+    }
     int sig = svc_wait_signal();
     PD_LOGI("signal %d: draining (grace %lld ms)", sig, (long long)grace_ms);
     g.inst.draining = 1;
@@ -650,12 +667,14 @@ int main(int argc, char **argv)
     PD_LOGI("drained; %d calls cancelled", cancelled);
     status = 0;
 out:
+    svc_metrics_stop(g.metrics); /* before its sources go */
     rpc_server_destroy(g.server);
     ew_destroy(g.worker);
     if (g.kvt) {
         if (g.pool) svc_kvt_call(g.kvt, do_teardown_pool, NULL);
         svc_kvt_destroy(g.kvt);
     }
+    svc_metrics_destroy(g.metrics); /* after the engine thread (its step hook) */
     svc_model_close(&g.model);
     pd_flags_free();
     return status;

@@ -31,6 +31,7 @@ struct rtr_instance {
     bool has_layout;
     int64_t free_blocks, total_blocks, running, waiting, queued_tokens;
     int64_t local_blocks, local_tokens; /* routed since the last report */
+    atomic_llong routed, errors;  /* metrics */
 };
 
 struct rtr_registry {
@@ -118,6 +119,8 @@ static void resolve_list(rtr_registry *r, const char *list, bool prefill, bool *
             rtr_instance *in = calloc(1, sizeof *in);
             if (!in) continue;
             atomic_init(&in->refs, 1);
+            atomic_init(&in->routed, 0);
+            atomic_init(&in->errors, 0);
             snprintf(in->addr, sizeof in->addr, "%s", addr);
             in->prefill = prefill;
             in->present = true;
@@ -188,6 +191,7 @@ static void poll_one(rtr_registry *r, rtr_instance *in)
         }
     } else {
         in->healthy = false;
+        atomic_fetch_add(&in->errors, 1);
     }
     bool now = in->healthy;
     pthread_mutex_unlock(&r->mu);
@@ -350,11 +354,41 @@ bool rtr_has_prefill(rtr_registry *r) { return r->has_prefill; }
 void rtr_instance_add_load(rtr_instance *i, int64_t blocks, int64_t tokens)
 {
     /* Benign race with the poller: these are hints between reports. */
+    atomic_fetch_add(&i->routed, 1);
     i->local_blocks += blocks;
     i->local_tokens += tokens;
 }
 
-void rtr_instance_failed(rtr_instance *i) { i->healthy = false; }
+void rtr_instance_failed(rtr_instance *i)
+{
+    i->healthy = false;
+    atomic_fetch_add(&i->errors, 1);
+}
+
+int rtr_registry_snapshot(rtr_registry *r, rtr_instance_info *out, int max)
+{
+    pthread_mutex_lock(&r->mu);
+    int n = 0;
+    for (int i = 0; i < r->n_inst && n < max; i++) {
+        const rtr_instance *in = r->inst[i];
+        rtr_instance_info *o = &out[n++];
+        memset(o, 0, sizeof *o);
+        snprintf(o->addr, sizeof o->addr, "%s", in->addr);
+        o->role = in->prefill ? "prefill"
+                  : in->role == PDSERVE__INTERNAL__V1__ROLE__ROLE_COLOCATED ? "colocated" : "decode";
+        o->up = in->present && in->healthy;
+        o->draining = in->draining;
+        o->free_blocks = in->free_blocks;
+        o->total_blocks = in->total_blocks;
+        o->running = in->running;
+        o->waiting = in->waiting;
+        o->queued_tokens = in->queued_tokens;
+        o->routed = atomic_load(&in->routed);
+        o->errors = atomic_load(&in->errors);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return n;
+}
 
 void rtr_registry_counts(rtr_registry *r, int *n_prefill, int *n_decode, int *healthy)
 {

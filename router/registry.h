@@ -51,4 +51,18 @@ void rtr_instance_failed(rtr_instance *i);
 /* Instances known (for logs and metrics): prefill, decode, and how many are healthy. */
 void rtr_registry_counts(rtr_registry *r, int *n_prefill, int *n_decode, int *healthy);
 
+/* One instance's state as the router sees it (metrics). */
+typedef struct {
+    char addr[128];               /* "ip:port" */
+    const char *role;             /* "prefill", "decode" or "colocated" (static string) */
+    bool up;                      /* last load report succeeded and no call failed since */
+    bool draining;                /* the instance said so in its last report */
+    int64_t free_blocks, total_blocks, running, waiting, queued_tokens; /* last report */
+    int64_t routed;               /* requests (and retries) routed to it */
+    int64_t errors;               /* failed calls and failed load reports */
+} rtr_instance_info;
+
+/* Copies the state of at most max instances into out; returns how many were copied. */
+int rtr_registry_snapshot(rtr_registry *r, rtr_instance_info *out, int max);
+
 #endif

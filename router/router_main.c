@@ -7,18 +7,26 @@
  *
  * A request (rreq) is touched by a gRPC worker (the handler, the cancel callback) and by the
  * completion threads of two client calls; its mutex serializes them. It is freed when the
- * public call is finished and both client calls have ended. */
+ * public call is finished and both client calls have ended.
+ *
+ * Metrics: the outcome, latencies (TTFT from arrival to the first token sent, TPOT as the
+ * mean gap between later tokens, end to end) and token counts of every public call are
+ * recorded once, where the call is finished (finish_locked, on_cancel, reject); the
+ * instances' load comes from the registry at scrape time. */
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/error.h"
 #include "common/flags.h"
 #include "common/log.h"
 #include "common/rpc/rpc.h"
 #include "common/svc/svc.h"
+#include "common/svc/svc_metrics.h"
 #include "engine/block_manager.h"
 #include "engine/model_config.h"
 #include "engine/stopstr.h"
@@ -38,6 +46,13 @@ typedef struct {
     int64_t call_timeout_ms;
     atomic_int_fast64_t pending;
     atomic_uint_fast64_t next_id;
+    volatile int draining;
+    double slo_ttft_s, slo_tpot_s;   /* 0 = no objective */
+    svc_metrics *metrics;
+    pd_metric *m_ttft, *m_tpot, *m_e2e, *m_prompt, *m_completion, *m_slo, *m_in_flight;
+    pd_metric *m_retry_prefill, *m_retry_decode;
+    pd_mfamily *m_success;           /* by finish_reason */
+    pd_mfamily *m_inst[9];           /* per-instance families (collector) */
 } router;
 
 static router g;
@@ -57,6 +72,10 @@ typedef struct rreq {
     rpc_client_call *dcall, *pcall;
     bool local_prefill;
     int prefill_tries;               /* Prefill calls made (retries on another instance) */
+    int decode_tries;                /* Decode calls made */
+    bool decode_answered;            /* the decode call sent a message (no retry after it) */
+    double t_arrival, t_first, t_last; /* monotonic s: handler start, first and last token sent */
+    int finish_reason;               /* FinishReason of an OK end */
     Pdserve__Internal__V1__KvTarget *kv; /* the reservation's target (copy, for retries) */
     bool first_sent;                 /* first token emitted to the client */
     bool finished;                   /* public call finished */
@@ -70,6 +89,52 @@ typedef struct rreq {
     tok_stream *detok;
     stopstr *stops;
 } rreq;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Records a finished public call (mu held; exactly once per request). */
+static void account_locked(rreq *r, int code)
+{
+    svc_metrics_request(g.metrics, code);
+    pd_metric_add(g.m_prompt, r->n_prompt);
+    pd_metric_add(g.m_completion, r->completion);
+    if (code != RPC_STATUS_OK) return;
+    double t = now_s();
+    static const char *const reasons[] = {"unspecified", "length", "eos", "stop", "cancelled"};
+    int fr = r->finish_reason >= 0 && r->finish_reason < 5 ? r->finish_reason : 0;
+    char l[64] = "";
+    pd_metrics_label(l, sizeof l, "finish_reason", reasons[fr]);
+    pd_metric_add(pd_mfamily_series(g.m_success, l), 1);
+    pd_metric_observe(g.m_e2e, t - r->t_arrival);
+    double ttft = (r->t_first > 0 ? r->t_first : t) - r->t_arrival, tpot = 0;
+    pd_metric_observe(g.m_ttft, ttft);
+    if (r->completion >= 2) {
+        tpot = (r->t_last - r->t_first) / (double)(r->completion - 1);
+        pd_metric_observe(g.m_tpot, tpot);
+    }
+    if ((g.slo_ttft_s <= 0 || ttft <= g.slo_ttft_s) && (g.slo_tpot_s <= 0 || tpot <= g.slo_tpot_s))
+        pd_metric_add(g.m_slo, 1);
+}
+
+/* Refuses a call before a request exists for it (counted as an outcome). */
+static void reject(rpc_call *call, rpc_status_code code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void reject(rpc_call *call, rpc_status_code code, const char *fmt, ...)
+{
+    char msg[PD_ERR_LEN];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    svc_metrics_request(g.metrics, code);
+    rpc_stream_finish(call, code, "%s", msg);
+}
 
 static void rreq_unref(rreq *r)
 {
@@ -93,6 +158,7 @@ static void finish_locked(rreq *r, rpc_status_code code, const char *fmt, const 
 {
     if (r->finished) return;
     r->finished = true;
+    account_locked(r, code);
     if (code == RPC_STATUS_OK) rpc_stream_finish(r->call, RPC_STATUS_OK, NULL);
     else rpc_stream_finish(r->call, code, fmt, detail);
     rpc_call_unref(r->call);
@@ -156,6 +222,11 @@ static void emit_locked(rreq *r, const uint32_t *ids, size_t n, int finish, cons
         if (st2) finish = PDSERVE__V1__FINISH_REASON__FINISH_REASON_STOP;
     }
     r->completion += (uint32_t)n_keep;
+    if (n_keep > 0) {
+        r->t_last = now_s();
+        if (r->t_first == 0) r->t_first = r->t_last;
+    }
+    if (finish) r->finish_reason = finish;
     Pdserve__V1__GenerateResponse m = PDSERVE__V1__GENERATE_RESPONSE__INIT;
     Pdserve__V1__Usage usage = PDSERVE__V1__USAGE__INIT;
     m.request_id = r->request_id;
@@ -212,6 +283,7 @@ static void pre_on_done(rpc_client_call *c, const rpc_status *st, void *user)
         /* The prefill instance is gone or refused before answering: the decode side's
          * reservation still waits, so another prefill instance can fill it. */
         rtr_instance_failed(r->pre);
+        pd_metric_add(g.m_retry_prefill, 1);
         PD_LOGW("request %s: prefill on %s unavailable (%s); retrying elsewhere", r->request_id,
                 rtr_instance_addr(r->pre), st->details);
         rpc_client_call_release(r->pcall);
@@ -269,6 +341,7 @@ static void dec_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user
     rreq *r = user;
     const Pdserve__Internal__V1__DecodeResponse *d = (const void *)msg;
     pthread_mutex_lock(&r->mu);
+    r->decode_answered = true;
     if (r->finished) {
         /* nothing */
     } else if (d->kind_case == PDSERVE__INTERNAL__V1__DECODE_RESPONSE__KIND_RESERVATION) {
@@ -310,12 +383,29 @@ static void dec_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user
     protobuf_c_message_free_unpacked(msg, NULL);
 }
 
+static bool start_decode(rreq *r, const rtr_instance *exclude);
+
 static void dec_on_done(rpc_client_call *c, const rpc_status *st, void *user)
 {
     (void)c;
     rreq *r = user;
     pthread_mutex_lock(&r->mu);
-    if (!r->finished && !(st->code == RPC_STATUS_OK && r->held_finish)) {
+    if (!r->finished && !r->decode_answered && r->decode_tries < 3 &&
+        (st->code == RPC_STATUS_UNAVAILABLE || st->code == RPC_STATUS_RESOURCE_EXHAUSTED)) {
+        /* Refused before it reserved anything (gone, draining, or full): nothing was sent
+         * to the client and no prefill started, so another decode instance can take it. */
+        if (st->code == RPC_STATUS_UNAVAILABLE) rtr_instance_failed(r->dec);
+        PD_LOGW("request %s: decode on %s refused it (%s: %s); trying another instance",
+                r->request_id, rtr_instance_addr(r->dec), rpc_status_name(st->code), st->details);
+        rtr_instance *prev = r->dec;
+        rtr_instance_ref(prev);
+        rpc_client_call_release(r->dcall);
+        r->dcall = NULL;
+        pd_metric_add(g.m_retry_decode, 1);
+        if (!start_decode(r, prev))
+            finish_locked(r, (rpc_status_code)st->code, "%s", st->details);
+        rtr_instance_unref(prev);
+    } else if (!r->finished && !(st->code == RPC_STATUS_OK && r->held_finish)) {
         if (st->code == RPC_STATUS_OK) {
             finish_locked(r, RPC_STATUS_INTERNAL, "%s", "the decode stream ended without a finish reason");
         } else {
@@ -329,6 +419,38 @@ static void dec_on_done(rpc_client_call *c, const rpc_status *st, void *user)
     rreq_unref(r);
 }
 
+/* Picks a decode instance other than exclude and opens its Decode stream (mu held). Returns
+ * false when no instance can take the request (nothing started); true otherwise (a failure
+ * to start the call finishes the request). */
+static bool start_decode(rreq *r, const rtr_instance *exclude)
+{
+    rtr_instance *d = rtr_pick_decode(g.reg, exclude);
+    if (!d) return false;
+    rtr_instance_unref(r->dec);
+    r->dec = d;
+    r->decode_tries++;
+    r->local_prefill = !rtr_has_prefill(g.reg) || rtr_instance_colocated(d);
+    rtr_instance_add_load(d, (r->n_prompt + r->stopping.max_tokens + 15) / 16, 0);
+    Pdserve__Internal__V1__DecodeRequest q = PDSERVE__INTERNAL__V1__DECODE_REQUEST__INIT;
+    q.request_id = r->request_id;
+    q.n_prompt_token_ids = (size_t)r->n_prompt;
+    q.prompt_token_ids = (uint32_t *)r->prompt;
+    q.sampling = &r->sampling;
+    q.stopping = &r->stopping;
+    q.logprobs = r->logprobs;
+    q.local_prefill = r->local_prefill;
+    rpc_client_callbacks cb = {dec_on_message, dec_on_done, r};
+    char err[PD_ERR_LEN];
+    atomic_fetch_add(&r->refs, 1);
+    if (rpc_client_call_start(rtr_instance_channel(d), "/pdserve.internal.v1.Decode/Decode",
+                              &q.base, &pdserve__internal__v1__decode_response__descriptor,
+                              g.call_timeout_ms, &cb, &r->dcall, err) < 0) {
+        atomic_fetch_sub(&r->refs, 1);
+        finish_locked(r, RPC_STATUS_INTERNAL, "cannot call decode: %s", err);
+    }
+    return true;
+}
+
 /* ---- public API ---- */
 
 static void on_cancel(rpc_call *call, void *user)
@@ -338,6 +460,8 @@ static void on_cancel(rpc_call *call, void *user)
     pthread_mutex_lock(&r->mu);
     if (!r->finished) {
         r->finished = true;
+        account_locked(r, rpc_call_remaining_ms(call) <= 0 ? RPC_STATUS_DEADLINE_EXCEEDED
+                                                             : RPC_STATUS_CANCELLED);
         rpc_call_unref(r->call);
         if (r->dcall) rpc_client_call_cancel(r->dcall);
         if (r->pcall) rpc_client_call_cancel(r->pcall);
@@ -362,43 +486,45 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
     (void)user;
     const Pdserve__V1__GenerateRequest *q = (const void *)msg;
     char err[PD_ERR_LEN];
+    double t_arrival = now_s();
     bool has_text = q->prompt && q->prompt[0], has_ids = q->n_prompt_token_ids > 0;
     if (has_text == has_ids) {
-        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "give exactly one of prompt and prompt_token_ids");
+        reject(call, RPC_STATUS_INVALID_ARGUMENT, "give exactly one of prompt and prompt_token_ids");
         return;
     }
     smp_params sp;
     seq_stopping ss;
     if (svc_sampling_from_proto(q->sampling, &sp, err) < 0 ||
         svc_stopping_from_proto(q->stopping, 1, &ss, err) < 0) {
-        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
+        reject(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
         return;
     }
     if (q->stopping && q->stopping->n_stop > 16) {
-        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "stopping.stop: at most 16 stop "
+        reject(call, RPC_STATUS_INVALID_ARGUMENT, "stopping.stop: at most 16 stop "
                           "strings (got %zu)", q->stopping->n_stop);
         return;
     }
     if (q->stopping)
         for (size_t i = 0; i < q->stopping->n_stop; i++)
             if (!q->stopping->stop[i] || !q->stopping->stop[i][0]) {
-                rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "stopping.stop[%zu] is empty", i);
+                reject(call, RPC_STATUS_INVALID_ARGUMENT, "stopping.stop[%zu] is empty", i);
                 return;
             }
     if (atomic_fetch_add(&g.pending, 1) >= g.max_pending) {
         atomic_fetch_sub(&g.pending, 1);
-        rpc_stream_finish(call, RPC_STATUS_RESOURCE_EXHAUSTED, "the router has %lld requests in "
+        reject(call, RPC_STATUS_RESOURCE_EXHAUSTED, "the router has %lld requests in "
                           "flight (--max-pending); retry later", (long long)g.max_pending);
         return;
     }
     rreq *r = calloc(1, sizeof *r);
     if (!r) {
         atomic_fetch_sub(&g.pending, 1);
-        rpc_stream_finish(call, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        reject(call, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         return;
     }
     atomic_init(&r->refs, 1);
     pthread_mutex_init(&r->mu, NULL);
+    r->t_arrival = t_arrival;
     if (q->request_id && q->request_id[0]) snprintf(r->request_id, sizeof r->request_id, "%s", q->request_id);
     else snprintf(r->request_id, sizeof r->request_id, "req-%llu", (unsigned long long)atomic_fetch_add(&g.next_id, 1));
     int rc = 0;
@@ -434,7 +560,7 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
         bad = err;
     }
     if (bad) {
-        rpc_stream_finish(call, rc == PD_ENOMEM ? RPC_STATUS_RESOURCE_EXHAUSTED : RPC_STATUS_INVALID_ARGUMENT, "%s", bad);
+        reject(call, rc == PD_ENOMEM ? RPC_STATUS_RESOURCE_EXHAUSTED : RPC_STATUS_INVALID_ARGUMENT, "%s", bad);
         rreq_unref(r);
         return;
     }
@@ -459,37 +585,15 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
     if ((g.tok && tok_stream_create(g.tok, true, &r->detok) < 0) ||
         stopstr_create(q->stopping ? (const char *const *)q->stopping->stop : NULL,
                        q->stopping ? (int)q->stopping->n_stop : 0, &r->stops) < 0) {
-        rpc_stream_finish(call, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        reject(call, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         rreq_unref(r);
         return;
     }
-    r->dec = rtr_pick_decode(g.reg, NULL);
-    if (!r->dec) {
-        rpc_stream_finish(call, RPC_STATUS_UNAVAILABLE, "no decode instance is available");
-        rreq_unref(r);
-        return;
-    }
-    r->local_prefill = !rtr_has_prefill(g.reg) || rtr_instance_colocated(r->dec);
-    rtr_instance_add_load(r->dec, (r->n_prompt + r->stopping.max_tokens + 15) / 16, 0);
     r->call = call;
     rpc_call_ref(call);
-    Pdserve__Internal__V1__DecodeRequest d = PDSERVE__INTERNAL__V1__DECODE_REQUEST__INIT;
-    d.request_id = r->request_id;
-    d.n_prompt_token_ids = (size_t)r->n_prompt;
-    d.prompt_token_ids = (uint32_t *)r->prompt;
-    d.sampling = &r->sampling;
-    d.stopping = &r->stopping;
-    d.logprobs = r->logprobs;
-    d.local_prefill = r->local_prefill;
-    rpc_client_callbacks cb = {dec_on_message, dec_on_done, r};
     pthread_mutex_lock(&r->mu);
-    atomic_fetch_add(&r->refs, 1);
-    if (rpc_client_call_start(rtr_instance_channel(r->dec), "/pdserve.internal.v1.Decode/Decode",
-                              &d.base, &pdserve__internal__v1__decode_response__descriptor,
-                              g.call_timeout_ms, &cb, &r->dcall, err) < 0) {
-        atomic_fetch_sub(&r->refs, 1);
-        finish_locked(r, RPC_STATUS_INTERNAL, "cannot call decode: %s", err);
-    }
+    if (!start_decode(r, NULL))
+        finish_locked(r, RPC_STATUS_UNAVAILABLE, "%s", "no decode instance is available");
     pthread_mutex_unlock(&r->mu);
     rpc_call_set_cancel_cb(call, on_cancel, r);
     rreq_unref(r); /* the handler's reference; the calls hold theirs */
@@ -538,6 +642,82 @@ static void handle_model_info(rpc_call *call, const ProtobufCMessage *msg, void 
     rpc_call_reply(call, &resp.base);
 }
 
+/* ---- metrics ---- */
+
+/* Scrape time: the router's view of every instance, from the registry. */
+static void collect(pd_metrics *m, void *arg)
+{
+    (void)m;
+    (void)arg;
+    pd_metric_set(g.m_in_flight, (double)atomic_load(&g.pending));
+    if (!g.reg) return;
+    rtr_instance_info *v = calloc(256, sizeof *v);
+    if (!v) return;
+    int n = rtr_registry_snapshot(g.reg, v, 256);
+    for (int k = 0; k < 9; k++) pd_mfamily_hide_all(g.m_inst[k]);
+    for (int i = 0; i < n; i++) {
+        char l[192] = "";
+        pd_metrics_label(l, sizeof l, "role", v[i].role);
+        pd_metrics_label(l, sizeof l, "addr", v[i].addr);
+        double val[9] = {v[i].up, v[i].draining, (double)v[i].free_blocks, (double)v[i].total_blocks,
+                         (double)v[i].running, (double)v[i].waiting, (double)v[i].queued_tokens,
+                         (double)v[i].routed, (double)v[i].errors};
+        for (int k = 0; k < 9; k++) pd_metric_set(pd_mfamily_series(g.m_inst[k], l), val[k]);
+    }
+    free(v);
+}
+
+static int metrics_setup(const char *listen, int64_t port, char *err)
+{
+    svc_metrics_params mp = {"router", NULL, listen, port};
+    int rc = svc_metrics_create(&mp, &g.metrics, err);
+    if (rc < 0) return rc;
+    pd_metrics *m = svc_metrics_registry(g.metrics);
+    g.m_success = pd_metrics_family(m, PD_METRIC_COUNTER, "pdserve_request_success_total",
+                                    "Generate calls that ended OK, by finish reason", NULL, 0);
+    g.m_slo = pd_metrics_counter(m, "pdserve_requests_within_slo_total", NULL,
+                                 "Generate calls that ended OK within --slo-ttft-ms and --slo-tpot-ms "
+                                 "(goodput)");
+    pd_metric_set(pd_metrics_gauge(m, "pdserve_slo_ttft_seconds", NULL, "--slo-ttft-ms (0 = none)"), g.slo_ttft_s);
+    pd_metric_set(pd_metrics_gauge(m, "pdserve_slo_tpot_seconds", NULL, "--slo-tpot-ms (0 = none)"), g.slo_tpot_s);
+    g.m_in_flight = pd_metrics_gauge(m, "pdserve_requests_in_flight", NULL, "Generate calls in progress");
+    g.m_ttft = pd_metrics_histogram(m, "pdserve_time_to_first_token_seconds", NULL,
+                                    "arrival at the router to the first token sent (OK calls)",
+                                    pd_metrics_latency_buckets, pd_metrics_n_latency_buckets);
+    g.m_tpot = pd_metrics_histogram(m, "pdserve_time_per_output_token_seconds", NULL,
+                                    "mean time between output tokens after the first, per call "
+                                    "(OK calls with 2 or more tokens)",
+                                    pd_metrics_token_buckets, pd_metrics_n_token_buckets);
+    g.m_e2e = pd_metrics_histogram(m, "pdserve_e2e_request_latency_seconds", NULL,
+                                   "arrival to the last message (OK calls)",
+                                   pd_metrics_request_buckets, pd_metrics_n_request_buckets);
+    g.m_prompt = pd_metrics_counter(m, "pdserve_prompt_tokens_total", NULL,
+                                    "prompt tokens of Generate calls that passed validation");
+    g.m_completion = pd_metrics_counter(m, "pdserve_completion_tokens_total", NULL,
+                                        "output tokens sent to clients");
+    pd_mfamily *retries = pd_metrics_family(m, PD_METRIC_COUNTER, "pdserve_router_retries_total",
+                                            "internal calls retried on another instance", NULL, 0);
+    g.m_retry_prefill = pd_mfamily_series(retries, "role=\"prefill\"");
+    g.m_retry_decode = pd_mfamily_series(retries, "role=\"decode\"");
+    static const struct {
+        const char *name, *help;
+        pd_metric_type t;
+    } inst[9] = {
+        {"pdserve_router_instance_up", "1 while the instance answers load reports and calls", PD_METRIC_GAUGE},
+        {"pdserve_router_instance_draining", "1 while the instance reports that it drains", PD_METRIC_GAUGE},
+        {"pdserve_router_instance_free_kv_blocks", "free KV blocks in the last load report", PD_METRIC_GAUGE},
+        {"pdserve_router_instance_capacity_kv_blocks", "KV blocks in all in the last load report", PD_METRIC_GAUGE},
+        {"pdserve_router_instance_running_sequences", "running sequences in the last load report", PD_METRIC_GAUGE},
+        {"pdserve_router_instance_waiting_sequences", "waiting sequences in the last load report", PD_METRIC_GAUGE},
+        {"pdserve_router_instance_queued_prefill_tokens", "queued prompt tokens in the last load report", PD_METRIC_GAUGE},
+        {"pdserve_router_routed_requests_total", "requests (and retries) routed to the instance", PD_METRIC_COUNTER},
+        {"pdserve_router_instance_errors_total", "failed calls and load reports of the instance", PD_METRIC_COUNTER},
+    };
+    for (int k = 0; k < 9; k++) g.m_inst[k] = pd_metrics_family(m, inst[k].t, inst[k].name, inst[k].help, NULL, 0);
+    svc_metrics_set_collector(g.metrics, collect, NULL);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     svc_block_signals();
@@ -545,6 +725,8 @@ int main(int argc, char **argv)
     const char *prefill = "", *decode = "", *log_level = "info";
     int64_t max_tokens = 256, max_pending = 4096, threads = 2, poll_ms = 500, resolve_ms = 10000;
     int64_t grace_ms = 30000, health_drain_ms = 0, timeout_ms = 600000, port = -1;
+    int64_t metrics_port = -1;
+    double slo_ttft_ms = 0, slo_tpot_ms = 0;
     pd_flag flags[] = {
         {"model", PD_FLAG_STRING, &model, "model directory (tokenizer.json, config.json)", 1, 0},
         {"model-name", PD_FLAG_STRING, &model_name, "name served in GetModelInfo (default: directory name)", 1, 0},
@@ -560,6 +742,9 @@ int main(int argc, char **argv)
         {"grpc-threads", PD_FLAG_INT, &threads, "gRPC worker threads", 1, 64},
         {"shutdown-grace-ms", PD_FLAG_INT, &grace_ms, "SIGTERM: time in-flight requests get to finish", 0, 3600000},
         {"health-drain-ms", PD_FLAG_INT, &health_drain_ms, "SIGTERM: time health says NOT_SERVING first", 0, 600000},
+        {"slo-ttft-ms", PD_FLAG_DOUBLE, &slo_ttft_ms, "goodput: time-to-first-token objective in ms (0 = none)", 0, 1e9},
+        {"slo-tpot-ms", PD_FLAG_DOUBLE, &slo_tpot_ms, "goodput: time-per-output-token objective in ms (0 = none)", 0, 1e9},
+        {"metrics-port", PD_FLAG_INT, &metrics_port, "Prometheus /metrics HTTP port on the --listen host (-1 = off, 0 = any free port)", -1, 65535},
         {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
     };
     int prc = pd_flags_parse(flags, (int)(sizeof flags / sizeof flags[0]), argc, argv, "pdserve-router",
@@ -580,8 +765,14 @@ int main(int argc, char **argv)
     g.default_max_tokens = max_tokens;
     g.max_pending = max_pending;
     g.call_timeout_ms = timeout_ms;
+    g.slo_ttft_s = slo_ttft_ms / 1000.0;
+    g.slo_tpot_s = slo_tpot_ms / 1000.0;
     atomic_init(&g.pending, 0);
     atomic_init(&g.next_id, 1);
+    if (metrics_setup(listen, metrics_port, err) < 0) {
+        fprintf(stderr, "pdserve-router: %s\n", err);
+        goto out;
+    }
     if (mc_load(model, &g.cfg, err) < 0) {
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
@@ -638,14 +829,22 @@ int main(int argc, char **argv)
             np ? "" : "; decode instances compute prompts (no prefill instances)");
     printf("PORT %d\n", rpc_server_port(g.server));
     fflush(stdout);
+    svc_metrics_watch(g.metrics, g.server, NULL, NULL, &g.draining);
+    if (svc_metrics_start(g.metrics, err) < 0) {
+        fprintf(stderr, "pdserve-router: %s\n", err);
+        goto out;
+    }
     int sig = svc_wait_signal();
     PD_LOGI("signal %d: draining (grace %lld ms)", sig, (long long)grace_ms);
+    g.draining = 1;
     int cancelled = rpc_server_shutdown(g.server);
     PD_LOGI("drained; %d calls cancelled", cancelled);
     status = 0;
 out:
+    svc_metrics_stop(g.metrics); /* before its sources go */
     rpc_server_destroy(g.server);
     rtr_registry_destroy(g.reg); /* after the server: requests reference instances */
+    svc_metrics_destroy(g.metrics); /* after the last request was accounted */
     tok_destroy(g.tok);
     pd_flags_free();
     return status;

@@ -124,7 +124,7 @@ static void test_concurrent(void)
     eng *e;
     char err[PD_ERR_LEN];
     CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL}, &e, err) == 0);
-    ew_callbacks cb = {on_output, on_error, on_reserved};
+    ew_callbacks cb = {on_output, on_error, on_reserved, NULL, NULL};
     CHECK(ew_create(e, &cb, &g_w) == 0);
     pthread_t th[N_THREADS + 1];
     for (int t = 0; t < N_THREADS; t++) pthread_create(&th[t], NULL, submitter, (void *)(intptr_t)t);
@@ -177,7 +177,7 @@ static void test_decode_and_shutdown(void)
     eng *e;
     char err[PD_ERR_LEN];
     CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL}, &e, err) == 0);
-    ew_callbacks cb = {on_output, on_error, on_reserved};
+    ew_callbacks cb = {on_output, on_error, on_reserved, NULL, NULL};
     CHECK(ew_create(e, &cb, &g_w) == 0);
     item *a = &g_items[0], *b = &g_items[1];
     memset(a, 0, sizeof *a);

@@ -15,6 +15,7 @@ PKGS=(
   libpcre2-dev libutf8proc-dev                     # tokenizer
   libmicrohttpd-dev                                # metrics endpoint
   python3 python3-grpcio python3-protobuf          # external test client
+  python3-yaml python3-prometheus-client           # deploy manifests, /metrics parser (tests)
   iproute2                                         # network-namespace tests
 )
 

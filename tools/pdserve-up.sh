@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # pdserve-up -- starts a local pdserve stack on loopback: N prefill and M decode instances (or
-# one colocated decode instance) and the router on --port; waits until every process answers
+# M colocated decode instances) and the router on --port; waits until every process answers
 # its health check, prints where the router listens, and stops everything cleanly on Ctrl-C
 # or SIGTERM (each process drains). Installed as build/bin/pdserve-up; it runs the binaries
 # beside it.
@@ -13,7 +13,7 @@ usage() {
 usage: pdserve-up --model DIR [--port P] [--colocated] [--prefill N] [--decode M] [-- ARGS...]
 
 Starts pdserve on loopback: N prefill instances (default 1) and M decode instances (default
-1), or with --colocated one decode instance that also computes prompts, plus the router on
+1), or with --colocated M decode instances that also compute prompts, plus the router on
 port P (default 50051; 0 = any free port). ARGS after -- go to every instance (e.g.
 --kv-cache-mb 512 --backend cpu). Ctrl-C or SIGTERM stops the stack.
 USAGE
@@ -35,7 +35,7 @@ done
 for n in "$N_PREFILL" "$N_DECODE" "$PORT"; do
     [[ $n =~ ^[0-9]+$ ]] || { echo "pdserve-up: '$n' is not a number" >&2; exit 2; }
 done
-if [ "$COLOCATED" = 1 ]; then N_PREFILL=0; N_DECODE=1; fi
+if [ "$COLOCATED" = 1 ]; then N_PREFILL=0; fi
 [ "$N_DECODE" -ge 1 ] || { echo "pdserve-up: at least one decode instance" >&2; exit 2; }
 
 LOGS=${PDSERVE_LOG_DIR:-$(mktemp -d /tmp/pdserve-up.XXXXXX)}

@@ -87,6 +87,14 @@ int svc_kvt_call(svc_kvt *k, svc_kvt_fn fn, void *arg)
     return 0;
 }
 
+static void read_stats(kvt_ctx *ctx, void *arg) { kvt_ctx_stats(ctx, arg); }
+
+int svc_kvt_stats(svc_kvt *k, kvt_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    return svc_kvt_call(k, read_stats, out);
+}
+
 static void run_jobs(svc_kvt *k)
 {
     pthread_mutex_lock(&k->mu);

@@ -20,6 +20,9 @@ int svc_kvt_create(const kvt_params *p, svc_kvt **out, char *err);
 int svc_kvt_post(svc_kvt *k, svc_kvt_fn fn, void *arg);
 /* Runs fn(ctx, arg) on the kvt thread and waits for it. Not from the kvt thread. */
 int svc_kvt_call(svc_kvt *k, svc_kvt_fn fn, void *arg);
+/* Copies the ctx's counters (kvt_ctx_stats, read on the kvt thread). Not from the kvt thread.
+ * Returns 0 or PD_ESTATE (stopping). */
+int svc_kvt_stats(svc_kvt *k, kvt_stats *out);
 /* Stops the thread after the posted functions ran, destroys the ctx there. NULL: no-op. */
 void svc_kvt_destroy(svc_kvt *k);
 

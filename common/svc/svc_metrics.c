@@ -1,0 +1,294 @@
+/* svc_metrics.c -- Common service metrics and their scrape-time collectors (see
+ * svc_metrics.h). Counters that the engine or kvtransfer keep themselves are copied into
+ * the registry at each scrape, so that nothing is counted twice. */
+#include "common/svc/svc_metrics.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/svc/svc_http.h"
+
+#ifndef PD_VERSION
+#define PD_VERSION "unknown"
+#endif
+
+#define N_OUTCOMES 17 /* gRPC status codes 0..16 */
+
+struct svc_metrics {
+    svc_metrics_params p;
+    char role[32], dir[8], host[128];
+    pd_metrics *reg;
+    svc_http *http;
+    /* sources (borrowed) */
+    rpc_server *server;
+    ew *worker;
+    svc_kvt *kvt;
+    const volatile int *draining;
+    pd_metrics_collect_fn user_fn;
+    void *user_arg;
+    /* pushed from the services */
+    pd_metric *requests[N_OUTCOMES];
+    pd_metric *queue_time, *step_time, *batch, *kv_time;
+    /* sampled */
+    pd_metric *draining_g, *running, *waiting, *kv_used, *kv_free, *kv_cap, *kv_usage, *queued;
+    pd_metric *steps, *prompt_tok, *gen_tok, *preempt, *model_s, *hit, *query, *hit_ratio;
+    pd_metric *kv_bytes, *kv_ok, *kv_fail, *kv_active;
+    pd_mfamily *kv_peers, *kv_info;
+    pd_metric *calls, *calls_cancelled, *calls_live;
+};
+
+void svc_metrics_flag_add(int64_t *port, pd_flag *flags, int *n)
+{
+    pd_flag f = {"metrics-port", PD_FLAG_INT, port,
+                 "Prometheus /metrics HTTP port on the --listen host (-1 = off, 0 = any free port)",
+                 -1, 65535};
+    flags[(*n)++] = f;
+}
+
+const char *svc_outcome_name(int code)
+{
+    static const char *const names[N_OUTCOMES] = {
+        "ok", "cancelled", "unknown", "invalid_argument", "deadline_exceeded", "not_found",
+        "already_exists", "permission_denied", "resource_exhausted", "failed_precondition",
+        "aborted", "out_of_range", "unimplemented", "internal", "unavailable", "data_loss",
+        "unauthenticated"};
+    return code >= 0 && code < N_OUTCOMES ? names[code] : "unknown";
+}
+
+static void collect(pd_metrics *m, void *arg)
+{
+    svc_metrics *sm = arg;
+    if (sm->draining) pd_metric_set(sm->draining_g, *sm->draining ? 1 : 0);
+    if (sm->worker) {
+        ew_load l;
+        ew_load_get(sm->worker, &l);
+        pd_metric_set(sm->running, l.n_running);
+        pd_metric_set(sm->waiting, l.n_waiting);
+        pd_metric_set(sm->kv_used, l.n_blocks - l.n_free_blocks);
+        pd_metric_set(sm->kv_free, l.n_free_blocks);
+        pd_metric_set(sm->kv_cap, l.n_blocks);
+        pd_metric_set(sm->kv_usage, l.n_blocks ? (double)(l.n_blocks - l.n_free_blocks) / l.n_blocks : 0);
+        pd_metric_set(sm->queued, (double)l.queued_prompt_tokens);
+        const eng_stats *st = &l.stats;
+        pd_metric_set(sm->steps, (double)st->steps);
+        pd_metric_set(sm->prompt_tok, (double)st->prompt_tokens_computed);
+        pd_metric_set(sm->gen_tok, (double)st->decode_tokens);
+        pd_metric_set(sm->preempt, (double)st->preemptions);
+        pd_metric_set(sm->model_s, st->model_s);
+        pd_metric_set(sm->hit, (double)st->cached_tokens);
+        pd_metric_set(sm->query, (double)st->admitted_prompt_tokens);
+        pd_metric_set(sm->hit_ratio, st->admitted_prompt_tokens
+                                         ? (double)st->cached_tokens / (double)st->admitted_prompt_tokens
+                                         : 0);
+    }
+    kvt_stats ks;
+    if (sm->kvt && sm->dir[0] && svc_kvt_stats(sm->kvt, &ks) == 0) {
+        bool send = !strcmp(sm->dir, "send");
+        pd_metric_set(sm->kv_bytes, (double)(send ? ks.bytes_sent : ks.bytes_received));
+        pd_metric_set(sm->kv_ok, (double)(send ? ks.sends_done : ks.recvs_done));
+        pd_metric_set(sm->kv_fail, (double)(send ? ks.sends_failed : ks.recvs_failed));
+        pd_metric_set(sm->kv_active, send ? ks.sends_active : ks.recvs_active);
+        for (int t = 0; t < 5; t++) {
+            char l[64] = "";
+            pd_metrics_label(l, sizeof l, "transport", kvt_transport_name((kvt_transport)t));
+            pd_metric_set(pd_mfamily_series(sm->kv_peers, l), ks.peers_by_transport[t]);
+        }
+        if (ks.last_transport != KVT_TRANSPORT_UNKNOWN) {
+            char l[192] = "";
+            pd_metrics_label(l, sizeof l, "transport", kvt_transport_name(ks.last_transport));
+            pd_metrics_label(l, sizeof l, "resource", ks.last_transport_name);
+            pd_mfamily_hide_all(sm->kv_info);
+            pd_metric_set(pd_mfamily_series(sm->kv_info, l), 1);
+        }
+    }
+    if (sm->server) {
+        rpc_server_stats rs;
+        rpc_server_stats_get(sm->server, &rs);
+        pd_metric_set(sm->calls, (double)rs.calls_started);
+        pd_metric_set(sm->calls_cancelled, (double)rs.calls_cancelled);
+        pd_metric_set(sm->calls_live, (double)rpc_server_live_calls(sm->server));
+    }
+    if (sm->user_fn) sm->user_fn(m, sm->user_arg);
+}
+
+int svc_metrics_create(const svc_metrics_params *p, svc_metrics **out, char *err)
+{
+    *out = NULL;
+    svc_metrics *sm = calloc(1, sizeof *sm);
+    if (!sm || pd_metrics_create(&sm->reg) < 0) {
+        free(sm);
+        return pd_errf(err, PD_ENOMEM, "out of memory");
+    }
+    sm->p = *p;
+    snprintf(sm->role, sizeof sm->role, "%s", p->role ? p->role : "");
+    snprintf(sm->dir, sizeof sm->dir, "%s", p->kv_direction ? p->kv_direction : "");
+    /* The host part of --listen ("0.0.0.0:50051", "[::1]:0", "127.0.0.1:0"). */
+    const char *l = p->listen ? p->listen : "";
+    const char *colon = strrchr(l, ':');
+    snprintf(sm->host, sizeof sm->host, "%.*s", colon ? (int)(colon - l) : (int)strlen(l), l);
+    sm->p.role = sm->role;
+    sm->p.kv_direction = sm->dir;
+    sm->p.listen = NULL;
+    pd_metrics *m = sm->reg;
+    char lb[128] = "";
+    pd_metrics_label(lb, sizeof lb, "version", PD_VERSION);
+    pd_metrics_label(lb, sizeof lb, "role", sm->role);
+    pd_metric_set(pd_metrics_gauge(m, "pdserve_build_info", lb, "pdserve version and role (always 1)"), 1);
+    sm->draining_g = pd_metrics_gauge(m, "pdserve_draining", NULL,
+                                      "1 once SIGTERM was received and the service drains");
+    pd_mfamily *req = pd_metrics_family(m, PD_METRIC_COUNTER, "pdserve_requests_total",
+                                        "finished calls of the service's main RPC (router: Generate; "
+                                        "prefill: Prefill; decode: Decode) by outcome (ok or the "
+                                        "gRPC status, lower case)", NULL, 0);
+    /* The usual outcomes exist from the start (at 0) so that rate() sees their first one. */
+    static const int shown[] = {0, 1, 3, 4, 8, 13, 14};
+    for (size_t i = 0; i < sizeof shown / sizeof shown[0]; i++) {
+        char o[64] = "";
+        pd_metrics_label(o, sizeof o, "outcome", svc_outcome_name(shown[i]));
+        sm->requests[shown[i]] = pd_mfamily_series(req, o);
+    }
+    if (strcmp(sm->role, "router") != 0) {
+        sm->queue_time = pd_metrics_histogram(m, "pdserve_request_queue_time_seconds", NULL,
+                                              "time a request waited before the engine first scheduled it "
+                                              "(decode-only: from the KV's arrival)",
+                                              pd_metrics_latency_buckets, pd_metrics_n_latency_buckets);
+        sm->running = pd_metrics_gauge(m, "pdserve_sequences_running", NULL, "sequences in the running batch");
+        sm->waiting = pd_metrics_gauge(m, "pdserve_sequences_waiting", NULL, "sequences waiting to be scheduled");
+        sm->kv_used = pd_metrics_gauge(m, "pdserve_kv_cache_used_blocks", NULL, "KV cache blocks in use");
+        sm->kv_free = pd_metrics_gauge(m, "pdserve_kv_cache_free_blocks", NULL, "KV cache blocks free");
+        sm->kv_cap = pd_metrics_gauge(m, "pdserve_kv_cache_capacity_blocks", NULL, "KV cache blocks in all");
+        sm->kv_usage = pd_metrics_gauge(m, "pdserve_kv_cache_usage_ratio", NULL,
+                                        "KV cache blocks in use / capacity (0..1)");
+        sm->queued = pd_metrics_gauge(m, "pdserve_prefill_queued_tokens", NULL,
+                                      "prompt tokens submitted and not computed yet");
+        sm->steps = pd_metrics_counter(m, "pdserve_engine_steps_total", NULL, "engine steps that ran a forward");
+        sm->step_time = pd_metrics_histogram(m, "pdserve_engine_step_duration_seconds", NULL,
+                                             "wall time of one engine step (schedule, forward, sample)",
+                                             pd_metrics_step_buckets, pd_metrics_n_step_buckets);
+        sm->batch = pd_metrics_histogram(m, "pdserve_engine_batch_sequences", NULL,
+                                         "sequences in one engine step's batch",
+                                         pd_metrics_batch_buckets, pd_metrics_n_batch_buckets);
+        sm->prompt_tok = pd_metrics_counter(m, "pdserve_engine_prompt_tokens_total", NULL,
+                                            "prompt (and recomputed) tokens run through the model");
+        sm->gen_tok = pd_metrics_counter(m, "pdserve_engine_generation_tokens_total", NULL,
+                                         "tokens computed as single-token decode steps");
+        sm->preempt = pd_metrics_counter(m, "pdserve_engine_preemptions_total", NULL,
+                                         "sequences preempted (recomputed later) for lack of KV blocks");
+        sm->model_s = pd_metrics_counter(m, "pdserve_engine_model_seconds_total", NULL,
+                                         "time spent in the model's forward passes");
+        sm->hit = pd_metrics_counter(m, "pdserve_prefix_cache_hit_tokens_total", NULL,
+                                     "prompt tokens served from the prefix cache");
+        sm->query = pd_metrics_counter(m, "pdserve_prefix_cache_query_tokens_total", NULL,
+                                       "prompt tokens of admitted sequences (looked up in the prefix cache)");
+        sm->hit_ratio = pd_metrics_gauge(m, "pdserve_prefix_cache_hit_ratio", NULL,
+                                         "hit tokens / query tokens since start (use rate() of the "
+                                         "counters for a window)");
+    }
+    if (sm->dir[0]) {
+        char d[32] = "";
+        pd_metrics_label(d, sizeof d, "direction", sm->dir);
+        sm->kv_bytes = pd_metrics_counter(m, "pdserve_kv_transfer_bytes_total", d,
+                                          "KV payload bytes of finished transfers");
+        sm->kv_ok = pd_metrics_counter(m, "pdserve_kv_transfers_total", d, "KV transfers finished");
+        sm->kv_fail = pd_metrics_counter(m, "pdserve_kv_transfer_failures_total", d,
+                                         "KV transfers failed (peer gone, deadline, cancel, mismatch)");
+        sm->kv_time = pd_metrics_histogram(m, "pdserve_kv_transfer_duration_seconds", d,
+                                           "duration of one finished KV transfer (send: begin to "
+                                           "acknowledgement; recv: first byte to done)",
+                                           pd_metrics_step_buckets, pd_metrics_n_step_buckets);
+        sm->kv_active = pd_metrics_gauge(m, "pdserve_kv_transfers_active", d,
+                                         "KV transfers in progress (recv: reservations)");
+        sm->kv_peers = pd_metrics_family(m, PD_METRIC_GAUGE, "pdserve_kv_transfer_peers",
+                                         "live kvtransfer connections by UCX transport kind", NULL, 0);
+        sm->kv_info = pd_metrics_family(m, PD_METRIC_GAUGE, "pdserve_kv_transport_info",
+                                        "the UCX transport of the most recent kvtransfer connection "
+                                        "(always 1; watch for tcp where shm or rdma is expected)", NULL, 0);
+    }
+    sm->calls = pd_metrics_counter(m, "pdserve_grpc_calls_total", NULL, "gRPC calls received (every method)");
+    sm->calls_cancelled = pd_metrics_counter(m, "pdserve_grpc_calls_cancelled_total", NULL,
+                                             "gRPC calls cancelled before they finished");
+    sm->calls_live = pd_metrics_gauge(m, "pdserve_grpc_calls_in_flight", NULL, "gRPC calls alive now");
+    pd_metrics_set_collector(m, collect, sm);
+    *out = sm;
+    return 0;
+}
+
+pd_metrics *svc_metrics_registry(svc_metrics *sm) { return sm->reg; }
+
+void svc_metrics_watch(svc_metrics *sm, rpc_server *server, ew *worker, svc_kvt *kvt,
+                       const volatile int *draining)
+{
+    sm->server = server;
+    sm->worker = worker;
+    sm->kvt = kvt;
+    sm->draining = draining;
+}
+
+void svc_metrics_set_collector(svc_metrics *sm, pd_metrics_collect_fn fn, void *arg)
+{
+    sm->user_fn = fn;
+    sm->user_arg = arg;
+}
+
+int svc_metrics_start(svc_metrics *sm, char *err)
+{
+    if (sm->p.port < 0) return 0;
+    int rc = svc_http_start(sm->reg, sm->host, (int)sm->p.port, &sm->http, err);
+    if (rc < 0) return rc;
+    PD_LOGI("metrics on http://%s:%d/metrics", sm->host[0] ? sm->host : "0.0.0.0",
+            svc_http_port(sm->http));
+    printf("METRICS_PORT %d\n", svc_http_port(sm->http));
+    fflush(stdout);
+    return 0;
+}
+
+int svc_metrics_port(const svc_metrics *sm) { return sm && sm->http ? svc_http_port(sm->http) : -1; }
+
+void svc_metrics_stop(svc_metrics *sm)
+{
+    if (!sm) return;
+    svc_http_stop(sm->http);
+    sm->http = NULL;
+}
+
+void svc_metrics_destroy(svc_metrics *sm)
+{
+    if (!sm) return;
+    svc_metrics_stop(sm);
+    pd_metrics_destroy(sm->reg);
+    free(sm);
+}
+
+void svc_metrics_request(svc_metrics *sm, int code)
+{
+    if (!sm) return;
+    if (code < 0 || code >= N_OUTCOMES) code = RPC_STATUS_UNKNOWN;
+    pd_metric *s = sm->requests[code];
+    if (!s) {
+        char o[64] = "";
+        pd_metrics_label(o, sizeof o, "outcome", svc_outcome_name(code));
+        s = pd_metrics_counter(sm->reg, "pdserve_requests_total", o, NULL);
+    }
+    pd_metric_add(s, 1);
+}
+
+void svc_metrics_queue_time(svc_metrics *sm, double seconds)
+{
+    if (sm) pd_metric_observe(sm->queue_time, seconds);
+}
+
+void svc_metrics_kv_transfer(svc_metrics *sm, double seconds)
+{
+    if (sm) pd_metric_observe(sm->kv_time, seconds);
+}
+
+void svc_metrics_on_step(void *arg, double seconds, int32_t n_seqs)
+{
+    svc_metrics *sm = arg;
+    if (!sm) return;
+    pd_metric_observe(sm->step_time, seconds);
+    pd_metric_observe(sm->batch, n_seqs);
+}

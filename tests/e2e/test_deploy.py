@@ -1,0 +1,175 @@
+#!/usr/bin/python3
+"""test_deploy.py -- deploy/k8s checked offline against the real binaries: every document
+well-formed for its kind; Deployment selectors match their pod labels; each container runs
+one of the three binaries, and every PDSERVE_* variable it gets (env and envFrom ConfigMaps)
+is one that binary's --help lists, with a value its flag parser accepts (the binary is run
+with that environment and --help); ports agree with --listen / --metrics-port; gRPC probes
+(startup, readiness, liveness) hit the gRPC port; terminationGracePeriodSeconds covers the
+health drain plus the shutdown grace; GPU requests on prefill and decode only; Services,
+headless Services, PodDisruptionBudgets, HPAs and the ServiceMonitor point at what exists;
+the router's --prefill/--decode name the headless Services; the HPAs' custom metrics are
+served by the prometheus-adapter rules. The example overlay is checked the same way after
+`kubectl kustomize` where kubectl is installed (its files are parsed either way).
+
+usage: test_deploy.py BIN_DIR DEPLOY_DIR"""
+import os, re, subprocess, sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import deploy_util as du
+
+BIN, DEPLOY = sys.argv[1], sys.argv[2]
+yaml = du.load_yaml()
+failures = 0
+
+def check(cond, what):
+    global failures
+    print(("ok   " if cond else "FAIL ") + what)
+    if not cond:
+        failures += 1
+
+KINDS = {("v1", "ConfigMap"), ("v1", "Service"), ("v1", "Namespace"), ("v1", "PersistentVolumeClaim"),
+         ("apps/v1", "Deployment"), ("policy/v1", "PodDisruptionBudget"),
+         ("autoscaling/v2", "HorizontalPodAutoscaler"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+ROLES = {"pdserve-router": "router", "pdserve-prefill": "prefill", "pdserve-decode": "decode"}
+HELP = {b: du.help_env_vars(BIN, b) for b in ROLES}
+check(all(len(v) > 15 for v in HELP.values()), "--help of the three binaries lists their variables (%s)" %
+      ", ".join("%s %d" % (b, len(v)) for b, v in HELP.items()))
+
+adapter = yaml.safe_load(open(os.path.join(DEPLOY, "k8s", "monitoring", "prometheus-adapter-rules.yaml")))
+def series_name(q):
+    return re.match(r"\s*'?([a-zA-Z_:][a-zA-Z0-9_:]*)", q).group(1)
+ADAPTER_PODS = {series_name(r["seriesQuery"]) for r in adapter.get("rules", [])}
+ADAPTER_EXT = {r["name"]["as"] for r in adapter.get("externalRules", [])}
+
+def check_set(docs, what):
+    kinds = {(d.get("apiVersion"), d.get("kind")) for d in docs}
+    check(kinds <= KINDS, "%s: %d documents of known kinds %s" % (what, len(docs), sorted(k for _, k in kinds - KINDS) or ""))
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    check(len(names) == len(set(names)) and all(DNS1123.match(n) and len(n) <= 63 for _, n in names),
+          "%s: names unique and DNS-1123" % what)
+    deps = du.by_kind(docs, "Deployment")
+    svcs = du.by_kind(docs, "Service")
+    check(sorted(d["metadata"]["name"] for d in deps) == ["pdserve-decode", "pdserve-prefill", "pdserve-router"],
+          "%s: router, prefill and decode Deployments" % what)
+    images = set()
+    pod_of = {}  # deployment name -> (pod labels, container, env)
+    for d in deps:
+        n = d["metadata"]["name"]
+        spec = d["spec"]
+        tpl = spec["template"]
+        labels = tpl["metadata"]["labels"]
+        check(du.selector_matches(spec["selector"]["matchLabels"], labels), "%s %s: selector matches its pod labels" % (what, n))
+        cs = tpl["spec"]["containers"]
+        check(len(cs) == 1, "%s %s: one container" % (what, n))
+        c = cs[0]
+        images.add(c["image"])
+        binary = os.path.basename(c["command"][0])
+        check(binary in ROLES and c["command"][0] == "/usr/local/bin/" + binary and n == binary,
+              "%s %s: runs %s from the image" % (what, n, c["command"][0]))
+        env = du.container_env(docs, c, pod_name=n + "-0")
+        pd = {k: v for k, v in env.items() if k.startswith("PDSERVE_")}
+        unknown = sorted(set(pd) - HELP.get(binary, set()))
+        check(not unknown, "%s %s: all %d PDSERVE_* variables are flags of %s %s" % (what, n, len(pd), binary, unknown or ""))
+        run = subprocess.run([os.path.join(BIN, binary), "--help"], env=dict(pd, PATH=os.environ.get("PATH", "")),
+                             capture_output=True, text=True)
+        check(run.returncode == 0, "%s %s: %s accepts every value (%s)" % (what, n, binary,
+              (run.stderr.strip().splitlines() or ["ok"])[-1][:120]))
+        ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+        listen_port = int(pd.get("PDSERVE_LISTEN", ":0").rsplit(":", 1)[1])
+        check(ports.get("grpc") == listen_port and ports.get("metrics") == int(pd.get("PDSERVE_METRICS_PORT", -1)),
+              "%s %s: ports grpc %s = --listen, metrics %s = --metrics-port" % (what, n, ports.get("grpc"), ports.get("metrics")))
+        probes = [c.get(k) for k in ("startupProbe", "readinessProbe", "livenessProbe")]
+        check(all(p and p.get("grpc", {}).get("port") == ports.get("grpc") for p in probes),
+              "%s %s: startup, readiness and liveness probes are gRPC health checks on %s" % (what, n, ports.get("grpc")))
+        drain_s = (int(pd.get("PDSERVE_HEALTH_DRAIN_MS", 0)) + int(pd.get("PDSERVE_SHUTDOWN_GRACE_MS", 30000))) / 1000
+        tgp = tpl["spec"].get("terminationGracePeriodSeconds", 30)
+        check(tgp >= drain_s + 5, "%s %s: terminationGracePeriodSeconds %d >= drain %.0f s + 5" % (what, n, tgp, drain_s))
+        res = c.get("resources", {})
+        gpu = res.get("limits", {}).get("nvidia.com/gpu"), res.get("requests", {}).get("nvidia.com/gpu")
+        if ROLES[binary] == "router":
+            check(gpu == (None, None), "%s %s: no GPU" % (what, n))
+        else:
+            check(gpu[0] is not None and gpu[0] == gpu[1] and int(gpu[0]) >= 1 and pd.get("PDSERVE_BACKEND") == "auto",
+                  "%s %s: nvidia.com/gpu %s requested = limited, --backend auto" % (what, n, gpu[0]))
+        mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+        check(any(pd.get("PDSERVE_MODEL", "").startswith(m.rstrip("/") + "/") for m in mounts),
+              "%s %s: --model %s is on a mounted volume" % (what, n, pd.get("PDSERVE_MODEL")))
+        pod_of[n] = (labels, c, pd, ports)
+    check(len(images) == 1, "%s: one image for every role %s" % (what, sorted(images)))
+
+    # Services select exactly one Deployment's pods and name its ports.
+    svc_target = {}
+    for s in svcs:
+        n = s["metadata"]["name"]
+        hits = [dn for dn, (labels, _, _, _) in pod_of.items() if du.selector_matches(s["spec"].get("selector"), labels)]
+        ok = len(hits) == 1 and all(p.get("targetPort") in pod_of[hits[0]][3] for p in s["spec"]["ports"])
+        check(ok, "%s Service %s: selects %s, its target ports exist" % (what, n, hits))
+        if len(hits) == 1:
+            svc_target[n] = hits[0]
+    for role in ("prefill", "decode"):
+        s = du.find(docs, "Service", "pdserve-" + role)
+        check(s is not None and s["spec"].get("clusterIP") == "None", "%s: pdserve-%s Service is headless" % (what, role))
+    # The router finds the pools through those Services, at their gRPC ports.
+    renv = pod_of["pdserve-router"][2]
+    for flag, role in (("PDSERVE_PREFILL", "prefill"), ("PDSERVE_DECODE", "decode")):
+        ok = True
+        for addr in renv.get(flag, "").split(","):
+            host, port = addr.rsplit(":", 1)
+            s = du.find(docs, "Service", host)
+            sp = [p for p in (s or {}).get("spec", {}).get("ports", []) if p["port"] == int(port)]
+            ok = ok and s is not None and svc_target.get(host) == "pdserve-" + role and len(sp) == 1 and \
+                sp[0]["targetPort"] == "grpc"
+        check(ok and renv.get(flag), "%s router: %s=%s names the headless %s Service's gRPC port" % (what, flag, renv.get(flag), role))
+
+    for p in du.by_kind(docs, "PodDisruptionBudget"):
+        hits = [dn for dn, v in pod_of.items() if du.selector_matches(p["spec"]["selector"]["matchLabels"], v[0])]
+        check(len(hits) == 1 and ("maxUnavailable" in p["spec"]) != ("minAvailable" in p["spec"]),
+              "%s PDB %s: covers %s" % (what, p["metadata"]["name"], hits))
+    check(len(du.by_kind(docs, "PodDisruptionBudget")) == 3, "%s: a PDB per Deployment" % what)
+
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in du.by_kind(docs, "HorizontalPodAutoscaler")}
+    check(sorted(hpas) == ["pdserve-decode", "pdserve-prefill"], "%s: HPAs for prefill and decode only" % what)
+    for tname, h in hpas.items():
+        sp = h["spec"]
+        pods = [m["pods"]["metric"]["name"] for m in sp["metrics"] if m["type"] == "Pods"]
+        ext = [m["external"]["metric"]["name"] for m in sp["metrics"] if m["type"] == "External"]
+        check(tname in pod_of and sp["scaleTargetRef"]["kind"] == "Deployment" and 1 <= sp["minReplicas"] <= sp["maxReplicas"]
+              and set(pods) <= ADAPTER_PODS and set(ext) <= ADAPTER_EXT and pods,
+              "%s HPA %s: metrics %s served by the adapter rules" % (what, tname, pods + ext))
+    check(any("queued" in m for m in [x["pods"]["metric"]["name"] for x in hpas["pdserve-prefill"]["spec"]["metrics"] if x["type"] == "Pods"])
+          and {"pdserve_kv_cache_usage_ratio", "pdserve_sequences_running"} <= {x["pods"]["metric"]["name"]
+          for x in hpas["pdserve-decode"]["spec"]["metrics"] if x["type"] == "Pods"},
+          "%s: prefill scales on queued tokens (+ TTFT), decode on KV usage and running sequences" % what)
+
+    sms = du.by_kind(docs, "ServiceMonitor")
+    check(len(sms) == 1, "%s: one ServiceMonitor" % what)
+    for sm in sms:
+        sel = [s for s in svcs if du.selector_matches(sm["spec"]["selector"]["matchLabels"], s["metadata"].get("labels", {}))]
+        ports = {e["port"] for e in sm["spec"]["endpoints"]}
+        ok = len(sel) == 3 and all(ports <= {p["name"] for p in s["spec"]["ports"]} for s in sel) and \
+            all(e.get("path") == "/metrics" for e in sm["spec"]["endpoints"])
+        check(ok, "%s ServiceMonitor: scrapes %s on port %s" % (what, [s["metadata"]["name"] for s in sel], ports))
+
+base = du.read_dir(os.path.join(DEPLOY, "k8s", "base"))
+check_set(base, "base")
+ov_dir = os.path.join(DEPLOY, "k8s", "overlays", "example")
+ov_files = [f for f in os.listdir(ov_dir) if f.endswith(".yaml")]
+check(all(list(yaml.safe_load_all(open(os.path.join(ov_dir, f)))) for f in ov_files),
+      "overlay: %d files parse" % len(ov_files))
+rendered = du.render_overlay(ov_dir)
+if rendered is None:
+    print("kubectl not installed: the overlay is not rendered (its files parsed only)")
+else:
+    check_set(rendered, "overlay")
+    check(all(d["metadata"].get("namespace") == "pdserve" for d in rendered if d["kind"] != "Namespace"),
+          "overlay: every object in namespace pdserve")
+    env = du.container_env(rendered, du.find(rendered, "Deployment", "pdserve-router")["spec"]["template"]["spec"]["containers"][0])
+    check(env.get("PDSERVE_SLO_TTFT_MS") == "500" and env.get("PDSERVE_PREFILL") == "pdserve-prefill:50071",
+          "overlay: the SLO patch merged into the router's env")
+
+df = open(os.path.join(DEPLOY, "Dockerfile")).read()
+check(re.search(r"^FROM nvidia/cuda:\S+-devel\S* AS build$", df, re.M) and re.search(r"^FROM nvidia/cuda:\S+-runtime", df, re.M)
+      and all(b in df for b in ROLES), "Dockerfile: CUDA devel build stage, CUDA runtime stage, the three binaries")
+print("%d failures" % failures)
+sys.exit(1 if failures else 0)
