@@ -34,6 +34,8 @@ typedef struct dreq {
     bool kv_expected;           /* a kvt reservation exists and has not ended */
     int err_code;               /* rpc status to end with after an abort (0 = CANCELLED) */
     char err_msg[PD_ERR_LEN];
+    int32_t *blocks;            /* reserved block ids (staging: copied to the device at admit) */
+    int32_t n_blocks;
     uint32_t *pend;             /* tokens not yet sent (the stream queue was full) */
     float *pend_lp;
     size_t n_pend, cap_pend;
@@ -60,6 +62,7 @@ static void dreq_unref(dreq *r)
 {
     if (atomic_fetch_sub(&r->refs, 1) != 1) return;
     pthread_mutex_destroy(&r->mu);
+    free(r->blocks);
     free(r->pend);
     free(r->pend_lp);
     free(r);
@@ -228,6 +231,15 @@ static void do_expect(kvt_ctx *ctx, void *arg)
     free(j);
 }
 
+/* Engine thread, before the admission: the landed blocks, mirror -> device. r is alive: the
+ * worker runs this only while the request is live (the engine's reference). */
+static int copy_in(void *arg, eng *e, char *err)
+{
+    (void)e;
+    dreq *r = arg;
+    return svc_kv_copy(&g.model, r->blocks, r->n_blocks, -1, false, err);
+}
+
 static void on_kvt_event(void *arg, const kvt_event *ev)
 {
     (void)arg;
@@ -240,7 +252,10 @@ static void on_kvt_event(void *arg, const kvt_event *ev)
         PD_LOGD("request %llu: KV landed (%llu bytes in %.2f ms)", (unsigned long long)r->id,
                 (unsigned long long)ev->bytes, ev->elapsed_ns / 1e6);
         svc_metrics_kv_transfer(g.metrics, (double)ev->elapsed_ns * 1e-9);
-        ew_admit(g.worker, r->id, ev->first_token);
+        /* Staging: the KV landed in the host mirror; the engine thread copies it to the
+         * device right before the admission. */
+        if (g.model.mirror) ew_admit_ex(g.worker, r->id, ev->first_token, copy_in, r);
+        else ew_admit(g.worker, r->id, ev->first_token);
         kvt_recv_release(g.pool, r->id);
     } else if (ev->type == KVT_EV_RECV_FAILED) {
         pthread_mutex_lock(&r->mu);
@@ -268,6 +283,15 @@ static void on_reserved(void *user, const int32_t *ids, int32_t n)
 {
     dreq *r = user;
     expect_job *j = malloc(sizeof *j + (size_t)n * sizeof(int32_t));
+    if (j && g.model.mirror) {
+        r->blocks = malloc((size_t)n * sizeof *r->blocks);
+        if (r->blocks) memcpy(r->blocks, ids, (size_t)n * sizeof *r->blocks);
+        else {
+            free(j);
+            j = NULL;
+        }
+        r->n_blocks = n;
+    }
     if (!j) {
         ew_abort(g.worker, r->id);
         return;
@@ -360,32 +384,15 @@ typedef struct {
 static void do_setup_pool(kvt_ctx *ctx, void *arg)
 {
     setup_box *b = arg;
-    kvt_pool_params pp = kvt_pool_default_params();
-    svc_kv_layout(&g.model, &pp.layout);
-    pp.n_blocks = mr_n_blocks(g.model.runner);
-    int32_t L = g.model.cfg.n_layers;
-    void **k = calloc((size_t)L, sizeof *k), **v = calloc((size_t)L, sizeof *v);
-    if (!k || !v) {
-        b->rc = pd_errf(b->err, PD_ENOMEM, "out of memory");
-        free(k);
-        free(v);
-        return;
-    }
-    for (int32_t l = 0; l < L; l++) mr_kv_cache(g.model.runner, l, &k[l], &v[l]);
-    pp.k_base = k;
-    pp.v_base = v;
-    pp.mem_type = KVT_MEM_HOST;
-    b->rc = kvt_pool_create(ctx, &pp, &g.pool, b->err);
+    b->rc = svc_kv_pool_create(ctx, &g.model, &g.pool, b->err);
     if (b->rc == 0) b->rc = kvt_pool_export(g.pool, &g.desc, &g.desc_len, b->err);
-    free(k);
-    free(v);
 }
 
 static void do_teardown_pool(kvt_ctx *ctx, void *arg)
 {
     (void)ctx;
     (void)arg;
-    kvt_pool_destroy(g.pool);
+    svc_kv_pool_destroy(&g.model, g.pool);
     g.pool = NULL;
 }
 

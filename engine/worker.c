@@ -19,6 +19,8 @@ typedef struct cmd {
     void *user;
     uint64_t id;
     int32_t token;
+    ew_admit_fn admit_fn;  /* ADMIT: run before eng_admit (may be NULL) */
+    void *admit_arg;
     struct cmd *next;
 } cmd;
 
@@ -175,6 +177,19 @@ static int simple(ew *w, cmd_kind kind, uint64_t id, int32_t token)
 }
 
 int ew_admit(ew *w, uint64_t id, int32_t first_token) { return simple(w, CMD_ADMIT, id, first_token); }
+
+int ew_admit_ex(ew *w, uint64_t id, int32_t first_token, ew_admit_fn fn, void *arg)
+{
+    cmd *c = calloc(1, sizeof *c);
+    if (!c) return PD_ENOMEM;
+    c->kind = CMD_ADMIT;
+    c->id = id;
+    c->token = first_token;
+    c->admit_fn = fn;
+    c->admit_arg = arg;
+    push(w, c);
+    return 0;
+}
 int ew_release(ew *w, uint64_t id) { return simple(w, CMD_RELEASE, id, 0); }
 int ew_abort(ew *w, uint64_t id) { return simple(w, CMD_ABORT, id, 0); }
 
@@ -221,7 +236,9 @@ static void apply(ew *w, cmd *c)
         break;
     case CMD_ADMIT:
         if ((f = um_find(&w->users, c->id)) < 0) break;
-        rc = eng_admit(w->e, c->id, c->token, err);
+        rc = c->admit_fn ? c->admit_fn(c->admit_arg, w->e, err) : 0;
+        if (rc < 0 && !err[0]) snprintf(err, sizeof err, "admission refused");
+        if (rc == 0) rc = eng_admit(w->e, c->id, c->token, err);
         if (rc < 0) {
             void *user = w->users.vals[f];
             eng_abort(w->e, c->id);

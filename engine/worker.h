@@ -55,6 +55,14 @@ int ew_submit(ew *w, const eng_request *r, void *user);
 int ew_reserve(ew *w, const eng_request *r, void *user);
 /* Decode-only: the reserved request's KV has arrived; it joins the batch. Thread-safe. */
 int ew_admit(ew *w, uint64_t id, int32_t first_token);
+/* Runs on the engine thread right before a reserved request is admitted (ew_admit_ex), e.g.
+ * to copy its landed KV into the engine's cache. A negative return (a PD_E* error, message in
+ * err) refuses the admission: the request is aborted and gets on_error with it. */
+typedef int (*ew_admit_fn)(void *arg, eng *e, char *err);
+/* ew_admit, with fn(arg, ...) run on the engine thread first (fn may be NULL). fn runs only if
+ * the request is still live (not aborted meanwhile); arg stays the caller's either way.
+ * Thread-safe. */
+int ew_admit_ex(ew *w, uint64_t id, int32_t first_token, ew_admit_fn fn, void *arg);
 /* Prefill-only: the request's blocks may be reused (its KV was shipped). Thread-safe. */
 int ew_release(ew *w, uint64_t id);
 /* Aborts a live request (a terminal SEQ_FINISH_ABORTED output follows; unknown ids are

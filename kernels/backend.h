@@ -108,6 +108,17 @@ typedef struct pd_backend_ops {
                              size_t block_elems, float *host);
     int (*kv_blocks_from_host)(void *ctx, void *cache, const int32_t *ids, int32_t n,
                                size_t block_elems, const float *host);
+    /* Optional (NULL = not offered). Whole KV blocks as raw bytes, no dtype conversion,
+     * between a cache laid out [n_blocks][block_bytes] (backend memory) and a host region laid
+     * out the same way (a full host mirror: block ids[i] at host + ids[i] * block_bytes), in
+     * the direction to_host (cache -> host) or not (host -> cache). Returns when the copy is
+     * complete. ids is host memory. Returns 0, PD_EINVAL, PD_EBACKEND. */
+    int (*kv_blocks_copy)(void *ctx, void *cache, const int32_t *ids, int32_t n,
+                          size_t block_bytes, void *host, bool to_host);
+    /* Optional: pin / unpin host memory for fast kv_blocks_copy (a no-op on the CPU). A range
+     * registered must be unregistered before it is freed. Return 0 or PD_EBACKEND. */
+    int (*host_register)(void *ctx, void *p, size_t bytes);
+    int (*host_unregister)(void *ctx, void *p);
 } pd_backend_ops;
 
 typedef struct pd_backend {

@@ -618,6 +618,46 @@ static void test_kv_blocks(void)
     free(init); free(host); free(after);
 }
 
+/* Raw block copies between the device cache and a pinned host mirror (KV staging). */
+static void test_kv_blocks_copy(void)
+{
+    enum { NB = 40, BS = 16, KVH = 8, HD = 128, N = 7 };
+    const size_t be = (size_t)BS * KVH * HD, bb = be * 2, cache = (size_t)NB * be;
+    float *init = hrand(cache, 2.0);
+    void *c = alloc_on(g_gpu, PD_DTYPE_BF16, cache);
+    CHECK_EQ_INT(g_gpu->ops->upload(g_gpu->ctx, c, PD_DTYPE_BF16, 0, init, PD_DTYPE_F32, cache), 0);
+    uint16_t *ref = malloc(cache * 2), *mirror = malloc(cache * 2), *want = malloc(cache * 2);
+    for (size_t i = 0; i < cache; i++) ref[i] = pd_f32_to_bf16(init[i]); /* exact: init came back */
+    memset(mirror, 0xCD, cache * 2);
+    CHECK(g_gpu->ops->host_register && g_gpu->ops->host_unregister && g_gpu->ops->kv_blocks_copy);
+    CHECK_EQ_INT(g_gpu->ops->host_register(g_gpu->ctx, mirror, cache * 2), 0);
+    /* a run of consecutive ids (one copy), singles, the last block */
+    const int32_t ids[N] = {17, 18, 19, 0, 5, 39, 21};
+    CHECK_EQ_INT(g_gpu->ops->kv_blocks_copy(g_gpu->ctx, c, ids, N, bb, mirror, true), 0);
+    memset(want, 0xCD, cache * 2);
+    for (int i = 0; i < N; i++) memcpy(want + (size_t)ids[i] * be, ref + (size_t)ids[i] * be, bb);
+    CHECK_MSG(memcmp(mirror, want, cache * 2) == 0, "kv_blocks_copy to host: wrong bytes");
+    /* back: new bytes in some mirror blocks; only those device blocks change */
+    for (size_t j = 0; j < 3 * be; j++) mirror[8 * be + j] = pd_f32_to_bf16((float)(j % 97) - 48.f);
+    for (size_t j = 0; j < be; j++) mirror[30 * be + j] = pd_f32_to_bf16(0.5f * (float)(j % 13));
+    const int32_t back[4] = {8, 9, 10, 30};
+    CHECK_EQ_INT(g_gpu->ops->kv_blocks_copy(g_gpu->ctx, c, back, 4, bb, mirror, false), 0);
+    memcpy(want, ref, cache * 2);
+    for (int i = 0; i < 4; i++) memcpy(want + (size_t)back[i] * be, mirror + (size_t)back[i] * be, bb);
+    uint16_t *after = malloc(cache * 2);
+    CHECK_EQ_INT(g_gpu->ops->kv_blocks_copy(g_gpu->ctx, c, (const int32_t[1]){0}, 0, bb, after, true), 0);
+    int32_t all[NB];
+    for (int b = 0; b < NB; b++) all[b] = b;
+    CHECK_EQ_INT(g_gpu->ops->kv_blocks_copy(g_gpu->ctx, c, all, NB, bb, after, true), 0);
+    CHECK_MSG(memcmp(after, want, cache * 2) == 0, "kv_blocks_copy from host: wrong bytes");
+    const int32_t neg[1] = {-3};
+    CHECK_EQ_INT(g_gpu->ops->kv_blocks_copy(g_gpu->ctx, c, neg, 1, bb, mirror, true), PD_EINVAL);
+    CHECK_EQ_INT(g_gpu->ops->host_unregister(g_gpu->ctx, mirror), 0);
+    printf("  kv_blocks_copy to / from a pinned mirror: %d + 4 blocks of %zu bytes exact\n", N, bb);
+    g_gpu->ops->free(g_gpu->ctx, c);
+    free(init); free(ref); free(mirror); free(want); free(after);
+}
+
 static void test_errors(void)
 {
     /* arguments the entries reject before launching anything */
@@ -656,6 +696,7 @@ int main(void)
     test_rope_store_kv();
     test_attention();
     test_kv_blocks();
+    test_kv_blocks_copy();
     test_errors();
     pd_backend_destroy(g_cpu);
     pd_backend_destroy(g_gpu);

@@ -169,6 +169,25 @@ static void test_concurrent(void)
     free(f.kv);
 }
 
+/* ew_admit_ex's hook: writes the landed KV on the engine thread (as decode's staging copy). */
+typedef struct {
+    fake *f;
+    item *it;
+    atomic_int calls;
+    int fail;
+} admit_hook;
+
+static int write_kv(void *arg, eng *e, char *err)
+{
+    admit_hook *h = arg;
+    CHECK(e != NULL);
+    atomic_fetch_add(&h->calls, 1);
+    if (h->fail) return pd_errf(err, PD_EBACKEND, "copy failed");
+    for (int i = 0; i < 9; i++)
+        h->f->kv[h->it->reserved_blocks[i / 4] * 4 + i % 4] = ((int64_t)i << 16 | h->it->prompt[i]) + 1;
+    return 0;
+}
+
 static void test_decode_and_shutdown(void)
 {
     mc_config cfg = fake_cfg();
@@ -179,9 +198,10 @@ static void test_decode_and_shutdown(void)
     CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL}, &e, err) == 0);
     ew_callbacks cb = {on_output, on_error, on_reserved, NULL, NULL};
     CHECK(ew_create(e, &cb, &g_w) == 0);
-    item *a = &g_items[0], *b = &g_items[1];
+    item *a = &g_items[0], *b = &g_items[1], *c = &g_items[2];
     memset(a, 0, sizeof *a);
     memset(b, 0, sizeof *b);
+    memset(c, 0, sizeof *c);
     for (int j = 0; j < 9; j++) a->prompt[j] = b->prompt[j] = 3 + j;
     a->rq = (eng_request){.id = 1, .prompt = a->prompt, .n_prompt = 9, .sampling = smp_default_params()};
     a->rq.sampling.temperature = 0;
@@ -191,22 +211,35 @@ static void test_decode_and_shutdown(void)
     b->rq.id = 2;
     b->rq.prompt = b->prompt;
     b->rq.stop.max_tokens = 200; /* never finishes before the shutdown */
+    for (int j = 0; j < 9; j++) c->prompt[j] = 3 + j;
+    c->rq = a->rq;
+    c->rq.id = 3;
+    c->rq.prompt = c->prompt;
     CHECK(ew_reserve(g_w, &a->rq, a) == 0);
     CHECK(ew_reserve(g_w, &b->rq, b) == 0);
-    for (int s = 0; s < 400 && (!atomic_load(&a->n_reserved) || !atomic_load(&b->n_reserved)); s++) usleep(5000);
+    CHECK(ew_reserve(g_w, &c->rq, c) == 0);
+    for (int s = 0; s < 400 && (!atomic_load(&a->n_reserved) || !atomic_load(&b->n_reserved) ||
+                                !atomic_load(&c->n_reserved)); s++) usleep(5000);
     CHECK_EQ_INT(atomic_load(&a->n_reserved), 3);
-    /* The prefill side writes the prompt's KV, then the first token arrives. */
+    /* The prefill side writes the prompt's KV, then the first token arrives; for a, the KV is
+     * written by the admission hook on the engine thread (ew_admit_ex). */
     int32_t ref[64], nr;
     run_alone(&a->rq, ref, &nr);
-    for (int i = 0; i < 9; i++) {
-        f.kv[a->reserved_blocks[i / 4] * 4 + i % 4] = ((int64_t)i << 16 | a->prompt[i]) + 1;
+    for (int i = 0; i < 9; i++)
         f.kv[b->reserved_blocks[i / 4] * 4 + i % 4] = ((int64_t)i << 16 | b->prompt[i]) + 1;
-    }
-    CHECK(ew_admit(g_w, 1, ref[0]) == 0);
+    admit_hook ha = {&f, a, 0, 0}, hc = {&f, c, 0, 1};
+    CHECK(ew_admit_ex(g_w, 1, ref[0], write_kv, &ha) == 0);
     CHECK(ew_admit(g_w, 2, ref[0]) == 0);
-    for (int s = 0; s < 400 && !atomic_load(&a->terminal); s++) usleep(5000);
+    CHECK(ew_admit_ex(g_w, 3, ref[0], write_kv, &hc) == 0); /* the hook fails: on_error */
+    CHECK(ew_admit_ex(g_w, 99, ref[0], write_kv, &hc) == 0); /* unknown id: no hook call */
+    for (int s = 0; s < 400 && (!atomic_load(&a->terminal) || !atomic_load(&c->terminal)); s++) usleep(5000);
+    CHECK_EQ_INT(atomic_load(&ha.calls), 1);
+    CHECK_EQ_INT(atomic_load(&hc.calls), 1);
     CHECK_EQ_INT(atomic_load(&a->n_out), nr - 1);
     CHECK(memcmp(a->out, ref + 1, (size_t)(nr - 1) * 4) == 0);
+    CHECK_EQ_INT(atomic_load(&c->terminal), 1);
+    CHECK(atomic_load(&c->errored));
+    CHECK_EQ_INT(atomic_load(&c->n_out), 0);
     ew_destroy(g_w); /* b is still running: it gets on_error */
     CHECK_EQ_INT(atomic_load(&b->terminal), 1);
     CHECK(atomic_load(&b->errored));

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # gpu_package.sh -- Builds pdserve for the lent GPU machine (Release, -DPD_CUDA=ON, sm_90a) into
 # build-gpu/ and packs what a run there needs into the git-ignored folder .gpu/: the CUDA test
-# binaries, pdserve-generate and pdserve-bench-offline, the shared libraries they load that the
-# GPU machine lacks (xz-compressed: OpenBLAS alone is 36 MB), and the test models from the
-# shared folder (stories260k and testdata/golden). tools/gpu_run.sh runs it there.
+# binaries, pdserve-generate and pdserve-bench-offline, the services (pdserve-prefill,
+# pdserve-decode, pdserve-router, pdserve-cli and the pdserve-up launcher), the shared libraries
+# they load that the GPU machine lacks (gRPC, protobuf-c, ...; xz-compressed: OpenBLAS alone is
+# 36 MB), and the test models from the shared folder (stories260k and testdata/golden).
+# tools/gpu_run.sh runs it there.
 #   PDSERVE_SHARED=DIR   shared folder (default ../shared)
 #   PD_CUDA_ARCHS=LIST   CUDA architectures (default 90a)
 set -euo pipefail
@@ -11,7 +13,8 @@ cd "$(dirname "$0")/.."
 SHARED=${PDSERVE_SHARED:-../shared}
 B=build-gpu
 G=.gpu
-BINS="test_cuda_backend test_cuda_golden test_cpu_backend pdserve-generate pdserve-bench-offline"
+BINS="test_cuda_backend test_cuda_golden test_cpu_backend pdserve-generate pdserve-bench-offline
+      pdserve-prefill pdserve-decode pdserve-router pdserve-cli"
 
 cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=Release -DPD_CUDA=ON \
       -DPD_CUDA_ARCHS="${PD_CUDA_ARCHS:-90a}" >/dev/null
@@ -21,15 +24,18 @@ cmake --build "$B" -j "$(nproc)" --target $BINS
 rm -rf "$G"
 mkdir -p "$G/bin" "$G/lib" "$G/shared/models" "$G/shared/testdata"
 for b in $BINS; do cp "$B/bin/$b" "$G/bin/"; done
+cp "$B/bin/pdserve-up" "$G/bin/"
 
-# Every library ldd resolves, except glibc, the GCC runtime and cuBLAS (the GPU machine has
-# newer ones of the first two, and CUDA 13.0 with cuBLAS under /usr/local/cuda; cuBLASLt is
-# 540 MB). libcudart is small and goes along.
+# Every library ldd resolves, except glibc, the GCC runtime, cuBLAS and UCX (the GPU machine has
+# newer ones of the first two, CUDA 13.0 with cuBLAS under /usr/local/cuda (cuBLASLt is 540
+# MB), and UCX 1.16 with its transport modules, which a copied libucp would not find).
+# libcudart is small and goes along.
 for b in $BINS; do ldd "$B/bin/$b"; done | awk '/=> \// {print $3}' | sort -u |
 while read -r lib; do
     case "$(basename "$lib")" in
     libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|ld-linux*|libgcc_s.so*|libstdc++.so*) ;;
     libcublas.so*|libcublasLt.so*) ;;
+    libucp.so*|libucs.so*|libuct.so*|libucm.so*) ;;
     *) cp -L "$lib" "$G/lib/" ;;
     esac
 done

@@ -5,6 +5,11 @@
 #   bench     decode throughput of the Qwen3-0.6B shape (dummy weights) at batch 1 and 32
 #   profile   per-kernel GPU times of Qwen3-0.6B decode steps (ncu, batch 1)
 #   sanitize  the CUDA tests again under compute-sanitizer memcheck
+#   services  the serving stack on the GPU: pdserve-up on stories260k with --backend cuda, once
+#             disaggregated (1 prefill + 1 decode, KV through the pinned host mirrors) and once
+#             colocated; a greedy completion streamed by pdserve-cli must match the golden
+#             story (the first 64 tokens; bf16 may drift later) and TTFT / TPOT are timed
+#             (client side, process start included); logs in $OUT/services-*/
 # Logs go to $OUT (default /tmp/pd-gpu). Exit status: 0 when every step passed.
 #   tools/gpu_run.sh [bench] [profile] [sanitize]
 set -uo pipefail
@@ -70,5 +75,81 @@ if has sanitize; then
         "$G/bin/test_cuda_backend"
     TAIL=12 step sanitize_golden compute-sanitizer --tool memcheck --error-exitcode 9 \
         "$G/bin/test_cuda_golden"
+fi
+if has services; then
+    M="$PDSERVE_SHARED/models/stories260k"
+    services() { # services NAME [pdserve-up flags]
+        local name=$1 logs="$OUT/services-$1" up addr
+        shift
+        mkdir -p "$logs"
+        echo "== services $name: pdserve-up $* -- --backend cuda"
+        PDSERVE_LOG_DIR="$logs" "$G/bin/pdserve-up" --model "$M" --port 0 "$@" -- --backend cuda \
+            >"$logs/up.out" 2>"$logs/up.err" &
+        up=$!
+        for _ in $(seq 900); do
+            grep -q '^ROUTER ' "$logs/up.out" 2>/dev/null && break
+            kill -0 "$up" 2>/dev/null || break
+            sleep 0.1
+        done
+        addr=$(awk '/^ROUTER /{print $2; exit}' "$logs/up.out")
+        if [ -z "$addr" ]; then
+            echo "== services $name: the stack did not start"
+            tail -n 30 "$logs"/*.log "$logs/up.err" 2>/dev/null
+            kill -TERM "$up" 2>/dev/null; wait "$up" 2>/dev/null
+            rc=1
+            return
+        fi
+        # The check runs without the packed libraries (python links the system OpenSSL).
+        env -u LD_LIBRARY_PATH PD_LIBS="$LD_LIBRARY_PATH" python3 - "$G/bin/pdserve-cli" "$addr" \
+            "$M/golden.json" "$logs" <<'PY'
+import json, os, subprocess, sys, time
+cli, addr, golden, logs = sys.argv[1:5]
+env = dict(os.environ, LD_LIBRARY_PATH=os.environ["PD_LIBS"])
+case = json.load(open(golden))["cases"][0]
+want = case["greedy_ids"]
+base = [cli, "generate", "--addr", addr, "--temperature", "0", "--max-tokens", str(len(want)),
+        "--prompt", case.get("prompt", "")]
+r = subprocess.run(base + ["--json"], env=env, capture_output=True, text=True, timeout=120)
+open(os.path.join(logs, "cli.json"), "w").write(r.stdout + r.stderr)
+if r.returncode != 0:
+    print("cli failed:", r.stderr.strip()[-500:]); sys.exit(1)
+got = json.loads(r.stdout)
+ids, text = got["token_ids"], got["text"]
+first = next((i for i in range(min(len(ids), len(want))) if ids[i] != want[i]), min(len(ids), len(want)))
+same64 = ids[:64] == want[:64]
+gt = case["greedy_text"]
+common = next((i for i in range(min(len(text), len(gt))) if text[i] != gt[i]), min(len(text), len(gt)))
+print("tokens: %d generated, %d golden; identical for the first %d (first 64 %s); text: %d of %d "
+      "golden chars identical" % (len(ids), len(want), first, "MATCH" if same64 else "DIFFER",
+                                  common, len(gt)))
+print("text: %r" % text[:160])
+ttft, tpot = [], []
+for k in range(5):  # streamed, client-side timing (includes the cli's start and connect)
+    t0 = time.perf_counter()
+    p = subprocess.Popen(base, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    tf = None
+    while True:
+        b = os.read(p.stdout.fileno(), 65536)
+        if not b: break
+        if tf is None: tf = time.perf_counter()
+    t1 = time.perf_counter()
+    p.wait()
+    if tf is not None and len(ids) > 1:
+        ttft.append((tf - t0) * 1e3); tpot.append((t1 - tf) * 1e3 / (len(ids) - 1))
+if ttft:
+    ttft.sort(); tpot.sort()
+    print("timing over %d runs (median): TTFT %.2f ms, TPOT %.3f ms (%d tokens)" %
+          (len(ttft), ttft[len(ttft) // 2], tpot[len(tpot) // 2], len(ids)))
+sys.exit(0 if same64 else 1)
+PY
+        local r=$?
+        grep -hE 'KV staging|model .* on |KV layout|error|ERROR|failed' "$logs"/*.log 2>/dev/null | head -n 12
+        kill -TERM "$up" 2>/dev/null
+        wait "$up" 2>/dev/null
+        echo "== services $name: exit $r"
+        [ "$r" -eq 0 ] || rc=1
+    }
+    services disagg
+    services colocated --colocated
 fi
 exit $rc

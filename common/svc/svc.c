@@ -174,17 +174,9 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
     if ((rc = mc_load(f->model, &m->cfg, err)) < 0) return rc;
     pd_backend_params bp = pd_backend_default_params();
     bp.n_threads = (int32_t)f->threads;
-    /* The services hand the KV cache to kvtransfer as host memory; GPU KV needs the staging
-     * path (pinned host copies per layer), which is not built yet: serve from the CPU. */
+    /* "auto" picks cuda where present (pd_backend_create decides). GPU KV reaches kvtransfer
+     * through a pinned host mirror (svc_kv_pool_create, svc_kv_copy). */
     const char *backend = f->backend;
-    if (!strcmp(backend, "auto")) {
-        backend = "cpu";
-    } else if (strcmp(backend, "cpu") != 0) {
-        rc = pd_errf(err, PD_EUNSUPPORTED, "--backend %s: the services serve from the CPU backend "
-                     "for now (KV transfer of GPU memory is not built yet); use --backend cpu",
-                     backend);
-        goto fail;
-    }
     if ((rc = pd_backend_create(backend, &bp, &m->be, err)) < 0) goto fail;
     if ((rc = pd_model_load(&m->cfg, f->model, fmt, 1234, m->be, &m->model, err)) < 0) goto fail;
     mr_params mp = mr_default_params();
@@ -220,6 +212,7 @@ fail:
 
 void svc_model_close(svc_model *m)
 {
+    free(m->mirror);
     mr_destroy(m->runner);
     pd_model_destroy(m->model);
     pd_backend_destroy(m->be);
@@ -252,6 +245,111 @@ void svc_kv_layout_to_proto(const svc_model *m, Pdserve__Internal__V1__KvLayout 
     out->num_kv_heads = (uint32_t)m->cfg.n_kv_heads;
     out->head_dim = (uint32_t)m->cfg.head_dim;
     out->model_fingerprint = m->fingerprint;
+}
+
+const char *svc_kv_dtype_name(int d)
+{
+    switch (d) {
+    case PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_F32: return "f32";
+    case PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_F16: return "f16";
+    case PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_BF16: return "bf16";
+    default: return "unspecified";
+    }
+}
+
+bool svc_kv_staged(const svc_model *m)
+{
+    /* PDSERVE_KV_STAGING=1 takes the staging path on the CPU too (tests: it runs the GPU's
+     * copies with memcpy). */
+    const char *force = getenv("PDSERVE_KV_STAGING");
+    return strcmp(m->be->ops->name, "cpu") != 0 || (force && !strcmp(force, "1"));
+}
+
+int svc_kv_pool_create(kvt_ctx *ctx, svc_model *m, kvt_pool **out, char *err)
+{
+    *out = NULL;
+    kvt_pool_params pp = kvt_pool_default_params();
+    svc_kv_layout(m, &pp.layout);
+    pp.n_blocks = mr_n_blocks(m->runner);
+    pp.mem_type = KVT_MEM_HOST;
+    int32_t L = m->cfg.n_layers;
+    const pd_backend_ops *o = m->be->ops;
+    int rc;
+    if (!svc_kv_staged(m)) {
+        void **k = calloc((size_t)L, sizeof *k), **v = calloc((size_t)L, sizeof *v);
+        if (!k || !v) {
+            rc = pd_errf(err, PD_ENOMEM, "out of memory");
+        } else {
+            for (int32_t l = 0; l < L; l++) mr_kv_cache(m->runner, l, &k[l], &v[l]);
+            pp.k_base = k;
+            pp.v_base = v;
+            rc = kvt_pool_create(ctx, &pp, out, err);
+        }
+        free(k);
+        free(v);
+        return rc;
+    }
+    if (!o->kv_blocks_copy)
+        return pd_errf(err, PD_EUNSUPPORTED, "the %s backend cannot copy KV blocks to host "
+                       "memory (kv_blocks_copy), which the services need", o->name);
+    m->mirror = calloc((size_t)(2 * L), sizeof *m->mirror);
+    if (!m->mirror) return pd_errf(err, PD_ENOMEM, "out of memory");
+    /* kvt allocates the mirror: on one host its shared memory takes one-sided puts. */
+    if ((rc = kvt_pool_create(ctx, &pp, out, err)) < 0) {
+        free(m->mirror);
+        m->mirror = NULL;
+        return rc;
+    }
+    m->mirror_block_bytes = kvt_pool_block_bytes(*out);
+    size_t region = (size_t)pp.n_blocks * m->mirror_block_bytes;
+    for (int32_t r = 0; r < 2 * L; r++) m->mirror[r] = kvt_pool_region(*out, r / 2, r % 2);
+    m->n_mirror_pinned = 0;
+    if (o->host_register) {
+        for (int32_t r = 0; r < 2 * L; r++) {
+            if (o->host_register(m->be->ctx, m->mirror[r], region) < 0) {
+                PD_LOGW("KV staging: cannot pin the host mirror (region %d of %d); KV copies go "
+                        "through pageable memory", r, 2 * L);
+                break;
+            }
+            m->n_mirror_pinned++;
+        }
+    }
+    PD_LOGI("KV staging: %s KV cache mirrored in %.1f MiB of %shost memory for kvtransfer",
+            o->name, (double)region * 2 * L / (1 << 20),
+            m->n_mirror_pinned == 2 * L ? "pinned " : "");
+    return 0;
+}
+
+void svc_kv_pool_destroy(svc_model *m, kvt_pool *pool)
+{
+    if (!pool) return;
+    if (m->mirror && m->be->ops->host_unregister)
+        for (int32_t r = 0; r < m->n_mirror_pinned; r++)
+            m->be->ops->host_unregister(m->be->ctx, m->mirror[r]);
+    m->n_mirror_pinned = 0;
+    kvt_pool_destroy(pool);
+    free(m->mirror);
+    m->mirror = NULL;
+}
+
+int svc_kv_copy(const svc_model *m, const int32_t *ids, int32_t n, int32_t layer, bool to_host,
+                char *err)
+{
+    if (!m->mirror || n == 0) return 0;
+    const pd_backend_ops *o = m->be->ops;
+    int32_t l0 = layer < 0 ? 0 : layer, l1 = layer < 0 ? m->cfg.n_layers : layer + 1;
+    for (int32_t l = l0; l < l1; l++) {
+        void *kv[2];
+        mr_kv_cache(m->runner, l, &kv[0], &kv[1]);
+        for (int h = 0; h < 2; h++) {
+            int rc = o->kv_blocks_copy(m->be->ctx, kv[h], ids, n, m->mirror_block_bytes,
+                                       m->mirror[2 * l + h], to_host);
+            if (rc < 0)
+                return pd_errf(err, rc, "KV staging: copying %d blocks of layer %d %s %s host "
+                               "memory failed", n, l, h ? "V" : "K", to_host ? "to" : "from");
+        }
+    }
+    return 0;
 }
 
 void svc_block_signals(void)

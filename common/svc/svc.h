@@ -63,6 +63,12 @@ typedef struct {
     eng_params ep;
     char model_name[128];
     uint64_t fingerprint;       /* of config + weights identity (KV compatibility) */
+    /* Staging (backend KV not in host memory): the host mirror kvtransfer moves, set by
+     * svc_kv_pool_create. mirror[2 l] / mirror[2 l + 1]: layer l's K / V region
+     * ([n_blocks][mirror_block_bytes]); NULL when the cache itself is the pool (CPU). */
+    void **mirror;
+    size_t mirror_block_bytes;
+    int32_t n_mirror_pinned;    /* regions registered with the backend (pinned) */
 } svc_model;
 
 /* Loads backend, weights and runner; fills ep for mode. Returns 0 or an error with err. */
@@ -73,6 +79,29 @@ void svc_model_close(svc_model *m);
 void svc_kv_layout(const svc_model *m, kvt_layout *out);
 /* Fills a KvLayout message (no allocation). */
 void svc_kv_layout_to_proto(const svc_model *m, Pdserve__Internal__V1__KvLayout *out);
+/* The name of a KvLayout dtype ("f32", "bf16", ...). */
+const char *svc_kv_dtype_name(int proto_dtype);
+
+/* ---- the KV pool that kvtransfer moves ---- */
+
+/* Whether the KV cache lives outside host memory (the backend is not "cpu"): kvtransfer then
+ * moves a pinned host mirror of the cache and the services copy blocks between the two
+ * (svc_kv_copy); on the CPU the cache itself is registered (zero copy). The environment
+ * variable PDSERVE_KV_STAGING=1 forces the staging path on the CPU (for tests). */
+bool svc_kv_staged(const svc_model *m);
+/* kvt thread (during setup, before the engine runs): creates the kvtransfer pool of m's KV:
+ * the engine's cache itself (CPU), or when staged a kvt-allocated host mirror of the same
+ * layout, pinned with the backend (a failure to pin is logged; copies then go unpinned) and
+ * recorded in m->mirror. Returns 0 or an error with err. */
+int svc_kv_pool_create(kvt_ctx *ctx, svc_model *m, kvt_pool **out, char *err);
+/* kvt thread: unpins the mirror and destroys the pool (the engine thread must be stopped).
+ * pool NULL is a no-op. */
+void svc_kv_pool_destroy(svc_model *m, kvt_pool *pool);
+/* Engine thread (nothing else may run on the backend): copies blocks ids of layer `layer`
+ * (every layer when layer < 0), K and V, from the cache to the mirror (to_host) or back.
+ * A no-op returning 0 when not staged. Returns 0 or an error with err. */
+int svc_kv_copy(const svc_model *m, const int32_t *ids, int32_t n, int32_t layer, bool to_host,
+                char *err);
 
 /* ---- lifecycle ---- */
 

@@ -244,6 +244,38 @@ static int cpu_kv_from_host(void *ctx, void *cache, const int32_t *ids, int32_t 
     return 0;
 }
 
+static int cpu_kv_copy(void *ctx, void *cache, const int32_t *ids, int32_t n, size_t block_bytes,
+                       void *host, bool to_host)
+{
+    (void)ctx;
+    if (n < 0 || (n > 0 && (!cache || !ids || !host || block_bytes == 0))) return PD_EINVAL;
+    for (int32_t i = 0; i < n; i++)
+        if (ids[i] < 0) return PD_EINVAL;
+    for (int32_t i = 0; i < n; i++) {
+        uint8_t *c = (uint8_t *)cache + (size_t)ids[i] * block_bytes;
+        uint8_t *h = (uint8_t *)host + (size_t)ids[i] * block_bytes;
+        if (c == h) continue; /* the mirror is the cache itself */
+        if (to_host) memcpy(h, c, block_bytes);
+        else memcpy(c, h, block_bytes);
+    }
+    return 0;
+}
+
+static int cpu_host_register(void *ctx, void *p, size_t bytes)
+{
+    (void)ctx;
+    (void)p;
+    (void)bytes;
+    return 0;
+}
+
+static int cpu_host_unregister(void *ctx, void *p)
+{
+    (void)ctx;
+    (void)p;
+    return 0;
+}
+
 static const pd_backend_ops k_cpu_ops = {
     .name = "cpu",
     .act_dtype = PD_DTYPE_F32,
@@ -265,6 +297,9 @@ static const pd_backend_ops k_cpu_ops = {
     .gather_rows = cpu_gather_rows,
     .kv_blocks_to_host = cpu_kv_to_host,
     .kv_blocks_from_host = cpu_kv_from_host,
+    .kv_blocks_copy = cpu_kv_copy,
+    .host_register = cpu_host_register,
+    .host_unregister = cpu_host_unregister,
 };
 
 int pd_backend_cpu_create(const pd_backend_params *p, pd_backend **out, char *err)

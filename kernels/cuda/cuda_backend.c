@@ -28,6 +28,9 @@ static const pd_backend_ops k_cuda_ops = {
     .gather_rows = pd_cuda__gather_rows,
     .kv_blocks_to_host = pd_cuda__kv_blocks_to_host,
     .kv_blocks_from_host = pd_cuda__kv_blocks_from_host,
+    .kv_blocks_copy = pd_cuda__kv_blocks_copy,
+    .host_register = pd_cuda__host_register,
+    .host_unregister = pd_cuda__host_unregister,
 };
 
 int pd_backend_cuda_create(const pd_backend_params *p, pd_backend **out, char *err)

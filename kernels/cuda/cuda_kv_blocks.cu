@@ -57,3 +57,44 @@ extern "C" int pd_cuda__kv_blocks_from_host(void *ctx, void *cache, const int32_
     PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
     return 0;
 }
+
+/* Raw block copies between the device cache and a host mirror laid out the same way (pinned
+ * with pd_cuda__host_register for full speed). Runs of consecutive ids become one copy. */
+extern "C" int pd_cuda__kv_blocks_copy(void *ctx, void *cache, const int32_t *ids, int32_t n,
+                                       size_t block_bytes, void *host, bool to_host)
+{
+    if (n < 0 || (n > 0 && (!cache || !ids || !host || block_bytes == 0))) return PD_EINVAL;
+    for (int32_t i = 0; i < n; i++)
+        if (ids[i] < 0) return PD_EINVAL;
+    if (n == 0) return 0;
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    for (int32_t i = 0; i < n;) {
+        int32_t j = i + 1;
+        while (j < n && ids[j] == ids[j - 1] + 1) j++;
+        const size_t off = (size_t)ids[i] * block_bytes, len = (size_t)(j - i) * block_bytes;
+        uint8_t *d = (uint8_t *)cache + off, *h = (uint8_t *)host + off;
+        if (to_host)
+            PD_CUDA_CHECK(cudaMemcpyAsync(h, d, len, cudaMemcpyDeviceToHost, c->stream));
+        else
+            PD_CUDA_CHECK(cudaMemcpyAsync(d, h, len, cudaMemcpyHostToDevice, c->stream));
+        i = j;
+    }
+    PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    return 0;
+}
+
+extern "C" int pd_cuda__host_register(void *ctx, void *p, size_t bytes)
+{
+    (void)pd_cuda__ctx(ctx); /* makes the context's device current */
+    if (!p || bytes == 0) return PD_EINVAL;
+    PD_CUDA_CHECK(cudaHostRegister(p, bytes, cudaHostRegisterPortable));
+    return 0;
+}
+
+extern "C" int pd_cuda__host_unregister(void *ctx, void *p)
+{
+    (void)pd_cuda__ctx(ctx);
+    if (!p) return 0;
+    PD_CUDA_CHECK(cudaHostUnregister(p));
+    return 0;
+}

@@ -51,6 +51,10 @@ int pd_cuda__kv_blocks_to_host(void *ctx, const void *cache, const int32_t *ids,
                                size_t block_elems, float *host);
 int pd_cuda__kv_blocks_from_host(void *ctx, void *cache, const int32_t *ids, int32_t n,
                                  size_t block_elems, const float *host);
+int pd_cuda__kv_blocks_copy(void *ctx, void *cache, const int32_t *ids, int32_t n,
+                            size_t block_bytes, void *host, bool to_host);
+int pd_cuda__host_register(void *ctx, void *p, size_t bytes);
+int pd_cuda__host_unregister(void *ctx, void *p);
 
 #ifdef __cplusplus
 }
