@@ -241,12 +241,36 @@ static void do_layer(kvt_ctx *ctx, void *arg)
 /* The engine's callbacks for the layered path (engine thread). */
 static uint64_t g_step_ids[4096];
 static int32_t g_step_n;
+/* Staging (GPU KV): the blocks of the step's layered requests, copied to the host mirror
+ * layer by layer before kvtransfer reads them (engine thread). */
+static int32_t *g_step_blocks;
+static int32_t g_step_nb, g_step_cap;
+static bool g_step_oom; /* a block list could not be kept: this step's layers are not sent */
+
+static void step_blocks_add(const int32_t *ids, int32_t n)
+{
+    if (g_step_nb + n > g_step_cap) {
+        int32_t cap = g_step_cap ? g_step_cap : 256;
+        while (cap < g_step_nb + n) cap *= 2;
+        int32_t *p = realloc(g_step_blocks, (size_t)cap * sizeof *p);
+        if (!p) {
+            g_step_oom = true; /* the layers then miss: the transfers fail by their deadline */
+            return;
+        }
+        g_step_blocks = p;
+        g_step_cap = cap;
+    }
+    memcpy(g_step_blocks + g_step_nb, ids, (size_t)n * sizeof *ids);
+    g_step_nb += n;
+}
 
 static void on_prompt_step(void *arg, const uint64_t *ids, const int32_t *const *blocks,
                            const int32_t *n_blocks, int32_t n)
 {
     (void)arg;
     g_step_n = 0;
+    g_step_nb = 0;
+    g_step_oom = false;
     for (int32_t i = 0; i < n; i++) {
         preq *r = map_get(ids[i]);
         if (!r) continue;
@@ -265,7 +289,10 @@ static void on_prompt_step(void *arg, const uint64_t *ids, const int32_t *const 
             preq_unref(r);
             continue;
         }
-        if (g_step_n < (int32_t)(sizeof g_step_ids / sizeof g_step_ids[0])) g_step_ids[g_step_n++] = ids[i];
+        if (g_step_n < (int32_t)(sizeof g_step_ids / sizeof g_step_ids[0])) {
+            g_step_ids[g_step_n++] = ids[i];
+            if (g.model.mirror) step_blocks_add(blocks[i], n_blocks[i]);
+        }
         PD_LOGD("request %llu: pushing KV layer by layer during its last prompt step",
                 (unsigned long long)ids[i]);
     }
@@ -275,6 +302,13 @@ static void on_layer(void *arg, int32_t layer)
 {
     (void)arg;
     if (g_step_n == 0) return;
+    if (g.model.mirror) { /* the runner synchronized the layer: its KV is final on the device */
+        char err[PD_ERR_LEN] = "KV staging: out of memory for the step's block list";
+        if (g_step_oom || svc_kv_copy(&g.model, g_step_blocks, g_step_nb, layer, true, err) < 0) {
+            PD_LOGE("%s", err);
+            return; /* that layer is then missing: its transfers fail by their deadline */
+        }
+    }
     layer_job *j = malloc(sizeof *j + (size_t)g_step_n * sizeof(uint64_t));
     if (!j) return; /* that layer is then missing: its transfer fails by its deadline */
     j->layer = layer;
@@ -389,6 +423,14 @@ static void on_output(void *user, const eng_output *o)
         preq_unref(r);
         return;
     }
+    char cerr[PD_ERR_LEN];
+    if (svc_kv_copy(&g.model, o->block_ids, o->n_blocks, -1, true, cerr) < 0) { /* staging */
+        free(j);
+        ew_release(g.worker, r->id);
+        answer(r, RPC_STATUS_INTERNAL, cerr);
+        preq_unref(r);
+        return;
+    }
     pthread_mutex_lock(&r->mu);
     r->prefilled = true;
     pthread_mutex_unlock(&r->mu);
@@ -437,12 +479,14 @@ static bool layout_matches(const Pdserve__Internal__V1__KvLayout *l, char *msg, 
     if (l->block_size != mine.block_size || l->dtype != mine.dtype ||
         l->num_layers != mine.num_layers || l->num_kv_heads != mine.num_kv_heads ||
         l->head_dim != mine.head_dim || l->model_fingerprint != mine.model_fingerprint) {
-        snprintf(msg, n, "KV layout mismatch: decode has block %u, dtype %d, %u layers, %u kv "
-                 "heads, head dim %u, model %016llx; this prefill instance has %u, %d, %u, %u, "
-                 "%u, %016llx", l->block_size, l->dtype, l->num_layers, l->num_kv_heads,
-                 l->head_dim, (unsigned long long)l->model_fingerprint, mine.block_size,
-                 mine.dtype, mine.num_layers, mine.num_kv_heads, mine.head_dim,
-                 (unsigned long long)mine.model_fingerprint);
+        snprintf(msg, n, "KV layout mismatch: decode has block %u, dtype %s, %u layers, %u kv "
+                 "heads, head dim %u, model %016llx; this prefill instance has %u, %s, %u, %u, "
+                 "%u, %016llx%s", l->block_size, svc_kv_dtype_name(l->dtype), l->num_layers,
+                 l->num_kv_heads, l->head_dim, (unsigned long long)l->model_fingerprint,
+                 mine.block_size, svc_kv_dtype_name(mine.dtype), mine.num_layers,
+                 mine.num_kv_heads, mine.head_dim, (unsigned long long)mine.model_fingerprint,
+                 l->dtype != mine.dtype ? " (the KV dtype is the backend's: prefill and decode "
+                 "must run the same --backend, e.g. both cuda (bf16) or both cpu (f32))" : "");
         return false;
     }
     return true;
@@ -531,29 +575,14 @@ typedef struct {
 static void do_setup_pool(kvt_ctx *ctx, void *arg)
 {
     setup_box *b = arg;
-    kvt_pool_params pp = kvt_pool_default_params();
-    svc_kv_layout(&g.model, &pp.layout);
-    pp.n_blocks = mr_n_blocks(g.model.runner);
-    int32_t L = g.model.cfg.n_layers;
-    void **k = calloc((size_t)L, sizeof *k), **v = calloc((size_t)L, sizeof *v);
-    if (!k || !v) {
-        b->rc = pd_errf(b->err, PD_ENOMEM, "out of memory");
-    } else {
-        for (int32_t l = 0; l < L; l++) mr_kv_cache(g.model.runner, l, &k[l], &v[l]);
-        pp.k_base = k;
-        pp.v_base = v;
-        pp.mem_type = KVT_MEM_HOST;
-        b->rc = kvt_pool_create(ctx, &pp, &g.pool, b->err);
-    }
-    free(k);
-    free(v);
+    b->rc = svc_kv_pool_create(ctx, &g.model, &g.pool, b->err);
 }
 
 static void do_teardown_pool(kvt_ctx *ctx, void *arg)
 {
     (void)ctx;
     (void)arg;
-    kvt_pool_destroy(g.pool);
+    svc_kv_pool_destroy(&g.model, g.pool);
     g.pool = NULL;
 }
 
@@ -676,6 +705,7 @@ out:
     }
     svc_metrics_destroy(g.metrics); /* after the engine thread (its step hook) */
     svc_model_close(&g.model);
+    free(g_step_blocks);
     pd_flags_free();
     return status;
 }

@@ -49,12 +49,14 @@ static void dist_row(FILE *f, const char *name, const bench_dist *d, int prec)
 
 void bench_print_probe(FILE *f, int i, const bench_summary *s, const bench_slo *slo)
 {
-    char errs[256];
+    char errs[256], ttft[32] = "-", tpot[32] = "-";
     errors_line(s, errs, sizeof errs);
+    if (s->ttft.n) snprintf(ttft, sizeof ttft, "%.1f", s->ttft.p90);
+    if (s->tpot.n) snprintf(tpot, sizeof tpot, "%.2f", s->tpot.p90);
     fprintf(f, "probe %2d: rate %8.3f req/s -> SLO attainment %5.1f%% (TTFT %5.1f%%, TPOT %5.1f%%), "
-               "TTFT p90 %.1f ms, TPOT p90 %.2f ms, %lld requests%s%s%s -> %s\n",
+               "TTFT p90 %s ms, TPOT p90 %s ms, %lld requests%s%s%s -> %s\n",
             i + 1, s->rate, 100 * s->attained, 100 * s->attained_ttft, 100 * s->attained_tpot,
-            s->ttft.p90, s->tpot.p90, (long long)s->n, errs[0] ? " (errors: " : "", errs,
+            ttft, tpot, (long long)s->n, errs[0] ? " (errors: " : "", errs,
             errs[0] ? ")" : "", s->n_interrupted ? "interrupted" : s->pass ? "PASS" : "fail");
     fflush(f);
 }

@@ -271,11 +271,11 @@ int bench_run_once(rpc_channel **chans, int n_chans, bench_workload *w,
     bool cancelled = false;
     while (rs.n_done < n) {
         if (stop && *stop && !cancelled) {
+            for (int64_t i = 0; i < n; i++) xs[i]->q.interrupted = !xs[i]->done;
+            pthread_mutex_unlock(&rs.mu); /* on_done takes it */
             for (int64_t i = 0; i < n; i++)
-                if (!xs[i]->done) {
-                    xs[i]->q.interrupted = true;
-                    rpc_client_call_cancel(xs[i]->call);
-                }
+                if (xs[i]->q.interrupted) rpc_client_call_cancel(xs[i]->call);
+            pthread_mutex_lock(&rs.mu);
             cancelled = true;
         }
         timed_wait(&rs, INT64_MAX);

@@ -8,11 +8,10 @@
 # Then a short goodput search against the real CPU stack (stories260k, colocated) with the
 # shared-prefix workload. Exit 77 (skip) when the shared model is missing, after the parts
 # that need no model passed.
-# usage: test_bench.sh BIN_DIR SHARED_DIR [SRC_DIR]
+# usage: test_bench.sh BIN_DIR SHARED_DIR
 set -u
 BIN=$1
 SHARED=$2
-SRC=${3:-$(cd "$(dirname "$0")/../.." && pwd)}
 BENCH=$BIN/pdserve-bench
 FAKE=$BIN/pdserve-bench-fakeserver
 for b in "$BENCH" "$FAKE"; do [ -x "$b" ] || { echo "FAIL: $b not built"; exit 1; }; done
@@ -28,10 +27,15 @@ export PDSERVE_LOG_LEVEL=warn UCX_WARN_UNUSED_ENV_VARS=n
 fails=0
 ok() { echo "ok   $*"; }
 fail() { echo "FAIL $*"; fails=$((fails + 1)); }
-# pycheck NAME ARGS... <<'PY' ... PY: runs the Python check on stdin with ARGS.
-pycheck() {
+
+# try_twice NAME FUNC: FUNC runs pdserve-bench and checks its figures against the truth. Timing
+# checks on a shared 2-core VM can meet a scheduling stall of tens of ms (other jobs, the
+# hypervisor): a failure is retried once and said so; a wrong computation fails both times.
+try_twice() {
     local name=$1; shift
-    if "$PY" - "$@"; then ok "$name"; else fail "$name"; fi
+    if "$@"; then ok "$name"; return; fi
+    echo "     retrying once (a scheduling stall on the shared machine?)"
+    if "$@"; then ok "$name (second try)"; else fail "$name"; fi
 }
 
 # sanitizer_clean FILE...: no ASan/UBSan/LSan report in the files.
@@ -73,11 +77,7 @@ with open(sys.argv[1], "w") as f:
         if i == 7:
             f.write("\n")   # blank lines are skipped
 PY
-bench A --addr "$A" --dataset "$TMP/ds.jsonl" --arrival poisson --rate 40 --num-requests 50 \
-    --slo-ttft-ms 150 --slo-tpot-ms 15 --slo-attainment 0.5 --json "$TMP/A.json" --csv "$TMP/A.csv"
-[ $RC -eq 0 ] || { fail "A: exit $RC"; cat "$TMP/A.err"; }
-pycheck "A: TTFT/TPOT/E2E per request and percentiles match the script; errors counted by code, not averaged in; SLO attainment exact" \
-    "$TMP/A.json" "$TMP/A.csv" <<'PY'
+cat >"$TMP/A.py" <<'PY'
 import csv, json, sys
 TOL_ABS, TOL_REL = 8.0, 0.10      # ms, share: a loaded 2-core VM under sanitizers
 def close(got, want):
@@ -91,6 +91,8 @@ j = json.load(open(sys.argv[1])); r = j["runs"][0]
 errs = []
 def check(name, got, want):
     if not close(got, want): errs.append("%s: got %.3f, want %.3f" % (name, got, want))
+def at_least(name, got, want):   # the server never answers early: nothing may be below truth
+    if got < want - 1.0: errs.append("%s: got %.3f, below the scripted %.3f" % (name, got, want))
 assert r["requests"] == 50 and r["ok"] == 40 and r["errors"] == 10, r
 assert r["errors_by_code"] == {"UNAVAILABLE": 5, "INTERNAL": 5}, r["errors_by_code"]
 assert r["output_tokens"] == 15 * 8 + 15 * 16 + 10 * 4, r["output_tokens"]
@@ -125,18 +127,23 @@ for row in rows:
     assert int(row["output_tokens"]) == n, row
     check("request %s ttft" % row["index"], float(row["ttft_ms"]), t)
     check("request %s tpot" % row["index"], float(row["tpot_ms"]), p)
+    at_least("request %s ttft" % row["index"], float(row["ttft_ms"]), t)
+    at_least("request %s e2e" % row["index"], float(row["e2e_ms"]), t + (n - 1) * p)
 if errs:
-    print("\n".join(errs)); sys.exit(1)
+    print("\n".join("     " + e for e in errs)); sys.exit(1)
 PY
+part_A() {
+    bench A --addr "$A" --dataset "$TMP/ds.jsonl" --arrival poisson --rate 40 --num-requests 50 \
+        --slo-ttft-ms 150 --slo-tpot-ms 15 --slo-attainment 0.5 --json "$TMP/A.json" --csv "$TMP/A.csv"
+    [ $RC -eq 0 ] || { echo "     exit $RC"; cat "$TMP/A.err"; return 1; }
+    "$PY" "$TMP/A.py" "$TMP/A.json" "$TMP/A.csv"
+}
+try_twice "A: TTFT/TPOT/E2E per request and percentiles match the script; errors counted by code, not averaged in; SLO attainment exact" part_A
 grep -q "UNAVAILABLE 5" "$TMP/A.out" && grep -q "INTERNAL 5" "$TMP/A.out" \
     && ok "A: the table lists errors by status" || { fail "A: table lacks the error counts"; cat "$TMP/A.out"; }
 
 # ---- B. warm-up excluded; random workload lengths; gamma arrivals ----
-bench B --addr "$A" --input-len 10 --output-len 8 --arrival gamma --burstiness 0.5 --rate 40 \
-    --num-requests 30 --warmup-requests 6 --json "$TMP/B.json" --csv "$TMP/B.csv"
-[ $RC -eq 0 ] || { fail "B: exit $RC"; cat "$TMP/B.err"; }
-pycheck "B: warm-up requests sent but excluded; random lengths exact (prompt_token_ids, max_tokens + ignore_eos); gamma arrivals" \
-    "$TMP/B.json" "$TMP/B.csv" <<'PY'
+cat >"$TMP/B.py" <<'PY'
 import csv, json, sys
 r = json.load(open(sys.argv[1]))["runs"][0]
 rows = list(csv.DictReader(open(sys.argv[2])))
@@ -148,17 +155,28 @@ assert abs(r["ttft_ms"]["p50"] - 30) < 8 and abs(r["tpot_ms"]["p50"] - 10) < 2, 
 s = [float(row["sched_ms"]) for row in rows]
 assert s == sorted(s) and 0.3 * 35 / 40 * 1000 < s[-1] < 3 * 35 / 40 * 1000, s[-1]
 PY
+part_B() {
+    bench B --addr "$A" --input-len 10 --output-len 8 --arrival gamma --burstiness 0.5 --rate 40 \
+        --num-requests 30 --warmup-requests 6 --json "$TMP/B.json" --csv "$TMP/B.csv"
+    [ $RC -eq 0 ] || { echo "     exit $RC"; cat "$TMP/B.err"; return 1; }
+    "$PY" "$TMP/B.py" "$TMP/B.json" "$TMP/B.csv"
+}
+try_twice "B: warm-up requests sent but excluded; random lengths exact (prompt_token_ids, max_tokens + ignore_eos); gamma arrivals" part_B
 
 # ---- C. closed loop: throughput = concurrency / E2E ----
-bench C --addr "$A" --input-len 10 --output-len 6 --arrival closed --concurrency 4 \
-    --num-requests 40 --json "$TMP/C.json"
-[ $RC -eq 0 ] || { fail "C: exit $RC"; cat "$TMP/C.err"; }
-pycheck "C: closed loop keeps 4 in flight: throughput ~ 4 / 80 ms" "$TMP/C.json" <<'PY'
+cat >"$TMP/C.py" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))["runs"][0]
 want = 4 / 0.080                     # TTFT 30 + 5 * TPOT 10 = 80 ms per request
 assert r["ok"] == 40 and 0.8 * want < r["throughput"]["requests_per_s"] < 1.1 * want, r["throughput"]
 PY
+part_C() {
+    bench C --addr "$A" --input-len 10 --output-len 6 --arrival closed --concurrency 4 \
+        --num-requests 40 --json "$TMP/C.json"
+    [ $RC -eq 0 ] || { echo "     exit $RC"; cat "$TMP/C.err"; return 1; }
+    "$PY" "$TMP/C.py" "$TMP/C.json"
+}
+try_twice "C: closed loop keeps 4 in flight: throughput ~ 4 / 80 ms" part_C
 
 # ---- D. shared-prefix workload: prompt = one of N prefixes + random suffix ----
 bench D --addr "$A" --workload shared-prefix --prefix-groups 3 --prefix-len 24 --input-len 6 \
@@ -170,50 +188,68 @@ bench D --addr "$A" --workload shared-prefix --prefix-groups 3 --prefix-len 24 -
 # 4 slots; TTFT 20 ms, TPOT 10 ms, 9 tokens: each request holds a slot 100 ms (40 req/s).
 # With constant arrivals at rate L, request i = 4m + r waits m * (100 - 4000 / L) ms; the
 # TTFT SLO of 50 ms leaves 30 ms of wait. The script below replays that queue exactly.
+# The band allows 4 ms of delivery overhead either way, and the queue is replayed from the
+# times the client actually sent each request (CSV start_ms), so a client that fell behind
+# is not blamed on the tool's arithmetic.
 start_fake fakeE --slots 4 --ttft-ms 20 --tpot-ms 10
-bench E --addr "$FAKE_ADDR" --input-len 16 --output-len 9 --arrival constant --rate 20 \
-    --num-requests 40 --find-goodput --slo-ttft-ms 50 --slo-tpot-ms 15 --slo-attainment 0.9 \
-    --goodput-tolerance 0.05 --json "$TMP/E.json" --plot-dir "$TMP/plots"
-[ $RC -eq 0 ] || { fail "E: exit $RC"; cat "$TMP/E.err"; }
-pycheck "E: every probe's attainment and the goodput match the queue's exact answer; SVG plots valid" \
-    "$TMP/E.json" "$TMP/plots" <<'PY'
-import json, sys, os, xml.dom.minidom
+cat >"$TMP/E.py" <<'PY'
+import csv, json, sys, os, xml.dom.minidom
 N, K, S, TTFT, SLO, TARGET = 40, 4, 0.100, 0.020, 0.050, 0.9
 MARGIN = 0.004   # delivery overhead and jitter: requests this close to the SLO may go either way
-def attainment(rate, slo):
+def attainment(arrivals, slo):
     free = [0.0] * K; met = 0
-    for i in range(N):
-        t = i / rate; k = min(range(K), key=lambda j: free[j])
+    for t in arrivals:
+        k = min(range(K), key=lambda j: free[j])
         start = max(t, free[k]); free[k] = start + S
         met += (start - t) + TTFT <= slo + 1e-9
-    return met / N
+    return met / len(arrivals)
+def ideal(rate): return [i / rate for i in range(N)]
 def goodput(slo):  # the highest rate whose attainment reaches the target
     lo, hi = 1.0, 200.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if attainment(mid, slo) >= TARGET else (lo, mid)
+        lo, hi = (mid, hi) if attainment(ideal(mid), slo) >= TARGET else (lo, mid)
     return lo
 truth, t_lo, t_hi = goodput(SLO), goodput(SLO - MARGIN), goodput(SLO + MARGIN)
 j = json.load(open(sys.argv[1])); g = j["goodput"]
+sent = {}
+for row in csv.DictReader(open(sys.argv[2])):
+    sent.setdefault(int(row["run"]), []).append(float(row["start_ms"]) / 1000)
 print("     exact goodput %.2f req/s (%.2f to %.2f within +-%g ms); found %.3f req/s, lowest "
       "failing %.3f; %d probes" % (truth, t_lo, t_hi, MARGIN * 1e3, g["rate_rps"],
       g["lowest_failing_rate_rps"], len(j["runs"])))
-bad = []
-for r in j["runs"]:
-    lo, hi = attainment(r["rate_rps"], SLO - MARGIN), attainment(r["rate_rps"], SLO + MARGIN)
-    print("     rate %7.3f: attainment %.3f, exact %.3f (%.3f to %.3f)" % (
-          r["rate_rps"], r["slo_attainment"], attainment(r["rate_rps"], SLO), lo, hi))
-    if not lo - 1e-9 <= r["slo_attainment"] <= hi + 1e-9: bad.append(r["rate_rps"])
+# A probe whose client fell behind (the tool's own lag figure) ran on a stalled machine: its
+# attainment is not compared, and neither is a goodput that such a probe decided.
+LAG_MAX = 20.0
+bad, stalled = [], set()
+for i, r in enumerate(j["runs"]):
+    lo, hi = attainment(sent[i], SLO - MARGIN), attainment(sent[i], SLO + MARGIN)
+    lag = r["client_lag_ms"]["max"]
+    print("     rate %7.3f: attainment %.3f, exact %.3f (%.3f to %.3f); client lag max %.2f ms%s" % (
+          r["rate_rps"], r["slo_attainment"], attainment(sent[i], SLO), lo, hi, lag,
+          " (stalled: not compared)" if lag > LAG_MAX else ""))
     assert r["pass"] == (r["slo_attainment"] >= TARGET)
+    if lag > LAG_MAX: stalled.add(r["rate_rps"]); continue
+    if not lo - 1e-9 <= r["slo_attainment"] <= hi + 1e-9: bad.append(r["rate_rps"])
 assert not bad, "attainment outside the exact band at %s" % bad
+assert len(j["runs"]) - len(stalled) >= 4, "too many stalled probes to judge"
 assert g["found"] and g["bracketed"]
-assert 0.94 * t_lo <= g["rate_rps"] <= t_hi * 1.001, (g, t_lo, t_hi)
-assert g["lowest_failing_rate_rps"] >= t_lo * 0.999, g
 assert (g["lowest_failing_rate_rps"] - g["rate_rps"]) <= 0.05 * g["lowest_failing_rate_rps"] + 1e-9
+if not {g["rate_rps"], g["lowest_failing_rate_rps"]} & stalled:
+    assert 0.94 * t_lo <= g["rate_rps"] <= t_hi * 1.001, (g, t_lo, t_hi)
+    assert g["lowest_failing_rate_rps"] >= t_lo * 0.999, g
 for f in ("slo_attainment_vs_rate.svg", "ttft_cdf.svg", "tpot_cdf.svg"):
-    d = xml.dom.minidom.parse(os.path.join(sys.argv[2], f))
+    d = xml.dom.minidom.parse(os.path.join(sys.argv[3], f))
     assert d.documentElement.tagName == "svg" and d.getElementsByTagName("polyline"), f
 PY
+part_E() {
+    bench E --addr "$FAKE_ADDR" --input-len 16 --output-len 9 --arrival constant --rate 20 \
+        --num-requests 40 --find-goodput --slo-ttft-ms 50 --slo-tpot-ms 15 --slo-attainment 0.9 \
+        --goodput-tolerance 0.05 --json "$TMP/E.json" --csv "$TMP/E.csv" --plot-dir "$TMP/plots"
+    [ $RC -eq 0 ] || { echo "     exit $RC"; cat "$TMP/E.err"; return 1; }
+    "$PY" "$TMP/E.py" "$TMP/E.json" "$TMP/E.csv" "$TMP/plots"
+}
+try_twice "E: every probe's attainment and the goodput match the queue's exact answer; SVG plots valid" part_E
 grep -q "^probe  1: rate   20.000" "$TMP/E.out" && grep -q "^goodput " "$TMP/E.out" \
     && ok "E: each probe printed, then the goodput" || { fail "E: probe lines"; cat "$TMP/E.out"; }
 
