@@ -175,10 +175,12 @@ static void do_push(kvt_ctx *ctx, void *arg)
         kvt_target_close(t);
     }
     if (rc == 0) {
+        atomic_fetch_add(&r->refs, 1); /* the transfer's own reference: its event drops it */
         for (int32_t l = 0; l < g.model.cfg.n_layers && rc == 0; l++)
             rc = kvt_send_layer_ready(r->send, l);
         if (rc == 0) rc = kvt_send_finish(r->send, r->first_token);
         /* On a failure here the transfer's SEND_FAILED event follows and finishes the work. */
+        preq_unref(r); /* the engine's reference, carried by this job */
         free(j);
         return;
     }
@@ -214,6 +216,7 @@ static void do_begin(kvt_ctx *ctx, void *arg)
         sp.dst_ids = r->dst_ids;
         sp.user = r;
         r->begin_rc = kvt_send_begin(t, &sp, &r->send, r->begin_err);
+        if (r->begin_rc == 0) atomic_fetch_add(&r->refs, 1); /* the transfer's own reference */
     }
     kvt_target_close(t);
     preq_unref(r);
@@ -317,21 +320,23 @@ static void on_layer(void *arg, int32_t layer)
     if (svc_kvt_post(g.kvt, do_layer, j) < 0) free(j);
 }
 
-/* After the forward: every layer was handed over; send DONE with the first token. */
+/* After the forward: every layer was handed over; send DONE with the first token. Carries the
+ * engine's reference. The transfer may already have ended (its event came early, e.g. the
+ * decode side cancelled): then the blocks are released and the answer given here. */
 static void do_finish(kvt_ctx *ctx, void *arg)
 {
     (void)ctx;
     preq *r = arg;
-    int rc = r->begin_rc;
-    if (rc == 0 && r->send) rc = kvt_send_finish(r->send, r->first_token);
-    if (rc == 0) return; /* SEND_DONE / SEND_FAILED follows and answers */
     if (r->send) {
-        kvt_send_cancel(r->send); /* its SEND_FAILED event answers and drops the reference */
-        return;
+        if (kvt_send_finish(r->send, r->first_token) != 0)
+            kvt_send_cancel(r->send); /* its SEND_FAILED event answers and releases */
+    } else {
+        ew_release(g.worker, r->id);
+        if (r->begin_rc != 0)
+            PD_LOGW("request %llu: KV push failed: %s", (unsigned long long)r->id, r->begin_err);
+        answer(r, r->begin_rc ? svc_status_for(r->begin_rc) : RPC_STATUS_UNAVAILABLE,
+               r->begin_rc ? r->begin_err : "the KV transfer ended early");
     }
-    PD_LOGW("request %llu: KV push failed: %s", (unsigned long long)r->id, r->begin_err);
-    ew_release(g.worker, r->id);
-    answer(r, svc_status_for(rc), r->begin_err);
     preq_unref(r);
 }
 
@@ -350,12 +355,12 @@ static void do_abort_push(kvt_ctx *ctx, void *arg)
     (void)ctx;
     preq *r = arg;
     if (r->send) {
-        kvt_send_cancel(r->send); /* its SEND_FAILED event answers and drops the reference */
-        return;
+        kvt_send_cancel(r->send); /* its SEND_FAILED event answers */
+    } else {
+        ew_release(g.worker, r->id);
+        answer(r, RPC_STATUS_CANCELLED, "request cancelled");
     }
-    ew_release(g.worker, r->id);
-    answer(r, RPC_STATUS_CANCELLED, "request cancelled");
-    preq_unref(r);
+    preq_unref(r); /* the engine's reference */
 }
 
 static void on_kvt_event(void *arg, const kvt_event *ev)
@@ -376,7 +381,7 @@ static void on_kvt_event(void *arg, const kvt_event *ev)
     }
     kvt_send_destroy(r->send);
     r->send = NULL;
-    preq_unref(r);
+    preq_unref(r); /* the transfer's reference */
 }
 
 /* ---- engine callbacks (engine thread) ---- */
