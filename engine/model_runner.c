@@ -39,6 +39,7 @@ mr_params mr_default_params(void)
         .block_size = 16,
         .n_blocks = 0,
         .kv_cache_bytes = 256ll << 20,
+        .gpu_memory_utilization = 0.9,
     };
     return p;
 }
@@ -52,13 +53,50 @@ static int be_alloc(mr *r, pd_dtype t, size_t n, void **out, char *err)
     return 0;
 }
 
+/* The KV pool's bytes from device memory: utilization x total minus what this process's
+ * backend took so far (weights, this runner's workspace, libraries), capped at what is free
+ * now less a margin for allocations made later (cuBLAS's workspace on first use). Other
+ * processes' memory is theirs: two processes at 0.45 each share one device. */
+#define KV_MARGIN ((int64_t)256 << 20)
+static int size_from_device(mr *r, int64_t *bytes, char *err)
+{
+    size_t free_b = 0, total_b = 0, used_b = 0;
+    int rc = r->be->ops->mem_info(r->be->ctx, &free_b, &total_b, &used_b);
+    if (rc < 0) return pd_errf(err, rc, "cannot read the %s device's memory", r->be->ops->name);
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    const double share = r->p.gpu_memory_utilization * (double)total_b;
+    double want = share - (double)used_b;
+    const double cap = (double)free_b - (double)KV_MARGIN;
+    if (want > cap) want = cap;
+    if (want < 1.0)
+        return pd_errf(err, PD_EINVAL, "no device memory left for the KV cache: %.2f x %.2f GiB "
+                       "is %.2f GiB, this process uses %.2f GiB already (weights, workspace) "
+                       "and %.2f GiB are free", r->p.gpu_memory_utilization,
+                       (double)total_b / gib, share / gib, (double)used_b / gib,
+                       (double)free_b / gib);
+    *bytes = (int64_t)want;
+    PD_LOGI("model runner: KV cache %.2f GiB = %.2f x %.2f GiB device memory - %.2f GiB used by "
+            "this process%s (%.2f GiB free)", want / gib, r->p.gpu_memory_utilization,
+            (double)total_b / gib, (double)used_b / gib,
+            want >= cap ? ", capped at the free memory" : "", (double)free_b / gib);
+    return 0;
+}
+
 int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
 {
     *out = NULL;
     const mc_config *c = &m->cfg;
     if (p->max_num_batched_tokens <= 0 || p->max_num_seqs <= 0 || p->block_size <= 0 ||
-        p->n_blocks < 0 || (p->n_blocks == 0 && p->kv_cache_bytes <= 0))
+        p->n_blocks < 0 || (p->n_blocks == 0 && p->kv_cache_bytes < 0))
         return pd_errf(err, PD_EINVAL, "model runner: sizes must be positive");
+    if (p->n_blocks == 0 && p->kv_cache_bytes == 0) {
+        if (!m->be->ops->mem_info)
+            return pd_errf(err, PD_EINVAL, "model runner: the %s backend cannot size the KV "
+                           "cache from device memory: give its size", m->be->ops->name);
+        if (!(p->gpu_memory_utilization > 0) || p->gpu_memory_utilization > 1)
+            return pd_errf(err, PD_EINVAL, "model runner: gpu_memory_utilization %g is not in "
+                           "(0, 1]", p->gpu_memory_utilization);
+    }
     mr *r = calloc(1, sizeof *r);
     if (!r) return pd_errf(err, PD_ENOMEM, "out of memory");
     r->p = *p;
@@ -71,17 +109,7 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
     r->qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * c->head_dim;
     r->max_blocks_per_seq = (c->max_position + p->block_size - 1) / p->block_size;
     size_t block_elems = (size_t)p->block_size * (size_t)c->n_kv_heads * hd;
-    if (r->p.n_blocks == 0) {
-        int64_t per_block = (int64_t)(block_elems * es) * 2 * c->n_layers;
-        int64_t nb = p->kv_cache_bytes / per_block;
-        if (nb < 1) {
-            free(r);
-            return pd_errf(err, PD_EINVAL, "KV cache of %lld bytes holds no block (%lld bytes "
-                           "per block)", (long long)p->kv_cache_bytes, (long long)per_block);
-        }
-        r->p.n_blocks = nb > INT32_MAX / p->block_size ? INT32_MAX / p->block_size : (int32_t)nb;
-    }
-    r->kv_layer_elems = (size_t)r->p.n_blocks * block_elems;
+    const int64_t per_block = (int64_t)(block_elems * es) * 2 * c->n_layers;
     int rc;
     r->k_cache = calloc((size_t)c->n_layers, sizeof(void *));
     r->v_cache = calloc((size_t)c->n_layers, sizeof(void *));
@@ -90,14 +118,7 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
         rc = pd_errf(err, PD_ENOMEM, "out of memory");
         goto fail;
     }
-    /* One allocation for every layer's K and V, so that the KV transfer can register (and a
-     * peer can address) the whole pool as one region. */
-    if ((rc = be_alloc(r, act, r->kv_layer_elems * 2 * (size_t)c->n_layers, &r->kv, err)) < 0)
-        goto fail;
-    for (int32_t l = 0; l < c->n_layers; l++) {
-        r->k_cache[l] = (char *)r->kv + (size_t)(2 * l) * r->kv_layer_elems * es;
-        r->v_cache[l] = (char *)r->kv + (size_t)(2 * l + 1) * r->kv_layer_elems * es;
-    }
+    /* The workspace first: a pool sized from free device memory must count it. */
     size_t chunk = LOGITS_CHUNK;
     if ((rc = be_alloc(r, act, T * hs, &r->a, err)) < 0 ||
         (rc = be_alloc(r, act, T * hs, &r->b, err)) < 0 ||
@@ -117,6 +138,26 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
         (rc = be_alloc(r, PD_DTYPE_I32, T, (void **)&r->d_rows, err)) < 0 ||
         (rc = be_alloc(r, PD_DTYPE_F32, hd / 2, (void **)&r->inv_freq, err)) < 0)
         goto fail;
+    if (r->p.n_blocks == 0) {
+        int64_t bytes = p->kv_cache_bytes;
+        if (bytes == 0 && (rc = size_from_device(r, &bytes, err)) < 0) goto fail;
+        int64_t nb = bytes / per_block;
+        if (nb < 1) {
+            rc = pd_errf(err, PD_EINVAL, "KV cache of %lld bytes holds no block (%lld bytes "
+                         "per block)", (long long)bytes, (long long)per_block);
+            goto fail;
+        }
+        r->p.n_blocks = nb > INT32_MAX / p->block_size ? INT32_MAX / p->block_size : (int32_t)nb;
+    }
+    r->kv_layer_elems = (size_t)r->p.n_blocks * block_elems;
+    /* One allocation for every layer's K and V, so that the KV transfer can register (and a
+     * peer can address) the whole pool as one region. */
+    if ((rc = be_alloc(r, act, r->kv_layer_elems * 2 * (size_t)c->n_layers, &r->kv, err)) < 0)
+        goto fail;
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        r->k_cache[l] = (char *)r->kv + (size_t)(2 * l) * r->kv_layer_elems * es;
+        r->v_cache[l] = (char *)r->kv + (size_t)(2 * l + 1) * r->kv_layer_elems * es;
+    }
     r->attn_factor = mc_rope_inv_freq(c, host_freq);
     if ((rc = r->be->ops->upload(r->be->ctx, r->inv_freq, PD_DTYPE_F32, 0, host_freq,
                                  PD_DTYPE_F32, hd / 2)) < 0) {

@@ -14,7 +14,14 @@ typedef struct {
     int32_t max_num_seqs;           /* sequences one forward may hold; default 256 */
     int32_t block_size;             /* tokens per KV block; default 16 */
     int32_t n_blocks;               /* KV blocks in the pool; 0 = from kv_cache_bytes */
-    int64_t kv_cache_bytes;         /* KV pool size when n_blocks = 0; default 256 MiB */
+    int64_t kv_cache_bytes;         /* KV pool size when n_blocks = 0; default 256 MiB; 0 = from
+                                     * gpu_memory_utilization (backends with mem_info only) */
+    double gpu_memory_utilization;  /* when n_blocks = 0 and kv_cache_bytes = 0: the KV pool
+                                     * takes this share of the device's total memory minus what
+                                     * this process's backend uses once the weights and the
+                                     * runner's workspace are allocated, at most what is free
+                                     * (so two processes can share a device, e.g. 0.45 each);
+                                     * in (0, 1], default 0.9 */
 } mr_params;
 
 mr_params mr_default_params(void);
@@ -39,8 +46,10 @@ typedef struct {
 
 typedef struct mr mr; /* opaque */
 
-/* Creates a runner for model m (borrowed; must outlive the runner) and allocates its KV
- * cache and workspace on m's backend. Returns 0, PD_EINVAL (bad params), PD_ENOMEM. */
+/* Creates a runner for model m (borrowed; must outlive the runner) and allocates its
+ * workspace, then its KV cache, on m's backend (the workspace first, so that a pool sized from
+ * free device memory counts it). Returns 0, PD_EINVAL (bad params, or a pool sized from device
+ * memory on a backend without mem_info or with no memory left), PD_ENOMEM. */
 int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err);
 void mr_destroy(mr *r); /* NULL is a no-op */
 

@@ -119,6 +119,12 @@ typedef struct pd_backend_ops {
      * registered must be unregistered before it is freed. Return 0 or PD_EBACKEND. */
     int (*host_register)(void *ctx, void *p, size_t bytes);
     int (*host_unregister)(void *ctx, void *p);
+    /* Optional (NULL = not offered, as on the CPU): the device's free and total memory in
+     * bytes (free counts every process's allocations), and used_bytes: how much of the
+     * device's memory this backend has taken since it was created (weights, workspace,
+     * libraries' own; counted from the free memory then, so another process allocating at the
+     * same moment makes it larger). Returns 0 or PD_EBACKEND. */
+    int (*mem_info)(void *ctx, size_t *free_bytes, size_t *total_bytes, size_t *used_bytes);
 } pd_backend_ops;
 
 typedef struct pd_backend {

@@ -580,6 +580,26 @@ static void test_attention(void)
     /* one long prompt (no N x N matrix anywhere) */
     const int32_t lq[1] = {2100}, lc[1] = {2100};
     run_attention("prefill long", &shapes[1], 1, lq, lc, 0);
+    /* decode shapes for the split-KV kernel's edges and its fallback: 3 query heads per KV
+     * head, a head size it does not take (80), 16 query heads per KV head (more than it takes) */
+    const attn_shape more[3] = {{12, 4, 64, 16, 0}, {12, 4, 80, 16, 0}, {32, 2, 128, 16, 0}};
+    for (int s = 0; s < 3; s++) {
+        const int32_t dq[5] = {1, 1, 1, 1, 1}, dc[5] = {3, 33, 250, 700, 1100};
+        run_attention("decode", &more[s], 5, dq, dc, 1);
+    }
+    /* long contexts: two sequences (many splits each), then 64 sequences of 8192 down to 191
+     * tokens (a grid that fills the GPU without splitting), Qwen3-0.6B's heads */
+    enum { NL = 64 };
+    int32_t lq2[NL], lc2[NL];
+    for (int s = 0; s < NL; s++) {
+        lq2[s] = 1;
+        lc2[s] = 8192 - 127 * s;
+    }
+    const int32_t lc1[2] = {8192, 5003};
+    run_attention("decode long", &shapes[0], 2, lq2, lc1, 1);
+    run_attention("decode long batch 64", &shapes[0], NL, lq2, lc2, 1);
+    const attn_shape win = {16, 8, 128, 16, 1000};
+    run_attention("decode long", &win, 2, lq2, lc1, 1);
 }
 
 /* ---- KV blocks to and from the host ---- */

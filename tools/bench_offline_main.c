@@ -29,7 +29,10 @@ static void usage(FILE *f)
         "  --shared-prefix N           the first N prompt tokens are the same for all requests\n"
         "  --seed S                    workload seed (default 0)\n"
         "  --block-size N              tokens per KV block (default 16)\n"
-        "  --kv-cache-mb N             KV cache size (default 2048)\n"
+        "  --kv-cache-mb N             KV cache size in MiB (default: on a GPU, from\n"
+        "                              --gpu-memory-utilization; on the CPU, 2048)\n"
+        "  --gpu-memory-utilization F  share of the GPU's memory to fill (weights, workspace, KV\n"
+        "                              cache) when --kv-cache-mb is not given, (0, 1] (default 0.9)\n"
         "  --max-num-batched-tokens N  tokens per step (default 2048)\n"
         "  --max-num-seqs N            sequences per step (default 256)\n"
         "  --no-prefix-cache           disable prefix caching\n"
@@ -79,15 +82,24 @@ static int null_forward(void *ctx, const mr_batch *b, float *logits, char *err)
     return 0;
 }
 
+static double kv_mib(const mr *r)
+{
+    void *base;
+    size_t bytes;
+    mr_kv_pool(r, &base, &bytes);
+    return (double)bytes / 1048576.0;
+}
+
 int main(int argc, char **argv)
 {
     enum { O_MODEL = 256, O_FMT, O_BACKEND, O_THREADS, O_N, O_IN, O_OUT, O_SHARED, O_SEED, O_BS,
-           O_KV, O_MBT, O_MS, O_NOPC, O_NOCP, O_JSON, O_NULL };
+           O_KV, O_GPU_UTIL, O_MBT, O_MS, O_NOPC, O_NOCP, O_JSON, O_NULL };
     static const struct option opts[] = {
         {"model", 1, 0, O_MODEL}, {"load-format", 1, 0, O_FMT}, {"backend", 1, 0, O_BACKEND},
         {"threads", 1, 0, O_THREADS}, {"num-requests", 1, 0, O_N}, {"input-len", 1, 0, O_IN},
         {"output-len", 1, 0, O_OUT}, {"shared-prefix", 1, 0, O_SHARED}, {"seed", 1, 0, O_SEED},
         {"block-size", 1, 0, O_BS}, {"kv-cache-mb", 1, 0, O_KV},
+        {"gpu-memory-utilization", 1, 0, O_GPU_UTIL},
         {"max-num-batched-tokens", 1, 0, O_MBT}, {"max-num-seqs", 1, 0, O_MS},
         {"no-prefix-cache", 0, 0, O_NOPC}, {"no-chunked-prefill", 0, 0, O_NOCP},
         {"json", 0, 0, O_JSON}, {"null-model", 0, 0, O_NULL}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
@@ -97,7 +109,7 @@ int main(int argc, char **argv)
     int32_t in_lo = 100, in_hi = 1024, out_lo = 100, out_hi = 1024;
     bool json = false, null_model = false;
     mr_params mp = mr_default_params();
-    mp.kv_cache_bytes = 2048ll << 20;
+    mp.kv_cache_bytes = 0; /* not given: set once the backend is known */
     gen_options go = gen_default_options();
     go.progress = true;
     int c;
@@ -119,6 +131,16 @@ int main(int argc, char **argv)
         case O_SEED: if (int_arg("--seed", optarg, 0, 1L << 62, &seed)) return 1; break;
         case O_BS: if (int_arg("--block-size", optarg, 1, 1024, &v)) return 1; mp.block_size = (int32_t)v; break;
         case O_KV: if (int_arg("--kv-cache-mb", optarg, 1, 1 << 24, &v)) return 1; mp.kv_cache_bytes = (int64_t)v << 20; break;
+        case O_GPU_UTIL: {
+            char *end;
+            double u = strtod(optarg, &end);
+            if (end == optarg || *end || !(u > 0 && u <= 1)) {
+                fprintf(stderr, "pdserve-bench-offline: --gpu-memory-utilization must be in (0, 1]\n");
+                return 1;
+            }
+            mp.gpu_memory_utilization = u;
+            break;
+        }
         case O_MBT: if (int_arg("--max-num-batched-tokens", optarg, 1, 1 << 20, &v)) return 1; mp.max_num_batched_tokens = (int32_t)v; break;
         case O_MS: if (int_arg("--max-num-seqs", optarg, 1, 1 << 16, &v)) return 1; mp.max_num_seqs = (int32_t)v; break;
         case O_NOPC: go.enable_prefix_cache = false; break;
@@ -172,6 +194,7 @@ int main(int argc, char **argv)
     gen_stats st;
     int32_t n_blocks, block_size = mp.block_size;
     if (null_model) {
+        if (mp.kv_cache_bytes == 0) mp.kv_cache_bytes = 2048ll << 20;
         /* Same pool size as the real KV cache would have; the forward writes flat logits. */
         int64_t per_block = (int64_t)block_size * cfg.n_kv_heads * cfg.head_dim * 4 * 2 * cfg.n_layers;
         n_blocks = (int32_t)(mp.kv_cache_bytes / per_block);
@@ -188,17 +211,23 @@ int main(int argc, char **argv)
     } else {
         pd_backend_params bp = pd_backend_default_params();
         bp.n_threads = (int32_t)threads;
-        if (pd_backend_create(backend, &bp, &be, err) < 0 ||
-            pd_model_load(&cfg, model_dir, fmt, 42, be, &m, err) < 0 ||
+        if (pd_backend_create(backend, &bp, &be, err) < 0) {
+            fprintf(stderr, "pdserve-bench-offline: %s\n", err);
+            goto out;
+        }
+        /* --kv-cache-mb not given: from device memory where the backend reports it (the
+         * runner measures after the weights and its workspace), else 2048 MiB. */
+        if (mp.kv_cache_bytes == 0 && !be->ops->mem_info) mp.kv_cache_bytes = 2048ll << 20;
+        if (pd_model_load(&cfg, model_dir, fmt, 42, be, &m, err) < 0 ||
             mr_create(&mp, m, &r, err) < 0) {
             fprintf(stderr, "pdserve-bench-offline: %s\n", err);
             goto out;
         }
         n_blocks = mr_n_blocks(r);
         fprintf(stderr, "pdserve-bench-offline: %s (%s, %.1fM params) on %s; %ld requests, input "
-                "%d..%d, output %d..%d; KV pool %d blocks of %d\n", model_dir, cfg.arch_name,
-                (double)m->n_params / 1e6, be->ops->name, n_req, in_lo, in_hi, out_lo, out_hi,
-                n_blocks, block_size);
+                "%d..%d, output %d..%d; KV pool %d blocks of %d (%.1f MiB)\n", model_dir,
+                cfg.arch_name, (double)m->n_params / 1e6, be->ops->name, n_req, in_lo, in_hi,
+                out_lo, out_hi, n_blocks, block_size, kv_mib(r));
         if (gen_run_opts(r, m, reqs, (int32_t)n_req, &go, res, &st, err) < 0) {
             fprintf(stderr, "pdserve-bench-offline: %s\n", err);
             goto out;

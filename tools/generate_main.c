@@ -53,7 +53,10 @@ static void usage(FILE *f)
         "  --ignore-eos                don't stop at the model's EOS ids\n"
         "engine:\n"
         "  --block-size N              tokens per KV block (default 16)\n"
-        "  --kv-cache-mb N             KV cache size in MiB (default: what the batch needs)\n"
+        "  --kv-cache-mb N             KV cache size in MiB (default: on a GPU, from\n"
+        "                              --gpu-memory-utilization; on the CPU, what the batch needs)\n"
+        "  --gpu-memory-utilization F  share of the GPU's memory to fill (weights, workspace, KV\n"
+        "                              cache) when --kv-cache-mb is not given, (0, 1] (default 0.9)\n"
         "  --max-num-batched-tokens N  tokens per forward (default 2048)\n"
         "  --max-num-seqs N            sequences per forward (default 256)\n"
         "output:\n"
@@ -133,7 +136,7 @@ enum {
     OPT_MODEL = 256, OPT_LOAD_FORMAT, OPT_BACKEND, OPT_THREADS, OPT_PROMPT_IDS, OPT_PROMPT,
     OPT_RANDOM_LEN, OPT_REPEAT, OPT_MAX_TOKENS, OPT_MIN_TOKENS, OPT_TEMP, OPT_TOP_P, OPT_TOP_K,
     OPT_MIN_P, OPT_REP_PEN, OPT_PRES_PEN, OPT_FREQ_PEN, OPT_SEED, OPT_STOP_IDS, OPT_IGNORE_EOS,
-    OPT_BLOCK_SIZE, OPT_KV_MB, OPT_MAX_BT, OPT_MAX_SEQS, OPT_JSON, OPT_QUIET,
+    OPT_BLOCK_SIZE, OPT_KV_MB, OPT_GPU_UTIL, OPT_MAX_BT, OPT_MAX_SEQS, OPT_JSON, OPT_QUIET,
 };
 
 static const struct option k_opts[] = {
@@ -159,6 +162,7 @@ static const struct option k_opts[] = {
     {"ignore-eos", no_argument, 0, OPT_IGNORE_EOS},
     {"block-size", required_argument, 0, OPT_BLOCK_SIZE},
     {"kv-cache-mb", required_argument, 0, OPT_KV_MB},
+    {"gpu-memory-utilization", required_argument, 0, OPT_GPU_UTIL},
     {"max-num-batched-tokens", required_argument, 0, OPT_MAX_BT},
     {"max-num-seqs", required_argument, 0, OPT_MAX_SEQS},
     {"json", no_argument, 0, OPT_JSON},
@@ -252,6 +256,16 @@ static int parse_args(int argc, char **argv, cli *a)
         case OPT_IGNORE_EOS: a->ignore_eos = true; break;
         case OPT_BLOCK_SIZE: if (parse_i64(fl, optarg, 1, 1024, &v)) return -1; a->mp.block_size = (int32_t)v; break;
         case OPT_KV_MB: if (parse_i64(fl, optarg, 1, 1 << 24, &v)) return -1; a->kv_mb = v; break;
+        case OPT_GPU_UTIL: {
+            float u;
+            if (parse_f(fl, optarg, &u)) return -1;
+            if (!(u > 0 && u <= 1)) {
+                fprintf(stderr, "pdserve-generate: %s must be in (0, 1]\n", fl);
+                return -1;
+            }
+            a->mp.gpu_memory_utilization = u;
+            break;
+        }
         case OPT_MAX_BT: if (parse_i64(fl, optarg, 1, 1 << 20, &v)) return -1; a->mp.max_num_batched_tokens = (int32_t)v; break;
         case OPT_MAX_SEQS: if (parse_i64(fl, optarg, 1, 1 << 16, &v)) return -1; a->mp.max_num_seqs = (int32_t)v; break;
         case OPT_JSON: a->json = true; break;
@@ -406,18 +420,18 @@ int main(int argc, char **argv)
         if (need > cfg.max_position) need = cfg.max_position;
         kv_tokens += (need + a.mp.block_size - 1) / a.mp.block_size * a.mp.block_size;
     }
-    if (a.kv_mb > 0) {
-        a.mp.kv_cache_bytes = a.kv_mb << 20;
-    } else {
-        a.mp.n_blocks = (int32_t)(kv_tokens / a.mp.block_size);
-    }
-
     pd_backend_params bp = pd_backend_default_params();
     bp.n_threads = a.threads;
     if (pd_backend_create(a.backend, &bp, &be, err) < 0) {
         fprintf(stderr, "pdserve-generate: %s\n", err);
         goto out;
     }
+    /* KV pool: --kv-cache-mb; else on a backend that reports device memory, the runner sizes
+     * it from --gpu-memory-utilization once the weights and its workspace are allocated; else
+     * what the batch needs. */
+    if (a.kv_mb > 0) a.mp.kv_cache_bytes = a.kv_mb << 20;
+    else if (be->ops->mem_info) a.mp.kv_cache_bytes = 0;
+    else a.mp.n_blocks = (int32_t)(kv_tokens / a.mp.block_size);
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     if (pd_model_load(&cfg, a.model_dir, a.fmt, 1234, be, &m, err) < 0) {
@@ -432,6 +446,15 @@ int main(int argc, char **argv)
     if (mr_create(&a.mp, m, &r, err) < 0) {
         fprintf(stderr, "pdserve-generate: %s\n", err);
         goto out;
+    }
+    if (!a.quiet) {
+        void *kv_base;
+        size_t kv_bytes;
+        mr_kv_pool(r, &kv_base, &kv_bytes);
+        fprintf(stderr, "pdserve-generate: KV cache %d blocks of %d tokens (%.1f MiB%s)\n",
+                mr_n_blocks(r), mr_block_size(r), (double)kv_bytes / 1048576.0,
+                a.kv_mb > 0 ? "" : be->ops->mem_info ? ", from --gpu-memory-utilization"
+                                                     : ", what the batch needs");
     }
     gen_stats st;
     if (gen_run(r, m, reqs, n, res, &st, err) < 0) {

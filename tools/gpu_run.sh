@@ -2,7 +2,10 @@
 # gpu_run.sh -- Runs on the lent GPU machine, in the repository root, over what
 # tools/gpu_package.sh packed into .gpu/: the CUDA op and golden-model tests and a short
 # generation on stories260k with --backend cuda. Extra modes, in any combination:
-#   bench     decode throughput of the Qwen3-0.6B shape (dummy weights) at batch 1 and 32
+#   bench     decode throughput of the Qwen3-0.6B shape (dummy weights) at batch 1 and 32,
+#             with the split-KV decode attention and without (PDSERVE_CUDA_SPLIT_KV=0)
+#   kvshare   two pdserve-generate processes at once on the one GPU, each sizing its KV cache
+#             with --gpu-memory-utilization 0.45 (both must start and finish)
 #   profile   per-kernel GPU times of Qwen3-0.6B decode steps (ncu, batch 1)
 #   sanitize  the CUDA tests again under compute-sanitizer memcheck
 #   services  the serving stack on the GPU: pdserve-up on stories260k with --backend cuda, once
@@ -53,13 +56,29 @@ has() { case " $MODES " in *" $1 "*) return 0 ;; esac; return 1; }
 MODES="$*"
 S=tools/shapes/qwen3-0.6b
 if has bench; then
-    for n in 1 32; do
-        echo "-- batch $n" >>"$OUT/bench.log"
-        "$G/bin/pdserve-generate" --model "$S" --load-format dummy --backend cuda \
-            --random-prompt-len 128 --repeat "$n" --max-tokens 256 --ignore-eos \
-            --temperature 0 >/dev/null 2>>"$OUT/bench.log" || rc=1
+    for split in 1 0; do
+        for n in 1 32; do
+            echo "-- batch $n, PDSERVE_CUDA_SPLIT_KV=$split" >>"$OUT/bench.log"
+            PDSERVE_CUDA_SPLIT_KV=$split "$G/bin/pdserve-generate" --model "$S" --load-format dummy \
+                --backend cuda --random-prompt-len 128 --repeat "$n" --max-tokens 256 \
+                --ignore-eos --temperature 0 >/dev/null 2>>"$OUT/bench.log" || rc=1
+        done
     done
-    grep -E '^-- batch|tok/s' "$OUT/bench.log"
+    grep -E '^-- batch|tok/s|KV cache' "$OUT/bench.log"
+fi
+if has kvshare; then
+    for i in 1 2; do
+        "$G/bin/pdserve-generate" --model "$S" --load-format dummy --backend cuda \
+            --gpu-memory-utilization 0.45 --random-prompt-len 128 --repeat 8 --max-tokens 2000 \
+            --ignore-eos --temperature 0 >/dev/null 2>"$OUT/kvshare-$i.log" &
+        eval "kv$i=\$!"
+        sleep 4 # the second one starts while the first holds its pool
+    done
+    wait "$kv1"; r1=$?
+    wait "$kv2"; r2=$?
+    [ "$r1" -eq 0 ] && [ "$r2" -eq 0 ] || rc=1
+    grep -hE 'KV cache|tok/s|error|failed' "$OUT"/kvshare-*.log
+    echo "== kvshare: exit $r1 $r2"
 fi
 if has profile; then
     # Skips the weight fills and the prefill: what is left are decode steps (about 340
@@ -83,7 +102,10 @@ if has services; then
         shift
         mkdir -p "$logs"
         echo "== services $name: pdserve-up $* -- --backend cuda"
+        # --kv-cache-mb: both instances share the GPU (the default sizes each pool from 0.9 of
+        # the device's memory) and each mirrors its pool in host memory.
         PDSERVE_LOG_DIR="$logs" "$G/bin/pdserve-up" --model "$M" --port 0 "$@" -- --backend cuda \
+            --kv-cache-mb 256 \
             >"$logs/up.out" 2>"$logs/up.err" &
         up=$!
         for _ in $(seq 900); do

@@ -36,6 +36,13 @@ for n in "$N_PREFILL" "$N_DECODE" "$PORT"; do
     [[ $n =~ ^[0-9]+$ ]] || { echo "pdserve-up: '$n' is not a number" >&2; exit 2; }
 done
 if [ "$COLOCATED" = 1 ]; then N_PREFILL=0; fi
+# Several instances share this host (and its GPU): give each a fixed KV pool unless the caller
+# sized it (a GPU instance otherwise takes --gpu-memory-utilization 0.9 of the card, and its
+# pinned host mirror for KV transfer is as large as its pool).
+case " ${EXTRA[*]} " in
+    *" --kv-cache-mb"*|*" --gpu-memory-utilization"*) ;;
+    *) EXTRA=(--kv-cache-mb 256 "${EXTRA[@]}") ;;
+esac
 [ "$N_DECODE" -ge 1 ] || { echo "pdserve-up: at least one decode instance" >&2; exit 2; }
 
 LOGS=${PDSERVE_LOG_DIR:-$(mktemp -d /tmp/pdserve-up.XXXXXX)}

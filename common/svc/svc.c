@@ -119,7 +119,8 @@ void svc_model_flags_init(svc_model_flags *f)
     f->backend = "auto";
     f->load_format = "safetensors";
     f->block_size = 16;
-    f->kv_cache_mb = 256;
+    f->kv_cache_mb = 0;
+    f->gpu_memory_utilization = 0.9;
     f->max_num_seqs = 256;
     f->max_num_batched_tokens = 2048;
 }
@@ -133,7 +134,8 @@ void svc_model_flags_add(svc_model_flags *f, pd_flag *fl, int *n)
         {"load-format", PD_FLAG_STRING, &f->load_format, "safetensors, or dummy (random weights)", 1, 0},
         {"threads", PD_FLAG_INT, &f->threads, "CPU threads for matrix products (0 = all)", 0, 1024},
         {"block-size", PD_FLAG_INT, &f->block_size, "tokens per KV block (same on prefill and decode)", 1, 1024},
-        {"kv-cache-mb", PD_FLAG_INT, &f->kv_cache_mb, "KV cache size in MiB", 1, 1 << 24},
+        {"kv-cache-mb", PD_FLAG_INT, &f->kv_cache_mb, "KV cache size in MiB (0 = auto: from --gpu-memory-utilization on a GPU, 256 on the CPU)", 0, 1 << 24},
+        {"gpu-memory-utilization", PD_FLAG_DOUBLE, &f->gpu_memory_utilization, "share of the GPU's memory this process may fill (weights, workspace, KV cache) when --kv-cache-mb is 0, (0, 1]", 0.001, 1},
         {"max-num-seqs", PD_FLAG_INT, &f->max_num_seqs, "sequences per engine step", 1, 65536},
         {"max-num-batched-tokens", PD_FLAG_INT, &f->max_num_batched_tokens, "tokens per engine step", 16, 1 << 20},
         {"max-model-len", PD_FLAG_INT, &f->max_model_len, "longest sequence (0 = the model's)", 0, 1 << 24},
@@ -181,7 +183,11 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
     if ((rc = pd_model_load(&m->cfg, f->model, fmt, 1234, m->be, &m->model, err)) < 0) goto fail;
     mr_params mp = mr_default_params();
     mp.block_size = (int32_t)f->block_size;
-    mp.kv_cache_bytes = f->kv_cache_mb << 20;
+    /* --kv-cache-mb 0: on a backend that reports device memory the runner sizes the pool from
+     * it after the weights and its workspace are allocated; 256 MiB elsewhere. */
+    if (f->kv_cache_mb > 0) mp.kv_cache_bytes = f->kv_cache_mb << 20;
+    else mp.kv_cache_bytes = m->be->ops->mem_info ? 0 : 256ll << 20;
+    mp.gpu_memory_utilization = f->gpu_memory_utilization;
     mp.max_num_seqs = (int32_t)f->max_num_seqs;
     mp.max_num_batched_tokens = (int32_t)f->max_num_batched_tokens;
     if ((rc = mr_create(&mp, m->model, &m->runner, err)) < 0) goto fail;
@@ -201,9 +207,15 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
         snprintf(m->model_name, sizeof m->model_name, "%.*s", (int)(len - start), base + start);
     }
     m->fingerprint = fingerprint(f->model, f->load_format, m->be->ops->act_dtype);
-    PD_LOGI("model %s (%s, %.1fM params) on %s: %d KV blocks of %d tokens", m->model_name,
-            m->cfg.arch_name, (double)m->model->n_params / 1e6, m->be->ops->name,
-            mr_n_blocks(m->runner), mr_block_size(m->runner));
+    {
+        void *kv_base;
+        size_t kv_bytes;
+        mr_kv_pool(m->runner, &kv_base, &kv_bytes);
+        PD_LOGI("model %s (%s, %.1fM params) on %s: %d KV blocks of %d tokens (%.1f MiB)",
+                m->model_name, m->cfg.arch_name, (double)m->model->n_params / 1e6,
+                m->be->ops->name, mr_n_blocks(m->runner), mr_block_size(m->runner),
+                (double)kv_bytes / 1048576.0);
+    }
     return 0;
 fail:
     svc_model_close(m);

@@ -43,7 +43,9 @@ typedef struct {
     const char *load_format;    /* safetensors | dummy */
     int64_t threads;            /* CPU threads, 0 = all */
     int64_t block_size;         /* tokens per KV block */
-    int64_t kv_cache_mb;        /* KV pool size */
+    int64_t kv_cache_mb;        /* KV pool size; 0 = auto: gpu_memory_utilization on a backend
+                                 * that reports device memory (CUDA), 256 MiB otherwise */
+    double gpu_memory_utilization; /* auto KV sizing: share of the device's memory (0, 1] */
     int64_t max_num_seqs;
     int64_t max_num_batched_tokens;
     int64_t max_model_len;      /* 0 = the model's */

@@ -23,7 +23,7 @@ static const pd_backend_ops k_cuda_ops = {
     .linear = pd_cuda__linear,
     .rope_store_kv = pd_cuda__rope_store_kv,
     .attention_prefill = pd_cuda__attention,
-    .attention_decode = pd_cuda__attention,
+    .attention_decode = pd_cuda__attention_decode,
     .swiglu = pd_cuda__swiglu,
     .gather_rows = pd_cuda__gather_rows,
     .kv_blocks_to_host = pd_cuda__kv_blocks_to_host,
@@ -31,6 +31,7 @@ static const pd_backend_ops k_cuda_ops = {
     .kv_blocks_copy = pd_cuda__kv_blocks_copy,
     .host_register = pd_cuda__host_register,
     .host_unregister = pd_cuda__host_unregister,
+    .mem_info = pd_cuda__mem_info,
 };
 
 int pd_backend_cuda_create(const pd_backend_params *p, pd_backend **out, char *err)

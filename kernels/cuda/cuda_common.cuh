@@ -25,6 +25,11 @@ typedef struct {
     cublasHandle_t cublas; /* bound to stream */
     void *staging;         /* pinned host memory for conversions on the way in and out */
     size_t staging_bytes;  /* size of staging */
+    int sm_count;          /* multiprocessors (sizes the split-KV decode grid) */
+    bool split_kv;         /* split-KV decode attention on (PDSERVE_CUDA_SPLIT_KV=0: off) */
+    float *attn_part;      /* split-KV decode workspace: partial outputs, maxima and sums */
+    size_t attn_part_floats;
+    size_t free_at_create; /* the device's free memory once the context existed (mem_info) */
 } pd_cuda_ctx;
 
 /* Logs a failed CUDA or cuBLAS call with its text, the library's message, file and line. */

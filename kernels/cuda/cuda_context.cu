@@ -1,5 +1,5 @@
 /* cuda_context.cu -- The CUDA backend's context (device, stream, cuBLAS handle, pinned staging
- * buffer) and its memory ops: alloc, free, sync. */
+ * buffer) and its memory ops: alloc, free, sync, mem_info. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,6 +8,7 @@
 #include "kernels/cuda/cuda_common.cuh"
 
 #define STAGING_BYTES ((size_t)16 << 20) /* pinned bytes for converting transfers, per chunk */
+#define ATTN_PART_FLOATS ((size_t)4 << 20) /* split-KV decode workspace (16 MiB) */
 
 void pd_cuda__report(const char *call, const char *msg, const char *file, int line)
 {
@@ -31,6 +32,7 @@ extern "C" void pd_cuda__ctx_destroy(void *ctx)
     if (c->stream) (void)cudaStreamSynchronize(c->stream);
     if (c->cublas) (void)cublasDestroy(c->cublas);
     if (c->staging) (void)cudaFreeHost(c->staging);
+    if (c->attn_part) (void)cudaFree(c->attn_part);
     if (c->stream) (void)cudaStreamDestroy(c->stream);
     free(c);
 }
@@ -64,12 +66,24 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
     cudaDeviceProp prop;
     CTX_TRY(cudaSetDevice(device) == cudaSuccess, PD_EBACKEND);
     CTX_TRY(cudaGetDeviceProperties(&prop, device) == cudaSuccess, PD_EBACKEND);
+    {   /* the baseline of mem_info's used_bytes (the CUDA context itself exists by now) */
+        size_t total = 0;
+        CTX_TRY(cudaMemGetInfo(&c->free_at_create, &total) == cudaSuccess, PD_EBACKEND);
+    }
     CTX_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking) == cudaSuccess,
             PD_EBACKEND);
     CTX_TRY(cublasCreate(&c->cublas) == CUBLAS_STATUS_SUCCESS, PD_EBACKEND);
     CTX_TRY(cublasSetStream(c->cublas, c->stream) == CUBLAS_STATUS_SUCCESS, PD_EBACKEND);
     CTX_TRY(cudaMallocHost(&c->staging, STAGING_BYTES) == cudaSuccess, PD_ENOMEM);
     c->staging_bytes = STAGING_BYTES;
+    CTX_TRY(cudaMalloc((void **)&c->attn_part, ATTN_PART_FLOATS * sizeof(float)) == cudaSuccess,
+            PD_ENOMEM);
+    c->attn_part_floats = ATTN_PART_FLOATS;
+    c->sm_count = prop.multiProcessorCount;
+    {
+        const char *e = getenv("PDSERVE_CUDA_SPLIT_KV");
+        c->split_kv = !(e && (!strcmp(e, "0") || !strcmp(e, "false") || !strcmp(e, "no")));
+    }
     PD_LOGI("cuda backend: device %d, %s (sm_%d%d, %d SMs, %.1f GiB)", device, prop.name,
             prop.major, prop.minor, prop.multiProcessorCount,
             (double)prop.totalGlobalMem / (1 << 30));
@@ -117,5 +131,14 @@ extern "C" int pd_cuda__sync(void *ctx)
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
     PD_CUDA_CHECK(cudaGetLastError());
+    return 0;
+}
+
+extern "C" int pd_cuda__mem_info(void *ctx, size_t *free_bytes, size_t *total_bytes,
+                                 size_t *used_bytes)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    PD_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
+    *used_bytes = c->free_at_create > *free_bytes ? c->free_at_create - *free_bytes : 0;
     return 0;
 }

@@ -16,6 +16,7 @@ void pd_cuda__ctx_destroy(void *ctx);
 int pd_cuda__alloc(void *ctx, pd_dtype dtype, size_t n, void **out);
 void pd_cuda__free(void *ctx, void *buf);
 int pd_cuda__sync(void *ctx);
+int pd_cuda__mem_info(void *ctx, size_t *free_bytes, size_t *total_bytes, size_t *used_bytes);
 
 /* cuda_transfer.cu */
 int pd_cuda__upload(void *ctx, void *dst, pd_dtype dst_type, size_t dst_off, const void *src,
@@ -39,8 +40,10 @@ int pd_cuda__linear(void *ctx, const void *x, const void *w, const void *bias, i
                     int32_t k, int32_t m, void *out);
 /* cuda_rope.cu */
 int pd_cuda__rope_store_kv(void *ctx, const pd_rope_args *a);
-/* cuda_attention.cu: one kernel serves prefill and decode batches. */
+/* cuda_attention.cu: prefill and decode batches (block per query row and head). */
 int pd_cuda__attention(void *ctx, const pd_attn_args *a);
+/* cuda_attention_decode.cu: decode batches, split-KV (falls back to pd_cuda__attention). */
+int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a);
 /* cuda_swiglu.cu */
 int pd_cuda__swiglu(void *ctx, const void *gate_up, int32_t n, int32_t f, void *out);
 /* cuda_gather_rows.cu */
