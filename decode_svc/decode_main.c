@@ -401,25 +401,16 @@ int main(int argc, char **argv)
     svc_block_signals();
     svc_model_flags mf;
     svc_model_flags_init(&mf);
-    const char *listen = "0.0.0.0:50061", *instance_id = "", *log_level = "info";
-    int64_t grace_ms = 30000, health_drain_ms = 0, threads = 2, max_tokens = 256, port = -1;
+    svc_server_flags sf;
+    svc_server_flags_init(&sf, "0.0.0.0:50061");
     int64_t metrics_port = -1;
     bool colocated = false;
     pd_flag flags[32];
     int n = 0;
     svc_model_flags_add(&mf, flags, &n);
-    pd_flag more[] = {
-        {"listen", PD_FLAG_STRING, &listen, "gRPC listen address (host:port; port 0 = any)", 1, 0},
-        {"port", PD_FLAG_INT, &port, "listen on 0.0.0.0:PORT (overrides --listen; 0 = any)", 0, 65535},
-        {"instance-id", PD_FLAG_STRING, &instance_id, "instance id in load reports (default decode@<listen>)", 1, 0},
-        {"colocated", PD_FLAG_BOOL, &colocated, "compute prompts here too (no prefill instance)", 1, 0},
-        {"default-max-tokens", PD_FLAG_INT, &max_tokens, "max_tokens when a request sets none", 1, 1 << 24},
-        {"grpc-threads", PD_FLAG_INT, &threads, "gRPC worker threads", 1, 64},
-        {"shutdown-grace-ms", PD_FLAG_INT, &grace_ms, "SIGTERM: time in-flight requests get to finish", 0, 3600000},
-        {"health-drain-ms", PD_FLAG_INT, &health_drain_ms, "SIGTERM: time health says NOT_SERVING before the listener closes", 0, 600000},
-        {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
-    };
-    for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) flags[n++] = more[i];
+    svc_server_flags_add(&sf, flags, &n, "decode");
+    flags[n++] = (pd_flag){"colocated", PD_FLAG_BOOL, &colocated,
+                           "compute prompts here too (no prefill instance)", 1, 0};
     svc_metrics_flag_add(&metrics_port, flags, &n);
     int prc = pd_flags_parse(flags, n, argc, argv, "pdserve-decode",
                              "The decode instance of pdserve: receives KV from prefill instances "
@@ -428,17 +419,13 @@ int main(int argc, char **argv)
         pd_flags_free();
         return prc > 0 ? 0 : 2;
     }
-    pd_log_level lv;
-    if (pd_log_parse_level(log_level, &lv) == 0) pd_log_set_level(lv);
-    char err[PD_ERR_LEN], listen_buf[64];
-    if (port >= 0) {
-        snprintf(listen_buf, sizeof listen_buf, "0.0.0.0:%lld", (long long)port);
-        listen = listen_buf;
-    }
+    svc_server_flags_apply(&sf);
+    const char *listen = sf.listen;
+    char err[PD_ERR_LEN];
     int status = 1;
     eng *e = NULL;
     g.colocated = colocated;
-    g.default_max_tokens = max_tokens;
+    g.default_max_tokens = sf.default_max_tokens;
     atomic_init(&g.next_id, 1);
     svc_metrics_params mp = {colocated ? "colocated" : "decode", "recv", listen, metrics_port};
     if (svc_metrics_create(&mp, &g.metrics, err) < 0) {
@@ -477,9 +464,9 @@ int main(int argc, char **argv)
     }
     rpc_server_params sp = rpc_server_default_params();
     sp.listen_addr = listen;
-    sp.n_threads = (int)threads;
-    sp.shutdown_grace_ms = (int)grace_ms;
-    sp.health_drain_ms = (int)health_drain_ms;
+    sp.n_threads = (int)sf.grpc_threads;
+    sp.shutdown_grace_ms = (int)sf.shutdown_grace_ms;
+    sp.health_drain_ms = (int)sf.health_drain_ms;
     sp.stream_queue_max = 4096;
     if (rpc_server_create(&sp, &g.server, err) < 0 ||
         rpc_server_register(g.server, &pdserve__internal__v1__decode__descriptor, "Decode",
@@ -495,7 +482,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-decode: %s\n", err);
         goto out;
     }
-    if (instance_id[0]) snprintf(g.inst.instance_id, sizeof g.inst.instance_id, "%s", instance_id);
+    if (sf.instance_id[0]) snprintf(g.inst.instance_id, sizeof g.inst.instance_id, "%s", sf.instance_id);
     else snprintf(g.inst.instance_id, sizeof g.inst.instance_id, "decode@%s", listen);
     PD_LOGI("pdserve-decode %s listening on port %d (%s)", g.inst.instance_id,
             rpc_server_port(g.server), colocated ? "colocated" : "decode-only");
@@ -507,7 +494,7 @@ int main(int argc, char **argv)
         goto out;
     }
     int sig = svc_wait_signal();
-    PD_LOGI("signal %d: draining (grace %lld ms)", sig, (long long)grace_ms);
+    PD_LOGI("signal %d: draining (grace %lld ms)", sig, (long long)sf.shutdown_grace_ms);
     g.inst.draining = 1;
     int cancelled = rpc_server_shutdown(g.server);
     PD_LOGI("drained; %d calls cancelled", cancelled);

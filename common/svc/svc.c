@@ -364,6 +364,46 @@ int svc_kv_copy(const svc_model *m, const int32_t *ids, int32_t n, int32_t layer
     return 0;
 }
 
+void svc_server_flags_init(svc_server_flags *f, const char *default_listen)
+{
+    memset(f, 0, sizeof *f);
+    f->listen = default_listen;
+    f->port = -1;
+    f->instance_id = "";
+    f->log_level = "info";
+    f->default_max_tokens = 256;
+    f->grpc_threads = 2;
+    f->shutdown_grace_ms = 30000;
+    f->health_drain_ms = 0;
+}
+
+void svc_server_flags_add(svc_server_flags *f, pd_flag *fl, int *n, const char *role)
+{
+    static char id_help[96];
+    snprintf(id_help, sizeof id_help, "instance id in load reports (default %s@<listen>)", role);
+    pd_flag add[] = {
+        {"listen", PD_FLAG_STRING, &f->listen, "gRPC listen address (host:port; port 0 = any)", 1, 0},
+        {"port", PD_FLAG_INT, &f->port, "listen on 0.0.0.0:PORT (overrides --listen; 0 = any)", 0, 65535},
+        {"instance-id", PD_FLAG_STRING, &f->instance_id, id_help, 1, 0},
+        {"default-max-tokens", PD_FLAG_INT, &f->default_max_tokens, "max_tokens when a request sets none", 1, 1 << 24},
+        {"grpc-threads", PD_FLAG_INT, &f->grpc_threads, "gRPC worker threads", 1, 64},
+        {"shutdown-grace-ms", PD_FLAG_INT, &f->shutdown_grace_ms, "SIGTERM: time in-flight requests get to finish", 0, 3600000},
+        {"health-drain-ms", PD_FLAG_INT, &f->health_drain_ms, "SIGTERM: time health says NOT_SERVING before the listener closes", 0, 600000},
+        {"log-level", PD_FLAG_STRING, &f->log_level, "error, warn, info, debug", 1, 0},
+    };
+    for (size_t i = 0; i < sizeof add / sizeof add[0]; i++) fl[(*n)++] = add[i];
+}
+
+void svc_server_flags_apply(svc_server_flags *f)
+{
+    pd_log_level lv;
+    if (pd_log_parse_level(f->log_level, &lv) == 0) pd_log_set_level(lv);
+    if (f->port >= 0) {
+        snprintf(f->listen_buf, sizeof f->listen_buf, "0.0.0.0:%lld", (long long)f->port);
+        f->listen = f->listen_buf;
+    }
+}
+
 void svc_block_signals(void)
 {
     sigset_t s;

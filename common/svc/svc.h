@@ -105,6 +105,27 @@ void svc_kv_pool_destroy(svc_model *m, kvt_pool *pool);
 int svc_kv_copy(const svc_model *m, const int32_t *ids, int32_t n, int32_t layer, bool to_host,
                 char *err);
 
+/* ---- server flags shared by prefill and decode ---- */
+
+typedef struct {
+    const char *listen;         /* gRPC listen address host:port */
+    int64_t port;               /* >= 0: listen on 0.0.0.0:port instead */
+    const char *instance_id;    /* "" = <role>@<listen> */
+    const char *log_level;      /* error, warn, info, debug */
+    int64_t default_max_tokens; /* max_tokens when a request sets none */
+    int64_t grpc_threads;
+    int64_t shutdown_grace_ms;  /* SIGTERM: time in-flight requests get */
+    int64_t health_drain_ms;    /* SIGTERM: NOT_SERVING time before the listener closes */
+    char listen_buf[64];        /* holds the address made from port */
+} svc_server_flags;
+
+/* Defaults (default_listen e.g. "0.0.0.0:50061"), and the flag table entries (appended at
+ * flags[*n], 8 of them). role names the instance in --instance-id's help. */
+void svc_server_flags_init(svc_server_flags *f, const char *default_listen);
+void svc_server_flags_add(svc_server_flags *f, pd_flag *flags, int *n, const char *role);
+/* After parsing: applies --log-level and turns --port into the listen address. */
+void svc_server_flags_apply(svc_server_flags *f);
+
 /* ---- lifecycle ---- */
 
 /* Blocks SIGINT/SIGTERM/SIGPIPE in the calling thread (call first in main, before any thread
