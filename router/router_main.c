@@ -251,6 +251,26 @@ static void emit_locked(rreq *r, const uint32_t *ids, size_t n, int finish, cons
     if (finish) finish_locked(r, RPC_STATUS_OK, NULL, NULL);
 }
 
+/* Starts an internal call of r (mu held) on inst: the call holds a reference to r; on failure
+ * the public call is finished with INTERNAL naming `what`. Returns true when started. */
+static bool start_internal_call(rreq *r, rtr_instance *inst, const char *path,
+                                const ProtobufCMessage *msg, const ProtobufCMessageDescriptor *resp,
+                                const rpc_client_callbacks *cb, rpc_client_call **slot,
+                                const char *what)
+{
+    char err[PD_ERR_LEN];
+    atomic_fetch_add(&r->refs, 1);
+    if (rpc_client_call_start(rtr_instance_channel(inst), path, msg, resp, g.call_timeout_ms, cb,
+                              slot, err) < 0) {
+        atomic_fetch_sub(&r->refs, 1);
+        char detail[PD_ERR_LEN + 32];
+        snprintf(detail, sizeof detail, "cannot call %s: %.400s", what, err);
+        finish_locked(r, RPC_STATUS_INTERNAL, "%s", detail);
+        return false;
+    }
+    return true;
+}
+
 /* ---- prefill call ---- */
 
 static void start_prefill(rreq *r, const Pdserve__Internal__V1__KvTarget *kv, const rtr_instance *exclude);
@@ -323,14 +343,9 @@ static void start_prefill(rreq *r, const Pdserve__Internal__V1__KvTarget *kv, co
     q.logprobs = r->logprobs;
     q.kv_target = (Pdserve__Internal__V1__KvTarget *)kv;
     rpc_client_callbacks cb = {pre_on_message, pre_on_done, r};
-    char err[PD_ERR_LEN];
-    atomic_fetch_add(&r->refs, 1);
-    if (rpc_client_call_start(rtr_instance_channel(p), "/pdserve.internal.v1.Prefill/Prefill",
-                              &q.base, &pdserve__internal__v1__prefill_response__descriptor,
-                              g.call_timeout_ms, &cb, &r->pcall, err) < 0) {
-        atomic_fetch_sub(&r->refs, 1);
-        finish_locked(r, RPC_STATUS_INTERNAL, "cannot call prefill: %s", err);
-    }
+    start_internal_call(r, p, "/pdserve.internal.v1.Prefill/Prefill", &q.base,
+                        &pdserve__internal__v1__prefill_response__descriptor, &cb, &r->pcall,
+                        "prefill");
 }
 
 /* ---- decode call ---- */
@@ -440,14 +455,9 @@ static bool start_decode(rreq *r, const rtr_instance *exclude)
     q.logprobs = r->logprobs;
     q.local_prefill = r->local_prefill;
     rpc_client_callbacks cb = {dec_on_message, dec_on_done, r};
-    char err[PD_ERR_LEN];
-    atomic_fetch_add(&r->refs, 1);
-    if (rpc_client_call_start(rtr_instance_channel(d), "/pdserve.internal.v1.Decode/Decode",
-                              &q.base, &pdserve__internal__v1__decode_response__descriptor,
-                              g.call_timeout_ms, &cb, &r->dcall, err) < 0) {
-        atomic_fetch_sub(&r->refs, 1);
-        finish_locked(r, RPC_STATUS_INTERNAL, "cannot call decode: %s", err);
-    }
+    start_internal_call(r, d, "/pdserve.internal.v1.Decode/Decode", &q.base,
+                        &pdserve__internal__v1__decode_response__descriptor, &cb, &r->dcall,
+                        "decode");
     return true;
 }
 

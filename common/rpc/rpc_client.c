@@ -152,6 +152,20 @@ int rpc_unary_call(rpc_channel *ch, const char *path, const ProtobufCMessage *re
     return rpc_unary_call_opts(ch, path, req, resp_desc, &o, resp, st);
 }
 
+int rpc__request_prepare(rpc_channel *ch, const rpc_call_opts *opts, const ProtobufCMessage *req,
+                         const char *what, rpc__md *md, grpc_byte_buffer **bb, char *err)
+{
+    int rc = rpc__md_build(opts, md, err);
+    if (rc != 0) return rc;
+    rc = rpc__encode(req, ch->p.max_send_msg_bytes, bb);
+    if (rc != 0) {
+        rpc__md_free(md);
+        return pd_errf(err, rc, "%s: cannot encode the request (%s)", what,
+                       rc == PD_EINVAL ? "larger than max_send_msg_bytes" : "out of memory");
+    }
+    return 0;
+}
+
 int rpc_unary_call_opts(rpc_channel *ch, const char *path, const ProtobufCMessage *req,
                         const ProtobufCMessageDescriptor *resp_desc, const rpc_call_opts *opts,
                         ProtobufCMessage **resp, rpc_status *st)
@@ -265,17 +279,10 @@ int rpc_client_stream_open_opts(rpc_channel *ch, const char *path, const Protobu
     if (!path || !req || !resp_desc) return pd_errf(err, PD_EINVAL, "rpc stream: bad arguments");
     rpc_client_stream *s = calloc(1, sizeof *s);
     if (!s) return pd_errf(err, PD_ENOMEM, "rpc stream: out of memory");
-    int rc = rpc__md_build(opts, &s->md, err);
+    int rc = rpc__request_prepare(ch, opts, req, "rpc stream", &s->md, &s->send_bb, err);
     if (rc != 0) {
         free(s);
         return rc;
-    }
-    rc = rpc__encode(req, ch->p.max_send_msg_bytes, &s->send_bb);
-    if (rc != 0) {
-        rpc__md_free(&s->md);
-        free(s);
-        return pd_errf(err, rc, "rpc stream: cannot encode the request (%s)",
-                       rc == PD_EINVAL ? "larger than max_send_msg_bytes" : "out of memory");
     }
     s->ch = ch;
     s->desc = resp_desc;

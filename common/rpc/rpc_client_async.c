@@ -171,17 +171,10 @@ int rpc_client_call_start_opts(rpc_channel *ch, const char *path, const Protobuf
         return pd_errf(err, PD_EINVAL, "rpc client: bad arguments");
     rpc_client_call *c = calloc(1, sizeof *c);
     if (!c) return pd_errf(err, PD_ENOMEM, "rpc client: out of memory");
-    int rc = rpc__md_build(opts, &c->md, err);
+    int rc = rpc__request_prepare(ch, opts, req, "rpc client", &c->md, &c->send_bb, err);
     if (rc != 0) {
         free(c);
         return rc;
-    }
-    rc = rpc__encode(req, ch->p.max_send_msg_bytes, &c->send_bb);
-    if (rc != 0) {
-        rpc__md_free(&c->md);
-        free(c);
-        return pd_errf(err, rc, "rpc client: cannot encode the request (%s)",
-                       rc == PD_EINVAL ? "larger than max_send_msg_bytes" : "out of memory");
     }
     c->ch = ch;
     c->desc = resp_desc;

@@ -31,6 +31,12 @@ typedef struct {
 int rpc__md_build(const rpc_call_opts *opts, rpc__md *out, char *err);
 void rpc__md_free(rpc__md *m);
 
+/* The request side of a new client call: opts' metadata into *md and req encoded into *bb
+ * (at most ch's max_send_msg_bytes). Returns 0, or an error with err naming `what` (then
+ * nothing is left to free). */
+int rpc__request_prepare(rpc_channel *ch, const rpc_call_opts *opts, const ProtobufCMessage *req,
+                         const char *what, rpc__md *md, grpc_byte_buffer **bb, char *err);
+
 /* Creates a call of path on ch bound to cq with opts' deadline (opts may be NULL). */
 grpc_call *rpc__channel_new_call(rpc_channel *ch, grpc_completion_queue *cq, const char *path,
                                  const rpc_call_opts *opts);
