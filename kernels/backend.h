@@ -29,7 +29,11 @@ typedef struct {
     int32_t n_seqs;              /* sequences in the batch */
     int32_t n_tokens;            /* query rows, = cu_q[n_seqs] */
     int32_t max_q_len;           /* longest query length in the batch (1 for pure decode) */
-    int32_t max_ctx_len;         /* longest context length in the batch */
+    int32_t max_ctx_len;         /* longest context length in the batch; 0 in a decode batch
+                                  * = unknown (a CUDA graph replayed with other contexts): the
+                                  * kernel sizes its work from the batch alone and reads each
+                                  * context from ctx_lens, where 0 marks a padding row (its
+                                  * output is zeros) */
     int32_t max_blocks_per_seq;  /* row length of block_tables */
     int32_t n_heads;             /* query heads */
     int32_t n_kv_heads;          /* key/value heads; n_heads % n_kv_heads == 0 (GQA) */
@@ -53,6 +57,29 @@ typedef struct {
     int32_t head_dim;
     float attn_factor;           /* multiplies cos and sin (YaRN's mscale); 1 otherwise */
 } pd_rope_args;
+
+/* One row's parameters for the optional sample op. The fields mean what smp_params's do
+ * (engine/sampler.h); the op picks the token smp_sample would pick from the same logits (up to
+ * the rounding of sums at a boundary). */
+typedef struct {
+    float temperature;           /* < 1e-5 (or NaN) = greedy */
+    float top_p;                 /* (0, 1]; 1 = off */
+    float min_p;                 /* [0, 1]; 0 = off */
+    float repetition_penalty;    /* 1 = off */
+    float presence_penalty;      /* 0 = off */
+    float frequency_penalty;     /* 0 = off */
+    int32_t top_k;               /* <= 0 or >= vocab = off */
+    int32_t n_output;            /* output tokens so far: the position keying the draw */
+    uint64_t seed;               /* the draw is smp_uniform(seed, n_output) */
+    int32_t pen_off;             /* this row's entries in the penalty list: [pen_off, */
+    int32_t pen_n;               /*   pen_off + pen_n); none when the penalties are off */
+} pd_sample_row;
+
+/* A distinct token of a row's prompt or output, for the penalties. */
+typedef struct {
+    int32_t token;               /* in [0, vocab) */
+    int32_t count;               /* occurrences in the output; 0 = in the prompt only */
+} pd_penalty_tok;
 
 typedef struct pd_backend_ops {
     const char *name;            /* "cpu", "cuda" */
@@ -125,6 +152,30 @@ typedef struct pd_backend_ops {
      * libraries' own; counted from the free memory then, so another process allocating at the
      * same moment makes it larger). Returns 0 or PD_EBACKEND. */
     int (*mem_info)(void *ctx, size_t *free_bytes, size_t *total_bytes, size_t *used_bytes);
+
+    /* Optional: sampling where the logits are. logits is [n][vocab] of act_dtype (backend
+     * memory, may be overwritten); rows[n] and pen[n_pen] are host memory; writes tokens[n]
+     * and, when not NULL, logprobs[n] (host memory: the log-probability of each pick as
+     * smp_sample defines it) and returns once they are written. Returns 0, PD_EINVAL,
+     * PD_ENOMEM, PD_EBACKEND. */
+    int (*sample)(void *ctx, void *logits, int32_t n, int32_t vocab, const pd_sample_row *rows,
+                  const pd_penalty_tok *pen, int32_t n_pen, int32_t *tokens, float *logprobs);
+    /* Optional: pinned host memory, from which upload_rows copies without blocking. */
+    int (*host_alloc)(void *ctx, size_t bytes, void **out);
+    void (*host_free)(void *ctx, void *p); /* NULL is a no-op */
+    /* Optional: raw bytes host -> backend, `rows` rows of row_bytes each, src_pitch bytes apart
+     * at src and dst_pitch apart at dst. Queued in order with the ops; when src is host_alloc
+     * memory it must stay unchanged until the next sync. Returns 0, PD_EINVAL, PD_EBACKEND. */
+    int (*upload_rows)(void *ctx, void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
+                       size_t row_bytes, size_t rows);
+    /* Optional: graphs (CUDA graphs). The ops queued between graph_begin and graph_end are
+     * recorded, not run (none of them may synchronise or copy to or from host memory);
+     * graph_launch replays them, reading whatever the buffers they name hold then. Returns 0,
+     * PD_ENOMEM, PD_EBACKEND (an op that cannot be recorded: the graph is abandoned). */
+    int (*graph_begin)(void *ctx);
+    int (*graph_end)(void *ctx, void **graph);
+    int (*graph_launch)(void *ctx, void *graph);
+    void (*graph_destroy)(void *ctx, void *graph); /* NULL is a no-op */
 } pd_backend_ops;
 
 typedef struct pd_backend {

@@ -8,13 +8,16 @@
 # tools/gpu_run.sh runs it there.
 #   PDSERVE_SHARED=DIR   shared folder (default ../shared)
 #   PD_CUDA_ARCHS=LIST   CUDA architectures (default 90a)
+#   PD_GPU_BUILD=DIR     build folder (default build-gpu)
+#   PD_GPU_DIR=DIR       package folder, git-ignored (default .gpu; any /.gpu*/ name)
+#   PD_GPU_EXTRA="T..."  further build targets to pack
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SHARED=${PDSERVE_SHARED:-../shared}
-B=build-gpu
-G=.gpu
+B=${PD_GPU_BUILD:-build-gpu}
+G=${PD_GPU_DIR:-.gpu}
 BINS="test_cuda_backend test_cuda_golden test_cpu_backend pdserve-generate pdserve-bench-offline
-      pdserve-prefill pdserve-decode pdserve-router pdserve-cli"
+      pdserve-prefill pdserve-decode pdserve-router pdserve-cli ${PD_GPU_EXTRA:-}"
 
 cmake -S . -B "$B" -DCMAKE_BUILD_TYPE=Release -DPD_CUDA=ON \
       -DPD_CUDA_ARCHS="${PD_CUDA_ARCHS:-90a}" >/dev/null

@@ -13,12 +13,12 @@
 #             colocated; a greedy completion streamed by pdserve-cli must match the golden
 #             story (the first 64 tokens; bf16 may drift later) and TTFT / TPOT are timed
 #             (client side, process start included); logs in $OUT/services-*/
-# Logs go to $OUT (default /tmp/pd-gpu). Exit status: 0 when every step passed.
+# Logs go to $OUT (default /tmp/pd-gpu). PD_GPU_DIR names the package folder (default .gpu). Exit status: 0 when every step passed.
 #   tools/gpu_run.sh [bench] [profile] [sanitize]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pd-gpu}
-G=$PWD/.gpu
+G=$PWD/${PD_GPU_DIR:-.gpu}
 mkdir -p "$OUT"
 LIB=/tmp/pd-gpu-lib
 rm -rf "$LIB" && mkdir -p "$LIB"
