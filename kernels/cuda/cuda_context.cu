@@ -30,6 +30,7 @@ extern "C" void pd_cuda__ctx_destroy(void *ctx)
     if (!ctx) return;
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     if (c->stream) (void)cudaStreamSynchronize(c->stream);
+    pd_cuda__sample_free(c->sample_state);
     if (c->cublas) (void)cublasDestroy(c->cublas);
     if (c->staging) (void)cudaFreeHost(c->staging);
     if (c->attn_part) (void)cudaFree(c->attn_part);

@@ -58,6 +58,10 @@ int pd_cuda__kv_blocks_copy(void *ctx, void *cache, const int32_t *ids, int32_t 
                             size_t block_bytes, void *host, bool to_host);
 int pd_cuda__host_register(void *ctx, void *p, size_t bytes);
 int pd_cuda__host_unregister(void *ctx, void *p);
+/* cuda_sample.cu: the sample op; its per-context buffers are freed with the context. */
+int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab, const pd_sample_row *rows,
+                    const pd_penalty_tok *pen, int32_t n_pen, int32_t *tokens, float *logprobs);
+void pd_cuda__sample_free(void *state); /* NULL is a no-op */
 
 #ifdef __cplusplus
 }
