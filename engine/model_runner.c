@@ -1,6 +1,13 @@
 /* model_runner.c -- Batched forward pass over the paged KV cache as a sequence of backend ops.
  * Residual stream: buffer A holds the residual, B each sub-layer's output; the fused
- * add+RMSNorm folds B into A and normalises into H. */
+ * add+RMSNorm folds B into A and normalises into H.
+ * A step's metadata (ids, positions, slots, logits rows, cu_q, contexts, block tables) is
+ * packed into one host buffer (pinned where the backend offers it) and goes to one backend
+ * buffer of the same layout in two copies; block tables sit there at the fixed pitch
+ * max_blocks_per_seq whatever the batch's width, so the kernels' arguments depend only on
+ * the row and sequence counts. That is what lets a decode step replay a graph captured at
+ * creation for its batch-size bucket (the batch padded with rows of context 0 that store
+ * nothing), with only the metadata copied in before the launch. */
 #include "engine/model_runner.h"
 
 #include <math.h>
@@ -11,7 +18,8 @@
 #include "common/error.h"
 #include "common/log.h"
 
-#define LOGITS_CHUNK 64 /* rows of logits computed per lm_head product */
+#define LOGITS_CHUNK 64 /* rows of logits computed per lm_head product (eager steps) */
+#define MAX_GRAPHS 64   /* batch-size buckets */
 
 struct mr {
     mr_params p;
@@ -25,11 +33,27 @@ struct mr {
     void **k_cache, **v_cache;    /* [n_layers] pointers into kv */
     /* workspace (backend memory) */
     void *a, *b, *h, *qkv, *attn, *gate_up, *act, *lh, *logits;
-    int32_t *d_ids, *d_pos, *d_slots, *d_cu_q, *d_ctx, *d_bt, *d_rows;
+    int32_t logits_cap;           /* rows r->logits holds */
+    /* step metadata: one backend buffer and its host twin, same layout (see meta_layout) */
+    int32_t *d_meta, *h_meta;
+    bool h_meta_pinned;           /* h_meta is backend host memory (async uploads) */
+    bool meta_inflight;           /* an upload from h_meta may still be reading it */
+    size_t meta_head;             /* elements before the block tables */
+    int32_t *d_ids, *d_pos, *d_slots, *d_rows, *d_cu_q, *d_ctx, *d_bt; /* into d_meta */
+    size_t o_ids, o_pos, o_slots, o_rows, o_cu_q, o_ctx;               /* offsets */
     float *inv_freq;
+    /* decode graphs: graph_bs[i] rows, ascending */
+    int32_t n_graphs;
+    int32_t graph_bs[MAX_GRAPHS];
+    void *graphs[MAX_GRAPHS];
+    int64_t graph_steps;
     mr_layer_fn layer_fn;         /* optional per-layer KV-ready hook */
     void *layer_arg;
 };
+
+static void meta_layout(mr *r);
+static void capture_graphs(mr *r);
+static void drop_graphs(mr *r);
 
 mr_params mr_default_params(void)
 {
@@ -40,6 +64,7 @@ mr_params mr_default_params(void)
         .n_blocks = 0,
         .kv_cache_bytes = 256ll << 20,
         .gpu_memory_utilization = 0.9,
+        .max_graph_batch = 256,
     };
     return p;
 }
@@ -119,7 +144,15 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
         goto fail;
     }
     /* The workspace first: a pool sized from free device memory must count it. */
-    size_t chunk = LOGITS_CHUNK;
+    int32_t gmax = p->max_graph_batch;
+    if (!r->be->ops->graph_begin || gmax < 0) gmax = 0;
+    if (gmax > p->max_num_seqs) gmax = p->max_num_seqs;
+    if (gmax > p->max_num_batched_tokens) gmax = p->max_num_batched_tokens;
+    r->p.max_graph_batch = gmax;
+    r->logits_cap = gmax > LOGITS_CHUNK ? gmax : LOGITS_CHUNK;
+    size_t chunk = (size_t)r->logits_cap;
+    meta_layout(r);
+    const size_t meta_n = r->meta_head + S * (size_t)r->max_blocks_per_seq;
     if ((rc = be_alloc(r, act, T * hs, &r->a, err)) < 0 ||
         (rc = be_alloc(r, act, T * hs, &r->b, err)) < 0 ||
         (rc = be_alloc(r, act, T * hs, &r->h, err)) < 0 ||
@@ -127,17 +160,28 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
         (rc = be_alloc(r, act, T * (size_t)c->n_heads * hd, &r->attn, err)) < 0 ||
         (rc = be_alloc(r, act, T * 2 * (size_t)c->intermediate_size, &r->gate_up, err)) < 0 ||
         (rc = be_alloc(r, act, T * (size_t)c->intermediate_size, &r->act, err)) < 0 ||
-        (rc = be_alloc(r, act, chunk * hs, &r->lh, err)) < 0 ||
+        (rc = be_alloc(r, act, LOGITS_CHUNK * hs, &r->lh, err)) < 0 ||
         (rc = be_alloc(r, act, chunk * (size_t)c->vocab_size, &r->logits, err)) < 0 ||
-        (rc = be_alloc(r, PD_DTYPE_I32, T, (void **)&r->d_ids, err)) < 0 ||
-        (rc = be_alloc(r, PD_DTYPE_I32, T, (void **)&r->d_pos, err)) < 0 ||
-        (rc = be_alloc(r, PD_DTYPE_I32, T, (void **)&r->d_slots, err)) < 0 ||
-        (rc = be_alloc(r, PD_DTYPE_I32, S + 1, (void **)&r->d_cu_q, err)) < 0 ||
-        (rc = be_alloc(r, PD_DTYPE_I32, S, (void **)&r->d_ctx, err)) < 0 ||
-        (rc = be_alloc(r, PD_DTYPE_I32, S * (size_t)r->max_blocks_per_seq, (void **)&r->d_bt, err)) < 0 ||
-        (rc = be_alloc(r, PD_DTYPE_I32, T, (void **)&r->d_rows, err)) < 0 ||
+        (rc = be_alloc(r, PD_DTYPE_I32, meta_n, (void **)&r->d_meta, err)) < 0 ||
         (rc = be_alloc(r, PD_DTYPE_F32, hd / 2, (void **)&r->inv_freq, err)) < 0)
         goto fail;
+    r->d_ids = r->d_meta + r->o_ids;
+    r->d_pos = r->d_meta + r->o_pos;
+    r->d_slots = r->d_meta + r->o_slots;
+    r->d_rows = r->d_meta + r->o_rows;
+    r->d_cu_q = r->d_meta + r->o_cu_q;
+    r->d_ctx = r->d_meta + r->o_ctx;
+    r->d_bt = r->d_meta + r->meta_head;
+    if (r->be->ops->host_alloc && r->be->ops->upload_rows &&
+        r->be->ops->host_alloc(r->be->ctx, meta_n * sizeof(int32_t), (void **)&r->h_meta) == 0) {
+        r->h_meta_pinned = true;
+    } else {
+        r->h_meta = malloc(meta_n * sizeof(int32_t));
+        if (!r->h_meta) {
+            rc = pd_errf(err, PD_ENOMEM, "out of memory");
+            goto fail;
+        }
+    }
     if (r->p.n_blocks == 0) {
         int64_t bytes = p->kv_cache_bytes;
         if (bytes == 0 && (rc = size_from_device(r, &bytes, err)) < 0) goto fail;
@@ -165,6 +209,8 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
         goto fail;
     }
     free(host_freq);
+    host_freq = NULL;
+    capture_graphs(r);
     PD_LOGD("model runner: %d KV blocks of %d tokens (%.1f MiB), %d tokens x %d seqs per step",
             r->p.n_blocks, p->block_size,
             (double)r->kv_layer_elems * es * 2 * c->n_layers / 1048576.0,
@@ -182,14 +228,17 @@ void mr_destroy(mr *r)
     if (!r) return;
     pd_backend *be = r->be;
 #define FREE(x) be->ops->free(be->ctx, (x))
+    if (r->meta_inflight) (void)be->ops->sync(be->ctx);
+    drop_graphs(r);
     FREE(r->kv);
     free(r->k_cache);
     free(r->v_cache);
     FREE(r->a); FREE(r->b); FREE(r->h); FREE(r->qkv); FREE(r->attn); FREE(r->gate_up);
-    FREE(r->act); FREE(r->lh); FREE(r->logits); FREE(r->d_ids); FREE(r->d_pos);
-    FREE(r->d_slots); FREE(r->d_cu_q); FREE(r->d_ctx); FREE(r->d_bt); FREE(r->d_rows);
+    FREE(r->act); FREE(r->lh); FREE(r->logits); FREE(r->d_meta);
     FREE(r->inv_freq);
 #undef FREE
+    if (r->h_meta_pinned) be->ops->host_free(be->ctx, r->h_meta);
+    else free(r->h_meta);
     free(r);
 }
 
@@ -283,31 +332,88 @@ static int validate(const mr *r, const mr_batch *b, int32_t *max_q, int32_t *max
                                     #expr, pd_strerror(rc_));                          \
     } while (0)
 
-int mr_forward(mr *r, const mr_batch *b, float *logits, char *err)
+/* Metadata offsets (elements): ids, positions, slots and logits rows (T each), cu_q (S + 1),
+ * contexts (S), then the block tables [S][max_blocks_per_seq]. */
+static void meta_layout(mr *r)
 {
-    int32_t max_q = 0, max_ctx = 0;
-    int rc = validate(r, b, &max_q, &max_ctx, err);
-    if (rc < 0) return rc;
+    const size_t T = (size_t)r->p.max_num_batched_tokens, S = (size_t)r->p.max_num_seqs;
+    r->o_ids = 0;
+    r->o_pos = T;
+    r->o_slots = 2 * T;
+    r->o_rows = 3 * T;
+    r->o_cu_q = 4 * T;
+    r->o_ctx = 4 * T + S + 1;
+    r->meta_head = 4 * T + 2 * S + 1;
+}
+
+/* Packs a batch of T rows and S sequences into h_meta (block tables at the batch's width w,
+ * packed) and copies it to d_meta (block tables at the full pitch). Rows past b->n_tokens and
+ * sequences past b->n_seqs are padding: token 0, position 0, no KV store, query row = its
+ * index, context 0 (a padding sequence owns one row). b may be NULL: all padding. */
+static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err)
+{
+    pd_backend *be = r->be;
+    const pd_backend_ops *o = be->ops;
+    if (r->meta_inflight) CALL(o->sync(be->ctx)); /* the last upload may still read h_meta */
+    int32_t *h = r->h_meta;
+    const int32_t nt = b ? b->n_tokens : 0, ns = b ? b->n_seqs : 0, nl = b ? b->n_logits : 0;
+    const int32_t w = b ? b->max_blocks_per_seq : 1;
+    const size_t ib = sizeof(int32_t);
+    if (nt) {
+        memcpy(h + r->o_ids, b->input_ids, (size_t)nt * ib);
+        memcpy(h + r->o_pos, b->positions, (size_t)nt * ib);
+        memcpy(h + r->o_slots, b->slot_mapping, (size_t)nt * ib);
+        memcpy(h + r->o_cu_q, b->cu_q, ((size_t)ns + 1) * ib);
+        memcpy(h + r->o_ctx, b->ctx_lens, (size_t)ns * ib);
+        memcpy(h + r->meta_head, b->block_tables, (size_t)ns * (size_t)w * ib);
+    }
+    if (nl) memcpy(h + r->o_rows, b->logits_rows, (size_t)nl * ib);
+    for (int32_t i = nl; i < T; i++) h[r->o_rows + i] = i;
+    for (int32_t i = nt; i < T; i++) {
+        h[r->o_ids + i] = 0;
+        h[r->o_pos + i] = 0;
+        h[r->o_slots + i] = -1;
+    }
+    if (ns == 0) h[r->o_cu_q] = 0;
+    for (int32_t s = ns; s < S; s++) { /* padding sequences take the padding rows one each */
+        h[r->o_cu_q + s + 1] = h[r->o_cu_q + s] + 1;
+        h[r->o_ctx + s] = 0;
+    }
+    const size_t pitch = (size_t)r->max_blocks_per_seq * ib;
+    if (o->upload_rows) {
+        /* Everything before the block tables in one copy (the unused tails of the T- and
+         * S-sized arrays go along: one copy beats three), then the tables' used columns. */
+        CALL(o->upload_rows(be->ctx, r->d_meta, r->meta_head * ib, h, r->meta_head * ib,
+                            r->meta_head * ib, 1));
+        if (ns) CALL(o->upload_rows(be->ctx, r->d_bt, pitch, h + r->meta_head, (size_t)w * ib,
+                                    (size_t)w * ib, (size_t)ns));
+        r->meta_inflight = r->h_meta_pinned;
+        return 0;
+    }
+    CALL(o->upload(be->ctx, r->d_meta, PD_DTYPE_I32, 0, h, PD_DTYPE_I32, r->meta_head));
+    for (int32_t s = 0; s < ns; s++)
+        CALL(o->upload(be->ctx, r->d_bt, PD_DTYPE_I32, (size_t)s * r->max_blocks_per_seq,
+                       h + r->meta_head + (size_t)s * w, PD_DTYPE_I32, (size_t)w));
+    return 0;
+}
+
+/* Embedding, every layer and, when `final` is set, the final norm into r->h, for T rows of S
+ * sequences whose metadata is in d_meta. max_ctx 0 = not known (a graph body). */
+static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ctx, bool final,
+                      char *err)
+{
     pd_backend *be = r->be;
     void *x = be->ctx;
     const pd_backend_ops *o = be->ops;
     const mc_config *c = &r->m->cfg;
-    const int32_t T = b->n_tokens, S = b->n_seqs, hs = c->hidden_size, hd = c->head_dim;
+    const int32_t hs = c->hidden_size, hd = c->head_dim;
     const int32_t nq = c->n_heads * hd, f = c->intermediate_size;
     const size_t es = pd_dtype_size(o->act_dtype);
-
-    CALL(o->upload(x, r->d_ids, PD_DTYPE_I32, 0, b->input_ids, PD_DTYPE_I32, (size_t)T));
-    CALL(o->upload(x, r->d_pos, PD_DTYPE_I32, 0, b->positions, PD_DTYPE_I32, (size_t)T));
-    CALL(o->upload(x, r->d_slots, PD_DTYPE_I32, 0, b->slot_mapping, PD_DTYPE_I32, (size_t)T));
-    CALL(o->upload(x, r->d_cu_q, PD_DTYPE_I32, 0, b->cu_q, PD_DTYPE_I32, (size_t)S + 1));
-    CALL(o->upload(x, r->d_ctx, PD_DTYPE_I32, 0, b->ctx_lens, PD_DTYPE_I32, (size_t)S));
-    CALL(o->upload(x, r->d_bt, PD_DTYPE_I32, 0, b->block_tables, PD_DTYPE_I32,
-                   (size_t)S * b->max_blocks_per_seq));
 
     pd_attn_args aa = {
         .q = r->qkv, .q_row_stride = r->qkv_dim, .out = r->attn, .cu_q = r->d_cu_q,
         .ctx_lens = r->d_ctx, .block_tables = r->d_bt, .n_seqs = S, .n_tokens = T,
-        .max_q_len = max_q, .max_ctx_len = max_ctx, .max_blocks_per_seq = b->max_blocks_per_seq,
+        .max_q_len = max_q, .max_ctx_len = max_ctx, .max_blocks_per_seq = r->max_blocks_per_seq,
         .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = hd,
         .block_size = r->p.block_size, .sliding_window = c->sliding_window,
         .scale = (float)(1.0 / sqrt((double)hd)),
@@ -349,16 +455,154 @@ int mr_forward(mr *r, const mr_batch *b, float *logits, char *err)
         CALL(o->swiglu(x, r->gate_up, T, f, r->act));
         CALL(o->linear(x, r->act, w->down, NULL, T, f, hs, r->b));
     }
-    if (b->n_logits == 0) return 0;
-    CALL(o->rmsnorm(x, r->b, r->a, r->m->final_norm, T, hs, c->rms_eps, r->h));
-    CALL(o->upload(x, r->d_rows, PD_DTYPE_I32, 0, b->logits_rows, PD_DTYPE_I32,
-                   (size_t)b->n_logits));
+    if (final) CALL(o->rmsnorm(x, r->b, r->a, r->m->final_norm, T, hs, c->rms_eps, r->h));
+    return 0;
+}
+
+/* A decode graph's body: B single-token sequences, every row's logits into r->logits. */
+static int graph_body(mr *r, int32_t B, char *err)
+{
+    pd_backend *be = r->be;
+    const mc_config *c = &r->m->cfg;
+    int rc = run_layers(r, B, B, 1, 0, true, err);
+    if (rc < 0) return rc;
+    CALL(be->ops->linear(be->ctx, r->h, r->m->lm_head, NULL, B, c->hidden_size, c->vocab_size,
+                         r->logits));
+    return 0;
+}
+
+static void drop_graphs(mr *r)
+{
+    for (int32_t i = 0; i < r->n_graphs; i++) r->be->ops->graph_destroy(r->be->ctx, r->graphs[i]);
+    r->n_graphs = 0;
+}
+
+/* Batch-size buckets: 1, 2, 4, 8, then steps of 8 to 64, of 16 to 128, of 32 beyond; the
+ * largest is max_graph_batch itself. */
+static int32_t next_bucket(int32_t b)
+{
+    if (b < 8) return b * 2;
+    if (b < 64) return b + 8;
+    if (b < 128) return b + 16;
+    return b + 32;
+}
+
+/* Captures one decode graph per bucket. Each body runs once eagerly first (libraries pick and
+ * load their kernels then, outside the capture) on padding rows, which store no KV. A failure
+ * leaves the runner eager: slower, never wrong. */
+static void capture_graphs(mr *r)
+{
+    const int32_t gmax = r->p.max_graph_batch;
+    if (gmax <= 0) return;
+    pd_backend *be = r->be;
+    char err[PD_ERR_LEN] = "";
+    int rc = 0;
+    int32_t b = 1;
+    for (; r->n_graphs < MAX_GRAPHS; b = next_bucket(b)) {
+        if (b > gmax) b = gmax;
+        if ((rc = upload_meta(r, NULL, b, b, err)) < 0 || (rc = graph_body(r, b, err)) < 0 ||
+            (rc = be->ops->sync(be->ctx)) < 0)
+            break;
+        r->meta_inflight = false;
+        if ((rc = be->ops->graph_begin(be->ctx)) < 0) break;
+        rc = graph_body(r, b, err);
+        void *g = NULL;
+        int rc2 = be->ops->graph_end(be->ctx, &g);
+        if (rc < 0 || (rc = rc2) < 0) break;
+        r->graph_bs[r->n_graphs] = b;
+        r->graphs[r->n_graphs++] = g;
+        if (b == gmax) break;
+    }
+    if (rc < 0) {
+        PD_LOGW("model runner: decode graphs off (capturing batch %d failed: %s%s%s); steps run "
+                "op by op", b, pd_strerror(rc),
+                err[0] ? ": " : "", err);
+        drop_graphs(r);
+        (void)be->ops->sync(be->ctx);
+        r->meta_inflight = false;
+        return;
+    }
+    PD_LOGI("model runner: %d decode graphs captured (batch 1..%d)", r->n_graphs, gmax);
+}
+
+/* The graph for a pure decode batch whose logits rows are its rows in order, or -1. */
+static int32_t pick_graph(const mr *r, const mr_batch *b, int32_t max_q)
+{
+    if (r->n_graphs == 0 || max_q != 1 || r->layer_fn || b->n_tokens != b->n_seqs ||
+        b->n_seqs > r->p.max_graph_batch || b->n_logits != b->n_seqs)
+        return -1;
+    for (int32_t i = 0; i < b->n_logits; i++)
+        if (b->logits_rows[i] != i) return -1;
+    for (int32_t i = 0; i < r->n_graphs; i++)
+        if (r->graph_bs[i] >= b->n_seqs) return i;
+    return -1;
+}
+
+/* The logits of rows [i0, i0 + n) of the batch's logits rows, in r->logits rows [0, n): to
+ * the host (logits) or sampled (s). */
+static int finish_rows(mr *r, int32_t i0, int32_t n, float *logits, const mr_sampling *s,
+                       char *err)
+{
+    pd_backend *be = r->be;
+    const int32_t V = r->m->cfg.vocab_size;
+    if (s) {
+        CALL(be->ops->sample(be->ctx, r->logits, n, V, s->rows + i0, s->pen, s->n_pen,
+                             s->tokens + i0, s->logprobs ? s->logprobs + i0 : NULL));
+    } else {
+        CALL(be->ops->download_f32(be->ctx, logits + (size_t)i0 * V, r->logits,
+                                   be->ops->act_dtype, 0, (size_t)n * V));
+    }
+    r->meta_inflight = false; /* both wait for the queue */
+    return 0;
+}
+
+static int forward(mr *r, const mr_batch *b, float *logits, const mr_sampling *smp, char *err)
+{
+    int32_t max_q = 0, max_ctx = 0;
+    int rc = validate(r, b, &max_q, &max_ctx, err);
+    if (rc < 0) return rc;
+    pd_backend *be = r->be;
+    void *x = be->ctx;
+    const pd_backend_ops *o = be->ops;
+    const mc_config *c = &r->m->cfg;
+    const int32_t hs = c->hidden_size;
+
+    const int32_t g = pick_graph(r, b, max_q);
+    if (g >= 0) {
+        const int32_t B = r->graph_bs[g];
+        if ((rc = upload_meta(r, b, B, B, err)) < 0) return rc;
+        CALL(o->graph_launch(x, r->graphs[g]));
+        r->graph_steps++;
+        return finish_rows(r, 0, b->n_logits, logits, smp, err);
+    }
+    if ((rc = upload_meta(r, b, b->n_tokens, b->n_seqs, err)) < 0) return rc;
+    if ((rc = run_layers(r, b->n_tokens, b->n_seqs, max_q, max_ctx, b->n_logits > 0, err)) < 0)
+        return rc;
     for (int32_t i0 = 0; i0 < b->n_logits; i0 += LOGITS_CHUNK) {
         int32_t n = b->n_logits - i0 < LOGITS_CHUNK ? b->n_logits - i0 : LOGITS_CHUNK;
         CALL(o->gather_rows(x, r->h, r->d_rows + i0, n, hs, r->lh));
         CALL(o->linear(x, r->lh, r->m->lm_head, NULL, n, hs, c->vocab_size, r->logits));
-        CALL(o->download_f32(x, logits + (size_t)i0 * c->vocab_size, r->logits, o->act_dtype, 0,
-                             (size_t)n * c->vocab_size));
+        if ((rc = finish_rows(r, i0, n, logits, smp, err)) < 0) return rc;
     }
     return 0;
 }
+
+int mr_forward(mr *r, const mr_batch *b, float *logits, char *err)
+{
+    return forward(r, b, logits, NULL, err);
+}
+
+bool mr_samples_on_backend(const mr *r) { return r->be->ops->sample != NULL; }
+
+int mr_forward_sample(mr *r, const mr_batch *b, const mr_sampling *s, char *err)
+{
+    if (!r->be->ops->sample)
+        return pd_errf(err, PD_EINVAL, "the %s backend does not sample", r->be->ops->name);
+    if (!s || (b->n_logits > 0 && (!s->rows || !s->tokens)) || s->n_pen < 0 ||
+        (s->n_pen > 0 && !s->pen))
+        return pd_errf(err, PD_EINVAL, "model runner: sampling arguments missing");
+    return forward(r, b, NULL, s, err);
+}
+
+int32_t mr_n_graphs(const mr *r) { return r->n_graphs; }
+int64_t mr_graph_steps(const mr *r) { return r->graph_steps; }

@@ -5,6 +5,7 @@
 #ifndef PD_MODEL_RUNNER_H
 #define PD_MODEL_RUNNER_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "engine/model.h"
@@ -22,6 +23,12 @@ typedef struct {
                                      * runner's workspace are allocated, at most what is free
                                      * (so two processes can share a device, e.g. 0.45 each);
                                      * in (0, 1], default 0.9 */
+    int32_t max_graph_batch;        /* decode steps of up to this many sequences replay graphs
+                                     * captured at creation (backends with graph ops, i.e.
+                                     * CUDA graphs), one per batch-size bucket, the batch padded
+                                     * to its bucket; 0 = every step runs op by op (eager);
+                                     * default 256 (capped at max_num_seqs and
+                                     * max_num_batched_tokens) */
 } mr_params;
 
 mr_params mr_default_params(void);
@@ -58,6 +65,29 @@ void mr_destroy(mr *r); /* NULL is a no-op */
  * validated first (ids, positions, lengths, block ids, slots): PD_EINVAL with err set, and
  * nothing is computed. */
 int mr_forward(mr *r, const mr_batch *b, float *logits, char *err);
+
+/* Sampling on the backend (see mr_forward_sample). rows[n_logits] are the logits rows'
+ * parameters in the batch's logits_rows order; pen[n_pen] their penalty entries (host memory,
+ * borrowed for the call); tokens[n_logits] and logprobs[n_logits] (may be NULL) receive the
+ * picks. */
+typedef struct {
+    const pd_sample_row *rows;
+    const pd_penalty_tok *pen;
+    int32_t n_pen;
+    int32_t *tokens;
+    float *logprobs;
+} mr_sampling;
+
+/* True when the backend samples where the logits are (it has the sample op). */
+bool mr_samples_on_backend(const mr *r);
+
+/* mr_forward, except that the logits rows are sampled on the backend and only the tokens
+ * (and log-probabilities) come back. PD_EINVAL when the backend has no sample op. */
+int mr_forward_sample(mr *r, const mr_batch *b, const mr_sampling *s, char *err);
+
+/* Decode graphs captured at creation (0 when eager), and how many steps replayed one. */
+int32_t mr_n_graphs(const mr *r);
+int64_t mr_graph_steps(const mr *r);
 
 /* Called during a forward after layer `layer` stored every token's K and V (the backend is
  * synchronized first, so the KV cache memory of that layer is final for those tokens). Set

@@ -54,6 +54,10 @@ split_kernel(const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__res
     const int32_t ctx = ctx_lens[s], row = cu_q[s];
     int32_t start = 0;
     if (sliding_window > 0 && ctx - sliding_window > 0) start = ctx - sliding_window;
+    if (chunk <= 0) { /* sized per sequence (the batch's longest context is not known) */
+        const int32_t n_keys = ctx - start;
+        chunk = max((n_keys + n_splits - 1) / n_splits, MIN_CHUNK);
+    }
     const int32_t k_begin = start + split * chunk;
     const int32_t k_end = min(k_begin + chunk, ctx);
     const int32_t *table = block_tables + (size_t)s * max_blocks_per_seq;
@@ -152,8 +156,9 @@ split_kernel(const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__res
                 o += sm_acc[j][g][d] * f;
             }
         }
-        if (n_splits == 1) {
-            pd_st(out + (size_t)row * ((size_t)n_heads * HD) + (size_t)h * HD + d, o / total);
+        if (n_splits == 1) { /* no key at all (a padding row of context 0) gives zeros */
+            pd_st(out + (size_t)row * ((size_t)n_heads * HD) + (size_t)h * HD + d,
+                  total > 0.0f ? o / total : 0.0f);
         } else {
             const size_t item = ((size_t)s * n_heads + h) * n_splits + split;
             part[item * HD + d] = o;
@@ -186,7 +191,7 @@ static __global__ void combine_kernel(const float *__restrict__ part, bf16 *__re
             o += part[(item0 + j) * head_dim + d] * f;
         }
         pd_st(out + (size_t)cu_q[s] * ((size_t)n_heads * head_dim) + (size_t)h * head_dim + d,
-              o / total);
+              total > 0.0f ? o / total : 0.0f);
     }
 }
 
@@ -240,7 +245,7 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
     if (!a) return PD_EINVAL;
     const int32_t hd = a->head_dim;
     const bool shape_ok = a->n_tokens > 0 && a->n_seqs > 0 && a->n_tokens == a->n_seqs &&
-        a->max_q_len == 1 && a->max_ctx_len > 0 && a->n_kv_heads > 0 && a->n_heads > 0 &&
+        a->max_q_len == 1 && a->max_ctx_len >= 0 && a->n_kv_heads > 0 && a->n_heads > 0 &&
         a->n_heads % a->n_kv_heads == 0 && a->n_heads / a->n_kv_heads <= MAX_G &&
         (hd == 8 || hd == 16 || hd == 32 || hd == 64 || hd == 128 || hd == 256) &&
         a->block_size > 0 && a->max_blocks_per_seq > 0 && a->sliding_window >= 0 &&
@@ -248,24 +253,38 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
         a->n_seqs <= 65535 && a->q && a->k_cache && a->v_cache && a->out && a->cu_q &&
         a->ctx_lens && a->block_tables &&
         ((uintptr_t)a->k_cache & 15) == 0 && ((uintptr_t)a->v_cache & 15) == 0;
-    if (!c->split_kv || !shape_ok || !c->attn_part) return pd_cuda__attention(ctx, a);
+    if (!c->split_kv || !shape_ok || !c->attn_part) {
+        /* The general kernel needs the longest context to size its grid. */
+        if (a->max_ctx_len == 0) return PD_EINVAL;
+        return pd_cuda__attention(ctx, a);
+    }
 
     /* Splits: about two blocks per SM, chunks of at least MIN_CHUNK keys, within the
-     * workspace (partial outputs, max and sum of each split of each head). */
+     * workspace (partial outputs, max and sum of each split of each head). With the longest
+     * context unknown (max_ctx_len 0: a graph replayed over other contexts) the split count
+     * comes from the batch alone and each sequence cuts its own context into that many
+     * chunks (chunk 0 tells the kernel so); splits past a short context stay empty. */
     int32_t n_keys = a->max_ctx_len;
-    if (a->sliding_window > 0 && a->sliding_window < n_keys) n_keys = a->sliding_window;
+    if (a->sliding_window > 0 && (n_keys == 0 || a->sliding_window < n_keys))
+        n_keys = a->sliding_window;
     const int64_t base_blocks = (int64_t)a->n_seqs * a->n_kv_heads;
     const int64_t target = 2 * (int64_t)c->sm_count;
     int64_t ns = (target + base_blocks - 1) / base_blocks;
-    const int64_t by_len = (n_keys + MIN_CHUNK - 1) / MIN_CHUNK;
-    if (ns > by_len) ns = by_len;
+    if (n_keys > 0) {
+        const int64_t by_len = (n_keys + MIN_CHUNK - 1) / MIN_CHUNK;
+        if (ns > by_len) ns = by_len;
+    }
     const int64_t per_split = (int64_t)a->n_seqs * a->n_heads * (hd + 2);
     const int64_t by_ws = (int64_t)(c->attn_part_floats / (size_t)per_split);
     if (ns > by_ws) ns = by_ws;
     if (ns > 65535) ns = 65535;
     if (ns < 1) ns = 1; /* one split writes the output directly: no workspace */
-    const int32_t chunk = (int32_t)((n_keys + ns - 1) / ns);
-    const int n_splits = (int)((n_keys + chunk - 1) / chunk);
+    int32_t chunk = 0;
+    int n_splits = (int)ns;
+    if (a->max_ctx_len > 0) {
+        chunk = (int32_t)((n_keys + ns - 1) / ns);
+        n_splits = (int)((n_keys + chunk - 1) / chunk);
+    }
     PD_CUDA_CHECK(launch_split(a, c->attn_part, n_splits, chunk, c->stream));
     return 0;
 }

@@ -32,6 +32,13 @@ static const pd_backend_ops k_cuda_ops = {
     .host_register = pd_cuda__host_register,
     .host_unregister = pd_cuda__host_unregister,
     .mem_info = pd_cuda__mem_info,
+    .host_alloc = pd_cuda__host_alloc,
+    .host_free = pd_cuda__host_free,
+    .upload_rows = pd_cuda__upload_rows,
+    .graph_begin = pd_cuda__graph_begin,
+    .graph_end = pd_cuda__graph_end,
+    .graph_launch = pd_cuda__graph_launch,
+    .graph_destroy = pd_cuda__graph_destroy,
 };
 
 int pd_backend_cuda_create(const pd_backend_params *p, pd_backend **out, char *err)

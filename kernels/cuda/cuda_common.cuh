@@ -30,6 +30,8 @@ typedef struct {
     float *attn_part;      /* split-KV decode workspace: partial outputs, maxima and sums */
     size_t attn_part_floats;
     size_t free_at_create; /* the device's free memory once the context existed (mem_info) */
+    void *cublas_ws;       /* cuBLAS's workspace, given explicitly so that captures need no
+                            * allocation */
     void *sample_state;    /* cuda_sample.cu's buffers, made on first use (NULL until then) */
 } pd_cuda_ctx;
 

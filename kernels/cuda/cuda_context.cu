@@ -8,6 +8,7 @@
 #include "kernels/cuda/cuda_common.cuh"
 
 #define STAGING_BYTES ((size_t)16 << 20) /* pinned bytes for converting transfers, per chunk */
+#define CUBLAS_WS_BYTES ((size_t)32 << 20) /* cuBLAS workspace (its Hopper recommendation) */
 #define ATTN_PART_FLOATS ((size_t)4 << 20) /* split-KV decode workspace (16 MiB) */
 
 void pd_cuda__report(const char *call, const char *msg, const char *file, int line)
@@ -34,6 +35,7 @@ extern "C" void pd_cuda__ctx_destroy(void *ctx)
     if (c->cublas) (void)cublasDestroy(c->cublas);
     if (c->staging) (void)cudaFreeHost(c->staging);
     if (c->attn_part) (void)cudaFree(c->attn_part);
+    if (c->cublas_ws) (void)cudaFree(c->cublas_ws);
     if (c->stream) (void)cudaStreamDestroy(c->stream);
     free(c);
 }
@@ -75,6 +77,9 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
             PD_EBACKEND);
     CTX_TRY(cublasCreate(&c->cublas) == CUBLAS_STATUS_SUCCESS, PD_EBACKEND);
     CTX_TRY(cublasSetStream(c->cublas, c->stream) == CUBLAS_STATUS_SUCCESS, PD_EBACKEND);
+    CTX_TRY(cudaMalloc(&c->cublas_ws, CUBLAS_WS_BYTES) == cudaSuccess, PD_ENOMEM);
+    CTX_TRY(cublasSetWorkspace(c->cublas, c->cublas_ws, CUBLAS_WS_BYTES) == CUBLAS_STATUS_SUCCESS,
+            PD_EBACKEND);
     CTX_TRY(cudaMallocHost(&c->staging, STAGING_BYTES) == cudaSuccess, PD_ENOMEM);
     c->staging_bytes = STAGING_BYTES;
     CTX_TRY(cudaMalloc((void **)&c->attn_part, ATTN_PART_FLOATS * sizeof(float)) == cudaSuccess,

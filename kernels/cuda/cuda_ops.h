@@ -58,6 +58,15 @@ int pd_cuda__kv_blocks_copy(void *ctx, void *cache, const int32_t *ids, int32_t 
                             size_t block_bytes, void *host, bool to_host);
 int pd_cuda__host_register(void *ctx, void *p, size_t bytes);
 int pd_cuda__host_unregister(void *ctx, void *p);
+/* cuda_graph.cu: pinned host memory, row uploads, graph capture and replay. */
+int pd_cuda__host_alloc(void *ctx, size_t bytes, void **out);
+void pd_cuda__host_free(void *ctx, void *p);
+int pd_cuda__upload_rows(void *ctx, void *dst, size_t dst_pitch, const void *src,
+                         size_t src_pitch, size_t row_bytes, size_t rows);
+int pd_cuda__graph_begin(void *ctx);
+int pd_cuda__graph_end(void *ctx, void **graph);
+int pd_cuda__graph_launch(void *ctx, void *graph);
+void pd_cuda__graph_destroy(void *ctx, void *graph);
 /* cuda_sample.cu: the sample op; its per-context buffers are freed with the context. */
 int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab, const pd_sample_row *rows,
                     const pd_penalty_tok *pen, int32_t n_pen, int32_t *tokens, float *logprobs);
