@@ -59,6 +59,7 @@ static void usage(FILE *f)
         "                              cache) when --kv-cache-mb is not given, (0, 1] (default 0.9)\n"
         "  --max-num-batched-tokens N  tokens per forward (default 2048)\n"
         "  --max-num-seqs N            sequences per forward (default 256)\n"
+        "  --enforce-eager             run decode steps op by op, not as CUDA graphs\n"
         "output:\n"
         "  --json                      one JSON object per prompt: {\"token_ids\": [...], ...}\n"
         "  --quiet                     no progress lines on stderr\n"
@@ -136,7 +137,7 @@ enum {
     OPT_MODEL = 256, OPT_LOAD_FORMAT, OPT_BACKEND, OPT_THREADS, OPT_PROMPT_IDS, OPT_PROMPT,
     OPT_RANDOM_LEN, OPT_REPEAT, OPT_MAX_TOKENS, OPT_MIN_TOKENS, OPT_TEMP, OPT_TOP_P, OPT_TOP_K,
     OPT_MIN_P, OPT_REP_PEN, OPT_PRES_PEN, OPT_FREQ_PEN, OPT_SEED, OPT_STOP_IDS, OPT_IGNORE_EOS,
-    OPT_BLOCK_SIZE, OPT_KV_MB, OPT_GPU_UTIL, OPT_MAX_BT, OPT_MAX_SEQS, OPT_JSON, OPT_QUIET,
+    OPT_BLOCK_SIZE, OPT_KV_MB, OPT_GPU_UTIL, OPT_MAX_BT, OPT_MAX_SEQS, OPT_EAGER, OPT_JSON, OPT_QUIET,
 };
 
 static const struct option k_opts[] = {
@@ -165,6 +166,7 @@ static const struct option k_opts[] = {
     {"gpu-memory-utilization", required_argument, 0, OPT_GPU_UTIL},
     {"max-num-batched-tokens", required_argument, 0, OPT_MAX_BT},
     {"max-num-seqs", required_argument, 0, OPT_MAX_SEQS},
+    {"enforce-eager", no_argument, 0, OPT_EAGER},
     {"json", no_argument, 0, OPT_JSON},
     {"quiet", no_argument, 0, OPT_QUIET},
     {"help", no_argument, 0, 'h'},
@@ -270,6 +272,7 @@ static int parse_args(int argc, char **argv, cli *a)
         case OPT_MAX_SEQS: if (parse_i64(fl, optarg, 1, 1 << 16, &v)) return -1; a->mp.max_num_seqs = (int32_t)v; break;
         case OPT_JSON: a->json = true; break;
         case OPT_QUIET: a->quiet = true; break;
+        case OPT_EAGER: a->mp.max_graph_batch = 0; break;
         default:
             fprintf(stderr, "Try 'pdserve-generate --help'.\n");
             return -1;
@@ -465,12 +468,13 @@ int main(int argc, char **argv)
     if (!a.quiet) {
         const eng_stats *es = &st.eng;
         fprintf(stderr, "pdserve-generate: %d prompts, %lld prompt + %lld new tokens in %.3f s: "
-                "%.1f new tok/s; prefill %.1f tok/s, decode %.1f tok/s (%lld steps)\n", n,
+                "%.1f new tok/s; prefill %.1f tok/s, decode %.1f tok/s (%lld steps, %lld decode "
+                "steps as graphs)\n", n,
                 (long long)st.prompt_tokens, (long long)st.generated_tokens, st.elapsed_s,
                 st.elapsed_s > 0 ? st.generated_tokens / st.elapsed_s : 0.0,
                 es->prefill_model_s > 0 ? es->prompt_tokens_computed / es->prefill_model_s : 0.0,
                 es->decode_model_s > 0 ? es->decode_tokens / es->decode_model_s : 0.0,
-                (long long)es->steps);
+                (long long)es->steps, (long long)mr_graph_steps(r));
     }
     status = 0;
 out:

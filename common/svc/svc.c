@@ -123,6 +123,7 @@ void svc_model_flags_init(svc_model_flags *f)
     f->gpu_memory_utilization = 0.9;
     f->max_num_seqs = 256;
     f->max_num_batched_tokens = 2048;
+    f->max_graph_batch = 256;
 }
 
 void svc_model_flags_add(svc_model_flags *f, pd_flag *fl, int *n)
@@ -141,6 +142,8 @@ void svc_model_flags_add(svc_model_flags *f, pd_flag *fl, int *n)
         {"max-model-len", PD_FLAG_INT, &f->max_model_len, "longest sequence (0 = the model's)", 0, 1 << 24},
         {"no-prefix-cache", PD_FLAG_BOOL, &f->no_prefix_cache, "disable prefix caching", 1, 0},
         {"no-chunked-prefill", PD_FLAG_BOOL, &f->no_chunked_prefill, "disable chunked prefill", 1, 0},
+        {"max-graph-batch", PD_FLAG_INT, &f->max_graph_batch, "decode steps of up to this many sequences replay CUDA graphs captured at start (0 = none)", 0, 65536},
+        {"enforce-eager", PD_FLAG_BOOL, &f->enforce_eager, "run every step op by op (no CUDA graphs; for debugging)", 1, 0},
     };
     for (size_t i = 0; i < sizeof add / sizeof add[0]; i++) fl[(*n)++] = add[i];
 }
@@ -190,6 +193,7 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
     mp.gpu_memory_utilization = f->gpu_memory_utilization;
     mp.max_num_seqs = (int32_t)f->max_num_seqs;
     mp.max_num_batched_tokens = (int32_t)f->max_num_batched_tokens;
+    mp.max_graph_batch = f->enforce_eager ? 0 : (int32_t)f->max_graph_batch;
     if ((rc = mr_create(&mp, m->model, &m->runner, err)) < 0) goto fail;
     m->ep = eng_default_params(m->runner);
     m->ep.mode = mode;

@@ -51,9 +51,11 @@ typedef struct {
     int64_t max_model_len;      /* 0 = the model's */
     bool no_prefix_cache;
     bool no_chunked_prefill;
+    int64_t max_graph_batch;    /* decode steps up to this batch replay CUDA graphs; 0 = eager */
+    bool enforce_eager;         /* same as max_graph_batch 0 */
 } svc_model_flags;
 
-/* Defaults, and the flag table entries (appended at flags[*n], at most 12). */
+/* Defaults, and the flag table entries (appended at flags[*n], at most 16). */
 void svc_model_flags_init(svc_model_flags *f);
 void svc_model_flags_add(svc_model_flags *f, pd_flag *flags, int *n);
 
