@@ -408,7 +408,6 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
     const mc_config *c = &r->m->cfg;
     const int32_t hs = c->hidden_size, hd = c->head_dim;
     const int32_t nq = c->n_heads * hd, f = c->intermediate_size;
-    const size_t es = pd_dtype_size(o->act_dtype);
 
     pd_attn_args aa = {
         .q = r->qkv, .q_row_stride = r->qkv_dim, .out = r->attn, .cu_q = r->d_cu_q,
@@ -421,7 +420,7 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
     pd_rope_args ra = {
         .qkv = r->qkv, .positions = r->d_pos, .slot_mapping = r->d_slots, .inv_freq = r->inv_freq,
         .n_tokens = T, .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = hd,
-        .attn_factor = r->attn_factor,
+        .attn_factor = r->attn_factor, .norm_eps = c->rms_eps,
     };
     int (*attention)(void *, const pd_attn_args *) =
         max_q == 1 ? o->attention_decode : o->attention_prefill;
@@ -433,11 +432,8 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
         if (l == 0) CALL(o->rmsnorm(x, r->a, NULL, w->attn_norm, T, hs, c->rms_eps, r->h));
         else CALL(o->rmsnorm(x, r->b, r->a, w->attn_norm, T, hs, c->rms_eps, r->h));
         CALL(o->linear(x, r->h, w->qkv, w->qkv_bias, T, hs, r->qkv_dim, r->qkv));
-        if (w->q_norm) {
-            CALL(o->head_rmsnorm(x, r->qkv, T, r->qkv_dim, c->n_heads, hd, w->q_norm, c->rms_eps));
-            CALL(o->head_rmsnorm(x, (char *)r->qkv + (size_t)nq * es, T, r->qkv_dim,
-                                 c->n_kv_heads, hd, w->k_norm, c->rms_eps));
-        }
+        ra.q_norm = w->q_norm; /* Qwen3's per-head norms, fused with the rotation */
+        ra.k_norm = w->k_norm;
         ra.k_cache = r->k_cache[l];
         ra.v_cache = r->v_cache[l];
         CALL(o->rope_store_kv(x, &ra));

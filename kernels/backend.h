@@ -43,7 +43,9 @@ typedef struct {
     float scale;                 /* softmax scale, usually 1/sqrt(head_dim) */
 } pd_attn_args;
 
-/* RoPE on the q and k parts of a fused qkv buffer, then store k and v by slot mapping. */
+/* RoPE on the q and k parts of a fused qkv buffer, then store k and v by slot mapping. With
+ * q_norm and k_norm set (Qwen3), each q and k head is first RMS-normalised in place as
+ * head_rmsnorm does (with these weights and norm_eps), the op fusing the three. */
 typedef struct {
     void *qkv;                   /* [n_tokens][(n_heads + 2 * n_kv_heads) * head_dim]: q | k | v */
     const int32_t *positions;    /* [n_tokens] absolute positions */
@@ -56,6 +58,9 @@ typedef struct {
     int32_t n_kv_heads;
     int32_t head_dim;
     float attn_factor;           /* multiplies cos and sin (YaRN's mscale); 1 otherwise */
+    const void *q_norm;          /* [head_dim] weights, or NULL: no head norm */
+    const void *k_norm;          /* [head_dim] weights (set together with q_norm) */
+    float norm_eps;
 } pd_rope_args;
 
 /* One row's parameters for the optional sample op. The fields mean what smp_params's do

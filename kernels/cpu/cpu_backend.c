@@ -173,9 +173,17 @@ static void rotate(float *v, const float *cs, const float *sn, int32_t half)
 
 static int cpu_rope_store_kv(void *ctx, const pd_rope_args *a)
 {
-    (void)ctx;
     const int32_t hd = a->head_dim, half = hd / 2;
     const int64_t row = (int64_t)(a->n_heads + 2 * a->n_kv_heads) * hd;
+    if (a->q_norm) {
+        if (!a->k_norm) return PD_EINVAL;
+        int rc = cpu_head_rmsnorm(ctx, a->qkv, a->n_tokens, row, a->n_heads, hd, a->q_norm,
+                                  a->norm_eps);
+        if (rc == 0)
+            rc = cpu_head_rmsnorm(ctx, (float *)a->qkv + (size_t)a->n_heads * hd, a->n_tokens,
+                                  row, a->n_kv_heads, hd, a->k_norm, a->norm_eps);
+        if (rc < 0) return rc;
+    }
     const int64_t kv_row = (int64_t)a->n_kv_heads * hd;
     float cs[512], sn[512];
     if (half > 512) return PD_EUNSUPPORTED;

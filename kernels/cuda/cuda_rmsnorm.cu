@@ -7,6 +7,48 @@
 
 /* out may alias x: every x element is read before the block's barrier (with a residual) or
  * read and written by the same thread (without). */
+#define MAXK 16 /* row elements a thread keeps in registers: rows up to THREADS * MAXK */
+
+/* Rows of at most THREADS * MAXK elements: each thread loads its elements once and keeps them
+ * in registers for the scaling pass (all loads of the row in flight at once). */
+static __global__ void __launch_bounds__(THREADS)
+rmsnorm_reg_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, float eps,
+                   bf16 *out)
+{
+    const size_t row = (size_t)blockIdx.x * dim;
+    const bf16 *xr = x + row;
+    bf16 *rr = residual ? residual + row : NULL;
+    float v[MAXK];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < MAXK; k++) {
+        const int32_t j = threadIdx.x + k * THREADS;
+        v[k] = 0.0f;
+        if (j < dim) v[k] = pd_ld(xr + j);
+    }
+    if (rr) {
+#pragma unroll
+        for (int k = 0; k < MAXK; k++) {
+            const int32_t j = threadIdx.x + k * THREADS;
+            if (j < dim) {
+                const bf16 s = __float2bfloat16_rn(pd_ld(rr + j) + v[k]);
+                rr[j] = s;
+                v[k] = __bfloat162float(s);
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < MAXK; k++) ss += v[k] * v[k];
+    ss = pd_block_sum(ss);
+    const float r = (float)(1.0 / sqrt((double)ss / dim + eps));
+    bf16 *o = out + row;
+#pragma unroll
+    for (int k = 0; k < MAXK; k++) {
+        const int32_t j = threadIdx.x + k * THREADS;
+        if (j < dim) pd_st(o + j, pd_ld(w + j) * (v[k] * r));
+    }
+}
+
 static __global__ void __launch_bounds__(THREADS)
 rmsnorm_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, float eps, bf16 *out)
 {
@@ -35,7 +77,10 @@ rmsnorm_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, float 
 static cudaError_t launch_rmsnorm(const bf16 *x, bf16 *residual, const bf16 *w, int32_t n,
                                   int32_t dim, float eps, bf16 *out, cudaStream_t stream)
 {
-    rmsnorm_kernel<<<n, THREADS, 0, stream>>>(x, residual, w, dim, eps, out);
+    if (dim <= THREADS * MAXK)
+        rmsnorm_reg_kernel<<<n, THREADS, 0, stream>>>(x, residual, w, dim, eps, out);
+    else
+        rmsnorm_kernel<<<n, THREADS, 0, stream>>>(x, residual, w, dim, eps, out);
     return cudaGetLastError();
 }
 

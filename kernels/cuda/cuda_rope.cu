@@ -1,7 +1,12 @@
 /* cuda_rope.cu -- rope_store_kv: rotate-half RoPE on the q and k heads of a fused qkv row,
- * then store k (rotated) and v into the paged cache at the row's slot (slot < 0: not stored).
- * One block per token; the angles are pos * inv_freq[i] in fp32 and cos/sin are taken in
- * double and rounded once, as the CPU op does. */
+ * then store k (rotated) and v into the paged cache at the row's slot (slot < 0: not stored);
+ * with q_norm / k_norm, Qwen3's per-head RMSNorm first. The angles are pos * inv_freq[i] in
+ * fp32 and cos/sin are taken in double and rounded once, as the CPU op does.
+ * For head_dim a multiple of 64 (up to 256) one warp takes one head of one token: each lane
+ * holds head_dim / 32 elements, element i and its rotation partner i + head_dim / 2 in the
+ * same lane, so norm, rotation and stores need no shared memory and every head of a batch of
+ * one is in flight at once (decode steps are latency-bound here). Other sizes: one block per
+ * token, the norms by the head_rmsnorm op before it. */
 #include "kernels/cuda/cuda_common.cuh"
 
 #define THREADS 128
@@ -49,6 +54,93 @@ rope_kernel(bf16 *qkv, const int32_t *positions, const int32_t *slots, const flo
     }
 }
 
+#define WARPS 4
+
+/* NR = head_dim / 32 elements per lane (even). Items are (token, head) over the q, k and v
+ * heads of each row: a v head is only copied to the cache. */
+template <int NR>
+static __global__ void __launch_bounds__(WARPS * 32)
+rope_warp_kernel(bf16 *qkv, const int32_t *positions, const int32_t *slots,
+                 const float *inv_freq, bf16 *k_cache, bf16 *v_cache, int32_t n_heads,
+                 int32_t n_kv_heads, float attn_factor, const bf16 *q_norm, const bf16 *k_norm,
+                 float eps, int64_t n_items)
+{
+    constexpr int HD = NR * 32, HALF = HD / 2, NP = NR / 2;
+    const int64_t item = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (item >= n_items) return;
+    const int32_t heads = n_heads + 2 * n_kv_heads;
+    const int64_t t = item / heads;
+    const int32_t h = (int32_t)(item % heads);
+    bf16 *p = qkv + (size_t)t * heads * HD + (size_t)h * HD;
+    const int32_t slot = slots[t];
+    const int64_t kv_row = (int64_t)n_kv_heads * HD;
+    if (h >= n_heads + n_kv_heads) { /* a v head: to the cache as it is */
+        if (slot < 0) return;
+        bf16 *vd = v_cache + (size_t)slot * kv_row + (size_t)(h - n_heads - n_kv_heads) * HD;
+#pragma unroll
+        for (int r = 0; r < NR; r++) vd[lane + 32 * r] = p[lane + 32 * r];
+        return;
+    }
+    float x[NR];
+#pragma unroll
+    for (int r = 0; r < NR; r++) x[r] = pd_ld(p + lane + 32 * r);
+    const bf16 *nw = h < n_heads ? q_norm : k_norm;
+    if (nw) { /* rounded to bf16 as the unfused norm stores it */
+        float ss = 0.0f;
+#pragma unroll
+        for (int r = 0; r < NR; r++) ss += x[r] * x[r];
+        ss = pd_warp_sum(ss);
+        const float rr = (float)(1.0 / sqrt((double)ss / HD + eps));
+#pragma unroll
+        for (int r = 0; r < NR; r++)
+            x[r] = __bfloat162float(__float2bfloat16_rn(pd_ld(nw + lane + 32 * r) * (x[r] * rr)));
+    }
+    const float pos = (float)positions[t];
+    bf16 *kd = h >= n_heads && slot >= 0
+                   ? k_cache + (size_t)slot * kv_row + (size_t)(h - n_heads) * HD : NULL;
+#pragma unroll
+    for (int r = 0; r < NP; r++) {
+        const int i = lane + 32 * r;
+        double sd, cd;
+        sincos((double)(pos * inv_freq[i]), &sd, &cd);
+        const float cs = (float)cd * attn_factor, sn = (float)sd * attn_factor;
+        const float x1 = x[r], x2 = x[r + NP];
+        const bf16 o1 = __float2bfloat16_rn(x1 * cs - x2 * sn);
+        const bf16 o2 = __float2bfloat16_rn(x2 * cs + x1 * sn);
+        p[i] = o1;
+        p[i + HALF] = o2;
+        if (kd) {
+            kd[i] = o1;
+            kd[i + HALF] = o2;
+        }
+    }
+}
+
+template <int NR>
+static cudaError_t launch_warp_t(const pd_rope_args *a, cudaStream_t stream)
+{
+    const int64_t items = (int64_t)a->n_tokens * (a->n_heads + 2 * a->n_kv_heads);
+    const unsigned blocks = (unsigned)((items + WARPS - 1) / WARPS);
+    rope_warp_kernel<NR><<<blocks, WARPS * 32, 0, stream>>>(
+        (bf16 *)a->qkv, a->positions, a->slot_mapping, a->inv_freq, (bf16 *)a->k_cache,
+        (bf16 *)a->v_cache, a->n_heads, a->n_kv_heads, a->attn_factor,
+        (const bf16 *)a->q_norm, (const bf16 *)a->k_norm, a->norm_eps, items);
+    return cudaGetLastError();
+}
+
+/* The warp kernel for its head sizes; cudaErrorNotSupported for the others. */
+static cudaError_t launch_warp(const pd_rope_args *a, cudaStream_t stream)
+{
+    switch (a->head_dim) {
+    case 64: return launch_warp_t<2>(a, stream);
+    case 128: return launch_warp_t<4>(a, stream);
+    case 192: return launch_warp_t<6>(a, stream);
+    case 256: return launch_warp_t<8>(a, stream);
+    default: return cudaErrorNotSupported;
+    }
+}
+
 static cudaError_t launch_rope(const pd_rope_args *a, cudaStream_t stream)
 {
     rope_kernel<<<a->n_tokens, THREADS, 0, stream>>>(
@@ -67,6 +159,22 @@ extern "C" int pd_cuda__rope_store_kv(void *ctx, const pd_rope_args *a)
         !a->k_cache || !a->v_cache)
         return PD_EINVAL;
     if (a->head_dim / 2 > MAX_HALF) return PD_EUNSUPPORTED;
+    if (!a->q_norm != !a->k_norm) return PD_EINVAL;
+    const int64_t items = (int64_t)a->n_tokens * (a->n_heads + 2 * a->n_kv_heads);
+    if (a->head_dim % 64 == 0 && a->head_dim <= 256 && (items + WARPS - 1) / WARPS < INT32_MAX) {
+        PD_CUDA_CHECK(launch_warp(a, c->stream));
+        return 0;
+    }
+    if (a->q_norm) {
+        const int64_t row = (int64_t)(a->n_heads + 2 * a->n_kv_heads) * a->head_dim;
+        int rc = pd_cuda__head_rmsnorm(ctx, a->qkv, a->n_tokens, row, a->n_heads, a->head_dim,
+                                       a->q_norm, a->norm_eps);
+        if (rc == 0)
+            rc = pd_cuda__head_rmsnorm(ctx, (bf16 *)a->qkv + (size_t)a->n_heads * a->head_dim,
+                                       a->n_tokens, row, a->n_kv_heads, a->head_dim, a->k_norm,
+                                       a->norm_eps);
+        if (rc < 0) return rc;
+    }
     PD_CUDA_CHECK(launch_rope(a, c->stream));
     return 0;
 }
