@@ -8,6 +8,7 @@
  * Every row also needs a relative L2 error under 5e-2. Exits 77 (skipped) without a CUDA
  * device. */
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,11 +43,12 @@ static uint32_t rnd(uint32_t n)
     return (uint32_t)((g_rng >> 11) % n);
 }
 
-static int side_open(const char *backend, const char *dir, side *s, char *err)
+static int side_open(const char *backend, const char *dir, bool eager, side *s, char *err)
 {
     memset(s, 0, sizeof *s);
     mc_config cfg;
     mr_params mp = mr_default_params();
+    if (eager) mp.max_graph_batch = 0;
     mp.block_size = BLOCK_SIZE;
     mp.n_blocks = N_BLOCKS;
     mp.max_num_batched_tokens = 512;
@@ -118,11 +120,15 @@ static int32_t argmax(const float *x, int32_t n)
     return b;
 }
 
-static void run_model(const char *dir, const char *name, double abs_tol, double margin_min)
+/* Compares the GPU's logits with the CPU's for a prefill and decode steps. The GPU side
+ * replays decode graphs, or with eager runs every step op by op. */
+static void run_model(const char *dir, const char *name, double abs_tol, double margin_min,
+                      bool eager)
 {
     char err[PD_ERR_LEN] = "";
     side cpu, gpu;
-    if (side_open("cpu", dir, &cpu, err) < 0 || side_open("cuda", dir, &gpu, err) < 0) {
+    if (side_open("cpu", dir, false, &cpu, err) < 0 ||
+        side_open("cuda", dir, eager, &gpu, err) < 0) {
         CHECK_MSG(0, "%s: %s", name, err);
         side_close(&cpu);
         side_close(&gpu);
@@ -196,9 +202,13 @@ static void run_model(const char *dir, const char *name, double abs_tol, double 
             for (int s = 0; s < N_SEQS; s++) last[s] = argmax(lc + (size_t)s * V, V);
         }
     }
-    printf("  %-12s (max |logit| %.1f) prefill %3d rows: max |diff| %.3g, worst row rel L2 %.2e, "
+    /* The decode steps (3 sequences: bucket 4, one padding row) replayed graphs or not. */
+    CHECK_MSG(mr_graph_steps(gpu.r) == (eager ? 0 : N_DECODE), "%s: %lld of %d decode steps "
+              "ran as graphs (%s)", name, (long long)mr_graph_steps(gpu.r), N_DECODE,
+              eager ? "eager" : "graphs on");
+    printf("  %-12s %-6s (max |logit| %.1f) prefill %3d rows: max |diff| %.3g, worst row rel L2 %.2e, "
            "argmax %d/%d | decode %3d rows: max |diff| %.3g, worst rel L2 %.2e, argmax %d/%d\n",
-           name, pre.max_ref > dec.max_ref ? pre.max_ref : dec.max_ref, pre.rows, pre.max_abs, pre.worst_rel, pre.argmax_checked - pre.argmax_wrong,
+           name, eager ? "eager" : "graphs", pre.max_ref > dec.max_ref ? pre.max_ref : dec.max_ref, pre.rows, pre.max_abs, pre.worst_rel, pre.argmax_checked - pre.argmax_wrong,
            pre.argmax_checked, dec.rows, dec.max_abs, dec.worst_rel,
            dec.argmax_checked - dec.argmax_wrong, dec.argmax_checked);
     CHECK(pre.rows == T && dec.rows == N_DECODE * N_SEQS);
@@ -227,7 +237,9 @@ int main(void)
     for (int i = 0; i < 4; i++) {
         char dir[1024];
         snprintf(dir, sizeof dir, "%s/%s", pd_test_shared_dir(), models[i].path);
-        run_model(dir, strrchr(models[i].path, '/') + 1, models[i].abs_tol, models[i].margin_min);
+        for (int eager = 0; eager < 2; eager++)
+            run_model(dir, strrchr(models[i].path, '/') + 1, models[i].abs_tol,
+                      models[i].margin_min, eager);
     }
     return pd_test_result("test_cuda_golden");
 }
