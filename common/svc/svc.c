@@ -193,7 +193,9 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
     mp.gpu_memory_utilization = f->gpu_memory_utilization;
     mp.max_num_seqs = (int32_t)f->max_num_seqs;
     mp.max_num_batched_tokens = (int32_t)f->max_num_batched_tokens;
-    mp.max_graph_batch = f->enforce_eager ? 0 : (int32_t)f->max_graph_batch;
+    /* A prefill instance never runs a decode step: no graphs to capture. */
+    mp.max_graph_batch = f->enforce_eager || mode == ENG_MODE_PREFILL ? 0
+                                                                      : (int32_t)f->max_graph_batch;
     if ((rc = mr_create(&mp, m->model, &m->runner, err)) < 0) goto fail;
     m->ep = eng_default_params(m->runner);
     m->ep.mode = mode;
