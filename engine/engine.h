@@ -28,6 +28,9 @@ typedef struct {
     /* Optional: installs (fn != NULL) or removes a per-layer KV-ready hook for the next
      * forwards (see mr_set_layer_hook). */
     void (*set_layer_hook)(void *ctx, mr_layer_fn fn, void *arg);
+    /* Optional: a forward that samples the logits rows where they are (mr_forward_sample);
+     * when set the engine uses it instead of forward + the host sampler. */
+    int (*forward_sample)(void *ctx, const mr_batch *b, const mr_sampling *s, char *err);
 } eng_executor;
 
 /* The executor that runs r (borrowed; must outlive the engine). */
