@@ -151,7 +151,7 @@ static void runner_set_hook(void *ctx, mr_layer_fn fn, void *arg)
 
 eng_executor eng_executor_runner(mr *r)
 {
-    eng_executor x = {runner_forward, r, runner_set_hook};
+    eng_executor x = {runner_forward, r, runner_set_hook, NULL};
     return x;
 }
 

@@ -40,7 +40,7 @@ static void run_alone(const eng_request *rq, int32_t *out, int32_t *n_out, seq_f
     eng_params p = {ENG_MODE_COLOCATED, 256, 4, 512, 8, 0, false, true};
     eng *e;
     char err[PD_ERR_LEN];
-    eng_executor x = {fake_forward, &f, NULL};
+    eng_executor x = {fake_forward, &f, NULL, NULL};
     CHECK(eng_create(&p, &cfg, x, &e, err) == 0);
     CHECK_MSG(eng_add_request(e, rq, err) == 0, "%s", err);
     *n_out = 0;
@@ -103,7 +103,7 @@ static int run_case(uint64_t seed)
     fake f = {calloc((size_t)p.n_blocks * 4, sizeof(int64_t)), (int64_t)p.n_blocks * 4, 0, 0};
     eng *e;
     char err[PD_ERR_LEN];
-    eng_executor x = {fake_forward, &f, NULL};
+    eng_executor x = {fake_forward, &f, NULL, NULL};
     int fails_before = pd_test_failures;
     CHECK(eng_create(&p, &cfg, x, &e, err) == 0);
     int added = 0, steps = 0;
@@ -175,7 +175,7 @@ static void test_modes(void)
     fake f = {calloc(64 * 4, sizeof(int64_t)), 64 * 4, 0, 0};
     eng_params p = {ENG_MODE_PREFILL, 64, 4, 64, 4, 0, true, true};
     eng *e;
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL}, &e, err) == 0);
     int32_t prompt[10] = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
     eng_request rq = {.id = 7, .prompt = prompt, .n_prompt = 10, .sampling = smp_default_params()};
     rq.sampling.temperature = 0;
@@ -200,7 +200,7 @@ static void test_modes(void)
      * after it match a colocated run. */
     p.mode = ENG_MODE_DECODE;
     memset(f.kv, 0, 64 * 4 * sizeof(int64_t));
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL}, &e, err) == 0);
     const int32_t *blocks;
     int32_t nb;
     CHECK(eng_reserve(e, &rq, &blocks, &nb, err) == 0);
@@ -248,7 +248,7 @@ static void test_bad_requests(void)
     fake f = {calloc(16 * 4, sizeof(int64_t)), 16 * 4, 0, 0};
     eng_params p = {ENG_MODE_COLOCATED, 16, 4, 32, 4, 0, true, false};
     eng *e;
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL}, &e, err) == 0);
     int32_t prompt[40] = {1, 2, 3};
     eng_request rq = {.id = 1, .prompt = prompt, .n_prompt = 3, .sampling = smp_default_params()};
     rq.stop.max_tokens = 4;
