@@ -13,8 +13,20 @@
 #             colocated; a greedy completion streamed by pdserve-cli must match the golden
 #             story (the first 64 tokens; bf16 may drift later) and TTFT / TPOT are timed
 #             (client side, process start included); logs in $OUT/services-*/
+#   perf      the GPU benchmark suite of issue #8, each figure next to its floor measured in
+#             the same run: the copy bandwidth and GEMM rate (pdserve-bench-kernels --floor,
+#             else a few lines of torch); the nano-vllm workload through pdserve-bench-offline
+#             (Qwen3-0.6B shape, dummy, 256 requests, lengths uniform in [100, 1024]) and its
+#             first PERF_HF_REQUESTS requests alone; single-sequence decode (pdserve-generate)
+#             and prefill of 1k and 8k prompts (pdserve-bench-offline, warmed up) for the
+#             Qwen3-0.6B and Llama-3-8B shapes; the decode attention kernel alone
+#             (pdserve-bench-kernels --attention, when packed); the same workload subset on HF
+#             transformers (tools/bench_hf_peer.py). Logs in $OUT/perf/, a summary at the end.
+#             PERF_MAX_S bounds the 256-request run (default 300 s), PERF_HF_REQUESTS (64) and
+#             PERF_HF_S (60 s) the peer's. PERF_BASELINE=1 runs the engine as it was before CUDA
+#             graphs and the GEMV kernel (--enforce-eager, PDSERVE_CUDA_GEMV_MAX_N=0).
 # Logs go to $OUT (default /tmp/pd-gpu). PD_GPU_DIR names the package folder (default .gpu). Exit status: 0 when every step passed.
-#   tools/gpu_run.sh [bench] [profile] [sanitize]
+#   tools/gpu_run.sh [bench] [kvshare] [profile] [sanitize] [services] [perf]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pd-gpu}
@@ -34,7 +46,13 @@ if ldd "$G/bin/test_cuda_backend" | grep -q 'not found'; then
     ldd "$G/bin/test_cuda_backend" | grep 'not found' && echo "libraries missing"
 fi
 export PDSERVE_SHARED="$G/shared"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem --format=csv,noheader
+# A build with PD_SANITIZE=ON cannot start CUDA (ASan's shadow memory: cudaGetDeviceCount
+# answers "out of memory" for every binary), which reads like a broken machine: say so first.
+if ldd "$G/bin/test_cuda_backend" | grep -q libasan; then
+    echo "warning: $G was built with PD_SANITIZE=ON; CUDA will not start under ASan (package a" \
+         "build configured with -DPD_SANITIZE=OFF)"
+fi
 
 rc=0
 step() { # step NAME COMMAND...: runs COMMAND, log in $OUT/NAME.log, prints its tail
@@ -173,5 +191,162 @@ PY
     }
     services disagg
     services colocated --colocated
+fi
+if has perf; then
+    P="$OUT/perf"
+    mkdir -p "$P"
+    Q=tools/shapes/qwen3-0.6b
+    L8=tools/shapes/llama3-8b
+    HF_N=${PERF_HF_REQUESTS:-64}
+    EAGER=()
+    if [ -n "${PERF_BASELINE:-}" ]; then
+        EAGER=(--enforce-eager)
+        export PDSERVE_CUDA_GEMV_MAX_N=0
+        echo "== perf: baseline configuration: decode steps eager, every product through cuBLAS"
+    fi
+    pstep() { # pstep NAME COMMAND...: output in $P/NAME.log; a failure marks the run failed
+        local name=$1 r
+        shift
+        echo "== perf $name: $*"
+        "$@" >"$P/$name.log" 2>&1
+        r=$?
+        grep -E '^\{|tok/s|FLOOR|error|failed|reached' "$P/$name.log" | tail -n 4
+        [ "$r" -eq 0 ] || { echo "== perf $name: exit $r"; rc=1; }
+    }
+    # Python runs without the packed libraries (they would shadow the system's for torch).
+    py() { env -u LD_LIBRARY_PATH PYTHONUNBUFFERED=1 python3 "$@"; }
+    # 1. The floors: a large device-to-device copy (bytes read + written) and a large bf16 GEMM.
+    if [ -x "$G/bin/pdserve-bench-kernels" ]; then
+        pstep floor "$G/bin/pdserve-bench-kernels" --floor
+    else
+        pstep floor py - <<'PY'
+import statistics, torch
+def timed(f, n):
+    for _ in range(3): f()
+    ts = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); f(); b.record(); b.synchronize(); ts.append(a.elapsed_time(b) * 1e-3)
+    return statistics.median(ts)
+x = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB, far over the L2
+y = torch.empty_like(x)
+copy = 2 * x.numel() * 2 / timed(lambda: y.copy_(x), 20) / 1e9
+del x, y
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+gemm = 2 * 8192 ** 3 / timed(lambda: a @ b, 10) / 1e12
+print("FLOOR copy_gbps=%.0f gemm_tflops=%.0f (torch %s, median of 20 copies of 1 GiB and 10 "
+      "8192^3 bf16 products)" % (copy, gemm, torch.__version__))
+PY
+    fi
+    BW=$(sed -n 's/.*FLOOR copy_gbps=\([0-9.]*\).*/\1/p' "$P/floor.log" | tail -n 1)
+    TF=$(sed -n 's/.*FLOOR.*gemm_tflops=\([0-9.]*\).*/\1/p' "$P/floor.log" | tail -n 1)
+    FL=()
+    [ -n "$BW" ] && FL+=(--bandwidth-gbs "$BW")
+    [ -n "$TF" ] && FL+=(--gemm-tflops "$TF")
+    # 2. The nano-vllm workload, then its first HF_N requests alone (what the peer runs).
+    pstep offline "$G/bin/pdserve-bench-offline" --model "$Q" --load-format dummy --backend cuda \
+        --num-requests 256 --input-len 100:1024 --output-len 100:1024 \
+        --gpu-memory-utilization 0.85 --max-seconds "${PERF_MAX_S:-300}" "${FL[@]}" "${EAGER[@]}" --json
+    pstep offline_subset "$G/bin/pdserve-bench-offline" --model "$Q" --load-format dummy \
+        --backend cuda --num-requests "$HF_N" --input-len 100:1024 --output-len 100:1024 \
+        --gpu-memory-utilization 0.85 --max-seconds "${PERF_MAX_S:-300}" "${FL[@]}" "${EAGER[@]}" --json
+    for m in qwen3-0.6b llama3-8b; do
+        # 3. One sequence: 128 prompt tokens, 256 greedy tokens (a small fixed KV pool: the 8B
+        # shape's 16 GB of weights plus a pool from 0.9 of the memory is needlessly slow).
+        pstep "decode_$m" "$G/bin/pdserve-generate" --model "tools/shapes/$m" --load-format dummy \
+            --backend cuda --kv-cache-mb 4096 --random-prompt-len 128 --max-tokens 256 \
+            --ignore-eos --temperature 0 "${EAGER[@]}"
+        # 4. Prefill: one prompt a step (8 of 1k, 2 of 8k; 8191 fits Llama-3-8B's 8192
+        # positions with the one output token), after an untimed warm-up prompt.
+        pstep "prefill1k_$m" "$G/bin/pdserve-bench-offline" --model "tools/shapes/$m" \
+            --load-format dummy --backend cuda --kv-cache-mb 8192 --num-requests 8 \
+            --input-len 1024 --output-len 1 --max-num-batched-tokens 1024 "${FL[@]}" "${EAGER[@]}" --json
+        pstep "prefill8k_$m" "$G/bin/pdserve-bench-offline" --model "tools/shapes/$m" \
+            --load-format dummy --backend cuda --kv-cache-mb 8192 --num-requests 2 \
+            --input-len 8191 --output-len 1 --max-num-batched-tokens 8191 "${FL[@]}" "${EAGER[@]}" --json
+    done
+    # 5. The decode attention kernel alone.
+    [ -x "$G/bin/pdserve-bench-kernels" ] && pstep attention "$G/bin/pdserve-bench-kernels" --attention
+    # 6. The peer: the same first HF_N requests on HF transformers, time-bounded.
+    pstep hf_peer timeout 400 env -u LD_LIBRARY_PATH PYTHONUNBUFFERED=1 python3 \
+        tools/bench_hf_peer.py --model "$Q" --num-requests "$HF_N" \
+        --time-budget "${PERF_HF_S:-60}" --json
+    echo "== perf summary"
+    py - "$P" "$Q" "$L8" "${BW:-0}" "${TF:-0}" <<'PY'
+import json, os, re, sys
+P, Q, L8 = sys.argv[1:4]
+bw, tf = float(sys.argv[4]), float(sys.argv[5])  # GB/s (read + write), TFLOP/s
+def text(n):
+    try: return open(os.path.join(P, n + ".log"), errors="replace").read()
+    except OSError: return ""
+def js(n):
+    for line in reversed(text(n).splitlines()):
+        if line.startswith("{"):
+            try: return json.loads(line)
+            except ValueError: pass
+    return None
+def shape(d):
+    c = json.load(open(os.path.join(d, "config.json")))
+    h, f, nl = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    nh = c["num_attention_heads"]; kv = c.get("num_key_value_heads", nh)
+    hd = c.get("head_dim") or h // nh
+    qk = 2 * hd if c.get("model_type") == "qwen3" else 0
+    layer = h * (nh + 2 * kv) * hd + nh * hd * h + 3 * h * f + 2 * h + qk
+    tied = c.get("tie_word_embeddings", False)
+    emb = c["vocab_size"] * h
+    params = nl * layer + emb * (1 if tied else 2) + h
+    read = params - (0 if tied else emb)  # an untied embedding table is only looked up
+    # bf16 weight bytes a decode step reads, KV bytes per token, weights in the matrix products
+    return params, 2 * read, 2 * 2 * nl * kv * hd, params - emb
+print(text("floor").strip().splitlines()[-1] if text("floor").strip() else "floor: not measured")
+rows = []
+def add(what, result, floor, ratio):
+    rows.append((what, result, floor, ratio))
+for name, label in (("offline", "nano-vllm workload, 256 req"), ("offline_subset", "same, first requests only")):
+    j = js(name)
+    if not j: add(label, "failed (see perf/%s.log)" % name, "", ""); continue
+    part = " PARTIAL %d/%d done" % (j["finished_requests"], j["requests"]) if j.get("partial") else ""
+    add(label, "%.0f out tok/s (%.1f s, %d tok)%s" % (j["output_tok_s"], j["elapsed_s"], j["output_tokens"], part),
+        "%.0f tok/s (%.2f s: %.0f GB)" % (j["floor_tok_s"], j["floor_s"], j["decode_bytes"] / 1e9) if j["floor_s"] else "-",
+        "%.1f%%" % (100 * j["floor_ratio"]) if j["floor_s"] else "-")
+for m, d in (("qwen3-0.6b", Q), ("llama3-8b", L8)):
+    params, wb, kvb, mm = shape(d)
+    g = re.search(r"decode ([0-9.]+) tok/s", text("decode_" + m))
+    if g and float(g.group(1)) > 0:
+        ms = 1e3 / float(g.group(1))
+        fl = (wb + 256 * kvb) / (bw * 1e9) * 1e3 if bw else 0  # mean context ~256 tokens
+        add("%s decode, batch 1" % m, "%.3f ms/token" % ms,
+            "%.3f ms (%.2f GB)" % (fl, (wb + 256 * kvb) / 1e9) if fl else "-", "%.1f%%" % (100 * fl / ms) if fl else "-")
+    else:
+        add("%s decode, batch 1" % m, "failed (see perf/decode_%s.log)" % m, "", "")
+    for n in ("1k", "8k"):
+        j = js("prefill%s_%s" % (n, m))
+        if not j or not j.get("prefill_tok_s"):
+            add("%s prefill %s" % (m, n), "failed (see perf/prefill%s_%s.log)" % (n, m), "", ""); continue
+        # floors: 2 x matmul params x tokens alone (the issue's), and with the causal attention
+        fl = j["prompt_rows"] / j["prefill_floor_s"] if j.get("prefill_floor_s") else 0
+        fl2 = tf * 1e12 / (2 * mm) if tf else 0
+        add("%s prefill %s" % (m, n), "%.0f tok/s" % j["prefill_tok_s"],
+            "%.0f tok/s 2PN, %.0f with attention" % (fl2, fl) if fl else "-",
+            "%.1f%%" % (100 * j["prefill_floor_ratio"]) if fl else "-")
+hf = js("hf_peer")
+sub = js("offline_subset")
+if hf:
+    ratio = "pdserve %.1fx" % (sub["output_tok_s"] / hf["output_tok_s"]) if sub and hf["output_tok_s"] else ""
+    add("HF peer: %s" % hf["method"], "%.0f out tok/s (%d/%d req, %.1f s)" % (hf["output_tok_s"], hf["requests_done"], hf["requests"], hf["elapsed_s"]), "", ratio)
+else:
+    add("HF peer", "failed (see perf/hf_peer.log)", "", "")
+w = [max(len(r[i]) for r in rows) for i in range(4)]
+if os.environ.get("PERF_BASELINE"):
+    print("configuration: baseline (--enforce-eager, PDSERVE_CUDA_GEMV_MAX_N=0)")
+print("%-*s  %-*s  %-*s  %s" % (w[0], "benchmark", w[1], "result", w[2], "floor", "of floor"))
+for r in rows:
+    print("%-*s  %-*s  %-*s  %s" % (w[0], r[0], w[1], r[1], w[2], r[2], r[3]))
+att = [l.rstrip() for l in text("attention").splitlines() if " 256" in l or "FLOOR" in l]
+if att:
+    print("decode attention alone (pdserve-bench-kernels --attention, rows at batch 256):")
+    print("\n".join("  " + l for l in att[:6]))
+PY
 fi
 exit $rc

@@ -2,7 +2,9 @@
  * prefill and decode batches: one block per (query row, head). Its warps split the context;
  * each warp takes KEYS keys at a time, reads them through the block table, and keeps an
  * online softmax in fp32 (running max, sum and output, the head split over the lanes); the
- * warps' partial results are merged at the end. No score matrix is ever stored. */
+ * warps' partial results are merged at the end. No score matrix is ever stored. Prefill
+ * batches whose shape the tensor-core kernel takes go there instead
+ * (cuda_attention_prefill.cu). */
 #include <math.h>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -161,6 +163,13 @@ extern "C" int pd_cuda__attention(void *ctx, const pd_attn_args *a)
         a->q_row_stride < (int64_t)a->n_heads * a->head_dim || !a->q || !a->k_cache ||
         !a->v_cache || !a->out || !a->cu_q || !a->ctx_lens || !a->block_tables)
         return PD_EINVAL;
+    /* Prefill batches go to the tensor-core kernel when their shape fits it (it answers 1
+     * when not); decode batches (one query row each) come here only as the decode kernel's
+     * fallback and stay here. */
+    if (a->max_q_len > 1) {
+        const int rc = pd_cuda__attention_prefill(ctx, a);
+        if (rc <= 0) return rc;
+    }
     if (a->head_dim > MAX_HEAD_DIM || a->n_heads > 65535) return PD_EUNSUPPORTED;
     PD_CUDA_CHECK(launch_attention(a, c->stream));
     return 0;

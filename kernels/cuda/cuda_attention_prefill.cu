@@ -1,0 +1,389 @@
+/* cuda_attention_prefill.cu -- Paged causal attention for prefill batches on the tensor cores,
+ * flash-attention style. A block takes a tile of M = 16 x warps query rows of one sequence and
+ * one KV head, a row being a (token, query head) pair: the G query heads of the GQA group of
+ * M / G consecutive tokens, so each K/V tile is read once for all of them. It walks the keys in
+ * tiles of KT, gathered through the block table into shared memory with cp.async (16-byte
+ * copies, STAGES buffers: the next two tiles load while one is computed); each warp computes
+ * its 16 rows' S = Q K^T and O += P V with bf16 mma.sync (m16n8k16, fp32 accumulation) and
+ * keeps an online softmax in fp32 registers (base 2, the scale folded in). Masks are applied only
+ * on the tiles that need them (the causal diagonal, the sliding window's edge); no score
+ * matrix leaves the registers. Head sizes 64 and 128 and up to 8 query heads per KV head are
+ * handled; everything else, and PDSERVE_CUDA_FLASH_PREFILL=0, stays with the general kernel
+ * (cuda_attention.cu, which routes here). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+#define KT 64    /* keys per K/V tile */
+#define STAGES 3 /* K/V tiles in shared memory: two load while one is computed */
+#define MAX_G 8  /* query heads per KV head handled here */
+
+/* ---- PTX wrappers (sm_80 and up) ---- */
+
+/* 16 bytes global -> shared, bypassing L1; with ok false nothing is read and zeros land. */
+static __device__ __forceinline__ void cp16(void *dst, const void *src, bool ok)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src),
+                 "r"(ok ? 16 : 0));
+}
+
+static __device__ __forceinline__ void cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
+
+/* Waits until at most N of this thread's newest copy groups are still in flight. */
+template <int N>
+static __device__ __forceinline__ void cp_wait(void)
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* 2^x on the special-function unit (2^-inf = 0); the softmax needs no more precision than
+ * the bf16 P it feeds. */
+static __device__ __forceinline__ float fast_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* Four 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8 of matrix
+ * l / 8. With trans each matrix arrives transposed. */
+static __device__ __forceinline__ void ldsm4(unsigned r[4], const bf16 *p)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+static __device__ __forceinline__ void ldsm4t(unsigned r[4], const bf16 *p)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+/* d += a (16x16 bf16, row-major) . b (16x8 bf16, column-major), fp32. */
+static __device__ __forceinline__ void mma16816(float d[4], const unsigned a[4], unsigned b0,
+                                                unsigned b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ unsigned pack_bf16(float lo, float hi)
+{
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const unsigned *>(&v);
+}
+
+/* Element offset of 16-byte chunk c of row r in a [rows][HD] shared tile. The chunk index is
+ * XORed with the row's low 3 bits, so the 8 rows an ldmatrix reads at one column fall in 8
+ * different bank groups (unswizzled, rows of 128 or 256 bytes would all hit the same one). */
+template <int HD>
+static __device__ __forceinline__ int swz(int r, int c)
+{
+    return r * HD + ((c ^ (r & 7)) << 3);
+}
+
+/* Copies K/V tile j (keys kb .. kb + KT - 1) of one KV head into shared memory. Keys past
+ * last (the tile's newest query position) are not read: they are masked anyway and may lie
+ * past the context, where the block table holds no block. */
+template <int HD, int NT>
+static __device__ __forceinline__ void load_kv(bf16 *sk, bf16 *sv, const bf16 *k_cache,
+                                               const bf16 *v_cache, const int32_t *table,
+                                               int32_t block_size, int64_t kv_row,
+                                               int64_t head_col, int32_t kb, int32_t last)
+{
+    constexpr int CH = HD / 8;
+#pragma unroll
+    for (int i = 0; i < KT * CH / NT; i++) {
+        const int id = (int)threadIdx.x + i * NT, r = id / CH, c = id % CH;
+        const int32_t p = kb + r;
+        const bool ok = p <= last;
+        int64_t off = 0;
+        if (ok)
+            off = ((int64_t)table[p / block_size] * block_size + p % block_size) * kv_row +
+                  head_col + c * 8;
+        cp16(sk + swz<HD>(r, c), k_cache + off, ok);
+        cp16(sv + swz<HD>(r, c), v_cache + off, ok);
+    }
+}
+
+/* Grid (query tile, KV head). Tiles are numbered per sequence from cu_q[s] / TQ + s (TQ = M / G
+ * tokens a tile), which leaves each sequence at least as many numbers as it has tiles; a block
+ * whose number falls past its sequence's last tile exits. Blocks run in reverse: the last
+ * tiles of a sequence see the most keys and should start first. */
+template <int HD, int NW>
+static __global__ void __launch_bounds__(NW * 32, 1)
+flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
+                     const bf16 *__restrict__ k_cache, const bf16 *__restrict__ v_cache,
+                     bf16 *__restrict__ out, const int32_t *__restrict__ cu_q,
+                     const int32_t *__restrict__ ctx_lens, const int32_t *__restrict__ block_tables,
+                     int32_t n_seqs, int32_t max_blocks_per_seq, int32_t n_heads,
+                     int32_t n_kv_heads, int32_t G, int32_t block_size, int32_t sliding_window,
+                     float scale_log2)
+{
+#if __CUDA_ARCH__ >= 800
+    constexpr int M = NW * 16, CH = HD / 8, NT = NW * 32;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    bf16 *sq = reinterpret_cast<bf16 *>(smem_raw); /* [M][HD]; later the output staging */
+    bf16 *sk = sq + M * HD;                        /* [STAGES][KT][HD] */
+    bf16 *sv = sk + STAGES * KT * HD;              /* [STAGES][KT][HD] */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int kvh = blockIdx.y;
+    const int32_t tile = (int32_t)(gridDim.x - 1 - blockIdx.x);
+    const int32_t tq = M / G;
+
+    /* The tile's sequence: the last s whose first tile number is <= tile. */
+    int32_t lo = 0, hi = n_seqs - 1;
+    while (lo < hi) {
+        const int32_t mid = (lo + hi + 1) >> 1;
+        if (cu_q[mid] / tq + mid <= tile) lo = mid;
+        else hi = mid - 1;
+    }
+    const int32_t s = lo, q0 = cu_q[s], q_len = cu_q[s + 1] - q0;
+    const int32_t t0 = (tile - (q0 / tq + s)) * tq;
+    if (t0 >= q_len) return; /* the whole block: before any barrier */
+    const int32_t n_tok = min(tq, q_len - t0), n_rows = n_tok * G;
+    const int32_t pos_lo = ctx_lens[s] - q_len + t0, pos_hi = pos_lo + n_tok - 1;
+    const int32_t kstart = sliding_window > 0 ? max(0, pos_lo - sliding_window + 1) : 0;
+    const int32_t start_hi = sliding_window > 0 ? max(0, pos_hi - sliding_window + 1) : 0;
+    const int32_t n_tiles = (pos_hi - kstart) / KT + 1;
+    const int32_t *table = block_tables + (size_t)s * max_blocks_per_seq;
+    const int64_t kv_row = (int64_t)n_kv_heads * HD, head_col = (int64_t)kvh * HD;
+
+    /* Q rows (token t0 + r / G, head kvh * G + r % G); rows past the tile's tokens read zeros. */
+#pragma unroll
+    for (int i = 0; i < M * CH / NT; i++) {
+        const int id = tid + i * NT, r = id / CH, c = id % CH;
+        const bool ok = r < n_rows;
+        const bf16 *src = q;
+        if (ok)
+            src = q + (size_t)(q0 + t0 + r / G) * q_row_stride +
+                  (size_t)(kvh * G + r % G) * HD + c * 8;
+        cp16(sq + swz<HD>(r, c), src, ok);
+    }
+    load_kv<HD, NT>(sk, sv, k_cache, v_cache, table, block_size, kv_row, head_col, kstart,
+                    pos_hi);
+    cp_commit();
+    if (n_tiles > 1)
+        load_kv<HD, NT>(sk + KT * HD, sv + KT * HD, k_cache, v_cache, table, block_size, kv_row,
+                        head_col, kstart + KT, pos_hi);
+    cp_commit(); /* one group per tile, empty or not: the wait below counts groups */
+
+    /* This thread's two rows in the mma layout: g and g + 8 of the warp's 16. Padding rows
+     * take the last token's position (their Q is zero; they are never stored). */
+    const int g = lane >> 2, qd = lane & 3;
+    int32_t pos[2], wstart[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int r = warp * 16 + g + 8 * h;
+        pos[h] = pos_lo + min(r / G, n_tok - 1);
+        wstart[h] = sliding_window > 0 ? max(0, pos[h] - sliding_window + 1) : 0;
+    }
+
+    unsigned qf[HD / 16][4];
+    float o[HD / 8][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+
+    for (int32_t j = 0; j < n_tiles; j++) {
+        /* Tile j has landed (only tile j + 1 may still be in flight), and every warp is done
+         * with tile j - 1, whose buffer the copy of tile j + 2 overwrites. */
+        cp_wait<1>();
+        __syncthreads();
+        if (j == 0) {
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk++)
+                ldsm4(qf[kk], sq + swz<HD>(warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                           2 * kk + (lane >> 4)));
+        }
+        const int32_t kb = kstart + j * KT;
+        if (j + 2 < n_tiles) {
+            const int nb = (j + 2) % STAGES;
+            load_kv<HD, NT>(sk + nb * KT * HD, sv + nb * KT * HD, k_cache, v_cache, table,
+                            block_size, kv_row, head_col, kb + 2 * KT, pos_hi);
+        }
+        cp_commit();
+        const int cb = j % STAGES;
+        const bf16 *kt = sk + cb * KT * HD, *vt = sv + cb * KT * HD;
+
+        /* S = Q K^T: 16 rows x KT keys per warp. */
+        float sc[KT / 8][4];
+#pragma unroll
+        for (int n = 0; n < KT / 8; n++) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+#pragma unroll
+            for (int nn = 0; nn < KT / 16; nn++) {
+                unsigned b[4];
+                ldsm4(b, kt + swz<HD>(nn * 16 + (lane & 7) + (lane >> 4) * 8,
+                                      2 * kk + ((lane >> 3) & 1)));
+                mma16816(sc[2 * nn], qf[kk], b[0], b[1]);
+                mma16816(sc[2 * nn + 1], qf[kk], b[2], b[3]);
+            }
+        }
+
+        /* Scale to base 2; mask keys past a row's position or before its window, only on the
+         * tiles where some row has such keys. */
+        const bool masked = kb + KT - 1 > pos_lo || kb < start_hi;
+#pragma unroll
+        for (int n = 0; n < KT / 8; n++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float v = sc[n][e] * scale_log2;
+                if (masked) {
+                    const int32_t key = kb + n * 8 + qd * 2 + (e & 1);
+                    if (key > pos[e >> 1] || key < wstart[e >> 1]) v = -INFINITY;
+                }
+                sc[n][e] = v;
+            }
+        }
+
+        /* Online softmax per row; the four lanes of a quad share a row. A row that has seen
+         * no key yet (max -inf) takes 0 as its base, so that its p are 0, not NaN. */
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float mx = m[h];
+#pragma unroll
+            for (int n = 0; n < KT / 8; n++) mx = fmaxf(mx, fmaxf(sc[n][2 * h], sc[n][2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float base = mx == -INFINITY ? 0.0f : mx;
+            const float corr = fast_exp2(m[h] - base); /* 0 while m is -inf */
+            m[h] = mx;
+            float sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < KT / 8; n++) {
+                sc[n][2 * h] = fast_exp2(sc[n][2 * h] - base);
+                sc[n][2 * h + 1] = fast_exp2(sc[n][2 * h + 1] - base);
+                sum += sc[n][2 * h] + sc[n][2 * h + 1];
+            }
+            l[h] = l[h] * corr + sum; /* this lane's share; the quad is summed at the end */
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++) {
+                o[n][2 * h] *= corr;
+                o[n][2 * h + 1] *= corr;
+            }
+        }
+
+        /* O += P V: P goes from the S accumulators straight into A fragments. */
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; kk++) {
+            const unsigned a[4] = {pack_bf16(sc[2 * kk][0], sc[2 * kk][1]),
+                                   pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
+                                   pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                   pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+#pragma unroll
+            for (int dn = 0; dn < HD / 16; dn++) {
+                unsigned b[4];
+                ldsm4t(b, vt + swz<HD>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                       2 * dn + (lane >> 4)));
+                mma16816(o[2 * dn], a, b[0], b[1]);
+                mma16816(o[2 * dn + 1], a, b[2], b[3]);
+            }
+        }
+    }
+
+    /* Normalise, stage the warp's 16 rows in its own rows of sq (only this warp read them),
+     * then write them out in 16-byte pieces. Every row has seen its own key: l > 0. */
+    __syncwarp();
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        const float inv = 1.0f / l[h];
+        const int r = warp * 16 + g + 8 * h;
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++)
+            *reinterpret_cast<unsigned *>(sq + swz<HD>(r, n) + qd * 2) =
+                pack_bf16(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+    }
+    __syncwarp();
+    const int64_t out_row = (int64_t)n_heads * HD;
+#pragma unroll
+    for (int i = 0; i < 16 * CH / 32; i++) {
+        const int id = lane + i * 32, r = warp * 16 + id / CH, c = id % CH;
+        if (r < n_rows) {
+            bf16 *dst = out + (size_t)(q0 + t0 + r / G) * out_row +
+                        (size_t)(kvh * G + r % G) * HD + c * 8;
+            *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(sq + swz<HD>(r, c));
+        }
+    }
+#endif
+}
+
+template <int HD, int NW>
+static cudaError_t launch_hw(const pd_attn_args *a, cudaStream_t stream)
+{
+    constexpr int M = NW * 16;
+    /* 128 KiB at most (head_dim 128, 8 warps); 112 KiB with 4 warps, two blocks an SM. */
+    constexpr size_t smem = (size_t)(M * HD + 2 * STAGES * KT * HD) * sizeof(bf16);
+    const int32_t G = a->n_heads / a->n_kv_heads;
+    const unsigned n_tiles = (unsigned)(a->n_tokens / (M / G) + a->n_seqs);
+    /* Above 48 KiB a kernel's dynamic shared memory must be allowed explicitly (per device,
+     * hence on every launch: it costs about as much as the launch's own checks). */
+    cudaError_t e = cudaFuncSetAttribute(flash_prefill_kernel<HD, NW>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+    const dim3 grid(n_tiles, (unsigned)a->n_kv_heads);
+    flash_prefill_kernel<HD, NW><<<grid, NW * 32, smem, stream>>>(
+        (const bf16 *)a->q, a->q_row_stride, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache,
+        (bf16 *)a->out, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs, a->max_blocks_per_seq,
+        a->n_heads, a->n_kv_heads, G, a->block_size, a->sliding_window,
+        a->scale * 1.4426950408889634f);
+    return cudaGetLastError();
+}
+
+/* tall: 8 warps (128 rows a tile), else 4. head_dim is 64 or 128. */
+static cudaError_t launch_flash(const pd_attn_args *a, bool tall, cudaStream_t stream)
+{
+    if (a->head_dim == 64) return tall ? launch_hw<64, 8>(a, stream) : launch_hw<64, 4>(a, stream);
+    return tall ? launch_hw<128, 8>(a, stream) : launch_hw<128, 4>(a, stream);
+}
+
+/* Whether the tensor-core kernel is on: PDSERVE_CUDA_FLASH_PREFILL=0 (or false, no) turns it
+ * off for A/B runs. Read once per process (a function-local static: initialised thread-safely). */
+static bool flash_enabled(void)
+{
+    static const bool on = [] {
+        const char *e = getenv("PDSERVE_CUDA_FLASH_PREFILL");
+        return !(e && (!strcmp(e, "0") || !strcmp(e, "false") || !strcmp(e, "no")));
+    }();
+    return on;
+}
+
+/* Runs a prefill batch on the tensor-core kernel when it fits: head_dim 64 or 128, at most
+ * MAX_G query heads per KV head, 16-byte aligned q, caches and output with q rows a whole
+ * number of 16-byte chunks apart, compute capability 8.0 or later, the switch on. Called by
+ * pd_cuda__attention once it has validated the arguments. Returns 0 when launched, 1 when the
+ * batch is not one it takes (the caller runs the general kernel), PD_EBACKEND. */
+extern "C" int pd_cuda__attention_prefill(void *ctx, const pd_attn_args *a)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    const int32_t hd = a->head_dim, G = a->n_heads / a->n_kv_heads;
+    const uintptr_t addr_bits = (uintptr_t)a->q | (uintptr_t)a->k_cache |
+                                (uintptr_t)a->v_cache | (uintptr_t)a->out;
+    if (!flash_enabled() || (hd != 64 && hd != 128) || G > MAX_G || (addr_bits & 15) != 0 ||
+        a->q_row_stride % 8 != 0 || a->n_kv_heads > 65535 ||
+        (int64_t)a->n_tokens + (int64_t)a->n_seqs * 8 > INT32_MAX)
+        return 1;
+    int major = 0;
+    PD_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device));
+    if (major < 8) return 1;
+
+    /* Tile height: 128 rows (8 warps) when the grid has enough such blocks to spread over the
+     * SMs (causal tiles differ in work: a few blocks per SM even it out) and the sequences are
+     * long enough to fill them; else 64 rows (4 warps), twice the blocks, half the longest one. */
+    const int64_t blocks128 =
+        ((int64_t)a->n_tokens * G / 128 + a->n_seqs) * (int64_t)a->n_kv_heads;
+    const bool tall = (int64_t)a->max_q_len * G > 64 && blocks128 >= 4 * (int64_t)c->sm_count;
+    PD_CUDA_CHECK(launch_flash(a, tall, c->stream));
+    return 0;
+}
