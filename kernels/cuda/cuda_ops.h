@@ -42,6 +42,9 @@ int pd_cuda__linear(void *ctx, const void *x, const void *w, const void *bias, i
 int pd_cuda__rope_store_kv(void *ctx, const pd_rope_args *a);
 /* cuda_attention.cu: prefill and decode batches (block per query row and head). */
 int pd_cuda__attention(void *ctx, const pd_attn_args *a);
+/* cuda_attention_prefill.cu: prefill batches on the tensor cores, called by
+ * pd_cuda__attention on validated arguments; 1 = not a shape it takes (nothing launched). */
+int pd_cuda__attention_prefill(void *ctx, const pd_attn_args *a);
 /* cuda_attention_decode.cu: decode batches, split-KV (falls back to pd_cuda__attention). */
 int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a);
 /* cuda_swiglu.cu */
