@@ -29,7 +29,12 @@ struct eng {
     /* per-step buffers */
     int32_t *ids, *pos, *slots, *cu_q, *ctx, *bt, *rows;
     pd_seq **row_seq;
-    float *logits;
+    float *logits;          /* host sampling: [max_num_seqs][vocab] */
+    pd_sample_row *srows;   /* sampling where the logits are: each logits row's parameters */
+    pd_penalty_tok *pen;    /* their penalty entries, grown on demand */
+    int32_t cap_pen;
+    int32_t *s_tokens;
+    float *s_logprobs;
     eng_output *outs;
     int32_t max_blocks;     /* blocks of the longest allowed sequence */
     pd_seq **finished;      /* sequences to free at the start of the next step */
@@ -144,6 +149,11 @@ static int runner_forward(void *ctx, const mr_batch *b, float *logits, char *err
     return mr_forward(ctx, b, logits, err);
 }
 
+static int runner_forward_sample(void *ctx, const mr_batch *b, const mr_sampling *s, char *err)
+{
+    return mr_forward_sample(ctx, b, s, err);
+}
+
 static void runner_set_hook(void *ctx, mr_layer_fn fn, void *arg)
 {
     mr_set_layer_hook(ctx, fn, arg);
@@ -151,7 +161,8 @@ static void runner_set_hook(void *ctx, mr_layer_fn fn, void *arg)
 
 eng_executor eng_executor_runner(mr *r)
 {
-    eng_executor x = {runner_forward, r, runner_set_hook, NULL};
+    eng_executor x = {runner_forward, r, runner_set_hook,
+                      mr_samples_on_backend(r) ? runner_forward_sample : NULL};
     return x;
 }
 
@@ -200,7 +211,15 @@ int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng
     e->bt = malloc(S * (size_t)e->max_blocks * sizeof(int32_t));
     e->rows = malloc(S * sizeof(int32_t));
     e->row_seq = malloc(S * sizeof(pd_seq *));
-    e->logits = malloc(S * (size_t)cfg->vocab_size * sizeof(float));
+    if (exec.forward_sample) {
+        e->srows = malloc(S * sizeof *e->srows);
+        e->s_tokens = malloc(S * sizeof *e->s_tokens);
+        e->s_logprobs = malloc(S * sizeof *e->s_logprobs);
+        e->logits = malloc(sizeof(float)); /* unused */
+        if (!e->srows || !e->s_tokens || !e->s_logprobs) goto fail;
+    } else {
+        e->logits = malloc(S * (size_t)cfg->vocab_size * sizeof(float));
+    }
     e->outs = malloc(S * sizeof(eng_output));
     e->finished = malloc(S * sizeof(pd_seq *));
     e->kvl_ids = malloc(S * sizeof *e->kvl_ids);
@@ -248,6 +267,7 @@ void eng_destroy(eng *e)
     smp_scratch_destroy(e->scratch);
     free(e->ids); free(e->pos); free(e->slots); free(e->cu_q); free(e->ctx); free(e->bt);
     free(e->rows); free(e->row_seq); free(e->logits); free(e->outs); free(e->finished);
+    free(e->srows); free(e->pen); free(e->s_tokens); free(e->s_logprobs);
     free(e->pending);
     free(e->kvl_ids);
     free(e->kvl_blocks);
@@ -455,9 +475,49 @@ static void retire(eng *e, pd_seq *s)
     e->finished[e->n_finished++] = s;
 }
 
+/* Each logits row's sampling parameters and penalty entries for a forward that samples where
+ * the logits are. The penalty list grows (rarely) to hold every penalized row's distinct
+ * tokens. Returns 0 or PD_ENOMEM. */
+static int sampling_rows(eng *e, int32_t nl, mr_sampling *smp)
+{
+    int32_t n_pen = 0;
+    bool logprobs = false;
+    for (int32_t k = 0; k < nl; k++) {
+        const pd_seq *s = e->row_seq[k];
+        logprobs |= s->want_logprob;
+        const int32_t n_output = seq_n_output(s);
+        pd_sample_row *row = &e->srows[k];
+        *row = smp_sample_row(&s->sampling, n_output, 0, 0);
+        const smp_params *sp = &s->sampling;
+        if (sp->repetition_penalty == 1.0f && sp->presence_penalty == 0.0f &&
+            sp->frequency_penalty == 0.0f)
+            continue;
+        const int32_t need = n_pen + s->n_tokens;
+        if (need > e->cap_pen) {
+            int32_t cap = e->cap_pen ? e->cap_pen : 1024;
+            while (cap < need) cap = cap > INT32_MAX / 2 ? INT32_MAX : cap * 2;
+            pd_penalty_tok *p = realloc(e->pen, (size_t)cap * sizeof *p);
+            if (!p) return PD_ENOMEM;
+            e->pen = p;
+            e->cap_pen = cap;
+        }
+        row->pen_off = n_pen;
+        row->pen_n = smp_penalty_list(sp, s->tokens, s->n_prompt, s->tokens + s->n_prompt,
+                                      n_output, e->cfg.vocab_size, e->scratch, e->pen + n_pen);
+        n_pen += row->pen_n;
+    }
+    smp->rows = e->srows;
+    smp->pen = e->pen;
+    smp->n_pen = n_pen;
+    smp->tokens = e->s_tokens;
+    smp->logprobs = logprobs ? e->s_logprobs : NULL; /* computed only when wanted */
+    return 0;
+}
+
 int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
 {
     double t0 = now_s();
+    int rc0;
     for (int32_t i = 0; i < e->n_finished; i++) seq_free(e->finished[i]);
     e->n_finished = 0;
     int32_t n_out = 0;
@@ -535,8 +595,14 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
             }
         }
     }
+    mr_sampling smp = {0};
+    if (e->exec.forward_sample && (rc0 = sampling_rows(e, nl, &smp)) < 0) {
+        pd_errf(err, rc0, "out of memory for the penalty lists");
+        return rc0;
+    }
     double t1 = now_s();
-    int rc = e->exec.forward(e->exec.ctx, &b, e->logits, err);
+    int rc = e->exec.forward_sample ? e->exec.forward_sample(e->exec.ctx, &b, &smp, err)
+                                    : e->exec.forward(e->exec.ctx, &b, e->logits, err);
     double t2 = now_s();
     if (hooked) e->exec.set_layer_hook(e->exec.ctx, NULL, NULL);
     e->st.model_s += t2 - t1;
@@ -571,9 +637,15 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
     for (int32_t k = 0; k < nl; k++) {
         pd_seq *s = e->row_seq[k];
         float lp = 0.0f;
-        int32_t tok = smp_sample(&s->sampling, e->logits + (size_t)k * V, V, s->tokens,
-                                 s->n_prompt, s->tokens + s->n_prompt, seq_n_output(s),
-                                 e->scratch, s->want_logprob ? &lp : NULL);
+        int32_t tok;
+        if (e->exec.forward_sample) {
+            tok = smp.tokens[k];
+            if (s->want_logprob) lp = smp.logprobs[k];
+        } else {
+            tok = smp_sample(&s->sampling, e->logits + (size_t)k * V, V, s->tokens, s->n_prompt,
+                             s->tokens + s->n_prompt, seq_n_output(s), e->scratch,
+                             s->want_logprob ? &lp : NULL);
+        }
         s->finish = append_token(e, s, tok);
         if (e->p.mode == ENG_MODE_PREFILL && seq_n_output(s) == 1) s->finish = SEQ_FINISH_PREFILLED;
         report(e, &n_out, s, tok, lp);

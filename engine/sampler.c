@@ -1,6 +1,7 @@
 /* sampler.c -- Host reference sampler: vLLM-style penalties, temperature, top-k, top-p and
- * min-p, then an inverse-CDF draw keyed only by (seed, output position). Every buffer lives in
- * smp_scratch, so a step allocates nothing. */
+ * min-p, then an inverse-CDF draw over the kept candidates in token id order, keyed only by
+ * (seed, output position). Also builds the rows and penalty lists of a backend's sample op.
+ * Every buffer lives in smp_scratch, so a step allocates nothing. */
 #include "engine/sampler.h"
 
 #include <math.h>
@@ -16,7 +17,8 @@ struct smp_scratch {
     int32_t vocab;  /* capacity in tokens, > 0 */
     uint32_t gen;   /* current stamp; mark[t] == gen means t was already seen in this pass */
     uint32_t *mark; /* (vocab) last stamp that saw each token; 0 = never */
-    int32_t *count; /* (vocab) occurrences in the output; valid only where mark == gen */
+    int32_t *count; /* (vocab) occurrences in the output (smp_penalty_list: entry index);
+                     * valid only where mark == gen; radix-sort space during the draw */
     int32_t *idx;   /* (vocab) candidate token ids, best first once ranked */
     float *prob;    /* (vocab) unnormalized probabilities exp(l - l_max), parallel to idx */
 };
@@ -234,10 +236,42 @@ static int32_t sample_greedy(const float *logits, int32_t vocab, float *logprob)
     return best;
 }
 
-/* Candidates are ranked (best first) only when top-k or top-p needs an order; otherwise they
- * stay in id order, and the draw walks whichever order the candidates are in. Min-p keeps
+/* Sorts ids[0..n) ascending (distinct ids in [0, vocab)): insertion sort for a few, else an
+ * LSD radix sort on 11-bit digits through tmp[n]; O(n + 2048) per digit, no allocation. */
+static void sort_ids(int32_t *ids, int32_t n, int32_t vocab, int32_t *tmp)
+{
+    if (n <= 32) {
+        for (int32_t i = 1; i < n; i++) {
+            int32_t v = ids[i], j = i;
+            for (; j > 0 && ids[j - 1] > v; j--) ids[j] = ids[j - 1];
+            ids[j] = v;
+        }
+        return;
+    }
+    int32_t bucket[2048];
+    int32_t *src = ids, *dst = tmp;
+    for (int shift = 0; shift < 31 && (vocab - 1) >> shift > 0; shift += 11) {
+        memset(bucket, 0, sizeof bucket);
+        for (int32_t i = 0; i < n; i++) bucket[(src[i] >> shift) & 2047]++;
+        for (int32_t b = 0, sum = 0; b < 2048; b++) {
+            int32_t c = bucket[b];
+            bucket[b] = sum;
+            sum += c;
+        }
+        for (int32_t i = 0; i < n; i++) dst[bucket[(src[i] >> shift) & 2047]++] = src[i];
+        int32_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != ids) memcpy(ids, src, (size_t)n * sizeof *ids);
+}
+
+/* Candidates are ranked (best first) only when top-k or top-p needs an order. Min-p keeps
  * p >= min_p * p_max, which depends only on l - l_max, so it is the same before or after the
- * other filters renormalize. */
+ * other filters renormalize. The draw then walks the kept candidates in ascending id order
+ * (ranked ones are sorted back), so that the pick depends only on the kept set and its
+ * probabilities, not on how it was found: a backend may walk its vocabulary in id order with
+ * a prefix sum and pick the same token. */
 int32_t smp_sample(const smp_params *p, float *logits, int32_t vocab, const int32_t *prompt,
                    int32_t n_prompt, const int32_t *output, int32_t n_output, smp_scratch *s,
                    float *logprob)
@@ -294,6 +328,11 @@ int32_t smp_sample(const smp_params *p, float *logits, int32_t vocab, const int3
         n = kept;
     }
 
+    if (n > 1 && (k < vocab || p->top_p < 1.0f)) {
+        /* Back to id order; each probability is recomputed exactly as before. */
+        sort_ids(idx, n, vocab, s->count);
+        for (int32_t i = 0; i < n; i++) prob[i] = expf(logits[idx[i]] - m);
+    }
     total = 0.0;
     for (int32_t i = 0; i < n; i++) total += prob[i];
     double target = smp_uniform(p->seed, n_output) * total, cum = 0.0;
@@ -306,4 +345,58 @@ int32_t smp_sample(const smp_params *p, float *logits, int32_t vocab, const int3
     int32_t tok = idx[pick];
     if (logprob) *logprob = (float)((double)logits[tok] - (double)m - log(total));
     return tok;
+}
+
+pd_sample_row smp_sample_row(const smp_params *p, int32_t n_output, int32_t pen_off,
+                             int32_t pen_n)
+{
+    pd_sample_row r;
+    memset(&r, 0, sizeof r);
+    r.temperature = p->temperature;
+    r.top_p = p->top_p;
+    r.min_p = p->min_p;
+    r.repetition_penalty = p->repetition_penalty;
+    r.presence_penalty = p->presence_penalty;
+    r.frequency_penalty = p->frequency_penalty;
+    r.top_k = p->top_k;
+    r.n_output = n_output;
+    r.seed = p->seed;
+    r.pen_off = pen_off;
+    r.pen_n = pen_n;
+    return r;
+}
+
+/* The list means what apply_penalties does: the repetition penalty for every entry, the
+ * frequency and presence penalties for entries with count > 0. A prompt-only token changes
+ * nothing unless the repetition penalty is on, so then it is left out. */
+int32_t smp_penalty_list(const smp_params *p, const int32_t *prompt, int32_t n_prompt,
+                         const int32_t *output, int32_t n_output, int32_t vocab,
+                         smp_scratch *s, pd_penalty_tok *out)
+{
+    PD_ASSERT(p && s && out && vocab > 0 && vocab <= s->vocab, "smp_penalty_list: bad arguments");
+    const bool rep = p->repetition_penalty != 1.0f;
+    if (!rep && p->frequency_penalty == 0.0f && p->presence_penalty == 0.0f) return 0;
+    uint32_t g = next_stamp(s);
+    int32_t n = 0;
+    for (int32_t i = 0; i < n_output; i++) {
+        int32_t t = output[i];
+        if (t < 0 || t >= vocab) continue;
+        if (s->mark[t] != g) {
+            s->mark[t] = g;
+            s->count[t] = n; /* the token's entry */
+            out[n].token = t;
+            out[n].count = 0;
+            n++;
+        }
+        out[s->count[t]].count++;
+    }
+    for (int32_t i = 0; rep && i < n_prompt; i++) {
+        int32_t t = prompt[i];
+        if (t < 0 || t >= vocab || s->mark[t] == g) continue;
+        s->mark[t] = g;
+        out[n].token = t;
+        out[n].count = 0;
+        n++;
+    }
+    return n;
 }

@@ -6,11 +6,13 @@
 #define PD_FAKE_MODEL_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "common/error.h"
 #include "engine/engine.h"
+#include "engine/sampler.h"
 
 #define V 48
 
@@ -57,6 +59,55 @@ static inline int fake_forward(void *ctx, const mr_batch *b, float *logits, char
         l[h % V] += 4.0f;
     }
     return 0;
+}
+
+/* The executor's forward_sample over the same fake logits: what a backend's sample op does,
+ * done here from the engine's rows and penalty lists (the penalties applied from the list as
+ * smp_sample applies them from the token lists, then smp_sample with the penalties off), so
+ * an engine that builds the rows or lists wrongly samples differently from the host path. */
+static inline int fake_forward_sample(void *ctx, const mr_batch *b, const mr_sampling *smp,
+                                      char *err)
+{
+    float *l = malloc(((size_t)b->n_logits + 1) * V * sizeof(float));
+    smp_scratch *sc = NULL;
+    if (!l || smp_scratch_create(V, &sc) < 0) {
+        free(l);
+        return pd_errf(err, PD_ENOMEM, "out of memory");
+    }
+    int rc = fake_forward(ctx, b, l, err);
+    for (int32_t k = 0; rc == 0 && k < b->n_logits; k++) {
+        const pd_sample_row *row = &smp->rows[k];
+        float *lk = l + (size_t)k * V;
+        for (int32_t i = 0; i < row->pen_n; i++) {
+            const pd_penalty_tok *t = &smp->pen[row->pen_off + i];
+            float *x = &lk[t->token];
+            if (row->repetition_penalty != 1.0f)
+                *x = *x > 0.0f ? *x / row->repetition_penalty : *x * row->repetition_penalty;
+            if (t->count > 0) {
+                *x -= row->frequency_penalty * (float)t->count;
+                *x -= row->presence_penalty;
+            }
+        }
+        smp_params p = smp_default_params();
+        p.temperature = row->temperature;
+        p.top_p = row->top_p;
+        p.top_k = row->top_k;
+        p.min_p = row->min_p;
+        p.seed = row->seed;
+        p.has_seed = true;
+        float lp = 0.0f;
+        int32_t *none = calloc((size_t)row->n_output + 1, sizeof *none); /* penalties are off */
+        if (!none) {
+            rc = pd_errf(err, PD_ENOMEM, "out of memory");
+            break;
+        }
+        smp->tokens[k] = smp_sample(&p, lk, V, NULL, 0, none, row->n_output, sc, &lp);
+        free(none);
+        if (smp->logprobs) smp->logprobs[k] = lp;
+    }
+    smp_scratch_destroy(sc);
+    free(l);
+    return rc;
 }
 
 static inline mc_config fake_cfg(void)

@@ -92,6 +92,14 @@ static int run_case(uint64_t seed)
         r->rq.n_prompt = r->n_prompt;
         r->rq.sampling = smp_default_params();
         if (rng_next(&rs) % 2) r->rq.sampling.temperature = 0;
+        smp_params *sp = &r->rq.sampling;
+        switch (rng_next(&rs) % 6) { /* filters and penalties now and then */
+        case 0: sp->top_k = 1 + (int32_t)(rng_next(&rs) % 10); sp->top_p = 0.8f; break;
+        case 1: sp->min_p = 0.2f; sp->repetition_penalty = 1.3f; break;
+        case 2: sp->presence_penalty = 0.5f; sp->frequency_penalty = 0.4f; break;
+        case 3: sp->repetition_penalty = 0.8f; sp->frequency_penalty = -0.3f; break;
+        default: break;
+        }
         r->rq.sampling.seed = rng_next(&rs);
         r->rq.sampling.has_seed = true;
         r->rq.stop.max_tokens = 1 + (int32_t)(rng_next(&rs) % 24);
@@ -103,7 +111,9 @@ static int run_case(uint64_t seed)
     fake f = {calloc((size_t)p.n_blocks * 4, sizeof(int64_t)), (int64_t)p.n_blocks * 4, 0, 0};
     eng *e;
     char err[PD_ERR_LEN];
-    eng_executor x = {fake_forward, &f, NULL, NULL};
+    /* Odd seeds sample through the executor's forward_sample, as with a backend that samples
+     * where the logits are; the reference (run_alone) samples on the host. */
+    eng_executor x = {fake_forward, &f, NULL, seed % 2 ? fake_forward_sample : NULL};
     int fails_before = pd_test_failures;
     CHECK(eng_create(&p, &cfg, x, &e, err) == 0);
     int added = 0, steps = 0;

@@ -1,6 +1,7 @@
 /* test_sampler.c -- Checks the host sampler: validation, greedy ties, each penalty's exact
- * effect, top-k/top-p/min-p filtering against brute force, and that seeded draws follow the
- * softmax of the temperature-scaled logits. */
+ * effect, top-k/top-p/min-p filtering against brute force, that seeded draws follow the
+ * softmax of the temperature-scaled logits and walk the kept set in token id order, and the
+ * sample op's row and penalty list built for a backend. */
 #include <stdint.h>
 
 #include "common/error.h"
@@ -416,6 +417,208 @@ static void test_determinism(smp_scratch *s)
     CHECK(lo < 1e-3 && hi > 1.0 - 1e-3);
 }
 
+/* Brute force of the whole draw: rank by (value desc, id asc), top-k, top-p on the best-first
+ * prefix, min-p, then the inverse CDF over the kept tokens in ascending id order, with
+ * smp_sample's float probabilities and double sums. */
+static const float *g_rank_v;
+static int cmp_rank(const void *pa, const void *pb)
+{
+    int32_t a = *(const int32_t *)pa, b = *(const int32_t *)pb;
+    if (g_rank_v[a] != g_rank_v[b]) return g_rank_v[a] > g_rank_v[b] ? -1 : 1;
+    return (a > b) - (a < b);
+}
+
+static int32_t draw_ref(const smp_params *p, const float *logits, int32_t vocab, int32_t n_out,
+                        float *logprob)
+{
+    static float v[512];
+    static int32_t idx[512];
+    static unsigned char kept[512];
+    float m = -INFINITY;
+    for (int32_t i = 0; i < vocab; i++) {
+        v[i] = logits[i] / p->temperature;
+        if (isnan(v[i])) v[i] = -INFINITY;
+        if (v[i] > m) m = v[i];
+        idx[i] = i;
+        kept[i] = 0;
+    }
+    g_rank_v = v;
+    qsort(idx, (size_t)vocab, sizeof *idx, cmp_rank);
+    int32_t n = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
+    double total = 0.0;
+    for (int32_t i = 0; i < n; i++) total += expf(v[idx[i]] - m);
+    if (p->top_p < 1.0f) {
+        double cut = (double)p->top_p * total, cum = 0.0;
+        for (int32_t i = 0; i < n; i++) {
+            cum += expf(v[idx[i]] - m);
+            if (cum >= cut) {
+                n = i + 1;
+                break;
+            }
+        }
+    }
+    for (int32_t i = 0; i < n; i++)
+        if (!(p->min_p > 0.0f) || expf(v[idx[i]] - m) >= p->min_p) kept[idx[i]] = 1;
+    total = 0.0;
+    for (int32_t t = 0; t < vocab; t++)
+        if (kept[t]) total += expf(v[t] - m);
+    double target = smp_uniform(p->seed, n_out) * total, cum = 0.0;
+    int32_t pick = -1;
+    for (int32_t t = 0; t < vocab; t++) {
+        if (!kept[t]) continue;
+        float pr = expf(v[t] - m);
+        if (pr > 0.0f) pick = t;
+        cum += pr;
+        if (target < cum) break;
+    }
+    *logprob = (float)((double)v[pick] - (double)m - log(total));
+    return pick;
+}
+
+/* The draw walks the kept candidates in id order, however they were ranked. */
+static void test_id_order_walk(smp_scratch *s)
+{
+    /* probs {0.2, 0.5, 0.3}: top_p 0.99 ranks them (1, 2, 0) but keeps all three; in id order
+     * u < 0.2 picks token 0, where a best-first walk would pick token 1. */
+    const float three[3] = {logf(0.2f), logf(0.5f), logf(0.3f)};
+    smp_params p = smp_default_params();
+    p.top_p = 0.99f;
+    int low = 0, high = 0;
+    for (uint64_t seed = 0; seed < 400; seed++) {
+        p.seed = seed;
+        double u = smp_uniform(seed, 0);
+        int32_t want = u < 0.2 ? 0 : u < 0.7 ? 1 : 2;
+        CHECK_EQ_INT(sample_copy(&p, three, 3, NULL, 0, NULL, 0, s, NULL), want);
+        low += u < 0.2;
+        high += u >= 0.7;
+    }
+    CHECK(low > 40 && high > 60);
+
+    /* Random rows (with ties, -inf and NaN) under every filter, against brute force. */
+    static float l[512];
+    const smp_params sets[] = {
+        {.temperature = 1.0f, .top_p = 1.0f, .top_k = 0},
+        {.temperature = 0.7f, .top_p = 1.0f, .top_k = 7},
+        {.temperature = 1.3f, .top_p = 0.6f, .top_k = 0},
+        {.temperature = 1.0f, .top_p = 0.9f, .top_k = 50},
+        {.temperature = 0.9f, .top_p = 1.0f, .top_k = 0, .min_p = 0.05f},
+        {.temperature = 1.1f, .top_p = 0.8f, .top_k = 300, .min_p = 0.1f},
+        {.temperature = 1.0f, .top_p = 0.3f, .top_k = 511},
+    };
+    for (int rep = 0; rep < 40; rep++) {
+        const int32_t vocab = rep % 2 ? 512 : 97 + rep;
+        uint64_t x = 1000 + (uint64_t)rep;
+        for (int32_t i = 0; i < vocab; i++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            l[i] = (float)((int)((x >> 33) % 64) - 32) / 8.0f; /* many ties */
+        }
+        l[rep % vocab] = -INFINITY;
+        l[(rep * 7 + 3) % vocab] = NAN;
+        for (size_t k = 0; k < sizeof sets / sizeof sets[0]; k++) {
+            smp_params q = sets[k];
+            q.repetition_penalty = 1.0f;
+            for (int32_t n = 0; n < 30; n++) {
+                q.seed = (uint64_t)rep * 131u + k;
+                float lp = 0.0f, lp_ref = 0.0f;
+                int32_t want = draw_ref(&q, l, vocab, n, &lp_ref);
+                int32_t got = sample_copy(&q, l, vocab, NULL, 0, g_zeros, n, s, &lp);
+                CHECK_MSG(got == want, "rep %d set %zu n %d: token %d, brute force %d", rep, k,
+                          n, got, want);
+                CHECK_NEAR(lp, lp_ref, 0);
+            }
+        }
+    }
+}
+
+/* apply_penalties as the sample op reads a penalty list (kernels/cuda/cuda_sample.cu). */
+static void apply_list(const smp_params *p, float *l, const pd_penalty_tok *pen, int32_t n)
+{
+    for (int32_t i = 0; i < n; i++) {
+        float v = l[pen[i].token];
+        if (p->repetition_penalty != 1.0f)
+            v = v > 0.0f ? v / p->repetition_penalty : v * p->repetition_penalty;
+        if ((p->frequency_penalty != 0.0f || p->presence_penalty != 0.0f) && pen[i].count > 0) {
+            v -= p->frequency_penalty * (float)pen[i].count;
+            v -= p->presence_penalty;
+        }
+        l[pen[i].token] = v;
+    }
+}
+
+static void test_penalty_list(smp_scratch *s)
+{
+    const int32_t prompt[7] = {3, 9, 3, 400, -1, 9, 12};
+    const int32_t output[8] = {9, 5, 5, 77, 5, 3, 1000, 9};
+    pd_penalty_tok pen[16];
+    smp_params p = smp_default_params();
+    CHECK_EQ_INT(smp_penalty_list(&p, prompt, 7, output, 8, 100, s, pen), 0);
+
+    /* Repetition only: prompt and output tokens once each, output first; ids outside
+     * [0, vocab) skipped. */
+    p.repetition_penalty = 1.5f;
+    int32_t n = smp_penalty_list(&p, prompt, 7, output, 8, 100, s, pen);
+    const int32_t want_tok[6] = {9, 5, 77, 3, 12, -1};
+    const int32_t want_cnt[6] = {2, 3, 1, 1, 0, -1};
+    CHECK_EQ_INT(n, 5);
+    for (int i = 0; i < 5 && i < n; i++) {
+        CHECK_EQ_INT(pen[i].token, want_tok[i]);
+        CHECK_EQ_INT(pen[i].count, want_cnt[i]);
+    }
+    /* Frequency only: prompt-only tokens change nothing and are left out. */
+    p = smp_default_params();
+    p.frequency_penalty = 0.5f;
+    n = smp_penalty_list(&p, prompt, 7, output, 8, 100, s, pen);
+    CHECK_EQ_INT(n, 4);
+    for (int i = 0; i < n; i++) CHECK(pen[i].count > 0);
+
+    /* With every penalty, applying the list equals smp_sample's penalties bit for bit. */
+    float base[100], got[100];
+    uint64_t x = 99;
+    for (int i = 0; i < 100; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        base[i] = (float)((int)((x >> 33) % 2000) - 1000) / 137.0f;
+    }
+    const float reps[3] = {1.3f, 0.7f, 1.0f};
+    for (int k = 0; k < 3; k++) {
+        p = smp_default_params();
+        p.temperature = 0.0f; /* greedy leaves the penalized logits in place */
+        p.repetition_penalty = reps[k];
+        p.frequency_penalty = 0.3f;
+        p.presence_penalty = -0.7f;
+        for (int rep = 0; rep < 2; rep++) { /* the scratch's marks must not leak */
+            n = smp_penalty_list(&p, prompt, 7, output, 8, 100, s, pen);
+            CHECK_EQ_INT(n, k < 2 ? 5 : 4);
+            memcpy(got, base, sizeof base);
+            apply_list(&p, got, pen, n);
+            memcpy(g_work, base, sizeof base);
+            smp_sample(&p, g_work, 100, prompt, 7, output, 8, s, NULL);
+            CHECK(memcmp(got, g_work, sizeof got) == 0);
+        }
+    }
+
+    p = smp_default_params();
+    p.temperature = 0.6f;
+    p.top_p = 0.9f;
+    p.top_k = 40;
+    p.min_p = 0.05f;
+    p.repetition_penalty = 1.1f;
+    p.presence_penalty = 0.2f;
+    p.frequency_penalty = -0.3f;
+    p.seed = 0x123456789abcdefull;
+    pd_sample_row r = smp_sample_row(&p, 17, 5, 9);
+    CHECK_NEAR(r.temperature, 0.6f, 0);
+    CHECK_NEAR(r.top_p, 0.9f, 0);
+    CHECK_EQ_INT(r.top_k, 40);
+    CHECK_NEAR(r.min_p, 0.05f, 0);
+    CHECK_NEAR(r.repetition_penalty, 1.1f, 0);
+    CHECK_NEAR(r.presence_penalty, 0.2f, 0);
+    CHECK_NEAR(r.frequency_penalty, -0.3f, 0);
+    CHECK(r.seed == 0x123456789abcdefull);
+    CHECK_EQ_INT(r.n_output, 17);
+    CHECK_EQ_INT(r.pen_off, 5);
+    CHECK_EQ_INT(r.pen_n, 9);
+}
+
 int main(void)
 {
     smp_scratch *s = NULL;
@@ -430,6 +633,8 @@ int main(void)
     test_distribution(s);
     test_large_vocab(s);
     test_determinism(s);
+    test_id_order_walk(s);
+    test_penalty_list(s);
     smp_scratch_destroy(s);
     return pd_test_result("test_sampler");
 }

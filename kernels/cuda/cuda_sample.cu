@@ -1,14 +1,928 @@
-/* cuda_sample.cu -- The sample op (being written: not offered in the op table yet). */
+/* cuda_sample.cu -- The sample op: smp_sample (engine/sampler.c) where the logits are, so that
+ * only the picked tokens and their log-probabilities come back to the host.
+ *
+ * One cluster of C blocks (thread block clusters, sm_90) per row, each block a contiguous slice
+ * of the vocabulary; C = 1 at large batches, up to 8 when few rows would leave SMs idle.
+ * Every filter is a threshold found by radix select over 32-bit keys, with one histogram
+ * (per-block shared memory, summed over the cluster through distributed shared memory) per
+ * 11-bit digit:
+ *   - top-k: the key of the k-th best value (keys order floats, ties broken by ascending id:
+ *     a second select over the ids of the tied tokens);
+ *   - top-p: the same over probability mass of the top-k set, to the first prefix whose mass
+ *     reaches top_p of the set's;
+ *   - the draw: a select over token ids weighted by the kept mass, to the token where the
+ *     id-order cumulative mass passes u x total (smp_sample walks its kept set in id order too).
+ * Probabilities are exp(v - max) as floats, summed as fixed-point integers (2^-S units), so
+ * every sum is exact whatever the order, the slice boundaries or the cluster size: a row gives
+ * the same bits in any batch. Penalized tokens (at most the row's list) are kept out of the
+ * vocabulary scans by a per-block bitmap and visited from the list, with their f32 values. */
+#include <cooperative_groups.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include "kernels/cuda/cuda_common.cuh"
+
+namespace cg = cooperative_groups;
+
+typedef unsigned long long u64;
+
+#define SMP_THREADS 512                 /* per block; 2 blocks per SM */
+#define SMP_WARPS (SMP_THREADS / 32)
+#define SMP_DIGIT 11                    /* radix digit width */
+#define SMP_BUCKETS (1 << SMP_DIGIT)    /* histogram buckets; each thread scans 4 */
+#define SMP_CHUNK 256                   /* tokens per warp per step (32 lanes x 8): slices and
+                                         * id ranges are multiples of it */
+#define SMP_MAX_CLUSTER 8
+#define SMP_GREEDY_EPS 1e-5f            /* smp_sample's SMP_GREEDY_EPS */
+#define SMP_GOLDEN 0x9E3779B97F4A7C15ull
+#define SMP_NONE 0xFFFFFFFFu
+#define SMP_FULL 0xFFFFFFFFu
+
+/* Dynamic shared memory: two histograms (a cluster reads one while the next pass fills the
+ * other), the draw's values of its last id range, then the penalty bitmap. */
+#define SMP_HIST_BYTES (2 * SMP_BUCKETS * sizeof(u64))
+#define SMP_VALS_BYTES (SMP_BUCKETS * sizeof(float))
+#define SMP_FIXED_BYTES (SMP_HIST_BYTES + SMP_VALS_BYTES)
+
+typedef struct {
+    const bf16 *logits;         /* [n][vocab] */
+    const pd_sample_row *rows;  /* [n] (device copy) */
+    const pd_penalty_tok *pen;  /* [n_pen] (device copy) */
+    int32_t *tok;               /* [n] out */
+    float *lp;                  /* [n] out */
+    int32_t vocab;
+    int32_t cluster;            /* blocks per row */
+    int32_t shift;              /* fixed point: masses in units of 2^-shift */
+    int32_t id_bits;            /* bits of vocab - 1 (at least 1) */
+    int32_t want_lp;
+    int32_t vec;                /* rows are 16-byte aligned: 8-token vector loads */
+    int32_t bitmap;             /* some row has penalties: the bitmap region exists */
+} smp_args;
+
+/* What one block knows about its row and slice. */
+typedef struct {
+    const bf16 *x;              /* the row's logits */
+    const pd_penalty_tok *pen;  /* the row's penalty entries */
+    int32_t pen_n;
+    const uint8_t *bits;        /* bit t - lo: token t's value comes from pen; NULL if none */
+    int32_t lo, hi;             /* this block's tokens [lo, hi) */
+    int32_t vec;
+    float rep, freq, pres;
+} smp_slice;
+
+/* The row's filters once known; every thread of the cluster holds the same copy. */
+typedef struct {
+    float temp;                 /* temperature (sampling rows) */
+    float m;                    /* the largest scaled logit */
+    float scale;                /* 2^shift */
+    float min_p;
+    bool hk, hp;                /* top-k / top-p on */
+    uint32_t xk, xp;            /* boundary keys of the top-k / top-p sets */
+    int32_t idk, idp;           /* tokens with the boundary key are kept up to this id */
+} smp_filters;
+
+enum { M_TOPK, M_TIEK, M_TOPP, M_TIEP, M_DRAW };  /* what a select pass weighs */
+enum { T_GIVEN, T_TOPP, T_DRAW };                 /* how a select's target is set */
+
+typedef struct {
+    uint32_t b;                 /* the bucket where the target falls */
+    u64 lt;                     /* weight of this level's buckets below b */
+    u64 eq;                     /* weight of bucket b */
+    u64 total;                  /* weight of this level */
+    u64 target;
+    int found;
+} smp_step;
+
+typedef struct {
+    float m;                    /* block's best value */
+    int32_t best;               /* its lowest id; INT32_MAX = none */
+    u64 sum;                    /* greedy: block's fixed-point softmax denominator */
+} smp_xchg;
+
+/* ---- cluster helpers (a cluster of 1 is a block) ---- */
+
+static __device__ __forceinline__ void cl_sync(int C)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (C > 1) {
+        cg::this_cluster().sync();
+        return;
+    }
+#endif
+    __syncthreads();
+}
+
+/* The same shared variable in block `rank` of the cluster. */
+template <class T>
+static __device__ __forceinline__ T *cl_map(T *p, int C, int rank)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (C > 1) return cg::this_cluster().map_shared_rank(p, rank);
+#else
+    (void)C;
+    (void)rank;
+#endif
+    return p;
+}
+
+/* ---- value helpers ---- */
+
+static __device__ __forceinline__ u64 mix64(u64 z)
+{
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* smp_uniform(seed, n) as its 53-bit integer U (u = U x 2^-53). */
+static __device__ __forceinline__ u64 uniform53(u64 seed, int32_t n)
+{
+    u64 state = mix64(seed + SMP_GOLDEN);
+    return mix64(state + ((u64)(long long)n + 1ull) * SMP_GOLDEN) >> 11;
+}
+
+/* Floats to unsigned keys in the same order (-0 and +0 must be made equal first). */
+static __device__ __forceinline__ uint32_t fkey(float v)
+{
+    uint32_t u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* apply_penalties for one listed token, with smp_sample's float operations (no contraction). */
+static __device__ __forceinline__ float pen_logit(float l, int32_t count, const smp_slice &c)
+{
+    if (c.rep != 1.0f) l = l > 0.0f ? __fdiv_rn(l, c.rep) : __fmul_rn(l, c.rep);
+    if ((c.freq != 0.0f || c.pres != 0.0f) && count > 0) {
+        l = __fsub_rn(l, __fmul_rn(c.freq, (float)count));
+        l = __fsub_rn(l, c.pres);
+    }
+    return l;
+}
+
+/* The scaled logit of a sampling row: NaN -> -inf, -0 -> +0 (equal values, equal keys). */
+static __device__ __forceinline__ float scaled(float l, float temp)
+{
+    float v = __fdiv_rn(l, temp);
+    if (isnan(v)) v = -INFINITY;
+    return v == 0.0f ? 0.0f : v;
+}
+
+static __device__ __forceinline__ float prob_of(const smp_filters &f, float v)
+{
+    return v == f.m ? 1.0f : expf(v - f.m);
+}
+
+static __device__ __forceinline__ u64 mass_of(const smp_filters &f, float p)
+{
+    return __float2ull_rn(p * f.scale);
+}
+
+static __device__ __forceinline__ bool in_k(const smp_filters &f, int32_t id, uint32_t key)
+{
+    return !f.hk || key > f.xk || (key == f.xk && id <= f.idk);
+}
+
+static __device__ __forceinline__ bool in_p(const smp_filters &f, int32_t id, uint32_t key)
+{
+    return !f.hp || key > f.xp || (key == f.xp && id <= f.idp);
+}
+
+/* The weight a select pass gives one token (0 = not taking part). */
+static __device__ __forceinline__ u64 weight_of(const smp_filters &f, int mode, int32_t id,
+                                                float v, uint32_t key)
+{
+    switch (mode) {
+    case M_TOPK: return 1;
+    case M_TIEK: return key == f.xk;
+    case M_TOPP: return in_k(f, id, key) ? mass_of(f, prob_of(f, v)) : 0;
+    case M_TIEP: return key == f.xp && in_k(f, id, key) ? mass_of(f, prob_of(f, v)) : 0;
+    default: {
+        if (!in_k(f, id, key) || !in_p(f, id, key)) return 0;
+        float p = prob_of(f, v);
+        if (f.min_p > 0.0f && !(p >= f.min_p)) return 0;
+        return mass_of(f, p);
+    }
+    }
+}
+
+static __device__ __forceinline__ u64 warp_sum_u64(u64 v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(SMP_FULL, v, o);
+    return v;
+}
+
+/* Keeps the better of (bv, bi) and (v, i): larger value, lower id on ties. */
+static __device__ __forceinline__ void best_merge(float &bv, int32_t &bi, float v, int32_t i)
+{
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+
+/* ---- the scan over a block's tokens ---- */
+
+/* Calls fe(valid, id, l, from_vocab) for every token of [a, b) in this block's slice, l being
+ * its logit after the penalties: first the vocabulary in steps of 8 tokens per lane (whole
+ * warps call fe together, with valid = false for padding and penalized tokens, so fe may use
+ * warp intrinsics when from_vocab), then fi(first id of the warp's 256) after each step; then
+ * the listed tokens of the range (whole warps again). a is a multiple of SMP_CHUNK. */
+template <class FE, class FI>
+static __device__ __forceinline__ void visit(const smp_slice &c, int32_t a, int32_t b, FE &&fe,
+                                             FI &&fi)
+{
+    a = max(a, c.lo);
+    b = min(b, c.hi);
+    if (a >= b) return;
+    const int lane = threadIdx.x & 31;
+    const int32_t ga = a >> 3, gb = (b + 7) >> 3;
+    for (int32_t base = ga + (int32_t)(threadIdx.x & ~31u); base < gb; base += SMP_THREADS) {
+        const int32_t g = base + lane, t0 = g * 8;
+        float l[8];
+        unsigned skip = 0xFFu;
+        if (g < gb) {
+            skip = c.bits ? c.bits[(t0 - c.lo) >> 3] : 0u;
+            if (c.vec && t0 + 8 <= b) {
+                const uint4 q = *reinterpret_cast<const uint4 *>(c.x + t0);
+                const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    l[2 * j] = __uint_as_float(w[j] << 16);
+                    l[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    l[j] = 0.0f;
+                    if (t0 + j < b) l[j] = pd_ld(c.x + t0 + j);
+                    else skip |= 1u << j;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++) l[j] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) fe(!((skip >> j) & 1u), t0 + j, l[j], true);
+        fi(base * 8);
+    }
+    for (int32_t base = (int32_t)(threadIdx.x & ~31u); base < c.pen_n; base += SMP_THREADS) {
+        const int32_t e = base + lane;
+        bool ok = false;
+        int32_t t = 0;
+        float l = 0.0f;
+        if (e < c.pen_n) {
+            const pd_penalty_tok pt = c.pen[e];
+            t = pt.token;
+            if (t >= a && t < b) {
+                ok = true;
+                l = pen_logit(pd_ld(c.x + t), pt.count, c);
+            }
+        }
+        fe(ok, t, l, false);
+    }
+}
+
+/* ---- block and cluster reductions ---- */
+
+__shared__ u64 s_wsum[SMP_WARPS];
+__shared__ float s_wbv[SMP_WARPS];
+__shared__ int32_t s_wbi[SMP_WARPS];
+__shared__ smp_step s_step;
+__shared__ smp_xchg s_x;
+
+/* Exclusive prefix sum of v over the block in thread order; *total gets the block's sum. */
+static __device__ u64 block_excl_scan(u64 v, u64 *total)
+{
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    u64 x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        u64 y = __shfl_up_sync(SMP_FULL, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) s_wsum[w] = x;
+    __syncthreads();
+    u64 before = 0, all = 0;
+    for (int i = 0; i < SMP_WARPS; i++) {
+        u64 t = s_wsum[i];
+        if (i < w) before += t;
+        all += t;
+    }
+    *total = all;
+    return before + x - v;
+}
+
+/* The block's best (value, id) into s_x (every thread must call; thread 0 writes). */
+static __device__ void block_best(float bv, int32_t bi)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        best_merge(bv, bi, __shfl_xor_sync(SMP_FULL, bv, o), __shfl_xor_sync(SMP_FULL, bi, o));
+    if ((threadIdx.x & 31) == 0) {
+        s_wbv[threadIdx.x >> 5] = bv;
+        s_wbi[threadIdx.x >> 5] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int i = 1; i < SMP_WARPS; i++) best_merge(bv, bi, s_wbv[i], s_wbi[i]);
+        s_x.m = bv;
+        s_x.best = bi;
+    }
+}
+
+/* After a cluster sync: the best (value, id) over the cluster's blocks. */
+static __device__ void cluster_best(int C, float *m, int32_t *best)
+{
+    float bv = -INFINITY;
+    int32_t bi = INT32_MAX;
+    for (int r = 0; r < C; r++) {
+        const smp_xchg *x = cl_map(&s_x, C, r);
+        best_merge(bv, bi, x->m, x->best);
+    }
+    *m = bv;
+    *best = bi;
+}
+
+/* After a cluster sync: sums the cluster's histograms h (nb buckets, 4 per thread, in bucket
+ * order) and finds the bucket where the target falls: the first b with
+ * before + sum(buckets < b) < target <= before + sum(buckets <= b). At a select's first level
+ * tmode sets the target from the level's total: T_TOPP ceil(top_p x total) in [1, total],
+ * T_DRAW floor(U x total / 2^53) + 1. Returns the same step in every thread of the cluster. */
+static __device__ smp_step merge_find(int C, u64 *h, int nb, u64 before, int tmode, u64 target,
+                                      float top_p, u64 U)
+{
+    u64 v[4], s = 0;
+    if (threadIdx.x == 0) s_step.found = 0;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const int b = (int)threadIdx.x * 4 + q;
+        v[q] = 0;
+        if (b < nb)
+            for (int r = 0; r < C; r++) v[q] += cl_map(h, C, r)[b];
+        s += v[q];
+    }
+    u64 total;
+    u64 c = before + block_excl_scan(s, &total);
+    if (tmode == T_TOPP) {
+        double cut = ceil((double)top_p * (double)total);
+        target = cut < 1.0 ? 1 : cut >= (double)total ? total : (u64)cut;
+    } else if (tmode == T_DRAW) {
+        target = ((__umul64hi(U, total) << 11) | ((U * total) >> 53)) + 1;
+    }
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        if (v[q] && c < target && target <= c + v[q]) {
+            s_step.b = threadIdx.x * 4 + q;
+            s_step.lt = c - before;
+            s_step.eq = v[q];
+            s_step.found = 1;
+        }
+        c += v[q];
+    }
+    __syncthreads();
+    smp_step st = s_step;
+    st.total = total;
+    st.target = target;
+    __syncthreads(); /* s_step and s_wsum are free again */
+    return st;
+}
+
+typedef struct {
+    uint32_t r;                 /* the selected key or id */
+    u64 lt;                     /* weight before it */
+    u64 eq;                     /* weight of the tokens with exactly r */
+    u64 total;                  /* weight of all participants */
+    u64 target;
+    int found;
+} smp_sel;
+
+/* Digits of a select over nbits-bit keys: the first takes what the 11-bit others leave. */
+static __device__ __forceinline__ int first_width(int nbits)
+{
+    return nbits - SMP_DIGIT * ((nbits + SMP_DIGIT - 1) / SMP_DIGIT - 1);
+}
+
+/* One histogram pass of a select: adds the weight of every participant whose key matches
+ * `prefix` above the digit [shift, shift + width) into h[digit]. Keys are ~fkey (best first)
+ * for value selects, token ids for id selects (then only that id range is read). Counts of a
+ * value select go in warp-aggregated; id digits at or above bit 8 are uniform over a warp's
+ * 256 tokens and go in as one warp sum; vals (not NULL: the last digit of the draw) records
+ * each participant's value by bucket. */
+static __device__ void hist_pass(const smp_slice &c, const smp_filters &f, int mode,
+                                 bool id_mode, int shift, int width, uint32_t prefix, u64 *h,
+                                 float *vals)
+{
+    const uint32_t mask = (1u << width) - 1u;
+    const int up = shift + width;
+    const int lane = threadIdx.x & 31;
+    const bool counts = !id_mode && mode == M_TOPK;
+    const bool warp_acc = id_mode && shift >= 8;
+    int32_t a = 0, b = INT32_MAX;
+    if (id_mode) {
+        long long ra = (long long)prefix << up, rb = ra + (1ll << up);
+        a = (int32_t)min(ra, (long long)INT32_MAX);
+        b = (int32_t)min(rb, (long long)INT32_MAX);
+    }
+    u64 acc = 0;
+    visit(
+        c, a, b,
+        [&](bool valid, int32_t id, float l, bool vocab) {
+            uint32_t bucket = SMP_NONE;
+            u64 w = 0;
+            if (valid) {
+                const float v = scaled(l, f.temp);
+                const uint32_t key = fkey(v);
+                w = weight_of(f, mode, id, v, key);
+                const uint32_t R = id_mode ? (uint32_t)id : ~key;
+                if (w && ((u64)R >> up) == (u64)prefix) {
+                    bucket = (R >> shift) & mask;
+                    if (vals) vals[bucket] = v;
+                } else {
+                    w = 0;
+                }
+            }
+            if (vocab && warp_acc) {
+                acc += w;
+            } else if (vocab && counts) {
+                const unsigned peers = __match_any_sync(SMP_FULL, bucket);
+                if (bucket != SMP_NONE && lane == __ffs(peers) - 1)
+                    atomicAdd(&h[bucket], (u64)__popc(peers));
+            } else if (bucket != SMP_NONE) {
+                atomicAdd(&h[bucket], w);
+            }
+        },
+        [&](int32_t first) {
+            if (!warp_acc) return;
+            const u64 s = warp_sum_u64(acc);
+            acc = 0;
+            if (lane == 0 && s) atomicAdd(&h[((uint32_t)first >> shift) & mask], s);
+        });
+}
+
+/* A whole select: digit passes from the top, each followed by a cluster sync and merge_find.
+ * With prebuilt the first digit's histogram is already in hist buffer *buf. Returns the key
+ * (or id) of the first participant, in key order, at which the cumulative weight reaches the
+ * target, with the weights around it; found = 0 when the participants weigh nothing. */
+static __device__ smp_sel radix_select(int C, int *buf, u64 *hist, const smp_slice &c,
+                                 const smp_filters &f, int mode, bool id_mode, int nbits,
+                                 int tmode, u64 target, float top_p, u64 U, bool prebuilt,
+                                 float *vals)
+{
+    const int npass = (nbits + SMP_DIGIT - 1) / SMP_DIGIT;
+    smp_sel res;
+    res.r = 0;
+    res.lt = res.eq = res.total = 0;
+    res.target = target;
+    res.found = 0;
+    uint32_t prefix = 0;
+    u64 before = 0;
+    int shift = nbits;
+    for (int d = 0; d < npass; d++) {
+        const int width = d ? SMP_DIGIT : first_width(nbits);
+        shift -= width;
+        u64 *h = hist + (size_t)*buf * SMP_BUCKETS;
+        *buf ^= 1;
+        if (!(d == 0 && prebuilt)) {
+            for (int i = threadIdx.x; i < (1 << width); i += SMP_THREADS) h[i] = 0;
+            __syncthreads();
+            hist_pass(c, f, mode, id_mode, shift, width, prefix, h,
+                      d == npass - 1 ? vals : NULL);
+        }
+        cl_sync(C);
+        const smp_step st = merge_find(C, h, 1 << width, before, d ? T_GIVEN : tmode, target,
+                                       top_p, U);
+        if (d == 0) {
+            res.total = st.total;
+            target = st.target;
+        }
+        if (!st.found) return res;
+        before += st.lt;
+        prefix = (prefix << width) | st.b;
+        res.eq = st.eq;
+    }
+    res.r = prefix;
+    res.lt = before;
+    res.target = target;
+    res.found = 1;
+    return res;
+}
+
+/* ---- the kernel ---- */
+
+/* The block of cluster rank r holds token chunks [r x chunks / C, (r + 1) x chunks / C). */
+static __device__ __forceinline__ int32_t slice_start(int32_t vocab, int C, int r)
+{
+    const long long chunks = (vocab + SMP_CHUNK - 1) / SMP_CHUNK;
+    return (int32_t)min((long long)vocab, chunks * r / C * SMP_CHUNK);
+}
+
+static __device__ void emit(const smp_args &a, int rank, int row, int32_t tok, float lp)
+{
+    if (rank == 0 && threadIdx.x == 0) {
+        a.tok[row] = tok;
+        a.lp[row] = lp;
+    }
+}
+
+static __device__ void sample_greedy(const smp_args &a, const smp_slice &c, int rank, int row,
+                                     float scale)
+{
+    const int C = a.cluster;
+    float bv = -INFINITY;
+    int32_t bi = INT32_MAX;
+    visit(
+        c, c.lo, c.hi,
+        [&](bool valid, int32_t id, float l, bool) {
+            if (valid && l > -INFINITY) best_merge(bv, bi, l, id); /* NaN fails the test */
+        },
+        [](int32_t) {});
+    block_best(bv, bi);
+    cl_sync(C);
+    float m;
+    int32_t best;
+    cluster_best(C, &m, &best);
+    if (best == INT32_MAX) {
+        emit(a, rank, row, 0, -INFINITY);
+        return;
+    }
+    if (!a.want_lp) {
+        emit(a, rank, row, best, 0.0f);
+        return;
+    }
+    /* log-softmax of the pick: -log(sum over non-NaN l of exp(l - m)), exact-order-free. */
+    u64 sum = 0;
+    visit(
+        c, c.lo, c.hi,
+        [&](bool valid, int32_t, float l, bool) {
+            if (valid && !isnan(l)) sum += __float2ull_rn((l == m ? 1.0f : expf(l - m)) * scale);
+        },
+        [](int32_t) {});
+    sum = warp_sum_u64(sum);
+    if ((threadIdx.x & 31) == 0) s_wsum[threadIdx.x >> 5] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 t = 0;
+        for (int i = 0; i < SMP_WARPS; i++) t += s_wsum[i];
+        s_x.sum = t;
+    }
+    cl_sync(C);
+    if (rank == 0 && threadIdx.x == 0) {
+        u64 t = 0;
+        for (int r = 0; r < C; r++) t += cl_map(&s_x, C, r)->sum;
+        const double lse = log((double)t) - (double)a.shift * 0.69314718055994530942;
+        emit(a, rank, row, best, (float)-lse);
+    }
+}
+
+static __device__ void sample_filtered(const smp_args &a, const smp_slice &c,
+                                       const pd_sample_row &rw, int rank, int row, u64 *hist,
+                                       float *vals)
+{
+    const int C = a.cluster;
+    smp_filters f;
+    f.temp = rw.temperature;
+    f.m = 0.0f;
+    f.scale = (float)(1ull << a.shift);
+    f.min_p = rw.min_p;
+    f.hk = rw.top_k > 0 && rw.top_k < a.vocab;
+    f.hp = rw.top_p < 1.0f;
+    f.xk = f.xp = 0;
+    f.idk = f.idp = INT32_MAX;
+    int buf = 0;
+
+    /* Pass 1: the largest scaled logit, fused with the top-k select's first digit (keys do
+     * not depend on the maximum). */
+    const int w0 = first_width(32), s0 = 32 - w0;
+    if (f.hk) {
+        for (int i = threadIdx.x; i < (1 << w0); i += SMP_THREADS) hist[i] = 0;
+        __syncthreads();
+    }
+    const int lane = threadIdx.x & 31;
+    float bv = -INFINITY;
+    int32_t bi = INT32_MAX;
+    visit(
+        c, c.lo, c.hi,
+        [&](bool valid, int32_t id, float l, bool vocab) {
+            uint32_t bucket = SMP_NONE;
+            if (valid) {
+                const float v = scaled(l, f.temp);
+                best_merge(bv, bi, v, id);
+                bucket = ~fkey(v) >> s0;
+            }
+            if (!f.hk) return;
+            if (vocab) {
+                const unsigned peers = __match_any_sync(SMP_FULL, bucket);
+                if (bucket != SMP_NONE && lane == __ffs(peers) - 1)
+                    atomicAdd(&hist[bucket], (u64)__popc(peers));
+            } else if (bucket != SMP_NONE) {
+                atomicAdd(&hist[bucket], 1ull);
+            }
+        },
+        [](int32_t) {});
+    block_best(bv, bi);
+    cl_sync(C);
+    int32_t best;
+    cluster_best(C, &f.m, &best);
+    if (f.m == -INFINITY) { /* smp_sample falls back to greedy: no token can win */
+        emit(a, rank, row, 0, -INFINITY);
+        return;
+    }
+    const u64 U = uniform53(rw.seed, rw.n_output);
+    if (f.hk) {
+        const u64 k = (u64)rw.top_k;
+        const smp_sel s = radix_select(C, &buf, hist, c, f, M_TOPK, false, 32, T_GIVEN, k, 0.0f, 0,
+                                 true, NULL);
+        f.xk = ~s.r;
+        if (s.lt + s.eq > k) /* only the lowest ids of the boundary value fit */
+            f.idk = (int32_t)radix_select(C, &buf, hist, c, f, M_TIEK, true, a.id_bits, T_GIVEN,
+                                    k - s.lt, 0.0f, 0, false, NULL).r;
+    }
+    if (f.hp) {
+        const smp_sel s = radix_select(C, &buf, hist, c, f, M_TOPP, false, 32, T_TOPP, 0, rw.top_p, 0,
+                                 false, NULL);
+        f.xp = ~s.r;
+        f.idp = (int32_t)radix_select(C, &buf, hist, c, f, M_TIEP, true, a.id_bits, T_GIVEN,
+                                s.target - s.lt, 0.0f, 0, false, NULL).r;
+    }
+    const smp_sel d = radix_select(C, &buf, hist, c, f, M_DRAW, true, a.id_bits, T_DRAW, 0, 0.0f, U,
+                             false, vals);
+    if (!d.found) { /* nothing kept with mass (min_p > 1): the best token */
+        emit(a, rank, row, best, 0.0f);
+        return;
+    }
+    if (rank == 0 && threadIdx.x == 0) {
+        const int32_t t = (int32_t)d.r;
+        int owner = 0;
+        while (owner + 1 < C && slice_start(a.vocab, C, owner + 1) <= t) owner++;
+        const int last = a.id_bits <= SMP_DIGIT ? a.id_bits : SMP_DIGIT;
+        const float v = cl_map(vals, C, owner)[t & ((1 << last) - 1)];
+        const double lse = log((double)d.total) - (double)a.shift * 0.69314718055994530942;
+        emit(a, rank, row, t, (float)((double)v - (double)f.m - lse));
+    }
+}
+
+static __global__ void __launch_bounds__(SMP_THREADS, 2) sample_kernel(smp_args a)
+{
+    extern __shared__ __align__(16) unsigned char smp_dyn[];
+    u64 *hist = reinterpret_cast<u64 *>(smp_dyn);
+    float *vals = reinterpret_cast<float *>(smp_dyn + SMP_HIST_BYTES);
+    uint32_t *bitmap = reinterpret_cast<uint32_t *>(smp_dyn + SMP_FIXED_BYTES);
+    const int C = a.cluster;
+    const int rank = (int)(blockIdx.x % (unsigned)C), row = (int)(blockIdx.x / (unsigned)C);
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900
+    if (C > 1) __trap(); /* the host launches clusters only for kernels built for sm_90+ */
+#endif
+    const pd_sample_row rw = a.rows[row];
+    smp_slice c;
+    c.x = a.logits + (size_t)row * (size_t)a.vocab;
+    c.pen = a.pen + rw.pen_off;
+    c.pen_n = rw.pen_n;
+    c.lo = slice_start(a.vocab, C, rank);
+    c.hi = slice_start(a.vocab, C, rank + 1);
+    c.vec = a.vec;
+    c.rep = rw.repetition_penalty;
+    c.freq = rw.frequency_penalty;
+    c.pres = rw.presence_penalty;
+    c.bits = NULL;
+    if (c.pen_n > 0 && a.bitmap && c.lo < c.hi) {
+        const int32_t words = (c.hi - c.lo + 31) / 32;
+        for (int32_t i = threadIdx.x; i < words; i += SMP_THREADS) bitmap[i] = 0;
+        __syncthreads();
+        for (int32_t e = threadIdx.x; e < c.pen_n; e += SMP_THREADS) {
+            const int32_t t = c.pen[e].token - c.lo;
+            if (t >= 0 && t < c.hi - c.lo) atomicOr(&bitmap[t >> 5], 1u << (t & 31));
+        }
+        __syncthreads();
+        c.bits = reinterpret_cast<const uint8_t *>(bitmap);
+    }
+    const float scale = (float)(1ull << a.shift);
+    if (!(rw.temperature >= SMP_GREEDY_EPS)) sample_greedy(a, c, rank, row, scale);
+    else sample_filtered(a, c, rw, rank, row, hist, vals);
+    cl_sync(C); /* no block leaves while another may still read its shared memory */
+}
+
+/* ---- host side ---- */
+
+typedef struct {
+    unsigned char *host;        /* pinned: rows | penalty list | tokens | logprobs */
+    unsigned char *dev;         /* device: the same layout */
+    size_t bytes;               /* size of both */
+    uint32_t *mark;             /* duplicate check: stamp per token, mark_n tokens */
+    int32_t mark_n;
+    uint32_t stamp;
+    size_t smem_max;            /* the device's opt-in limit per block */
+    int max_cluster;            /* 8 with thread block clusters, 1 without */
+} smp_state;
+
+extern "C" void pd_cuda__sample_free(void *state)
+{
+    smp_state *st = (smp_state *)state;
+    if (!st) return;
+    if (st->host) (void)cudaFreeHost(st->host);
+    if (st->dev) (void)cudaFree(st->dev);
+    free(st->mark);
+    free(st);
+}
+
+static int state_get(pd_cuda_ctx *c, smp_state **out)
+{
+    if (!c->sample_state) {
+        smp_state *st = (smp_state *)calloc(1, sizeof *st);
+        if (!st) return PD_ENOMEM;
+        int major = 0, optin = 0;
+        cudaFuncAttributes fa;
+        cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device);
+        if (e == cudaSuccess)
+            e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c->device);
+        if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, sample_kernel);
+        if (e != cudaSuccess) {
+            pd_cuda__report("sample: device attributes", cudaGetErrorString(e), __FILE__, __LINE__);
+            free(st);
+            return PD_EBACKEND;
+        }
+        /* Clusters need the device and the kernel's machine code to be sm_90 or newer.
+         * PDSERVE_CUDA_SAMPLE_CLUSTER=1|2|4|8 caps the blocks per row (for A/B runs: the
+         * results are the same bits whatever the cap). */
+        st->max_cluster = major >= 9 && fa.binaryVersion >= 90 ? SMP_MAX_CLUSTER : 1;
+        const char *cap = getenv("PDSERVE_CUDA_SAMPLE_CLUSTER");
+        if (cap && atoi(cap) >= 1)
+            while (st->max_cluster > atoi(cap)) st->max_cluster >>= 1;
+        st->smem_max = (size_t)optin - fa.sharedSizeBytes;
+        /* Once for all: the limit only allows; each launch asks for what it needs. */
+        e = cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)st->smem_max);
+        if (e != cudaSuccess) {
+            pd_cuda__report("cudaFuncSetAttribute(sample_kernel)", cudaGetErrorString(e),
+                            __FILE__, __LINE__);
+            free(st);
+            return PD_EBACKEND;
+        }
+        c->sample_state = st;
+    }
+    *out = (smp_state *)c->sample_state;
+    return 0;
+}
+
+static size_t align16(size_t x) { return (x + 15) & ~(size_t)15; }
+
+/* Checks what the kernel relies on: ranges, and penalty tokens distinct within a row (each is
+ * visited once). Uses st->mark, grown to the vocabulary. */
+static int validate(smp_state *st, void *logits, int32_t n, int32_t vocab,
+                    const pd_sample_row *rows, const pd_penalty_tok *pen, int32_t n_pen,
+                    const int32_t *tokens)
+{
+    if (!logits || n <= 0 || vocab <= 0 || !rows || !tokens || n_pen < 0 || (n_pen > 0 && !pen))
+        return PD_EINVAL;
+    for (int32_t i = 0; i < n_pen; i++)
+        if (pen[i].token < 0 || pen[i].token >= vocab || pen[i].count < 0) return PD_EINVAL;
+    bool any = false;
+    for (int32_t r = 0; r < n; r++) {
+        const pd_sample_row *w = &rows[r];
+        if (w->pen_off < 0 || w->pen_n < 0 || (int64_t)w->pen_off + w->pen_n > n_pen)
+            return PD_EINVAL;
+        any |= w->pen_n > 0;
+    }
+    if (!any) return 0;
+    if (st->mark_n < vocab) {
+        uint32_t *m = (uint32_t *)calloc((size_t)vocab, sizeof *m);
+        if (!m) return PD_ENOMEM;
+        free(st->mark);
+        st->mark = m;
+        st->mark_n = vocab;
+        st->stamp = 0;
+    }
+    for (int32_t r = 0; r < n; r++) {
+        if (++st->stamp == 0) {
+            memset(st->mark, 0, (size_t)st->mark_n * sizeof *st->mark);
+            st->stamp = 1;
+        }
+        const pd_penalty_tok *p = pen + rows[r].pen_off;
+        for (int32_t i = 0; i < rows[r].pen_n; i++) {
+            if (st->mark[p[i].token] == st->stamp) return PD_EINVAL;
+            st->mark[p[i].token] = st->stamp;
+        }
+    }
+    return 0;
+}
+
+/* Blocks per row: enough to give every SM about two blocks, at most 8 (a portable cluster). */
+static int pick_cluster(const pd_cuda_ctx *c, const smp_state *st, int32_t n, int32_t vocab)
+{
+    const int32_t chunks = (vocab + SMP_CHUNK - 1) / SMP_CHUNK;
+    int C = st->max_cluster;
+    while (C > 1 && ((int64_t)n * C > 2 * (int64_t)c->sm_count || C > chunks)) C >>= 1;
+    return C;
+}
+
+static size_t smem_bytes(int32_t vocab, int C, bool bitmap)
+{
+    if (!bitmap) return SMP_FIXED_BYTES;
+    const int64_t chunks = (vocab + SMP_CHUNK - 1) / SMP_CHUNK;
+    const int64_t per = (chunks + C - 1) / C * SMP_CHUNK; /* tokens of the largest slice */
+    return SMP_FIXED_BYTES + (size_t)(per / 8);
+}
+
+static cudaError_t launch(pd_cuda_ctx *c, const smp_args &a, int32_t n, size_t smem)
+{
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at[1] = {};
+    cfg.gridDim = dim3((unsigned)n * (unsigned)a.cluster);
+    cfg.blockDim = dim3(SMP_THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c->stream;
+    if (a.cluster > 1) {
+        at[0].id = cudaLaunchAttributeClusterDimension;
+        at[0].val.clusterDim.x = (unsigned)a.cluster;
+        at[0].val.clusterDim.y = 1;
+        at[0].val.clusterDim.z = 1;
+        cfg.attrs = at;
+        cfg.numAttrs = 1;
+    }
+    return cudaLaunchKernelEx(&cfg, sample_kernel, a);
+}
 
 extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab,
                                const pd_sample_row *rows, const pd_penalty_tok *pen,
                                int32_t n_pen, int32_t *tokens, float *logprobs)
 {
-    (void)pd_cuda__ctx(ctx);
-    (void)logits; (void)n; (void)vocab; (void)rows; (void)pen; (void)n_pen; (void)tokens;
-    (void)logprobs;
-    return PD_EINVAL;
-}
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    smp_state *st = NULL;
+    int rc = state_get(c, &st);
+    if (rc < 0) return rc;
+    rc = validate(st, logits, n, vocab, rows, pen, n_pen, tokens);
+    if (rc < 0) return rc;
+    bool bitmap = false;
+    for (int32_t r = 0; r < n && !bitmap; r++) bitmap = rows[r].pen_n > 0;
 
-extern "C" void pd_cuda__sample_free(void *state) { (void)state; }
+    /* Buffers: the input (rows, list) goes in with one copy, the output comes back with one. */
+    const size_t rows_b = align16((size_t)n * sizeof *rows);
+    const size_t in_b = rows_b + align16((size_t)n_pen * sizeof *pen);
+    const size_t out_b = align16((size_t)n * sizeof(int32_t)) + (size_t)n * sizeof(float);
+    if (in_b + out_b > st->bytes) {
+        size_t want = (in_b + out_b + 65535) & ~(size_t)65535;
+        if (st->host) (void)cudaFreeHost(st->host);
+        if (st->dev) (void)cudaFree(st->dev);
+        st->host = st->dev = NULL;
+        st->bytes = 0;
+        PD_CUDA_CHECK(cudaMallocHost((void **)&st->host, want));
+        PD_CUDA_CHECK(cudaMalloc((void **)&st->dev, want));
+        st->bytes = want;
+    }
+    memcpy(st->host, rows, (size_t)n * sizeof *rows);
+    if (n_pen > 0) memcpy(st->host + rows_b, pen, (size_t)n_pen * sizeof *pen);
+
+    int C = pick_cluster(c, st, n, vocab);
+    size_t smem = smem_bytes(vocab, C, bitmap);
+    while (smem > st->smem_max && C < st->max_cluster) smem = smem_bytes(vocab, C <<= 1, bitmap);
+    if (smem > st->smem_max) {
+        PD_LOGE("cuda sample: vocabulary %d too large for penalties (%zu bytes of shared memory)",
+                (int)vocab, smem);
+        return PD_EINVAL;
+    }
+    int shift = 40;
+    {
+        int lg = 0;
+        while (lg < 31 && (1ll << lg) < (long long)vocab) lg++;
+        if (62 - lg < shift) shift = 62 - lg; /* vocab x 2^shift fits in 63 bits */
+    }
+    smp_args a;
+    a.logits = (const bf16 *)logits;
+    a.rows = (const pd_sample_row *)st->dev;
+    a.pen = (const pd_penalty_tok *)(st->dev + rows_b);
+    a.tok = (int32_t *)(st->dev + in_b);
+    a.lp = (float *)(st->dev + in_b + align16((size_t)n * sizeof(int32_t)));
+    a.vocab = vocab;
+    a.cluster = C;
+    a.shift = shift;
+    a.id_bits = vocab > 1 ? 32 - __builtin_clz((unsigned)(vocab - 1)) : 1;
+    a.want_lp = logprobs != NULL;
+    a.vec = vocab % 8 == 0 && ((uintptr_t)logits & 15) == 0;
+    a.bitmap = bitmap;
+
+    PD_CUDA_CHECK(cudaMemcpyAsync(st->dev, st->host, in_b, cudaMemcpyHostToDevice, c->stream));
+    cudaError_t e = launch(c, a, n, smem);
+    if (e != cudaSuccess && C > 1) {
+        /* A cluster that cannot be placed: one block per row gives the same results. */
+        PD_LOGW("cuda sample: clusters of %d unavailable (%s); using one block per row", C,
+                cudaGetErrorString(e));
+        (void)cudaGetLastError();
+        st->max_cluster = 1;
+        a.cluster = C = 1;
+        smem = smem_bytes(vocab, 1, bitmap);
+        if (smem > st->smem_max) return PD_EINVAL;
+        e = launch(c, a, n, smem);
+    }
+    PD_CUDA_CHECK(e);
+    PD_CUDA_CHECK(cudaMemcpyAsync(st->host + in_b, st->dev + in_b, out_b, cudaMemcpyDeviceToHost,
+                                  c->stream));
+    PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    PD_CUDA_CHECK(cudaGetLastError());
+    memcpy(tokens, st->host + in_b, (size_t)n * sizeof *tokens);
+    if (logprobs)
+        memcpy(logprobs, st->host + in_b + align16((size_t)n * sizeof(int32_t)),
+               (size_t)n * sizeof *logprobs);
+    return 0;
+}
