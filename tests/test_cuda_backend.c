@@ -337,8 +337,9 @@ static void test_swiglu(void)
 
 static void test_rmsnorm(void)
 {
-    const int32_t shapes[3][2] = {{3, 64}, {17, 1024}, {5, 4000}};
-    for (int s = 0; s < 3; s++) {
+    /* the register kernel up to 4096 elements a row, the looping one above */
+    const int32_t shapes[5][2] = {{3, 64}, {17, 1024}, {5, 4000}, {2, 4096}, {3, 8193}};
+    for (int s = 0; s < 5; s++) {
         const int32_t n = shapes[s][0], dim = shapes[s][1];
         const size_t sz = (size_t)n * dim;
         float *x = hrand(sz, 3.0), *res = hrand(sz, 3.0), *w = hrand((size_t)dim, 1.5);
@@ -437,11 +438,111 @@ static void test_linear(void)
     }
 }
 
+/* Downloads rows [r0, r0 + rows) of a GPU [.][m] bf16 buffer. */
+static float *gpu_rows(const void *buf, int64_t r0, int32_t rows, int32_t m)
+{
+    float *h = hmalloc((size_t)rows * m);
+    CHECK_EQ_INT(g_gpu->ops->download_f32(g_gpu->ctx, h, buf, g_gpu->ops->act_dtype,
+                                          (size_t)r0 * m, (size_t)rows * m), 0);
+    return h;
+}
+
+/* The decode shapes, n = 1 .. 33 around the streaming kernel's crossover to cuBLAS (32 rows
+ * by default, PDSERVE_CUDA_GEMV_MAX_N moves it): Qwen3-0.6B's and Llama-3-8B's products
+ * (lm_head excepted: the same k as qkv; the kernel takes only m <= 2048 up to 8 MiB, the
+ * others check cuBLAS at small n), and odd ones (m not a multiple of the kernel's 8 rows, k
+ * below one warp step of 32 or not a multiple of it, k % 8 != 0 and misaligned operands for
+ * the cuBLAS fallback). Besides the CPU comparison: a second call gives the same bits, and,
+ * where the kernel takes the product at the default crossover, a row of an n <= 8 row product
+ * is bit for bit that row computed alone (the kernel's summation order does not depend on n). */
+static void test_linear_small(void)
+{
+    static const struct { int32_t k, m; int full; } shapes[] = {
+        {1024, 4096, 1},  {2048, 1024, 1}, {1024, 6144, 1}, {3072, 1024, 1},
+        {4096, 6144, 0},  {14336, 4096, 0}, {8, 1, 1},      {24, 37, 1},
+        {40, 1001, 1},    {264, 77, 1},     {2056, 129, 1}, {100, 151, 0},
+    };
+    static const int32_t n_full[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
+                                     17, 24, 32, 33};
+    static const int32_t n_some[] = {1, 2, 8, 9, 16, 17, 32, 33};
+    const int32_t n_max = 33;
+    const int default_crossover = getenv("PDSERVE_CUDA_GEMV_MAX_N") == NULL;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int32_t k = shapes[s].k, m = shapes[s].m;
+        const int32_t *ns = shapes[s].full ? n_full : n_some;
+        const size_t n_ns = shapes[s].full ? sizeof n_full / sizeof n_full[0]
+                                           : sizeof n_some / sizeof n_some[0];
+        /* one spare element each, for the misaligned case at the end */
+        float *x = hrand((size_t)n_max * k + 1, 1.0), *w = hrand((size_t)m * k + 1, 0.1);
+        float *b = hrand((size_t)m, 0.5);
+        pair px = pair_new(x, (size_t)n_max * k + 1), pw = pair_new(w, (size_t)m * k + 1);
+        pair pb = pair_new(b, (size_t)m), out = pair_poisoned((size_t)n_max * m);
+        void *one = alloc_on(g_gpu, g_gpu->ops->act_dtype, (size_t)m);
+        /* the kernel's shapes (cuda_linear.cu's gemv_takes) */
+        const int invariance = default_crossover && k % 8 == 0 && m <= 2048 &&
+                               (size_t)m * k * 2 <= ((size_t)8 << 20);
+        for (size_t i = 0; i < n_ns; i++) {
+            const int32_t n = ns[i];
+            for (int with_bias = 0; with_bias < 2; with_bias++) {
+                if (!shapes[s].full && with_bias != (int)(i & 1)) continue;
+                const void *bc = with_bias ? pb.c : NULL, *bg = with_bias ? pb.g : NULL;
+                pair_fill(&out, NAN);
+                CHECK_EQ_INT(g_cpu->ops->linear(g_cpu->ctx, px.c, pw.c, bc, n, k, m, out.c), 0);
+                CHECK_EQ_INT(g_gpu->ops->linear(g_gpu->ctx, px.g, pw.g, bg, n, k, m, out.g), 0);
+                char what[96];
+                snprintf(what, sizeof what, "linear n=%d k=%d m=%d%s", n, k, m,
+                         with_bias ? " +bias" : "");
+                compare_pair(what, &out, TOL_BF16);
+                if (n > 16) continue;
+                float *all = gpu_rows(out.g, 0, n, m);
+                if (n == 5) { /* deterministic: the same bits again */
+                    CHECK_EQ_INT(g_gpu->ops->linear(g_gpu->ctx, px.g, pw.g, bg, n, k, m, out.g), 0);
+                    float *again = gpu_rows(out.g, 0, n, m);
+                    size_t diff = 0;
+                    for (size_t e = 0; e < (size_t)n * m; e++) diff += again[e] != all[e];
+                    CHECK_MSG(diff == 0, "%s: %zu of %zu elements differ between two calls", what,
+                              diff, (size_t)n * m);
+                    free(again);
+                }
+                /* rows 0 and n - 1 alone */
+                if (invariance && n > 1 && n <= 8) {
+                    for (int32_t r = 0; r < n; r += n - 1) {
+                        const char *xr = (const char *)px.g + (size_t)r * k * 2;
+                        CHECK_EQ_INT(g_gpu->ops->linear(g_gpu->ctx, xr, pw.g, bg, 1, k, m, one), 0);
+                        float *alone = gpu_rows(one, 0, 1, m);
+                        size_t diff = 0;
+                        for (int32_t j = 0; j < m; j++) diff += alone[j] != all[(size_t)r * m + j];
+                        CHECK_MSG(diff == 0, "%s: row %d alone differs in %zu of %d columns", what,
+                                  r, diff, m);
+                        free(alone);
+                    }
+                }
+                free(all);
+            }
+        }
+        if (shapes[s].full) { /* x and w one element off 16-byte alignment: cuBLAS's path */
+            const int32_t n = 3;
+            pair_fill(&out, NAN);
+            CHECK_EQ_INT(g_cpu->ops->linear(g_cpu->ctx, (const float *)px.c + 1,
+                                            (const float *)pw.c + 1, pb.c, n, k, m, out.c), 0);
+            CHECK_EQ_INT(g_gpu->ops->linear(g_gpu->ctx, (const char *)px.g + 2,
+                                            (const char *)pw.g + 2, pb.g, n, k, m, out.g), 0);
+            char what[96];
+            snprintf(what, sizeof what, "linear n=%d k=%d m=%d +bias misaligned", n, k, m);
+            compare_pair(what, &out, TOL_BF16);
+        }
+        g_gpu->ops->free(g_gpu->ctx, one);
+        pair_free(&px); pair_free(&pw); pair_free(&pb); pair_free(&out);
+        free(x); free(w); free(b);
+    }
+}
+
 static void test_rope_store_kv(void)
 {
-    const int32_t cases[3][3] = {/* heads, kv heads, head_dim */
-                                 {16, 8, 128}, {4, 2, 32}, {8, 4, 8}};
-    for (int s = 0; s < 3; s++) {
+    const int32_t cases[5][3] = {/* heads, kv heads, head_dim: the first, fourth and fifth
+                                  * take the warp-per-head kernel */
+                                 {16, 8, 128}, {4, 2, 32}, {8, 4, 8}, {3, 1, 64}, {4, 4, 256}};
+    for (int s = 0; s < 5; s++) {
         const int32_t H = cases[s][0], KVH = cases[s][1], HD = cases[s][2], HALF = HD / 2;
         enum { T = 6, BS = 4, NB = 5 };
         const size_t row = (size_t)(H + 2 * KVH) * HD, kvrow = (size_t)KVH * HD;
@@ -451,7 +552,10 @@ static void test_rope_store_kv(void)
         for (int i = 0; i < HALF; i++) inv[i] = (float)pow(1e6, -2.0 * i / HD);
         pair pf = pair_f32(inv, (size_t)HALF), pp = pair_i32(pos, T), ps = pair_i32(slots, T);
         const float factors[2] = {1.0f, 1.37f};
-        for (int fi = 0; fi < 2; fi++) {
+        float *qn = hrand((size_t)HD, 1.5), *kn = hrand((size_t)HD, 1.5);
+        pair pqn = pair_new(qn, (size_t)HD), pkn = pair_new(kn, (size_t)HD);
+        for (int fi = 0; fi < 4; fi++) { /* factor 1 / 1.37, without / with the head norms */
+            const bool norm = fi >= 2;
             float *qkv = hrand(T * row, 2.0);
             pair pq = pair_new(qkv, T * row), kc = pair_new(NULL, cache), vc = pair_new(NULL, cache);
             pair_fill(&kc, SENTINEL);
@@ -459,7 +563,8 @@ static void test_rope_store_kv(void)
             pd_rope_args a = {.positions = pp.c, .slot_mapping = ps.c, .inv_freq = pf.c,
                               .qkv = pq.c, .k_cache = kc.c, .v_cache = vc.c, .n_tokens = T,
                               .n_heads = H, .n_kv_heads = KVH, .head_dim = HD,
-                              .attn_factor = factors[fi]};
+                              .attn_factor = factors[fi & 1], .q_norm = norm ? pqn.c : NULL,
+                              .k_norm = norm ? pkn.c : NULL, .norm_eps = 1e-6f};
             CHECK_EQ_INT(g_cpu->ops->rope_store_kv(g_cpu->ctx, &a), 0);
             a.positions = pp.g;
             a.slot_mapping = ps.g;
@@ -467,13 +572,15 @@ static void test_rope_store_kv(void)
             a.qkv = pq.g;
             a.k_cache = kc.g;
             a.v_cache = vc.g;
+            a.q_norm = norm ? pqn.g : NULL;
+            a.k_norm = norm ? pkn.g : NULL;
             CHECK_EQ_INT(g_gpu->ops->rope_store_kv(g_gpu->ctx, &a), 0);
             char what[96];
-            snprintf(what, sizeof what, "rope qkv H=%d KVH=%d HD=%d factor=%g", H, KVH, HD,
-                     factors[fi]);
+            snprintf(what, sizeof what, "rope qkv H=%d KVH=%d HD=%d factor=%g%s", H, KVH, HD,
+                     factors[fi & 1], norm ? " +qk norm" : "");
             compare_pair(what, &pq, TOL_BF16);
-            snprintf(what, sizeof what, "rope k_cache H=%d KVH=%d HD=%d factor=%g", H, KVH, HD,
-                     factors[fi]);
+            snprintf(what, sizeof what, "rope k_cache H=%d KVH=%d HD=%d factor=%g%s", H, KVH, HD,
+                     factors[fi & 1], norm ? " +qk norm" : "");
             compare_pair(what, &kc, TOL_BF16);
             /* v is copied: exact; untouched slots keep the sentinel on both */
             float *c, *g;
@@ -490,8 +597,8 @@ static void test_rope_store_kv(void)
             pair_free(&pq); pair_free(&kc); pair_free(&vc);
             free(qkv);
         }
-        pair_free(&pf); pair_free(&pp); pair_free(&ps);
-        free(inv);
+        pair_free(&pf); pair_free(&pp); pair_free(&ps); pair_free(&pqn); pair_free(&pkn);
+        free(inv); free(qn); free(kn);
     }
 }
 
@@ -559,6 +666,43 @@ static void run_attention(const char *what, const attn_shape *sh, int n_seqs,
     free(q); free(k); free(v); free(perm); free(bt); free(cu);
 }
 
+/* Prefill batches of the shapes the tensor-core kernel takes (cuda_attention_prefill.cu: head
+ * size 64 or 128, 1 to 8 query heads per KV head; tiles of 64 or 128 rows of (token, head),
+ * keys in tiles of 64). */
+static void test_attention_flash(void)
+{
+    const attn_shape shapes[7] = {
+        {16, 8, 128, 16, 0},   /* Qwen3-0.6B: 2 query heads per KV head */
+        {8, 8, 64, 16, 0},     /* no GQA */
+        {16, 4, 128, 24, 0},   /* 4 per KV head, block size not a power of two */
+        {8, 1, 128, 16, 0},    /* 8 per KV head */
+        {12, 4, 64, 12, 0},    /* 3 per KV head: tile rows not a multiple of the group */
+        {16, 2, 64, 16, 100},  /* 8 per KV head, sliding window */
+        {16, 8, 128, 10, 300}, /* sliding window, block size 10 */
+    };
+    /* one batch: a one-token prompt, a prompt of several tiles plus a few rows, chunks after
+     * cached prefixes (short and long), a prompt one row past a tile, an exact tile */
+    const int32_t q[6] = {1, 500, 33, 2, 129, 64}, c[6] = {1, 500, 100, 2000, 129, 101};
+    for (int s = 0; s < 7; s++) run_attention("prefill flash", &shapes[s], 6, q, c, 0);
+    /* contexts up to 8192: a chunk at the end of a long cached prefix among short ones,
+     * without and with a window */
+    const int32_t lq[3] = {40, 300, 7}, lc[3] = {8192, 300, 4000};
+    run_attention("prefill flash long", &shapes[0], 3, lq, lc, 0);
+    const attn_shape win = {16, 8, 128, 16, 1000};
+    run_attention("prefill flash long", &win, 3, lq, lc, 0);
+    /* enough rows for the 128-row tiles (several blocks per SM): 36 sequences of 20 to 169
+     * new tokens, a third of them after a cached prefix; then 32 heads without GQA, window */
+    enum { NM = 36 };
+    int32_t mq[NM], mc[NM];
+    for (int s = 0; s < NM; s++) {
+        mq[s] = 20 + (s * 37) % 150;
+        mc[s] = mq[s] + (s % 3 ? 0 : 11 * s);
+    }
+    run_attention("prefill flash many", &shapes[0], NM, mq, mc, 0);
+    const attn_shape wide = {32, 32, 64, 16, 64};
+    run_attention("prefill flash many", &wide, 20, mq, mc, 0);
+}
+
 static void test_attention(void)
 {
     const attn_shape shapes[5] = {
@@ -600,6 +744,7 @@ static void test_attention(void)
     run_attention("decode long batch 64", &shapes[0], NL, lq2, lc2, 1);
     const attn_shape win = {16, 8, 128, 16, 1000};
     run_attention("decode long", &win, 2, lq2, lc1, 1);
+    test_attention_flash();
 }
 
 /* ---- KV blocks to and from the host ---- */
@@ -713,6 +858,7 @@ int main(void)
     test_rmsnorm();
     test_head_rmsnorm();
     test_linear();
+    test_linear_small();
     test_rope_store_kv();
     test_attention();
     test_kv_blocks();

@@ -1,9 +1,202 @@
-/* cuda_linear.cu -- linear: out[n][m] = x[n][k] . w[m][k]^T (+ bias[m]) through cuBLAS, bf16
- * operands, fp32 accumulation, bf16 result. Row-major to column-major: the row-major [n][m]
- * result is the column-major m x n matrix W . X^T, where the row-major weight [m][k] read
- * column-major is the k x m matrix W^T (so op T, lda k) and the row-major x [n][k] is the
- * k x n matrix X^T (op N, ldb k). */
+/* cuda_linear.cu -- linear: out[n][m] = x[n][k] . w[m][k]^T (+ bias[m]), bf16 operands, fp32
+ * accumulation, bf16 result. Small n on a small m (decode's o_proj and down of small models)
+ * goes to a weight-streaming kernel below, everything else to cuBLAS (see gemv_takes for why).
+ * PDSERVE_CUDA_GEMV_MAX_N=N moves the crossover in n (0 = always cuBLAS, for A/B runs; at most
+ * GEMV_MAX_N). */
+#include <stdlib.h>
+
 #include "kernels/cuda/cuda_common.cuh"
+
+/* ---- small n: weight streaming on the tensor cores ----
+ * At n <= 32 a product is bound by reading the weights (2 m k bytes against n m k
+ * multiply-adds). This kernel streams every weight byte once with 16-byte loads, several in
+ * flight per lane, in one launch (where cuBLAS splits k of an m = 1024 product over two), and
+ * uses each for all n rows of x, which are re-read from L1 (they are small and every block
+ * reads them).
+ *
+ * The arithmetic is mma.m16n8k16 (bf16 in, fp32 accumulate) with x as the 16-row A operand and
+ * 8 weight rows as the B operand, so a block owns 8 output columns and the tensor core does
+ * the n rows at once (CUDA cores would need 8 n fp32 FMAs per 16-byte load: compute-bound from
+ * n of about 8 on). A dot product does not care in which order k is summed, as long as A and B
+ * agree on it: lane (g = lane / 4, t = lane % 4) loads 8 consecutive k of weight row g and of x
+ * rows g and g + 8 (16 bytes each) and feeds the first 4 to one mma and the last 4 to a
+ * second, in the fragment slots k = 2t, 2t+1, 2t+8, 2t+9 that both operands give this lane. A
+ * warp step so covers 32 k of 8 weight rows (512 bytes). The warps of a block split k into
+ * contiguous ranges and their partial sums are added in warp order through shared memory, then
+ * the bias, in fp32, rounded once. The k split depends on k alone, so the summation order, and
+ * with it every bit of a row's result, is the same whatever n is (batch-invariant) and from run
+ * to run (no atomics). */
+
+#define GEMV_ROWS 8          /* weight rows (output columns) per block: the n8 of the mma */
+#define GEMV_UNROLL 8        /* steps (32 k each) whose weight loads a lane issues at once */
+#define GEMV_STEPS_PER_WARP 8 /* at least this many steps per warp before k is split further */
+#define GEMV_MAX_WARPS 8     /* warps splitting k in a block */
+#define GEMV_MAX_N 32        /* rows of x the kernels take (two 16-row A tiles) */
+#define GEMV_DEFAULT_MAX_N 32 /* crossover in n to cuBLAS, measured (docs/perf.md) */
+#define GEMV_MAX_M 2048      /* products the kernel takes: m <= this and weights <= */
+#define GEMV_MAX_BYTES ((size_t)8 << 20) /* this many bytes (measured, see gemv_takes) */
+
+/* A 16-byte load of streamed data: read once, so not kept in L1 (where x lives); the L2 fetches
+ * the rest of the 256-byte segment that the next steps of the same row read. */
+static __device__ __forceinline__ uint4 ld_stream(const uint4 *p)
+{
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+/* d += A . B for a 16x16 bf16 A (rows g and g + 8 in a0/a2 and a1/a3) and a 16x8 bf16 B. */
+static __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1,
+                                                uint32_t a2, uint32_t a3, uint32_t b0,
+                                                uint32_t b1)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    (void)d; (void)a0; (void)a1; (void)a2; (void)a3; (void)b0; (void)b1;
+    __trap(); /* the host takes this path only on compute capability 8.0 and up */
+#endif
+}
+
+/* NG = groups of 8 x rows the kernel holds: 1 (n <= 8), 2 (n <= 16) or 4 (n <= 32). Block:
+ * blockDim.x / 32 warps over k, steps_per_warp steps of 32 k each; grid: one block per
+ * GEMV_ROWS weight rows. x and w are 16-byte aligned and k % 8 == 0 (the host checks). */
+template <int NG>
+static __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32, 2)
+gemv_kernel(const bf16 *__restrict__ x, const bf16 *__restrict__ w,
+            const bf16 *__restrict__ bias, bf16 *__restrict__ out, int32_t n, int32_t k,
+            int32_t m, int32_t steps_per_warp)
+{
+    constexpr int NA = (NG + 1) / 2; /* 16-row A tiles */
+    /* [warp][tile][fragment slot][lane]: a warp's stores of one slot hit 32 banks */
+    __shared__ float part[GEMV_MAX_WARPS][NA][4][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int64_t j0 = (int64_t)blockIdx.x * GEMV_ROWS;
+    const bool w_ok = j0 + g < m;
+    const int32_t kc = k >> 3;                   /* 16-byte chunks per row */
+    const int32_t steps = (kc + 3) >> 2;
+    const int32_t s_begin = warp * steps_per_warp;
+    const int32_t s_end = min(s_begin + steps_per_warp, steps);
+    const uint4 *wrow = reinterpret_cast<const uint4 *>(w + (w_ok ? j0 + g : 0) * (int64_t)k);
+    const uint4 *xrow[NG];
+    bool x_ok[NG];
+#pragma unroll
+    for (int q = 0; q < NG; q++) {
+        const int r = 8 * q + g;
+        x_ok[q] = r < n;
+        xrow[q] = reinterpret_cast<const uint4 *>(x + (x_ok[q] ? r : 0) * (int64_t)k);
+    }
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    float acc[NA][4];
+#pragma unroll
+    for (int a = 0; a < NA; a++)
+        for (int i = 0; i < 4; i++) acc[a][i] = 0.0f;
+
+    for (int32_t s0 = s_begin; s0 < s_end; s0 += GEMV_UNROLL) {
+        uint4 wv[GEMV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++) {
+            const int32_t c = (s0 + u) * 4 + t;
+            wv[u] = (w_ok && s0 + u < s_end && c < kc) ? ld_stream(wrow + c) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++) {
+            if (s0 + u >= s_end) break; /* uniform over the warp, as mma.sync needs */
+            const int32_t c = (s0 + u) * 4 + t;
+            uint4 xv[NG];
+#pragma unroll
+            for (int q = 0; q < NG; q++) xv[q] = (x_ok[q] && c < kc) ? __ldg(xrow[q] + c) : zero;
+#pragma unroll
+            for (int a = 0; a < NA; a++) {
+                const uint4 lo = xv[2 * a], hi = 2 * a + 1 < NG ? xv[2 * a + 1] : zero;
+                mma_bf16(acc[a], lo.x, hi.x, lo.y, hi.y, wv[u].x, wv[u].y);
+                mma_bf16(acc[a], lo.z, hi.z, lo.w, hi.w, wv[u].z, wv[u].w);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int a = 0; a < NA; a++)
+        for (int i = 0; i < 4; i++) part[warp][a][i][lane] = acc[a][i];
+    __syncthreads();
+    /* Slot i of lane l of tile a is x row 16 a + l / 4 (+ 8 for i >= 2) and weight row
+     * j0 + 2 (l % 4) (+ 1 for odd i). */
+    for (int e = threadIdx.x; e < NA * 4 * 32; e += blockDim.x) {
+        const int a = e >> 7, i = (e >> 5) & 3, l = e & 31;
+        const int32_t r = 16 * a + (l >> 2) + (i & 2 ? 8 : 0);
+        const int64_t j = j0 + 2 * (l & 3) + (i & 1);
+        if (r >= n || j >= m) continue;
+        float v = part[0][a][i][l];
+        for (int q = 1; q < n_warps; q++) v += part[q][a][i][l];
+        if (bias) v += pd_ld(bias + j);
+        pd_st(out + (int64_t)r * m + j, v);
+    }
+}
+
+static cudaError_t launch_gemv(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *out,
+                               int32_t n, int32_t k, int32_t m, cudaStream_t stream)
+{
+    /* Warps over k: enough steps each to keep GEMV_UNROLL loads in flight, up to 8 warps
+     * (small m gets its parallelism from k). From k alone: see the batch invariance above.
+     * (Choosing fewer warps where that fits all blocks on the device at once was tried:
+     * slower on Llama-3-8B's m = 4096 products, docs/perf.md.) */
+    const int32_t steps = (k / 8 + 3) / 4;
+    int32_t warps = steps / GEMV_STEPS_PER_WARP;
+    if (warps < 1) warps = 1;
+    if (warps > GEMV_MAX_WARPS) warps = GEMV_MAX_WARPS;
+    const int32_t per_warp = (steps + warps - 1) / warps;
+    const unsigned blocks = (unsigned)((m + GEMV_ROWS - 1) / GEMV_ROWS);
+    const unsigned threads = (unsigned)warps * 32;
+    if (n <= 8)
+        gemv_kernel<1><<<blocks, threads, 0, stream>>>(x, w, bias, out, n, k, m, per_warp);
+    else if (n <= 16)
+        gemv_kernel<2><<<blocks, threads, 0, stream>>>(x, w, bias, out, n, k, m, per_warp);
+    else
+        gemv_kernel<4><<<blocks, threads, 0, stream>>>(x, w, bias, out, n, k, m, per_warp);
+    return cudaGetLastError();
+}
+
+/* The crossover, read once per process (a function-local static: initialised thread-safely). */
+static int gemv_max_n(void)
+{
+    static const int v = [] {
+        const char *e = getenv("PDSERVE_CUDA_GEMV_MAX_N");
+        if (!e || !*e) return GEMV_DEFAULT_MAX_N;
+        const int x = atoi(e);
+        return x < 0 ? 0 : x > GEMV_MAX_N ? GEMV_MAX_N : x;
+    }();
+    return v;
+}
+
+/* Whether the streaming kernel takes this product: small n, rows of whole 16-byte chunks,
+ * aligned operands, the mma (compute capability 8.0 and up), and a small m. Measured on an
+ * H200 (docs/perf.md, "Kernel benchmarks"): for n <= 32, cuBLAS 13.0 runs the m >= 4096
+ * products of Qwen3-0.6B (qkv, gate_up, lm_head) and Llama-3-8B as fast as this kernel or
+ * faster (n = 1: 1% slower to 7% faster on Qwen3's, 4 to 35% faster on Llama's), but splits k
+ * of an m = 1024 product over a second kernel: 12.9 / 7.7 us for Qwen3's o_proj / down at
+ * n = 1 against 4.6 / 6.0 here (5.8 / 7.8 against 5.3 / 7.1 at n = 32). So the kernel takes
+ * the products of m <= 2048 up to 8 MiB. */
+static bool gemv_takes(const pd_cuda_ctx *c, const void *x, const void *w, int32_t n, int32_t k,
+                       int32_t m)
+{
+    if (n > gemv_max_n() || k % 8 != 0 || (((uintptr_t)x | (uintptr_t)w) & 15) != 0 ||
+        m > GEMV_MAX_M || (size_t)m * (size_t)k * sizeof(bf16) > GEMV_MAX_BYTES)
+        return false;
+    int major = 0;
+    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device) ==
+               cudaSuccess && major >= 8;
+}
+
+/* ---- the rest: cuBLAS ----
+ * Row-major to column-major: the row-major [n][m] result is the column-major m x n matrix
+ * W . X^T, where the row-major weight [m][k] read column-major is the k x m matrix W^T (so op
+ * T, lda k) and the row-major x [n][k] is the k x n matrix X^T (op N, ldb k). */
 
 /* out[i][j] += bias[j], in fp32, rounded once. */
 static __global__ void bias_kernel(bf16 *out, const bf16 *bias, size_t total, int32_t m)
@@ -27,6 +220,11 @@ extern "C" int pd_cuda__linear(void *ctx, const void *x, const void *w, const vo
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     if (n == 0) return 0;
     if (n < 0 || k <= 0 || m <= 0 || !x || !w || !out) return PD_EINVAL;
+    if (gemv_takes(c, x, w, n, k, m)) {
+        PD_CUDA_CHECK(launch_gemv((const bf16 *)x, (const bf16 *)w, (const bf16 *)bias,
+                                  (bf16 *)out, n, k, m, c->stream));
+        return 0;
+    }
     const float alpha = 1.0f, beta = 0.0f;
     PD_CUBLAS_CHECK(cublasGemmEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w,
                                  CUDA_R_16BF, k, x, CUDA_R_16BF, k, &beta, out, CUDA_R_16BF, m,

@@ -1,0 +1,677 @@
+/* bench_kernels.cu -- pdserve-bench-kernels: times the CUDA backend's decode-path ops (linear,
+ * attention_decode, sample) through its op table, against the physical floors measured in the
+ * same run: a large device-to-device copy (memory bandwidth) and a large cuBLAS bf16 GEMM
+ * (matrix rate). Built with the CUDA backend only; docs/perf.md keeps its results. */
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+extern "C" {
+#include "common/error.h"
+#include "kernels/backend.h"
+}
+
+#define ROTATE_BYTES ((size_t)256 << 20) /* weights / KV cycled per batch: 4x+ the L2 */
+#define BATCH_BYTES ((double)(2u << 30))  /* a timed batch moves about this much */
+#define MAX_CALLS 1024                    /* ops per timed batch at most */
+#define REPEATS 7                         /* timed batches per case (the median is printed) */
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+        "usage: pdserve-bench-kernels [--floor] [--linear] [--attention] [--sample] [--all]\n"
+        "                             [--device N] [--json]\n"
+        "\n"
+        "Times the CUDA backend's decode-path ops through its op table on random data, and the\n"
+        "device's physical floors in the same run. Sections (none given = --all):\n"
+        "  --floor      device-to-device cudaMemcpy of 1 GiB (GB/s counting bytes read + written,\n"
+        "               and read-only = half) and a cuBLAS bf16 8192^3 GEMM with fp32\n"
+        "               accumulation (TFLOP/s)\n"
+        "  --linear     the linear op on Qwen3-0.6B's and Llama-3-8B's products at n = 1 .. 256:\n"
+        "               us per call, weight GB/s and %% of the copy's rate, TFLOP/s and %% of the\n"
+        "               GEMM rate\n"
+        "  --attention  attention_decode, Qwen3-0.6B heads (16 q, 8 KV, head_dim 128, blocks\n"
+        "               of 16), batch 256 x context 1024 (also with max_ctx_len = 0) and batch\n"
+        "               1 / 32 at contexts 128 / 1024 / 8192: us, KV bytes read per second,\n"
+        "               %% of the copy\n"
+        "  --sample     the sample op (if offered) on 1 / 32 / 256 rows of 151,936 logits, greedy\n"
+        "               and temperature 1 + top-p 0.9 + top-k 50\n"
+        "  --device N   GPU ordinal (default 0)\n"
+        "  --json       one JSON object per result line instead of the tables\n"
+        "\n"
+        "%% of the copy: bytes the op must move per second over the bytes the copy moves per\n"
+        "second (read + written: both are bytes through device memory; a read-only stream is\n"
+        "not bound by the copy's read half). The floors are always measured (the percentages\n"
+        "need them) and the run always ends in one line\n"
+        "  FLOOR copy_gbps=<read+write GB/s> gemm_tflops=<TFLOP/s>\n"
+        "Times are medians of %d batches after a warm-up batch. An op batch is recorded once as\n"
+        "a CUDA graph (the backend's graph ops) and replayed, timed by sync + clock: back-to-back\n"
+        "kernels as in a captured decode step; without graphs, direct calls. Weights and KV\n"
+        "blocks rotate over at least 256 MiB so that the L2 does not hold them.\n",
+        REPEATS);
+}
+
+typedef struct {
+    bool floor, linear, attention, sample; /* sections */
+    bool json;                             /* JSON lines instead of tables */
+    int device;                            /* CUDA ordinal */
+} bk_opts;
+
+typedef struct {
+    double copy_gbps;   /* device-to-device copy, bytes read + written per second / 1e9 */
+    double gemm_tflops; /* cuBLAS bf16 8192^3 */
+} bk_floor;
+
+#define BK_CUDA(call)                                                                      \
+    do {                                                                                   \
+        cudaError_t e_ = (call);                                                           \
+        if (e_ != cudaSuccess) {                                                           \
+            fprintf(stderr, "pdserve-bench-kernels: %s failed: %s (%s:%d)\n", #call,      \
+                    cudaGetErrorString(e_), __FILE__, __LINE__);                           \
+            goto fail;                                                                     \
+        }                                                                                  \
+    } while (0)
+
+#define BK_CUBLAS(call)                                                                    \
+    do {                                                                                   \
+        cublasStatus_t s_ = (call);                                                        \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                 \
+            fprintf(stderr, "pdserve-bench-kernels: %s failed: %s (%s:%d)\n", #call,      \
+                    cublasGetStatusString(s_), __FILE__, __LINE__);                        \
+            goto fail;                                                                     \
+        }                                                                                  \
+    } while (0)
+
+/* A backend op returning 0 or a negative pd error. */
+#define BK_OP(call)                                                                        \
+    do {                                                                                   \
+        int r_ = (call);                                                                   \
+        if (r_ != 0) {                                                                     \
+            fprintf(stderr, "pdserve-bench-kernels: %s failed: %s (%s:%d)\n", #call,      \
+                    pd_strerror(r_), __FILE__, __LINE__);                                  \
+            goto fail;                                                                     \
+        }                                                                                  \
+    } while (0)
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
+
+static uint64_t rnd(void) /* xorshift64 */
+{
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return g_rng;
+}
+
+/* A zeroed backend buffer filled with uniform values in [lo, hi). */
+static void *rand_buf(pd_backend *be, pd_dtype t, size_t n, uint64_t seed, float lo, float hi)
+{
+    void *p = NULL;
+    if (be->ops->alloc(be->ctx, t, n, &p) != 0) {
+        fprintf(stderr, "pdserve-bench-kernels: alloc of %zu %s elements failed\n", n,
+                pd_dtype_name(t));
+        return NULL;
+    }
+    if (be->ops->fill_uniform(be->ctx, p, t, n, seed, lo, hi) != 0) {
+        be->ops->free(be->ctx, p);
+        return NULL;
+    }
+    return p;
+}
+
+/* ---- timing of op batches ---- */
+
+/* One batch: `calls` calls of an op, call i given its index (to pick rotating buffers).
+ * Returns 0 or a pd error. */
+typedef int (*bk_call_fn)(pd_backend *be, void *arg, int i);
+
+/* Median seconds per call over REPEATS batches of `calls` calls, after one warm-up batch. The
+ * batch is captured as a graph when the backend offers graphs (*graphed says whether it was),
+ * else called directly. Returns a negative value when an op fails. */
+static double time_batch(pd_backend *be, bk_call_fn fn, void *arg, int calls, bool *graphed)
+{
+    const pd_backend_ops *o = be->ops;
+    void *graph = NULL;
+    double t[REPEATS];
+    *graphed = false;
+    if (o->graph_begin && o->graph_end && o->graph_launch && o->sync(be->ctx) == 0 &&
+        o->graph_begin(be->ctx) == 0) {
+        int rc = 0;
+        for (int i = 0; i < calls && rc == 0; i++) rc = fn(be, arg, i);
+        const int end = o->graph_end(be->ctx, &graph); /* ends the capture in any case */
+        if (rc != 0 || end != 0) {
+            if (graph) o->graph_destroy(be->ctx, graph);
+            graph = NULL;
+            (void)cudaGetLastError();
+        }
+    }
+    *graphed = graph != NULL;
+    for (int r = -1; r < REPEATS; r++) {
+        if (o->sync(be->ctx) != 0) goto fail;
+        const double t0 = now_s();
+        if (graph) {
+            if (o->graph_launch(be->ctx, graph) != 0) goto fail;
+        } else {
+            for (int i = 0; i < calls; i++)
+                if (fn(be, arg, i) != 0) goto fail;
+        }
+        if (o->sync(be->ctx) != 0) goto fail;
+        if (r >= 0) t[r] = (now_s() - t0) / calls;
+    }
+    if (graph) o->graph_destroy(be->ctx, graph);
+    return median(t, REPEATS);
+fail:
+    if (graph) o->graph_destroy(be->ctx, graph);
+    return -1.0;
+}
+
+/* Calls per batch: about BATCH_BYTES moved, at least `min_calls` (a whole rotation) and 4,
+ * at most MAX_CALLS. */
+static int batch_calls(double bytes_per_call, int min_calls)
+{
+    double c = ceil(BATCH_BYTES / bytes_per_call);
+    if (c < min_calls) c = min_calls;
+    if (c < 4) c = 4;
+    if (c > MAX_CALLS) c = MAX_CALLS;
+    return (int)c;
+}
+
+/* ---- floors ---- */
+
+static int bench_floor(const bk_opts *opt, pd_backend *be, bk_floor *fl)
+{
+    const pd_backend_ops *o = be->ops;
+    const size_t copy_elems = (size_t)1 << 29; /* 1 GiB of bf16 */
+    const size_t copy_bytes = copy_elems * 2;
+    const int gn = 8192;
+    const size_t gelems = (size_t)gn * gn;
+    void *src = NULL, *dst = NULL, *ga = NULL, *gb = NULL, *gc = NULL;
+    cudaStream_t st = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    cublasHandle_t cb = NULL;
+    double tc[20], tg[10];
+    int rc = -1;
+
+    if (!(src = rand_buf(be, PD_DTYPE_BF16, copy_elems, 11, -1.0f, 1.0f))) goto fail;
+    if (!(dst = rand_buf(be, PD_DTYPE_BF16, copy_elems, 12, -1.0f, 1.0f))) goto fail;
+    BK_OP(o->sync(be->ctx));
+    BK_CUDA(cudaSetDevice(opt->device));
+    BK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    BK_CUDA(cudaEventCreate(&e0));
+    BK_CUDA(cudaEventCreate(&e1));
+    for (int r = -3; r < 20; r++) {
+        BK_CUDA(cudaEventRecord(e0, st));
+        BK_CUDA(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice, st));
+        BK_CUDA(cudaEventRecord(e1, st));
+        BK_CUDA(cudaEventSynchronize(e1));
+        float ms = 0;
+        BK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        if (r >= 0) tc[r] = ms * 1e-3;
+    }
+    fl->copy_gbps = 2.0 * (double)copy_bytes / median(tc, 20) / 1e9;
+    o->free(be->ctx, src);
+    o->free(be->ctx, dst);
+    src = dst = NULL;
+
+    if (!(ga = rand_buf(be, PD_DTYPE_BF16, gelems, 21, -1.0f, 1.0f))) goto fail;
+    if (!(gb = rand_buf(be, PD_DTYPE_BF16, gelems, 22, -1.0f, 1.0f))) goto fail;
+    if (!(gc = rand_buf(be, PD_DTYPE_BF16, gelems, 23, -1.0f, 1.0f))) goto fail;
+    BK_OP(o->sync(be->ctx));
+    BK_CUBLAS(cublasCreate(&cb));
+    BK_CUBLAS(cublasSetStream(cb, st));
+    for (int r = -3; r < 10; r++) {
+        const float alpha = 1.0f, beta = 0.0f;
+        BK_CUDA(cudaEventRecord(e0, st));
+        BK_CUBLAS(cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, gn, gn, gn, &alpha, ga, CUDA_R_16BF,
+                               gn, gb, CUDA_R_16BF, gn, &beta, gc, CUDA_R_16BF, gn,
+                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        BK_CUDA(cudaEventRecord(e1, st));
+        BK_CUDA(cudaEventSynchronize(e1));
+        float ms = 0;
+        BK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        if (r >= 0) tg[r] = ms * 1e-3;
+    }
+    fl->gemm_tflops = 2.0 * gn * (double)gn * gn / median(tg, 10) / 1e12;
+    rc = 0;
+    if (opt->floor) {
+        if (opt->json)
+            printf("{\"bench\":\"floor\",\"copy_bytes\":%zu,\"copy_gbps\":%.1f,"
+                   "\"copy_read_gbps\":%.1f,\"gemm_n\":%d,\"gemm_tflops\":%.1f}\n",
+                   copy_bytes, fl->copy_gbps, fl->copy_gbps / 2, gn, fl->gemm_tflops);
+        else
+            printf("\n## floor\n"
+                   "device-to-device cudaMemcpy of 1 GiB (median of 20): %8.1f GB/s read + "
+                   "written, %8.1f GB/s read\n"
+                   "cuBLAS bf16 %dx%dx%d GEMM, fp32 accumulation (median of 10): %8.1f TFLOP/s\n",
+                   fl->copy_gbps, fl->copy_gbps / 2, gn, gn, gn, fl->gemm_tflops);
+    }
+fail:
+    if (cb) (void)cublasDestroy(cb);
+    if (e0) (void)cudaEventDestroy(e0);
+    if (e1) (void)cudaEventDestroy(e1);
+    if (st) (void)cudaStreamDestroy(st);
+    o->free(be->ctx, src);
+    o->free(be->ctx, dst);
+    o->free(be->ctx, ga);
+    o->free(be->ctx, gb);
+    o->free(be->ctx, gc);
+    return rc;
+}
+
+/* ---- linear ---- */
+
+typedef struct {
+    const char *model, *op;
+    int32_t k, m;
+} lin_shape;
+
+static const lin_shape k_lin_shapes[] = {
+    {"qwen3-0.6b", "qkv", 1024, 4096},      {"qwen3-0.6b", "o_proj", 2048, 1024},
+    {"qwen3-0.6b", "gate_up", 1024, 6144},  {"qwen3-0.6b", "down", 3072, 1024},
+    {"qwen3-0.6b", "lm_head", 1024, 151936}, {"llama3-8b", "qkv", 4096, 6144},
+    {"llama3-8b", "o_proj", 4096, 4096},    {"llama3-8b", "gate_up", 4096, 28672},
+    {"llama3-8b", "down", 14336, 4096},     {"llama3-8b", "lm_head", 4096, 128256},
+};
+static const int32_t k_lin_n[] = {1, 2, 4, 8, 16, 32, 64, 256};
+
+typedef struct {
+    const void *x, *w;
+    void *out;
+    int32_t n, k, m;
+    int copies;        /* weight copies rotated over */
+    size_t copy_elems; /* m * k */
+} lin_arg;
+
+static int lin_call(pd_backend *be, void *arg, int i)
+{
+    const lin_arg *a = (const lin_arg *)arg;
+    const char *w = (const char *)a->w + (size_t)(i % a->copies) * a->copy_elems * 2;
+    return be->ops->linear(be->ctx, a->x, w, NULL, a->n, a->k, a->m, a->out);
+}
+
+static int bench_linear(const bk_opts *opt, pd_backend *be, const bk_floor *fl)
+{
+    const pd_backend_ops *o = be->ops;
+    const int32_t n_max = k_lin_n[sizeof k_lin_n / sizeof k_lin_n[0] - 1];
+    const char *env = getenv("PDSERVE_CUDA_GEMV_MAX_N");
+    if (!opt->json)
+        printf("\n## linear (out[n][m] = x[n][k] . w[m][k]^T, bf16, no bias%s%s)\n"
+               "%-11s %-8s %6s %7s %4s %10s %9s %7s %9s %7s %s\n",
+               env ? ", PDSERVE_CUDA_GEMV_MAX_N=" : "", env ? env : "", "model", "op", "k", "m",
+               "n", "us/call", "weight GB/s", "%copy", "TFLOP/s", "%gemm", "mode");
+    for (size_t s = 0; s < sizeof k_lin_shapes / sizeof k_lin_shapes[0]; s++) {
+        const lin_shape *sh = &k_lin_shapes[s];
+        const size_t welems = (size_t)sh->m * sh->k, wbytes = welems * 2;
+        int copies = (int)((ROTATE_BYTES + wbytes - 1) / wbytes);
+        if (copies > 64) copies = 64;
+        void *w = rand_buf(be, PD_DTYPE_BF16, welems * copies, 100 + s, -0.05f, 0.05f);
+        void *x = rand_buf(be, PD_DTYPE_BF16, (size_t)n_max * sh->k, 200 + s, -1.0f, 1.0f);
+        void *out = rand_buf(be, PD_DTYPE_BF16, (size_t)n_max * sh->m, 300 + s, -1.0f, 1.0f);
+        if (!w || !x || !out) {
+            o->free(be->ctx, w);
+            o->free(be->ctx, x);
+            o->free(be->ctx, out);
+            return -1;
+        }
+        for (size_t j = 0; j < sizeof k_lin_n / sizeof k_lin_n[0]; j++) {
+            lin_arg a = {x, w, out, k_lin_n[j], sh->k, sh->m, copies, welems};
+            bool graphed = false;
+            const int calls = batch_calls((double)wbytes, copies);
+            const double t = time_batch(be, lin_call, &a, calls, &graphed);
+            if (t <= 0) {
+                fprintf(stderr, "pdserve-bench-kernels: linear %s %s n=%d failed\n", sh->model,
+                        sh->op, a.n);
+                o->free(be->ctx, w);
+                o->free(be->ctx, x);
+                o->free(be->ctx, out);
+                return -1;
+            }
+            const double gbps = (double)wbytes / t / 1e9;
+            const double pct_copy = 100.0 * gbps / fl->copy_gbps;
+            const double tflops = 2.0 * a.n * (double)welems / t / 1e12;
+            const double pct_gemm = 100.0 * tflops / fl->gemm_tflops;
+            if (opt->json)
+                printf("{\"bench\":\"linear\",\"model\":\"%s\",\"op\":\"%s\",\"k\":%d,\"m\":%d,"
+                       "\"n\":%d,\"us\":%.2f,\"weight_gbps\":%.1f,\"pct_copy\":%.1f,"
+                       "\"tflops\":%.2f,\"pct_gemm\":%.1f,\"graph\":%s,\"calls\":%d}\n",
+                       sh->model, sh->op, sh->k, sh->m, a.n, t * 1e6, gbps, pct_copy, tflops,
+                       pct_gemm, graphed ? "true" : "false", calls);
+            else
+                printf("%-11s %-8s %6d %7d %4d %10.2f %9.1f %6.1f%% %9.2f %6.1f%% %s\n",
+                       sh->model, sh->op, sh->k, sh->m, a.n, t * 1e6, gbps, pct_copy, tflops,
+                       pct_gemm, graphed ? "graph" : "direct");
+            fflush(stdout);
+        }
+        o->free(be->ctx, w);
+        o->free(be->ctx, x);
+        o->free(be->ctx, out);
+    }
+    return 0;
+}
+
+/* ---- attention_decode ---- */
+
+#define ATT_HEADS 16
+#define ATT_KV_HEADS 8
+#define ATT_HEAD_DIM 128
+#define ATT_BLOCK 16
+#define ATT_POOL_BLOCKS 16384 /* per cache: 16384 x 16 x 8 x 128 bf16 = 512 MiB each */
+
+typedef struct {
+    pd_attn_args a;       /* block_tables: set 0; the others follow */
+    const int32_t *bt;    /* [sets][batch][max_blocks] */
+    int sets;
+    size_t set_entries;   /* batch * max_blocks */
+} att_arg;
+
+static int att_call(pd_backend *be, void *arg, int i)
+{
+    const att_arg *t = (const att_arg *)arg;
+    pd_attn_args a = t->a;
+    a.block_tables = t->bt + (size_t)(i % t->sets) * t->set_entries;
+    return be->ops->attention_decode(be->ctx, &a);
+}
+
+static int bench_attention(const bk_opts *opt, pd_backend *be, const bk_floor *fl)
+{
+    static const struct { int32_t batch, ctx; bool unknown; } cases[] = {
+        {256, 1024, false}, {256, 1024, true}, {1, 128, false},  {1, 1024, false},
+        {1, 8192, false},   {32, 128, false},  {32, 1024, false}, {32, 8192, false},
+    };
+    const pd_backend_ops *o = be->ops;
+    const size_t blk_elems = (size_t)ATT_BLOCK * ATT_KV_HEADS * ATT_HEAD_DIM;
+    const int32_t q_dim = ATT_HEADS * ATT_HEAD_DIM;
+    void *kc = rand_buf(be, PD_DTYPE_BF16, blk_elems * ATT_POOL_BLOCKS, 400, -1.0f, 1.0f);
+    void *vc = rand_buf(be, PD_DTYPE_BF16, blk_elems * ATT_POOL_BLOCKS, 401, -1.0f, 1.0f);
+    void *q = rand_buf(be, PD_DTYPE_BF16, (size_t)256 * q_dim, 402, -1.0f, 1.0f);
+    void *out = rand_buf(be, PD_DTYPE_BF16, (size_t)256 * q_dim, 403, -1.0f, 1.0f);
+    int32_t *perm = (int32_t *)malloc(ATT_POOL_BLOCKS * sizeof(int32_t));
+    int rc = -1;
+    if (!kc || !vc || !q || !out || !perm) goto done;
+    for (int32_t i = 0; i < ATT_POOL_BLOCKS; i++) perm[i] = i;
+    if (!opt->json)
+        printf("\n## attention_decode (16 q heads, 8 KV heads, head_dim 128, blocks of 16, "
+               "random block tables)\n%5s %7s %-12s %5s %10s %10s %9s %7s %s\n", "batch", "ctx",
+               "max_ctx_len", "sets", "us/call", "KV MB", "KV GB/s", "%copy", "mode");
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const int32_t batch = cases[c].batch, ctx = cases[c].ctx;
+        const int32_t mb = (ctx + ATT_BLOCK - 1) / ATT_BLOCK;
+        const int32_t need = batch * mb;
+        int sets = ATT_POOL_BLOCKS / need;
+        if (sets > MAX_CALLS) sets = MAX_CALLS;
+        const size_t entries = (size_t)need * sets;
+        int32_t *bt = (int32_t *)malloc(entries * sizeof(int32_t));
+        int32_t *lens = (int32_t *)malloc((size_t)batch * sizeof(int32_t));
+        int32_t *cu = (int32_t *)malloc(((size_t)batch + 1) * sizeof(int32_t));
+        void *d_bt = NULL, *d_lens = NULL, *d_cu = NULL;
+        bool ok = bt && lens && cu;
+        if (ok) {
+            for (int32_t i = ATT_POOL_BLOCKS - 1; i > 0; i--) { /* fresh random pool order */
+                const int32_t j = (int32_t)(rnd() % (uint64_t)(i + 1)), tmp = perm[i];
+                perm[i] = perm[j];
+                perm[j] = tmp;
+            }
+            for (size_t e = 0; e < entries; e++) bt[e] = perm[e]; /* disjoint per set */
+            for (int32_t i = 0; i < batch; i++) lens[i] = ctx;
+            for (int32_t i = 0; i <= batch; i++) cu[i] = i;
+            ok = o->alloc(be->ctx, PD_DTYPE_I32, entries, &d_bt) == 0 &&
+                 o->alloc(be->ctx, PD_DTYPE_I32, (size_t)batch, &d_lens) == 0 &&
+                 o->alloc(be->ctx, PD_DTYPE_I32, (size_t)batch + 1, &d_cu) == 0 &&
+                 o->upload(be->ctx, d_bt, PD_DTYPE_I32, 0, bt, PD_DTYPE_I32, entries) == 0 &&
+                 o->upload(be->ctx, d_lens, PD_DTYPE_I32, 0, lens, PD_DTYPE_I32, batch) == 0 &&
+                 o->upload(be->ctx, d_cu, PD_DTYPE_I32, 0, cu, PD_DTYPE_I32, batch + 1) == 0;
+        }
+        att_arg t;
+        memset(&t, 0, sizeof t);
+        t.a.q = q;
+        t.a.q_row_stride = q_dim;
+        t.a.k_cache = kc;
+        t.a.v_cache = vc;
+        t.a.out = out;
+        t.a.cu_q = (const int32_t *)d_cu;
+        t.a.ctx_lens = (const int32_t *)d_lens;
+        t.a.block_tables = (const int32_t *)d_bt;
+        t.a.n_seqs = batch;
+        t.a.n_tokens = batch;
+        t.a.max_q_len = 1;
+        t.a.max_ctx_len = cases[c].unknown ? 0 : ctx;
+        t.a.max_blocks_per_seq = mb;
+        t.a.n_heads = ATT_HEADS;
+        t.a.n_kv_heads = ATT_KV_HEADS;
+        t.a.head_dim = ATT_HEAD_DIM;
+        t.a.block_size = ATT_BLOCK;
+        t.a.sliding_window = 0;
+        t.a.scale = 1.0f / sqrtf((float)ATT_HEAD_DIM);
+        t.bt = (const int32_t *)d_bt;
+        t.sets = sets;
+        t.set_entries = (size_t)need;
+        const double kv_bytes = (double)batch * ctx * ATT_KV_HEADS * ATT_HEAD_DIM * 2 * 2;
+        char mcl[16];
+        snprintf(mcl, sizeof mcl, "%d", t.a.max_ctx_len);
+        /* an op that refuses the case (max_ctx_len 0 before the kernel takes it) is n/a */
+        const bool takes = ok && o->attention_decode(be->ctx, &t.a) == 0 && o->sync(be->ctx) == 0;
+        double tm = -1;
+        bool graphed = false;
+        int calls = 0;
+        if (takes) {
+            calls = batch_calls(kv_bytes, sets);
+            tm = time_batch(be, att_call, &t, calls, &graphed);
+        }
+        if (ok && tm > 0) {
+            const double gbps = kv_bytes / tm / 1e9, pct = 100.0 * gbps / fl->copy_gbps;
+            if (opt->json)
+                printf("{\"bench\":\"attention_decode\",\"batch\":%d,\"ctx\":%d,"
+                       "\"max_ctx_len\":%d,\"sets\":%d,\"us\":%.2f,\"kv_bytes\":%.0f,"
+                       "\"kv_gbps\":%.1f,\"pct_copy\":%.1f,\"graph\":%s,\"calls\":%d}\n",
+                       batch, ctx, t.a.max_ctx_len, sets, tm * 1e6, kv_bytes, gbps, pct,
+                       graphed ? "true" : "false", calls);
+            else
+                printf("%5d %7d %-12s %5d %10.2f %10.1f %9.1f %6.1f%% %s\n", batch, ctx,
+                       cases[c].unknown ? "0 (unknown)" : mcl, sets, tm * 1e6, kv_bytes / 1e6,
+                       gbps, pct, graphed ? "graph" : "direct");
+        } else if (opt->json) {
+            printf("{\"bench\":\"attention_decode\",\"batch\":%d,\"ctx\":%d,\"max_ctx_len\":%d,"
+                   "\"us\":null}\n", batch, ctx, t.a.max_ctx_len);
+        } else {
+            printf("%5d %7d %-12s %5d %10s\n", batch, ctx,
+                   cases[c].unknown ? "0 (unknown)" : mcl, sets, "n/a");
+        }
+        fflush(stdout);
+        (void)cudaGetLastError();
+        o->free(be->ctx, d_bt);
+        o->free(be->ctx, d_lens);
+        o->free(be->ctx, d_cu);
+        free(bt);
+        free(lens);
+        free(cu);
+        if (!ok) goto done;
+    }
+    rc = 0;
+done:
+    o->free(be->ctx, kc);
+    o->free(be->ctx, vc);
+    o->free(be->ctx, q);
+    o->free(be->ctx, out);
+    free(perm);
+    return rc;
+}
+
+/* ---- sample ---- */
+
+static int bench_sample(const bk_opts *opt, pd_backend *be)
+{
+    static const int32_t rows_n[] = {1, 32, 256};
+    const int32_t vocab = 151936, n_max = 256;
+    const pd_backend_ops *o = be->ops;
+    if (!o->sample) {
+        if (opt->json) printf("{\"bench\":\"sample\",\"us\":null}\n");
+        else printf("\n## sample\nn/a (the backend offers no sample op)\n");
+        return 0;
+    }
+    const size_t elems = (size_t)n_max * vocab;
+    void *logits = rand_buf(be, o->act_dtype, elems, 500, -10.0f, 10.0f);
+    void *pristine = rand_buf(be, o->act_dtype, elems, 501, -10.0f, 10.0f);
+    pd_sample_row *rows = (pd_sample_row *)calloc((size_t)n_max, sizeof *rows);
+    int32_t *tokens = (int32_t *)malloc((size_t)n_max * sizeof(int32_t));
+    const size_t esize = pd_dtype_size(o->act_dtype);
+    int rc = -1;
+    if (!logits || !pristine || !rows || !tokens) goto fail;
+    BK_OP(o->sync(be->ctx));
+    if (!opt->json)
+        printf("\n## sample (rows of %d random logits in [-10, 10); logits restored before "
+               "each call, not timed)\n%5s %-34s %10s %10s %9s\n", vocab, "rows", "mode",
+               "us/call", "us/row", "GB/s");
+    for (int mode = 0; mode < 2; mode++) {
+        for (size_t c = 0; c < sizeof rows_n / sizeof rows_n[0]; c++) {
+            const int32_t n = rows_n[c];
+            for (int32_t i = 0; i < n; i++) {
+                pd_sample_row *r = &rows[i];
+                memset(r, 0, sizeof *r);
+                r->temperature = mode ? 1.0f : 0.0f;
+                r->top_p = mode ? 0.9f : 1.0f;
+                r->min_p = 0.0f;
+                r->repetition_penalty = 1.0f;
+                r->top_k = mode ? 50 : 0;
+                r->n_output = i;
+                r->seed = 1000 + (uint64_t)i;
+            }
+            double t[20];
+            int err = 0;
+            for (int r = -3; r < 20 && !err; r++) {
+                BK_CUDA(cudaMemcpy(logits, pristine, (size_t)n * vocab * esize,
+                                   cudaMemcpyDeviceToDevice));
+                BK_CUDA(cudaDeviceSynchronize());
+                const double t0 = now_s();
+                err = o->sample(be->ctx, logits, n, vocab, rows, NULL, 0, tokens, NULL);
+                if (r >= 0) t[r] = now_s() - t0;
+            }
+            const char *mname = mode ? "temperature 1, top-p 0.9, top-k 50" : "greedy";
+            if (err) {
+                if (opt->json)
+                    printf("{\"bench\":\"sample\",\"rows\":%d,\"mode\":\"%s\",\"us\":null,"
+                           "\"error\":\"%s\"}\n", n, mname, pd_strerror(err));
+                else
+                    printf("%5d %-34s n/a (%s)\n", n, mname, pd_strerror(err));
+                continue;
+            }
+            const double tm = median(t, 20);
+            const double gbps = (double)n * vocab * esize / tm / 1e9;
+            if (opt->json)
+                printf("{\"bench\":\"sample\",\"rows\":%d,\"mode\":\"%s\",\"us\":%.2f,"
+                       "\"us_per_row\":%.2f,\"logits_gbps\":%.1f}\n", n, mname, tm * 1e6,
+                       tm * 1e6 / n, gbps);
+            else
+                printf("%5d %-34s %10.2f %10.2f %9.1f\n", n, mname, tm * 1e6, tm * 1e6 / n, gbps);
+            fflush(stdout);
+        }
+    }
+    rc = 0;
+fail:
+    o->free(be->ctx, logits);
+    o->free(be->ctx, pristine);
+    free(rows);
+    free(tokens);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    bk_opts opt;
+    memset(&opt, 0, sizeof opt);
+    bool any = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
+        } else if (!strcmp(a, "--floor")) {
+            opt.floor = any = true;
+        } else if (!strcmp(a, "--linear")) {
+            opt.linear = any = true;
+        } else if (!strcmp(a, "--attention")) {
+            opt.attention = any = true;
+        } else if (!strcmp(a, "--sample")) {
+            opt.sample = any = true;
+        } else if (!strcmp(a, "--all")) {
+            opt.floor = opt.linear = opt.attention = opt.sample = any = true;
+        } else if (!strcmp(a, "--json")) {
+            opt.json = true;
+        } else if (!strcmp(a, "--device") && i + 1 < argc) {
+            char *end = NULL;
+            const long d = strtol(argv[++i], &end, 10);
+            if (!*argv[i] || *end || d < 0 || d > 1024) {
+                fprintf(stderr, "pdserve-bench-kernels: bad --device '%s'\n", argv[i]);
+                return 2;
+            }
+            opt.device = (int)d;
+        } else {
+            fprintf(stderr, "pdserve-bench-kernels: unknown argument '%s'\n", a);
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (!any) opt.floor = opt.linear = opt.attention = opt.sample = true;
+
+    char err[PD_ERR_LEN] = "";
+    pd_backend_params bp = pd_backend_default_params();
+    bp.device = opt.device;
+    pd_backend *be = NULL;
+    if (pd_backend_create("cuda", &bp, &be, err) < 0) {
+        fprintf(stderr, "pdserve-bench-kernels: %s\n", err);
+        return 1;
+    }
+    cudaDeviceProp prop;
+    int driver = 0, runtime = 0;
+    if (cudaGetDeviceProperties(&prop, opt.device) != cudaSuccess ||
+        cudaDriverGetVersion(&driver) != cudaSuccess ||
+        cudaRuntimeGetVersion(&runtime) != cudaSuccess) {
+        fprintf(stderr, "pdserve-bench-kernels: cannot read device %d's properties\n",
+                opt.device);
+        pd_backend_destroy(be);
+        return 1;
+    }
+    if (opt.json)
+        printf("{\"bench\":\"device\",\"name\":\"%s\",\"sm\":\"%d.%d\",\"sms\":%d,"
+               "\"l2_bytes\":%d,\"mem_bytes\":%zu,\"driver\":%d,\"runtime\":%d}\n",
+               prop.name, prop.major, prop.minor, prop.multiProcessorCount, prop.l2CacheSize,
+               prop.totalGlobalMem, driver, runtime);
+    else
+        printf("device %d: %s (sm_%d%d, %d SMs, %.0f MB L2, %.1f GiB), driver %d, runtime %d\n",
+               opt.device, prop.name, prop.major, prop.minor, prop.multiProcessorCount,
+               prop.l2CacheSize / 1e6, (double)prop.totalGlobalMem / (1 << 30), driver, runtime);
+
+    int rc = 0;
+    bk_floor fl = {0, 0};
+    if (bench_floor(&opt, be, &fl) != 0) rc = 1;
+    if (rc == 0 && opt.linear && bench_linear(&opt, be, &fl) != 0) rc = 1;
+    if (rc == 0 && opt.attention && bench_attention(&opt, be, &fl) != 0) rc = 1;
+    if (rc == 0 && opt.sample && bench_sample(&opt, be) != 0) rc = 1;
+    if (fl.copy_gbps > 0) printf("FLOOR copy_gbps=%.1f gemm_tflops=%.1f\n", fl.copy_gbps,
+                                 fl.gemm_tflops);
+    pd_backend_destroy(be);
+    return rc;
+}
