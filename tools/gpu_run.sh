@@ -4,6 +4,7 @@
 # generation on stories260k with --backend cuda. Extra modes, in any combination:
 #   bench     decode throughput of the Qwen3-0.6B shape (dummy weights) at batch 1 and 32,
 #             with the split-KV decode attention and without (PDSERVE_CUDA_SPLIT_KV=0)
+#   graphs    decode of the Qwen3-0.6B shape at batch 1, 32 and 256 with CUDA graphs and eager
 #   kvshare   two pdserve-generate processes at once on the one GPU, each sizing its KV cache
 #             with --gpu-memory-utilization 0.45 (both must start and finish)
 #   profile   per-kernel GPU times of Qwen3-0.6B decode steps (ncu, batch 1)
@@ -67,6 +68,7 @@ step() { # step NAME COMMAND...: runs COMMAND, log in $OUT/NAME.log, prints its 
 }
 step test_cuda_backend "$G/bin/test_cuda_backend"
 step test_cuda_golden "$G/bin/test_cuda_golden"
+[ -x "$G/bin/test_cuda_sample" ] && TAIL=30 step test_cuda_sample "$G/bin/test_cuda_sample"
 TAIL=8 step generate "$G/bin/pdserve-generate" --model "$PDSERVE_SHARED/models/stories260k" \
     --backend cuda --prompt "Once upon a time" --max-tokens 96 --temperature 0
 
@@ -83,6 +85,18 @@ if has bench; then
         done
     done
     grep -E '^-- batch|tok/s|KV cache' "$OUT/bench.log"
+fi
+if has graphs; then
+    # Decode with CUDA graphs and without (--enforce-eager), batch 1, 32 and 256.
+    for e in "" --enforce-eager; do
+        for n in 1 32 256; do
+            echo "-- batch $n ${e:-graphs}" >>"$OUT/graphs.log"
+            "$G/bin/pdserve-generate" --model "$S" --load-format dummy --backend cuda \
+                --kv-cache-mb 16384 --random-prompt-len 128 --repeat "$n" --max-tokens 256 \
+                --ignore-eos --temperature 0 $e >/dev/null 2>>"$OUT/graphs.log" || rc=1
+        done
+    done
+    grep -E '^-- batch|tok/s|error' "$OUT/graphs.log"
 fi
 if has kvshare; then
     for i in 1 2; do

@@ -17,7 +17,6 @@
 #include "kernels/cuda/cuda_common.cuh"
 
 #define NW 4            /* warps per block */
-#define UNROLL 2        /* key rounds per loop iteration (loads in flight) */
 #define MIN_CHUNK 32    /* fewest keys a split gets */
 #define MAX_G 8         /* query heads per KV head handled here */
 
@@ -34,8 +33,9 @@ static __device__ __forceinline__ void load8(const bf16 *p, float f[8])
     }
 }
 
-/* TPK lanes per key (head_dim = 8 TPK); MAXG >= G query heads per KV head. */
-template <int TPK, int MAXG>
+/* TPK lanes per key (head_dim = 8 TPK); MAXG >= G query heads per KV head; UNROLL key rounds
+ * per loop iteration (loads in flight per lane group). */
+template <int TPK, int MAXG, int UNROLL>
 static __global__ void __launch_bounds__(NW * 32)
 split_kernel(const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__restrict__ k_cache,
              const bf16 *__restrict__ v_cache, bf16 *__restrict__ out, float *__restrict__ part,
@@ -197,15 +197,20 @@ static __global__ void combine_kernel(const float *__restrict__ part, bf16 *__re
 
 template <int TPK, int MAXG>
 static cudaError_t launch_tg(const pd_attn_args *a, float *part, int n_splits, int chunk,
-                             cudaStream_t stream)
+                             int unroll, cudaStream_t stream)
 {
     const dim3 grid((unsigned)n_splits, (unsigned)a->n_kv_heads, (unsigned)a->n_seqs);
     const float log2e = 1.4426950408889634f;
-    split_kernel<TPK, MAXG><<<grid, NW * 32, 0, stream>>>(
-        (const bf16 *)a->q, a->q_row_stride, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache,
-        (bf16 *)a->out, part, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs,
-        a->max_blocks_per_seq, a->n_heads, a->n_kv_heads, a->n_heads / a->n_kv_heads,
-        a->block_size, a->sliding_window, chunk, a->scale * log2e);
+#define PD_SPLIT_ARGS                                                                          \
+    (const bf16 *)a->q, a->q_row_stride, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache,   \
+        (bf16 *)a->out, part, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs,                \
+        a->max_blocks_per_seq, a->n_heads, a->n_kv_heads, a->n_heads / a->n_kv_heads,          \
+        a->block_size, a->sliding_window, chunk, a->scale * log2e
+    if (unroll >= 4)
+        split_kernel<TPK, MAXG, 4><<<grid, NW * 32, 0, stream>>>(PD_SPLIT_ARGS);
+    else
+        split_kernel<TPK, MAXG, 2><<<grid, NW * 32, 0, stream>>>(PD_SPLIT_ARGS);
+#undef PD_SPLIT_ARGS
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess || n_splits == 1) return e;
     const dim3 cgrid((unsigned)a->n_heads, (unsigned)a->n_seqs);
@@ -217,25 +222,25 @@ static cudaError_t launch_tg(const pd_attn_args *a, float *part, int n_splits, i
 
 template <int TPK>
 static cudaError_t launch_t(const pd_attn_args *a, float *part, int n_splits, int chunk,
-                            cudaStream_t stream)
+                            int unroll, cudaStream_t stream)
 {
     const int G = a->n_heads / a->n_kv_heads;
-    if (G <= 1) return launch_tg<TPK, 1>(a, part, n_splits, chunk, stream);
-    if (G <= 2) return launch_tg<TPK, 2>(a, part, n_splits, chunk, stream);
-    if (G <= 4) return launch_tg<TPK, 4>(a, part, n_splits, chunk, stream);
-    return launch_tg<TPK, 8>(a, part, n_splits, chunk, stream);
+    if (G <= 1) return launch_tg<TPK, 1>(a, part, n_splits, chunk, unroll, stream);
+    if (G <= 2) return launch_tg<TPK, 2>(a, part, n_splits, chunk, unroll, stream);
+    if (G <= 4) return launch_tg<TPK, 4>(a, part, n_splits, chunk, unroll, stream);
+    return launch_tg<TPK, 8>(a, part, n_splits, chunk, unroll, stream);
 }
 
 static cudaError_t launch_split(const pd_attn_args *a, float *part, int n_splits, int chunk,
-                                cudaStream_t stream)
+                                int unroll, cudaStream_t stream)
 {
     switch (a->head_dim) {
-    case 8: return launch_t<1>(a, part, n_splits, chunk, stream);
-    case 16: return launch_t<2>(a, part, n_splits, chunk, stream);
-    case 32: return launch_t<4>(a, part, n_splits, chunk, stream);
-    case 64: return launch_t<8>(a, part, n_splits, chunk, stream);
-    case 128: return launch_t<16>(a, part, n_splits, chunk, stream);
-    default: return launch_t<32>(a, part, n_splits, chunk, stream);
+    case 8: return launch_t<1>(a, part, n_splits, chunk, unroll, stream);
+    case 16: return launch_t<2>(a, part, n_splits, chunk, unroll, stream);
+    case 32: return launch_t<4>(a, part, n_splits, chunk, unroll, stream);
+    case 64: return launch_t<8>(a, part, n_splits, chunk, unroll, stream);
+    case 128: return launch_t<16>(a, part, n_splits, chunk, unroll, stream);
+    default: return launch_t<32>(a, part, n_splits, chunk, unroll, stream);
     }
 }
 
@@ -268,7 +273,7 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
     if (a->sliding_window > 0 && (n_keys == 0 || a->sliding_window < n_keys))
         n_keys = a->sliding_window;
     const int64_t base_blocks = (int64_t)a->n_seqs * a->n_kv_heads;
-    const int64_t target = 2 * (int64_t)c->sm_count;
+    const int64_t target = (int64_t)c->decode_blocks_per_sm * c->sm_count;
     int64_t ns = (target + base_blocks - 1) / base_blocks;
     if (n_keys > 0) {
         const int64_t by_len = (n_keys + MIN_CHUNK - 1) / MIN_CHUNK;
@@ -285,6 +290,6 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
         chunk = (int32_t)((n_keys + ns - 1) / ns);
         n_splits = (int)((n_keys + chunk - 1) / chunk);
     }
-    PD_CUDA_CHECK(launch_split(a, c->attn_part, n_splits, chunk, c->stream));
+    PD_CUDA_CHECK(launch_split(a, c->attn_part, n_splits, chunk, c->decode_unroll, c->stream));
     return 0;
 }
