@@ -2,16 +2,22 @@
  * (every sequence has one query row). Grid (split, kv head, sequence): each block takes all
  * the query heads of one GQA group over one chunk of the sequence's context, so each K/V row
  * is read once per group, not once per query head. In a block, TPK = head_dim / 8 lanes share
- * a key (one 16-byte load of K and one of V each, 8 bf16), so a warp works on 32 / TPK keys at
- * a time, two such rounds unrolled; every lane group keeps its own online softmax in fp32
+ * a key (one 16-byte load of K and one of V each, 8 bf16 kept packed until used), so a warp
+ * works on 32 / TPK keys at a time, two such rounds unrolled, the block-table entries of the
+ * next round loaded a round ahead; every lane group keeps its own online softmax in fp32
  * (base 2, the scale folded into q) and the groups are merged through shared memory at the
  * end. With one split the block writes the output; with several it writes its unnormalised
  * partial output, max and sum to the context's workspace, and a second kernel combines the
- * splits. The split count fills the GPU (about 2 blocks per SM) with chunks of at least
- * MIN_CHUNK keys, within the workspace. What this kernel does not cover (head_dim not in
- * {8, 16, 32, 64, 128, 256}, more than 8 query heads per KV head, prefill-shaped batches, a
- * batch too large for the workspace, unaligned caches, PDSERVE_CUDA_SPLIT_KV=0) goes to the
- * general kernel (cuda_attention.cu). */
+ * splits. The split count aims at about 4 blocks per SM (PDSERVE_CUDA_DECODE_BLOCKS_PER_SM)
+ * with chunks of at least MIN_CHUNK keys, within the workspace; with the longest context
+ * unknown (a graph) it comes from the batch alone and each sequence cuts its own context.
+ * Latency-bound: the decode kernel is measured by pdserve-bench-kernels --attention (packed
+ * K/V and the early table loads took batch 256 x 1k from 61% to 67% of the copy rate on an
+ * H200; 4 rounds unrolled was slower: fewer blocks fit). What this kernel does not cover
+ * (head_dim not in {8, 16, 32, 64, 128, 256}, more than 8 query heads per KV head,
+ * prefill-shaped batches, a batch too large for the workspace, unaligned caches,
+ * PDSERVE_CUDA_SPLIT_KV=0) goes to the general kernel (cuda_attention.cu). */
+
 #include <math.h>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -22,15 +28,11 @@
 
 struct __align__(16) bf16x8 { __nv_bfloat162 h[4]; };
 
-static __device__ __forceinline__ void load8(const bf16 *p, float f[8])
+/* Element e (a constant after unrolling) of 8 packed bf16: K and V stay packed in registers
+ * until used, half the registers of floats, so more blocks fit on an SM. */
+static __device__ __forceinline__ float elem(const bf16x8 &v, int e)
 {
-    const bf16x8 v = *reinterpret_cast<const bf16x8 *>(p);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 t = __bfloat1622float2(v.h[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-    }
+    return e & 1 ? __high2float(v.h[e >> 1]) : __low2float(v.h[e >> 1]);
 }
 
 /* TPK lanes per key (head_dim = 8 TPK); MAXG >= G query heads per KV head; UNROLL key rounds
@@ -77,21 +79,38 @@ split_kernel(const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__res
         l[g] = 0.0f;
     }
 
-    for (int32_t base = k_begin + warp * KPW; base < k_end; base += NW * KPW * UNROLL) {
-        float kf[UNROLL][8], vf[UNROLL][8];
+    /* The block-table entries of the next round's keys are loaded a round ahead, so that a
+     * round's K/V loads don't wait for a dependent table load first. */
+    constexpr int STEP = NW * KPW * UNROLL;
+    int32_t blk[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+        const int32_t k = k_begin + warp * KPW + u * NW * KPW + grp;
+        blk[u] = k < k_end ? table[k / block_size] : 0;
+    }
+    for (int32_t base = k_begin + warp * KPW; base < k_end; base += STEP) {
+        bf16x8 kr[UNROLL], vr[UNROLL];
         bool ok[UNROLL];
+        int32_t cur[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            cur[u] = blk[u];
+            const int32_t kn = base + STEP + u * NW * KPW + grp;
+            blk[u] = kn < k_end ? table[kn / block_size] : 0;
+        }
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
             const int32_t k = base + u * NW * KPW + grp;
             ok[u] = k < k_end;
             if (ok[u]) {
-                const int64_t off = ((int64_t)table[k / block_size] * block_size +
-                                     k % block_size) * kv_row + col;
-                load8(k_cache + off, kf[u]);
-                load8(v_cache + off, vf[u]);
+                const int64_t off = ((int64_t)cur[u] * block_size + k % block_size) * kv_row +
+                                    col;
+                kr[u] = *reinterpret_cast<const bf16x8 *>(k_cache + off);
+                vr[u] = *reinterpret_cast<const bf16x8 *>(v_cache + off);
             } else {
+                const __nv_bfloat162 z = __float2bfloat162_rn(0.0f);
 #pragma unroll
-                for (int e = 0; e < 8; e++) kf[u][e] = vf[u][e] = 0.0f;
+                for (int i = 0; i < 4; i++) kr[u].h[i] = vr[u].h[i] = z;
             }
         }
 #pragma unroll
@@ -102,7 +121,7 @@ split_kernel(const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__res
             for (int u = 0; u < UNROLL; u++) {
                 float d = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 8; e++) d = fmaf(qf[g][e], kf[u][e], d);
+                for (int e = 0; e < 8; e++) d = fmaf(qf[g][e], elem(kr[u], e), d);
 #pragma unroll
                 for (int o = TPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
                 sc[u] = ok[u] ? d : -INFINITY;
@@ -122,7 +141,7 @@ split_kernel(const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__res
             for (int e = 0; e < 8; e++) {
                 float a = acc[g][e] * corr;
 #pragma unroll
-                for (int u = 0; u < UNROLL; u++) a = fmaf(p[u], vf[u][e], a);
+                for (int u = 0; u < UNROLL; u++) a = fmaf(p[u], elem(vr[u], e), a);
                 acc[g][e] = a;
             }
             m[g] = mx;

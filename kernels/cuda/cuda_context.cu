@@ -93,7 +93,7 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
         e = getenv("PDSERVE_CUDA_DECODE_UNROLL");
         c->decode_unroll = e && atoi(e) >= 4 ? 4 : 2;
         e = getenv("PDSERVE_CUDA_DECODE_BLOCKS_PER_SM");
-        c->decode_blocks_per_sm = e && atoi(e) >= 1 && atoi(e) <= 64 ? atoi(e) : 2;
+        c->decode_blocks_per_sm = e && atoi(e) >= 1 && atoi(e) <= 64 ? atoi(e) : 4;
     }
     PD_LOGI("cuda backend: device %d, %s (sm_%d%d, %d SMs, %.1f GiB)", device, prop.name,
             prop.major, prop.minor, prop.multiProcessorCount,
