@@ -18,13 +18,17 @@ rmsnorm_reg_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, fl
     const size_t row = (size_t)blockIdx.x * dim;
     const bf16 *xr = x + row;
     bf16 *rr = residual ? residual + row : NULL;
-    float v[MAXK];
+    float v[MAXK], wv[MAXK];
     float ss = 0.0f;
+    /* The weights are loaded with the row, not after the reduction: one memory round trip. */
 #pragma unroll
     for (int k = 0; k < MAXK; k++) {
         const int32_t j = threadIdx.x + k * THREADS;
-        v[k] = 0.0f;
-        if (j < dim) v[k] = pd_ld(xr + j);
+        v[k] = wv[k] = 0.0f;
+        if (j < dim) {
+            v[k] = pd_ld(xr + j);
+            wv[k] = pd_ld(w + j);
+        }
     }
     if (rr) {
 #pragma unroll
@@ -45,7 +49,7 @@ rmsnorm_reg_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, fl
 #pragma unroll
     for (int k = 0; k < MAXK; k++) {
         const int32_t j = threadIdx.x + k * THREADS;
-        if (j < dim) pd_st(o + j, pd_ld(w + j) * (v[k] * r));
+        if (j < dim) pd_st(o + j, wv[k] * (v[k] * r));
     }
 }
 
