@@ -49,6 +49,7 @@ split_kernel(const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__res
     constexpr int HD = TPK * 8, KPW = 32 / TPK, GROUPS = NW * KPW;
     __shared__ float sm_m[GROUPS][MAXG], sm_l[GROUPS][MAXG];
     __shared__ float sm_acc[GROUPS][MAXG][HD];
+    pd_pdl_wait(); /* large decode batches take several waves: no early successor */
     const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z, n_splits = gridDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int grp = lane / TPK, sub = lane % TPK, gid = warp * KPW + grp;
@@ -195,6 +196,7 @@ static __global__ void combine_kernel(const float *__restrict__ part, bf16 *__re
                                       const int32_t *__restrict__ cu_q, int32_t n_seqs,
                                       int32_t n_heads, int32_t head_dim, int32_t n_splits)
 {
+    pd_pdl_enter();
     const int h = blockIdx.x, s = blockIdx.y;
     const size_t item0 = ((size_t)s * n_heads + h) * n_splits;
     const float *ml = part + (size_t)n_seqs * n_heads * n_splits * head_dim + 2 * item0;
@@ -225,18 +227,16 @@ static cudaError_t launch_tg(const pd_attn_args *a, float *part, int n_splits, i
         (bf16 *)a->out, part, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs,                \
         a->max_blocks_per_seq, a->n_heads, a->n_kv_heads, a->n_heads / a->n_kv_heads,          \
         a->block_size, a->sliding_window, chunk, a->scale * log2e
-    if (unroll >= 4)
-        split_kernel<TPK, MAXG, 4><<<grid, NW * 32, 0, stream>>>(PD_SPLIT_ARGS);
-    else
-        split_kernel<TPK, MAXG, 2><<<grid, NW * 32, 0, stream>>>(PD_SPLIT_ARGS);
+    cudaError_t e = unroll >= 4
+        ? pd_cuda__launch(split_kernel<TPK, MAXG, 4>, grid, dim3(NW * 32), 0, stream, PD_SPLIT_ARGS)
+        : pd_cuda__launch(split_kernel<TPK, MAXG, 2>, grid, dim3(NW * 32), 0, stream, PD_SPLIT_ARGS);
 #undef PD_SPLIT_ARGS
-    cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess || n_splits == 1) return e;
     const dim3 cgrid((unsigned)a->n_heads, (unsigned)a->n_seqs);
     const int threads = a->head_dim < 32 ? 32 : a->head_dim;
-    combine_kernel<<<cgrid, threads, 0, stream>>>(part, (bf16 *)a->out, a->cu_q, a->n_seqs,
-                                                  a->n_heads, a->head_dim, n_splits);
-    return cudaGetLastError();
+    return pd_cuda__launch(combine_kernel, cgrid, dim3((unsigned)threads), 0, stream, part,
+                           (bf16 *)a->out, a->cu_q, a->n_seqs, a->n_heads, a->head_dim,
+                           n_splits);
 }
 
 template <int TPK>

@@ -82,6 +82,55 @@ static inline unsigned pd_cuda__blocks(size_t n, unsigned per_block)
     return (unsigned)b;
 }
 
+/* Programmatic dependent launch (PDL), opt-in (PDSERVE_CUDA_PDL=1, see pd_cuda__pdl_on). The
+ * kernels of a decode step are launched with pd_cuda__launch, which then lets the next kernel
+ * in the stream be scheduled while this one still runs: each such kernel calls pd_pdl_enter()
+ * (or pd_pdl_wait()) first, which lets its own successor be scheduled and then waits until its
+ * predecessor has completed and its writes are visible; nothing before it may touch global
+ * memory. Kernels that never call it are launched with <<<>>> (fully serialised). Without the
+ * launch attribute, and on GPUs before sm_90, both are no-ops. */
+static __device__ __forceinline__ void pd_pdl_enter(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+/* The wait alone, for kernels of several waves of blocks: their successor is scheduled only
+ * when they end, so its waiting blocks never take the slots of their last wave. */
+static __device__ __forceinline__ void pd_pdl_wait(void)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+bool pd_cuda__pdl_on(void); /* cuda_context.cu: PDSERVE_CUDA_PDL, read once */
+
+/* kernel<<<grid, block, smem, stream>>>(args...) with the programmatic-serialisation attribute
+ * when PDL is on and the grid is small (PD_PDL_MAX_BLOCKS: the latency-bound launches of a
+ * decode step; the successor of a grid of several waves would park its blocks in the slots
+ * of the last wave: measured slower on the 256-request workload). Returns the launch's
+ * error. */
+#define PD_PDL_MAX_BLOCKS 1024
+template <typename... KArgs, typename... Args>
+static inline cudaError_t pd_cuda__launch(void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                                          size_t smem, cudaStream_t stream, Args... args)
+{
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pd_cuda__pdl_on() && (size_t)grid.x * grid.y * grid.z <= PD_PDL_MAX_BLOCKS;
+    return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+
 static __device__ __forceinline__ float pd_ld(const bf16 *p) { return __bfloat162float(*p); }
 static __device__ __forceinline__ void pd_st(bf16 *p, float v) { *p = __float2bfloat16_rn(v); }
 

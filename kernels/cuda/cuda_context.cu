@@ -16,6 +16,20 @@ void pd_cuda__report(const char *call, const char *msg, const char *file, int li
     PD_LOGE("cuda: %s failed: %s (%s:%d)", call, msg, file, line);
 }
 
+/* PDL needs sm_90; the kernels are built for sm_90a (PD_CUDA_ARCHS) and the check in them
+ * makes the instructions no-ops below that. Off unless PDSERVE_CUDA_PDL=1: on an H200 it made
+ * batch-1 and batch-32 decode steps 4-5% faster but the 256-request workload 1.7% slower
+ * (docs/perf.md), so it stays an opt-in until that is understood. */
+bool pd_cuda__pdl_on(void)
+{
+    static int on = -1; /* racy first reads all compute the same value */
+    if (on < 0) {
+        const char *e = getenv("PDSERVE_CUDA_PDL");
+        on = e && (!strcmp(e, "1") || !strcmp(e, "true") || !strcmp(e, "yes"));
+    }
+    return on != 0;
+}
+
 extern "C" int pd_backend_cuda_device_count(void)
 {
     int n = 0;

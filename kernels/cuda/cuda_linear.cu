@@ -73,6 +73,7 @@ gemv_kernel(const bf16 *__restrict__ x, const bf16 *__restrict__ w,
             int32_t m, int32_t steps_per_warp)
 {
     constexpr int NA = (NG + 1) / 2; /* 16-row A tiles */
+    pd_pdl_enter();
     /* [warp][tile][fragment slot][lane]: a warp's stores of one slot hit 32 banks */
     __shared__ float part[GEMV_MAX_WARPS][NA][4][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
@@ -153,13 +154,10 @@ static cudaError_t launch_gemv(const bf16 *x, const bf16 *w, const bf16 *bias, b
     const int32_t per_warp = (steps + warps - 1) / warps;
     const unsigned blocks = (unsigned)((m + GEMV_ROWS - 1) / GEMV_ROWS);
     const unsigned threads = (unsigned)warps * 32;
-    if (n <= 8)
-        gemv_kernel<1><<<blocks, threads, 0, stream>>>(x, w, bias, out, n, k, m, per_warp);
-    else if (n <= 16)
-        gemv_kernel<2><<<blocks, threads, 0, stream>>>(x, w, bias, out, n, k, m, per_warp);
-    else
-        gemv_kernel<4><<<blocks, threads, 0, stream>>>(x, w, bias, out, n, k, m, per_warp);
-    return cudaGetLastError();
+    void (*kernel)(const bf16 *, const bf16 *, const bf16 *, bf16 *, int32_t, int32_t, int32_t,
+                   int32_t) = n <= 8 ? gemv_kernel<1> : n <= 16 ? gemv_kernel<2> : gemv_kernel<4>;
+    return pd_cuda__launch(kernel, dim3(blocks), dim3(threads), 0, stream, x, w, bias, out, n, k,
+                           m, per_warp);
 }
 
 /* The crossover, read once per process (a function-local static: initialised thread-safely). */

@@ -15,6 +15,7 @@ static __global__ void __launch_bounds__(THREADS)
 rmsnorm_reg_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, float eps,
                    bf16 *out)
 {
+    pd_pdl_enter();
     const size_t row = (size_t)blockIdx.x * dim;
     const bf16 *xr = x + row;
     bf16 *rr = residual ? residual + row : NULL;
@@ -56,6 +57,7 @@ rmsnorm_reg_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, fl
 static __global__ void __launch_bounds__(THREADS)
 rmsnorm_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, float eps, bf16 *out)
 {
+    pd_pdl_enter();
     const size_t row = (size_t)blockIdx.x * dim;
     const bf16 *xr = x + row;
     bf16 *rr = residual ? residual + row : NULL;
@@ -82,9 +84,10 @@ static cudaError_t launch_rmsnorm(const bf16 *x, bf16 *residual, const bf16 *w, 
                                   int32_t dim, float eps, bf16 *out, cudaStream_t stream)
 {
     if (dim <= THREADS * MAXK)
-        rmsnorm_reg_kernel<<<n, THREADS, 0, stream>>>(x, residual, w, dim, eps, out);
-    else
-        rmsnorm_kernel<<<n, THREADS, 0, stream>>>(x, residual, w, dim, eps, out);
+        return pd_cuda__launch(rmsnorm_reg_kernel, dim3((unsigned)n), dim3(THREADS), 0, stream,
+                               x, residual, w, dim, eps, out);
+    return pd_cuda__launch(rmsnorm_kernel, dim3((unsigned)n), dim3(THREADS), 0, stream, x,
+                           residual, w, dim, eps, out);
     return cudaGetLastError();
 }
 

@@ -66,6 +66,7 @@ rope_warp_kernel(bf16 *qkv, const int32_t *positions, const int32_t *slots,
                  float eps, int64_t n_items)
 {
     constexpr int HD = NR * 32, HALF = HD / 2, NP = NR / 2;
+    pd_pdl_enter();
     const int64_t item = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (item >= n_items) return;
@@ -122,11 +123,11 @@ static cudaError_t launch_warp_t(const pd_rope_args *a, cudaStream_t stream)
 {
     const int64_t items = (int64_t)a->n_tokens * (a->n_heads + 2 * a->n_kv_heads);
     const unsigned blocks = (unsigned)((items + WARPS - 1) / WARPS);
-    rope_warp_kernel<NR><<<blocks, WARPS * 32, 0, stream>>>(
-        (bf16 *)a->qkv, a->positions, a->slot_mapping, a->inv_freq, (bf16 *)a->k_cache,
-        (bf16 *)a->v_cache, a->n_heads, a->n_kv_heads, a->attn_factor,
-        (const bf16 *)a->q_norm, (const bf16 *)a->k_norm, a->norm_eps, items);
-    return cudaGetLastError();
+    return pd_cuda__launch(rope_warp_kernel<NR>, dim3(blocks), dim3(WARPS * 32), 0, stream,
+                           (bf16 *)a->qkv, a->positions, a->slot_mapping, a->inv_freq,
+                           (bf16 *)a->k_cache, (bf16 *)a->v_cache, a->n_heads, a->n_kv_heads,
+                           a->attn_factor, (const bf16 *)a->q_norm, (const bf16 *)a->k_norm,
+                           a->norm_eps, items);
 }
 
 /* The warp kernel for its head sizes; cudaErrorNotSupported for the others. */

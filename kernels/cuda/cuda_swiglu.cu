@@ -3,6 +3,7 @@
 
 static __global__ void swiglu_kernel(const bf16 *gate_up, size_t total, int32_t f, bf16 *out)
 {
+    pd_pdl_enter();
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t r = i / (size_t)f, j = i % (size_t)f;
@@ -16,8 +17,8 @@ static cudaError_t launch_swiglu(const bf16 *gate_up, int32_t n, int32_t f, bf16
                                  cudaStream_t stream)
 {
     const size_t total = (size_t)n * f;
-    swiglu_kernel<<<pd_cuda__blocks(total, 256), 256, 0, stream>>>(gate_up, total, f, out);
-    return cudaGetLastError();
+    return pd_cuda__launch(swiglu_kernel, dim3(pd_cuda__blocks(total, 256)), dim3(256), 0, stream,
+                           gate_up, total, f, out);
 }
 
 extern "C" int pd_cuda__swiglu(void *ctx, const void *gate_up, int32_t n, int32_t f, void *out)
