@@ -17,6 +17,7 @@
 #include "common/error.h"
 #include "engine/sampler.h"
 #include "kernels/backend.h"
+#include "tests/sampler_ref.h"
 #include "tests/test_util.h"
 
 #define MAX_ROWS 256
@@ -166,44 +167,11 @@ static int32_t build_rows(const batch *b, const smp_params *ps, smp_scratch *s,
 
 /* The host's kept set of a sampled row, from the scaled logits smp_sample left in v:
  * kept[t] = 1 for kept tokens. Returns the number kept. */
-static const float *g_sortv;
-static int cmp_rank(const void *pa, const void *pb)
-{
-    int32_t a = *(const int32_t *)pa, b = *(const int32_t *)pb;
-    if (g_sortv[a] != g_sortv[b]) return g_sortv[a] > g_sortv[b] ? -1 : 1;
-    return (a > b) - (a < b);
-}
-
 static int32_t host_kept(const smp_params *p, const float *v, int32_t V, unsigned char *kept)
 {
     int32_t *idx = xmalloc((size_t)V * sizeof *idx);
-    float m = -INFINITY;
-    for (int32_t i = 0; i < V; i++) {
-        idx[i] = i;
-        if (v[i] > m) m = v[i];
-        kept[i] = 0;
-    }
-    g_sortv = v;
-    qsort(idx, (size_t)V, sizeof *idx, cmp_rank);
-    int32_t n = p->top_k > 0 && p->top_k < V ? p->top_k : V;
-    double total = 0.0;
-    for (int32_t i = 0; i < n; i++) total += expf(v[idx[i]] - m);
-    if (p->top_p < 1.0f) {
-        double cut = (double)p->top_p * total, cum = 0.0;
-        for (int32_t i = 0; i < n; i++) {
-            cum += expf(v[idx[i]] - m);
-            if (cum >= cut) {
-                n = i + 1;
-                break;
-            }
-        }
-    }
-    int32_t c = 0;
-    for (int32_t i = 0; i < n; i++) {
-        if (p->min_p > 0.0f && !(expf(v[idx[i]] - m) >= p->min_p)) continue;
-        kept[idx[i]] = 1;
-        c++;
-    }
+    float m;
+    int32_t c = ref_kept_set(p, v, V, idx, kept, &m);
     free(idx);
     return c;
 }

@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "engine/sampler.h"
+#include "tests/sampler_ref.h"
 #include "tests/test_util.h"
 
 #define MAX_VOCAB 50000
@@ -420,46 +421,19 @@ static void test_determinism(smp_scratch *s)
 /* Brute force of the whole draw: rank by (value desc, id asc), top-k, top-p on the best-first
  * prefix, min-p, then the inverse CDF over the kept tokens in ascending id order, with
  * smp_sample's float probabilities and double sums. */
-static const float *g_rank_v;
-static int cmp_rank(const void *pa, const void *pb)
-{
-    int32_t a = *(const int32_t *)pa, b = *(const int32_t *)pb;
-    if (g_rank_v[a] != g_rank_v[b]) return g_rank_v[a] > g_rank_v[b] ? -1 : 1;
-    return (a > b) - (a < b);
-}
-
 static int32_t draw_ref(const smp_params *p, const float *logits, int32_t vocab, int32_t n_out,
                         float *logprob)
 {
     static float v[512];
     static int32_t idx[512];
     static unsigned char kept[512];
-    float m = -INFINITY;
     for (int32_t i = 0; i < vocab; i++) {
         v[i] = logits[i] / p->temperature;
         if (isnan(v[i])) v[i] = -INFINITY;
-        if (v[i] > m) m = v[i];
-        idx[i] = i;
-        kept[i] = 0;
     }
-    g_rank_v = v;
-    qsort(idx, (size_t)vocab, sizeof *idx, cmp_rank);
-    int32_t n = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
+    float m;
+    ref_kept_set(p, v, vocab, idx, kept, &m);
     double total = 0.0;
-    for (int32_t i = 0; i < n; i++) total += expf(v[idx[i]] - m);
-    if (p->top_p < 1.0f) {
-        double cut = (double)p->top_p * total, cum = 0.0;
-        for (int32_t i = 0; i < n; i++) {
-            cum += expf(v[idx[i]] - m);
-            if (cum >= cut) {
-                n = i + 1;
-                break;
-            }
-        }
-    }
-    for (int32_t i = 0; i < n; i++)
-        if (!(p->min_p > 0.0f) || expf(v[idx[i]] - m) >= p->min_p) kept[idx[i]] = 1;
-    total = 0.0;
     for (int32_t t = 0; t < vocab; t++)
         if (kept[t]) total += expf(v[t] - m);
     double target = smp_uniform(p->seed, n_out) * total, cum = 0.0;
