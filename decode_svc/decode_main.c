@@ -19,6 +19,7 @@
 #include "common/svc/svc.h"
 #include "common/svc/svc_kvt.h"
 #include "common/svc/svc_metrics.h"
+#include "common/svc/svc_serve.h"
 #include "pdserve/internal/v1/decode.pb-c.h"
 
 typedef struct dreq {
@@ -462,42 +463,17 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-decode: KV pool: %s\n", sb.err);
         goto out;
     }
-    rpc_server_params sp = rpc_server_default_params();
-    sp.listen_addr = listen;
-    sp.n_threads = (int)sf.grpc_threads;
-    sp.shutdown_grace_ms = (int)sf.shutdown_grace_ms;
-    sp.health_drain_ms = (int)sf.health_drain_ms;
-    sp.stream_queue_max = 4096;
-    if (rpc_server_create(&sp, &g.server, err) < 0 ||
-        rpc_server_register(g.server, &pdserve__internal__v1__decode__descriptor, "Decode",
-                            RPC_SERVER_STREAMING, handle_decode, NULL, err) < 0) {
-        fprintf(stderr, "pdserve-decode: %s\n", err);
-        goto out;
-    }
     g.inst.role = colocated ? PDSERVE__INTERNAL__V1__ROLE__ROLE_COLOCATED
                             : PDSERVE__INTERNAL__V1__ROLE__ROLE_DECODE;
     g.inst.model = &g.model;
     g.inst.worker = g.worker;
-    if (svc_instance_register(g.server, &g.inst, err) < 0 || rpc_server_start(g.server, err) < 0) {
+    svc_serve_params vp = {"decode", colocated ? "colocated" : "decode-only", &sf,
+                           &pdserve__internal__v1__decode__descriptor, "Decode",
+                           RPC_SERVER_STREAMING, handle_decode, 4096};
+    if (svc_serve(&vp, &g.inst, g.metrics, g.kvt, &g.server, err) < 0) {
         fprintf(stderr, "pdserve-decode: %s\n", err);
         goto out;
     }
-    if (sf.instance_id[0]) snprintf(g.inst.instance_id, sizeof g.inst.instance_id, "%s", sf.instance_id);
-    else snprintf(g.inst.instance_id, sizeof g.inst.instance_id, "decode@%s", listen);
-    PD_LOGI("pdserve-decode %s listening on port %d (%s)", g.inst.instance_id,
-            rpc_server_port(g.server), colocated ? "colocated" : "decode-only");
-    printf("PORT %d\n", rpc_server_port(g.server));
-    fflush(stdout);
-    svc_metrics_watch(g.metrics, g.server, g.worker, g.kvt, &g.inst.draining);
-    if (svc_metrics_start(g.metrics, err) < 0) {
-        fprintf(stderr, "pdserve-decode: %s\n", err);
-        goto out;
-    }
-    int sig = svc_wait_signal();
-    PD_LOGI("signal %d: draining (grace %lld ms)", sig, (long long)sf.shutdown_grace_ms);
-    g.inst.draining = 1;
-    int cancelled = rpc_server_shutdown(g.server);
-    PD_LOGI("drained; %d calls cancelled", cancelled);
     status = 0;
 out:
     svc_metrics_stop(g.metrics); /* before its sources go */

@@ -136,8 +136,6 @@ void svc_block_signals(void);
 /* Waits for SIGINT or SIGTERM; returns the signal number. */
 int svc_wait_signal(void);
 
-#endif
-
 /* ---- the Instance service (LoadReport), served by prefill and decode ---- */
 
 #include "engine/worker.h"
@@ -154,3 +152,5 @@ typedef struct {
 /* Registers /pdserve.internal.v1.Instance/LoadReport answering from inst (borrowed; must
  * outlive the server). Returns 0 or an rpc_server_register error. */
 int svc_instance_register(rpc_server *s, svc_instance *inst, char *err);
+
+#endif
