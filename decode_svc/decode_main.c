@@ -382,19 +382,12 @@ typedef struct {
     char err[PD_ERR_LEN];
 } setup_box;
 
-static void do_setup_pool(kvt_ctx *ctx, void *arg)
-{
-    setup_box *b = arg;
-    b->rc = svc_kv_pool_create(ctx, &g.model, &g.pool, b->err);
-    if (b->rc == 0) b->rc = kvt_pool_export(g.pool, &g.desc, &g.desc_len, b->err);
-}
-
-static void do_teardown_pool(kvt_ctx *ctx, void *arg)
+/* kvt thread: the pool's descriptor, which Decode responses hand to prefill instances. */
+static void do_export_pool(kvt_ctx *ctx, void *arg)
 {
     (void)ctx;
-    (void)arg;
-    svc_kv_pool_destroy(&g.model, g.pool);
-    g.pool = NULL;
+    setup_box *b = arg;
+    b->rc = kvt_pool_export(g.pool, &g.desc, &g.desc_len, b->err);
 }
 
 int main(int argc, char **argv)
@@ -424,7 +417,6 @@ int main(int argc, char **argv)
     const char *listen = sf.listen;
     char err[PD_ERR_LEN];
     int status = 1;
-    eng *e = NULL;
     g.colocated = colocated;
     g.default_max_tokens = sf.default_max_tokens;
     atomic_init(&g.next_id, 1);
@@ -437,28 +429,17 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-decode: %s\n", err);
         goto out;
     }
-    /* Decode-only requests come through reservations, colocated ones as plain requests: the
-     * engine runs in decode mode for both (a local prefill is an ordinary admission). */
-    g.model.ep.mode = colocated ? ENG_MODE_COLOCATED : ENG_MODE_DECODE;
-    if (eng_create(&g.model.ep, &g.model.cfg, eng_executor_runner(g.model.runner), &e, err) < 0) {
+    /* Decode-only requests come through reservations, colocated ones as plain requests (a
+     * local prefill is an ordinary admission). */
+    ew_callbacks cb = {on_output, on_error, on_reserved, svc_metrics_on_step, g.metrics};
+    if (svc_engine_start(&g.model, colocated ? ENG_MODE_COLOCATED : ENG_MODE_DECODE, NULL, &cb,
+                         &g.worker, err) < 0 ||
+        svc_kvt_start("decode", on_kvt_event, NULL, &g.model, &g.kvt, &g.pool, err) < 0) {
         fprintf(stderr, "pdserve-decode: %s\n", err);
         goto out;
     }
-    ew_callbacks cb = {on_output, on_error, on_reserved, svc_metrics_on_step, g.metrics};
-    if (ew_create(e, &cb, &g.worker) < 0) {
-        eng_destroy(e);
-        fprintf(stderr, "pdserve-decode: cannot start the engine thread\n");
-        goto out;
-    }
-    kvt_params kp = kvt_default_params();
-    kp.name = "decode";
-    kp.on_event = on_kvt_event;
-    if (svc_kvt_create(&kp, &g.kvt, err) < 0) {
-        fprintf(stderr, "pdserve-decode: kvtransfer: %s\n", err);
-        goto out;
-    }
     setup_box sb = {0, ""};
-    svc_kvt_call(g.kvt, do_setup_pool, &sb);
+    svc_kvt_call(g.kvt, do_export_pool, &sb);
     if (sb.rc < 0) {
         fprintf(stderr, "pdserve-decode: KV pool: %s\n", sb.err);
         goto out;
@@ -479,10 +460,7 @@ out:
     svc_metrics_stop(g.metrics); /* before its sources go */
     rpc_server_destroy(g.server); /* before the engine: calls reference requests */
     ew_destroy(g.worker);
-    if (g.kvt) {
-        if (g.pool) svc_kvt_call(g.kvt, do_teardown_pool, NULL);
-        svc_kvt_destroy(g.kvt);
-    }
+    svc_kvt_stop(g.kvt, &g.model, &g.pool);
     free(g.desc);
     svc_metrics_destroy(g.metrics); /* after the engine thread (its step hook) */
     svc_model_close(&g.model);

@@ -571,27 +571,6 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
     rpc_call_set_cancel_cb(call, on_cancel, r);
 }
 
-/* ---- setup ---- */
-
-typedef struct {
-    int rc;
-    char err[PD_ERR_LEN];
-} setup_box;
-
-static void do_setup_pool(kvt_ctx *ctx, void *arg)
-{
-    setup_box *b = arg;
-    b->rc = svc_kv_pool_create(ctx, &g.model, &g.pool, b->err);
-}
-
-static void do_teardown_pool(kvt_ctx *ctx, void *arg)
-{
-    (void)ctx;
-    (void)arg;
-    svc_kv_pool_destroy(&g.model, g.pool);
-    g.pool = NULL;
-}
-
 int main(int argc, char **argv)
 {
     svc_block_signals();
@@ -616,7 +595,6 @@ int main(int argc, char **argv)
     const char *listen = sf.listen;
     char err[PD_ERR_LEN];
     int status = 1;
-    eng *e = NULL;
     g.default_max_tokens = sf.default_max_tokens;
     atomic_init(&g.next_id, 1);
     svc_metrics_params mp = {"prefill", "send", listen, metrics_port};
@@ -628,29 +606,11 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-prefill: %s\n", err);
         goto out;
     }
-    if (eng_create(&g.model.ep, &g.model.cfg, eng_executor_runner(g.model.runner), &e, err) < 0) {
-        fprintf(stderr, "pdserve-prefill: %s\n", err);
-        goto out;
-    }
     eng_kv_listener kl = {on_prompt_step, on_layer, NULL};
-    eng_set_kv_listener(e, &kl);
     ew_callbacks cb = {on_output, on_error, NULL, svc_metrics_on_step, g.metrics};
-    if (ew_create(e, &cb, &g.worker) < 0) {
-        eng_destroy(e);
-        fprintf(stderr, "pdserve-prefill: cannot start the engine thread\n");
-        goto out;
-    }
-    kvt_params kp = kvt_default_params();
-    kp.name = "prefill";
-    kp.on_event = on_kvt_event;
-    if (svc_kvt_create(&kp, &g.kvt, err) < 0) {
-        fprintf(stderr, "pdserve-prefill: kvtransfer: %s\n", err);
-        goto out;
-    }
-    setup_box sb = {0, ""};
-    svc_kvt_call(g.kvt, do_setup_pool, &sb);
-    if (sb.rc < 0) {
-        fprintf(stderr, "pdserve-prefill: KV pool: %s\n", sb.err);
+    if (svc_engine_start(&g.model, ENG_MODE_PREFILL, &kl, &cb, &g.worker, err) < 0 ||
+        svc_kvt_start("prefill", on_kvt_event, NULL, &g.model, &g.kvt, &g.pool, err) < 0) {
+        fprintf(stderr, "pdserve-prefill: %s\n", err);
         goto out;
     }
     g.inst.role = PDSERVE__INTERNAL__V1__ROLE__ROLE_PREFILL;
@@ -667,10 +627,7 @@ out:
     svc_metrics_stop(g.metrics); /* before its sources go */
     rpc_server_destroy(g.server);
     ew_destroy(g.worker);
-    if (g.kvt) {
-        if (g.pool) svc_kvt_call(g.kvt, do_teardown_pool, NULL);
-        svc_kvt_destroy(g.kvt);
-    }
+    svc_kvt_stop(g.kvt, &g.model, &g.pool);
     svc_metrics_destroy(g.metrics); /* after the engine thread (its step hook) */
     svc_model_close(&g.model);
     free(g_step_blocks);

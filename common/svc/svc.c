@@ -458,3 +458,68 @@ int svc_instance_register(rpc_server *s, svc_instance *inst, char *err)
     return rpc_server_register(s, &pdserve__internal__v1__instance__descriptor, "LoadReport",
                                RPC_UNARY, load_report, inst, err);
 }
+
+/* ---- an instance's engine thread and KV-transfer thread ---- */
+
+int svc_engine_start(svc_model *m, eng_mode mode, const eng_kv_listener *kl,
+                     const ew_callbacks *cb, ew **worker, char *err)
+{
+    eng *e = NULL;
+    m->ep.mode = mode;
+    int rc = eng_create(&m->ep, &m->cfg, eng_executor_runner(m->runner), &e, err);
+    if (rc < 0) return rc;
+    if (kl) eng_set_kv_listener(e, kl);
+    if ((rc = ew_create(e, cb, worker)) < 0) {
+        eng_destroy(e);
+        return pd_errf(err, rc, "cannot start the engine thread");
+    }
+    return 0;
+}
+
+typedef struct {
+    svc_model *m;
+    kvt_pool **pool;
+    int rc;
+    char err[PD_ERR_LEN];
+} pool_box;
+
+static void pool_setup(kvt_ctx *ctx, void *arg)
+{
+    pool_box *b = arg;
+    b->rc = svc_kv_pool_create(ctx, b->m, b->pool, b->err);
+}
+
+static void pool_teardown(kvt_ctx *ctx, void *arg)
+{
+    (void)ctx;
+    pool_box *b = arg;
+    svc_kv_pool_destroy(b->m, *b->pool);
+    *b->pool = NULL;
+}
+
+int svc_kvt_start(const char *name, kvt_event_fn on_event, void *arg, svc_model *m,
+                  svc_kvt **kvt, kvt_pool **pool, char *err)
+{
+    kvt_params kp = kvt_default_params();
+    kp.name = name;
+    kp.on_event = on_event;
+    kp.on_event_arg = arg;
+    char e2[PD_ERR_LEN];
+    int rc = svc_kvt_create(&kp, kvt, e2);
+    if (rc < 0) return pd_errf(err, rc, "kvtransfer: %s", e2);
+    pool_box b = {m, pool, 0, ""};
+    if ((rc = svc_kvt_call(*kvt, pool_setup, &b)) < 0)
+        return pd_errf(err, rc, "KV pool: the kvt thread is stopping");
+    if (b.rc < 0) return pd_errf(err, b.rc, "KV pool: %s", b.err);
+    return 0;
+}
+
+void svc_kvt_stop(svc_kvt *kvt, svc_model *m, kvt_pool **pool)
+{
+    if (!kvt) return;
+    if (*pool) {
+        pool_box b = {m, pool, 0, ""};
+        svc_kvt_call(kvt, pool_teardown, &b);
+    }
+    svc_kvt_destroy(kvt);
+}

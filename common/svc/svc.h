@@ -153,4 +153,20 @@ typedef struct {
  * outlive the server). Returns 0 or an rpc_server_register error. */
 int svc_instance_register(rpc_server *s, svc_instance *inst, char *err);
 
+/* ---- an instance's engine thread and KV-transfer thread ---- */
+
+#include "common/svc/svc_kvt.h"
+
+/* Creates the engine over m's runner with m->ep in mode `mode`, sets the KV listener kl (NULL:
+ * none) and starts the engine thread with cb. Returns 0 or an error with err. */
+int svc_engine_start(svc_model *m, eng_mode mode, const eng_kv_listener *kl,
+                     const ew_callbacks *cb, ew **worker, char *err);
+/* Starts the kvt thread (named, with the event callback on_event(arg, ...)) and creates the
+ * kvtransfer pool of m's KV on it (svc_kv_pool_create). Returns 0 or an error with err. */
+int svc_kvt_start(const char *name, kvt_event_fn on_event, void *arg, svc_model *m,
+                  svc_kvt **kvt, kvt_pool **pool, char *err);
+/* Destroys *pool on the kvt thread (then NULL), then the thread; after the engine thread
+ * stopped. kvt NULL is a no-op. */
+void svc_kvt_stop(svc_kvt *kvt, svc_model *m, kvt_pool **pool);
+
 #endif
