@@ -15,7 +15,12 @@ int pd_cpu__attention(void *ctx, const pd_attn_args *a)
     const int32_t hd = a->head_dim, group = a->n_heads / a->n_kv_heads;
     const int64_t kv_row = (int64_t)a->n_kv_heads * hd;
     const int64_t out_row = (int64_t)a->n_heads * hd;
-    size_t need = (size_t)(a->max_ctx_len > 0 ? a->max_ctx_len : 1) + (size_t)hd;
+    /* max_ctx_len 0: not given (a replayed decode graph); the contexts are host memory here. */
+    int32_t max_ctx = a->max_ctx_len;
+    if (max_ctx == 0)
+        for (int32_t s = 0; s < a->n_seqs; s++)
+            if (a->ctx_lens[s] > max_ctx) max_ctx = a->ctx_lens[s];
+    size_t need = (size_t)(max_ctx > 0 ? max_ctx : 1) + (size_t)hd;
     if (need > c->scratch_cap) {
         float *p = realloc(c->scratch, need * sizeof(float));
         if (!p) return PD_ENOMEM;
@@ -28,7 +33,12 @@ int pd_cpu__attention(void *ctx, const pd_attn_args *a)
     for (int32_t s = 0; s < a->n_seqs; s++) {
         const int32_t q0 = a->cu_q[s], q_len = a->cu_q[s + 1] - q0, ctx_len = a->ctx_lens[s];
         const int32_t *bt = a->block_tables + (size_t)s * a->max_blocks_per_seq;
-        if (ctx_len > a->max_ctx_len) return PD_EINVAL; /* scratch is sized by max_ctx_len */
+        if (ctx_len > max_ctx) return PD_EINVAL; /* scratch is sized by max_ctx */
+        if (ctx_len == 0) { /* a padding row (backend.h): zeros */
+            for (int32_t i = 0; i < q_len; i++)
+                memset(ob + (size_t)(q0 + i) * out_row, 0, (size_t)out_row * sizeof(float));
+            continue;
+        }
         for (int32_t i = 0; i < q_len; i++) {
             const int32_t pos = ctx_len - q_len + i;
             int32_t start = 0;
