@@ -211,14 +211,13 @@ int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng
     e->bt = malloc(S * (size_t)e->max_blocks * sizeof(int32_t));
     e->rows = malloc(S * sizeof(int32_t));
     e->row_seq = malloc(S * sizeof(pd_seq *));
-    if (exec.forward_sample) {
+    if (exec.forward_sample) { /* the logits stay with the executor */
         e->srows = malloc(S * sizeof *e->srows);
         e->s_tokens = malloc(S * sizeof *e->s_tokens);
         e->s_logprobs = malloc(S * sizeof *e->s_logprobs);
-        e->logits = malloc(sizeof(float)); /* unused */
         if (!e->srows || !e->s_tokens || !e->s_logprobs) goto fail;
-    } else {
-        e->logits = malloc(S * (size_t)cfg->vocab_size * sizeof(float));
+    } else if (!(e->logits = malloc(S * (size_t)cfg->vocab_size * sizeof(float)))) {
+        goto fail;
     }
     e->outs = malloc(S * sizeof(eng_output));
     e->finished = malloc(S * sizeof(pd_seq *));
@@ -226,7 +225,7 @@ int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng
     e->kvl_blocks = malloc(S * sizeof *e->kvl_blocks);
     e->kvl_n = malloc(S * sizeof *e->kvl_n);
     if (!e->kvl_ids || !e->kvl_blocks || !e->kvl_n || !e->ids || !e->pos || !e->slots || !e->cu_q || !e->ctx || !e->bt || !e->rows ||
-        !e->row_seq || !e->logits || !e->outs || !e->finished)
+        !e->row_seq || !e->outs || !e->finished)
         goto fail;
     *out = e;
     return 0;
@@ -489,9 +488,7 @@ static int sampling_rows(eng *e, int32_t nl, mr_sampling *smp)
         pd_sample_row *row = &e->srows[k];
         *row = smp_sample_row(&s->sampling, n_output, 0, 0);
         const smp_params *sp = &s->sampling;
-        if (sp->repetition_penalty == 1.0f && sp->presence_penalty == 0.0f &&
-            sp->frequency_penalty == 0.0f)
-            continue;
+        if (!smp_penalized(sp)) continue;
         const int32_t need = n_pen + s->n_tokens;
         if (need > e->cap_pen) {
             int32_t cap = e->cap_pen ? e->cap_pen : 1024;
@@ -517,7 +514,6 @@ static int sampling_rows(eng *e, int32_t nl, mr_sampling *smp)
 int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
 {
     double t0 = now_s();
-    int rc0;
     for (int32_t i = 0; i < e->n_finished; i++) seq_free(e->finished[i]);
     e->n_finished = 0;
     int32_t n_out = 0;
@@ -596,10 +592,8 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
         }
     }
     mr_sampling smp = {0};
-    if (e->exec.forward_sample && (rc0 = sampling_rows(e, nl, &smp)) < 0) {
-        pd_errf(err, rc0, "out of memory for the penalty lists");
-        return rc0;
-    }
+    if (e->exec.forward_sample && sampling_rows(e, nl, &smp) < 0)
+        return pd_errf(err, PD_ENOMEM, "out of memory for the penalty lists");
     double t1 = now_s();
     int rc = e->exec.forward_sample ? e->exec.forward_sample(e->exec.ctx, &b, &smp, err)
                                     : e->exec.forward(e->exec.ctx, &b, e->logits, err);

@@ -33,7 +33,6 @@ struct mr {
     void **k_cache, **v_cache;    /* [n_layers] pointers into kv */
     /* workspace (backend memory) */
     void *a, *b, *h, *qkv, *attn, *gate_up, *act, *lh, *logits;
-    int32_t logits_cap;           /* rows r->logits holds */
     /* step metadata: one backend buffer and its host twin, same layout (see meta_layout) */
     int32_t *d_meta, *h_meta;
     bool h_meta_pinned;           /* h_meta is backend host memory (async uploads) */
@@ -149,8 +148,8 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
     if (gmax > p->max_num_seqs) gmax = p->max_num_seqs;
     if (gmax > p->max_num_batched_tokens) gmax = p->max_num_batched_tokens;
     r->p.max_graph_batch = gmax;
-    r->logits_cap = gmax > LOGITS_CHUNK ? gmax : LOGITS_CHUNK;
-    size_t chunk = (size_t)r->logits_cap;
+    /* logits rows: a graph's whole batch, or an eager step's chunk */
+    const size_t chunk = (size_t)(gmax > LOGITS_CHUNK ? gmax : LOGITS_CHUNK);
     meta_layout(r);
     const size_t meta_n = r->meta_head + S * (size_t)r->max_blocks_per_seq;
     if ((rc = be_alloc(r, act, T * hs, &r->a, err)) < 0 ||
@@ -348,8 +347,8 @@ static void meta_layout(mr *r)
 
 /* Packs a batch of T rows and S sequences into h_meta (block tables at the batch's width w,
  * packed) and copies it to d_meta (block tables at the full pitch). Rows past b->n_tokens and
- * sequences past b->n_seqs are padding: token 0, position 0, no KV store, query row = its
- * index, context 0 (a padding sequence owns one row). b may be NULL: all padding. */
+ * sequences past b->n_seqs are padding: token 0, position 0, no KV store, context 0 (a padding
+ * sequence owns one row). b may be NULL: all padding. */
 static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err)
 {
     pd_backend *be = r->be;
@@ -367,8 +366,7 @@ static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err
         memcpy(h + r->o_ctx, b->ctx_lens, (size_t)ns * ib);
         memcpy(h + r->meta_head, b->block_tables, (size_t)ns * (size_t)w * ib);
     }
-    if (nl) memcpy(h + r->o_rows, b->logits_rows, (size_t)nl * ib);
-    for (int32_t i = nl; i < T; i++) h[r->o_rows + i] = i;
+    if (nl) memcpy(h + r->o_rows, b->logits_rows, (size_t)nl * ib); /* graphs read none */
     for (int32_t i = nt; i < T; i++) {
         h[r->o_ids + i] = 0;
         h[r->o_pos + i] = 0;

@@ -369,13 +369,19 @@ pd_sample_row smp_sample_row(const smp_params *p, int32_t n_output, int32_t pen_
 /* The list means what apply_penalties does: the repetition penalty for every entry, the
  * frequency and presence penalties for entries with count > 0. A prompt-only token changes
  * nothing unless the repetition penalty is on, so then it is left out. */
+bool smp_penalized(const smp_params *p)
+{
+    return p->repetition_penalty != 1.0f || p->frequency_penalty != 0.0f ||
+           p->presence_penalty != 0.0f;
+}
+
 int32_t smp_penalty_list(const smp_params *p, const int32_t *prompt, int32_t n_prompt,
                          const int32_t *output, int32_t n_output, int32_t vocab,
                          smp_scratch *s, pd_penalty_tok *out)
 {
     PD_ASSERT(p && s && out && vocab > 0 && vocab <= s->vocab, "smp_penalty_list: bad arguments");
+    if (!smp_penalized(p)) return 0;
     const bool rep = p->repetition_penalty != 1.0f;
-    if (!rep && p->frequency_penalty == 0.0f && p->presence_penalty == 0.0f) return 0;
     uint32_t g = next_stamp(s);
     int32_t n = 0;
     for (int32_t i = 0; i < n_output; i++) {

@@ -51,6 +51,9 @@ int32_t smp_sample(const smp_params *p, float *logits, int32_t vocab, const int3
 /* The uniform number in [0, 1) used for the draw at output position n under seed. */
 double smp_uniform(uint64_t seed, int64_t n);
 
+/* Whether any of the three penalties is on (a penalty list is needed). */
+bool smp_penalized(const smp_params *p);
+
 /* The sample op's row (kernels/backend.h) for a sequence sampled with p that has generated
  * n_output tokens, whose penalty entries are [pen_off, pen_off + pen_n) of the call's list
  * (see smp_penalty_list; 0, 0 when it has none). */

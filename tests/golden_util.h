@@ -21,14 +21,28 @@ typedef struct {
     mr *r;
 } tg_model;
 
+/* Loads dir's weights onto be (owned by t from here on, also on failure: tg_close frees it)
+ * and creates a runner with mp. Returns 0 or an error with err. */
+static inline int tg_open_on(const char *dir, const mr_params *mp, pd_backend *be, tg_model *t,
+                             char *err)
+{
+    mc_config cfg;
+    memset(t, 0, sizeof *t);
+    t->be = be;
+    int rc;
+    if ((rc = mc_load(dir, &cfg, err)) < 0 ||
+        (rc = pd_model_load(&cfg, dir, PD_LOAD_SAFETENSORS, 0, be, &t->m, err)) < 0 ||
+        (rc = mr_create(mp, t->m, &t->r, err)) < 0)
+        return rc;
+    return 0;
+}
+
 static inline int tg_open(const char *dir, const mr_params *mp, tg_model *t)
 {
     char err[PD_ERR_LEN];
-    mc_config cfg;
+    pd_backend *be = NULL;
     memset(t, 0, sizeof *t);
-    if (mc_load(dir, &cfg, err) < 0 || pd_backend_create("cpu", NULL, &t->be, err) < 0 ||
-        pd_model_load(&cfg, dir, PD_LOAD_SAFETENSORS, 0, t->be, &t->m, err) < 0 ||
-        mr_create(mp, t->m, &t->r, err) < 0) {
+    if (pd_backend_create("cpu", NULL, &be, err) < 0 || tg_open_on(dir, mp, be, t, err) < 0) {
         fprintf(stderr, "cannot open %s: %s\n", dir, err);
         return -1;
     }

@@ -19,6 +19,7 @@
 #include "engine/model_config.h"
 #include "engine/model_runner.h"
 #include "kernels/backend.h"
+#include "tests/golden_util.h"
 #include "tests/test_util.h"
 
 #define REL_L2_TOL 5e-2 /* per logits row */
@@ -26,12 +27,6 @@
 #define N_DECODE 24
 #define BLOCK_SIZE 16
 #define N_BLOCKS 64
-
-typedef struct {
-    pd_backend *be;
-    pd_model *m;
-    mr *r;
-} side;
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
 
@@ -43,30 +38,18 @@ static uint32_t rnd(uint32_t n)
     return (uint32_t)((g_rng >> 11) % n);
 }
 
-static int side_open(const char *backend, const char *dir, bool eager, side *s, char *err)
+static int side_open(const char *backend, const char *dir, bool eager, tg_model *s, char *err)
 {
     memset(s, 0, sizeof *s);
-    mc_config cfg;
     mr_params mp = mr_default_params();
     if (eager) mp.max_graph_batch = 0;
     mp.block_size = BLOCK_SIZE;
     mp.n_blocks = N_BLOCKS;
     mp.max_num_batched_tokens = 512;
     mp.max_num_seqs = 8;
-    int rc;
-    if ((rc = mc_load(dir, &cfg, err)) < 0 || (rc = pd_backend_create(backend, NULL, &s->be, err)) < 0 ||
-        (rc = pd_model_load(&cfg, dir, PD_LOAD_SAFETENSORS, 0, s->be, &s->m, err)) < 0 ||
-        (rc = mr_create(&mp, s->m, &s->r, err)) < 0)
-        return rc;
-    return 0;
-}
-
-static void side_close(side *s)
-{
-    mr_destroy(s->r);
-    pd_model_destroy(s->m);
-    pd_backend_destroy(s->be);
-    memset(s, 0, sizeof *s);
+    pd_backend *be = NULL;
+    int rc = pd_backend_create(backend, NULL, &be, err);
+    return rc < 0 ? rc : tg_open_on(dir, &mp, be, s, err);
 }
 
 typedef struct {
@@ -126,12 +109,12 @@ static void run_model(const char *dir, const char *name, double abs_tol, double 
                       bool eager)
 {
     char err[PD_ERR_LEN] = "";
-    side cpu, gpu;
+    tg_model cpu = {0}, gpu = {0};
     if (side_open("cpu", dir, false, &cpu, err) < 0 ||
         side_open("cuda", dir, eager, &gpu, err) < 0) {
         CHECK_MSG(0, "%s: %s", name, err);
-        side_close(&cpu);
-        side_close(&gpu);
+        tg_close(&cpu);
+        tg_close(&gpu);
         return;
     }
     const int32_t V = cpu.m->cfg.vocab_size;
@@ -213,8 +196,8 @@ static void run_model(const char *dir, const char *name, double abs_tol, double 
            dec.argmax_checked - dec.argmax_wrong, dec.argmax_checked);
     CHECK(pre.rows == T && dec.rows == N_DECODE * N_SEQS);
     free(bt); free(ids); free(pos); free(slots); free(rows); free(lc); free(lg);
-    side_close(&cpu);
-    side_close(&gpu);
+    tg_close(&cpu);
+    tg_close(&gpu);
 }
 
 int main(void)

@@ -16,6 +16,7 @@
 #include "engine/model_config.h"
 #include "engine/model_runner.h"
 #include "kernels/backend.h"
+#include "tests/golden_util.h"
 #include "tests/test_util.h"
 
 /* ---- the recording backend ---- */
@@ -197,35 +198,18 @@ static int open_backend(bool graphs, pd_backend **out, char *err)
 
 enum { N_SEQS = 5, N_BLOCKS = 96, BS = 16, N_STEPS = 12 };
 
-typedef struct {
-    pd_backend *be;
-    pd_model *m;
-    mr *r;
-} side;
-
-static int side_open(const char *dir, bool graphs, side *s, char *err)
+static int side_open(const char *dir, bool graphs, tg_model *s, char *err)
 {
     memset(s, 0, sizeof *s);
-    mc_config cfg;
     mr_params mp = mr_default_params();
     mp.block_size = BS;
     mp.n_blocks = N_BLOCKS;
     mp.max_num_batched_tokens = 256;
     mp.max_num_seqs = 8;
     mp.max_graph_batch = graphs ? 8 : 0;
-    int rc;
-    if ((rc = mc_load(dir, &cfg, err)) < 0 || (rc = open_backend(graphs, &s->be, err)) < 0 ||
-        (rc = pd_model_load(&cfg, dir, PD_LOAD_SAFETENSORS, 0, s->be, &s->m, err)) < 0 ||
-        (rc = mr_create(&mp, s->m, &s->r, err)) < 0)
-        return rc;
-    return 0;
-}
-
-static void side_close(side *s)
-{
-    mr_destroy(s->r);
-    pd_model_destroy(s->m);
-    pd_backend_destroy(s->be);
+    pd_backend *be = NULL;
+    int rc = open_backend(graphs, &be, err);
+    return rc < 0 ? rc : tg_open_on(dir, &mp, be, s, err);
 }
 
 static int32_t argmax(const float *x, int32_t n)
@@ -250,9 +234,11 @@ static void run(const char *name)
 {
     char dir[1024], err[PD_ERR_LEN] = "";
     snprintf(dir, sizeof dir, "%s/testdata/golden/%s", pd_test_shared_dir(), name);
-    side gr, eg;
+    tg_model gr = {0}, eg = {0};
     if (side_open(dir, true, &gr, err) < 0 || side_open(dir, false, &eg, err) < 0) {
         CHECK_MSG(0, "%s: %s", name, err);
+        tg_close(&gr);
+        tg_close(&eg);
         return;
     }
     CHECK_MSG(mr_n_graphs(gr.r) == 4, "%s: %d graphs captured, expected 4 (1, 2, 4, 8)", name,
@@ -344,8 +330,8 @@ static void run(const char *name)
     free(dbt);
     free(lg);
     free(le);
-    side_close(&gr);
-    side_close(&eg);
+    tg_close(&gr);
+    tg_close(&eg);
 }
 
 int main(void)

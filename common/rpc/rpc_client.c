@@ -166,6 +166,21 @@ int rpc__request_prepare(rpc_channel *ch, const rpc_call_opts *opts, const Proto
     return 0;
 }
 
+void rpc__request_ops(const rpc_channel *ch, const rpc__md *md, grpc_byte_buffer *bb,
+                      grpc_metadata_array *init_md, grpc_op *ops)
+{
+    memset(ops, 0, 4 * sizeof *ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].flags = ch->p.wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+    ops[0].data.send_initial_metadata.count = md->n;
+    ops[0].data.send_initial_metadata.metadata = md->md;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = bb;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = init_md;
+}
+
 int rpc_unary_call_opts(rpc_channel *ch, const char *path, const ProtobufCMessage *req,
                         const ProtobufCMessageDescriptor *resp_desc, const rpc_call_opts *opts,
                         ProtobufCMessage **resp, rpc_status *st)
@@ -200,15 +215,7 @@ int rpc_unary_call_opts(rpc_channel *ch, const char *path, const ProtobufCMessag
 
     grpc_op ops[6];
     memset(ops, 0, sizeof ops);
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[0].flags = ch->p.wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
-    ops[0].data.send_initial_metadata.count = md.n;
-    ops[0].data.send_initial_metadata.metadata = md.md;
-    ops[1].op = GRPC_OP_SEND_MESSAGE;
-    ops[1].data.send_message.send_message = send_bb;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &init_md;
+    rpc__request_ops(ch, &md, send_bb, &init_md, ops);
     ops[4].op = GRPC_OP_RECV_MESSAGE;
     ops[4].data.recv_message.recv_message = &recv_bb;
     ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
@@ -295,15 +302,7 @@ int rpc_client_stream_open_opts(rpc_channel *ch, const char *path, const Protobu
 
     grpc_op ops[4];
     memset(ops, 0, sizeof ops);
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[0].flags = ch->p.wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
-    ops[0].data.send_initial_metadata.count = s->md.n;
-    ops[0].data.send_initial_metadata.metadata = s->md.md;
-    ops[1].op = GRPC_OP_SEND_MESSAGE;
-    ops[1].data.send_message.send_message = s->send_bb;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
+    rpc__request_ops(ch, &s->md, s->send_bb, &s->init_md, ops);
     grpc_call_error e = grpc_call_start_batch(s->call, ops, 4, &s->tag_start, NULL);
     PD_ASSERT(e == GRPC_CALL_OK, "rpc stream: grpc_call_start_batch failed");
     memset(ops, 0, sizeof ops);

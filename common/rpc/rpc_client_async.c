@@ -204,15 +204,7 @@ int rpc_client_call_start_opts(rpc_channel *ch, const char *path, const Protobuf
 
     grpc_op ops[5];
     memset(ops, 0, sizeof ops);
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[0].flags = ch->p.wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
-    ops[0].data.send_initial_metadata.count = c->md.n;
-    ops[0].data.send_initial_metadata.metadata = c->md.md;
-    ops[1].op = GRPC_OP_SEND_MESSAGE;
-    ops[1].data.send_message.send_message = c->send_bb;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &c->init_md;
+    rpc__request_ops(ch, &c->md, c->send_bb, &c->init_md, ops);
     ops[4].op = GRPC_OP_RECV_MESSAGE;
     ops[4].data.recv_message.recv_message = &c->recv_bb;
     grpc_call_error e1 = grpc_call_start_batch(c->call, ops, 5, &c->tag_msg, NULL);

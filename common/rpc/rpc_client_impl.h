@@ -37,6 +37,12 @@ void rpc__md_free(rpc__md *m);
 int rpc__request_prepare(rpc_channel *ch, const rpc_call_opts *opts, const ProtobufCMessage *req,
                          const char *what, rpc__md *md, grpc_byte_buffer **bb, char *err);
 
+/* The four ops that open every client call: send md (wait-for-ready as ch says), send bb,
+ * close the sending side, receive the initial metadata into init_md. Fills ops[0..3]; the
+ * caller appends its receive ops from ops[4]. */
+void rpc__request_ops(const rpc_channel *ch, const rpc__md *md, grpc_byte_buffer *bb,
+                      grpc_metadata_array *init_md, grpc_op *ops);
+
 /* Creates a call of path on ch bound to cq with opts' deadline (opts may be NULL). */
 grpc_call *rpc__channel_new_call(rpc_channel *ch, grpc_completion_queue *cq, const char *path,
                                  const rpc_call_opts *opts);

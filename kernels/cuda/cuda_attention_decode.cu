@@ -23,6 +23,7 @@
 #include "kernels/cuda/cuda_common.cuh"
 
 #define NW 4            /* warps per block */
+#define UNROLL 2        /* key rounds per loop iteration (4: slower, fewer blocks fit) */
 #define MIN_CHUNK 32    /* fewest keys a split gets */
 #define MAX_G 8         /* query heads per KV head handled here */
 
@@ -35,9 +36,8 @@ static __device__ __forceinline__ float elem(const bf16x8 &v, int e)
     return e & 1 ? __high2float(v.h[e >> 1]) : __low2float(v.h[e >> 1]);
 }
 
-/* TPK lanes per key (head_dim = 8 TPK); MAXG >= G query heads per KV head; UNROLL key rounds
- * per loop iteration (loads in flight per lane group). */
-template <int TPK, int MAXG, int UNROLL>
+/* TPK lanes per key (head_dim = 8 TPK); MAXG >= G query heads per KV head. */
+template <int TPK, int MAXG>
 static __global__ void __launch_bounds__(NW * 32)
 split_kernel(const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__restrict__ k_cache,
              const bf16 *__restrict__ v_cache, bf16 *__restrict__ out, float *__restrict__ part,
@@ -218,7 +218,7 @@ static __global__ void combine_kernel(const float *__restrict__ part, bf16 *__re
 
 template <int TPK, int MAXG>
 static cudaError_t launch_tg(const pd_attn_args *a, float *part, int n_splits, int chunk,
-                             int unroll, cudaStream_t stream)
+                             cudaStream_t stream)
 {
     const dim3 grid((unsigned)n_splits, (unsigned)a->n_kv_heads, (unsigned)a->n_seqs);
     const float log2e = 1.4426950408889634f;
@@ -227,9 +227,8 @@ static cudaError_t launch_tg(const pd_attn_args *a, float *part, int n_splits, i
         (bf16 *)a->out, part, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs,                \
         a->max_blocks_per_seq, a->n_heads, a->n_kv_heads, a->n_heads / a->n_kv_heads,          \
         a->block_size, a->sliding_window, chunk, a->scale * log2e
-    cudaError_t e = unroll >= 4
-        ? pd_cuda__launch(split_kernel<TPK, MAXG, 4>, grid, dim3(NW * 32), 0, stream, PD_SPLIT_ARGS)
-        : pd_cuda__launch(split_kernel<TPK, MAXG, 2>, grid, dim3(NW * 32), 0, stream, PD_SPLIT_ARGS);
+    cudaError_t e =
+        pd_cuda__launch(split_kernel<TPK, MAXG>, grid, dim3(NW * 32), 0, stream, PD_SPLIT_ARGS);
 #undef PD_SPLIT_ARGS
     if (e != cudaSuccess || n_splits == 1) return e;
     const dim3 cgrid((unsigned)a->n_heads, (unsigned)a->n_seqs);
@@ -241,25 +240,25 @@ static cudaError_t launch_tg(const pd_attn_args *a, float *part, int n_splits, i
 
 template <int TPK>
 static cudaError_t launch_t(const pd_attn_args *a, float *part, int n_splits, int chunk,
-                            int unroll, cudaStream_t stream)
+                            cudaStream_t stream)
 {
     const int G = a->n_heads / a->n_kv_heads;
-    if (G <= 1) return launch_tg<TPK, 1>(a, part, n_splits, chunk, unroll, stream);
-    if (G <= 2) return launch_tg<TPK, 2>(a, part, n_splits, chunk, unroll, stream);
-    if (G <= 4) return launch_tg<TPK, 4>(a, part, n_splits, chunk, unroll, stream);
-    return launch_tg<TPK, 8>(a, part, n_splits, chunk, unroll, stream);
+    if (G <= 1) return launch_tg<TPK, 1>(a, part, n_splits, chunk, stream);
+    if (G <= 2) return launch_tg<TPK, 2>(a, part, n_splits, chunk, stream);
+    if (G <= 4) return launch_tg<TPK, 4>(a, part, n_splits, chunk, stream);
+    return launch_tg<TPK, 8>(a, part, n_splits, chunk, stream);
 }
 
 static cudaError_t launch_split(const pd_attn_args *a, float *part, int n_splits, int chunk,
-                                int unroll, cudaStream_t stream)
+                                cudaStream_t stream)
 {
     switch (a->head_dim) {
-    case 8: return launch_t<1>(a, part, n_splits, chunk, unroll, stream);
-    case 16: return launch_t<2>(a, part, n_splits, chunk, unroll, stream);
-    case 32: return launch_t<4>(a, part, n_splits, chunk, unroll, stream);
-    case 64: return launch_t<8>(a, part, n_splits, chunk, unroll, stream);
-    case 128: return launch_t<16>(a, part, n_splits, chunk, unroll, stream);
-    default: return launch_t<32>(a, part, n_splits, chunk, unroll, stream);
+    case 8: return launch_t<1>(a, part, n_splits, chunk, stream);
+    case 16: return launch_t<2>(a, part, n_splits, chunk, stream);
+    case 32: return launch_t<4>(a, part, n_splits, chunk, stream);
+    case 64: return launch_t<8>(a, part, n_splits, chunk, stream);
+    case 128: return launch_t<16>(a, part, n_splits, chunk, stream);
+    default: return launch_t<32>(a, part, n_splits, chunk, stream);
     }
 }
 
@@ -309,6 +308,6 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
         chunk = (int32_t)((n_keys + ns - 1) / ns);
         n_splits = (int)((n_keys + chunk - 1) / chunk);
     }
-    PD_CUDA_CHECK(launch_split(a, c->attn_part, n_splits, chunk, c->decode_unroll, c->stream));
+    PD_CUDA_CHECK(launch_split(a, c->attn_part, n_splits, chunk, c->stream));
     return 0;
 }

@@ -27,7 +27,6 @@ typedef struct {
     size_t staging_bytes;  /* size of staging */
     int sm_count;          /* multiprocessors (sizes the split-KV decode grid) */
     bool split_kv;         /* split-KV decode attention on (PDSERVE_CUDA_SPLIT_KV=0: off) */
-    int decode_unroll;     /* its key rounds in flight: 2 or 4 (PDSERVE_CUDA_DECODE_UNROLL) */
     int decode_blocks_per_sm; /* the split count aims at this many blocks per SM
                                * (PDSERVE_CUDA_DECODE_BLOCKS_PER_SM) */
     float *attn_part;      /* split-KV decode workspace: partial outputs, maxima and sums */

@@ -103,9 +103,7 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
     {
         const char *e = getenv("PDSERVE_CUDA_SPLIT_KV");
         c->split_kv = !(e && (!strcmp(e, "0") || !strcmp(e, "false") || !strcmp(e, "no")));
-        /* Tuning knobs of the decode kernel, for A/B runs (pdserve-bench-kernels). */
-        e = getenv("PDSERVE_CUDA_DECODE_UNROLL");
-        c->decode_unroll = e && atoi(e) >= 4 ? 4 : 2;
+        /* The decode kernel's split target, for A/B runs (pdserve-bench-kernels). */
         e = getenv("PDSERVE_CUDA_DECODE_BLOCKS_PER_SM");
         c->decode_blocks_per_sm = e && atoi(e) >= 1 && atoi(e) <= 64 ? atoi(e) : 4;
     }
