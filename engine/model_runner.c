@@ -32,7 +32,7 @@ struct mr {
     void *kv;                     /* the whole pool: [n_layers][K, V][n_blocks][block elems] */
     void **k_cache, **v_cache;    /* [n_layers] pointers into kv */
     /* workspace (backend memory) */
-    void *a, *b, *h, *qkv, *attn, *gate_up, *act, *lh, *logits;
+    void *a, *h, *qkv, *attn, *gate_up, *act, *lh, *logits;
     /* step metadata: one backend buffer and its host twin, same layout (see meta_layout) */
     int32_t *d_meta, *h_meta;
     bool h_meta_pinned;           /* h_meta is backend host memory (async uploads) */
@@ -153,7 +153,6 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
     meta_layout(r);
     const size_t meta_n = r->meta_head + S * (size_t)r->max_blocks_per_seq;
     if ((rc = be_alloc(r, act, T * hs, &r->a, err)) < 0 ||
-        (rc = be_alloc(r, act, T * hs, &r->b, err)) < 0 ||
         (rc = be_alloc(r, act, T * hs, &r->h, err)) < 0 ||
         (rc = be_alloc(r, act, T * (size_t)r->qkv_dim, &r->qkv, err)) < 0 ||
         (rc = be_alloc(r, act, T * (size_t)c->n_heads * hd, &r->attn, err)) < 0 ||
@@ -232,7 +231,7 @@ void mr_destroy(mr *r)
     FREE(r->kv);
     free(r->k_cache);
     free(r->v_cache);
-    FREE(r->a); FREE(r->b); FREE(r->h); FREE(r->qkv); FREE(r->attn); FREE(r->gate_up);
+    FREE(r->a); FREE(r->h); FREE(r->qkv); FREE(r->attn); FREE(r->gate_up);
     FREE(r->act); FREE(r->lh); FREE(r->logits); FREE(r->d_meta);
     FREE(r->inv_freq);
 #undef FREE
@@ -423,13 +422,24 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
     int (*attention)(void *, const pd_attn_args *) =
         max_q == 1 ? o->attention_decode : o->attention_prefill;
 
+    /* r->a is the residual stream: each block's input norm is fused into its first product,
+     * the residual add into its last (accumulate). */
+    pd_linear_args lqkv = {.x = r->a, .out = r->qkv, .n = T, .k = hs, .m = r->qkv_dim,
+                           .norm_eps = c->rms_eps, .tmp_x = r->h};
+    pd_linear_args lo = {.x = r->attn, .out = r->a, .n = T, .k = nq, .m = hs, .accumulate = true};
+    pd_linear_args lgu = {.x = r->a, .out = r->act, .n = T, .k = hs, .m = f,
+                          .norm_eps = c->rms_eps, .swiglu = true, .tmp_x = r->h,
+                          .tmp_out = r->gate_up};
+    pd_linear_args ld = {.x = r->act, .out = r->a, .n = T, .k = f, .m = hs, .accumulate = true};
+
     CALL(o->embedding(x, r->d_ids, T, r->m->embed, hs, r->a));
     for (int32_t l = 0; l < c->n_layers; l++) {
         const pd_layer_weights *w = &r->m->layers[l];
         /* attention block */
-        if (l == 0) CALL(o->rmsnorm(x, r->a, NULL, w->attn_norm, T, hs, c->rms_eps, r->h));
-        else CALL(o->rmsnorm(x, r->b, r->a, w->attn_norm, T, hs, c->rms_eps, r->h));
-        CALL(o->linear(x, r->h, w->qkv, w->qkv_bias, T, hs, r->qkv_dim, r->qkv));
+        lqkv.w = w->qkv;
+        lqkv.bias = w->qkv_bias;
+        lqkv.norm_w = w->attn_norm;
+        CALL(o->linear_fused(x, &lqkv));
         ra.q_norm = w->q_norm; /* Qwen3's per-head norms, fused with the rotation */
         ra.k_norm = w->k_norm;
         ra.k_cache = r->k_cache[l];
@@ -442,14 +452,17 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
             CALL(o->sync(x));
             r->layer_fn(r->layer_arg, l);
         }
-        CALL(o->linear(x, r->attn, w->o_proj, w->o_bias, T, nq, hs, r->b));
+        lo.w = w->o_proj;
+        lo.bias = w->o_bias;
+        CALL(o->linear_fused(x, &lo));
         /* MLP block */
-        CALL(o->rmsnorm(x, r->b, r->a, w->mlp_norm, T, hs, c->rms_eps, r->h));
-        CALL(o->linear(x, r->h, w->gate_up, NULL, T, hs, 2 * f, r->gate_up));
-        CALL(o->swiglu(x, r->gate_up, T, f, r->act));
-        CALL(o->linear(x, r->act, w->down, NULL, T, f, hs, r->b));
+        lgu.w = w->gate_up;
+        lgu.norm_w = w->mlp_norm;
+        CALL(o->linear_fused(x, &lgu));
+        ld.w = w->down;
+        CALL(o->linear_fused(x, &ld));
     }
-    if (final) CALL(o->rmsnorm(x, r->b, r->a, r->m->final_norm, T, hs, c->rms_eps, r->h));
+    if (final) CALL(o->rmsnorm(x, r->a, NULL, r->m->final_norm, T, hs, c->rms_eps, r->h));
     return 0;
 }
 

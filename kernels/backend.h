@@ -63,6 +63,26 @@ typedef struct {
     float norm_eps;
 } pd_rope_args;
 
+/* A linear with the fusions around it in a transformer layer (the linear_fused op):
+ *   out = f(norm(x) . w^T + bias)
+ * where norm(x) is the RMSNorm of each x row with weights norm_w (as rmsnorm without a
+ * residual) when norm_w is set, else x; and f writes the product (accumulate false), adds it to
+ * out (accumulate true: the residual add), or, with swiglu, takes w as 2m rows (m gate rows,
+ * then m up rows; bias 2m) and writes silu(gate) * up as the swiglu op does. */
+typedef struct {
+    const void *x;               /* [n][k] */
+    const void *w;               /* [m][k]; [2m][k] with swiglu */
+    const void *bias;            /* [m] ([2m] with swiglu) or NULL */
+    void *out;                   /* [n][m]; must not alias x */
+    int32_t n, k, m;
+    const void *norm_w;          /* [k] RMSNorm weights, or NULL: x as it is */
+    float norm_eps;
+    bool swiglu;
+    bool accumulate;             /* not together with swiglu */
+    void *tmp_x;                 /* scratch of [n][k] the op may overwrite (norm_w set) */
+    void *tmp_out;               /* scratch of [n][2m] the op may overwrite (swiglu set) */
+} pd_linear_args;
+
 /* One row's parameters for the optional sample op. The fields mean what smp_params's do
  * (engine/sampler.h); the op picks the token smp_sample would pick from the same logits (up to
  * the rounding of sums at a boundary). */
@@ -123,6 +143,9 @@ typedef struct pd_backend_ops {
     /* out[n][m] = x[n][k] . w[m][k]^T (+ bias[m] if bias is not NULL). */
     int (*linear)(void *ctx, const void *x, const void *w, const void *bias, int32_t n,
                   int32_t k, int32_t m, void *out);
+    /* The fused linear above; a backend may compose it from its other ops (the scratch
+     * buffers are for that). Returns 0, PD_EINVAL, PD_EBACKEND. */
+    int (*linear_fused)(void *ctx, const pd_linear_args *a);
     int (*rope_store_kv)(void *ctx, const pd_rope_args *a);
     /* Attention for batches containing prompt chunks (query length >= 1). */
     int (*attention_prefill)(void *ctx, const pd_attn_args *a);

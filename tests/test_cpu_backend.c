@@ -402,6 +402,66 @@ static void test_linear(void)
     DEV_FREE(dw, db);
 }
 
+/* linear_fused against a double reference: every combination of norm, SwiGLU (2m weight
+ * rows), residual add and bias the op allows, n = 1 and several rows; the bad combinations. */
+static void test_linear_fused(void)
+{
+    const pd_backend_ops *o = g_be->ops;
+    enum { K = 13, M = 7, N = 4 };
+    float x[N * K], w[2 * M * K], bias[2 * M], nw[K], init[N * M];
+    fill_rand(x, N * K, 2.0);
+    fill_rand(w, 2 * M * K, 1.0);
+    fill_rand(bias, 2 * M, 1.0);
+    fill_rand(nw, K, 1.5);
+    fill_rand(init, N * M, 3.0);
+    void *dx = dev_f32(x, N * K), *dw = dev_f32(w, 2 * M * K), *db = dev_f32(bias, 2 * M);
+    void *dn = dev_f32(nw, K), *tx = dev_poisoned(N * K), *to = dev_poisoned(N * 2 * M);
+    for (int mode = 0; mode < 16; mode++) {
+        const int norm = mode & 1, swiglu = (mode >> 1) & 1, acc = (mode >> 2) & 1;
+        const int with_bias = (mode >> 3) & 1;
+        if (swiglu && acc) continue;
+        for (int n = 1; n <= N; n += N - 1) {
+            void *out = acc ? dev_f32(init, N * M) : dev_poisoned(N * M);
+            pd_linear_args a = {.x = dx, .w = dw, .bias = with_bias ? db : NULL, .out = out,
+                                .n = n, .k = K, .m = M, .norm_w = norm ? dn : NULL,
+                                .norm_eps = 0.01f, .swiglu = swiglu, .accumulate = acc,
+                                .tmp_x = tx, .tmp_out = to};
+            CHECK_EQ_INT(o->linear_fused(g_be->ctx, &a), 0);
+            double ref[N * M];
+            for (int i = 0; i < n; i++) {
+                double xi[K], xn[K];
+                for (int l = 0; l < K; l++) xi[l] = x[i * K + l];
+                if (norm) rmsnorm_ref(xi, nw, K, 0.01, xn);
+                else memcpy(xn, xi, sizeof xn);
+                for (int j = 0; j < M; j++) {
+                    double y[2];
+                    for (int h = 0; h < 2; h++) {
+                        const int row = j + h * M;
+                        y[h] = with_bias ? bias[row] : 0.0;
+                        for (int l = 0; l < K; l++) y[h] += xn[l] * w[row * K + l];
+                    }
+                    ref[i * M + j] = swiglu ? y[0] / (1.0 + exp(-y[0])) * y[1]
+                                            : y[0] + (acc ? init[i * M + j] : 0.0);
+                }
+            }
+            float *got = dl(out, N * M);
+            char what[64];
+            snprintf(what, sizeof what, "linear_fused mode %d n=%d", mode, n);
+            check_close(what, got, ref, (size_t)n * M);
+            if (!acc && n < N) CHECK_MSG(isnan(got[n * M]), "%s wrote past n * m", what);
+            DEV_FREE(out);
+            HOST_FREE(got);
+        }
+    }
+    pd_linear_args bad = {.x = dx, .w = dw, .out = tx, .n = 1, .k = K, .m = M, .swiglu = true,
+                          .accumulate = true, .tmp_out = to};
+    CHECK_EQ_INT(o->linear_fused(g_be->ctx, &bad), PD_EINVAL);
+    bad.swiglu = false;
+    bad.norm_w = dn; /* no tmp_x */
+    CHECK_EQ_INT(o->linear_fused(g_be->ctx, &bad), PD_EINVAL);
+    DEV_FREE(dx, dw, db, dn, tx, to);
+}
+
 static void test_rope_store_kv(void)
 {
     const pd_backend_ops *o = g_be->ops;
@@ -618,6 +678,7 @@ int main(void)
     test_rmsnorm();
     test_head_rmsnorm();
     test_linear();
+    test_linear_fused();
     test_rope_store_kv();
     test_attention();
     test_kv_blocks_roundtrip();

@@ -537,6 +537,74 @@ static void test_linear_small(void)
     }
 }
 
+/* linear_fused against the CPU's composition: the input norm, SwiGLU, the residual add and
+ * the bias in the combinations a layer uses and more, at n on both sides of the fused kernel's
+ * limits (cuda_linear.cu: n <= 32 for small products, n <= 8 where a norm or SwiGLU is fused
+ * into a larger one, up to 32 MiB of weights; the rest is composed from separate launches). */
+static void test_linear_fused(void)
+{
+    enum { NORM = 1, SWIGLU = 2, ACC = 4, BIAS = 8 };
+    static const struct { int32_t k, m; } shapes[] = {
+        {1024, 4096}, {2048, 1024}, {1024, 3072}, {3072, 1024}, {2048, 2048}, {4096, 2560},
+        {40, 1001},   {264, 77},    {24, 37},
+    };
+    static const int modes[] = {NORM,   NORM | BIAS, SWIGLU | NORM, SWIGLU,
+                                ACC,    ACC | BIAS,  NORM | ACC,    SWIGLU | NORM | BIAS};
+    static const int32_t ns[] = {1, 3, 8, 9, 17, 32, 33};
+    const int32_t n_max = 33;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const int32_t k = shapes[s].k, m = shapes[s].m;
+        float *x = hrand((size_t)n_max * k, 1.5), *w = hrand((size_t)2 * m * k, 0.1);
+        float *b = hrand((size_t)2 * m, 0.5), *nw = hrand((size_t)k, 0.5);
+        float *init = hrand((size_t)n_max * m, 2.0);
+        for (int32_t i = 0; i < k; i++) nw[i] += 1.0f;
+        pair px = pair_new(x, (size_t)n_max * k), pw = pair_new(w, (size_t)2 * m * k);
+        pair pb = pair_new(b, (size_t)2 * m), pn = pair_new(nw, (size_t)k);
+        pair out = pair_poisoned((size_t)n_max * m), tx = pair_poisoned((size_t)n_max * k);
+        pair to = pair_poisoned((size_t)n_max * 2 * m);
+        for (size_t mi = 0; mi < sizeof modes / sizeof modes[0]; mi++) {
+            const int md = modes[mi];
+            for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+                const int32_t n = ns[i];
+                if ((s + i + mi) % 2 && n != 1 && n != 9) continue; /* a sample of the grid */
+                if (md & ACC) pair_set(&out, init);
+                else pair_fill(&out, NAN);
+                pd_linear_args a = {.n = n, .k = k, .m = m, .norm_eps = 1e-6f,
+                                    .swiglu = (md & SWIGLU) != 0, .accumulate = (md & ACC) != 0};
+                a.x = px.c; a.w = pw.c; a.out = out.c; a.tmp_x = tx.c; a.tmp_out = to.c;
+                a.bias = md & BIAS ? pb.c : NULL;
+                a.norm_w = md & NORM ? pn.c : NULL;
+                CHECK_EQ_INT(g_cpu->ops->linear_fused(g_cpu->ctx, &a), 0);
+                a.x = px.g; a.w = pw.g; a.out = out.g; a.tmp_x = tx.g; a.tmp_out = to.g;
+                a.bias = md & BIAS ? pb.g : NULL;
+                a.norm_w = md & NORM ? pn.g : NULL;
+                CHECK_EQ_INT(g_gpu->ops->linear_fused(g_gpu->ctx, &a), 0);
+                char what[96];
+                snprintf(what, sizeof what, "linear_fused n=%d k=%d m=%d%s%s%s%s", n, k, m,
+                         md & NORM ? " norm" : "", md & SWIGLU ? " swiglu" : "",
+                         md & ACC ? " +=" : "", md & BIAS ? " +bias" : "");
+                /* rows past n stay as they were: compare the first n only */
+                float *cpu = hmalloc((size_t)n * m);
+                CHECK_EQ_INT(g_cpu->ops->download_f32(g_cpu->ctx, cpu, out.c, PD_DTYPE_F32, 0,
+                                                      (size_t)n * m), 0);
+                float *gpu = gpu_rows(out.g, 0, n, m);
+                compare(what, gpu, cpu, (size_t)n * m, TOL_BF16);
+                free(cpu);
+                free(gpu);
+            }
+        }
+        pd_linear_args bad = {.x = px.g, .w = pw.g, .out = out.g, .n = 1, .k = k, .m = m,
+                              .swiglu = true, .accumulate = true, .tmp_out = to.g};
+        CHECK_EQ_INT(g_gpu->ops->linear_fused(g_gpu->ctx, &bad), PD_EINVAL);
+        bad.accumulate = false;
+        bad.norm_w = pn.g; /* a norm without its scratch */
+        CHECK_EQ_INT(g_gpu->ops->linear_fused(g_gpu->ctx, &bad), PD_EINVAL);
+        pair_free(&px); pair_free(&pw); pair_free(&pb); pair_free(&pn);
+        pair_free(&out); pair_free(&tx); pair_free(&to);
+        free(x); free(w); free(b); free(nw); free(init);
+    }
+}
+
 static void test_rope_store_kv(void)
 {
     const int32_t cases[5][3] = {/* heads, kv heads, head_dim: the first, fourth and fifth
@@ -609,7 +677,8 @@ typedef struct {
 } attn_shape;
 
 /* A batch with the given query and context lengths over a shuffled paged cache; runs the
- * decode entry when every query has length 1 (and decode is set), else prefill. */
+ * decode entry when every query has length 1 (and decode is set), else prefill. decode 2 passes
+ * max_ctx_len 0 (as a replayed graph does: the kernel reads each context, 0 = padding row). */
 static void run_attention(const char *what, const attn_shape *sh, int n_seqs,
                           const int32_t *q_lens, const int32_t *ctx_lens, int decode)
 {
@@ -648,7 +717,8 @@ static void run_attention(const char *what, const attn_shape *sh, int n_seqs,
     pair pcu = pair_i32(cu, (size_t)n_seqs + 1), pctx = pair_i32(ctx_lens, (size_t)n_seqs);
     pair pbt = pair_i32(bt, (size_t)n_seqs * mbps);
     pd_attn_args a = {.q_row_stride = qstride, .n_seqs = n_seqs, .n_tokens = n_tokens,
-                      .max_q_len = max_q, .max_ctx_len = max_ctx, .max_blocks_per_seq = mbps,
+                      .max_q_len = max_q, .max_ctx_len = decode == 2 ? 0 : max_ctx,
+                      .max_blocks_per_seq = mbps,
                       .n_heads = H, .n_kv_heads = KVH, .head_dim = HD, .block_size = BS,
                       .sliding_window = sh->window, .scale = (float)(1.0 / sqrt((double)HD))};
     a.q = pq.c; a.k_cache = pk.c; a.v_cache = pv.c; a.out = out.c;
@@ -745,6 +815,45 @@ static void test_attention(void)
     const attn_shape win = {16, 8, 128, 16, 1000};
     run_attention("decode long", &win, 2, lq2, lc1, 1);
     test_attention_flash();
+}
+
+/* Both decode kernels (cuda_attention_decode.cu: the cp.async ring of 2 or 4 slots and the
+ * register kernel, PDSERVE_CUDA_DECODE_STAGES) on a backend of their own, with known and
+ * unknown longest contexts, padding rows, contexts around the ring's tiles, head sizes 64 and
+ * 128 and GQA 1 to 8; splits combined in the kernel (up to 128) and by the second kernel. */
+static void test_decode_kernels(void)
+{
+    static const char *const stages[] = {"0", "2"}; /* 4: the default, test_attention */
+    const attn_shape shapes[4] = {
+        {16, 8, 128, 16, 0}, {8, 8, 64, 16, 0}, {32, 4, 128, 24, 0}, {16, 2, 64, 16, 200},
+    };
+    const int32_t dq[7] = {1, 1, 1, 1, 1, 1, 1};
+    const int32_t dc[7] = {1, 15, 16, 17, 49, 300, 2900}, pad[7] = {5, 0, 64, 0, 1000, 0, 33};
+    pd_backend *saved = g_gpu;
+    for (size_t i = 0; i < sizeof stages / sizeof stages[0]; i++) {
+        char err[PD_ERR_LEN] = "";
+        pd_backend_params p = pd_backend_default_params();
+        pd_backend *b = NULL;
+        setenv("PDSERVE_CUDA_DECODE_STAGES", stages[i], 1);
+        const int rc = pd_backend_create("cuda", &p, &b, err);
+        unsetenv("PDSERVE_CUDA_DECODE_STAGES");
+        CHECK_EQ_INT(rc, 0);
+        if (rc != 0) continue;
+        g_gpu = b;
+        printf("  decode kernel, PDSERVE_CUDA_DECODE_STAGES=%s\n", stages[i]);
+        for (int s = 0; s < 4; s++) {
+            run_attention("decode", &shapes[s], 7, dq, dc, 1);
+            run_attention("decode graph", &shapes[s], 7, dq, dc, 2);
+            run_attention("decode graph padded", &shapes[s], 7, dq, pad, 2);
+        }
+        /* one KV head, one long context: over 128 splits, combined by the second kernel */
+        const attn_shape mqa = {8, 1, 128, 16, 0};
+        const int32_t one[1] = {1}, ctx8k[1] = {8192};
+        run_attention("decode many splits", &mqa, 1, one, ctx8k, 1);
+        run_attention("decode many splits graph", &mqa, 1, one, ctx8k, 2);
+        g_gpu = saved;
+        pd_backend_destroy(b);
+    }
 }
 
 /* ---- KV blocks to and from the host ---- */
@@ -859,8 +968,10 @@ int main(void)
     test_head_rmsnorm();
     test_linear();
     test_linear_small();
+    test_linear_fused();
     test_rope_store_kv();
     test_attention();
+    test_decode_kernels();
     test_kv_blocks();
     test_kv_blocks_copy();
     test_errors();

@@ -21,7 +21,7 @@
 
 /* ---- the recording backend ---- */
 
-typedef enum { R_EMB, R_RMS, R_LIN, R_ROPE, R_ATTN, R_SWIGLU } rec_kind;
+typedef enum { R_EMB, R_RMS, R_LIN, R_LINF, R_ROPE, R_ATTN, R_SWIGLU } rec_kind;
 
 typedef struct {
     rec_kind k;
@@ -32,6 +32,7 @@ typedef struct {
     float eps;
     pd_rope_args rope;
     pd_attn_args attn;
+    pd_linear_args lin;
 } rec;
 
 typedef struct {
@@ -78,6 +79,12 @@ static int w_linear(void *ctx, const void *x, const void *w, const void *bias, i
 {
     rec r = {.k = R_LIN, .x = x, .w = w, .bias = bias, .n = n, .k2 = k, .m = m, .out = out};
     return record(&r) ? 0 : g_cpu->linear(ctx, x, w, bias, n, k, m, out);
+}
+
+static int w_linear_fused(void *ctx, const pd_linear_args *a)
+{
+    rec r = {.k = R_LINF, .lin = *a};
+    return record(&r) ? 0 : g_cpu->linear_fused(ctx, a);
 }
 
 static int w_rope(void *ctx, const pd_rope_args *a)
@@ -128,6 +135,7 @@ static int w_graph_launch(void *ctx, void *gp)
         case R_EMB: rc = g_cpu->embedding(ctx, r->ids, r->n, r->table, r->dim, r->out); break;
         case R_RMS: rc = g_cpu->rmsnorm(ctx, r->x, r->res, r->w, r->n, r->dim, r->eps, r->out); break;
         case R_LIN: rc = g_cpu->linear(ctx, r->x, r->w, r->bias, r->n, r->k2, r->m, r->out); break;
+        case R_LINF: rc = g_cpu->linear_fused(ctx, &r->lin); break;
         case R_ROPE: rc = g_cpu->rope_store_kv(ctx, &r->rope); break;
         case R_ATTN: rc = g_cpu->attention_decode(ctx, &r->attn); break;
         case R_SWIGLU: rc = g_cpu->swiglu(ctx, r->x, r->n, r->dim, r->out); break;
@@ -179,6 +187,7 @@ static int open_backend(bool graphs, pd_backend **out, char *err)
     g_ops.embedding = w_embedding;
     g_ops.rmsnorm = w_rmsnorm;
     g_ops.linear = w_linear;
+    g_ops.linear_fused = w_linear_fused;
     g_ops.rope_store_kv = w_rope;
     g_ops.attention_decode = w_attention;
     g_ops.swiglu = w_swiglu;

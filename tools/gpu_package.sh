@@ -5,7 +5,7 @@
 # pdserve-decode, pdserve-router, pdserve-cli and the pdserve-up launcher), the shared libraries
 # they load that the GPU machine lacks (gRPC, protobuf-c, ...; xz-compressed: OpenBLAS alone is
 # 36 MB), and the test models from the shared folder (stories260k and testdata/golden).
-# tools/gpu_run.sh runs it there.
+# tools/gpu_run.sh unpacks and runs it there.
 #   PDSERVE_SHARED=DIR   shared folder (default ../shared)
 #   PD_CUDA_ARCHS=LIST   CUDA architectures (default 90a)
 #   PD_GPU_BUILD=DIR     build folder (default build-gpu)
@@ -47,6 +47,9 @@ while read -r lib; do
 done
 tar -cJf "$G/lib.tar.xz" -C "$G" lib
 rm -rf "$G/lib"
+# The binaries too: each holds much the same CUDA code (a carry is at most 64 MiB).
+tar -cJf "$G/bin.tar.xz" -C "$G" bin
+rm -rf "$G/bin"
 
 cp -r "$SHARED/models/stories260k" "$G/shared/models/"
 cp -r "$SHARED/testdata/golden" "$G/shared/testdata/"

@@ -162,6 +162,38 @@ static int cpu_linear(void *ctx, const void *x, const void *w, const void *bias,
     return 0;
 }
 
+static int cpu_swiglu(void *ctx, const void *gate_up, int32_t n, int32_t f, void *out);
+
+/* The fused linear composed: the norm into tmp_x, the product (sgemm with beta 1 when it
+ * accumulates), the bias, SwiGLU out of tmp_out. */
+static int cpu_linear_fused(void *ctx, const pd_linear_args *a)
+{
+    if (!a || a->n < 0 || a->k <= 0 || a->m <= 0 || !a->x || !a->w || !a->out ||
+        (a->norm_w && !a->tmp_x) || (a->swiglu && (!a->tmp_out || a->accumulate)))
+        return PD_EINVAL;
+    if (a->n == 0) return 0;
+    const int32_t n = a->n, k = a->k, mw = a->swiglu ? 2 * a->m : a->m;
+    const float *x = a->x;
+    if (a->norm_w) {
+        (void)cpu_rmsnorm(ctx, x, NULL, a->norm_w, n, k, a->norm_eps, a->tmp_x);
+        x = a->tmp_x;
+    }
+    float *o = a->swiglu ? a->tmp_out : a->out;
+    const float beta = a->accumulate ? 1.0f : 0.0f;
+    if (n == 1)
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, mw, k, 1.0f, a->w, k, x, 1, beta, o, 1);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, mw, k, 1.0f, x, k, a->w, k, beta,
+                    o, mw);
+    if (a->bias) {
+        const float *b = a->bias;
+        for (int32_t i = 0; i < n; i++)
+            for (int32_t j = 0; j < mw; j++) o[(size_t)i * mw + j] += b[j];
+    }
+    if (a->swiglu) (void)cpu_swiglu(ctx, a->tmp_out, n, a->m, a->out);
+    return 0;
+}
+
 static void rotate(float *v, const float *cs, const float *sn, int32_t half)
 {
     for (int32_t i = 0; i < half; i++) {
@@ -302,6 +334,7 @@ static const pd_backend_ops k_cpu_ops = {
     .attention_prefill = pd_cpu__attention,
     .attention_decode = pd_cpu__attention,
     .swiglu = cpu_swiglu,
+    .linear_fused = cpu_linear_fused,
     .gather_rows = cpu_gather_rows,
     .kv_blocks_to_host = cpu_kv_to_host,
     .kv_blocks_from_host = cpu_kv_from_host,

@@ -24,8 +24,11 @@
 
 #define NW 4            /* warps per block */
 #define UNROLL 2        /* key rounds per loop iteration (4: slower, fewer blocks fit) */
-#define MIN_CHUNK 32    /* fewest keys a split gets */
+#define MIN_CHUNK 64    /* fewest keys a split gets: the 4 tiles of 16 keys a pipelined block
+                         * has in flight at once (fewer, longer splits for short contexts:
+                         * the partial outputs and their combine cost more than they save) */
 #define MAX_G 8         /* query heads per KV head handled here */
+#define INLINE_SPLITS 128 /* most splits the last block combines (more: a second kernel) */
 
 struct __align__(16) bf16x8 { __nv_bfloat162 h[4]; };
 
@@ -36,41 +39,92 @@ static __device__ __forceinline__ float elem(const bf16x8 &v, int e)
     return e & 1 ? __high2float(v.h[e >> 1]) : __low2float(v.h[e >> 1]);
 }
 
-/* TPK lanes per key (head_dim = 8 TPK); MAXG >= G query heads per KV head. */
-template <int TPK, int MAXG>
-static __global__ void __launch_bounds__(NW * 32)
-split_kernel(const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__restrict__ k_cache,
-             const bf16 *__restrict__ v_cache, bf16 *__restrict__ out, float *__restrict__ part,
-             const int32_t *__restrict__ cu_q, const int32_t *__restrict__ ctx_lens,
-             const int32_t *__restrict__ block_tables, int32_t n_seqs, int32_t max_blocks_per_seq,
-             int32_t n_heads, int32_t n_kv_heads, int32_t G, int32_t block_size,
-             int32_t sliding_window, int32_t chunk, float scale_log2)
+/* One online-softmax round over U keys, the same for every lane group: a lane holds 8 of
+ * head_dim elements of q (scaled by scale * log2 e), of its key's K and V and of the running
+ * output of each of the G query heads; ok[u] false masks key u (its V must be finite). */
+template <int TPK, int MAXG, int U>
+static __device__ __forceinline__ void attend(const float (&qf)[MAXG][8], float (&acc)[MAXG][8],
+                                              float (&m)[MAXG], float (&l)[MAXG],
+                                              const bf16x8 (&kr)[U], const bf16x8 (&vr)[U],
+                                              const bool (&ok)[U], int G)
 {
-    constexpr int HD = TPK * 8, KPW = 32 / TPK, GROUPS = NW * KPW;
-    __shared__ float sm_m[GROUPS][MAXG], sm_l[GROUPS][MAXG];
-    __shared__ float sm_acc[GROUPS][MAXG][HD];
-    pd_pdl_wait(); /* large decode batches take several waves: no early successor */
-    const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z, n_splits = gridDim.x;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int grp = lane / TPK, sub = lane % TPK, gid = warp * KPW + grp;
-
-    const int32_t ctx = ctx_lens[s], row = cu_q[s];
-    int32_t start = 0;
-    if (sliding_window > 0 && ctx - sliding_window > 0) start = ctx - sliding_window;
-    if (chunk <= 0) { /* sized per sequence (the batch's longest context is not known) */
-        const int32_t n_keys = ctx - start;
-        chunk = max((n_keys + n_splits - 1) / n_splits, MIN_CHUNK);
-    }
-    const int32_t k_begin = start + split * chunk;
-    const int32_t k_end = min(k_begin + chunk, ctx);
-    const int32_t *table = block_tables + (size_t)s * max_blocks_per_seq;
-    const int64_t kv_row = (int64_t)n_kv_heads * HD;
-    const int64_t col = (int64_t)kvh * HD + sub * 8;
-
-    float qf[MAXG][8], acc[MAXG][8], m[MAXG], l[MAXG];
 #pragma unroll
     for (int g = 0; g < MAXG; g++) {
-        const bf16 *qp = q + (size_t)row * q_row_stride + (size_t)(kvh * G + g) * HD + sub * 8;
+        if (g >= G) break;
+        float sc[U], mx = m[g];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            float d = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 8; e++) d = fmaf(qf[g][e], elem(kr[u], e), d);
+#pragma unroll
+            for (int o = TPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+            sc[u] = ok[u] ? d : -INFINITY;
+            mx = fmaxf(mx, sc[u]);
+        }
+        /* mx = -inf (this lane group has seen no key yet) leaves everything at 0 and -inf;
+         * no divergent skip here: the next head's shuffles need the whole warp. */
+        const float corr = m[g] == -INFINITY ? 0.0f : exp2f(m[g] - mx);
+        float p[U];
+        l[g] *= corr;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            p[u] = ok[u] ? exp2f(sc[u] - mx) : 0.0f;
+            l[g] += p[u];
+        }
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            float a = acc[g][e] * corr;
+#pragma unroll
+            for (int u = 0; u < U; u++) a = fmaf(p[u], elem(vr[u], e), a);
+            acc[g][e] = a;
+        }
+        m[g] = mx;
+    }
+}
+
+/* A block's context chunk and its query heads, as both decode kernels start. */
+struct chunk_info {
+    int32_t row, k_begin, k_end;
+    int32_t n_used; /* splits of this sequence that have keys (1: split 0 writes the output) */
+    const int32_t *table;
+};
+
+/* Sequence s's first key and chunk (chunk <= 0: cut from its own context into n_splits, as
+ * in a graph), and how many splits have keys (at least 1: a padding row's zeros). */
+static __device__ __forceinline__ int32_t seq_chunk(int32_t ctx, int32_t sliding_window,
+                                                    int32_t chunk, int32_t n_splits,
+                                                    int32_t *start, int32_t *n_used)
+{
+    *start = sliding_window > 0 && ctx - sliding_window > 0 ? ctx - sliding_window : 0;
+    const int32_t n_keys = ctx - *start;
+    if (chunk <= 0) chunk = max((n_keys + n_splits - 1) / n_splits, MIN_CHUNK);
+    *n_used = max(min((n_keys + chunk - 1) / chunk, n_splits), 1);
+    return chunk;
+}
+
+template <int TPK, int MAXG>
+static __device__ __forceinline__ chunk_info
+begin_chunk(const bf16 *__restrict__ q, int64_t q_row_stride, const int32_t *__restrict__ cu_q,
+            const int32_t *__restrict__ ctx_lens, const int32_t *__restrict__ block_tables,
+            int32_t max_blocks_per_seq, int32_t G, int32_t sliding_window, int32_t chunk,
+            float scale_log2, float (&qf)[MAXG][8], float (&acc)[MAXG][8], float (&m)[MAXG],
+            float (&l)[MAXG])
+{
+    constexpr int HD = TPK * 8;
+    const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z, n_splits = gridDim.x;
+    const int sub = (threadIdx.x & 31) % TPK;
+    chunk_info ci;
+    const int32_t ctx = ctx_lens[s];
+    ci.row = cu_q[s];
+    int32_t start;
+    chunk = seq_chunk(ctx, sliding_window, chunk, n_splits, &start, &ci.n_used);
+    ci.k_begin = start + split * chunk;
+    ci.k_end = min(ci.k_begin + chunk, ctx);
+    ci.table = block_tables + (size_t)s * max_blocks_per_seq;
+#pragma unroll
+    for (int g = 0; g < MAXG; g++) {
+        const bf16 *qp = q + (size_t)ci.row * q_row_stride + (size_t)(kvh * G + g) * HD + sub * 8;
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             qf[g][e] = g < G ? pd_ld(qp + e) * scale_log2 : 0.0f;
@@ -79,6 +133,157 @@ split_kernel(const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__res
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
+    return ci;
+}
+
+/* Merges the block's lane groups through shared memory (sm: GROUPS x MAXG x (HD + 2) floats,
+ * free for this use) and writes the output, or the split's partial output, max and sum. */
+/* The last split block of a (sequence, KV head) to finish combines the splits of its G heads
+ * (count: a zeroed counter per (sequence, KV head), which it sets back to 0), so no second
+ * kernel is launched. sm: at least G * (2 n_splits + 1) floats; n_splits <= INLINE_SPLITS.
+ * The other blocks' partials are read through L2 (__ldcg: L1 is not coherent). */
+static __device__ __forceinline__ void combine_inline(float *sm, bf16 *__restrict__ out,
+                                                      const float *__restrict__ part,
+                                                      int32_t *__restrict__ count, int32_t row,
+                                                      int32_t n_used, int32_t n_seqs,
+                                                      int32_t n_heads, int32_t G, int HD)
+{
+    __shared__ int is_last;
+    const int kvh = blockIdx.y, s = blockIdx.z, n_splits = gridDim.x;
+    int32_t *cnt = count + (size_t)s * gridDim.y + kvh;
+    __threadfence(); /* this block's partials are visible before its count */
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(cnt, 1) == n_used - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const float *ml = part + (size_t)n_seqs * n_heads * n_splits * HD;
+    const size_t item0 = ((size_t)s * n_heads + (size_t)kvh * G) * n_splits;
+    /* [g][j] for the n_used splits of head g (split j of head g is item item0 + g n_splits + j) */
+    float *fac = sm, *lsum = sm + G * n_used, *tot = sm + 2 * G * n_used;
+    for (int i = threadIdx.x; i < G * n_used; i += blockDim.x) {
+        const size_t item = item0 + (size_t)(i / n_used) * n_splits + i % n_used;
+        fac[i] = __ldcg(ml + 2 * item);
+        lsum[i] = __ldcg(ml + 2 * item + 1);
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int g = warp; g < G; g += blockDim.x >> 5) { /* a warp per head: max, factors, sum */
+        float gm = -INFINITY;
+        for (int j = lane; j < n_used; j += 32) gm = fmaxf(gm, fac[g * n_used + j]);
+        gm = pd_warp_max(gm);
+        float total = 0.0f;
+        for (int j = lane; j < n_used; j += 32) {
+            const float mj = fac[g * n_used + j];
+            const float f = mj == -INFINITY ? 0.0f : exp2f(mj - gm); /* no key seen: 0 */
+            fac[g * n_used + j] = f;
+            total += lsum[g * n_used + j] * f;
+        }
+        total = pd_warp_sum(total);
+        if (lane == 0) tot[g] = total;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * HD; i += blockDim.x) {
+        const int g = i / HD, d = i % HD;
+        const float *pg = part + (item0 + (size_t)g * n_splits) * HD + d;
+        float o = 0.0f;
+        for (int j = 0; j < n_used; j++) {
+            const float f = fac[g * n_used + j];
+            if (f != 0.0f) o = fmaf(__ldcg(pg + (size_t)j * HD), f, o);
+        }
+        const float total = tot[g];
+        pd_st(out + (size_t)row * ((size_t)n_heads * HD) + (size_t)(kvh * G + g) * HD + d,
+              total > 0.0f ? o / total : 0.0f);
+    }
+    if (threadIdx.x == 0) *cnt = 0;
+}
+
+template <int TPK, int MAXG>
+static __device__ __forceinline__ void
+finish_chunk(float *sm, const float (&acc)[MAXG][8], const float (&m)[MAXG],
+             const float (&l)[MAXG], bf16 *__restrict__ out, float *__restrict__ part,
+             int32_t *__restrict__ count, int32_t row, int32_t n_used, int32_t n_seqs,
+             int32_t n_heads, int32_t G)
+{
+    constexpr int HD = TPK * 8, KPW = 32 / TPK, GROUPS = NW * KPW;
+    float(*sm_acc)[MAXG][HD] = reinterpret_cast<float(*)[MAXG][HD]>(sm);
+    float(*sm_m)[MAXG] = reinterpret_cast<float(*)[MAXG]>(sm + GROUPS * MAXG * HD);
+    float(*sm_l)[MAXG] = reinterpret_cast<float(*)[MAXG]>(sm + GROUPS * MAXG * (HD + 1));
+    const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z, n_splits = gridDim.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int grp = lane / TPK, sub = lane % TPK, gid = warp * KPW + grp;
+#pragma unroll
+    for (int g = 0; g < MAXG; g++) {
+        if (g >= G) break;
+#pragma unroll
+        for (int e = 0; e < 8; e++) sm_acc[gid][g][sub * 8 + e] = acc[g][e];
+        if (sub == 0) {
+            sm_m[gid][g] = m[g];
+            sm_l[gid][g] = l[g];
+        }
+    }
+    __syncthreads();
+
+    /* One (head, element) pair per thread and round. */
+    for (int i = threadIdx.x; i < G * HD; i += NW * 32) {
+        const int g = i / HD, d = i % HD, h = kvh * G + g;
+        float gm = -INFINITY;
+        for (int j = 0; j < GROUPS; j++) gm = fmaxf(gm, sm_m[j][g]);
+        float total = 0.0f, o = 0.0f;
+        if (gm != -INFINITY) {
+            for (int j = 0; j < GROUPS; j++) {
+                const float mj = sm_m[j][g];
+                if (mj == -INFINITY) continue;
+                const float f = exp2f(mj - gm);
+                total += sm_l[j][g] * f;
+                o += sm_acc[j][g][d] * f;
+            }
+        }
+        if (n_used == 1) { /* no key at all (a padding row of context 0) gives zeros */
+            pd_st(out + (size_t)row * ((size_t)n_heads * HD) + (size_t)h * HD + d,
+                  total > 0.0f ? o / total : 0.0f);
+        } else {
+            const size_t item = ((size_t)s * n_heads + h) * n_splits + split;
+            part[item * HD + d] = o;
+            if (d == 0) {
+                float *ml = part + (size_t)n_seqs * n_heads * n_splits * HD;
+                ml[2 * item] = gm;
+                ml[2 * item + 1] = total;
+            }
+        }
+    }
+    if (n_used > 1 && count)
+        combine_inline(sm, out, part, count, row, n_used, n_seqs, n_heads, G, HD);
+}
+
+#define PD_SPLIT_PARAMS                                                                        \
+    const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__restrict__ k_cache,        \
+        const bf16 *__restrict__ v_cache, bf16 *__restrict__ out, float *__restrict__ part,    \
+        int32_t *__restrict__ count, const int32_t *__restrict__ cu_q, const int32_t *__restrict__ ctx_lens,                \
+        const int32_t *__restrict__ block_tables, int32_t n_seqs, int32_t max_blocks_per_seq,  \
+        int32_t n_heads, int32_t n_kv_heads, int32_t G, int32_t block_size,                    \
+        int32_t sliding_window, int32_t chunk, float scale_log2
+
+/* Register kernel: K/V loaded straight into registers, TPK lanes per key (head_dim = 8 TPK),
+ * MAXG >= G query heads per KV head. */
+template <int TPK, int MAXG>
+static __global__ void __launch_bounds__(NW * 32) split_kernel(PD_SPLIT_PARAMS)
+{
+    constexpr int HD = TPK * 8, KPW = 32 / TPK, GROUPS = NW * KPW;
+    __shared__ float sm[GROUPS * MAXG * (HD + 2)];
+    pd_pdl_wait(); /* large decode batches take several waves: no early successor */
+    const int kvh = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int grp = lane / TPK, sub = lane % TPK;
+    float qf[MAXG][8], acc[MAXG][8], m[MAXG], l[MAXG];
+    const chunk_info ci =
+        begin_chunk<TPK, MAXG>(q, q_row_stride, cu_q, ctx_lens, block_tables, max_blocks_per_seq,
+                               G, sliding_window, chunk, scale_log2, qf, acc, m, l);
+    if ((int32_t)blockIdx.x >= ci.n_used) return; /* no keys, no partials: left out */
+    const int32_t k_begin = ci.k_begin, k_end = ci.k_end;
+    const int32_t *table = ci.table;
+    const int64_t kv_row = (int64_t)n_kv_heads * HD;
+    const int64_t col = (int64_t)kvh * HD + sub * 8;
 
     /* The block-table entries of the next round's keys are loaded a round ahead, so that a
      * round's K/V loads don't wait for a dependent table load first. */
@@ -114,97 +319,127 @@ split_kernel(const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__res
                 for (int i = 0; i < 4; i++) kr[u].h[i] = vr[u].h[i] = z;
             }
         }
-#pragma unroll
-        for (int g = 0; g < MAXG; g++) {
-            if (g >= G) break;
-            float sc[UNROLL], mx = m[g];
-#pragma unroll
-            for (int u = 0; u < UNROLL; u++) {
-                float d = 0.0f;
-#pragma unroll
-                for (int e = 0; e < 8; e++) d = fmaf(qf[g][e], elem(kr[u], e), d);
-#pragma unroll
-                for (int o = TPK / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                sc[u] = ok[u] ? d : -INFINITY;
-                mx = fmaxf(mx, sc[u]);
-            }
-            /* mx = -inf (this lane group has seen no key yet) leaves everything at 0 and -inf;
-             * no divergent skip here: the next head's shuffles need the whole warp. */
-            const float corr = m[g] == -INFINITY ? 0.0f : exp2f(m[g] - mx);
-            float p[UNROLL];
-            l[g] *= corr;
-#pragma unroll
-            for (int u = 0; u < UNROLL; u++) {
-                p[u] = ok[u] ? exp2f(sc[u] - mx) : 0.0f;
-                l[g] += p[u];
-            }
-#pragma unroll
-            for (int e = 0; e < 8; e++) {
-                float a = acc[g][e] * corr;
-#pragma unroll
-                for (int u = 0; u < UNROLL; u++) a = fmaf(p[u], elem(vr[u], e), a);
-                acc[g][e] = a;
-            }
-            m[g] = mx;
-        }
+        attend<TPK, MAXG, UNROLL>(qf, acc, m, l, kr, vr, ok, G);
     }
-
-#pragma unroll
-    for (int g = 0; g < MAXG; g++) {
-        if (g >= G) break;
-#pragma unroll
-        for (int e = 0; e < 8; e++) sm_acc[gid][g][sub * 8 + e] = acc[g][e];
-        if (sub == 0) {
-            sm_m[gid][g] = m[g];
-            sm_l[gid][g] = l[g];
-        }
-    }
-    __syncthreads();
-
-    /* Merge the lane groups: one (head, element) pair per thread and round. */
-    for (int i = threadIdx.x; i < G * HD; i += NW * 32) {
-        const int g = i / HD, d = i % HD, h = kvh * G + g;
-        float gm = -INFINITY;
-        for (int j = 0; j < GROUPS; j++) gm = fmaxf(gm, sm_m[j][g]);
-        float total = 0.0f, o = 0.0f;
-        if (gm != -INFINITY) {
-            for (int j = 0; j < GROUPS; j++) {
-                const float mj = sm_m[j][g];
-                if (mj == -INFINITY) continue;
-                const float f = exp2f(mj - gm);
-                total += sm_l[j][g] * f;
-                o += sm_acc[j][g][d] * f;
-            }
-        }
-        if (n_splits == 1) { /* no key at all (a padding row of context 0) gives zeros */
-            pd_st(out + (size_t)row * ((size_t)n_heads * HD) + (size_t)h * HD + d,
-                  total > 0.0f ? o / total : 0.0f);
-        } else {
-            const size_t item = ((size_t)s * n_heads + h) * n_splits + split;
-            part[item * HD + d] = o;
-            if (d == 0) {
-                float *ml = part + (size_t)n_seqs * n_heads * n_splits * HD;
-                ml[2 * item] = gm;
-                ml[2 * item + 1] = total;
-            }
-        }
-    }
+    finish_chunk<TPK, MAXG>(sm, acc, m, l, out, part, count, ci.row, ci.n_used, n_seqs, n_heads,
+                            G);
 }
 
-/* Combines the splits of each (sequence, head): grid (head, sequence), a thread per element. */
+/* Pipelined kernel: each lane streams its own keys' K/V through a ring of STAGES slots in
+ * shared memory with cp.async, so STAGES - 1 tiles stay in flight while one is computed (the
+ * register kernel has at most one round in flight per warp). A lane reads back only what it
+ * copied itself: no barrier in the loop. Warp w takes keys [t * NW + w) * KS, + KS) of tile
+ * t, KS = R rounds of 32 / TPK keys. */
+#define ASYNC_R 2
+template <int TPK, int STAGES>
+static constexpr size_t async_ring_bytes(void)
+{
+    return (size_t)STAGES * ASYNC_R * 2 * NW * 32 * sizeof(uint4);
+}
+
+template <int TPK, int MAXG, int STAGES>
+static __global__ void __launch_bounds__(NW * 32, MAXG <= 2 ? 6 : 1)
+split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of shared memory) */
+{
+    constexpr int HD = TPK * 8, KPW = 32 / TPK, R = ASYNC_R, KS = R * KPW, TILE = NW * KS;
+    constexpr int SLOT = NW * 32; /* uint4s between a lane's consecutive ring entries */
+    extern __shared__ uint4 dyn[];
+    pd_pdl_wait();
+    const int kvh = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int grp = lane / TPK, sub = lane % TPK;
+    float qf[MAXG][8], acc[MAXG][8], m[MAXG], l[MAXG];
+    const chunk_info ci =
+        begin_chunk<TPK, MAXG>(q, q_row_stride, cu_q, ctx_lens, block_tables, max_blocks_per_seq,
+                               G, sliding_window, chunk, scale_log2, qf, acc, m, l);
+    if ((int32_t)blockIdx.x >= ci.n_used) return; /* no keys, no partials: left out */
+    const int32_t k_end = ci.k_end;
+    const int32_t *table = ci.table;
+    const int64_t kv_row = (int64_t)n_kv_heads * HD;
+    const int64_t col = (int64_t)kvh * HD + sub * 8;
+    const int32_t n_tiles = k_end > ci.k_begin ? (k_end - ci.k_begin + TILE - 1) / TILE : 0;
+    const int32_t k0 = ci.k_begin + warp * KS + grp; /* this lane's key in round 0 of tile 0 */
+    uint4 *ring = dyn + threadIdx.x;
+
+    /* Table entries of tile t (-1: past the chunk), loaded a tile before they are used. */
+    int32_t cur[R], nxt[R];
+    auto table_of = [&](int32_t t, int32_t (&b)[R]) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const int32_t k = k0 + t * TILE + r * KPW;
+            b[r] = t < n_tiles && k < k_end ? table[k / block_size] : -1;
+        }
+    };
+    auto issue = [&](int32_t t, int slot, const int32_t (&b)[R]) {
+        if (t < n_tiles) { /* keys past the end in the last tile get zeros */
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const int32_t k = k0 + t * TILE + r * KPW;
+                const bool ok = b[r] >= 0;
+                const int64_t off =
+                    ok ? ((int64_t)b[r] * block_size + k % block_size) * kv_row + col : 0;
+                pd_cp16(ring + ((slot * R + r) * 2) * SLOT, k_cache + off, ok);
+                pd_cp16(ring + ((slot * R + r) * 2 + 1) * SLOT, v_cache + off, ok);
+            }
+        }
+        pd_cp_commit(); /* a group per tile, empty or not: the wait counts groups */
+    };
+    { /* the first STAGES + 1 tiles' entries in one round of loads, not one after another */
+        int32_t pro[STAGES + 1][R];
+#pragma unroll
+        for (int t = 0; t <= STAGES; t++) table_of(t, pro[t]);
+#pragma unroll
+        for (int t = 0; t < STAGES; t++) issue(t, t, pro[t]);
+#pragma unroll
+        for (int r = 0; r < R; r++) cur[r] = pro[STAGES][r];
+    }
+    /* cur: the table entries of tile STAGES */
+    for (int32_t t = 0; t < n_tiles; t++) {
+        const int slot = t % STAGES;
+        pd_cp_wait<STAGES - 1>();
+        bf16x8 kr[R], vr[R];
+        bool ok[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const uint4 kv = ring[((slot * R + r) * 2) * SLOT];
+            const uint4 vv = ring[((slot * R + r) * 2 + 1) * SLOT];
+            kr[r] = *reinterpret_cast<const bf16x8 *>(&kv);
+            vr[r] = *reinterpret_cast<const bf16x8 *>(&vv);
+            ok[r] = k0 + t * TILE + r * KPW < k_end;
+        }
+        attend<TPK, MAXG, R>(qf, acc, m, l, kr, vr, ok, G);
+        asm volatile("" ::: "memory"); /* the slot's reads stay before its refill */
+        table_of(t + STAGES + 1, nxt);
+        issue(t + STAGES, slot, cur);
+#pragma unroll
+        for (int r = 0; r < R; r++) cur[r] = nxt[r];
+    }
+    pd_cp_wait<0>();
+    __syncthreads(); /* the ring becomes the merge's scratch */
+    finish_chunk<TPK, MAXG>(reinterpret_cast<float *>(dyn), acc, m, l, out, part, count, ci.row,
+                            ci.n_used, n_seqs, n_heads, G);
+}
+
+/* Combines the splits of each (sequence, head): grid (head, sequence), a thread per element.
+ * A sequence whose keys fit one split has its output already. */
 static __global__ void combine_kernel(const float *__restrict__ part, bf16 *__restrict__ out,
-                                      const int32_t *__restrict__ cu_q, int32_t n_seqs,
-                                      int32_t n_heads, int32_t head_dim, int32_t n_splits)
+                                      const int32_t *__restrict__ cu_q,
+                                      const int32_t *__restrict__ ctx_lens, int32_t n_seqs,
+                                      int32_t n_heads, int32_t head_dim, int32_t n_splits,
+                                      int32_t sliding_window, int32_t chunk)
 {
     pd_pdl_enter();
     const int h = blockIdx.x, s = blockIdx.y;
+    int32_t start, n_used;
+    (void)seq_chunk(ctx_lens[s], sliding_window, chunk, n_splits, &start, &n_used);
+    if (n_used == 1) return;
     const size_t item0 = ((size_t)s * n_heads + h) * n_splits;
     const float *ml = part + (size_t)n_seqs * n_heads * n_splits * head_dim + 2 * item0;
     float gm = -INFINITY;
-    for (int j = 0; j < n_splits; j++) gm = fmaxf(gm, ml[2 * j]);
+    for (int j = 0; j < n_used; j++) gm = fmaxf(gm, ml[2 * j]);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float total = 0.0f, o = 0.0f;
-        for (int j = 0; j < n_splits; j++) {
+        for (int j = 0; j < n_used; j++) {
             const float mj = ml[2 * j];
             if (mj == -INFINITY) continue; /* an empty split (a shorter sequence) */
             const float f = exp2f(mj - gm);
@@ -216,49 +451,79 @@ static __global__ void combine_kernel(const float *__restrict__ part, bf16 *__re
     }
 }
 
-template <int TPK, int MAXG>
-static cudaError_t launch_tg(const pd_attn_args *a, float *part, int n_splits, int chunk,
+/* The split kernels' workspace: partial outputs, maxima and sums; the counters of the inline
+ * combine, or NULL for the combine kernel. */
+struct split_ws {
+    float *part;
+    int32_t *count;
+};
+
+template <int TPK, int MAXG, int STAGES>
+static cudaError_t launch_tg(const pd_attn_args *a, const split_ws &ws, int n_splits, int chunk,
                              cudaStream_t stream)
 {
+    constexpr int HD = TPK * 8, GROUPS = NW * (32 / TPK);
     const dim3 grid((unsigned)n_splits, (unsigned)a->n_kv_heads, (unsigned)a->n_seqs);
     const float log2e = 1.4426950408889634f;
 #define PD_SPLIT_ARGS                                                                          \
     (const bf16 *)a->q, a->q_row_stride, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache,   \
-        (bf16 *)a->out, part, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs,                \
+        (bf16 *)a->out, ws.part, ws.count, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs,                \
         a->max_blocks_per_seq, a->n_heads, a->n_kv_heads, a->n_heads / a->n_kv_heads,          \
         a->block_size, a->sliding_window, chunk, a->scale * log2e
-    cudaError_t e =
-        pd_cuda__launch(split_kernel<TPK, MAXG>, grid, dim3(NW * 32), 0, stream, PD_SPLIT_ARGS);
+    cudaError_t e;
+    if constexpr (STAGES == 0) {
+        e = pd_cuda__launch(split_kernel<TPK, MAXG>, grid, dim3(NW * 32), 0, stream,
+                            PD_SPLIT_ARGS);
+    } else {
+        const size_t ring = async_ring_bytes<TPK, STAGES>();
+        const size_t merge = (size_t)GROUPS * MAXG * (HD + 2) * sizeof(float);
+        e = pd_cuda__launch(split_async_kernel<TPK, MAXG, STAGES>, grid,
+                            dim3(NW * 32), ring > merge ? ring : merge, stream, PD_SPLIT_ARGS);
+    }
 #undef PD_SPLIT_ARGS
-    if (e != cudaSuccess || n_splits == 1) return e;
+    if (e != cudaSuccess || n_splits == 1 || ws.count) return e;
     const dim3 cgrid((unsigned)a->n_heads, (unsigned)a->n_seqs);
     const int threads = a->head_dim < 32 ? 32 : a->head_dim;
-    return pd_cuda__launch(combine_kernel, cgrid, dim3((unsigned)threads), 0, stream, part,
-                           (bf16 *)a->out, a->cu_q, a->n_seqs, a->n_heads, a->head_dim,
-                           n_splits);
+    return pd_cuda__launch(combine_kernel, cgrid, dim3((unsigned)threads), 0, stream, ws.part,
+                           (bf16 *)a->out, a->cu_q, a->ctx_lens, a->n_seqs, a->n_heads,
+                           a->head_dim, n_splits, a->sliding_window, chunk);
 }
 
-template <int TPK>
-static cudaError_t launch_t(const pd_attn_args *a, float *part, int n_splits, int chunk,
-                            cudaStream_t stream)
+template <int TPK, int STAGES>
+static cudaError_t launch_ts(const pd_attn_args *a, const split_ws &ws, int n_splits, int chunk,
+                             cudaStream_t stream)
 {
     const int G = a->n_heads / a->n_kv_heads;
-    if (G <= 1) return launch_tg<TPK, 1>(a, part, n_splits, chunk, stream);
-    if (G <= 2) return launch_tg<TPK, 2>(a, part, n_splits, chunk, stream);
-    if (G <= 4) return launch_tg<TPK, 4>(a, part, n_splits, chunk, stream);
-    return launch_tg<TPK, 8>(a, part, n_splits, chunk, stream);
+    if (G <= 1) return launch_tg<TPK, 1, STAGES>(a, ws, n_splits, chunk, stream);
+    if (G <= 2) return launch_tg<TPK, 2, STAGES>(a, ws, n_splits, chunk, stream);
+    if (G <= 4) return launch_tg<TPK, 4, STAGES>(a, ws, n_splits, chunk, stream);
+    return launch_tg<TPK, 8, STAGES>(a, ws, n_splits, chunk, stream);
 }
 
-static cudaError_t launch_split(const pd_attn_args *a, float *part, int n_splits, int chunk,
-                                cudaStream_t stream)
+/* The pipelined kernel for head sizes 64 and 128 (stages 2 or 4; others round down; 6 slots
+ * measured slower than 4 on an H100, 2 as fast), the register kernel otherwise and with
+ * stages 0. */
+template <int TPK>
+static cudaError_t launch_t(const pd_attn_args *a, const split_ws &ws, int n_splits, int chunk,
+                            int stages, cudaStream_t stream)
+{
+    if constexpr (TPK == 8 || TPK == 16) {
+        if (stages >= 4) return launch_ts<TPK, 4>(a, ws, n_splits, chunk, stream);
+        if (stages >= 2) return launch_ts<TPK, 2>(a, ws, n_splits, chunk, stream);
+    }
+    return launch_ts<TPK, 0>(a, ws, n_splits, chunk, stream);
+}
+
+static cudaError_t launch_split(const pd_attn_args *a, const split_ws &ws, int n_splits, int chunk,
+                                int stages, cudaStream_t stream)
 {
     switch (a->head_dim) {
-    case 8: return launch_t<1>(a, part, n_splits, chunk, stream);
-    case 16: return launch_t<2>(a, part, n_splits, chunk, stream);
-    case 32: return launch_t<4>(a, part, n_splits, chunk, stream);
-    case 64: return launch_t<8>(a, part, n_splits, chunk, stream);
-    case 128: return launch_t<16>(a, part, n_splits, chunk, stream);
-    default: return launch_t<32>(a, part, n_splits, chunk, stream);
+    case 8: return launch_t<1>(a, ws, n_splits, chunk, 0, stream);
+    case 16: return launch_t<2>(a, ws, n_splits, chunk, 0, stream);
+    case 32: return launch_t<4>(a, ws, n_splits, chunk, 0, stream);
+    case 64: return launch_t<8>(a, ws, n_splits, chunk, stages, stream);
+    case 128: return launch_t<16>(a, ws, n_splits, chunk, stages, stream);
+    default: return launch_t<32>(a, ws, n_splits, chunk, 0, stream);
     }
 }
 
@@ -308,6 +573,12 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
         chunk = (int32_t)((n_keys + ns - 1) / ns);
         n_splits = (int)((n_keys + chunk - 1) / chunk);
     }
-    PD_CUDA_CHECK(launch_split(a, c->attn_part, n_splits, chunk, c->stream));
+    /* the last block of each (sequence, KV head) combines, within its counters and up to
+     * INLINE_SPLITS splits; else the combine kernel */
+    split_ws ws = {c->attn_part, NULL};
+    if (n_splits > 1 && n_splits <= INLINE_SPLITS && c->attn_count &&
+        (size_t)a->n_seqs * a->n_kv_heads <= c->attn_count_n)
+        ws.count = c->attn_count;
+    PD_CUDA_CHECK(launch_split(a, ws, n_splits, chunk, c->decode_stages, c->stream));
     return 0;
 }

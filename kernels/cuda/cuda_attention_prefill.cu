@@ -22,23 +22,6 @@
 
 /* ---- PTX wrappers (sm_80 and up) ---- */
 
-/* 16 bytes global -> shared, bypassing L1; with ok false nothing is read and zeros land. */
-static __device__ __forceinline__ void cp16(void *dst, const void *src, bool ok)
-{
-    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src),
-                 "r"(ok ? 16 : 0));
-}
-
-static __device__ __forceinline__ void cp_commit(void) { asm volatile("cp.async.commit_group;\n" ::); }
-
-/* Waits until at most N of this thread's newest copy groups are still in flight. */
-template <int N>
-static __device__ __forceinline__ void cp_wait(void)
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 /* 2^x on the special-function unit (2^-inf = 0); the softmax needs no more precision than
  * the bf16 P it feeds. */
 static __device__ __forceinline__ float fast_exp2(float x)
@@ -110,8 +93,8 @@ static __device__ __forceinline__ void load_kv(bf16 *sk, bf16 *sv, const bf16 *k
         if (ok)
             off = ((int64_t)table[p / block_size] * block_size + p % block_size) * kv_row +
                   head_col + c * 8;
-        cp16(sk + swz<HD>(r, c), k_cache + off, ok);
-        cp16(sv + swz<HD>(r, c), v_cache + off, ok);
+        pd_cp16(sk + swz<HD>(r, c), k_cache + off, ok);
+        pd_cp16(sv + swz<HD>(r, c), v_cache + off, ok);
     }
 }
 
@@ -167,15 +150,15 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
         if (ok)
             src = q + (size_t)(q0 + t0 + r / G) * q_row_stride +
                   (size_t)(kvh * G + r % G) * HD + c * 8;
-        cp16(sq + swz<HD>(r, c), src, ok);
+        pd_cp16(sq + swz<HD>(r, c), src, ok);
     }
     load_kv<HD, NT>(sk, sv, k_cache, v_cache, table, block_size, kv_row, head_col, kstart,
                     pos_hi);
-    cp_commit();
+    pd_cp_commit();
     if (n_tiles > 1)
         load_kv<HD, NT>(sk + KT * HD, sv + KT * HD, k_cache, v_cache, table, block_size, kv_row,
                         head_col, kstart + KT, pos_hi);
-    cp_commit(); /* one group per tile, empty or not: the wait below counts groups */
+    pd_cp_commit(); /* one group per tile, empty or not: the wait below counts groups */
 
     /* This thread's two rows in the mma layout: g and g + 8 of the warp's 16. Padding rows
      * take the last token's position (their Q is zero; they are never stored). */
@@ -196,7 +179,7 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
     for (int32_t j = 0; j < n_tiles; j++) {
         /* Tile j has landed (only tile j + 1 may still be in flight), and every warp is done
          * with tile j - 1, whose buffer the copy of tile j + 2 overwrites. */
-        cp_wait<1>();
+        pd_cp_wait<1>();
         __syncthreads();
         if (j == 0) {
 #pragma unroll
@@ -210,7 +193,7 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
             load_kv<HD, NT>(sk + nb * KT * HD, sv + nb * KT * HD, k_cache, v_cache, table,
                             block_size, kv_row, head_col, kb + 2 * KT, pos_hi);
         }
-        cp_commit();
+        pd_cp_commit();
         const int cb = j % STAGES;
         const bf16 *kt = sk + cb * KT * HD, *vt = sv + cb * KT * HD;
 

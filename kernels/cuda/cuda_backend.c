@@ -25,6 +25,7 @@ static const pd_backend_ops k_cuda_ops = {
     .attention_prefill = pd_cuda__attention,
     .attention_decode = pd_cuda__attention_decode,
     .swiglu = pd_cuda__swiglu,
+    .linear_fused = pd_cuda__linear_fused,
     .gather_rows = pd_cuda__gather_rows,
     .kv_blocks_to_host = pd_cuda__kv_blocks_to_host,
     .kv_blocks_from_host = pd_cuda__kv_blocks_from_host,

@@ -29,8 +29,13 @@ typedef struct {
     bool split_kv;         /* split-KV decode attention on (PDSERVE_CUDA_SPLIT_KV=0: off) */
     int decode_blocks_per_sm; /* the split count aims at this many blocks per SM
                                * (PDSERVE_CUDA_DECODE_BLOCKS_PER_SM) */
+    int decode_stages;     /* the decode kernel's cp.async ring (PDSERVE_CUDA_DECODE_STAGES:
+                            * 0 = the register kernel, else 2 or 4 slots) */
     float *attn_part;      /* split-KV decode workspace: partial outputs, maxima and sums */
     size_t attn_part_floats;
+    int32_t *attn_count;   /* zeroed counters of the decode kernel's inline combine, one per
+                            * (sequence, KV head) */
+    size_t attn_count_n;
     size_t free_at_create; /* the device's free memory once the context existed (mem_info) */
     void *cublas_ws;       /* cuBLAS's workspace, given explicitly so that captures need no
                             * allocation */
@@ -164,6 +169,28 @@ static __device__ __forceinline__ float pd_block_sum(float v)
     }
     __syncthreads();
     return total;
+}
+
+/* ---- cp.async (sm_80 and up): the K/V tiles of the attention kernels ---- */
+
+/* 16 bytes global -> shared, bypassing L1; with ok false nothing is read and zeros land. */
+static __device__ __forceinline__ void pd_cp16(void *dst, const void *src, bool ok)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src),
+                 "r"(ok ? 16 : 0));
+}
+
+static __device__ __forceinline__ void pd_cp_commit(void)
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+/* Waits until at most N of this thread's newest copy groups are still in flight. */
+template <int N>
+static __device__ __forceinline__ void pd_cp_wait(void)
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 #endif

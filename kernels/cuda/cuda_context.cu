@@ -10,6 +10,7 @@
 #define STAGING_BYTES ((size_t)16 << 20) /* pinned bytes for converting transfers, per chunk */
 #define CUBLAS_WS_BYTES ((size_t)32 << 20) /* cuBLAS workspace (its Hopper recommendation) */
 #define ATTN_PART_FLOATS ((size_t)4 << 20) /* split-KV decode workspace (16 MiB) */
+#define ATTN_COUNT_N ((size_t)1 << 16)     /* its inline combine's counters (256 KiB) */
 
 void pd_cuda__report(const char *call, const char *msg, const char *file, int line)
 {
@@ -49,6 +50,7 @@ extern "C" void pd_cuda__ctx_destroy(void *ctx)
     if (c->cublas) (void)cublasDestroy(c->cublas);
     if (c->staging) (void)cudaFreeHost(c->staging);
     if (c->attn_part) (void)cudaFree(c->attn_part);
+    if (c->attn_count) (void)cudaFree(c->attn_count);
     if (c->cublas_ws) (void)cudaFree(c->cublas_ws);
     if (c->stream) (void)cudaStreamDestroy(c->stream);
     free(c);
@@ -99,6 +101,11 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
     CTX_TRY(cudaMalloc((void **)&c->attn_part, ATTN_PART_FLOATS * sizeof(float)) == cudaSuccess,
             PD_ENOMEM);
     c->attn_part_floats = ATTN_PART_FLOATS;
+    CTX_TRY(cudaMalloc((void **)&c->attn_count, ATTN_COUNT_N * sizeof(int32_t)) == cudaSuccess,
+            PD_ENOMEM);
+    CTX_TRY(cudaMemset(c->attn_count, 0, ATTN_COUNT_N * sizeof(int32_t)) == cudaSuccess,
+            PD_EBACKEND);
+    c->attn_count_n = ATTN_COUNT_N;
     c->sm_count = prop.multiProcessorCount;
     {
         const char *e = getenv("PDSERVE_CUDA_SPLIT_KV");
@@ -106,6 +113,8 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
         /* The decode kernel's split target, for A/B runs (pdserve-bench-kernels). */
         e = getenv("PDSERVE_CUDA_DECODE_BLOCKS_PER_SM");
         c->decode_blocks_per_sm = e && atoi(e) >= 1 && atoi(e) <= 64 ? atoi(e) : 4;
+        e = getenv("PDSERVE_CUDA_DECODE_STAGES");
+        c->decode_stages = e && atoi(e) >= 0 && atoi(e) <= 4 ? atoi(e) : 4;
     }
     PD_LOGI("cuda backend: device %d, %s (sm_%d%d, %d SMs, %.1f GiB)", device, prop.name,
             prop.major, prop.minor, prop.multiProcessorCount,

@@ -28,7 +28,9 @@
  * to run (no atomics). */
 
 #define GEMV_ROWS 8          /* weight rows (output columns) per block: the n8 of the mma */
-#define GEMV_UNROLL 8        /* steps (32 k each) whose weight loads a lane issues at once */
+#define GEMV_UNROLL 8        /* steps (32 k each) whose weight loads a lane issues at once;
+                              * twice that where a warp has more steps and n <= 16 (k = 3072:
+                              * one round of latency, not two; more registers, so only then) */
 #define GEMV_STEPS_PER_WARP 8 /* at least this many steps per warp before k is split further */
 #define GEMV_MAX_WARPS 8     /* warps splitting k in a block */
 #define GEMV_MAX_N 32        /* rows of x the kernels take (two 16-row A tiles) */
@@ -63,28 +65,89 @@ static __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint
 #endif
 }
 
-/* NG = groups of 8 x rows the kernel holds: 1 (n <= 8), 2 (n <= 16) or 4 (n <= 32). Block:
- * blockDim.x / 32 warps over k, steps_per_warp steps of 32 k each; grid: one block per
- * GEMV_ROWS weight rows. x and w are 16-byte aligned and k % 8 == 0 (the host checks). */
-template <int NG>
+/* What a GEMV launch fuses (pd_linear_args): the input RMSNorm's weights (the kernel multiplies
+ * x by them on the way in and scales each row's sums by 1 / rms at the end: rms is a sum over
+ * k, which the block's lanes cover once between them), SwiGLU (a block takes 4 gate rows and
+ * the 4 up rows of the same columns), the residual add. */
+struct gemv_fuse {
+    const bf16 *norm_w; /* [k] or NULL */
+    float norm_eps;
+    bool swiglu;        /* w is [2m][k]: gate rows, then up rows */
+    bool accumulate;    /* out += */
+};
+
+/* 8 bf16 times 8 bf16, each product rounded to bf16 (x times the norm weight, as the composed
+ * path's normalised row is rounded, before the 1 / rms that moves to the end). */
+static __device__ __forceinline__ uint4 mul8(uint4 a, uint4 b)
+{
+    uint4 r;
+    const __nv_bfloat162 *pa = reinterpret_cast<const __nv_bfloat162 *>(&a);
+    const __nv_bfloat162 *pb = reinterpret_cast<const __nv_bfloat162 *>(&b);
+    __nv_bfloat162 *pr = reinterpret_cast<__nv_bfloat162 *>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 fa = __bfloat1622float2(pa[i]), fb = __bfloat1622float2(pb[i]);
+        pr[i] = __floats2bfloat162_rn(fa.x * fb.x, fa.y * fb.y);
+    }
+    return r;
+}
+
+static __device__ __forceinline__ float sumsq8(uint4 a)
+{
+    const __nv_bfloat162 *pa = reinterpret_cast<const __nv_bfloat162 *>(&a);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 f = __bfloat1622float2(pa[i]);
+        s = fmaf(f.x, f.x, fmaf(f.y, f.y, s));
+    }
+    return s;
+}
+
+/* NG = groups of 8 x rows the kernel holds: 1 (n <= 8), 2 (n <= 16) or 4 (n <= 32); NORM: the
+ * input norm is fused. Block: blockDim.x / 32 warps over k, steps_per_warp steps of 32 k each;
+ * grid: one block per GEMV_ROWS weight rows (with SwiGLU per 4 output columns). x and w are
+ * 16-byte aligned and k % 8 == 0 (the host checks). With PDL the block loads its first weights
+ * before it waits for the previous kernel (weights never depend on it). */
+template <int NG, bool NORM, int U>
 static __global__ void __launch_bounds__(GEMV_MAX_WARPS * 32, 2)
 gemv_kernel(const bf16 *__restrict__ x, const bf16 *__restrict__ w,
             const bf16 *__restrict__ bias, bf16 *__restrict__ out, int32_t n, int32_t k,
-            int32_t m, int32_t steps_per_warp)
+            int32_t m, int32_t steps_per_warp, gemv_fuse fz)
 {
     constexpr int NA = (NG + 1) / 2; /* 16-row A tiles */
-    pd_pdl_enter();
     /* [warp][tile][fragment slot][lane]: a warp's stores of one slot hit 32 banks */
     __shared__ float part[GEMV_MAX_WARPS][NA][4][32];
+    __shared__ float ssq[GEMV_MAX_WARPS][NG * 8];
+    __shared__ float res[NA * 16][GEMV_ROWS + 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int64_t j0 = (int64_t)blockIdx.x * GEMV_ROWS;
-    const bool w_ok = j0 + g < m;
+    /* weight row of lane group g: 8 consecutive rows, or gate / up rows of 4 columns */
+    const int64_t col0 = fz.swiglu ? (int64_t)blockIdx.x * 4 : (int64_t)blockIdx.x * GEMV_ROWS;
+    const int64_t wr = fz.swiglu ? (g & 4 ? m : 0) + col0 + (g & 3) : col0 + g;
+    const bool w_ok = (fz.swiglu ? col0 + (g & 3) : wr) < m;
     const int32_t kc = k >> 3;                   /* 16-byte chunks per row */
     const int32_t steps = (kc + 3) >> 2;
     const int32_t s_begin = warp * steps_per_warp;
     const int32_t s_end = min(s_begin + steps_per_warp, steps);
-    const uint4 *wrow = reinterpret_cast<const uint4 *>(w + (w_ok ? j0 + g : 0) * (int64_t)k);
+    const uint4 *wrow = reinterpret_cast<const uint4 *>(w + (w_ok ? wr : 0) * (int64_t)k);
+    const uint4 *nw = reinterpret_cast<const uint4 *>(fz.norm_w);
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+
+    uint4 wv[U];
+    auto load_w = [&](int32_t s0) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int32_t c = (s0 + u) * 4 + t;
+            wv[u] = (w_ok && s0 + u < s_end && c < kc) ? ld_stream(wrow + c) : zero;
+        }
+    };
+    load_w(s_begin);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    pd_pdl_wait();
+
     const uint4 *xrow[NG];
     bool x_ok[NG];
 #pragma unroll
@@ -93,26 +156,30 @@ gemv_kernel(const bf16 *__restrict__ x, const bf16 *__restrict__ w,
         x_ok[q] = r < n;
         xrow[q] = reinterpret_cast<const uint4 *>(x + (x_ok[q] ? r : 0) * (int64_t)k);
     }
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    float acc[NA][4];
+    float acc[NA][4], ss[NG];
 #pragma unroll
     for (int a = 0; a < NA; a++)
         for (int i = 0; i < 4; i++) acc[a][i] = 0.0f;
+#pragma unroll
+    for (int q = 0; q < NG; q++) ss[q] = 0.0f;
 
-    for (int32_t s0 = s_begin; s0 < s_end; s0 += GEMV_UNROLL) {
-        uint4 wv[GEMV_UNROLL];
+    for (int32_t s0 = s_begin; s0 < s_end; s0 += U) {
+        if (s0 != s_begin) load_w(s0);
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; u++) {
-            const int32_t c = (s0 + u) * 4 + t;
-            wv[u] = (w_ok && s0 + u < s_end && c < kc) ? ld_stream(wrow + c) : zero;
-        }
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             if (s0 + u >= s_end) break; /* uniform over the warp, as mma.sync needs */
             const int32_t c = (s0 + u) * 4 + t;
             uint4 xv[NG];
 #pragma unroll
             for (int q = 0; q < NG; q++) xv[q] = (x_ok[q] && c < kc) ? __ldg(xrow[q] + c) : zero;
+            if (NORM) {
+                const uint4 nv = c < kc ? __ldg(nw + c) : zero;
+#pragma unroll
+                for (int q = 0; q < NG; q++) {
+                    ss[q] += sumsq8(xv[q]);
+                    xv[q] = mul8(xv[q], nv);
+                }
+            }
 #pragma unroll
             for (int a = 0; a < NA; a++) {
                 const uint4 lo = xv[2 * a], hi = 2 * a + 1 < NG ? xv[2 * a + 1] : zero;
@@ -125,23 +192,57 @@ gemv_kernel(const bf16 *__restrict__ x, const bf16 *__restrict__ w,
 #pragma unroll
     for (int a = 0; a < NA; a++)
         for (int i = 0; i < 4; i++) part[warp][a][i][lane] = acc[a][i];
+    if (NORM) { /* lanes g share x row 8q + g over their chunks t: sum over t, then warps */
+#pragma unroll
+        for (int q = 0; q < NG; q++) {
+            float v = ss[q];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            if (t == 0) ssq[warp][8 * q + g] = v;
+        }
+    }
     __syncthreads();
-    /* Slot i of lane l of tile a is x row 16 a + l / 4 (+ 8 for i >= 2) and weight row
-     * j0 + 2 (l % 4) (+ 1 for odd i). */
+    /* Slot i of lane l of tile a is x row 16 a + l / 4 (+ 8 for i >= 2) and the block's
+     * weight row 2 (l % 4) (+ 1 for odd i); the warps' partial sums are added in warp order,
+     * then 1 / rms and the bias. */
     for (int e = threadIdx.x; e < NA * 4 * 32; e += blockDim.x) {
         const int a = e >> 7, i = (e >> 5) & 3, l = e & 31;
         const int32_t r = 16 * a + (l >> 2) + (i & 2 ? 8 : 0);
-        const int64_t j = j0 + 2 * (l & 3) + (i & 1);
-        if (r >= n || j >= m) continue;
+        const int jj = 2 * (l & 3) + (i & 1);
         float v = part[0][a][i][l];
         for (int q = 1; q < n_warps; q++) v += part[q][a][i][l];
-        if (bias) v += pd_ld(bias + j);
-        pd_st(out + (int64_t)r * m + j, v);
+        if (NORM && r < n) {
+            float sq = 0.0f;
+            for (int q = 0; q < n_warps; q++) sq += ssq[q][r];
+            v *= rsqrtf(sq / (float)k + fz.norm_eps);
+        }
+        const int64_t j = fz.swiglu ? (jj & 4 ? m : 0) + col0 + (jj & 3) : col0 + jj;
+        if (bias && (fz.swiglu ? col0 + (jj & 3) : j) < m) v += pd_ld(bias + j);
+        res[r][jj] = v;
+    }
+    __syncthreads();
+    const int n_cols = fz.swiglu ? 4 : GEMV_ROWS;
+    for (int e = threadIdx.x; e < NA * 16 * n_cols; e += blockDim.x) {
+        const int32_t r = e / n_cols;
+        const int c = e % n_cols;
+        const int64_t j = col0 + c;
+        if (r >= n || j >= m) continue;
+        float v = res[r][c];
+        if (fz.swiglu) {
+            /* the rounding the composed path has: gate and up products in bf16 first */
+            const float gt = __bfloat162float(__float2bfloat16_rn(v));
+            const float up = __bfloat162float(__float2bfloat16_rn(res[r][c + 4]));
+            v = gt / (1.0f + __expf(-gt)) * up;
+        }
+        bf16 *o = out + (int64_t)r * m + j;
+        if (fz.accumulate) v += pd_ld(o);
+        pd_st(o, v);
     }
 }
 
 static cudaError_t launch_gemv(const bf16 *x, const bf16 *w, const bf16 *bias, bf16 *out,
-                               int32_t n, int32_t k, int32_t m, cudaStream_t stream)
+                               int32_t n, int32_t k, int32_t m, const gemv_fuse &fz,
+                               cudaStream_t stream)
 {
     /* Warps over k: enough steps each to keep GEMV_UNROLL loads in flight, up to 8 warps
      * (small m gets its parallelism from k). From k alone: see the batch invariance above.
@@ -152,12 +253,27 @@ static cudaError_t launch_gemv(const bf16 *x, const bf16 *w, const bf16 *bias, b
     if (warps < 1) warps = 1;
     if (warps > GEMV_MAX_WARPS) warps = GEMV_MAX_WARPS;
     const int32_t per_warp = (steps + warps - 1) / warps;
-    const unsigned blocks = (unsigned)((m + GEMV_ROWS - 1) / GEMV_ROWS);
+    const int32_t cols = fz.swiglu ? 4 : GEMV_ROWS;
+    const unsigned blocks = (unsigned)((m + cols - 1) / cols);
     const unsigned threads = (unsigned)warps * 32;
-    void (*kernel)(const bf16 *, const bf16 *, const bf16 *, bf16 *, int32_t, int32_t, int32_t,
-                   int32_t) = n <= 8 ? gemv_kernel<1> : n <= 16 ? gemv_kernel<2> : gemv_kernel<4>;
+    typedef void (*kfn)(const bf16 *, const bf16 *, const bf16 *, bf16 *, int32_t, int32_t,
+                        int32_t, int32_t, gemv_fuse);
+    const bool wide = per_warp > GEMV_UNROLL && n <= 16;
+    kfn kernel;
+    if (fz.norm_w) {
+        if (wide) kernel = n <= 8 ? gemv_kernel<1, true, 2 * GEMV_UNROLL>
+                                  : gemv_kernel<2, true, 2 * GEMV_UNROLL>;
+        else kernel = n <= 8 ? gemv_kernel<1, true, GEMV_UNROLL>
+                    : n <= 16 ? gemv_kernel<2, true, GEMV_UNROLL> : gemv_kernel<4, true, GEMV_UNROLL>;
+    } else {
+        if (wide) kernel = n <= 8 ? gemv_kernel<1, false, 2 * GEMV_UNROLL>
+                                  : gemv_kernel<2, false, 2 * GEMV_UNROLL>;
+        else kernel = n <= 8 ? gemv_kernel<1, false, GEMV_UNROLL>
+                    : n <= 16 ? gemv_kernel<2, false, GEMV_UNROLL>
+                              : gemv_kernel<4, false, GEMV_UNROLL>;
+    }
     return pd_cuda__launch(kernel, dim3(blocks), dim3(threads), 0, stream, x, w, bias, out, n, k,
-                           m, per_warp);
+                           m, per_warp, fz);
 }
 
 /* The crossover, read once per process (a function-local static: initialised thread-safely). */
@@ -212,6 +328,18 @@ static cudaError_t launch_bias(bf16 *out, const bf16 *bias, int32_t n, int32_t m
     return cudaGetLastError();
 }
 
+/* out = x . w^T (+ out with beta 1) through cuBLAS, then the bias. */
+static int cublas_linear(pd_cuda_ctx *c, const void *x, const void *w, const void *bias,
+                         int32_t n, int32_t k, int32_t m, void *out, float beta)
+{
+    const float alpha = 1.0f;
+    PD_CUBLAS_CHECK(cublasGemmEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w,
+                                 CUDA_R_16BF, k, x, CUDA_R_16BF, k, &beta, out, CUDA_R_16BF, m,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    if (bias) PD_CUDA_CHECK(launch_bias((bf16 *)out, (const bf16 *)bias, n, m, c->stream));
+    return 0;
+}
+
 extern "C" int pd_cuda__linear(void *ctx, const void *x, const void *w, const void *bias,
                                int32_t n, int32_t k, int32_t m, void *out)
 {
@@ -219,14 +347,62 @@ extern "C" int pd_cuda__linear(void *ctx, const void *x, const void *w, const vo
     if (n == 0) return 0;
     if (n < 0 || k <= 0 || m <= 0 || !x || !w || !out) return PD_EINVAL;
     if (gemv_takes(c, x, w, n, k, m)) {
+        const gemv_fuse none = {NULL, 0.0f, false, false};
         PD_CUDA_CHECK(launch_gemv((const bf16 *)x, (const bf16 *)w, (const bf16 *)bias,
-                                  (bf16 *)out, n, k, m, c->stream));
+                                  (bf16 *)out, n, k, m, none, c->stream));
         return 0;
     }
-    const float alpha = 1.0f, beta = 0.0f;
-    PD_CUBLAS_CHECK(cublasGemmEx(c->cublas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w,
-                                 CUDA_R_16BF, k, x, CUDA_R_16BF, k, &beta, out, CUDA_R_16BF, m,
-                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-    if (bias) PD_CUDA_CHECK(launch_bias((bf16 *)out, (const bf16 *)bias, n, m, c->stream));
-    return 0;
+    return cublas_linear(c, x, w, bias, n, k, m, out, 0.0f);
+}
+
+/* Whether one GEMV launch takes a whole fused product: what gemv_takes takes, and, where a
+ * norm or SwiGLU would otherwise cost launches of their own, larger products at n <= 8 (for
+ * these cuBLAS is about as fast as the kernel at n = 1, docs/perf.md, and the fused kernel
+ * saves one or two launches). */
+#define GEMV_FUSED_MAX_N 8
+#define GEMV_FUSED_MAX_BYTES ((size_t)32 << 20)
+static bool gemv_fused_takes(const pd_cuda_ctx *c, const pd_linear_args *a, int32_t mw)
+{
+    if (((uintptr_t)a->norm_w & 15) != 0) return false;
+    if (gemv_takes(c, a->x, a->w, a->n, a->k, mw)) return true;
+    return (a->norm_w || a->swiglu) && a->n <= GEMV_FUSED_MAX_N &&
+           (size_t)mw * (size_t)a->k * sizeof(bf16) <= GEMV_FUSED_MAX_BYTES &&
+           gemv_takes(c, a->x, a->w, a->n, a->k, 1);
+}
+
+extern "C" int pd_cuda__linear_fused(void *ctx, const pd_linear_args *a)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    if (!a || a->n < 0 || a->k <= 0 || a->m <= 0 || !a->x || !a->w || !a->out ||
+        (a->norm_w && !a->tmp_x) || (a->swiglu && (!a->tmp_out || a->accumulate)) ||
+        (a->swiglu && a->m > INT32_MAX / 2))
+        return PD_EINVAL;
+    if (a->n == 0) return 0;
+    const int32_t n = a->n, k = a->k, m = a->m, mw = a->swiglu ? 2 * m : m;
+    if (gemv_fused_takes(c, a, mw)) {
+        const gemv_fuse fz = {(const bf16 *)a->norm_w, a->norm_eps, a->swiglu, a->accumulate};
+        PD_CUDA_CHECK(launch_gemv((const bf16 *)a->x, (const bf16 *)a->w, (const bf16 *)a->bias,
+                                  (bf16 *)a->out, n, k, m, fz, c->stream));
+        return 0;
+    }
+    /* composed: norm, product, SwiGLU as separate launches */
+    const void *x = a->x;
+    int rc;
+    if (a->norm_w) {
+        rc = pd_cuda__rmsnorm(ctx, x, NULL, a->norm_w, n, k, a->norm_eps, a->tmp_x);
+        if (rc < 0) return rc;
+        x = a->tmp_x;
+    }
+    if (a->swiglu) {
+        rc = pd_cuda__linear(ctx, x, a->w, a->bias, n, k, mw, a->tmp_out);
+        return rc < 0 ? rc : pd_cuda__swiglu(ctx, a->tmp_out, n, m, a->out);
+    }
+    if (!a->accumulate) return pd_cuda__linear(ctx, x, a->w, a->bias, n, k, m, a->out);
+    if (gemv_takes(c, x, a->w, n, k, m)) {
+        const gemv_fuse acc = {NULL, 0.0f, false, true};
+        PD_CUDA_CHECK(launch_gemv((const bf16 *)x, (const bf16 *)a->w, (const bf16 *)a->bias,
+                                  (bf16 *)a->out, n, k, m, acc, c->stream));
+        return 0;
+    }
+    return cublas_linear(c, x, a->w, a->bias, n, k, m, a->out, 1.0f);
 }

@@ -48,6 +48,7 @@ int pd_cuda__attention_prefill(void *ctx, const pd_attn_args *a);
 /* cuda_attention_decode.cu: decode batches, split-KV (falls back to pd_cuda__attention). */
 int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a);
 /* cuda_swiglu.cu */
+int pd_cuda__linear_fused(void *ctx, const pd_linear_args *a);
 int pd_cuda__swiglu(void *ctx, const void *gate_up, int32_t n, int32_t f, void *out);
 /* cuda_gather_rows.cu */
 int pd_cuda__gather_rows(void *ctx, const void *x, const int32_t *idx, int32_t n_idx,
