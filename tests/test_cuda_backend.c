@@ -823,7 +823,7 @@ static void test_attention(void)
  * 128 and GQA 1 to 8; splits combined in the kernel (up to 128) and by the second kernel. */
 static void test_decode_kernels(void)
 {
-    static const char *const stages[] = {"0", "2"}; /* 4: the default, test_attention */
+    static const char *const stages[] = {"0", "4"}; /* 2: the default, test_attention */
     const attn_shape shapes[4] = {
         {16, 8, 128, 16, 0}, {8, 8, 64, 16, 0}, {32, 4, 128, 24, 0}, {16, 2, 64, 16, 200},
     };

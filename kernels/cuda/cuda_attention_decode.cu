@@ -2,21 +2,30 @@
  * (every sequence has one query row). Grid (split, kv head, sequence): each block takes all
  * the query heads of one GQA group over one chunk of the sequence's context, so each K/V row
  * is read once per group, not once per query head. In a block, TPK = head_dim / 8 lanes share
- * a key (one 16-byte load of K and one of V each, 8 bf16 kept packed until used), so a warp
- * works on 32 / TPK keys at a time, two such rounds unrolled, the block-table entries of the
- * next round loaded a round ahead; every lane group keeps its own online softmax in fp32
- * (base 2, the scale folded into q) and the groups are merged through shared memory at the
- * end. With one split the block writes the output; with several it writes its unnormalised
- * partial output, max and sum to the context's workspace, and a second kernel combines the
- * splits. The split count aims at about 4 blocks per SM (PDSERVE_CUDA_DECODE_BLOCKS_PER_SM)
- * with chunks of at least MIN_CHUNK keys, within the workspace; with the longest context
- * unknown (a graph) it comes from the batch alone and each sequence cuts its own context.
- * Latency-bound: the decode kernel is measured by pdserve-bench-kernels --attention (packed
- * K/V and the early table loads took batch 256 x 1k from 61% to 67% of the copy rate on an
- * H200; 4 rounds unrolled was slower: fewer blocks fit). What this kernel does not cover
- * (head_dim not in {8, 16, 32, 64, 128, 256}, more than 8 query heads per KV head,
- * prefill-shaped batches, a batch too large for the workspace, unaligned caches,
- * PDSERVE_CUDA_SPLIT_KV=0) goes to the general kernel (cuda_attention.cu). */
+ * a key (16 bytes of K and of V each, 8 bf16 kept packed until used), so a warp works on
+ * 32 / TPK keys at a time; every lane group keeps its own online softmax in fp32 (base 2, the
+ * scale folded into q) and the groups are merged through shared memory at the end.
+ *
+ * Two kernels walk the keys. The pipelined one (head sizes 64 and 128, the default) streams
+ * each lane's K/V through a ring of STAGES tiles in shared memory with cp.async, so STAGES - 1
+ * tiles stay in flight while one is computed; the register kernel (every head size, and
+ * PDSERVE_CUDA_DECODE_STAGES=0) loads K/V straight into registers, two rounds unrolled, the
+ * block-table entries a round ahead. Batch 256 x 1k on an H200: 67% of the copy rate with the
+ * register kernel, 74 - 75% pipelined; on an H100 85% and 93% (docs/perf.md).
+ *
+ * A sequence whose keys fit one chunk is written by split 0 directly; otherwise each split
+ * with keys writes its unnormalised partial output, max and sum to the workspace and the last
+ * one to finish (a counter per (sequence, KV head)) combines them; splits past a sequence's
+ * keys return at once. The split count aims at PDSERVE_CUDA_DECODE_BLOCKS_PER_SM (16) blocks
+ * per SM, chunks of at least MIN_CHUNK keys, at most INLINE_SPLITS, within the workspace;
+ * with the longest context unknown (a graph) it comes from the batch alone and each sequence
+ * cuts its own context. Many small blocks keep the last wave short on the varied contexts
+ * of a serving batch (the 256-request workload: 47.0% of its floor at 4 blocks per SM, 49.3%
+ * at 16). What these kernels do not cover (head_dim not in {8, 16, 32, 64, 128, 256}, more
+ * than 8 query heads per KV head, prefill-shaped batches, a batch too large for the
+ * workspace, unaligned caches, PDSERVE_CUDA_SPLIT_KV=0) goes to the general kernel
+ * (cuda_attention.cu); without the counters (more sequences x KV heads than they cover) a
+ * second kernel combines the splits. */
 
 #include <math.h>
 
@@ -122,6 +131,7 @@ begin_chunk(const bf16 *__restrict__ q, int64_t q_row_stride, const int32_t *__r
     ci.k_begin = start + split * chunk;
     ci.k_end = min(ci.k_begin + chunk, ctx);
     ci.table = block_tables + (size_t)s * max_blocks_per_seq;
+    if (split >= ci.n_used) return ci; /* the caller leaves: no q needed */
 #pragma unroll
     for (int g = 0; g < MAXG; g++) {
         const bf16 *qp = q + (size_t)ci.row * q_row_stride + (size_t)(kvh * G + g) * HD + sub * 8;
@@ -259,10 +269,10 @@ finish_chunk(float *sm, const float (&acc)[MAXG][8], const float (&m)[MAXG],
 #define PD_SPLIT_PARAMS                                                                        \
     const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__restrict__ k_cache,        \
         const bf16 *__restrict__ v_cache, bf16 *__restrict__ out, float *__restrict__ part,    \
-        int32_t *__restrict__ count, const int32_t *__restrict__ cu_q, const int32_t *__restrict__ ctx_lens,                \
-        const int32_t *__restrict__ block_tables, int32_t n_seqs, int32_t max_blocks_per_seq,  \
-        int32_t n_heads, int32_t n_kv_heads, int32_t G, int32_t block_size,                    \
-        int32_t sliding_window, int32_t chunk, float scale_log2
+        int32_t *__restrict__ count, const int32_t *__restrict__ cu_q,                         \
+        const int32_t *__restrict__ ctx_lens, const int32_t *__restrict__ block_tables,        \
+        int32_t n_seqs, int32_t max_blocks_per_seq, int32_t n_heads, int32_t n_kv_heads,       \
+        int32_t G, int32_t block_size, int32_t sliding_window, int32_t chunk, float scale_log2
 
 /* Register kernel: K/V loaded straight into registers, TPK lanes per key (head_dim = 8 TPK),
  * MAXG >= G query heads per KV head. */
@@ -279,7 +289,7 @@ static __global__ void __launch_bounds__(NW * 32) split_kernel(PD_SPLIT_PARAMS)
     const chunk_info ci =
         begin_chunk<TPK, MAXG>(q, q_row_stride, cu_q, ctx_lens, block_tables, max_blocks_per_seq,
                                G, sliding_window, chunk, scale_log2, qf, acc, m, l);
-    if ((int32_t)blockIdx.x >= ci.n_used) return; /* no keys, no partials: left out */
+    if ((int32_t)blockIdx.x >= ci.n_used) return; /* no keys, no partials: nothing to do */
     const int32_t k_begin = ci.k_begin, k_end = ci.k_end;
     const int32_t *table = ci.table;
     const int64_t kv_row = (int64_t)n_kv_heads * HD;
@@ -352,7 +362,7 @@ split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of sha
     const chunk_info ci =
         begin_chunk<TPK, MAXG>(q, q_row_stride, cu_q, ctx_lens, block_tables, max_blocks_per_seq,
                                G, sliding_window, chunk, scale_log2, qf, acc, m, l);
-    if ((int32_t)blockIdx.x >= ci.n_used) return; /* no keys, no partials: left out */
+    if ((int32_t)blockIdx.x >= ci.n_used) return; /* no keys, no partials: nothing to do */
     const int32_t k_end = ci.k_end;
     const int32_t *table = ci.table;
     const int64_t kv_row = (int64_t)n_kv_heads * HD;
@@ -467,7 +477,7 @@ static cudaError_t launch_tg(const pd_attn_args *a, const split_ws &ws, int n_sp
     const float log2e = 1.4426950408889634f;
 #define PD_SPLIT_ARGS                                                                          \
     (const bf16 *)a->q, a->q_row_stride, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache,   \
-        (bf16 *)a->out, ws.part, ws.count, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs,                \
+        (bf16 *)a->out, ws.part, ws.count, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs,   \
         a->max_blocks_per_seq, a->n_heads, a->n_kv_heads, a->n_heads / a->n_kv_heads,          \
         a->block_size, a->sliding_window, chunk, a->scale * log2e
     cudaError_t e;
@@ -500,9 +510,9 @@ static cudaError_t launch_ts(const pd_attn_args *a, const split_ws &ws, int n_sp
     return launch_tg<TPK, 8, STAGES>(a, ws, n_splits, chunk, stream);
 }
 
-/* The pipelined kernel for head sizes 64 and 128 (stages 2 or 4; others round down; 6 slots
- * measured slower than 4 on an H100, 2 as fast), the register kernel otherwise and with
- * stages 0. */
+/* The pipelined kernel for head sizes 64 and 128 (stages 2 or 4; others round down: 2, the
+ * default, measured best on an H200, 4 as good on an H100, 6 slower), the register kernel
+ * otherwise and with stages 0. */
 template <int TPK>
 static cudaError_t launch_t(const pd_attn_args *a, const split_ws &ws, int n_splits, int chunk,
                             int stages, cudaStream_t stream)
@@ -547,17 +557,19 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
         return pd_cuda__attention(ctx, a);
     }
 
-    /* Splits: about two blocks per SM, chunks of at least MIN_CHUNK keys, within the
-     * workspace (partial outputs, max and sum of each split of each head). With the longest
-     * context unknown (max_ctx_len 0: a graph replayed over other contexts) the split count
-     * comes from the batch alone and each sequence cuts its own context into that many
-     * chunks (chunk 0 tells the kernel so); splits past a short context stay empty. */
+    /* Splits: about decode_blocks_per_sm blocks per SM, chunks of at least MIN_CHUNK keys,
+     * within the workspace (partial outputs, max and sum of each split of each head). With
+     * the longest context unknown (max_ctx_len 0: a graph replayed over other contexts) the
+     * split count comes from the batch alone and each sequence cuts its own context into
+     * that many chunks (chunk 0 tells the kernel so); splits past a short context return. */
     int32_t n_keys = a->max_ctx_len;
     if (a->sliding_window > 0 && (n_keys == 0 || a->sliding_window < n_keys))
         n_keys = a->sliding_window;
     const int64_t base_blocks = (int64_t)a->n_seqs * a->n_kv_heads;
     const int64_t target = (int64_t)c->decode_blocks_per_sm * c->sm_count;
-    int64_t ns = (target + base_blocks - 1) / base_blocks;
+    /* rounded to nearest: a batch that about fills the target alone is not doubled (batch 256
+     * x 8 KV heads: 1 split, where rounding up gave 2 and 8% less decode throughput) */
+    int64_t ns = (target + base_blocks / 2) / base_blocks;
     if (n_keys > 0) {
         const int64_t by_len = (n_keys + MIN_CHUNK - 1) / MIN_CHUNK;
         if (ns > by_len) ns = by_len;
@@ -565,7 +577,8 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
     const int64_t per_split = (int64_t)a->n_seqs * a->n_heads * (hd + 2);
     const int64_t by_ws = (int64_t)(c->attn_part_floats / (size_t)per_split);
     if (ns > by_ws) ns = by_ws;
-    if (ns > 65535) ns = 65535;
+    if (ns > INLINE_SPLITS) ns = INLINE_SPLITS; /* combined in the kernel, and a graph's grid
+                                                 * of mostly idle splits stays small */
     if (ns < 1) ns = 1; /* one split writes the output directly: no workspace */
     int32_t chunk = 0;
     int n_splits = (int)ns;

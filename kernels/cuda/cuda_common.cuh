@@ -30,7 +30,7 @@ typedef struct {
     int decode_blocks_per_sm; /* the split count aims at this many blocks per SM
                                * (PDSERVE_CUDA_DECODE_BLOCKS_PER_SM) */
     int decode_stages;     /* the decode kernel's cp.async ring (PDSERVE_CUDA_DECODE_STAGES:
-                            * 0 = the register kernel, else 2 or 4 slots) */
+                            * 0 = the register kernel, else 2 (default) or 4 slots) */
     float *attn_part;      /* split-KV decode workspace: partial outputs, maxima and sums */
     size_t attn_part_floats;
     int32_t *attn_count;   /* zeroed counters of the decode kernel's inline combine, one per

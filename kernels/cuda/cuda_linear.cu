@@ -264,7 +264,8 @@ static cudaError_t launch_gemv(const bf16 *x, const bf16 *w, const bf16 *bias, b
         if (wide) kernel = n <= 8 ? gemv_kernel<1, true, 2 * GEMV_UNROLL>
                                   : gemv_kernel<2, true, 2 * GEMV_UNROLL>;
         else kernel = n <= 8 ? gemv_kernel<1, true, GEMV_UNROLL>
-                    : n <= 16 ? gemv_kernel<2, true, GEMV_UNROLL> : gemv_kernel<4, true, GEMV_UNROLL>;
+                    : n <= 16 ? gemv_kernel<2, true, GEMV_UNROLL>
+                              : gemv_kernel<4, true, GEMV_UNROLL>;
     } else {
         if (wide) kernel = n <= 8 ? gemv_kernel<1, false, 2 * GEMV_UNROLL>
                                   : gemv_kernel<2, false, 2 * GEMV_UNROLL>;
