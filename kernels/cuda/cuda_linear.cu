@@ -1,6 +1,8 @@
 /* cuda_linear.cu -- linear: out[n][m] = x[n][k] . w[m][k]^T (+ bias[m]), bf16 operands, fp32
- * accumulation, bf16 result. Small n on a small m (decode's o_proj and down of small models)
- * goes to a weight-streaming kernel below, everything else to cuBLAS (see gemv_takes for why).
+ * accumulation, bf16 result; and linear_fused, the same with the input RMSNorm, SwiGLU or the
+ * residual add around it (kernels/backend.h). Small n goes to a weight-streaming kernel below
+ * that also does the fusions in its one launch (see gemv_takes / gemv_fused_takes for which
+ * products), everything else to cuBLAS, with the fusions as launches of their own.
  * PDSERVE_CUDA_GEMV_MAX_N=N moves the crossover in n (0 = always cuBLAS, for A/B runs; at most
  * GEMV_MAX_N). */
 #include <stdlib.h>
