@@ -320,8 +320,9 @@ static void test_embedding_gather(void)
 
 static void test_swiglu(void)
 {
-    const int32_t shapes[2][2] = {{5, 172}, {33, 3072}};
-    for (int s = 0; s < 2; s++) {
+    /* 8 a thread (f % 8 == 0) and one at a time (172, 36) */
+    const int32_t shapes[4][2] = {{5, 172}, {33, 3072}, {1024, 3072}, {7, 36}};
+    for (int s = 0; s < 4; s++) {
         const int32_t n = shapes[s][0], f = shapes[s][1];
         float *gu = hrand((size_t)n * 2 * f, 4.0);
         pair in = pair_new(gu, (size_t)n * 2 * f), out = pair_poisoned((size_t)n * f);

@@ -13,10 +13,42 @@ static __global__ void swiglu_kernel(const bf16 *gate_up, size_t total, int32_t 
     }
 }
 
+/* 8 outputs a thread with 16-byte loads and stores and 32-bit indices (f % 8 == 0, aligned
+ * buffers, fewer than 2^32 groups of 8): a prefill's SwiGLU is bound by its bytes, which the
+ * element-wise kernel's 2-byte accesses and 64-bit divisions did not reach (H200, 1024 x 3072:
+ * 16.6 us for 18 MB). */
+static __global__ void swiglu8_kernel(const uint4 *__restrict__ gate_up, uint32_t groups,
+                                      uint32_t f8, uint4 *__restrict__ out)
+{
+    pd_pdl_enter();
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < groups;
+         i += gridDim.x * blockDim.x) {
+        const uint32_t r = i / f8, j = i - r * f8;
+        const uint4 *row = gate_up + (size_t)r * 2 * f8;
+        const uint4 gv = row[j], uv = row[f8 + j];
+        const __nv_bfloat162 *g2 = reinterpret_cast<const __nv_bfloat162 *>(&gv);
+        const __nv_bfloat162 *u2 = reinterpret_cast<const __nv_bfloat162 *>(&uv);
+        uint4 ov;
+        __nv_bfloat162 *o2 = reinterpret_cast<__nv_bfloat162 *>(&ov);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float2 x = __bfloat1622float2(g2[e]), u = __bfloat1622float2(u2[e]);
+            o2[e] = __floats2bfloat162_rn(x.x / (1.0f + expf(-x.x)) * u.x,
+                                          x.y / (1.0f + expf(-x.y)) * u.y);
+        }
+        out[i] = ov;
+    }
+}
+
 static cudaError_t launch_swiglu(const bf16 *gate_up, int32_t n, int32_t f, bf16 *out,
                                  cudaStream_t stream)
 {
     const size_t total = (size_t)n * f;
+    const bool aligned = (((uintptr_t)gate_up | (uintptr_t)out) & 15) == 0;
+    if (f % 8 == 0 && total / 8 < UINT32_MAX && aligned)
+        return pd_cuda__launch(swiglu8_kernel, dim3(pd_cuda__blocks(total / 8, 256)), dim3(256),
+                               0, stream, (const uint4 *)gate_up, (uint32_t)(total / 8),
+                               (uint32_t)(f / 8), (uint4 *)out);
     return pd_cuda__launch(swiglu_kernel, dim3(pd_cuda__blocks(total, 256)), dim3(256), 0, stream,
                            gate_up, total, f, out);
 }
