@@ -821,7 +821,7 @@ static void test_attention(void)
 /* Both decode kernels (cuda_attention_decode.cu: the cp.async ring of 2 or 4 slots and the
  * register kernel, PDSERVE_CUDA_DECODE_STAGES) on a backend of their own, with known and
  * unknown longest contexts, padding rows, contexts around the ring's tiles, head sizes 64 and
- * 128 and GQA 1 to 8; splits combined in the kernel (up to 128) and by the second kernel. */
+ * 128 and GQA 1 to 8; up to 128 splits combined by their last block. */
 static void test_decode_kernels(void)
 {
     static const char *const stages[] = {"0", "4"}; /* 2: the default, test_attention */
@@ -847,7 +847,7 @@ static void test_decode_kernels(void)
             run_attention("decode graph", &shapes[s], 7, dq, dc, 2);
             run_attention("decode graph padded", &shapes[s], 7, dq, pad, 2);
         }
-        /* one KV head, one long context: over 128 splits, combined by the second kernel */
+        /* one KV head, one long context: the most splits (128) */
         const attn_shape mqa = {8, 1, 128, 16, 0};
         const int32_t one[1] = {1}, ctx8k[1] = {8192};
         run_attention("decode many splits", &mqa, 1, one, ctx8k, 1);

@@ -145,20 +145,24 @@ static int cpu_head_rmsnorm(void *ctx, void *x, int32_t n, int64_t row_stride, i
     return 0;
 }
 
+/* out = x . w^T + beta out (+ bias): [n][k] x [m][k] -> [n][m]. */
+static void product(const float *x, const float *w, const float *bias, int32_t n, int32_t k,
+                    int32_t m, float beta, float *o)
+{
+    if (n == 1)
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, m, k, 1.0f, w, k, x, 1, beta, o, 1);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, k, 1.0f, x, k, w, k, beta, o, m);
+    if (bias)
+        for (int32_t i = 0; i < n; i++)
+            for (int32_t j = 0; j < m; j++) o[(size_t)i * m + j] += bias[j];
+}
+
 static int cpu_linear(void *ctx, const void *x, const void *w, const void *bias, int32_t n,
                       int32_t k, int32_t m, void *out)
 {
     (void)ctx;
-    float *o = out;
-    if (n == 1)
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, m, k, 1.0f, w, k, x, 1, 0.0f, o, 1);
-    else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, k, 1.0f, x, k, w, k, 0.0f, o, m);
-    if (bias) {
-        const float *b = bias;
-        for (int32_t i = 0; i < n; i++)
-            for (int32_t j = 0; j < m; j++) o[(size_t)i * m + j] += b[j];
-    }
+    product(x, w, bias, n, k, m, 0.0f, out);
     return 0;
 }
 
@@ -178,18 +182,8 @@ static int cpu_linear_fused(void *ctx, const pd_linear_args *a)
         (void)cpu_rmsnorm(ctx, x, NULL, a->norm_w, n, k, a->norm_eps, a->tmp_x);
         x = a->tmp_x;
     }
-    float *o = a->swiglu ? a->tmp_out : a->out;
-    const float beta = a->accumulate ? 1.0f : 0.0f;
-    if (n == 1)
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, mw, k, 1.0f, a->w, k, x, 1, beta, o, 1);
-    else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, mw, k, 1.0f, x, k, a->w, k, beta,
-                    o, mw);
-    if (a->bias) {
-        const float *b = a->bias;
-        for (int32_t i = 0; i < n; i++)
-            for (int32_t j = 0; j < mw; j++) o[(size_t)i * mw + j] += b[j];
-    }
+    product(x, a->w, a->bias, n, k, mw, a->accumulate ? 1.0f : 0.0f,
+            a->swiglu ? a->tmp_out : a->out);
     if (a->swiglu) (void)cpu_swiglu(ctx, a->tmp_out, n, a->m, a->out);
     return 0;
 }

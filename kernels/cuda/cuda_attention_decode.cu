@@ -24,8 +24,7 @@
  * at 16). What these kernels do not cover (head_dim not in {8, 16, 32, 64, 128, 256}, more
  * than 8 query heads per KV head, prefill-shaped batches, a batch too large for the
  * workspace, unaligned caches, PDSERVE_CUDA_SPLIT_KV=0) goes to the general kernel
- * (cuda_attention.cu); without the counters (more sequences x KV heads than they cover) a
- * second kernel combines the splits. */
+ * (cuda_attention.cu). */
 
 #include <math.h>
 
@@ -37,7 +36,7 @@
                          * has in flight at once (fewer, longer splits for short contexts:
                          * the partial outputs and their combine cost more than they save) */
 #define MAX_G 8         /* query heads per KV head handled here */
-#define INLINE_SPLITS 128 /* most splits the last block combines (more: a second kernel) */
+#define INLINE_SPLITS 128 /* most splits (the last block combines them in shared memory) */
 
 struct __align__(16) bf16x8 { __nv_bfloat162 h[4]; };
 
@@ -262,7 +261,7 @@ finish_chunk(float *sm, const float (&acc)[MAXG][8], const float (&m)[MAXG],
             }
         }
     }
-    if (n_used > 1 && count)
+    if (n_used > 1)
         combine_inline(sm, out, part, count, row, n_used, n_seqs, n_heads, G, HD);
 }
 
@@ -282,9 +281,7 @@ static __global__ void __launch_bounds__(NW * 32) split_kernel(PD_SPLIT_PARAMS)
     constexpr int HD = TPK * 8, KPW = 32 / TPK, GROUPS = NW * KPW;
     __shared__ float sm[GROUPS * MAXG * (HD + 2)];
     pd_pdl_wait(); /* large decode batches take several waves: no early successor */
-    const int kvh = blockIdx.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int grp = lane / TPK, sub = lane % TPK;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = lane / TPK;
     float qf[MAXG][8], acc[MAXG][8], m[MAXG], l[MAXG];
     const chunk_info ci =
         begin_chunk<TPK, MAXG>(q, q_row_stride, cu_q, ctx_lens, block_tables, max_blocks_per_seq,
@@ -293,7 +290,7 @@ static __global__ void __launch_bounds__(NW * 32) split_kernel(PD_SPLIT_PARAMS)
     const int32_t k_begin = ci.k_begin, k_end = ci.k_end;
     const int32_t *table = ci.table;
     const int64_t kv_row = (int64_t)n_kv_heads * HD;
-    const int64_t col = (int64_t)kvh * HD + sub * 8;
+    const int64_t col = (int64_t)blockIdx.y * HD + (lane % TPK) * 8;
 
     /* The block-table entries of the next round's keys are loaded a round ahead, so that a
      * round's K/V loads don't wait for a dependent table load first. */
@@ -355,9 +352,7 @@ split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of sha
     constexpr int SLOT = NW * 32; /* uint4s between a lane's consecutive ring entries */
     extern __shared__ uint4 dyn[];
     pd_pdl_wait();
-    const int kvh = blockIdx.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int grp = lane / TPK, sub = lane % TPK;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = lane / TPK;
     float qf[MAXG][8], acc[MAXG][8], m[MAXG], l[MAXG];
     const chunk_info ci =
         begin_chunk<TPK, MAXG>(q, q_row_stride, cu_q, ctx_lens, block_tables, max_blocks_per_seq,
@@ -366,7 +361,7 @@ split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of sha
     const int32_t k_end = ci.k_end;
     const int32_t *table = ci.table;
     const int64_t kv_row = (int64_t)n_kv_heads * HD;
-    const int64_t col = (int64_t)kvh * HD + sub * 8;
+    const int64_t col = (int64_t)blockIdx.y * HD + (lane % TPK) * 8;
     const int32_t n_tiles = k_end > ci.k_begin ? (k_end - ci.k_begin + TILE - 1) / TILE : 0;
     const int32_t k0 = ci.k_begin + warp * KS + grp; /* this lane's key in round 0 of tile 0 */
     uint4 *ring = dyn + threadIdx.x;
@@ -430,54 +425,16 @@ split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of sha
                             ci.n_used, n_seqs, n_heads, G);
 }
 
-/* Combines the splits of each (sequence, head): grid (head, sequence), a thread per element.
- * A sequence whose keys fit one split has its output already. */
-static __global__ void combine_kernel(const float *__restrict__ part, bf16 *__restrict__ out,
-                                      const int32_t *__restrict__ cu_q,
-                                      const int32_t *__restrict__ ctx_lens, int32_t n_seqs,
-                                      int32_t n_heads, int32_t head_dim, int32_t n_splits,
-                                      int32_t sliding_window, int32_t chunk)
-{
-    pd_pdl_enter();
-    const int h = blockIdx.x, s = blockIdx.y;
-    int32_t start, n_used;
-    (void)seq_chunk(ctx_lens[s], sliding_window, chunk, n_splits, &start, &n_used);
-    if (n_used == 1) return;
-    const size_t item0 = ((size_t)s * n_heads + h) * n_splits;
-    const float *ml = part + (size_t)n_seqs * n_heads * n_splits * head_dim + 2 * item0;
-    float gm = -INFINITY;
-    for (int j = 0; j < n_used; j++) gm = fmaxf(gm, ml[2 * j]);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float total = 0.0f, o = 0.0f;
-        for (int j = 0; j < n_used; j++) {
-            const float mj = ml[2 * j];
-            if (mj == -INFINITY) continue; /* an empty split (a shorter sequence) */
-            const float f = exp2f(mj - gm);
-            total += ml[2 * j + 1] * f;
-            o += part[(item0 + j) * head_dim + d] * f;
-        }
-        pd_st(out + (size_t)cu_q[s] * ((size_t)n_heads * head_dim) + (size_t)h * head_dim + d,
-              total > 0.0f ? o / total : 0.0f);
-    }
-}
-
-/* The split kernels' workspace: partial outputs, maxima and sums; the counters of the inline
- * combine, or NULL for the combine kernel. */
-struct split_ws {
-    float *part;
-    int32_t *count;
-};
-
 template <int TPK, int MAXG, int STAGES>
-static cudaError_t launch_tg(const pd_attn_args *a, const split_ws &ws, int n_splits, int chunk,
-                             cudaStream_t stream)
+static cudaError_t launch_tg(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
+                             int chunk, cudaStream_t stream)
 {
     constexpr int HD = TPK * 8, GROUPS = NW * (32 / TPK);
     const dim3 grid((unsigned)n_splits, (unsigned)a->n_kv_heads, (unsigned)a->n_seqs);
     const float log2e = 1.4426950408889634f;
 #define PD_SPLIT_ARGS                                                                          \
     (const bf16 *)a->q, a->q_row_stride, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache,   \
-        (bf16 *)a->out, ws.part, ws.count, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs,   \
+        (bf16 *)a->out, part, count, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs,   \
         a->max_blocks_per_seq, a->n_heads, a->n_kv_heads, a->n_heads / a->n_kv_heads,          \
         a->block_size, a->sliding_window, chunk, a->scale * log2e
     cudaError_t e;
@@ -491,49 +448,44 @@ static cudaError_t launch_tg(const pd_attn_args *a, const split_ws &ws, int n_sp
                             dim3(NW * 32), ring > merge ? ring : merge, stream, PD_SPLIT_ARGS);
     }
 #undef PD_SPLIT_ARGS
-    if (e != cudaSuccess || n_splits == 1 || ws.count) return e;
-    const dim3 cgrid((unsigned)a->n_heads, (unsigned)a->n_seqs);
-    const int threads = a->head_dim < 32 ? 32 : a->head_dim;
-    return pd_cuda__launch(combine_kernel, cgrid, dim3((unsigned)threads), 0, stream, ws.part,
-                           (bf16 *)a->out, a->cu_q, a->ctx_lens, a->n_seqs, a->n_heads,
-                           a->head_dim, n_splits, a->sliding_window, chunk);
+    return e;
 }
 
 template <int TPK, int STAGES>
-static cudaError_t launch_ts(const pd_attn_args *a, const split_ws &ws, int n_splits, int chunk,
-                             cudaStream_t stream)
+static cudaError_t launch_ts(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
+                             int chunk, cudaStream_t stream)
 {
     const int G = a->n_heads / a->n_kv_heads;
-    if (G <= 1) return launch_tg<TPK, 1, STAGES>(a, ws, n_splits, chunk, stream);
-    if (G <= 2) return launch_tg<TPK, 2, STAGES>(a, ws, n_splits, chunk, stream);
-    if (G <= 4) return launch_tg<TPK, 4, STAGES>(a, ws, n_splits, chunk, stream);
-    return launch_tg<TPK, 8, STAGES>(a, ws, n_splits, chunk, stream);
+    if (G <= 1) return launch_tg<TPK, 1, STAGES>(a, part, count, n_splits, chunk, stream);
+    if (G <= 2) return launch_tg<TPK, 2, STAGES>(a, part, count, n_splits, chunk, stream);
+    if (G <= 4) return launch_tg<TPK, 4, STAGES>(a, part, count, n_splits, chunk, stream);
+    return launch_tg<TPK, 8, STAGES>(a, part, count, n_splits, chunk, stream);
 }
 
 /* The pipelined kernel for head sizes 64 and 128 (stages 2 or 4; others round down: 2, the
  * default, measured best on an H200, 4 as good on an H100, 6 slower), the register kernel
  * otherwise and with stages 0. */
 template <int TPK>
-static cudaError_t launch_t(const pd_attn_args *a, const split_ws &ws, int n_splits, int chunk,
-                            int stages, cudaStream_t stream)
+static cudaError_t launch_t(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
+                            int chunk, int stages, cudaStream_t stream)
 {
     if constexpr (TPK == 8 || TPK == 16) {
-        if (stages >= 4) return launch_ts<TPK, 4>(a, ws, n_splits, chunk, stream);
-        if (stages >= 2) return launch_ts<TPK, 2>(a, ws, n_splits, chunk, stream);
+        if (stages >= 4) return launch_ts<TPK, 4>(a, part, count, n_splits, chunk, stream);
+        if (stages >= 2) return launch_ts<TPK, 2>(a, part, count, n_splits, chunk, stream);
     }
-    return launch_ts<TPK, 0>(a, ws, n_splits, chunk, stream);
+    return launch_ts<TPK, 0>(a, part, count, n_splits, chunk, stream);
 }
 
-static cudaError_t launch_split(const pd_attn_args *a, const split_ws &ws, int n_splits, int chunk,
-                                int stages, cudaStream_t stream)
+static cudaError_t launch_split(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
+                                int chunk, int stages, cudaStream_t stream)
 {
     switch (a->head_dim) {
-    case 8: return launch_t<1>(a, ws, n_splits, chunk, 0, stream);
-    case 16: return launch_t<2>(a, ws, n_splits, chunk, 0, stream);
-    case 32: return launch_t<4>(a, ws, n_splits, chunk, 0, stream);
-    case 64: return launch_t<8>(a, ws, n_splits, chunk, stages, stream);
-    case 128: return launch_t<16>(a, ws, n_splits, chunk, stages, stream);
-    default: return launch_t<32>(a, ws, n_splits, chunk, 0, stream);
+    case 8: return launch_t<1>(a, part, count, n_splits, chunk, 0, stream);
+    case 16: return launch_t<2>(a, part, count, n_splits, chunk, 0, stream);
+    case 32: return launch_t<4>(a, part, count, n_splits, chunk, 0, stream);
+    case 64: return launch_t<8>(a, part, count, n_splits, chunk, stages, stream);
+    case 128: return launch_t<16>(a, part, count, n_splits, chunk, stages, stream);
+    default: return launch_t<32>(a, part, count, n_splits, chunk, 0, stream);
     }
 }
 
@@ -578,6 +530,8 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
     const int64_t per_split = (int64_t)a->n_seqs * a->n_heads * (hd + 2);
     const int64_t by_ws = (int64_t)(c->attn_part_floats / (size_t)per_split);
     if (ns > by_ws) ns = by_ws;
+    if ((size_t)base_blocks > c->attn_count_n) ns = 1; /* no counter each (cuda_context.cu
+                                                         * sizes them so this never holds) */
     if (ns > INLINE_SPLITS) ns = INLINE_SPLITS; /* combined in the kernel, and a graph's grid
                                                  * of mostly idle splits stays small */
     if (ns < 1) ns = 1; /* one split writes the output directly: no workspace */
@@ -587,12 +541,7 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
         chunk = (int32_t)((n_keys + ns - 1) / ns);
         n_splits = (int)((n_keys + chunk - 1) / chunk);
     }
-    /* the last block of each (sequence, KV head) combines, within its counters and up to
-     * INLINE_SPLITS splits; else the combine kernel */
-    split_ws ws = {c->attn_part, NULL};
-    if (n_splits > 1 && n_splits <= INLINE_SPLITS && c->attn_count &&
-        (size_t)a->n_seqs * a->n_kv_heads <= c->attn_count_n)
-        ws.count = c->attn_count;
-    PD_CUDA_CHECK(launch_split(a, ws, n_splits, chunk, c->decode_stages, c->stream));
+    PD_CUDA_CHECK(launch_split(a, c->attn_part, c->attn_count, n_splits, chunk,
+                               c->decode_stages, c->stream));
     return 0;
 }

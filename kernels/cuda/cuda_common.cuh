@@ -26,6 +26,7 @@ typedef struct {
     void *staging;         /* pinned host memory for conversions on the way in and out */
     size_t staging_bytes;  /* size of staging */
     int sm_count;          /* multiprocessors (sizes the split-KV decode grid) */
+    int cc_major;          /* compute capability major (the tensor-core kernels need 8+) */
     bool split_kv;         /* split-KV decode attention on (PDSERVE_CUDA_SPLIT_KV=0: off) */
     int decode_blocks_per_sm; /* the split count aims at this many blocks per SM
                                * (PDSERVE_CUDA_DECODE_BLOCKS_PER_SM) */

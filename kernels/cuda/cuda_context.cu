@@ -10,7 +10,10 @@
 #define STAGING_BYTES ((size_t)16 << 20) /* pinned bytes for converting transfers, per chunk */
 #define CUBLAS_WS_BYTES ((size_t)32 << 20) /* cuBLAS workspace (its Hopper recommendation) */
 #define ATTN_PART_FLOATS ((size_t)4 << 20) /* split-KV decode workspace (16 MiB) */
-#define ATTN_COUNT_N ((size_t)1 << 16)     /* its inline combine's counters (256 KiB) */
+/* Its combine counters, one per (sequence, KV head) of a split launch: a launch splits only
+ * where 2 splits of partials fit, n_seqs x n_heads x 2 x (head_dim + 2) floats, head_dim >= 8,
+ * so this many cover every one (819 KiB). */
+#define ATTN_COUNT_N (ATTN_PART_FLOATS / (2 * (8 + 2)))
 
 void pd_cuda__report(const char *call, const char *msg, const char *file, int line)
 {
@@ -107,6 +110,7 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
             PD_EBACKEND);
     c->attn_count_n = ATTN_COUNT_N;
     c->sm_count = prop.multiProcessorCount;
+    c->cc_major = prop.major;
     {
         const char *e = getenv("PDSERVE_CUDA_SPLIT_KV");
         c->split_kv = !(e && (!strcmp(e, "0") || !strcmp(e, "false") || !strcmp(e, "no")));

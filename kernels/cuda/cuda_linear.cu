@@ -298,16 +298,18 @@ static int gemv_max_n(void)
  * faster (n = 1: 1% slower to 7% faster on Qwen3's, 4 to 35% faster on Llama's), but splits k
  * of an m = 1024 product over a second kernel: 12.9 / 7.7 us for Qwen3's o_proj / down at
  * n = 1 against 4.6 / 6.0 here (5.8 / 7.8 against 5.3 / 7.1 at n = 32). So the kernel takes
- * the products of m <= 2048 up to 8 MiB. */
+ * the products of m <= 2048 up to 8 MiB (gemv_takes); gemv_can is the rest of the test. */
+static bool gemv_can(const pd_cuda_ctx *c, const void *x, const void *w, int32_t n, int32_t k)
+{
+    return n <= gemv_max_n() && k % 8 == 0 && (((uintptr_t)x | (uintptr_t)w) & 15) == 0 &&
+           c->cc_major >= 8;
+}
+
 static bool gemv_takes(const pd_cuda_ctx *c, const void *x, const void *w, int32_t n, int32_t k,
                        int32_t m)
 {
-    if (n > gemv_max_n() || k % 8 != 0 || (((uintptr_t)x | (uintptr_t)w) & 15) != 0 ||
-        m > GEMV_MAX_M || (size_t)m * (size_t)k * sizeof(bf16) > GEMV_MAX_BYTES)
-        return false;
-    int major = 0;
-    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device) ==
-               cudaSuccess && major >= 8;
+    return gemv_can(c, x, w, n, k) && m <= GEMV_MAX_M &&
+           (size_t)m * (size_t)k * sizeof(bf16) <= GEMV_MAX_BYTES;
 }
 
 /* ---- the rest: cuBLAS ----
@@ -370,7 +372,7 @@ static bool gemv_fused_takes(const pd_cuda_ctx *c, const pd_linear_args *a, int3
     if (gemv_takes(c, a->x, a->w, a->n, a->k, mw)) return true;
     return (a->norm_w || a->swiglu) && a->n <= GEMV_FUSED_MAX_N &&
            (size_t)mw * (size_t)a->k * sizeof(bf16) <= GEMV_FUSED_MAX_BYTES &&
-           gemv_takes(c, a->x, a->w, a->n, a->k, 1);
+           gemv_can(c, a->x, a->w, a->n, a->k);
 }
 
 extern "C" int pd_cuda__linear_fused(void *ctx, const pd_linear_args *a)
