@@ -31,6 +31,7 @@ struct mr {
     size_t kv_layer_elems;        /* elements in one layer's K (or V) cache */
     void *kv;                     /* the whole pool: [n_layers][K, V][n_blocks][block elems] */
     void **k_cache, **v_cache;    /* [n_layers] pointers into kv */
+    pd_layer_args *dl;            /* [n_layers]: weights and caches for decode_layers */
     /* workspace (backend memory) */
     void *a, *h, *qkv, *attn, *gate_up, *act, *lh, *logits;
     /* step metadata: one backend buffer and its host twin, same layout (see meta_layout) */
@@ -137,8 +138,9 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
     int rc;
     r->k_cache = calloc((size_t)c->n_layers, sizeof(void *));
     r->v_cache = calloc((size_t)c->n_layers, sizeof(void *));
+    r->dl = calloc((size_t)c->n_layers, sizeof *r->dl);
     float *host_freq = malloc(hd / 2 * sizeof(float));
-    if (!r->k_cache || !r->v_cache || !host_freq) {
+    if (!r->k_cache || !r->v_cache || !r->dl || !host_freq) {
         rc = pd_errf(err, PD_ENOMEM, "out of memory");
         goto fail;
     }
@@ -199,6 +201,12 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
     for (int32_t l = 0; l < c->n_layers; l++) {
         r->k_cache[l] = (char *)r->kv + (size_t)(2 * l) * r->kv_layer_elems * es;
         r->v_cache[l] = (char *)r->kv + (size_t)(2 * l + 1) * r->kv_layer_elems * es;
+        const pd_layer_weights *w = &m->layers[l];
+        r->dl[l] = (pd_layer_args){
+            .attn_norm = w->attn_norm, .qkv = w->qkv, .qkv_bias = w->qkv_bias,
+            .q_norm = w->q_norm, .k_norm = w->k_norm, .o_proj = w->o_proj, .o_bias = w->o_bias,
+            .mlp_norm = w->mlp_norm, .gate_up = w->gate_up, .down = w->down,
+            .k_cache = r->k_cache[l], .v_cache = r->v_cache[l]};
     }
     r->attn_factor = mc_rope_inv_freq(c, host_freq);
     if ((rc = r->be->ops->upload(r->be->ctx, r->inv_freq, PD_DTYPE_F32, 0, host_freq,
@@ -231,6 +239,7 @@ void mr_destroy(mr *r)
     FREE(r->kv);
     free(r->k_cache);
     free(r->v_cache);
+    free(r->dl);
     FREE(r->a); FREE(r->h); FREE(r->qkv); FREE(r->attn); FREE(r->gate_up);
     FREE(r->act); FREE(r->lh); FREE(r->logits); FREE(r->d_meta);
     FREE(r->inv_freq);
@@ -433,6 +442,24 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
     pd_linear_args ld = {.x = r->act, .out = r->a, .n = T, .k = f, .m = hs, .accumulate = true};
 
     CALL(o->embedding(x, r->d_ids, T, r->m->embed, hs, r->a));
+    if (max_q == 1 && T == S && o->decode_layers && !r->layer_fn) {
+        /* a small decode step the backend runs whole (PD_EUNSUPPORTED: op by op below) */
+        const pd_decode_args da = {
+            .layers = r->dl, .n_layers = c->n_layers, .resid = r->a, .qkv = r->qkv,
+            .attn = r->attn, .act = r->act, .n = T, .hidden = hs, .intermediate = f,
+            .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = hd,
+            .norm_eps = c->rms_eps, .positions = r->d_pos, .slot_mapping = r->d_slots,
+            .ctx_lens = r->d_ctx, .block_tables = r->d_bt,
+            .max_blocks_per_seq = r->max_blocks_per_seq, .block_size = r->p.block_size,
+            .sliding_window = c->sliding_window, .scale = aa.scale, .inv_freq = r->inv_freq,
+            .attn_factor = r->attn_factor,
+        };
+        int rc = o->decode_layers(x, &da);
+        if (rc == 0) goto final_norm;
+        if (rc != PD_EUNSUPPORTED)
+            return pd_errf(err, rc, "%s backend: decode_layers failed: %s", be->ops->name,
+                           pd_strerror(rc));
+    }
     for (int32_t l = 0; l < c->n_layers; l++) {
         const pd_layer_weights *w = &r->m->layers[l];
         /* attention block */
@@ -462,6 +489,7 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
         ld.w = w->down;
         CALL(o->linear_fused(x, &ld));
     }
+final_norm:
     if (final) CALL(o->rmsnorm(x, r->a, NULL, r->m->final_norm, T, hs, c->rms_eps, r->h));
     return 0;
 }

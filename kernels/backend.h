@@ -83,6 +83,36 @@ typedef struct {
     void *tmp_out;               /* scratch of [n][2m] the op may overwrite (swiglu set) */
 } pd_linear_args;
 
+/* One layer of a decode_layers call: its weights as pd_layer_weights names them (engine/model.h),
+ * and its KV cache. */
+typedef struct {
+    const void *attn_norm, *qkv, *qkv_bias, *q_norm, *k_norm;
+    const void *o_proj, *o_bias, *mlp_norm, *gate_up, *down;
+    void *k_cache, *v_cache;
+} pd_layer_args;
+
+/* Every layer of a decode step in one op (the decode_layers op): n single-token sequences, row
+ * i of sequence i. For each layer it computes what this sequence of the other ops does:
+ *   linear_fused(resid, attn_norm, qkv, qkv_bias) -> qkv;  rope_store_kv (q_norm / k_norm);
+ *   attention_decode -> attn;  linear_fused(attn, o_proj, o_bias, accumulate) -> resid;
+ *   linear_fused(resid, mlp_norm, gate_up, swiglu) -> act;  linear_fused(act, down, accumulate)
+ * with the metadata meaning what pd_rope_args' and pd_attn_args' do (a row of context 0 is
+ * padding: attention output zeros, nothing stored). */
+typedef struct {
+    const pd_layer_args *layers; /* [n_layers], host memory */
+    int32_t n_layers;
+    void *resid;                 /* [n][hidden]: the embeddings in, the last layer's stream out */
+    void *qkv, *attn, *act;      /* scratch: [n][(n_heads + 2 n_kv_heads) head_dim], [n][n_heads
+                                  * head_dim], [n][intermediate] */
+    int32_t n, hidden, intermediate, n_heads, n_kv_heads, head_dim;
+    float norm_eps;
+    const int32_t *positions, *slot_mapping, *ctx_lens, *block_tables; /* [n], [n], [n], [n][mbps] */
+    int32_t max_blocks_per_seq, block_size, sliding_window;
+    float scale;                 /* softmax scale */
+    const float *inv_freq;       /* [head_dim / 2] */
+    float attn_factor;
+} pd_decode_args;
+
 /* One row's parameters for the optional sample op. The fields mean what smp_params's do
  * (engine/sampler.h); the op picks the token smp_sample would pick from the same logits (up to
  * the rounding of sums at a boundary). */
@@ -188,6 +218,10 @@ typedef struct pd_backend_ops {
      * PD_ENOMEM, PD_EBACKEND. */
     int (*sample)(void *ctx, void *logits, int32_t n, int32_t vocab, const pd_sample_row *rows,
                   const pd_penalty_tok *pen, int32_t n_pen, int32_t *tokens, float *logprobs);
+    /* Optional (NULL = not offered): decode_layers above, for the shapes the backend fuses;
+     * PD_EUNSUPPORTED (nothing queued) for the others, which the caller composes from the ops
+     * it names. Returns 0, PD_EUNSUPPORTED, PD_EINVAL, PD_EBACKEND. */
+    int (*decode_layers)(void *ctx, const pd_decode_args *a);
     /* Optional: pinned host memory, from which upload_rows copies without blocking. */
     int (*host_alloc)(void *ctx, size_t bytes, void **out);
     void (*host_free)(void *ctx, void *p); /* NULL is a no-op */

@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "common/dtype.h"
 #include "common/error.h"
@@ -857,6 +858,215 @@ static void test_decode_kernels(void)
     }
 }
 
+/* decode_layers (cuda_decode_layers.cu: a decode step's layers in one persistent kernel)
+ * against the CPU running the ops it stands for, layer after layer: the residual stream after
+ * three layers, every layer's scratch outputs, and the K / V each layer stored, for batches of
+ * 1, 3 and 8 sequences over a shuffled paged cache (a padding row of context 0 among them),
+ * with and without Qwen3's head norms, biases, a sliding window; GQA 2, 3 and 8. */
+typedef struct {
+    int32_t hidden, inter, heads, kv_heads, hd, window;
+    bool qk_norm, bias;
+} dl_shape;
+
+enum { DL_LAYERS = 3, DL_BS = 16 };
+
+static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx)
+{
+    const int32_t H = sh->hidden, F = sh->inter, HD = sh->hd, NQ = sh->heads * HD;
+    const int32_t QKV = (sh->heads + 2 * sh->kv_heads) * HD, KVR = sh->kv_heads * HD;
+    int32_t max_ctx = 1, n_blocks = 3;
+    for (int32_t s = 0; s < n; s++) {
+        if (ctx[s] > max_ctx) max_ctx = ctx[s];
+        n_blocks += (ctx[s] + DL_BS - 1) / DL_BS;
+    }
+    const int32_t mbps = (max_ctx + DL_BS - 1) / DL_BS + 1;
+    int32_t *perm = malloc((size_t)n_blocks * 4), *bt = malloc((size_t)n * mbps * 4);
+    int32_t pos[8], slot[8];
+    for (int32_t i = 0; i < n_blocks; i++) perm[i] = i;
+    for (int32_t i = n_blocks - 1; i > 0; i--) {
+        int32_t j = (int32_t)(urand() * (i + 1)), t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    int32_t next = 0;
+    for (int32_t s = 0; s < n; s++) {
+        const int32_t need = (ctx[s] + DL_BS - 1) / DL_BS;
+        for (int32_t b = 0; b < mbps; b++) bt[s * mbps + b] = b < need ? perm[next++] : -1;
+        pos[s] = ctx[s] > 0 ? ctx[s] - 1 : 0;
+        slot[s] = ctx[s] > 0 ? bt[s * mbps + pos[s] / DL_BS] * DL_BS + pos[s] % DL_BS : -1;
+    }
+    const size_t cache = (size_t)n_blocks * DL_BS * KVR;
+    float *inv = hmalloc((size_t)HD / 2);
+    for (int32_t i = 0; i < HD / 2; i++) inv[i] = (float)pow(1e6, -2.0 * i / HD);
+    pair pf = pair_f32(inv, (size_t)HD / 2), pp = pair_i32(pos, (size_t)n);
+    pair ps = pair_i32(slot, (size_t)n), pctx = pair_i32(ctx, (size_t)n);
+    pair pbt = pair_i32(bt, (size_t)n * mbps);
+    int32_t cu[9];
+    for (int32_t i = 0; i <= n; i++) cu[i] = i;
+    pair pcu = pair_i32(cu, (size_t)n + 1);
+    /* weights: attn_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, mlp_norm, gate_up, down */
+    const size_t wn[10] = {(size_t)H, (size_t)QKV * H, (size_t)QKV, (size_t)HD, (size_t)HD,
+                           (size_t)H * NQ, (size_t)H, (size_t)H, (size_t)2 * F * H,
+                           (size_t)H * F};
+    const double amp[10] = {0.5, 0.06, 0.3, 0.5, 0.5, 0.04, 0.3, 0.5, 0.06, 0.03};
+    pair w[DL_LAYERS][10], kc[DL_LAYERS], vc[DL_LAYERS];
+    pd_layer_args lg[DL_LAYERS];
+    for (int32_t l = 0; l < DL_LAYERS; l++) {
+        for (int i = 0; i < 10; i++) {
+            float *h = hrand(wn[i], amp[i]);
+            if (i == 0 || i == 3 || i == 4 || i == 7)
+                for (size_t j = 0; j < wn[i]; j++) h[j] = bf16_round(h[j] + 1.0f);
+            w[l][i] = pair_new(h, wn[i]);
+            free(h);
+        }
+        float *k = hrand(cache, 1.5), *v = hrand(cache, 1.0);
+        kc[l] = pair_new(k, cache);
+        vc[l] = pair_new(v, cache);
+        free(k);
+        free(v);
+    }
+    float *x0 = hrand((size_t)n * H, 1.0);
+    pair resid = pair_new(x0, (size_t)n * H), qkv = pair_poisoned((size_t)n * QKV);
+    pair attn = pair_poisoned((size_t)n * NQ), act = pair_poisoned((size_t)n * F);
+    pair tx = pair_poisoned((size_t)n * H), tgu = pair_poisoned((size_t)n * 2 * F);
+    const float scale = (float)(1.0 / sqrt((double)HD));
+    /* the CPU: the ops decode_layers stands for */
+    for (int32_t l = 0; l < DL_LAYERS; l++) {
+        void *cx = g_cpu->ctx;
+        pd_linear_args a1 = {.x = resid.c, .w = w[l][1].c, .bias = sh->bias ? w[l][2].c : NULL,
+                             .out = qkv.c, .n = n, .k = H, .m = QKV, .norm_w = w[l][0].c,
+                             .norm_eps = 1e-6f, .tmp_x = tx.c};
+        CHECK_EQ_INT(g_cpu->ops->linear_fused(cx, &a1), 0);
+        pd_rope_args ra = {.qkv = qkv.c, .positions = pp.c, .slot_mapping = ps.c,
+                           .inv_freq = pf.c, .k_cache = kc[l].c, .v_cache = vc[l].c,
+                           .n_tokens = n, .n_heads = sh->heads, .n_kv_heads = sh->kv_heads,
+                           .head_dim = HD, .attn_factor = 1.0f,
+                           .q_norm = sh->qk_norm ? w[l][3].c : NULL,
+                           .k_norm = sh->qk_norm ? w[l][4].c : NULL, .norm_eps = 1e-6f};
+        CHECK_EQ_INT(g_cpu->ops->rope_store_kv(cx, &ra), 0);
+        pd_attn_args aa = {.q = qkv.c, .q_row_stride = QKV, .k_cache = kc[l].c,
+                           .v_cache = vc[l].c, .out = attn.c, .cu_q = pcu.c, .ctx_lens = pctx.c,
+                           .block_tables = pbt.c, .n_seqs = n, .n_tokens = n, .max_q_len = 1,
+                           .max_ctx_len = 0, .max_blocks_per_seq = mbps,
+                           .n_heads = sh->heads, .n_kv_heads = sh->kv_heads, .head_dim = HD,
+                           .block_size = DL_BS, .sliding_window = sh->window, .scale = scale};
+        CHECK_EQ_INT(g_cpu->ops->attention_decode(cx, &aa), 0);
+        pd_linear_args a2 = {.x = attn.c, .w = w[l][5].c, .bias = sh->bias ? w[l][6].c : NULL,
+                             .out = resid.c, .n = n, .k = NQ, .m = H, .accumulate = true};
+        CHECK_EQ_INT(g_cpu->ops->linear_fused(cx, &a2), 0);
+        pd_linear_args a3 = {.x = resid.c, .w = w[l][8].c, .out = act.c, .n = n, .k = H,
+                             .m = F, .norm_w = w[l][7].c, .norm_eps = 1e-6f, .swiglu = true,
+                             .tmp_x = tx.c, .tmp_out = tgu.c};
+        CHECK_EQ_INT(g_cpu->ops->linear_fused(cx, &a3), 0);
+        pd_linear_args a4 = {.x = act.c, .w = w[l][9].c, .out = resid.c, .n = n, .k = F, .m = H,
+                             .accumulate = true};
+        CHECK_EQ_INT(g_cpu->ops->linear_fused(cx, &a4), 0);
+        lg[l] = (pd_layer_args){
+            .attn_norm = w[l][0].g, .qkv = w[l][1].g, .qkv_bias = sh->bias ? w[l][2].g : NULL,
+            .q_norm = sh->qk_norm ? w[l][3].g : NULL, .k_norm = sh->qk_norm ? w[l][4].g : NULL,
+            .o_proj = w[l][5].g, .o_bias = sh->bias ? w[l][6].g : NULL, .mlp_norm = w[l][7].g,
+            .gate_up = w[l][8].g, .down = w[l][9].g, .k_cache = kc[l].g, .v_cache = vc[l].g};
+    }
+    pd_decode_args da = {.layers = lg, .n_layers = DL_LAYERS, .resid = resid.g, .qkv = qkv.g,
+                         .attn = attn.g, .act = act.g, .n = n, .hidden = H, .intermediate = F,
+                         .n_heads = sh->heads, .n_kv_heads = sh->kv_heads, .head_dim = HD,
+                         .norm_eps = 1e-6f, .positions = pp.g, .slot_mapping = ps.g,
+                         .ctx_lens = pctx.g, .block_tables = pbt.g, .max_blocks_per_seq = mbps,
+                         .block_size = DL_BS, .sliding_window = sh->window, .scale = scale,
+                         .inv_freq = pf.g, .attn_factor = 1.0f};
+    int rc = g_gpu->ops->decode_layers(g_gpu->ctx, &da);
+    CHECK_EQ_INT(rc, 0);
+    CHECK_EQ_INT(sync_both(), 0);
+    char what[128];
+    snprintf(what, sizeof what, "decode_layers n=%d H=%d/%d HD=%d%s%s win=%d", n, sh->heads,
+             sh->kv_heads, HD, sh->qk_norm ? " qknorm" : "", sh->bias ? " bias" : "",
+             sh->window);
+    if (rc == 0) {
+        compare_pair(what, &resid, 2e-2);
+        compare_pair("  last layer's attention", &attn, 2e-2);
+        compare_pair("  last layer's swiglu", &act, 2e-2);
+        /* each layer's stored K and V at the new slots; the rest of the cache untouched */
+        for (int32_t l = 0; l < DL_LAYERS; l++)
+            for (int kv = 0; kv < 2; kv++) {
+                float *c, *g;
+                pair_get(kv ? &vc[l] : &kc[l], &c, &g);
+                size_t differ = 0;
+                for (size_t i = 0; i < cache; i++) {
+                    const int32_t sl = (int32_t)(i / KVR);
+                    bool fresh = false;
+                    for (int32_t s = 0; s < n; s++) fresh |= slot[s] == sl;
+                    if (!fresh) differ += c[i] != g[i];
+                }
+                CHECK_MSG(differ == 0, "%s: %zu cache elements changed outside the new slots",
+                          what, differ);
+                float *cs = hmalloc((size_t)n * KVR), *gs = hmalloc((size_t)n * KVR);
+                int32_t m = 0;
+                for (int32_t s = 0; s < n; s++) {
+                    if (slot[s] < 0) continue;
+                    memcpy(cs + (size_t)m * KVR, c + (size_t)slot[s] * KVR, (size_t)KVR * 4);
+                    memcpy(gs + (size_t)m * KVR, g + (size_t)slot[s] * KVR, (size_t)KVR * 4);
+                    m++;
+                }
+                char kw[64];
+                snprintf(kw, sizeof kw, "  layer %d new %s", l, kv ? "V" : "K");
+                compare(kw, gs, cs, (size_t)m * KVR, 2e-2);
+                free(cs); free(gs); free(c); free(g);
+            }
+    }
+    pair_free(&resid); pair_free(&qkv); pair_free(&attn); pair_free(&act); pair_free(&tx);
+    pair_free(&tgu); pair_free(&pf); pair_free(&pp); pair_free(&ps); pair_free(&pctx);
+    pair_free(&pbt); pair_free(&pcu);
+    for (int32_t l = 0; l < DL_LAYERS; l++) {
+        for (int i = 0; i < 10; i++) pair_free(&w[l][i]);
+        pair_free(&kc[l]);
+        pair_free(&vc[l]);
+    }
+    free(x0); free(inv); free(perm); free(bt);
+}
+
+static void test_decode_layers(void)
+{
+    if (!g_gpu->ops->decode_layers) return;
+    const dl_shape shapes[3] = {
+        {1024, 3072, 16, 8, 128, 0, true, false}, /* Qwen3-0.6B's layer */
+        {768, 2048, 12, 4, 64, 40, false, true},  /* GQA 3, biases, a window */
+        {512, 1536, 16, 2, 64, 0, true, true},    /* GQA 8 */
+    };
+    const int32_t c1[1] = {300}, c3[3] = {1, 17, 700}, c8[8] = {5, 0, 64, 33, 1000, 16, 2, 129};
+    for (int s = 0; s < 3; s++) {
+        run_decode_layers(&shapes[s], 1, c1);
+        run_decode_layers(&shapes[s], 3, c3);
+        run_decode_layers(&shapes[s], 8, c8);
+    }
+    /* shapes it leaves to the ops: nothing queued, PD_EUNSUPPORTED; bad arguments: PD_EINVAL */
+    pd_layer_args none[1] = {{0}};
+    pd_decode_args a = {.layers = none, .n_layers = 1, .n = 9, .hidden = 256, .intermediate = 256,
+                        .n_heads = 4, .n_kv_heads = 1, .head_dim = 64, .block_size = 16,
+                        .max_blocks_per_seq = 1};
+    CHECK_EQ_INT(g_gpu->ops->decode_layers(g_gpu->ctx, &a), PD_EINVAL); /* NULL buffers */
+    void *buf = alloc_on(g_gpu, PD_DTYPE_BF16, 1 << 16);
+    a.resid = a.qkv = a.attn = a.act = buf;
+    a.positions = a.slot_mapping = a.ctx_lens = a.block_tables = buf;
+    a.inv_freq = buf;
+    CHECK_EQ_INT(g_gpu->ops->decode_layers(g_gpu->ctx, &a), PD_EUNSUPPORTED); /* n = 9 */
+    a.n = 1;
+    a.hidden = 320; /* k % 256 != 0 */
+    CHECK_EQ_INT(g_gpu->ops->decode_layers(g_gpu->ctx, &a), PD_EUNSUPPORTED);
+    a.hidden = 256;
+    a.intermediate = 256;
+    a.head_dim = 80;
+    CHECK_EQ_INT(g_gpu->ops->decode_layers(g_gpu->ctx, &a), PD_EUNSUPPORTED);
+    a.head_dim = 64;
+    a.n_heads = 3; /* not a multiple of the KV heads... */
+    a.n_kv_heads = 2;
+    CHECK_EQ_INT(g_gpu->ops->decode_layers(g_gpu->ctx, &a), PD_EINVAL);
+    a.n_heads = 4;
+    a.n_kv_heads = 1;
+    CHECK_EQ_INT(g_gpu->ops->decode_layers(g_gpu->ctx, &a), PD_EINVAL); /* layer 0 all NULL */
+    g_gpu->ops->free(g_gpu->ctx, buf);
+    CHECK_EQ_INT(g_gpu->ops->sync(g_gpu->ctx), 0);
+}
+
 /* ---- KV blocks to and from the host ---- */
 
 static void test_kv_blocks(void)
@@ -947,6 +1157,7 @@ static void test_errors(void)
 int main(void)
 {
     char err[PD_ERR_LEN] = "";
+    setenv("PDSERVE_CUDA_FUSED_DECODE", "8", 0); /* decode_layers at every n it takes */
     pd_backend_params p = pd_backend_default_params();
     int rc = pd_backend_create("cuda", &p, &g_gpu, err);
     if (rc < 0) {
@@ -973,6 +1184,7 @@ int main(void)
     test_rope_store_kv();
     test_attention();
     test_decode_kernels();
+    test_decode_layers();
     test_kv_blocks();
     test_kv_blocks_copy();
     test_errors();

@@ -33,6 +33,7 @@ static const pd_backend_ops k_cuda_ops = {
     .host_register = pd_cuda__host_register,
     .host_unregister = pd_cuda__host_unregister,
     .mem_info = pd_cuda__mem_info,
+    .decode_layers = pd_cuda__decode_layers,
     .sample = pd_cuda__sample,
     .host_alloc = pd_cuda__host_alloc,
     .host_free = pd_cuda__host_free,

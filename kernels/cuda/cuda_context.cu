@@ -54,6 +54,7 @@ extern "C" void pd_cuda__ctx_destroy(void *ctx)
     if (c->staging) (void)cudaFreeHost(c->staging);
     if (c->attn_part) (void)cudaFree(c->attn_part);
     if (c->attn_count) (void)cudaFree(c->attn_count);
+    if (c->grid_bar) (void)cudaFree(c->grid_bar);
     if (c->cublas_ws) (void)cudaFree(c->cublas_ws);
     if (c->stream) (void)cudaStreamDestroy(c->stream);
     free(c);
@@ -109,6 +110,8 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
     CTX_TRY(cudaMemset(c->attn_count, 0, ATTN_COUNT_N * sizeof(int32_t)) == cudaSuccess,
             PD_EBACKEND);
     c->attn_count_n = ATTN_COUNT_N;
+    CTX_TRY(cudaMalloc((void **)&c->grid_bar, 2 * sizeof(unsigned)) == cudaSuccess, PD_ENOMEM);
+    CTX_TRY(cudaMemset(c->grid_bar, 0, 2 * sizeof(unsigned)) == cudaSuccess, PD_EBACKEND);
     c->sm_count = prop.multiProcessorCount;
     c->cc_major = prop.major;
     {

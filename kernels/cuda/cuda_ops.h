@@ -47,6 +47,8 @@ int pd_cuda__attention(void *ctx, const pd_attn_args *a);
 int pd_cuda__attention_prefill(void *ctx, const pd_attn_args *a);
 /* cuda_attention_decode.cu: decode batches, split-KV (falls back to pd_cuda__attention). */
 int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a);
+/* cuda_decode_layers.cu: every layer of a small decode step in one persistent kernel. */
+int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a);
 /* cuda_swiglu.cu */
 int pd_cuda__linear_fused(void *ctx, const pd_linear_args *a);
 int pd_cuda__swiglu(void *ctx, const void *gate_up, int32_t n, int32_t f, void *out);

@@ -1,0 +1,831 @@
+/* cuda_decode_layers.cu -- decode_layers: every layer of a small decode step in one persistent
+ * kernel (sm_90), for the latency-bound batches (n <= DL_MAX_N single-token sequences).
+ *
+ * A step of one sequence through a 0.6B-parameter model reads 1.2 GB of weights; op by op that
+ * is six launches a layer of 1 - 12 MB each, and each launch pays its start, the latency of its
+ * first loads and its tail, which together took 4x the time of the bytes (docs/perf.md). Here
+ * one block per SM runs the whole stack. Its products are spread over all blocks by output
+ * rows; the stages that need another block's results are separated by grid barriers:
+ *
+ *   S1  x = rmsnorm(resid) * attn_norm;  qkv = x . Wqkv^T (+ bias)
+ *   S2  per (sequence, KV head, key split): q / k head norms and RoPE, the new k / v into the
+ *       cache, attention over the split's keys; the last split of a head to finish merges
+ *   S3  resid += attn . Wo^T (+ bias)
+ *   S4  x = rmsnorm(resid) * mlp_norm;  act = silu(x . Wgate^T) * (x . Wup^T)
+ *   S5  resid += act . Wdown^T
+ *
+ * The weights never depend on the activations, so a producer warp streams each block's share
+ * of them, stage after stage and layer after layer, into a ring of shared-memory slots with
+ * bulk asynchronous copies (cp.async.bulk, completion counted on an mbarrier per slot) without
+ * ever waiting for a grid barrier: while the 8 consumer warps wait at one, or attend, the next
+ * stages' weights keep arriving. A slot holds a 1024-k slice of 8 weight rows; the consumer
+ * warps split its k between them on the tensor cores (the n rows of x, in shared memory, as
+ * the A operand), then hand the slot back. Data written inside the kernel is read through L2
+ * (ld.cg): L1 is not coherent.
+ *
+ * On an H200 (docs/perf.md) a Qwen3-0.6B batch-1 step is 16% faster than the op-by-op graphs
+ * (batch 2 +17%, 4 +5%, 8 -15%: hence n <= 4 by default, PDSERVE_CUDA_FUSED_DECODE=N moves
+ * it). What is left of a step is mostly the attention stage's chain of dependent global
+ * round trips (about 0.3 ms of 1.09), the 140 grid barriers (about 0.15 ms) and what runs
+ * outside the kernel (lm_head, sampling, the host: about 0.3 ms).
+ *
+ * The grid is cooperative (every block resident); the barrier is a counter in global memory that
+ * each block's first thread adds to and polls, and that the last block out resets. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+#define DL_MAX_LAYERS 128  /* layer table in the kernel parameters (96 B a layer) */
+#define DL_MAX_N 8         /* sequences a launch takes */
+#define DL_MAX_G 8         /* query heads per KV head */
+#define DL_CW 8            /* consumer warps */
+#define DL_THREADS ((DL_CW + 1) * 32) /* plus the producer warp */
+#define DL_SLOT_BYTES (16 << 10) /* ring slot: 8 weight rows' slices of k */
+#define DL_MIN_SLOTS 4
+#define DL_KEYS_PER_WARP 4 /* keys a warp loads at once in S2 */
+#define DL_MIN_CHUNK 32    /* keys of a split, at least */
+#define DL_MAX_SPLITS 32
+
+struct dl_layer {
+    const bf16 *attn_norm, *qkv, *qkv_bias, *q_norm, *k_norm;
+    const bf16 *o, *o_bias, *mlp_norm, *gate_up, *down;
+    bf16 *k_cache, *v_cache;
+};
+
+struct dl_params {
+    bf16 *resid, *qkv, *attn, *act;
+    float *part;             /* split partials: outputs, then (max, sum) pairs */
+    float *rope;             /* [n][head_dim / 2] (cos, sin) pairs, made at the start */
+    int32_t *count;          /* per (sequence, KV head): splits done (reset by the merger) */
+    unsigned *bar;           /* [0] grid barrier arrivals, [1] blocks done (both reset at exit) */
+    const int32_t *positions, *slots, *ctx_lens, *block_tables;
+    const float *inv_freq;
+    int32_t n, hidden, inter, n_heads, n_kv_heads, n_layers;
+    int32_t max_blocks_per_seq, block_size, sliding_window, splits;
+    float eps, attn_factor, scale_log2;
+    int32_t slot_bytes, n_slots, x_bytes; /* shared memory: ring, then x / attention scratch, */
+    int32_t red_rows;                     /* then red_rows x NMAX row sums */
+    int32_t debug;                        /* PDSERVE_CUDA_DL_DEBUG bits (timing only) */
+    dl_layer layer[DL_MAX_LAYERS];
+};
+
+/* ---- mbarriers and bulk copies (sm_90) ---- */
+
+static __device__ __forceinline__ uint32_t smem_u32(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void mbar_init(uint64_t *b, uint32_t count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
+}
+
+static __device__ __forceinline__ void mbar_arrive(uint64_t *b)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
+}
+
+static __device__ __forceinline__ void mbar_expect_tx(uint64_t *b, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)),
+                 "r"(bytes) : "memory");
+}
+
+/* Spins until the phase of the given parity has completed (test_wait: never suspended). */
+static __device__ __forceinline__ void mbar_spin(uint64_t *b, uint32_t parity)
+{
+    uint32_t done;
+    do {
+        asm volatile("{\n"
+                     ".reg .pred p;\n"
+                     "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n"
+                     "}\n"
+                     : "=r"(done)
+                     : "r"(smem_u32(b)), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+
+/* Waits until the phase of the given parity has completed. */
+static __device__ __forceinline__ void mbar_wait(uint64_t *b, uint32_t parity)
+{
+    asm volatile("{\n"
+                 ".reg .pred p;\n"
+                 "DL_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra DL_WAIT;\n"
+                 "}\n" ::"r"(smem_u32(b)),
+                 "r"(parity)
+                 : "memory");
+}
+
+/* bytes (a multiple of 16, 16-byte aligned ends) global -> shared, counted on b. */
+static __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes,
+                                                 uint64_t *b)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_u32(b))
+                 : "memory");
+}
+
+/* The consumer warps' own barrier (the producer warp never joins one). */
+static __device__ __forceinline__ void cons_sync(void)
+{
+    asm volatile("bar.sync 1, %0;" ::"n"(DL_CW * 32) : "memory");
+}
+
+/* All blocks' consumers: every write before it is visible to every read after it (reads of
+ * kernel-written data go through L2). target counts arrivals since the launch. */
+static __device__ __forceinline__ void grid_sync(unsigned *bar, unsigned &target, int debug)
+{
+    if (debug & 4) {
+        cons_sync();
+        return;
+    }
+    target += gridDim.x;
+    cons_sync();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(bar, 1u);
+        unsigned v;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(bar) : "memory");
+        } while (v < target);
+    }
+    cons_sync();
+}
+
+/* ---- the weight schedule, walked identically by producer and consumers ---- */
+
+struct dl_stage {
+    const bf16 *w;
+    int32_t k, m;       /* row length, output columns */
+    bool swiglu;        /* w is [2m][k]: a group takes 4 gate rows and the matching up rows */
+    int32_t c0, c1;     /* this block's output columns */
+    int32_t cpg;        /* output columns per group of 8 weight rows: 8, or 4 with SwiGLU */
+    int32_t kslice;     /* k per slot: the 8 rows' slices fill one (a multiple of 256) */
+};
+
+/* Stage st (0 QKV, 1 O, 2 gate / up, 3 down) of layer l, and this block's columns of it. */
+static __device__ __forceinline__ dl_stage stage_of(const dl_params &p, int32_t l, int st,
+                                                    int32_t hd)
+{
+    const dl_layer &L = p.layer[l];
+    dl_stage s;
+    s.swiglu = st == 2;
+    switch (st) {
+    case 0: s.w = L.qkv; s.k = p.hidden; s.m = (p.n_heads + 2 * p.n_kv_heads) * hd; break;
+    case 1: s.w = L.o; s.k = p.n_heads * hd; s.m = p.hidden; break;
+    case 2: s.w = L.gate_up; s.k = p.hidden; s.m = p.inter; break;
+    default: s.w = L.down; s.k = p.inter; s.m = p.hidden; break;
+    }
+    s.c0 = (int32_t)((int64_t)s.m * blockIdx.x / gridDim.x);
+    s.c1 = (int32_t)((int64_t)s.m * (blockIdx.x + 1) / gridDim.x);
+    s.cpg = s.swiglu ? 4 : 8;
+    s.kslice = min(s.k, (p.slot_bytes / (8 * 2)) / 256 * 256);
+    return s;
+}
+
+/* Weight row of unit j (0..7) of the group at column c: rows c.., or with SwiGLU gate rows
+ * c..c+3 then up rows m+c..; units past the stage's columns repeat a valid row (their sums are
+ * dropped). */
+static __device__ __forceinline__ int64_t unit_row(const dl_stage &s, int32_t c, int j)
+{
+    const int32_t col = min(c + (s.swiglu ? (j & 3) : j), s.c1 - 1);
+    return s.swiglu && j >= 4 ? (int64_t)s.m + col : col;
+}
+
+/* ---- producer ---- */
+
+template <int HD>
+static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, uint64_t *empty)
+{
+    uint32_t it = 0;
+    for (int32_t l = 0; l < p.n_layers; l++)
+        for (int st = 0; st < 4; st++) {
+            const dl_stage s = stage_of(p, l, st, HD);
+            for (int32_t c = s.c0; c < s.c1; c += s.cpg)
+                for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, it++) {
+                    const uint32_t slot = it % (uint32_t)p.n_slots, ph = (it / p.n_slots) & 1;
+                    const uint32_t len = (uint32_t)min(s.kslice, s.k - k0) * 2;
+                    mbar_wait(&empty[slot], ph ^ 1);
+                    char *dst = ring + (size_t)slot * p.slot_bytes;
+                    mbar_expect_tx(&full[slot], 8 * len);
+                    for (int j = 0; j < 8; j++)
+                        bulk_load(dst + (size_t)j * len, s.w + unit_row(s, c, j) * s.k + k0, len,
+                                  &full[slot]);
+                }
+        }
+}
+
+/* ---- consumers: products ---- */
+
+/* a . b over 8 bf16 pairs in fp32. bf16 -> fp32 is a shift (the bits are the high half), two
+ * integer operations a pair; cvt.f32.bf16 would be a conversion at a quarter of the rate and
+ * made the products conversion-bound (docs/perf.md). */
+static __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc)
+{
+    const uint32_t ua[4] = {a.x, a.y, a.z, a.w}, ub[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        acc = fmaf(__uint_as_float(ua[i] << 16), __uint_as_float(ub[i] << 16), acc);
+        acc = fmaf(__uint_as_float(ua[i] & 0xffff0000u), __uint_as_float(ub[i] & 0xffff0000u),
+                   acc);
+    }
+    return acc;
+}
+
+enum { DL_STORE, DL_ADD, DL_SWIGLU };
+
+/* One stage's products for this block: the slots of its columns as the producer filled them.
+ * On the tensor cores, as the GEMV kernel of cuda_linear.cu does it: a warp step is one
+ * mma.m16n8k16 pair over 32 k of 8 weight rows (B, lane (g, t) holding 8 consecutive k of row
+ * g, 16 bytes) and of the n <= 8 x rows (A rows g; rows past n feed outputs that are dropped).
+ * A slot's (group of 8 rows, step) pairs are spread over the consumer warps; each warp's sums
+ * of a group go into the stage's row sums in shared memory (red), and only when the stage's
+ * last slot is read do the threads finish one (column, x row) each. x is [n][k] in shared
+ * memory (k % 256 == 0); out rows are `ld` apart. (fp32 FMAs with one conversion per element
+ * were instruction-bound at a third of the bandwidth: docs/perf.md.) */
+template <int NMAX>
+static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16 *xs,
+                               const bf16 *bias, int mode, bf16 *out, int32_t ld, char *ring,
+                               float *red, uint64_t *full, uint64_t *empty, uint32_t &it)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int32_t kc = s.k / 8, n = p.n, ncols = s.c1 - s.c0;
+    const uint4 *xrow = reinterpret_cast<const uint4 *>(xs) + (size_t)min(g, n - 1) * kc;
+    for (int32_t c = s.c0; c < s.c1; c += s.cpg) {
+        const int32_t vc = min(s.cpg, s.c1 - c); /* valid columns of the group */
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, it++) {
+            const uint32_t slot = it % (uint32_t)p.n_slots, ph = (it / p.n_slots) & 1;
+            const int32_t len = min(s.kslice, s.k - k0), steps = len / 32; /* steps % 8 == 0 */
+            if (!(p.debug & 8)) mbar_spin(&full[slot], ph);
+            if (!(p.debug & 9)) {
+                const uint4 *wrow = reinterpret_cast<const uint4 *>(
+                                        ring + (size_t)slot * p.slot_bytes) + (size_t)g * (len / 8);
+                const uint4 *xr = xrow + k0 / 8;
+                for (int32_t st = warp; st < steps; st += DL_CW) {
+                    const uint4 wv = wrow[st * 4 + t], xv = xr[st * 4 + t];
+                    mma_bf16(d, xv.x, 0u, xv.y, 0u, wv.x, wv.y);
+                    mma_bf16(d, xv.z, 0u, xv.w, 0u, wv.z, wv.w);
+                }
+            }
+            __syncwarp();
+            if (lane == 0 && !(p.debug & 8)) mbar_arrive(&empty[slot]); /* the slot is free */
+        }
+        /* lane (g, t): x row g, units 2t and 2t + 1 of the group */
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int u = 2 * t + j, col = s.swiglu ? (u & 3) : u;
+            if (g < n && col < vc)
+                atomicAdd(&red[((s.swiglu && u >= 4 ? ncols : 0) + c - s.c0 + col) * NMAX + g],
+                          d[j]);
+        }
+    }
+    cons_sync();
+    for (int32_t i = threadIdx.x; i < ncols * n; i += DL_CW * 32) {
+        const int32_t j = i / n, q = i % n, col = s.c0 + j;
+        float v = red[j * NMAX + q];
+        red[j * NMAX + q] = 0.0f; /* for the next stage (after its first barrier) */
+        if (mode == DL_SWIGLU) {
+            float u = red[(ncols + j) * NMAX + q];
+            red[(ncols + j) * NMAX + q] = 0.0f;
+            const float bg = bias ? pd_ld(bias + col) : 0.0f;
+            const float bu = bias ? pd_ld(bias + s.m + col) : 0.0f;
+            const float gt = __bfloat162float(__float2bfloat16_rn(v + bg));
+            u = __bfloat162float(__float2bfloat16_rn(u + bu));
+            pd_st(out + (size_t)q * ld + col, gt / (1.0f + expf(-gt)) * u);
+        } else {
+            bf16 *o = out + (size_t)q * ld + col;
+            if (bias) v += pd_ld(bias + col);
+            if (mode == DL_ADD) v += __bfloat162float(__ldcg(o));
+            pd_st(o, v);
+        }
+    }
+}
+
+/* xs[q] = bf16(w * (resid[q] / rms)) for the n rows, as the rmsnorm op rounds it: the rows
+ * to shared memory 16 bytes a thread at a time with their sums of squares, then in place. */
+template <int NMAX>
+static __device__ void norm_rows(const dl_params &p, const bf16 *nw, bf16 *xs)
+{
+    __shared__ float red[NMAX][DL_CW];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int32_t hc = p.hidden / 8;
+    const uint4 *r4 = reinterpret_cast<const uint4 *>(p.resid);
+    uint4 *x4 = reinterpret_cast<uint4 *>(xs);
+#pragma unroll
+    for (int q = 0; q < NMAX; q++) {
+        if (q >= p.n) break;
+        float ss = 0.0f;
+        for (int32_t i = threadIdx.x; i < hc; i += DL_CW * 32) {
+            const uint4 v = __ldcg(r4 + (size_t)q * hc + i);
+            x4[(size_t)q * hc + i] = v;
+            ss += dot8(v, v, 0.0f);
+        }
+        ss = pd_warp_sum(ss);
+        if (lane == 0) red[q][warp] = ss;
+    }
+    cons_sync();
+    for (int32_t q = 0; q < p.n; q++) {
+        float ss = 0.0f;
+        for (int v = 0; v < DL_CW; v++) ss += red[q][v];
+        const float rr = (float)(1.0 / sqrt((double)ss / p.hidden + p.eps));
+        for (int32_t i = threadIdx.x; i < p.hidden; i += DL_CW * 32) {
+            bf16 *x = xs + (size_t)q * p.hidden + i;
+            pd_st(x, pd_ld(nw + i) * (pd_ld(x) * rr));
+        }
+    }
+    cons_sync();
+}
+
+/* xs = the n rows of src ([n][k], written in this kernel), 16 bytes at a time. */
+static __device__ void copy_rows(const bf16 *src, int32_t n, int32_t k, bf16 *xs)
+{
+    const uint4 *s4 = reinterpret_cast<const uint4 *>(src);
+    uint4 *d4 = reinterpret_cast<uint4 *>(xs);
+    const int32_t total = n * k / 8;
+    for (int32_t i = threadIdx.x; i < total; i += DL_CW * 32) d4[i] = __ldcg(s4 + i);
+    cons_sync();
+}
+
+/* ---- consumers: attention (S2) ---- */
+
+/* Head j of unit (s, h): j < G the query heads, G the KV head's key, G + 1 its value. Norm and
+ * RoPE as rope_store_kv does them (rounded to bf16 where it stores), into shared memory (q
+ * scaled for exp2); split 0 stores the new key and value in the cache. */
+template <int HD>
+static __device__ void prep_heads(const dl_params &p, const dl_layer &L, int32_t s, int32_t h,
+                                  int32_t G, bool store, float *qs, float *kn, float *vn)
+{
+    constexpr int NR = HD / 32, NP = NR / 2, HALF = HD / 2;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int32_t qkv_dim = (p.n_heads + 2 * p.n_kv_heads) * HD;
+    const bf16 *row = p.qkv + (size_t)s * qkv_dim;
+    const int32_t slot = p.slots[s];
+    const int64_t kv_off = (int64_t)slot * p.n_kv_heads * HD + (int64_t)h * HD;
+    for (int32_t j = warp; j < G + 2; j += DL_CW) {
+        const bf16 *src = row + (size_t)(j < G    ? h * G + j
+                                         : j == G ? p.n_heads + h
+                                                  : p.n_heads + p.n_kv_heads + h) * HD;
+        float x[NR];
+#pragma unroll
+        for (int r = 0; r < NR; r++) x[r] = __bfloat162float(__ldcg(src + lane + 32 * r));
+        if (j == G + 1) {
+#pragma unroll
+            for (int r = 0; r < NR; r++) {
+                vn[lane + 32 * r] = x[r];
+                if (store && slot >= 0) pd_st(L.v_cache + kv_off + lane + 32 * r, x[r]);
+            }
+            continue;
+        }
+        const bf16 *nw = j < G ? L.q_norm : L.k_norm;
+        if (nw) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int r = 0; r < NR; r++) ss += x[r] * x[r];
+            ss = pd_warp_sum(ss);
+            const float rr = (float)(1.0 / sqrt((double)ss / HD + p.eps));
+#pragma unroll
+            for (int r = 0; r < NR; r++)
+                x[r] = __bfloat162float(__float2bfloat16_rn(pd_ld(nw + lane + 32 * r) * (x[r] * rr)));
+        }
+        float o[NR];
+#pragma unroll
+        for (int r = 0; r < NP; r++) {
+            const int i = lane + 32 * r;
+            const float2 cn = __ldcg(reinterpret_cast<const float2 *>(p.rope) + s * HALF + i);
+            const float cs = cn.x, sn = cn.y;
+            o[r] = __bfloat162float(__float2bfloat16_rn(x[r] * cs - x[r + NP] * sn));
+            o[r + NP] = __bfloat162float(__float2bfloat16_rn(x[r + NP] * cs + x[r] * sn));
+        }
+#pragma unroll
+        for (int r = 0; r < NR; r++) {
+            const int i = lane + 32 * r;
+            if (j < G) {
+                qs[j * HD + i] = o[r] * p.scale_log2;
+            } else {
+                kn[i] = o[r];
+                if (store && slot >= 0) pd_st(L.k_cache + kv_off + i, o[r]);
+            }
+        }
+    }
+    cons_sync();
+}
+
+template <int E>
+static __device__ __forceinline__ void load_e(const bf16 *p, float (&v)[E])
+{
+    if (E == 4) {
+        const uint2 u = *reinterpret_cast<const uint2 *>(p);
+        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.x));
+        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.y));
+        v[0] = a.x; v[1] = a.y; v[E > 2 ? 2 : 0] = b.x; v[E > 3 ? 3 : 0] = b.y;
+    } else {
+        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(p));
+        v[0] = a.x; v[E > 1 ? 1 : 0] = a.y;
+    }
+}
+
+/* One unit (sequence s, KV head h, split sp): attention of its G query heads over the split's
+ * keys; the result, or a partial merged by the last split to finish. sm is scratch of
+ * DL_CW * G * (HD + 2) floats after the q / k / v vectors. */
+template <int HD>
+static __device__ void attend_unit(const dl_params &p, const dl_layer &L, int32_t s, int32_t h,
+                                   int32_t sp, float *sm)
+{
+    constexpr int E = HD / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int32_t G = p.n_heads / p.n_kv_heads, ctx = p.ctx_lens[s];
+    bf16 *out = p.attn + (size_t)s * p.n_heads * HD + (size_t)h * G * HD;
+    if (ctx <= 0) { /* padding row */
+        if (sp == 0)
+            for (int32_t i = threadIdx.x; i < G * HD; i += DL_CW * 32) pd_st(out + i, 0.0f);
+        return;
+    }
+    const int32_t k_start = p.sliding_window > 0 && ctx > p.sliding_window ? ctx - p.sliding_window : 0;
+    const int32_t n_keys = ctx - k_start;
+    const int32_t used = min(p.splits, max(1, n_keys / DL_MIN_CHUNK));
+    if (sp >= used) return;
+    const int32_t chunk = (n_keys + used - 1) / used;
+    const int32_t kb = k_start + sp * chunk, ke = min(kb + chunk, ctx);
+    float *qs = sm, *kn = qs + DL_MAX_G * HD, *vn = kn + HD, *scr = vn + HD;
+    prep_heads<HD>(p, L, s, h, G, sp == 0, qs, kn, vn);
+
+    float qr[DL_MAX_G][E], acc[DL_MAX_G][E], m[DL_MAX_G], l[DL_MAX_G];
+#pragma unroll
+    for (int g = 0; g < DL_MAX_G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            qr[g][e] = g < G ? qs[g * HD + lane * E + e] : 0.0f;
+            acc[g][e] = 0.0f;
+        }
+    }
+    const int32_t *table = p.block_tables + (size_t)s * p.max_blocks_per_seq;
+    const int64_t kv_row = (int64_t)p.n_kv_heads * HD;
+    for (int32_t j0 = kb + warp * DL_KEYS_PER_WARP; j0 < ke; j0 += DL_CW * DL_KEYS_PER_WARP) {
+        float kv[DL_KEYS_PER_WARP][2][E];
+#pragma unroll
+        for (int i = 0; i < DL_KEYS_PER_WARP; i++) {
+            const int32_t j = j0 + i;
+            if (j >= ke) continue;
+            if (j == ctx - 1) { /* the new token: from shared memory, not the cache */
+#pragma unroll
+                for (int e = 0; e < E; e++) {
+                    kv[i][0][e] = kn[lane * E + e];
+                    kv[i][1][e] = vn[lane * E + e];
+                }
+                continue;
+            }
+            const int64_t off = ((int64_t)table[j / p.block_size] * p.block_size +
+                                 j % p.block_size) * kv_row + (int64_t)h * HD + lane * E;
+            load_e<E>(L.k_cache + off, kv[i][0]);
+            load_e<E>(L.v_cache + off, kv[i][1]);
+        }
+#pragma unroll
+        for (int i = 0; i < DL_KEYS_PER_WARP; i++) {
+            if (j0 + i >= ke) break;
+#pragma unroll
+            for (int g = 0; g < DL_MAX_G; g++) {
+                if (g >= G) break;
+                float sc = 0.0f;
+#pragma unroll
+                for (int e = 0; e < E; e++) sc = fmaf(qr[g][e], kv[i][0][e], sc);
+                sc = pd_warp_sum(sc);
+                const float mn = fmaxf(m[g], sc);
+                const float corr = exp2f(m[g] - mn), pr = exp2f(sc - mn);
+                m[g] = mn;
+                l[g] = l[g] * corr + pr;
+#pragma unroll
+                for (int e = 0; e < E; e++) acc[g][e] = fmaf(pr, kv[i][1][e], acc[g][e] * corr);
+            }
+        }
+    }
+    /* merge the warps: scr[w][g] = (max, sum), then [w][g][HD] outputs */
+    float *wml = scr, *wacc = scr + 2 * DL_CW * G;
+#pragma unroll
+    for (int g = 0; g < DL_MAX_G; g++) {
+        if (g >= G) break;
+        if (lane == 0) {
+            wml[2 * (warp * G + g)] = m[g];
+            wml[2 * (warp * G + g) + 1] = l[g];
+        }
+#pragma unroll
+        for (int e = 0; e < E; e++) wacc[(warp * G + g) * HD + lane * E + e] = acc[g][e];
+    }
+    cons_sync();
+    const int32_t head0 = h * G;
+    const size_t n_items = (size_t)p.n * p.n_heads * p.splits;
+    float *ml = p.part + n_items * HD;
+    for (int32_t i = threadIdx.x; i < G * HD; i += DL_CW * 32) {
+        const int32_t g = i / HD, d = i % HD;
+        float M = -INFINITY;
+        for (int w = 0; w < DL_CW; w++) M = fmaxf(M, wml[2 * (w * G + g)]);
+        float Ls = 0.0f, O = 0.0f;
+        for (int w = 0; w < DL_CW; w++) {
+            const float mw = wml[2 * (w * G + g)];
+            if (mw == -INFINITY) continue;
+            const float f = exp2f(mw - M);
+            Ls = fmaf(wml[2 * (w * G + g) + 1], f, Ls);
+            O = fmaf(wacc[(w * G + g) * HD + d], f, O);
+        }
+        if (used == 1) {
+            pd_st(out + i, O / Ls);
+        } else {
+            const size_t item = ((size_t)s * p.n_heads + head0 + g) * p.splits + sp;
+            p.part[item * HD + d] = O;
+            if (d == 0) {
+                ml[2 * item] = M;
+                ml[2 * item + 1] = Ls;
+            }
+        }
+    }
+    if (used == 1) {
+        cons_sync(); /* the scratch is the next unit's */
+        return;
+    }
+    __shared__ int is_last;
+    int32_t *cnt = p.count + (size_t)s * p.n_kv_heads + h;
+    __threadfence();
+    cons_sync();
+    if (threadIdx.x == 0) is_last = atomicAdd(cnt, 1) == used - 1;
+    cons_sync();
+    if (is_last) {
+        __threadfence();
+        for (int32_t i = threadIdx.x; i < G * HD; i += DL_CW * 32) {
+            const int32_t g = i / HD, d = i % HD;
+            const size_t item0 = ((size_t)s * p.n_heads + head0 + g) * p.splits;
+            float M = -INFINITY;
+            for (int32_t j = 0; j < used; j++) M = fmaxf(M, __ldcg(ml + 2 * (item0 + j)));
+            float Ls = 0.0f, O = 0.0f;
+            for (int32_t j = 0; j < used; j++) {
+                const float f = exp2f(__ldcg(ml + 2 * (item0 + j)) - M);
+                Ls = fmaf(__ldcg(ml + 2 * (item0 + j) + 1), f, Ls);
+                O = fmaf(__ldcg(p.part + (item0 + j) * HD + d), f, O);
+            }
+            pd_st(out + i, O / Ls);
+        }
+        if (threadIdx.x == 0) *cnt = 0;
+    }
+    cons_sync();
+}
+
+/* ---- the kernel ---- */
+
+template <int HD, int NMAX>
+static __global__ void __launch_bounds__(DL_THREADS, 1)
+decode_layers_kernel(const __grid_constant__ dl_params p)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) char smem[];
+    __shared__ __align__(8) uint64_t bars[2 * 64];
+    uint64_t *full = bars, *empty = bars + 64;
+    char *ring = smem;
+    char *xsb = smem + (size_t)p.n_slots * p.slot_bytes;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < p.n_slots; i++) {
+            mbar_init(&full[i], 1);
+            mbar_init(&empty[i], DL_CW);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == DL_CW) { /* the producer */
+        if (lane == 0 && !(p.debug & 8)) produce<HD>(p, ring, full, empty);
+        return;
+    }
+    bf16 *xs = reinterpret_cast<bf16 *>(xsb);
+    float *red = reinterpret_cast<float *>(xsb + p.x_bytes);
+    for (int32_t i = threadIdx.x; i < p.red_rows * NMAX; i += DL_CW * 32) red[i] = 0.0f;
+    float *sm = reinterpret_cast<float *>(xsb);
+    uint32_t it = 0;
+    unsigned target = 0;
+    /* the rotation of each sequence's position, for every layer (read after the first barrier):
+     * cos and sin taken in double and rounded once, as rope_store_kv does */
+    for (int32_t i = blockIdx.x * DL_CW * 32 + threadIdx.x; i < p.n * HD / 2;
+         i += gridDim.x * DL_CW * 32) {
+        const int32_t sq = i / (HD / 2), f = i % (HD / 2);
+        double sd, cd;
+        sincos((double)((float)p.positions[sq] * p.inv_freq[f]), &sd, &cd);
+        reinterpret_cast<float2 *>(p.rope)[i] =
+            make_float2((float)cd * p.attn_factor, (float)sd * p.attn_factor);
+    }
+    const int32_t units = p.n * p.n_kv_heads * p.splits;
+    for (int32_t l = 0; l < p.n_layers; l++) {
+        const dl_layer &L = p.layer[l];
+        dl_stage s;
+        /* S1 */
+        s = stage_of(p, l, 0, HD);
+        norm_rows<NMAX>(p, L.attn_norm, xs);
+        consume<NMAX>(p, s, xs, L.qkv_bias, DL_STORE, p.qkv, s.m, ring, red, full, empty, it);
+        grid_sync(p.bar, target, p.debug);
+        /* S2 */
+        for (int32_t u = blockIdx.x; u < units && !(p.debug & 2); u += gridDim.x) {
+            const int32_t sp = u % p.splits, h = (u / p.splits) % p.n_kv_heads;
+            attend_unit<HD>(p, L, u / (p.splits * p.n_kv_heads), h, sp, sm);
+        }
+        grid_sync(p.bar, target, p.debug);
+        /* S3 */
+        s = stage_of(p, l, 1, HD);
+        copy_rows(p.attn, p.n, s.k, xs);
+        consume<NMAX>(p, s, xs, L.o_bias, DL_ADD, p.resid, p.hidden, ring, red, full, empty, it);
+        grid_sync(p.bar, target, p.debug);
+        /* S4 */
+        s = stage_of(p, l, 2, HD);
+        norm_rows<NMAX>(p, L.mlp_norm, xs);
+        consume<NMAX>(p, s, xs, NULL, DL_SWIGLU, p.act, p.inter, ring, red, full, empty, it);
+        grid_sync(p.bar, target, p.debug);
+        /* S5 */
+        s = stage_of(p, l, 3, HD);
+        copy_rows(p.act, p.n, p.inter, xs);
+        consume<NMAX>(p, s, xs, NULL, DL_ADD, p.resid, p.hidden, ring, red, full, empty, it);
+        if (l + 1 < p.n_layers) grid_sync(p.bar, target, p.debug);
+    }
+    /* the last block out resets the counters for the next launch (every block is past its
+     * last barrier once it counts itself done) */
+    cons_sync();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&p.bar[1], 1u) == gridDim.x - 1) {
+            p.bar[0] = 0;
+            p.bar[1] = 0;
+            __threadfence();
+        }
+    }
+#else
+    __trap(); /* the host launches it on compute capability 9.0 and up only */
+#endif
+}
+
+/* ---- host ---- */
+
+/* The largest n the fused kernel takes by default: measured on an H200 against the op-by-op
+ * graphs (docs/perf.md), batch 1, 2 and 4 faster, 8 slower. */
+#define DL_DEFAULT_MAX_N 4
+
+/* PDSERVE_CUDA_FUSED_DECODE=N moves it (0 = off, at most DL_MAX_N). */
+static int fused_max_n(void)
+{
+    static int v = -1; /* racy first reads all compute the same value */
+    if (v < 0) {
+        const char *e = getenv("PDSERVE_CUDA_FUSED_DECODE");
+        int x = e && *e ? atoi(e) : DL_DEFAULT_MAX_N;
+        v = x < 0 ? 0 : x > DL_MAX_N ? DL_MAX_N : x;
+    }
+    return v;
+}
+
+static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+template <int HD, int NMAX>
+static cudaError_t launch_t(const dl_params &p, int grid, size_t smem, cudaStream_t stream)
+{
+    auto k = decode_layers_kernel<HD, NMAX>;
+    cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)smem);
+    if (e != cudaSuccess) return e;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)grid);
+    cfg.blockDim = dim3(DL_THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeCooperative;
+    attr[0].val.cooperative = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, k, p);
+}
+
+template <int HD>
+static cudaError_t launch_hd(const dl_params &p, int grid, size_t smem, cudaStream_t stream)
+{
+    if (p.n <= 1) return launch_t<HD, 1>(p, grid, smem, stream);
+    if (p.n <= 2) return launch_t<HD, 2>(p, grid, smem, stream);
+    if (p.n <= 4) return launch_t<HD, 4>(p, grid, smem, stream);
+    return launch_t<HD, 8>(p, grid, smem, stream);
+}
+
+extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    if (!a || !a->layers || !a->resid || !a->qkv || !a->attn || !a->act || !a->positions ||
+        !a->slot_mapping || !a->ctx_lens || !a->block_tables || !a->inv_freq || a->n < 0 ||
+        a->n_layers < 0 || a->hidden <= 0 || a->intermediate <= 0 || a->n_heads <= 0 ||
+        a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads || a->block_size <= 0 ||
+        a->max_blocks_per_seq <= 0)
+        return PD_EINVAL;
+    if (a->n == 0 || a->n_layers == 0) return 0;
+    const int32_t G = a->n_heads / a->n_kv_heads, hd = a->head_dim;
+    if (c->cc_major < 9 || a->n > fused_max_n() || a->n_layers > DL_MAX_LAYERS ||
+        (hd != 64 && hd != 128) || G > DL_MAX_G || a->hidden % 256 ||
+        a->intermediate % 256 || (a->n_heads * hd) % 256)
+        return PD_EUNSUPPORTED; /* a warp's 32 chunks of 8 in one weight row */
+    for (int32_t l = 0; l < a->n_layers; l++) {
+        const pd_layer_args *L = &a->layers[l];
+        if (!L->attn_norm || !L->qkv || !L->o_proj || !L->mlp_norm || !L->gate_up || !L->down ||
+            !L->k_cache || !L->v_cache || !L->q_norm != !L->k_norm)
+            return PD_EINVAL;
+        if (!aligned16(L->qkv) || !aligned16(L->o_proj) || !aligned16(L->gate_up) ||
+            !aligned16(L->down))
+            return PD_EUNSUPPORTED;
+    }
+    if (!aligned16(a->attn) || !aligned16(a->act)) return PD_EUNSUPPORTED;
+
+    static int max_smem = 0;
+    if (!max_smem)
+        PD_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                             c->device));
+    const int32_t nq = a->n_heads * hd, qkv_dim = (a->n_heads + 2 * a->n_kv_heads) * hd;
+    int32_t kmax = a->hidden > nq ? a->hidden : nq;
+    if (a->intermediate > kmax) kmax = a->intermediate;
+    size_t x_bytes = (size_t)a->n * kmax * 2;
+    const size_t att_bytes =
+        ((size_t)(DL_MAX_G + 2) * hd + 2 * DL_CW * G + (size_t)DL_CW * G * hd) * sizeof(float);
+    if (att_bytes > x_bytes) x_bytes = att_bytes;
+    x_bytes = (x_bytes + 127) & ~(size_t)127;
+    const size_t slot = DL_SLOT_BYTES; /* 8 rows of 1024 k */
+    const int grid = c->sm_count;
+    int32_t red_rows = 2 * ((a->intermediate + grid - 1) / grid); /* a block's columns */
+    if ((qkv_dim + grid - 1) / grid > red_rows) red_rows = (qkv_dim + grid - 1) / grid;
+    if ((a->hidden + grid - 1) / grid > red_rows) red_rows = (a->hidden + grid - 1) / grid;
+    const int nmax = a->n <= 1 ? 1 : a->n <= 2 ? 2 : a->n <= 4 ? 4 : 8;
+    const size_t red_bytes = (size_t)red_rows * nmax * sizeof(float);
+    const size_t avail = (size_t)max_smem - 2048; /* the static mbarriers and sums */
+    if (x_bytes + red_bytes + DL_MIN_SLOTS * slot > avail) return PD_EUNSUPPORTED;
+    size_t n_slots = (avail - x_bytes - red_bytes) / slot;
+    if (n_slots > 64) n_slots = 64;
+
+    int32_t splits = grid / (a->n * a->n_kv_heads);
+    if (splits < 1) splits = 1;
+    if (splits > DL_MAX_SPLITS) splits = DL_MAX_SPLITS;
+    if ((size_t)a->n * a->n_heads * splits * (hd + 2) + (size_t)a->n * hd > c->attn_part_floats ||
+        (size_t)a->n * a->n_kv_heads > c->attn_count_n)
+        return PD_EUNSUPPORTED;
+
+    dl_params p;
+    memset(&p, 0, sizeof p);
+    p.resid = (bf16 *)a->resid;
+    p.qkv = (bf16 *)a->qkv;
+    p.attn = (bf16 *)a->attn;
+    p.act = (bf16 *)a->act;
+    p.part = c->attn_part;
+    p.rope = c->attn_part + c->attn_part_floats - (size_t)a->n * hd;
+    p.count = c->attn_count;
+    p.bar = c->grid_bar;
+    p.positions = a->positions;
+    p.slots = a->slot_mapping;
+    p.ctx_lens = a->ctx_lens;
+    p.block_tables = a->block_tables;
+    p.inv_freq = a->inv_freq;
+    p.n = a->n;
+    p.hidden = a->hidden;
+    p.inter = a->intermediate;
+    p.n_heads = a->n_heads;
+    p.n_kv_heads = a->n_kv_heads;
+    p.n_layers = a->n_layers;
+    p.max_blocks_per_seq = a->max_blocks_per_seq;
+    p.block_size = a->block_size;
+    p.sliding_window = a->sliding_window;
+    p.splits = splits;
+    p.eps = a->norm_eps;
+    p.attn_factor = a->attn_factor;
+    p.scale_log2 = a->scale * 1.4426950408889634f;
+    p.slot_bytes = (int32_t)slot;
+    p.n_slots = (int32_t)n_slots;
+    p.x_bytes = (int32_t)x_bytes;
+    p.red_rows = red_rows;
+    {   /* parts of the kernel off, for timing breakdowns only (results are wrong): 1 the
+         * products' arithmetic, 2 attention, 4 the grid barriers, 8 the weight stream */
+        const char *e = getenv("PDSERVE_CUDA_DL_DEBUG");
+        p.debug = e ? atoi(e) : 0;
+    }
+    for (int32_t l = 0; l < a->n_layers; l++) {
+        const pd_layer_args *L = &a->layers[l];
+        dl_layer &d = p.layer[l];
+        d.attn_norm = (const bf16 *)L->attn_norm;
+        d.qkv = (const bf16 *)L->qkv;
+        d.qkv_bias = (const bf16 *)L->qkv_bias;
+        d.q_norm = (const bf16 *)L->q_norm;
+        d.k_norm = (const bf16 *)L->k_norm;
+        d.o = (const bf16 *)L->o_proj;
+        d.o_bias = (const bf16 *)L->o_bias;
+        d.mlp_norm = (const bf16 *)L->mlp_norm;
+        d.gate_up = (const bf16 *)L->gate_up;
+        d.down = (const bf16 *)L->down;
+        d.k_cache = (bf16 *)L->k_cache;
+        d.v_cache = (bf16 *)L->v_cache;
+    }
+    const size_t smem = n_slots * slot + x_bytes + red_bytes;
+    PD_CUDA_CHECK(hd == 64 ? launch_hd<64>(p, grid, smem, c->stream)
+                           : launch_hd<128>(p, grid, smem, c->stream));
+    return 0;
+}
