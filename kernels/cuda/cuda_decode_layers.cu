@@ -23,11 +23,13 @@
  * the A operand), then hand the slot back. Data written inside the kernel is read through L2
  * (ld.cg): L1 is not coherent.
  *
- * On an H200 (docs/perf.md) a Qwen3-0.6B batch-1 step is 16% faster than the op-by-op graphs
- * (batch 2 +17%, 4 +5%, 8 -15%: hence n <= 4 by default, PDSERVE_CUDA_FUSED_DECODE=N moves
- * it). What is left of a step is mostly the attention stage's chain of dependent global
- * round trips (about 0.3 ms of 1.09), the 140 grid barriers (about 0.15 ms) and what runs
- * outside the kernel (lm_head, sampling, the host: about 0.3 ms).
+ * On an H200 (docs/perf.md) a Qwen3-0.6B batch-1 step is 14% faster than the op-by-op graphs
+ * after a 128-token prompt and 10% after a 1000-token one; the Llama-3-8B shape is even.
+ * Batches of 2 and 4 gain after short prompts but lose after long ones (the attention stage
+ * has fewer splits a sequence), hence n = 1 by default (PDSERVE_CUDA_FUSED_DECODE=N: up to
+ * N). What is left of a step is mostly latency: the attention stage's chain of dependent
+ * global round trips (about 0.3 ms of 1.1), the 140 grid barriers (about 0.15 ms), each
+ * stage's first loads, and what runs outside the kernel (lm_head, sampling, the host).
  *
  * The grid is cooperative (every block resident); the barrier is a counter in global memory that
  * each block's first thread adds to and polls, and that the last block out resets. */
@@ -374,8 +376,13 @@ static __device__ void prep_heads(const dl_params &p, const dl_layer &L, int32_t
                                          : j == G ? p.n_heads + h
                                                   : p.n_heads + p.n_kv_heads + h) * HD;
         float x[NR];
+        float2 cn[NP]; /* loaded with x: one round trip */
 #pragma unroll
         for (int r = 0; r < NR; r++) x[r] = __bfloat162float(__ldcg(src + lane + 32 * r));
+#pragma unroll
+        for (int r = 0; r < NP; r++)
+            cn[r] = j <= G ? __ldcg(reinterpret_cast<const float2 *>(p.rope) + s * HALF + lane + 32 * r)
+                           : make_float2(0.0f, 0.0f);
         if (j == G + 1) {
 #pragma unroll
             for (int r = 0; r < NR; r++) {
@@ -398,9 +405,7 @@ static __device__ void prep_heads(const dl_params &p, const dl_layer &L, int32_t
         float o[NR];
 #pragma unroll
         for (int r = 0; r < NP; r++) {
-            const int i = lane + 32 * r;
-            const float2 cn = __ldcg(reinterpret_cast<const float2 *>(p.rope) + s * HALF + i);
-            const float cs = cn.x, sn = cn.y;
+            const float cs = cn[r].x, sn = cn[r].y;
             o[r] = __bfloat162float(__float2bfloat16_rn(x[r] * cs - x[r + NP] * sn));
             o[r + NP] = __bfloat162float(__float2bfloat16_rn(x[r + NP] * cs + x[r] * sn));
         }
@@ -432,63 +437,91 @@ static __device__ __forceinline__ void load_e(const bf16 *p, float (&v)[E])
     }
 }
 
-/* One unit (sequence s, KV head h, split sp): attention of its G query heads over the split's
- * keys; the result, or a partial merged by the last split to finish. sm is scratch of
- * DL_CW * G * (HD + 2) floats after the q / k / v vectors. */
+/* Unit u of S2: sequence s, KV head h, split sp of the sequence's keys [kb, ke) (used splits
+ * in all; a unit past them has nothing to do). */
+struct dl_unit {
+    int32_t s, h, sp, ctx, kb, ke, used;
+};
+
+static __device__ __forceinline__ dl_unit unit_of(const dl_params &p, int32_t u)
+{
+    dl_unit a;
+    a.sp = u % p.splits;
+    a.h = (u / p.splits) % p.n_kv_heads;
+    a.s = u / (p.splits * p.n_kv_heads);
+    a.ctx = p.ctx_lens[a.s];
+    const int32_t k_start =
+        p.sliding_window > 0 && a.ctx > p.sliding_window ? a.ctx - p.sliding_window : 0;
+    const int32_t n_keys = a.ctx - k_start;
+    a.used = a.ctx > 0 ? min(p.splits, max(1, n_keys / DL_MIN_CHUNK)) : 1;
+    const int32_t chunk = a.ctx > 0 ? (n_keys + a.used - 1) / a.used : 0;
+    a.kb = k_start + a.sp * chunk;
+    a.ke = min(a.kb + chunk, a.ctx);
+    return a;
+}
+
+/* DL_KEYS_PER_WARP cached keys and values of unit a from j0 on, into registers (the new
+ * token's, stored in S2 by split 0, is never read from the cache). Loading them before the
+ * grid barrier ahead of S2 was tried: the registers spill and the step got 5% slower. */
+template <int E>
+static __device__ __forceinline__ void kv_batch(const dl_params &p, const dl_layer &L,
+                                                const dl_unit &a, int32_t j0,
+                                                float (&kv)[DL_KEYS_PER_WARP][2][E])
+{
+    constexpr int HD = E * 32;
+    const int lane = threadIdx.x & 31;
+    const int32_t *table = p.block_tables + (size_t)a.s * p.max_blocks_per_seq;
+    const int64_t kv_row = (int64_t)p.n_kv_heads * HD;
+#pragma unroll
+    for (int i = 0; i < DL_KEYS_PER_WARP; i++) {
+        const int32_t j = j0 + i;
+        if (j >= a.ke || j == a.ctx - 1) continue;
+        const int64_t off = ((int64_t)table[j / p.block_size] * p.block_size +
+                             j % p.block_size) * kv_row + (int64_t)a.h * HD + lane * E;
+        load_e<E>(L.k_cache + off, kv[i][0]);
+        load_e<E>(L.v_cache + off, kv[i][1]);
+    }
+}
+
+/* One unit: attention of its G query heads over the split's keys; the result, or a partial
+ * merged by the last split to finish. sm is scratch of DL_CW * G * (HD + 2) floats after the q / k / v vectors. */
 template <int HD>
-static __device__ void attend_unit(const dl_params &p, const dl_layer &L, int32_t s, int32_t h,
-                                   int32_t sp, float *sm)
+static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const dl_unit &a,
+                                   float *sm)
 {
     constexpr int E = HD / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int32_t G = p.n_heads / p.n_kv_heads, ctx = p.ctx_lens[s];
+    const int32_t G = p.n_heads / p.n_kv_heads, ctx = a.ctx, s = a.s, h = a.h, sp = a.sp;
     bf16 *out = p.attn + (size_t)s * p.n_heads * HD + (size_t)h * G * HD;
     if (ctx <= 0) { /* padding row */
         if (sp == 0)
             for (int32_t i = threadIdx.x; i < G * HD; i += DL_CW * 32) pd_st(out + i, 0.0f);
         return;
     }
-    const int32_t k_start = p.sliding_window > 0 && ctx > p.sliding_window ? ctx - p.sliding_window : 0;
-    const int32_t n_keys = ctx - k_start;
-    const int32_t used = min(p.splits, max(1, n_keys / DL_MIN_CHUNK));
+    const int32_t used = a.used;
     if (sp >= used) return;
-    const int32_t chunk = (n_keys + used - 1) / used;
-    const int32_t kb = k_start + sp * chunk, ke = min(kb + chunk, ctx);
+    const int32_t kb = a.kb, ke = a.ke;
     float *qs = sm, *kn = qs + DL_MAX_G * HD, *vn = kn + HD, *scr = vn + HD;
     prep_heads<HD>(p, L, s, h, G, sp == 0, qs, kn, vn);
 
-    float qr[DL_MAX_G][E], acc[DL_MAX_G][E], m[DL_MAX_G], l[DL_MAX_G];
+    float acc[DL_MAX_G][E], m[DL_MAX_G], l[DL_MAX_G]; /* q stays in shared memory */
 #pragma unroll
     for (int g = 0; g < DL_MAX_G; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < E; e++) {
-            qr[g][e] = g < G ? qs[g * HD + lane * E + e] : 0.0f;
-            acc[g][e] = 0.0f;
-        }
+        for (int e = 0; e < E; e++) acc[g][e] = 0.0f;
     }
-    const int32_t *table = p.block_tables + (size_t)s * p.max_blocks_per_seq;
-    const int64_t kv_row = (int64_t)p.n_kv_heads * HD;
-    for (int32_t j0 = kb + warp * DL_KEYS_PER_WARP; j0 < ke; j0 += DL_CW * DL_KEYS_PER_WARP) {
-        float kv[DL_KEYS_PER_WARP][2][E];
+    /* one batch of keys j0.. in kv: the new token's from shared memory, then online softmax */
+    auto batch = [&](int32_t j0, float (&kv)[DL_KEYS_PER_WARP][2][E]) {
 #pragma unroll
-        for (int i = 0; i < DL_KEYS_PER_WARP; i++) {
-            const int32_t j = j0 + i;
-            if (j >= ke) continue;
-            if (j == ctx - 1) { /* the new token: from shared memory, not the cache */
+        for (int i = 0; i < DL_KEYS_PER_WARP; i++)
+            if (j0 + i == ctx - 1)
 #pragma unroll
                 for (int e = 0; e < E; e++) {
                     kv[i][0][e] = kn[lane * E + e];
                     kv[i][1][e] = vn[lane * E + e];
                 }
-                continue;
-            }
-            const int64_t off = ((int64_t)table[j / p.block_size] * p.block_size +
-                                 j % p.block_size) * kv_row + (int64_t)h * HD + lane * E;
-            load_e<E>(L.k_cache + off, kv[i][0]);
-            load_e<E>(L.v_cache + off, kv[i][1]);
-        }
 #pragma unroll
         for (int i = 0; i < DL_KEYS_PER_WARP; i++) {
             if (j0 + i >= ke) break;
@@ -497,7 +530,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, int32_
                 if (g >= G) break;
                 float sc = 0.0f;
 #pragma unroll
-                for (int e = 0; e < E; e++) sc = fmaf(qr[g][e], kv[i][0][e], sc);
+                for (int e = 0; e < E; e++) sc = fmaf(qs[g * HD + lane * E + e], kv[i][0][e], sc);
                 sc = pd_warp_sum(sc);
                 const float mn = fmaxf(m[g], sc);
                 const float corr = exp2f(m[g] - mn), pr = exp2f(sc - mn);
@@ -507,6 +540,12 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, int32_
                 for (int e = 0; e < E; e++) acc[g][e] = fmaf(pr, kv[i][1][e], acc[g][e] * corr);
             }
         }
+    };
+    int32_t j0 = kb + warp * DL_KEYS_PER_WARP;
+    for (; j0 < ke; j0 += DL_CW * DL_KEYS_PER_WARP) {
+        float kv[DL_KEYS_PER_WARP][2][E];
+        kv_batch<E>(p, L, a, j0, kv);
+        batch(j0, kv);
     }
     /* merge the warps: scr[w][g] = (max, sum), then [w][g][HD] outputs */
     float *wml = scr, *wacc = scr + 2 * DL_CW * G;
@@ -628,10 +667,8 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         consume<NMAX>(p, s, xs, L.qkv_bias, DL_STORE, p.qkv, s.m, ring, red, full, empty, it);
         grid_sync(p.bar, target, p.debug);
         /* S2 */
-        for (int32_t u = blockIdx.x; u < units && !(p.debug & 2); u += gridDim.x) {
-            const int32_t sp = u % p.splits, h = (u / p.splits) % p.n_kv_heads;
-            attend_unit<HD>(p, L, u / (p.splits * p.n_kv_heads), h, sp, sm);
-        }
+        for (int32_t u = blockIdx.x; u < units && !(p.debug & 2); u += gridDim.x)
+            attend_unit<HD>(p, L, unit_of(p, u), sm);
         grid_sync(p.bar, target, p.debug);
         /* S3 */
         s = stage_of(p, l, 1, HD);
@@ -668,8 +705,9 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
 /* ---- host ---- */
 
 /* The largest n the fused kernel takes by default: measured on an H200 against the op-by-op
- * graphs (docs/perf.md), batch 1, 2 and 4 faster, 8 slower. */
-#define DL_DEFAULT_MAX_N 4
+ * graphs (docs/perf.md), batch 1 faster after short and long prompts, 2 and 4 only after
+ * short ones. */
+#define DL_DEFAULT_MAX_N 1
 
 /* PDSERVE_CUDA_FUSED_DECODE=N moves it (0 = off, at most DL_MAX_N). */
 static int fused_max_n(void)
