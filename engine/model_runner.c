@@ -404,9 +404,11 @@ static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err
 }
 
 /* Embedding, every layer and, when `final` is set, the final norm into r->h, for T rows of S
- * sequences whose metadata is in d_meta. max_ctx 0 = not known (a graph body). */
+ * sequences whose metadata is in d_meta. max_ctx 0 = not known (a graph body). With `head`
+ * (and final) the backend may also write every row's logits into r->logits: returns 1 when it
+ * did (r->h is then not written), 0 when the caller must. */
 static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ctx, bool final,
-                      char *err)
+                      bool head, char *err)
 {
     pd_backend *be = r->be;
     void *x = be->ctx;
@@ -444,7 +446,7 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
     CALL(o->embedding(x, r->d_ids, T, r->m->embed, hs, r->a));
     if (max_q == 1 && T == S && o->decode_layers && !r->layer_fn) {
         /* a small decode step the backend runs whole (PD_EUNSUPPORTED: op by op below) */
-        const pd_decode_args da = {
+        pd_decode_args da = {
             .layers = r->dl, .n_layers = c->n_layers, .resid = r->a, .qkv = r->qkv,
             .attn = r->attn, .act = r->act, .n = T, .hidden = hs, .intermediate = f,
             .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = hd,
@@ -454,7 +456,14 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
             .sliding_window = c->sliding_window, .scale = aa.scale, .inv_freq = r->inv_freq,
             .attn_factor = r->attn_factor,
         };
+        if (final && head) {
+            da.final_norm = r->m->final_norm;
+            da.lm_head = r->m->lm_head;
+            da.logits = r->logits;
+            da.vocab = c->vocab_size;
+        }
         int rc = o->decode_layers(x, &da);
+        if (rc == 0 && da.lm_head) return 1;
         if (rc == 0) goto final_norm;
         if (rc != PD_EUNSUPPORTED)
             return pd_errf(err, rc, "%s backend: decode_layers failed: %s", be->ops->name,
@@ -499,8 +508,8 @@ static int graph_body(mr *r, int32_t B, char *err)
 {
     pd_backend *be = r->be;
     const mc_config *c = &r->m->cfg;
-    int rc = run_layers(r, B, B, 1, 0, true, err);
-    if (rc < 0) return rc;
+    int rc = run_layers(r, B, B, 1, 0, true, true, err);
+    if (rc != 0) return rc < 0 ? rc : 0; /* 1: the logits are written */
     CALL(be->ops->linear(be->ctx, r->h, r->m->lm_head, NULL, B, c->hidden_size, c->vocab_size,
                          r->logits));
     return 0;
@@ -611,7 +620,8 @@ static int forward(mr *r, const mr_batch *b, float *logits, const mr_sampling *s
         return finish_rows(r, 0, b->n_logits, logits, smp, err);
     }
     if ((rc = upload_meta(r, b, b->n_tokens, b->n_seqs, err)) < 0) return rc;
-    if ((rc = run_layers(r, b->n_tokens, b->n_seqs, max_q, max_ctx, b->n_logits > 0, err)) < 0)
+    if ((rc = run_layers(r, b->n_tokens, b->n_seqs, max_q, max_ctx, b->n_logits > 0, false,
+                         err)) < 0)
         return rc;
     for (int32_t i0 = 0; i0 < b->n_logits; i0 += LOGITS_CHUNK) {
         int32_t n = b->n_logits - i0 < LOGITS_CHUNK ? b->n_logits - i0 : LOGITS_CHUNK;

@@ -96,7 +96,7 @@ typedef struct {
  *   linear_fused(resid, attn_norm, qkv, qkv_bias) -> qkv;  rope_store_kv (q_norm / k_norm);
  *   attention_decode -> attn;  linear_fused(attn, o_proj, o_bias, accumulate) -> resid;
  *   linear_fused(resid, mlp_norm, gate_up, swiglu) -> act;  linear_fused(act, down, accumulate)
- * with the metadata meaning what pd_rope_args' and pd_attn_args' do (a row of context 0 is
+ * (and optionally the final norm and lm_head, below) with the metadata meaning what pd_rope_args' and pd_attn_args' do (a row of context 0 is
  * padding: attention output zeros, nothing stored). */
 typedef struct {
     const pd_layer_args *layers; /* [n_layers], host memory */
@@ -111,6 +111,12 @@ typedef struct {
     float scale;                 /* softmax scale */
     const float *inv_freq;       /* [head_dim / 2] */
     float attn_factor;
+    /* Optional, with lm_head set: the head too, logits = rmsnorm(resid, final_norm) . lm_head^T
+     * (resid then holds the last layer's stream as without). */
+    const void *final_norm;      /* [hidden] */
+    const void *lm_head;         /* [vocab][hidden], or NULL: no head */
+    void *logits;                /* [n][vocab] */
+    int32_t vocab;
 } pd_decode_args;
 
 /* One row's parameters for the optional sample op. The fields mean what smp_params's do

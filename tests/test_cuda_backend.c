@@ -860,7 +860,8 @@ static void test_decode_kernels(void)
 
 /* decode_layers (cuda_decode_layers.cu: a decode step's layers in one persistent kernel)
  * against the CPU running the ops it stands for, layer after layer: the residual stream after
- * three layers, every layer's scratch outputs, and the K / V each layer stored, for batches of
+ * three layers, the last layer's scratch outputs, the logits of the fused head (final norm
+ * and lm_head), and the K / V each layer stored, for batches of
  * 1, 3 and 8 sequences over a shuffled paged cache (a padding row of context 0 among them),
  * with and without Qwen3's head norms, biases, a sliding window; GQA 2, 3 and 8. */
 typedef struct {
@@ -967,6 +968,17 @@ static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx)
             .o_proj = w[l][5].g, .o_bias = sh->bias ? w[l][6].g : NULL, .mlp_norm = w[l][7].g,
             .gate_up = w[l][8].g, .down = w[l][9].g, .k_cache = kc[l].g, .v_cache = vc[l].g};
     }
+    /* the head (final norm, lm_head) too, except at n = 3 */
+    const bool head = n != 3;
+    enum { V = 1000 };
+    float *fn = hrand((size_t)H, 0.5), *lm = hrand((size_t)V * H, 0.05);
+    for (int32_t i = 0; i < H; i++) fn[i] = bf16_round(fn[i] + 1.0f);
+    pair pfn = pair_new(fn, (size_t)H), plm = pair_new(lm, (size_t)V * H);
+    pair logits = pair_poisoned((size_t)n * V), hn = pair_poisoned((size_t)n * H);
+    if (head) {
+        CHECK_EQ_INT(g_cpu->ops->rmsnorm(g_cpu->ctx, resid.c, NULL, pfn.c, n, H, 1e-6f, hn.c), 0);
+        CHECK_EQ_INT(g_cpu->ops->linear(g_cpu->ctx, hn.c, plm.c, NULL, n, H, V, logits.c), 0);
+    }
     pd_decode_args da = {.layers = lg, .n_layers = DL_LAYERS, .resid = resid.g, .qkv = qkv.g,
                          .attn = attn.g, .act = act.g, .n = n, .hidden = H, .intermediate = F,
                          .n_heads = sh->heads, .n_kv_heads = sh->kv_heads, .head_dim = HD,
@@ -974,6 +986,12 @@ static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx)
                          .ctx_lens = pctx.g, .block_tables = pbt.g, .max_blocks_per_seq = mbps,
                          .block_size = DL_BS, .sliding_window = sh->window, .scale = scale,
                          .inv_freq = pf.g, .attn_factor = 1.0f};
+    if (head) {
+        da.final_norm = pfn.g;
+        da.lm_head = plm.g;
+        da.logits = logits.g;
+        da.vocab = V;
+    }
     int rc = g_gpu->ops->decode_layers(g_gpu->ctx, &da);
     CHECK_EQ_INT(rc, 0);
     CHECK_EQ_INT(sync_both(), 0);
@@ -985,6 +1003,7 @@ static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx)
         compare_pair(what, &resid, 2e-2);
         compare_pair("  last layer's attention", &attn, 2e-2);
         compare_pair("  last layer's swiglu", &act, 2e-2);
+        if (head) compare_pair("  logits (final norm, lm_head)", &logits, 2e-2);
         /* each layer's stored K and V at the new slots; the rest of the cache untouched */
         for (int32_t l = 0; l < DL_LAYERS; l++)
             for (int kv = 0; kv < 2; kv++) {
@@ -1021,6 +1040,8 @@ static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx)
         pair_free(&kc[l]);
         pair_free(&vc[l]);
     }
+    pair_free(&pfn); pair_free(&plm); pair_free(&logits); pair_free(&hn);
+    free(fn); free(lm);
     free(x0); free(inv); free(perm); free(bt);
 }
 

@@ -63,6 +63,9 @@ struct dl_params {
     unsigned *bar;           /* [0] grid barrier arrivals, [1] blocks done (both reset at exit) */
     const int32_t *positions, *slots, *ctx_lens, *block_tables;
     const float *inv_freq;
+    const bf16 *final_norm, *lm_head; /* the head stage, when lm_head is set */
+    bf16 *logits;
+    int32_t vocab;
     int32_t n, hidden, inter, n_heads, n_kv_heads, n_layers;
     int32_t max_blocks_per_seq, block_size, sliding_window, splits;
     float eps, attn_factor, scale_log2;
@@ -172,7 +175,8 @@ struct dl_stage {
     int32_t kslice;     /* k per slot: the 8 rows' slices fill one (a multiple of 256) */
 };
 
-/* Stage st (0 QKV, 1 O, 2 gate / up, 3 down) of layer l, and this block's columns of it. */
+/* Stage st (0 QKV, 1 O, 2 gate / up, 3 down, 4 lm_head) of layer l, and this block's
+ * columns of it. */
 static __device__ __forceinline__ dl_stage stage_of(const dl_params &p, int32_t l, int st,
                                                     int32_t hd)
 {
@@ -183,7 +187,8 @@ static __device__ __forceinline__ dl_stage stage_of(const dl_params &p, int32_t 
     case 0: s.w = L.qkv; s.k = p.hidden; s.m = (p.n_heads + 2 * p.n_kv_heads) * hd; break;
     case 1: s.w = L.o; s.k = p.n_heads * hd; s.m = p.hidden; break;
     case 2: s.w = L.gate_up; s.k = p.hidden; s.m = p.inter; break;
-    default: s.w = L.down; s.k = p.inter; s.m = p.hidden; break;
+    case 3: s.w = L.down; s.k = p.inter; s.m = p.hidden; break;
+    default: s.w = p.lm_head; s.k = p.hidden; s.m = p.vocab; break; /* the head (l: any) */
     }
     s.c0 = (int32_t)((int64_t)s.m * blockIdx.x / gridDim.x);
     s.c1 = (int32_t)((int64_t)s.m * (blockIdx.x + 1) / gridDim.x);
@@ -207,8 +212,9 @@ template <int HD>
 static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, uint64_t *empty)
 {
     uint32_t it = 0;
-    for (int32_t l = 0; l < p.n_layers; l++)
-        for (int st = 0; st < 4; st++) {
+    for (int32_t l = 0; l < p.n_layers; l++) {
+        const int stages = l + 1 == p.n_layers && p.lm_head ? 5 : 4; /* the head after the last */
+        for (int st = 0; st < stages; st++) {
             const dl_stage s = stage_of(p, l, st, HD);
             for (int32_t c = s.c0; c < s.c1; c += s.cpg)
                 for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, it++) {
@@ -222,6 +228,7 @@ static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, u
                                   &full[slot]);
                 }
         }
+    }
 }
 
 /* ---- consumers: products ---- */
@@ -684,7 +691,12 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         s = stage_of(p, l, 3, HD);
         copy_rows(p.act, p.n, p.inter, xs);
         consume<NMAX>(p, s, xs, NULL, DL_ADD, p.resid, p.hidden, ring, red, full, empty, it);
-        if (l + 1 < p.n_layers) grid_sync(p.bar, target, p.debug);
+        if (l + 1 < p.n_layers || p.lm_head) grid_sync(p.bar, target, p.debug);
+    }
+    if (p.lm_head) { /* S6: logits = rmsnorm(resid) * final_norm . lm_head^T */
+        const dl_stage s = stage_of(p, p.n_layers - 1, 4, HD);
+        norm_rows<NMAX>(p, p.final_norm, xs);
+        consume<NMAX>(p, s, xs, NULL, DL_STORE, p.logits, p.vocab, ring, red, full, empty, it);
     }
     /* the last block out resets the counters for the next launch (every block is past its
      * last barrier once it counts itself done) */
@@ -777,6 +789,8 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
             return PD_EUNSUPPORTED;
     }
     if (!aligned16(a->attn) || !aligned16(a->act)) return PD_EUNSUPPORTED;
+    if (a->lm_head && (!a->final_norm || !a->logits || a->vocab <= 0)) return PD_EINVAL;
+    if (a->lm_head && !aligned16(a->lm_head)) return PD_EUNSUPPORTED;
 
     static int max_smem = 0;
     if (!max_smem)
@@ -795,6 +809,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     int32_t red_rows = 2 * ((a->intermediate + grid - 1) / grid); /* a block's columns */
     if ((qkv_dim + grid - 1) / grid > red_rows) red_rows = (qkv_dim + grid - 1) / grid;
     if ((a->hidden + grid - 1) / grid > red_rows) red_rows = (a->hidden + grid - 1) / grid;
+    if (a->lm_head && (a->vocab + grid - 1) / grid > red_rows) red_rows = (a->vocab + grid - 1) / grid;
     const int nmax = a->n <= 1 ? 1 : a->n <= 2 ? 2 : a->n <= 4 ? 4 : 8;
     const size_t red_bytes = (size_t)red_rows * nmax * sizeof(float);
     const size_t avail = (size_t)max_smem - 2048; /* the static mbarriers and sums */
@@ -824,6 +839,10 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     p.ctx_lens = a->ctx_lens;
     p.block_tables = a->block_tables;
     p.inv_freq = a->inv_freq;
+    p.final_norm = (const bf16 *)a->final_norm;
+    p.lm_head = (const bf16 *)a->lm_head;
+    p.logits = (bf16 *)a->logits;
+    p.vocab = a->lm_head ? a->vocab : 0;
     p.n = a->n;
     p.hidden = a->hidden;
     p.inter = a->intermediate;
