@@ -460,7 +460,7 @@ static __device__ __forceinline__ dl_unit unit_of(const dl_params &p, int32_t u)
     const int32_t k_start =
         p.sliding_window > 0 && a.ctx > p.sliding_window ? a.ctx - p.sliding_window : 0;
     const int32_t n_keys = a.ctx - k_start;
-    a.used = a.ctx > 0 ? min(p.splits, max(1, n_keys / DL_MIN_CHUNK)) : 1;
+    a.used = a.ctx > 0 && !(p.debug & 32) ? min(p.splits, max(1, n_keys / DL_MIN_CHUNK)) : 1;
     const int32_t chunk = a.ctx > 0 ? (n_keys + a.used - 1) / a.used : 0;
     a.kb = k_start + a.sp * chunk;
     a.ke = min(a.kb + chunk, a.ctx);
@@ -482,7 +482,11 @@ static __device__ __forceinline__ void kv_batch(const dl_params &p, const dl_lay
 #pragma unroll
     for (int i = 0; i < DL_KEYS_PER_WARP; i++) {
         const int32_t j = j0 + i;
-        if (j >= a.ke || j == a.ctx - 1) continue;
+        if (j >= a.ke || j == a.ctx - 1) { /* past the split (weight 0) or the new token */
+#pragma unroll
+            for (int e = 0; e < E; e++) kv[i][0][e] = kv[i][1][e] = 0.0f;
+            continue;
+        }
         const int64_t off = ((int64_t)table[j / p.block_size] * p.block_size +
                              j % p.block_size) * kv_row + (int64_t)a.h * HD + lane * E;
         load_e<E>(L.k_cache + off, kv[i][0]);
@@ -492,7 +496,7 @@ static __device__ __forceinline__ void kv_batch(const dl_params &p, const dl_lay
 
 /* One unit: attention of its G query heads over the split's keys; the result, or a partial
  * merged by the last split to finish. sm is scratch of DL_CW * G * (HD + 2) floats after the q / k / v vectors. */
-template <int HD>
+template <int HD, int MAXG>
 static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const dl_unit &a,
                                    float *sm)
 {
@@ -509,11 +513,12 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     if (sp >= used) return;
     const int32_t kb = a.kb, ke = a.ke;
     float *qs = sm, *kn = qs + DL_MAX_G * HD, *vn = kn + HD, *scr = vn + HD;
-    prep_heads<HD>(p, L, s, h, G, sp == 0, qs, kn, vn);
+    if (!(p.debug & 128)) prep_heads<HD>(p, L, s, h, G, sp == 0, qs, kn, vn);
+    else cons_sync();
 
-    float acc[DL_MAX_G][E], m[DL_MAX_G], l[DL_MAX_G]; /* q stays in shared memory */
+    float acc[MAXG][E], m[MAXG], l[MAXG]; /* q stays in shared memory */
 #pragma unroll
-    for (int g = 0; g < DL_MAX_G; g++) {
+    for (int g = 0; g < MAXG; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
 #pragma unroll
@@ -529,27 +534,48 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
                     kv[i][0][e] = kn[lane * E + e];
                     kv[i][1][e] = vn[lane * E + e];
                 }
+        /* every score of the batch first (independent shuffle chains), then one rescale */
+        float sc[DL_KEYS_PER_WARP][MAXG];
 #pragma unroll
-        for (int i = 0; i < DL_KEYS_PER_WARP; i++) {
-            if (j0 + i >= ke) break;
+        for (int i = 0; i < DL_KEYS_PER_WARP; i++)
 #pragma unroll
-            for (int g = 0; g < DL_MAX_G; g++) {
+            for (int g = 0; g < MAXG; g++) {
                 if (g >= G) break;
-                float sc = 0.0f;
+                float v = 0.0f;
 #pragma unroll
-                for (int e = 0; e < E; e++) sc = fmaf(qs[g * HD + lane * E + e], kv[i][0][e], sc);
-                sc = pd_warp_sum(sc);
-                const float mn = fmaxf(m[g], sc);
-                const float corr = exp2f(m[g] - mn), pr = exp2f(sc - mn);
-                m[g] = mn;
-                l[g] = l[g] * corr + pr;
-#pragma unroll
-                for (int e = 0; e < E; e++) acc[g][e] = fmaf(pr, kv[i][1][e], acc[g][e] * corr);
+                for (int e = 0; e < E; e++) v = fmaf(qs[g * HD + lane * E + e], kv[i][0][e], v);
+                sc[i][g] = v;
             }
+#pragma unroll
+        for (int i = 0; i < DL_KEYS_PER_WARP; i++)
+#pragma unroll
+            for (int g = 0; g < MAXG; g++) {
+                if (g >= G) break;
+                sc[i][g] = j0 + i < ke ? pd_warp_sum(sc[i][g]) : -INFINITY;
+            }
+#pragma unroll
+        for (int g = 0; g < MAXG; g++) {
+            if (g >= G) break;
+            float mn = m[g];
+#pragma unroll
+            for (int i = 0; i < DL_KEYS_PER_WARP; i++) mn = fmaxf(mn, sc[i][g]);
+            const float corr = exp2f(m[g] - mn); /* j0 < ke: mn is finite */
+            m[g] = mn;
+            float ls = l[g] * corr;
+#pragma unroll
+            for (int e = 0; e < E; e++) acc[g][e] *= corr;
+#pragma unroll
+            for (int i = 0; i < DL_KEYS_PER_WARP; i++) {
+                const float pr = exp2f(sc[i][g] - mn); /* 0 for a key past ke */
+                ls += pr;
+#pragma unroll
+                for (int e = 0; e < E; e++) acc[g][e] = fmaf(pr, kv[i][1][e], acc[g][e]);
+            }
+            l[g] = ls;
         }
     };
     int32_t j0 = kb + warp * DL_KEYS_PER_WARP;
-    for (; j0 < ke; j0 += DL_CW * DL_KEYS_PER_WARP) {
+    for (; j0 < ke && !(p.debug & 64); j0 += DL_CW * DL_KEYS_PER_WARP) {
         float kv[DL_KEYS_PER_WARP][2][E];
         kv_batch<E>(p, L, a, j0, kv);
         batch(j0, kv);
@@ -557,7 +583,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     /* merge the warps: scr[w][g] = (max, sum), then [w][g][HD] outputs */
     float *wml = scr, *wacc = scr + 2 * DL_CW * G;
 #pragma unroll
-    for (int g = 0; g < DL_MAX_G; g++) {
+    for (int g = 0; g < MAXG; g++) {
         if (g >= G) break;
         if (lane == 0) {
             wml[2 * (warp * G + g)] = m[g];
@@ -593,7 +619,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
             }
         }
     }
-    if (used == 1) {
+    if (used == 1 || (p.debug & 16)) {
         cons_sync(); /* the scratch is the next unit's */
         return;
     }
@@ -625,7 +651,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
 
 /* ---- the kernel ---- */
 
-template <int HD, int NMAX>
+template <int HD, int NMAX, int MAXG>
 static __global__ void __launch_bounds__(DL_THREADS, 1)
 decode_layers_kernel(const __grid_constant__ dl_params p)
 {
@@ -675,7 +701,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         grid_sync(p.bar, target, p.debug);
         /* S2 */
         for (int32_t u = blockIdx.x; u < units && !(p.debug & 2); u += gridDim.x)
-            attend_unit<HD>(p, L, unit_of(p, u), sm);
+            attend_unit<HD, MAXG>(p, L, unit_of(p, u), sm);
         grid_sync(p.bar, target, p.debug);
         /* S3 */
         s = stage_of(p, l, 1, HD);
@@ -735,10 +761,10 @@ static int fused_max_n(void)
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
-template <int HD, int NMAX>
+template <int HD, int NMAX, int MAXG>
 static cudaError_t launch_t(const dl_params &p, int grid, size_t smem, cudaStream_t stream)
 {
-    auto k = decode_layers_kernel<HD, NMAX>;
+    auto k = decode_layers_kernel<HD, NMAX, MAXG>;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)smem);
     if (e != cudaSuccess) return e;
@@ -755,13 +781,24 @@ static cudaError_t launch_t(const dl_params &p, int grid, size_t smem, cudaStrea
     return cudaLaunchKernelEx(&cfg, k, p);
 }
 
+/* Instantiations: head size 64 / 128, x rows up to 1, 2, 4, 8, query heads per KV head up
+ * to 2, 4, 8 (the attention stage's registers are sized by the last). */
+template <int HD, int MAXG>
+static cudaError_t launch_g(const dl_params &p, int grid, size_t smem, cudaStream_t stream)
+{
+    if (p.n <= 1) return launch_t<HD, 1, MAXG>(p, grid, smem, stream);
+    if (p.n <= 2) return launch_t<HD, 2, MAXG>(p, grid, smem, stream);
+    if (p.n <= 4) return launch_t<HD, 4, MAXG>(p, grid, smem, stream);
+    return launch_t<HD, 8, MAXG>(p, grid, smem, stream);
+}
+
 template <int HD>
 static cudaError_t launch_hd(const dl_params &p, int grid, size_t smem, cudaStream_t stream)
 {
-    if (p.n <= 1) return launch_t<HD, 1>(p, grid, smem, stream);
-    if (p.n <= 2) return launch_t<HD, 2>(p, grid, smem, stream);
-    if (p.n <= 4) return launch_t<HD, 4>(p, grid, smem, stream);
-    return launch_t<HD, 8>(p, grid, smem, stream);
+    const int32_t G = p.n_heads / p.n_kv_heads;
+    if (G <= 2) return launch_g<HD, 2>(p, grid, smem, stream);
+    if (G <= 4) return launch_g<HD, 4>(p, grid, smem, stream);
+    return launch_g<HD, 8>(p, grid, smem, stream);
 }
 
 extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
