@@ -47,8 +47,9 @@ while read -r lib; do
 done
 tar -cJf "$G/lib.tar.xz" -C "$G" lib
 rm -rf "$G/lib"
-# The binaries too: each holds much the same CUDA code (a carry is at most 64 MiB).
-tar -cJf "$G/bin.tar.xz" -C "$G" bin
+# The binaries too: each holds much the same CUDA code (a carry is at most 64 MiB). A window
+# larger than the binaries (about 10 MB each) lets xz find each one in the previous one.
+XZ_OPT="--lzma2=preset=6,dict=64MiB" tar -cJf "$G/bin.tar.xz" -C "$G" bin
 rm -rf "$G/bin"
 
 cp -r "$SHARED/models/stories260k" "$G/shared/models/"
