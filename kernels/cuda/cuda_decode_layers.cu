@@ -629,18 +629,32 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     cons_sync();
     if (threadIdx.x == 0) is_last = atomicAdd(cnt, 1) == used - 1;
     cons_sync();
-    if (is_last) {
+    if (is_last) { /* on the critical path of every block: one round of loads, then one */
         __threadfence();
+        float *fac = scr; /* [g][split] (max, sum): the warps' scratch is read by now */
+        for (int32_t i = threadIdx.x; i < G * used; i += DL_CW * 32) {
+            const size_t item = ((size_t)s * p.n_heads + head0 + i / used) * p.splits + i % used;
+            fac[2 * i] = __ldcg(ml + 2 * item);
+            fac[2 * i + 1] = __ldcg(ml + 2 * item + 1);
+        }
+        cons_sync();
         for (int32_t i = threadIdx.x; i < G * HD; i += DL_CW * 32) {
             const int32_t g = i / HD, d = i % HD;
             const size_t item0 = ((size_t)s * p.n_heads + head0 + g) * p.splits;
+            const float *fg = fac + 2 * g * used;
+            float v[DL_MAX_SPLITS]; /* every partial of this element in flight at once */
+#pragma unroll
+            for (int32_t j = 0; j < DL_MAX_SPLITS; j++)
+                v[j] = j < used ? __ldcg(p.part + (item0 + j) * HD + d) : 0.0f;
             float M = -INFINITY;
-            for (int32_t j = 0; j < used; j++) M = fmaxf(M, __ldcg(ml + 2 * (item0 + j)));
+            for (int32_t j = 0; j < used; j++) M = fmaxf(M, fg[2 * j]);
             float Ls = 0.0f, O = 0.0f;
-            for (int32_t j = 0; j < used; j++) {
-                const float f = exp2f(__ldcg(ml + 2 * (item0 + j)) - M);
-                Ls = fmaf(__ldcg(ml + 2 * (item0 + j) + 1), f, Ls);
-                O = fmaf(__ldcg(p.part + (item0 + j) * HD + d), f, O);
+#pragma unroll
+            for (int32_t j = 0; j < DL_MAX_SPLITS; j++) {
+                if (j >= used) break;
+                const float f = exp2f(fg[2 * j] - M);
+                Ls = fmaf(fg[2 * j + 1], f, Ls);
+                O = fmaf(v[j], f, O);
             }
             pd_st(out + i, O / Ls);
         }
