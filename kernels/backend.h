@@ -83,8 +83,8 @@ typedef struct {
     void *tmp_out;               /* scratch of [n][2m] the op may overwrite (swiglu set) */
 } pd_linear_args;
 
-/* One layer of a decode_layers call: its weights as pd_layer_weights names them (engine/model.h),
- * and its KV cache. */
+/* One layer of a decode_layers call: its weights as pd_layer_weights names them
+ * (engine/model.h), and its KV cache. */
 typedef struct {
     const void *attn_norm, *qkv, *qkv_bias, *q_norm, *k_norm;
     const void *o_proj, *o_bias, *mlp_norm, *gate_up, *down;
@@ -96,8 +96,9 @@ typedef struct {
  *   linear_fused(resid, attn_norm, qkv, qkv_bias) -> qkv;  rope_store_kv (q_norm / k_norm);
  *   attention_decode -> attn;  linear_fused(attn, o_proj, o_bias, accumulate) -> resid;
  *   linear_fused(resid, mlp_norm, gate_up, swiglu) -> act;  linear_fused(act, down, accumulate)
- * (and optionally the final norm and lm_head, below) with the metadata meaning what pd_rope_args' and pd_attn_args' do (a row of context 0 is
- * padding: attention output zeros, nothing stored). */
+ * (and optionally the final norm and lm_head, below), the metadata meaning what pd_rope_args'
+ * and pd_attn_args' do (a row of context 0 is padding: attention output zeros, nothing
+ * stored). */
 typedef struct {
     const pd_layer_args *layers; /* [n_layers], host memory */
     int32_t n_layers;
@@ -106,7 +107,8 @@ typedef struct {
                                   * head_dim], [n][intermediate] */
     int32_t n, hidden, intermediate, n_heads, n_kv_heads, head_dim;
     float norm_eps;
-    const int32_t *positions, *slot_mapping, *ctx_lens, *block_tables; /* [n], [n], [n], [n][mbps] */
+    const int32_t *positions, *slot_mapping, *ctx_lens; /* [n] each */
+    const int32_t *block_tables; /* [n][max_blocks_per_seq] */
     int32_t max_blocks_per_seq, block_size, sliding_window;
     float scale;                 /* softmax scale */
     const float *inv_freq;       /* [head_dim / 2] */

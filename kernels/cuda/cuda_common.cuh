@@ -27,6 +27,7 @@ typedef struct {
     size_t staging_bytes;  /* size of staging */
     int sm_count;          /* multiprocessors (sizes the split-KV decode grid) */
     int cc_major;          /* compute capability major (the tensor-core kernels need 8+) */
+    int smem_optin;        /* shared memory a block may opt in to, bytes */
     bool split_kv;         /* split-KV decode attention on (PDSERVE_CUDA_SPLIT_KV=0: off) */
     int decode_blocks_per_sm; /* the split count aims at this many blocks per SM
                                * (PDSERVE_CUDA_DECODE_BLOCKS_PER_SM) */
@@ -114,27 +115,39 @@ static __device__ __forceinline__ void pd_pdl_wait(void)
 
 bool pd_cuda__pdl_on(void); /* cuda_context.cu: PDSERVE_CUDA_PDL, read once */
 
-/* kernel<<<grid, block, smem, stream>>>(args...) with the programmatic-serialisation attribute
+/* kernel<<<grid, block, smem, stream>>>(args...) with the launch attributes attrs[n_attrs]. */
+/* pd_cuda__launch: that with the programmatic-serialisation attribute
  * when PDL is on and the grid is small (PD_PDL_MAX_BLOCKS: the latency-bound launches of a
  * decode step; the successor of a grid of several waves would park its blocks in the slots
  * of the last wave: measured slower on the 256-request workload). Returns the launch's
  * error. */
 #define PD_PDL_MAX_BLOCKS 1024
 template <typename... KArgs, typename... Args>
-static inline cudaError_t pd_cuda__launch(void (*kernel)(KArgs...), dim3 grid, dim3 block,
-                                          size_t smem, cudaStream_t stream, Args... args)
+static inline cudaError_t pd_cuda__launch_attrs(void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                                                size_t smem, cudaStream_t stream,
+                                                cudaLaunchAttribute *attrs, unsigned n_attrs,
+                                                Args... args)
 {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
+    cfg.attrs = attrs;
+    cfg.numAttrs = n_attrs;
+    return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+}
+
+template <typename... KArgs, typename... Args>
+static inline cudaError_t pd_cuda__launch(void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                                          size_t smem, cudaStream_t stream, Args... args)
+{
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pd_cuda__pdl_on() && (size_t)grid.x * grid.y * grid.z <= PD_PDL_MAX_BLOCKS;
-    return cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...);
+    const bool pdl = pd_cuda__pdl_on() && (size_t)grid.x * grid.y * grid.z <= PD_PDL_MAX_BLOCKS;
+    return pd_cuda__launch_attrs(kernel, grid, block, smem, stream, attr, pdl ? 1u : 0u,
+                                 args...);
 }
 
 static __device__ __forceinline__ float pd_ld(const bf16 *p) { return __bfloat162float(*p); }
@@ -171,6 +184,20 @@ static __device__ __forceinline__ float pd_block_sum(float v)
     }
     __syncthreads();
     return total;
+}
+
+/* The sum of squares of 8 bf16 (16 bytes), in fp32. */
+static __device__ __forceinline__ float pd_sumsq8(uint4 a)
+{
+    /* bf16 -> fp32 as shifts (the bits are the high half): exact, and cheaper than cvt */
+    const uint32_t u[4] = {a.x, a.y, a.z, a.w};
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float lo = __uint_as_float(u[i] << 16), hi = __uint_as_float(u[i] & 0xffff0000u);
+        s = fmaf(lo, lo, fmaf(hi, hi, s));
+    }
+    return s;
 }
 
 /* ---- tensor cores ---- */

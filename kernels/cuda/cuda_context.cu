@@ -114,6 +114,7 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
     CTX_TRY(cudaMemset(c->grid_bar, 0, 2 * sizeof(unsigned)) == cudaSuccess, PD_EBACKEND);
     c->sm_count = prop.multiProcessorCount;
     c->cc_major = prop.major;
+    c->smem_optin = (int)prop.sharedMemPerBlockOptin;
     {
         const char *e = getenv("PDSERVE_CUDA_SPLIT_KV");
         c->split_kv = !(e && (!strcmp(e, "0") || !strcmp(e, "false") || !strcmp(e, "no")));

@@ -23,12 +23,12 @@
  * the A operand), then hand the slot back. Data written inside the kernel is read through L2
  * (ld.cg): L1 is not coherent.
  *
- * On an H200 (docs/perf.md) a Qwen3-0.6B batch-1 step is 14% faster than the op-by-op graphs
- * after a 128-token prompt and 10% after a 1000-token one; the Llama-3-8B shape is even.
+ * On an H200 (docs/perf.md) a Qwen3-0.6B batch-1 step is 17% faster than the op-by-op graphs
+ * after a 128-token prompt and 15% after a 1000-token one; the Llama-3-8B shape 8%.
  * Batches of 2 and 4 gain after short prompts but lose after long ones (the attention stage
  * has fewer splits a sequence), hence n = 1 by default (PDSERVE_CUDA_FUSED_DECODE=N: up to
  * N). What is left of a step is mostly latency: the attention stage's chain of dependent
- * global round trips (about 0.3 ms of 1.1), the 140 grid barriers (about 0.15 ms), each
+ * global round trips (about 0.3 ms of 1.08), the 140 grid barriers (about 0.15 ms), each
  * stage's first loads, and what runs outside the kernel (lm_head, sampling, the host).
  *
  * The grid is cooperative (every block resident); the barrier is a counter in global memory that
@@ -98,22 +98,6 @@ static __device__ __forceinline__ void mbar_expect_tx(uint64_t *b, uint32_t byte
                  "r"(bytes) : "memory");
 }
 
-/* Spins until the phase of the given parity has completed (test_wait: never suspended). */
-static __device__ __forceinline__ void mbar_spin(uint64_t *b, uint32_t parity)
-{
-    uint32_t done;
-    do {
-        asm volatile("{\n"
-                     ".reg .pred p;\n"
-                     "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n"
-                     "}\n"
-                     : "=r"(done)
-                     : "r"(smem_u32(b)), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-
 /* Waits until the phase of the given parity has completed. */
 static __device__ __forceinline__ void mbar_wait(uint64_t *b, uint32_t parity)
 {
@@ -166,6 +150,18 @@ static __device__ __forceinline__ void grid_sync(unsigned *bar, unsigned &target
 
 /* ---- the weight schedule, walked identically by producer and consumers ---- */
 
+/* A position in the ring: the slot, and in the top bit the parity of its current round (one
+ * register). */
+struct dl_ring_pos {
+    uint32_t v = 0;
+    __device__ __forceinline__ uint32_t slot() const { return v & 0x7fffffffu; }
+    __device__ __forceinline__ uint32_t ph() const { return v >> 31; }
+    __device__ __forceinline__ void next(int32_t n_slots)
+    {
+        v = slot() + 1 == (uint32_t)n_slots ? (v & 0x80000000u) ^ 0x80000000u : v + 1;
+    }
+};
+
 struct dl_stage {
     const bf16 *w;
     int32_t k, m;       /* row length, output columns */
@@ -211,42 +207,26 @@ static __device__ __forceinline__ int64_t unit_row(const dl_stage &s, int32_t c,
 template <int HD>
 static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, uint64_t *empty)
 {
-    uint32_t it = 0;
+    dl_ring_pos pos;
     for (int32_t l = 0; l < p.n_layers; l++) {
         const int stages = l + 1 == p.n_layers && p.lm_head ? 5 : 4; /* the head after the last */
         for (int st = 0; st < stages; st++) {
             const dl_stage s = stage_of(p, l, st, HD);
             for (int32_t c = s.c0; c < s.c1; c += s.cpg)
-                for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, it++) {
-                    const uint32_t slot = it % (uint32_t)p.n_slots, ph = (it / p.n_slots) & 1;
+                for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, pos.next(p.n_slots)) {
                     const uint32_t len = (uint32_t)min(s.kslice, s.k - k0) * 2;
-                    mbar_wait(&empty[slot], ph ^ 1);
-                    char *dst = ring + (size_t)slot * p.slot_bytes;
-                    mbar_expect_tx(&full[slot], 8 * len);
+                    mbar_wait(&empty[pos.slot()], pos.ph() ^ 1);
+                    char *dst = ring + (size_t)pos.slot() * p.slot_bytes;
+                    mbar_expect_tx(&full[pos.slot()], 8 * len);
                     for (int j = 0; j < 8; j++)
                         bulk_load(dst + (size_t)j * len, s.w + unit_row(s, c, j) * s.k + k0, len,
-                                  &full[slot]);
+                                  &full[pos.slot()]);
                 }
         }
     }
 }
 
 /* ---- consumers: products ---- */
-
-/* a . b over 8 bf16 pairs in fp32. bf16 -> fp32 is a shift (the bits are the high half), two
- * integer operations a pair; cvt.f32.bf16 would be a conversion at a quarter of the rate and
- * made the products conversion-bound (docs/perf.md). */
-static __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc)
-{
-    const uint32_t ua[4] = {a.x, a.y, a.z, a.w}, ub[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        acc = fmaf(__uint_as_float(ua[i] << 16), __uint_as_float(ub[i] << 16), acc);
-        acc = fmaf(__uint_as_float(ua[i] & 0xffff0000u), __uint_as_float(ub[i] & 0xffff0000u),
-                   acc);
-    }
-    return acc;
-}
 
 enum { DL_STORE, DL_ADD, DL_SWIGLU };
 
@@ -262,7 +242,7 @@ enum { DL_STORE, DL_ADD, DL_SWIGLU };
 template <int NMAX>
 static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16 *xs,
                                const bf16 *bias, int mode, bf16 *out, int32_t ld, char *ring,
-                               float *red, uint64_t *full, uint64_t *empty, uint32_t &it)
+                               float *red, uint64_t *full, uint64_t *empty, dl_ring_pos &pos)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int32_t kc = s.k / 8, n = p.n, ncols = s.c1 - s.c0;
@@ -270,13 +250,12 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
     for (int32_t c = s.c0; c < s.c1; c += s.cpg) {
         const int32_t vc = min(s.cpg, s.c1 - c); /* valid columns of the group */
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, it++) {
-            const uint32_t slot = it % (uint32_t)p.n_slots, ph = (it / p.n_slots) & 1;
+        for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, pos.next(p.n_slots)) {
             const int32_t len = min(s.kslice, s.k - k0), steps = len / 32; /* steps % 8 == 0 */
-            if (!(p.debug & 8)) mbar_spin(&full[slot], ph);
+            if (!(p.debug & 8)) mbar_wait(&full[pos.slot()], pos.ph());
             if (!(p.debug & 9)) {
                 const uint4 *wrow = reinterpret_cast<const uint4 *>(
-                                        ring + (size_t)slot * p.slot_bytes) + (size_t)g * (len / 8);
+                                        ring + (size_t)pos.slot() * p.slot_bytes) + (size_t)g * (len / 8);
                 const uint4 *xr = xrow + k0 / 8;
                 for (int32_t st = warp; st < steps; st += DL_CW) {
                     const uint4 wv = wrow[st * 4 + t], xv = xr[st * 4 + t];
@@ -285,7 +264,7 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                 }
             }
             __syncwarp();
-            if (lane == 0 && !(p.debug & 8)) mbar_arrive(&empty[slot]); /* the slot is free */
+            if (lane == 0 && !(p.debug & 8)) mbar_arrive(&empty[pos.slot()]); /* slot free */
         }
         /* lane (g, t): x row g, units 2t and 2t + 1 of the group */
 #pragma unroll
@@ -335,7 +314,7 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, bf16 *xs)
         for (int32_t i = threadIdx.x; i < hc; i += DL_CW * 32) {
             const uint4 v = __ldcg(r4 + (size_t)q * hc + i);
             x4[(size_t)q * hc + i] = v;
-            ss += dot8(v, v, 0.0f);
+            ss += pd_sumsq8(v);
         }
         ss = pd_warp_sum(ss);
         if (lane == 0) red[q][warp] = ss;
@@ -460,7 +439,7 @@ static __device__ __forceinline__ dl_unit unit_of(const dl_params &p, int32_t u)
     const int32_t k_start =
         p.sliding_window > 0 && a.ctx > p.sliding_window ? a.ctx - p.sliding_window : 0;
     const int32_t n_keys = a.ctx - k_start;
-    a.used = a.ctx > 0 && !(p.debug & 32) ? min(p.splits, max(1, n_keys / DL_MIN_CHUNK)) : 1;
+    a.used = a.ctx > 0 ? min(p.splits, max(1, n_keys / DL_MIN_CHUNK)) : 1;
     const int32_t chunk = a.ctx > 0 ? (n_keys + a.used - 1) / a.used : 0;
     a.kb = k_start + a.sp * chunk;
     a.ke = min(a.kb + chunk, a.ctx);
@@ -495,7 +474,8 @@ static __device__ __forceinline__ void kv_batch(const dl_params &p, const dl_lay
 }
 
 /* One unit: attention of its G query heads over the split's keys; the result, or a partial
- * merged by the last split to finish. sm is scratch of DL_CW * G * (HD + 2) floats after the q / k / v vectors. */
+ * merged by the last split to finish. sm is scratch of DL_CW * G * (HD + 2) floats after the
+ * q / k / v vectors. */
 template <int HD, int MAXG>
 static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const dl_unit &a,
                                    float *sm)
@@ -513,8 +493,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     if (sp >= used) return;
     const int32_t kb = a.kb, ke = a.ke;
     float *qs = sm, *kn = qs + DL_MAX_G * HD, *vn = kn + HD, *scr = vn + HD;
-    if (!(p.debug & 128)) prep_heads<HD>(p, L, s, h, G, sp == 0, qs, kn, vn);
-    else cons_sync();
+    prep_heads<HD>(p, L, s, h, G, sp == 0, qs, kn, vn);
 
     float acc[MAXG][E], m[MAXG], l[MAXG]; /* q stays in shared memory */
 #pragma unroll
@@ -575,7 +554,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
         }
     };
     int32_t j0 = kb + warp * DL_KEYS_PER_WARP;
-    for (; j0 < ke && !(p.debug & 64); j0 += DL_CW * DL_KEYS_PER_WARP) {
+    for (; j0 < ke; j0 += DL_CW * DL_KEYS_PER_WARP) {
         float kv[DL_KEYS_PER_WARP][2][E];
         kv_batch<E>(p, L, a, j0, kv);
         batch(j0, kv);
@@ -619,7 +598,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
             }
         }
     }
-    if (used == 1 || (p.debug & 16)) {
+    if (used == 1) {
         cons_sync(); /* the scratch is the next unit's */
         return;
     }
@@ -692,7 +671,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
     float *red = reinterpret_cast<float *>(xsb + p.x_bytes);
     for (int32_t i = threadIdx.x; i < p.red_rows * NMAX; i += DL_CW * 32) red[i] = 0.0f;
     float *sm = reinterpret_cast<float *>(xsb);
-    uint32_t it = 0;
+    dl_ring_pos pos;
     unsigned target = 0;
     /* the rotation of each sequence's position, for every layer (read after the first barrier):
      * cos and sin taken in double and rounded once, as rope_store_kv does */
@@ -711,7 +690,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         /* S1 */
         s = stage_of(p, l, 0, HD);
         norm_rows<NMAX>(p, L.attn_norm, xs);
-        consume<NMAX>(p, s, xs, L.qkv_bias, DL_STORE, p.qkv, s.m, ring, red, full, empty, it);
+        consume<NMAX>(p, s, xs, L.qkv_bias, DL_STORE, p.qkv, s.m, ring, red, full, empty, pos);
         grid_sync(p.bar, target, p.debug);
         /* S2 */
         for (int32_t u = blockIdx.x; u < units && !(p.debug & 2); u += gridDim.x)
@@ -720,23 +699,23 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         /* S3 */
         s = stage_of(p, l, 1, HD);
         copy_rows(p.attn, p.n, s.k, xs);
-        consume<NMAX>(p, s, xs, L.o_bias, DL_ADD, p.resid, p.hidden, ring, red, full, empty, it);
+        consume<NMAX>(p, s, xs, L.o_bias, DL_ADD, p.resid, p.hidden, ring, red, full, empty, pos);
         grid_sync(p.bar, target, p.debug);
         /* S4 */
         s = stage_of(p, l, 2, HD);
         norm_rows<NMAX>(p, L.mlp_norm, xs);
-        consume<NMAX>(p, s, xs, NULL, DL_SWIGLU, p.act, p.inter, ring, red, full, empty, it);
+        consume<NMAX>(p, s, xs, NULL, DL_SWIGLU, p.act, p.inter, ring, red, full, empty, pos);
         grid_sync(p.bar, target, p.debug);
         /* S5 */
         s = stage_of(p, l, 3, HD);
         copy_rows(p.act, p.n, p.inter, xs);
-        consume<NMAX>(p, s, xs, NULL, DL_ADD, p.resid, p.hidden, ring, red, full, empty, it);
+        consume<NMAX>(p, s, xs, NULL, DL_ADD, p.resid, p.hidden, ring, red, full, empty, pos);
         if (l + 1 < p.n_layers || p.lm_head) grid_sync(p.bar, target, p.debug);
     }
     if (p.lm_head) { /* S6: logits = rmsnorm(resid) * final_norm . lm_head^T */
         const dl_stage s = stage_of(p, p.n_layers - 1, 4, HD);
         norm_rows<NMAX>(p, p.final_norm, xs);
-        consume<NMAX>(p, s, xs, NULL, DL_STORE, p.logits, p.vocab, ring, red, full, empty, it);
+        consume<NMAX>(p, s, xs, NULL, DL_STORE, p.logits, p.vocab, ring, red, full, empty, pos);
     }
     /* the last block out resets the counters for the next launch (every block is past its
      * last barrier once it counts itself done) */
@@ -773,6 +752,18 @@ static int fused_max_n(void)
     return v;
 }
 
+/* PDSERVE_CUDA_DL_DEBUG: parts of the kernel off, for timing breakdowns only (the results are
+ * wrong): 1 the products' arithmetic, 2 attention, 4 the grid barriers, 8 the weight stream. */
+static int debug_bits(void)
+{
+    static int v = -1; /* racy first reads all compute the same value */
+    if (v < 0) {
+        const char *e = getenv("PDSERVE_CUDA_DL_DEBUG");
+        v = e && atoi(e) > 0 ? atoi(e) : 0;
+    }
+    return v;
+}
+
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 template <int HD, int NMAX, int MAXG>
@@ -782,17 +773,11 @@ static cudaError_t launch_t(const dl_params &p, int grid, size_t smem, cudaStrea
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)smem);
     if (e != cudaSuccess) return e;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)grid);
-    cfg.blockDim = dim3(DL_THREADS);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
     cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeCooperative;
+    attr[0].id = cudaLaunchAttributeCooperative; /* every block resident: the grid barriers */
     attr[0].val.cooperative = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, k, p);
+    return pd_cuda__launch_attrs(k, dim3((unsigned)grid), dim3(DL_THREADS), smem, stream, attr,
+                                 1u, p);
 }
 
 /* Instantiations: head size 64 / 128, x rows up to 1, 2, 4, 8, query heads per KV head up
@@ -843,10 +828,6 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     if (a->lm_head && (!a->final_norm || !a->logits || a->vocab <= 0)) return PD_EINVAL;
     if (a->lm_head && !aligned16(a->lm_head)) return PD_EUNSUPPORTED;
 
-    static int max_smem = 0;
-    if (!max_smem)
-        PD_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                             c->device));
     const int32_t nq = a->n_heads * hd, qkv_dim = (a->n_heads + 2 * a->n_kv_heads) * hd;
     int32_t kmax = a->hidden > nq ? a->hidden : nq;
     if (a->intermediate > kmax) kmax = a->intermediate;
@@ -857,13 +838,16 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     x_bytes = (x_bytes + 127) & ~(size_t)127;
     const size_t slot = DL_SLOT_BYTES; /* 8 rows of 1024 k */
     const int grid = c->sm_count;
-    int32_t red_rows = 2 * ((a->intermediate + grid - 1) / grid); /* a block's columns */
-    if ((qkv_dim + grid - 1) / grid > red_rows) red_rows = (qkv_dim + grid - 1) / grid;
-    if ((a->hidden + grid - 1) / grid > red_rows) red_rows = (a->hidden + grid - 1) / grid;
-    if (a->lm_head && (a->vocab + grid - 1) / grid > red_rows) red_rows = (a->vocab + grid - 1) / grid;
+    /* row sums: a block's most columns in a stage, twice with SwiGLU (gate and up sums) */
+    const int32_t stage_cols[4] = {qkv_dim, a->hidden, a->intermediate, a->lm_head ? a->vocab : 0};
+    int32_t red_rows = 0;
+    for (int i = 0; i < 4; i++) {
+        const int32_t per = (stage_cols[i] + grid - 1) / grid * (i == 2 ? 2 : 1);
+        if (per > red_rows) red_rows = per;
+    }
     const int nmax = a->n <= 1 ? 1 : a->n <= 2 ? 2 : a->n <= 4 ? 4 : 8;
     const size_t red_bytes = (size_t)red_rows * nmax * sizeof(float);
-    const size_t avail = (size_t)max_smem - 2048; /* the static mbarriers and sums */
+    const size_t avail = (size_t)c->smem_optin - 2048; /* the static mbarriers and sums */
     if (x_bytes + red_bytes + DL_MIN_SLOTS * slot > avail) return PD_EUNSUPPORTED;
     size_t n_slots = (avail - x_bytes - red_bytes) / slot;
     if (n_slots > 64) n_slots = 64;
@@ -911,11 +895,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     p.n_slots = (int32_t)n_slots;
     p.x_bytes = (int32_t)x_bytes;
     p.red_rows = red_rows;
-    {   /* parts of the kernel off, for timing breakdowns only (results are wrong): 1 the
-         * products' arithmetic, 2 attention, 4 the grid barriers, 8 the weight stream */
-        const char *e = getenv("PDSERVE_CUDA_DL_DEBUG");
-        p.debug = e ? atoi(e) : 0;
-    }
+    p.debug = debug_bits();
     for (int32_t l = 0; l < a->n_layers; l++) {
         const pd_layer_args *L = &a->layers[l];
         dl_layer &d = p.layer[l];

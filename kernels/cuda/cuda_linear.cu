@@ -78,18 +78,6 @@ static __device__ __forceinline__ uint4 mul8(uint4 a, uint4 b)
     return r;
 }
 
-static __device__ __forceinline__ float sumsq8(uint4 a)
-{
-    const __nv_bfloat162 *pa = reinterpret_cast<const __nv_bfloat162 *>(&a);
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 f = __bfloat1622float2(pa[i]);
-        s = fmaf(f.x, f.x, fmaf(f.y, f.y, s));
-    }
-    return s;
-}
-
 /* NG = groups of 8 x rows the kernel holds: 1 (n <= 8), 2 (n <= 16) or 4 (n <= 32); NORM: the
  * input norm is fused. Block: blockDim.x / 32 warps over k, steps_per_warp steps of 32 k each;
  * grid: one block per GEMV_ROWS weight rows (with SwiGLU per 4 output columns). x and w are
@@ -162,7 +150,7 @@ gemv_kernel(const bf16 *__restrict__ x, const bf16 *__restrict__ w,
                 const uint4 nv = c < kc ? __ldg(nw + c) : zero;
 #pragma unroll
                 for (int q = 0; q < NG; q++) {
-                    ss[q] += sumsq8(xv[q]);
+                    ss[q] += pd_sumsq8(xv[q]);
                     xv[q] = mul8(xv[q], nv);
                 }
             }
