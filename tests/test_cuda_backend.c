@@ -819,30 +819,36 @@ static void test_attention(void)
     test_attention_flash();
 }
 
-/* Both decode kernels (cuda_attention_decode.cu: the cp.async ring of 2 or 4 slots and the
- * register kernel, PDSERVE_CUDA_DECODE_STAGES) on a backend of their own, with known and
- * unknown longest contexts, padding rows, contexts around the ring's tiles, head sizes 64 and
+/* Every decode kernel (cuda_attention_decode.cu: the tensor-core one with rings of 3 and 4
+ * slots, PDSERVE_CUDA_DECODE_MMA, default 2; with it off the cp.async ring of 2 or 4 slots and
+ * the register kernel, PDSERVE_CUDA_DECODE_STAGES) on a backend of their own, with known and
+ * unknown longest contexts, padding rows, contexts around the rings' tiles, head sizes 64 and
  * 128 and GQA 1 to 8; up to 128 splits combined by their last block. */
 static void test_decode_kernels(void)
 {
-    static const char *const stages[] = {"0", "4"}; /* 2: the default, test_attention */
+    /* {mma, stages}; the default (2, 2) is test_attention's */
+    static const char *const kern[][2] = {{"3", "2"}, {"4", "2"}, {"0", "0"}, {"0", "2"},
+                                          {"0", "4"}};
     const attn_shape shapes[4] = {
         {16, 8, 128, 16, 0}, {8, 8, 64, 16, 0}, {32, 4, 128, 24, 0}, {16, 2, 64, 16, 200},
     };
     const int32_t dq[7] = {1, 1, 1, 1, 1, 1, 1};
     const int32_t dc[7] = {1, 15, 16, 17, 49, 300, 2900}, pad[7] = {5, 0, 64, 0, 1000, 0, 33};
     pd_backend *saved = g_gpu;
-    for (size_t i = 0; i < sizeof stages / sizeof stages[0]; i++) {
+    for (size_t i = 0; i < sizeof kern / sizeof kern[0]; i++) {
         char err[PD_ERR_LEN] = "";
         pd_backend_params p = pd_backend_default_params();
         pd_backend *b = NULL;
-        setenv("PDSERVE_CUDA_DECODE_STAGES", stages[i], 1);
+        setenv("PDSERVE_CUDA_DECODE_MMA", kern[i][0], 1);
+        setenv("PDSERVE_CUDA_DECODE_STAGES", kern[i][1], 1);
         const int rc = pd_backend_create("cuda", &p, &b, err);
+        unsetenv("PDSERVE_CUDA_DECODE_MMA");
         unsetenv("PDSERVE_CUDA_DECODE_STAGES");
         CHECK_EQ_INT(rc, 0);
         if (rc != 0) continue;
         g_gpu = b;
-        printf("  decode kernel, PDSERVE_CUDA_DECODE_STAGES=%s\n", stages[i]);
+        printf("  decode kernel, PDSERVE_CUDA_DECODE_MMA=%s PDSERVE_CUDA_DECODE_STAGES=%s\n",
+               kern[i][0], kern[i][1]);
         for (int s = 0; s < 4; s++) {
             run_attention("decode", &shapes[s], 7, dq, dc, 1);
             run_attention("decode graph", &shapes[s], 7, dq, dc, 2);

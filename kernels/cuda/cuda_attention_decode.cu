@@ -6,21 +6,29 @@
  * 32 / TPK keys at a time; every lane group keeps its own online softmax in fp32 (base 2, the
  * scale folded into q) and the groups are merged through shared memory at the end.
  *
- * Two kernels walk the keys. The pipelined one (head sizes 64 and 128, the default) streams
- * each lane's K/V through a ring of STAGES tiles in shared memory with cp.async, so STAGES - 1
- * tiles stay in flight while one is computed; the register kernel (every head size, and
- * PDSERVE_CUDA_DECODE_STAGES=0) loads K/V straight into registers, two rounds unrolled, the
- * block-table entries a round ahead. Batch 256 x 1k on an H200: 67% of the copy rate with the
- * register kernel, 74 - 75% pipelined; on an H100 85% and 93% (docs/perf.md).
+ * Three kernels walk the keys. On sm_90 with head sizes 64 and 128 (the default there) the
+ * tensor-core kernel: each warp streams tiles of 16 keys' K/V rows with bulk copies through
+ * its own ring in shared memory and computes S = Q K^T and O += P V with mma.sync, the GQA
+ * group's query heads as the rows (PDSERVE_CUDA_DECODE_MMA: its ring's slots, 2 by default,
+ * 0 = off). The CUDA-core kernels below it (head sizes 64 and 128 elsewhere, and every other
+ * size) give each key TPK = head_dim / 8 lanes, 16 bytes of K and of V each, with an online
+ * softmax per lane group; they issue ~130 instructions per key and head, which holds them
+ * near 3 TB/s. The pipelined one streams each lane's K/V through a ring of STAGES tiles with
+ * cp.async, so STAGES - 1 tiles stay in flight while one is computed; the register kernel
+ * (every head size, and PDSERVE_CUDA_DECODE_STAGES=0) loads K/V straight into registers, two
+ * rounds unrolled, the block-table entries a round ahead. Batch 256 x 1k on an H200: 67% of
+ * the copy rate with the register kernel, 72 - 75% pipelined, 89% on the tensor cores; on an
+ * H100 85% and 93% for the first two (docs/perf.md).
  *
  * A sequence whose keys fit one chunk is written by split 0 directly; otherwise each split
  * with keys writes its unnormalised partial output, max and sum to the workspace and the last
  * one to finish (a counter per (sequence, KV head)) combines them; splits past a sequence's
- * keys return at once. The split count aims at PDSERVE_CUDA_DECODE_BLOCKS_PER_SM (16) blocks
- * per SM, chunks of at least MIN_CHUNK keys, at most INLINE_SPLITS, within the workspace;
- * with the longest context unknown (a graph) it comes from the batch alone and each sequence
- * cuts its own context. Many small blocks keep the last wave short on the varied contexts
- * of a serving batch (the 256-request workload: 47.0% of its floor at 4 blocks per SM, 49.3%
+ * keys return at once. The split count aims at PDSERVE_CUDA_DECODE_BLOCKS_PER_SM blocks per SM
+ * (8 for the tensor-core kernel, 16 for the others), chunks of at least MIN_CHUNK keys, at most
+ * INLINE_SPLITS, within the workspace; with the longest context unknown (a graph) it comes
+ * from the batch alone and each sequence cuts its own context. Many small blocks keep the last
+ * wave short on the varied contexts of a serving batch (the 256-request workload with the
+ * CUDA-core kernel: 47.0% of its floor at 4 blocks per SM, 49.3%
  * at 16). What these kernels do not cover (head_dim not in {8, 16, 32, 64, 128, 256}, more
  * than 8 query heads per KV head, prefill-shaped batches, a batch too large for the
  * workspace, unaligned caches, PDSERVE_CUDA_SPLIT_KV=0) goes to the general kernel
@@ -207,32 +215,21 @@ static __device__ __forceinline__ void combine_inline(float *sm, bf16 *__restric
     if (threadIdx.x == 0) *cnt = 0;
 }
 
-template <int TPK, int MAXG>
+/* Merges the states of a block's GROUPS lane groups (in sm: [GROUPS][MAXG][HD] unnormalised
+ * outputs, then [GROUPS][MAXG] maxima, then [GROUPS][MAXG] sums; a group that saw no key has
+ * max -inf) and writes the output, or the split's partial output, max and sum (then the last
+ * split combines them). */
+template <int GROUPS, int MAXG, int HD>
 static __device__ __forceinline__ void
-finish_chunk(float *sm, const float (&acc)[MAXG][8], const float (&m)[MAXG],
-             const float (&l)[MAXG], bf16 *__restrict__ out, float *__restrict__ part,
+merge_groups(float *sm, bf16 *__restrict__ out, float *__restrict__ part,
              int32_t *__restrict__ count, int32_t row, int32_t n_used, int32_t n_seqs,
              int32_t n_heads, int32_t G)
 {
-    constexpr int HD = TPK * 8, KPW = 32 / TPK, GROUPS = NW * KPW;
     float(*sm_acc)[MAXG][HD] = reinterpret_cast<float(*)[MAXG][HD]>(sm);
     float(*sm_m)[MAXG] = reinterpret_cast<float(*)[MAXG]>(sm + GROUPS * MAXG * HD);
     float(*sm_l)[MAXG] = reinterpret_cast<float(*)[MAXG]>(sm + GROUPS * MAXG * (HD + 1));
     const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z, n_splits = gridDim.x;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int grp = lane / TPK, sub = lane % TPK, gid = warp * KPW + grp;
-#pragma unroll
-    for (int g = 0; g < MAXG; g++) {
-        if (g >= G) break;
-#pragma unroll
-        for (int e = 0; e < 8; e++) sm_acc[gid][g][sub * 8 + e] = acc[g][e];
-        if (sub == 0) {
-            sm_m[gid][g] = m[g];
-            sm_l[gid][g] = l[g];
-        }
-    }
     __syncthreads();
-
     /* One (head, element) pair per thread and round. */
     for (int i = threadIdx.x; i < G * HD; i += NW * 32) {
         const int g = i / HD, d = i % HD, h = kvh * G + g;
@@ -263,6 +260,33 @@ finish_chunk(float *sm, const float (&acc)[MAXG][8], const float (&m)[MAXG],
     }
     if (n_used > 1)
         combine_inline(sm, out, part, count, row, n_used, n_seqs, n_heads, G, HD);
+}
+
+/* The CUDA-core kernels' end: every lane group's state into shared memory, then merged. */
+template <int TPK, int MAXG>
+static __device__ __forceinline__ void
+finish_chunk(float *sm, const float (&acc)[MAXG][8], const float (&m)[MAXG],
+             const float (&l)[MAXG], bf16 *__restrict__ out, float *__restrict__ part,
+             int32_t *__restrict__ count, int32_t row, int32_t n_used, int32_t n_seqs,
+             int32_t n_heads, int32_t G)
+{
+    constexpr int HD = TPK * 8, KPW = 32 / TPK, GROUPS = NW * KPW;
+    float(*sm_acc)[MAXG][HD] = reinterpret_cast<float(*)[MAXG][HD]>(sm);
+    float(*sm_m)[MAXG] = reinterpret_cast<float(*)[MAXG]>(sm + GROUPS * MAXG * HD);
+    float(*sm_l)[MAXG] = reinterpret_cast<float(*)[MAXG]>(sm + GROUPS * MAXG * (HD + 1));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int grp = lane / TPK, sub = lane % TPK, gid = warp * KPW + grp;
+#pragma unroll
+    for (int g = 0; g < MAXG; g++) {
+        if (g >= G) break;
+#pragma unroll
+        for (int e = 0; e < 8; e++) sm_acc[gid][g][sub * 8 + e] = acc[g][e];
+        if (sub == 0) {
+            sm_m[gid][g] = m[g];
+            sm_l[gid][g] = l[g];
+        }
+    }
+    merge_groups<GROUPS, MAXG, HD>(sm, out, part, count, row, n_used, n_seqs, n_heads, G);
 }
 
 #define PD_SPLIT_PARAMS                                                                        \
@@ -425,6 +449,190 @@ split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of sha
                             ci.n_used, n_seqs, n_heads, G);
 }
 
+/* Tensor-core kernel (sm_90; head sizes 64 and 128, up to 8 query heads per KV head): the
+ * CUDA-core kernels spend ~130 instructions per key and head, which caps them near 3 TB/s
+ * (issue-bound: ncu on an H200, batch 256 x 1k). Here each warp takes every NW-th tile of
+ * MMA_KT keys of the block's chunk and streams them through its own ring of STAGES slots
+ * with bulk copies (cp.async.bulk, one 2 * head_dim-byte row of K or V per lane, completion on
+ * an mbarrier per slot), so one warp instruction fetches a whole tile. S = Q K^T and O += P V
+ * run on mma.m16n8k16 with the GQA group's query heads as the rows (rows G .. 15 are zero),
+ * P in bf16, the online softmax in fp32 (base 2) on the quad of lanes that holds a row.
+ * Shared-memory rows are padded by 16 bytes, so the 8 rows an ldmatrix reads fall in
+ * different banks. About 6 instructions per key and head. */
+#define MMA_KT 16 /* keys per tile: a lane per K row, a lane per V row */
+
+template <int HD>
+static constexpr __host__ __device__ int mma_pitch(void) /* bf16 elements per shared row */
+{
+    return HD + 8;
+}
+
+template <int HD, int STAGES>
+static constexpr size_t mma_ring_bytes(void)
+{
+    return (size_t)NW * STAGES * 2 * MMA_KT * mma_pitch<HD>() * sizeof(bf16);
+}
+
+template <int HD, int STAGES>
+static __global__ void __launch_bounds__(NW * 32) split_mma_kernel(PD_SPLIT_PARAMS)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int P = mma_pitch<HD>(), TILE = 2 * MMA_KT * P, KS = HD / 16, NB = HD / 8;
+    extern __shared__ __align__(128) uint4 dyn[];
+    __shared__ __align__(8) uint64_t bars[NW][STAGES];
+    pd_pdl_wait();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q4 = lane & 3;
+    const int split = blockIdx.x, kvh = blockIdx.y, s = blockIdx.z, n_splits = gridDim.x;
+    const int32_t ctx = ctx_lens[s], row = cu_q[s];
+    int32_t start, n_used;
+    const int32_t ch = seq_chunk(ctx, sliding_window, chunk, n_splits, &start, &n_used);
+    if (split >= n_used) return; /* no keys, no partials: nothing to do */
+    const int32_t k_begin = start + split * ch, k_end = min(k_begin + ch, ctx);
+    const int32_t *table = block_tables + (size_t)s * max_blocks_per_seq;
+    const int32_t n_tiles = k_end > k_begin ? (k_end - k_begin + MMA_KT - 1) / MMA_KT : 0;
+    const int32_t mine = n_tiles > warp ? (n_tiles - warp + NW - 1) / NW : 0;
+    bf16 *ring = reinterpret_cast<bf16 *>(dyn) + (size_t)warp * STAGES * TILE;
+    uint64_t *bar = bars[warp];
+    if (lane == 0) {
+        for (int i = 0; i < STAGES; i++) pd_mbar_init(&bar[i], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncwarp();
+
+    /* Tile i of this warp: keys from k_begin + (warp + i NW) MMA_KT. Lane l fetches row l % 16
+     * of K (l < 16) or of V; a row past the chunk is zeroed instead (P is 0 there, and 0 x a
+     * stale NaN would not be). */
+    const int64_t kv_row = (int64_t)n_kv_heads * HD;
+    const int32_t my_key = lane & 15;
+    const bf16 *cache = (lane < 16 ? k_cache : v_cache) + (int64_t)kvh * HD;
+    auto entry_of = [&](int32_t i) -> int32_t {
+        const int32_t k = k_begin + (warp + i * NW) * MMA_KT + my_key;
+        return i < mine && k < k_end ? table[k / block_size] : 0;
+    };
+    auto issue = [&](int32_t i, int32_t entry) {
+        if (i >= mine) return;
+        const int slot = i % STAGES;
+        const int32_t kb = k_begin + (warp + i * NW) * MMA_KT, k = kb + my_key;
+        bf16 *dst = ring + slot * TILE + (lane >> 4) * MMA_KT * P + my_key * P;
+        if (lane == 0)
+            pd_mbar_expect_tx(&bar[slot], (uint32_t)(min(MMA_KT, k_end - kb) * 2 * HD *
+                                                     (int)sizeof(bf16)));
+        __syncwarp(); /* the expected bytes are set before any copy can land */
+        if (k < k_end) {
+            pd_bulk_load(dst, cache + ((int64_t)entry * block_size + k % block_size) * kv_row,
+                         HD * sizeof(bf16), &bar[slot]);
+        } else {
+#pragma unroll
+            for (int c = 0; c < HD / 8; c++)
+                reinterpret_cast<uint4 *>(dst)[c] = make_uint4(0u, 0u, 0u, 0u);
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        }
+    };
+
+    /* Q as the A operand (row g = query head g of the group; rows >= G and g + 8 are 0), K
+     * scores scaled in fp32 afterwards: q stays exact. */
+    uint32_t qa[KS][2];
+    {
+        const bf16 *qp = q + (size_t)row * q_row_stride + (size_t)(kvh * G + min(g, G - 1)) * HD +
+                         2 * q4;
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            qa[ks][0] = g < G ? *reinterpret_cast<const uint32_t *>(qp + ks * 16) : 0u;
+            qa[ks][1] = g < G ? *reinterpret_cast<const uint32_t *>(qp + ks * 16 + 8) : 0u;
+        }
+    }
+    float o[NB][4];
+#pragma unroll
+    for (int j = 0; j < NB; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+
+    {
+        int32_t e[STAGES];
+#pragma unroll
+        for (int i = 0; i < STAGES; i++) e[i] = entry_of(i);
+#pragma unroll
+        for (int i = 0; i < STAGES; i++) issue(i, e[i]);
+    }
+    for (int32_t i = 0; i < mine; i++) {
+        const int32_t next = entry_of(i + STAGES); /* its latency hides behind this tile */
+        const int slot = i % STAGES;
+        pd_mbar_wait(&bar[slot], (uint32_t)((i / STAGES) & 1));
+        __syncwarp(); /* zeroed rows of other lanes are visible */
+        const bf16 *sk = ring + slot * TILE, *sv = sk + MMA_KT * P;
+        float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+            unsigned b[4];
+            /* lanes 0-7 / 8-15: keys 0-7 at k 0 / 8 (n-block 0); 16-31: keys 8-15 */
+            pd_ldsm4(b, sk + ((lane & 7) + ((lane >> 4) << 3)) * P + ks * 16 +
+                            ((lane >> 3) & 1) * 8);
+            mma_bf16(sc[0], qa[ks][0], 0u, qa[ks][1], 0u, b[0], b[1]);
+            mma_bf16(sc[1], qa[ks][0], 0u, qa[ks][1], 0u, b[2], b[3]);
+        }
+        /* Row g's scores of keys kb + 8 nb + 2 q4 + {0, 1}; the quad of lanes 4g .. 4g + 3
+         * holds the row. */
+        const int32_t kb = k_begin + (warp + i * NW) * MMA_KT;
+        float sv4[4], mx = m;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int32_t k = kb + (j >> 1) * 8 + 2 * q4 + (j & 1);
+            sv4[j] = k < k_end ? sc[j >> 1][j & 1] * scale_log2 : -INFINITY;
+            mx = fmaxf(mx, sv4[j]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        /* mx is finite: every tile holds a key. m = -inf (first tile) gives corr 0. */
+        const float corr = pd_exp2(m - mx);
+        float p[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) p[j] = pd_exp2(sv4[j] - mx);
+        l = fmaf(l, corr, (p[0] + p[1]) + (p[2] + p[3]));
+        m = mx;
+        if (__any_sync(0xffffffffu, corr != 1.0f)) {
+#pragma unroll
+            for (int j = 0; j < NB; j++) {
+                o[j][0] *= corr;
+                o[j][1] *= corr;
+            }
+        }
+        const uint32_t pa0 = pd_pack_bf16(p[0], p[1]), pa2 = pd_pack_bf16(p[2], p[3]);
+#pragma unroll
+        for (int j = 0; j < NB; j += 2) {
+            unsigned b[4];
+            pd_ldsm4t(b, sv + (lane & 15) * P + (j + (lane >> 4)) * 8);
+            mma_bf16(o[j], pa0, 0u, pa2, 0u, b[0], b[1]);
+            mma_bf16(o[j + 1], pa0, 0u, pa2, 0u, b[2], b[3]);
+        }
+        __syncwarp(); /* every lane is done with the slot before it is refilled */
+        issue(i + STAGES, next);
+    }
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+
+    /* The warps' states into shared memory (the ring's space: every warp is past it), merged. */
+    constexpr int MAXG = MAX_G;
+    __syncthreads();
+    float *sm = reinterpret_cast<float *>(dyn);
+    float(*sm_acc)[MAXG][HD] = reinterpret_cast<float(*)[MAXG][HD]>(sm);
+    float(*sm_m)[MAXG] = reinterpret_cast<float(*)[MAXG]>(sm + NW * MAXG * HD);
+    float(*sm_l)[MAXG] = reinterpret_cast<float(*)[MAXG]>(sm + NW * MAXG * (HD + 1));
+    if (g < G) {
+#pragma unroll
+        for (int j = 0; j < NB; j++) {
+            sm_acc[warp][g][j * 8 + 2 * q4] = o[j][0];
+            sm_acc[warp][g][j * 8 + 2 * q4 + 1] = o[j][1];
+        }
+        if (q4 == 0) {
+            sm_m[warp][g] = m;
+            sm_l[warp][g] = l;
+        }
+    }
+    merge_groups<NW, MAXG, HD>(sm, out, part, count, row, n_used, n_seqs, n_heads, G);
+#else
+    __trap(); /* launched only on compute capability 9.0 and up */
+#endif
+}
+
 template <int TPK, int MAXG, int STAGES>
 static cudaError_t launch_tg(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
                              int chunk, cudaStream_t stream)
@@ -462,30 +670,56 @@ static cudaError_t launch_ts(const pd_attn_args *a, float *part, int32_t *count,
     return launch_tg<TPK, 8, STAGES>(a, part, count, n_splits, chunk, stream);
 }
 
-/* The pipelined kernel for head sizes 64 and 128 (stages 2 or 4; others round down: 2, the
- * default, measured best on an H200, 4 as good on an H100, 6 slower), the register kernel
- * otherwise and with stages 0. */
+template <int HD, int STAGES>
+static cudaError_t launch_mma(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
+                              int chunk, cudaStream_t stream)
+{
+    const size_t ring = mma_ring_bytes<HD, STAGES>();
+    const size_t merge = (size_t)NW * MAX_G * (HD + 2) * sizeof(float);
+    const size_t smem = ring > merge ? ring : merge;
+    /* above 48 KiB allowed explicitly, per device: on every launch (cuda_attention_prefill.cu) */
+    cudaError_t e = cudaFuncSetAttribute(split_mma_kernel<HD, STAGES>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+    const dim3 grid((unsigned)n_splits, (unsigned)a->n_kv_heads, (unsigned)a->n_seqs);
+    const float log2e = 1.4426950408889634f;
+    return pd_cuda__launch(split_mma_kernel<HD, STAGES>, grid, dim3(NW * 32), smem, stream,
+                           (const bf16 *)a->q, a->q_row_stride, (const bf16 *)a->k_cache,
+                           (const bf16 *)a->v_cache, (bf16 *)a->out, part, count, a->cu_q,
+                           a->ctx_lens, a->block_tables, a->n_seqs, a->max_blocks_per_seq,
+                           a->n_heads, a->n_kv_heads, a->n_heads / a->n_kv_heads, a->block_size,
+                           a->sliding_window, chunk, a->scale * log2e);
+}
+
+/* Head sizes 64 and 128: the tensor-core kernel on sm_90 (mma_stages 2 - 4: its ring; 0 =
+ * off), else the pipelined kernel (stages 2 or 4; others round down: 2, the default, measured
+ * best on an H200, 4 as good on an H100, 6 slower); the register kernel otherwise and with
+ * stages 0. */
 template <int TPK>
 static cudaError_t launch_t(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
-                            int chunk, int stages, cudaStream_t stream)
+                            int chunk, int stages, int mma_stages, cudaStream_t stream)
 {
     if constexpr (TPK == 8 || TPK == 16) {
+        if (mma_stages >= 4) return launch_mma<TPK * 8, 4>(a, part, count, n_splits, chunk, stream);
+        if (mma_stages == 3) return launch_mma<TPK * 8, 3>(a, part, count, n_splits, chunk, stream);
+        if (mma_stages > 0) return launch_mma<TPK * 8, 2>(a, part, count, n_splits, chunk, stream);
         if (stages >= 4) return launch_ts<TPK, 4>(a, part, count, n_splits, chunk, stream);
         if (stages >= 2) return launch_ts<TPK, 2>(a, part, count, n_splits, chunk, stream);
     }
+    (void)mma_stages;
     return launch_ts<TPK, 0>(a, part, count, n_splits, chunk, stream);
 }
 
 static cudaError_t launch_split(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
-                                int chunk, int stages, cudaStream_t stream)
+                                int chunk, int stages, int mma_stages, cudaStream_t stream)
 {
     switch (a->head_dim) {
-    case 8: return launch_t<1>(a, part, count, n_splits, chunk, 0, stream);
-    case 16: return launch_t<2>(a, part, count, n_splits, chunk, 0, stream);
-    case 32: return launch_t<4>(a, part, count, n_splits, chunk, 0, stream);
-    case 64: return launch_t<8>(a, part, count, n_splits, chunk, stages, stream);
-    case 128: return launch_t<16>(a, part, count, n_splits, chunk, stages, stream);
-    default: return launch_t<32>(a, part, count, n_splits, chunk, 0, stream);
+    case 8: return launch_t<1>(a, part, count, n_splits, chunk, 0, 0, stream);
+    case 16: return launch_t<2>(a, part, count, n_splits, chunk, 0, 0, stream);
+    case 32: return launch_t<4>(a, part, count, n_splits, chunk, 0, 0, stream);
+    case 64: return launch_t<8>(a, part, count, n_splits, chunk, stages, mma_stages, stream);
+    case 128: return launch_t<16>(a, part, count, n_splits, chunk, stages, mma_stages, stream);
+    default: return launch_t<32>(a, part, count, n_splits, chunk, 0, 0, stream);
     }
 }
 
@@ -509,7 +743,7 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
         return pd_cuda__attention(ctx, a);
     }
 
-    /* Splits: about decode_blocks_per_sm blocks per SM, chunks of at least MIN_CHUNK keys,
+    /* Splits: about per_sm blocks per SM, chunks of at least MIN_CHUNK keys,
      * within the workspace (partial outputs, max and sum of each split of each head). With
      * the longest context unknown (max_ctx_len 0: a graph replayed over other contexts) the
      * split count comes from the batch alone and each sequence cuts its own context into
@@ -517,8 +751,13 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
     int32_t n_keys = a->max_ctx_len;
     if (a->sliding_window > 0 && (n_keys == 0 || a->sliding_window < n_keys))
         n_keys = a->sliding_window;
+    const int mma_stages = c->cc_major >= 9 ? c->decode_mma_stages : 0;
+    const bool mma = mma_stages > 0 && (hd == 64 || hd == 128);
+    /* Blocks per SM aimed at: the tensor-core kernel's fewer, longer blocks run the 256-request
+     * workload 4% faster at 8 than at 16 (H200); the CUDA-core kernels' best was 16. */
+    const int per_sm = c->decode_blocks_per_sm > 0 ? c->decode_blocks_per_sm : mma ? 8 : 16;
     const int64_t base_blocks = (int64_t)a->n_seqs * a->n_kv_heads;
-    const int64_t target = (int64_t)c->decode_blocks_per_sm * c->sm_count;
+    const int64_t target = (int64_t)per_sm * c->sm_count;
     /* Rounded up: a batch of 256 x 8 KV heads gets 2 splits, 8% slower on uniform contexts
      * than 1 (rounding to nearest), but the 256-request workload, whose batches pass through
      * 130 - 260 sequences of varied contexts, runs 3% faster with it (docs/perf.md). */
@@ -542,6 +781,6 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
         n_splits = (int)((n_keys + chunk - 1) / chunk);
     }
     PD_CUDA_CHECK(launch_split(a, c->attn_part, c->attn_count, n_splits, chunk,
-                               c->decode_stages, c->stream));
+                               c->decode_stages, mma_stages, c->stream));
     return 0;
 }

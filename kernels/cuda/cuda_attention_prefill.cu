@@ -20,51 +20,6 @@
 #define STAGES 3 /* K/V tiles in shared memory: two load while one is computed */
 #define MAX_G 8  /* query heads per KV head handled here */
 
-/* ---- PTX wrappers (sm_80 and up) ---- */
-
-/* 2^x on the special-function unit (2^-inf = 0); the softmax needs no more precision than
- * the bf16 P it feeds. */
-static __device__ __forceinline__ float fast_exp2(float x)
-{
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-/* Four 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8 of matrix
- * l / 8. With trans each matrix arrives transposed. */
-static __device__ __forceinline__ void ldsm4(unsigned r[4], const bf16 *p)
-{
-    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
-
-static __device__ __forceinline__ void ldsm4t(unsigned r[4], const bf16 *p)
-{
-    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
-
-/* d += a (16x16 bf16, row-major) . b (16x8 bf16, column-major), fp32. */
-static __device__ __forceinline__ void mma16816(float d[4], const unsigned a[4], unsigned b0,
-                                                unsigned b1)
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-static __device__ __forceinline__ unsigned pack_bf16(float lo, float hi)
-{
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const unsigned *>(&v);
-}
-
 /* Element offset of 16-byte chunk c of row r in a [rows][HD] shared tile. The chunk index is
  * XORed with the row's low 3 bits, so the 8 rows an ldmatrix reads at one column fall in 8
  * different bank groups (unswizzled, rows of 128 or 256 bytes would all hit the same one). */
@@ -184,7 +139,7 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
         if (j == 0) {
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk++)
-                ldsm4(qf[kk], sq + swz<HD>(warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                pd_ldsm4(qf[kk], sq + swz<HD>(warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                            2 * kk + (lane >> 4)));
         }
         const int32_t kb = kstart + j * KT;
@@ -206,10 +161,10 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
 #pragma unroll
             for (int nn = 0; nn < KT / 16; nn++) {
                 unsigned b[4];
-                ldsm4(b, kt + swz<HD>(nn * 16 + (lane & 7) + (lane >> 4) * 8,
+                pd_ldsm4(b, kt + swz<HD>(nn * 16 + (lane & 7) + (lane >> 4) * 8,
                                       2 * kk + ((lane >> 3) & 1)));
-                mma16816(sc[2 * nn], qf[kk], b[0], b[1]);
-                mma16816(sc[2 * nn + 1], qf[kk], b[2], b[3]);
+                pd_mma16816(sc[2 * nn], qf[kk], b[0], b[1]);
+                pd_mma16816(sc[2 * nn + 1], qf[kk], b[2], b[3]);
             }
         }
 
@@ -239,13 +194,13 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float base = mx == -INFINITY ? 0.0f : mx;
-            const float corr = fast_exp2(m[h] - base); /* 0 while m is -inf */
+            const float corr = pd_exp2(m[h] - base); /* 0 while m is -inf */
             m[h] = mx;
             float sum = 0.0f;
 #pragma unroll
             for (int n = 0; n < KT / 8; n++) {
-                sc[n][2 * h] = fast_exp2(sc[n][2 * h] - base);
-                sc[n][2 * h + 1] = fast_exp2(sc[n][2 * h + 1] - base);
+                sc[n][2 * h] = pd_exp2(sc[n][2 * h] - base);
+                sc[n][2 * h + 1] = pd_exp2(sc[n][2 * h + 1] - base);
                 sum += sc[n][2 * h] + sc[n][2 * h + 1];
             }
             l[h] = l[h] * corr + sum; /* this lane's share; the quad is summed at the end */
@@ -259,17 +214,17 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
         /* O += P V: P goes from the S accumulators straight into A fragments. */
 #pragma unroll
         for (int kk = 0; kk < KT / 16; kk++) {
-            const unsigned a[4] = {pack_bf16(sc[2 * kk][0], sc[2 * kk][1]),
-                                   pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
-                                   pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                                   pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+            const unsigned a[4] = {pd_pack_bf16(sc[2 * kk][0], sc[2 * kk][1]),
+                                   pd_pack_bf16(sc[2 * kk][2], sc[2 * kk][3]),
+                                   pd_pack_bf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                                   pd_pack_bf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
 #pragma unroll
             for (int dn = 0; dn < HD / 16; dn++) {
                 unsigned b[4];
-                ldsm4t(b, vt + swz<HD>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                pd_ldsm4t(b, vt + swz<HD>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                        2 * dn + (lane >> 4)));
-                mma16816(o[2 * dn], a, b[0], b[1]);
-                mma16816(o[2 * dn + 1], a, b[2], b[3]);
+                pd_mma16816(o[2 * dn], a, b[0], b[1]);
+                pd_mma16816(o[2 * dn + 1], a, b[2], b[3]);
             }
         }
     }
@@ -286,7 +241,7 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
 #pragma unroll
         for (int n = 0; n < HD / 8; n++)
             *reinterpret_cast<unsigned *>(sq + swz<HD>(r, n) + qd * 2) =
-                pack_bf16(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+                pd_pack_bf16(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
     }
     __syncwarp();
     const int64_t out_row = (int64_t)n_heads * HD;

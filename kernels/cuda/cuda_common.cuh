@@ -30,9 +30,11 @@ typedef struct {
     int smem_optin;        /* shared memory a block may opt in to, bytes */
     bool split_kv;         /* split-KV decode attention on (PDSERVE_CUDA_SPLIT_KV=0: off) */
     int decode_blocks_per_sm; /* the split count aims at this many blocks per SM
-                               * (PDSERVE_CUDA_DECODE_BLOCKS_PER_SM) */
+                               * (PDSERVE_CUDA_DECODE_BLOCKS_PER_SM; 0 = by kernel) */
     int decode_stages;     /* the decode kernel's cp.async ring (PDSERVE_CUDA_DECODE_STAGES:
                             * 0 = the register kernel, else 2 (default) or 4 slots) */
+    int decode_mma_stages; /* the tensor-core decode kernel's ring on sm_90
+                            * (PDSERVE_CUDA_DECODE_MMA: 2 - 4 slots, 0 = off) */
     float *attn_part;      /* split-KV decode workspace: partial outputs, maxima and sums */
     size_t attn_part_floats;
     int32_t *attn_count;   /* zeroed counters of the decode kernel's inline combine, one per
@@ -238,6 +240,95 @@ template <int N>
 static __device__ __forceinline__ void pd_cp_wait(void)
 {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+
+/* ---- ldmatrix, exp2, packing (sm_80 and up): the tensor-core attention kernels ---- */
+
+/* 2^x on the special-function unit (2^-inf = 0); the softmax needs no more precision than
+ * the bf16 P it feeds. */
+static __device__ __forceinline__ float pd_exp2(float x)
+{
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+/* Four 8x8 b16 matrices from shared memory; lane l gives the address of row l % 8 of matrix
+ * l / 8. With trans each matrix arrives transposed. */
+static __device__ __forceinline__ void pd_ldsm4(unsigned r[4], const bf16 *p)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+static __device__ __forceinline__ void pd_ldsm4t(unsigned r[4], const bf16 *p)
+{
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+/* mma_bf16 with A's four registers in an array. */
+static __device__ __forceinline__ void pd_mma16816(float (&d)[4], const unsigned (&a)[4],
+                                                   unsigned b0, unsigned b1)
+{
+    mma_bf16(d, a[0], a[1], a[2], a[3], b0, b1);
+}
+
+static __device__ __forceinline__ unsigned pd_pack_bf16(float lo, float hi)
+{
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const unsigned *>(&v);
+}
+
+/* ---- mbarriers and bulk copies (sm_90) ---- */
+
+static __device__ __forceinline__ uint32_t pd_smem_u32(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void pd_mbar_init(uint64_t *b, uint32_t count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(pd_smem_u32(b)), "r"(count));
+}
+
+static __device__ __forceinline__ void pd_mbar_arrive(uint64_t *b)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(pd_smem_u32(b)) : "memory");
+}
+
+static __device__ __forceinline__ void pd_mbar_expect_tx(uint64_t *b, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(pd_smem_u32(b)),
+                 "r"(bytes) : "memory");
+}
+
+/* Waits until the phase of the given parity has completed. */
+static __device__ __forceinline__ void pd_mbar_wait(uint64_t *b, uint32_t parity)
+{
+    asm volatile("{\n"
+                 ".reg .pred p;\n"
+                 "PD_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra PD_WAIT;\n"
+                 "}\n" ::"r"(pd_smem_u32(b)),
+                 "r"(parity)
+                 : "memory");
+}
+
+/* bytes (a multiple of 16, 16-byte aligned ends) global -> shared, counted on b. */
+static __device__ __forceinline__ void pd_bulk_load(void *dst, const void *src, uint32_t bytes,
+                                                    uint64_t *b)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];" ::"r"(pd_smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(pd_smem_u32(b))
+                 : "memory");
 }
 
 #endif

@@ -120,9 +120,11 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
         c->split_kv = !(e && (!strcmp(e, "0") || !strcmp(e, "false") || !strcmp(e, "no")));
         /* The decode kernel's split target, for A/B runs (pdserve-bench-kernels). */
         e = getenv("PDSERVE_CUDA_DECODE_BLOCKS_PER_SM");
-        c->decode_blocks_per_sm = e && atoi(e) >= 1 && atoi(e) <= 64 ? atoi(e) : 16;
+        c->decode_blocks_per_sm = e && atoi(e) >= 1 && atoi(e) <= 64 ? atoi(e) : 0; /* auto */
         e = getenv("PDSERVE_CUDA_DECODE_STAGES");
         c->decode_stages = e && atoi(e) >= 0 && atoi(e) <= 4 ? atoi(e) : 2;
+        e = getenv("PDSERVE_CUDA_DECODE_MMA");
+        c->decode_mma_stages = e && atoi(e) >= 0 && atoi(e) <= 4 ? atoi(e) : 2;
     }
     PD_LOGI("cuda backend: device %d, %s (sm_%d%d, %d SMs, %.1f GiB)", device, prop.name,
             prop.major, prop.minor, prop.multiProcessorCount,

@@ -75,52 +75,6 @@ struct dl_params {
     dl_layer layer[DL_MAX_LAYERS];
 };
 
-/* ---- mbarriers and bulk copies (sm_90) ---- */
-
-static __device__ __forceinline__ uint32_t smem_u32(const void *p)
-{
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-static __device__ __forceinline__ void mbar_init(uint64_t *b, uint32_t count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count));
-}
-
-static __device__ __forceinline__ void mbar_arrive(uint64_t *b)
-{
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(b)) : "memory");
-}
-
-static __device__ __forceinline__ void mbar_expect_tx(uint64_t *b, uint32_t bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)),
-                 "r"(bytes) : "memory");
-}
-
-/* Waits until the phase of the given parity has completed. */
-static __device__ __forceinline__ void mbar_wait(uint64_t *b, uint32_t parity)
-{
-    asm volatile("{\n"
-                 ".reg .pred p;\n"
-                 "DL_WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@!p bra DL_WAIT;\n"
-                 "}\n" ::"r"(smem_u32(b)),
-                 "r"(parity)
-                 : "memory");
-}
-
-/* bytes (a multiple of 16, 16-byte aligned ends) global -> shared, counted on b. */
-static __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes,
-                                                 uint64_t *b)
-{
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-                 "[%0], [%1], %2, [%3];" ::"r"(smem_u32(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_u32(b))
-                 : "memory");
-}
-
 /* The consumer warps' own barrier (the producer warp never joins one). */
 static __device__ __forceinline__ void cons_sync(void)
 {
@@ -215,11 +169,11 @@ static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, u
             for (int32_t c = s.c0; c < s.c1; c += s.cpg)
                 for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, pos.next(p.n_slots)) {
                     const uint32_t len = (uint32_t)min(s.kslice, s.k - k0) * 2;
-                    mbar_wait(&empty[pos.slot()], pos.ph() ^ 1);
+                    pd_mbar_wait(&empty[pos.slot()], pos.ph() ^ 1);
                     char *dst = ring + (size_t)pos.slot() * p.slot_bytes;
-                    mbar_expect_tx(&full[pos.slot()], 8 * len);
+                    pd_mbar_expect_tx(&full[pos.slot()], 8 * len);
                     for (int j = 0; j < 8; j++)
-                        bulk_load(dst + (size_t)j * len, s.w + unit_row(s, c, j) * s.k + k0, len,
+                        pd_bulk_load(dst + (size_t)j * len, s.w + unit_row(s, c, j) * s.k + k0, len,
                                   &full[pos.slot()]);
                 }
         }
@@ -252,7 +206,7 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, pos.next(p.n_slots)) {
             const int32_t len = min(s.kslice, s.k - k0), steps = len / 32; /* steps % 8 == 0 */
-            if (!(p.debug & 8)) mbar_wait(&full[pos.slot()], pos.ph());
+            if (!(p.debug & 8)) pd_mbar_wait(&full[pos.slot()], pos.ph());
             if (!(p.debug & 9)) {
                 const uint4 *wrow = reinterpret_cast<const uint4 *>(
                                         ring + (size_t)pos.slot() * p.slot_bytes) + (size_t)g * (len / 8);
@@ -264,7 +218,7 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                 }
             }
             __syncwarp();
-            if (lane == 0 && !(p.debug & 8)) mbar_arrive(&empty[pos.slot()]); /* slot free */
+            if (lane == 0 && !(p.debug & 8)) pd_mbar_arrive(&empty[pos.slot()]); /* slot free */
         }
         /* lane (g, t): x row g, units 2t and 2t + 1 of the group */
 #pragma unroll
@@ -657,8 +611,8 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         for (int i = 0; i < p.n_slots; i++) {
-            mbar_init(&full[i], 1);
-            mbar_init(&empty[i], DL_CW);
+            pd_mbar_init(&full[i], 1);
+            pd_mbar_init(&empty[i], DL_CW);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
