@@ -36,9 +36,9 @@ static void usage(FILE *f)
         "               us per call, weight GB/s and %% of the copy's rate, TFLOP/s and %% of the\n"
         "               GEMM rate\n"
         "  --attention  attention_decode, Qwen3-0.6B heads (16 q, 8 KV, head_dim 128, blocks\n"
-        "               of 16), batch 256 x context 1024 (also with max_ctx_len = 0) and batch\n"
-        "               1 / 32 at contexts 128 / 1024 / 8192: us, KV bytes read per second,\n"
-        "               %% of the copy\n"
+        "               of 16), batch 256 x context 1024 (also with max_ctx_len = 0), batch\n"
+        "               1 / 32 at contexts 128 / 1024 / 8192, batch 128 at 128 / 512: us, KV\n"
+        "               bytes read per second, %% of the copy\n"
         "  --sample     the sample op (if offered) on 1 / 32 / 256 rows of 151,936 logits, greedy\n"
         "               and temperature 1 + top-p 0.9 + top-k 50\n"
         "  --device N   GPU ordinal (default 0)\n"
@@ -399,8 +399,9 @@ static int att_call(pd_backend *be, void *arg, int i)
 static int bench_attention(const bk_opts *opt, pd_backend *be, const bk_floor *fl)
 {
     static const struct { int32_t batch, ctx; bool unknown; } cases[] = {
-        {256, 1024, false}, {256, 1024, true}, {1, 128, false},  {1, 1024, false},
-        {1, 8192, false},   {32, 128, false},  {32, 1024, false}, {32, 8192, false},
+        {256, 1024, false}, {256, 1024, true}, {1, 128, false},   {1, 1024, false},
+        {1, 8192, false},   {32, 128, false},  {32, 1024, false},  {32, 8192, false},
+        {128, 128, false},  {128, 512, false}, {128, 512, true},
     };
     const pd_backend_ops *o = be->ops;
     const size_t blk_elems = (size_t)ATT_BLOCK * ATT_KV_HEADS * ATT_HEAD_DIM;

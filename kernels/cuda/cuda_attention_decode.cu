@@ -24,7 +24,7 @@
  * with keys writes its unnormalised partial output, max and sum to the workspace and the last
  * one to finish (a counter per (sequence, KV head)) combines them; splits past a sequence's
  * keys return at once. The split count aims at PDSERVE_CUDA_DECODE_BLOCKS_PER_SM blocks per SM
- * (8 for the tensor-core kernel, 16 for the others), chunks of at least MIN_CHUNK keys, at most
+ * (4 for the tensor-core kernel, 16 for the others), chunks of at least MIN_CHUNK keys, at most
  * INLINE_SPLITS, within the workspace; with the longest context unknown (a graph) it comes
  * from the batch alone and each sequence cuts its own context. Many small blocks keep the last
  * wave short on the varied contexts of a serving batch (the 256-request workload with the
@@ -753,9 +753,11 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
         n_keys = a->sliding_window;
     const int mma_stages = c->cc_major >= 9 ? c->decode_mma_stages : 0;
     const bool mma = mma_stages > 0 && (hd == 64 || hd == 128);
-    /* Blocks per SM aimed at: the tensor-core kernel's fewer, longer blocks run the 256-request
-     * workload 4% faster at 8 than at 16 (H200); the CUDA-core kernels' best was 16. */
-    const int per_sm = c->decode_blocks_per_sm > 0 ? c->decode_blocks_per_sm : mma ? 8 : 16;
+    /* Blocks per SM aimed at: about as many as fit at once for the tensor-core kernel (3 of
+     * its blocks do): on an H200, 4 against 8 takes batch 128 x 128 from 42.9 to 28.1 us and
+     * 32 x 8k from 299 to 272 (splits cost their combine and more waves), the 256-request
+     * workload the same (16: 4% slower). The CUDA-core kernels' best was 16. */
+    const int per_sm = c->decode_blocks_per_sm > 0 ? c->decode_blocks_per_sm : mma ? 4 : 16;
     const int64_t base_blocks = (int64_t)a->n_seqs * a->n_kv_heads;
     const int64_t target = (int64_t)per_sm * c->sm_count;
     /* Rounded up: a batch of 256 x 8 KV heads gets 2 splits, 8% slower on uniform contexts
