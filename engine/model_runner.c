@@ -404,11 +404,12 @@ static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err
 }
 
 /* Embedding, every layer and, when `final` is set, the final norm into r->h, for T rows of S
- * sequences whose metadata is in d_meta. max_ctx 0 = not known (a graph body). With `head`
+ * sequences whose metadata is in d_meta, the first n_decode of them one row each (the
+ * attention op's hint). max_ctx 0 = not known (a graph body). With `head`
  * (and final) the backend may also write every row's logits into r->logits: returns 1 when it
  * did (r->h is then not written), 0 when the caller must. */
-static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ctx, bool final,
-                      bool head, char *err)
+static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ctx,
+                      int32_t n_decode, bool final, bool head, char *err)
 {
     pd_backend *be = r->be;
     void *x = be->ctx;
@@ -423,7 +424,7 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
         .max_q_len = max_q, .max_ctx_len = max_ctx, .max_blocks_per_seq = r->max_blocks_per_seq,
         .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = hd,
         .block_size = r->p.block_size, .sliding_window = c->sliding_window,
-        .scale = (float)(1.0 / sqrt((double)hd)),
+        .scale = (float)(1.0 / sqrt((double)hd)), .n_decode = n_decode,
     };
     pd_rope_args ra = {
         .qkv = r->qkv, .positions = r->d_pos, .slot_mapping = r->d_slots, .inv_freq = r->inv_freq,
@@ -508,7 +509,7 @@ static int graph_body(mr *r, int32_t B, char *err)
 {
     pd_backend *be = r->be;
     const mc_config *c = &r->m->cfg;
-    int rc = run_layers(r, B, B, 1, 0, true, true, err);
+    int rc = run_layers(r, B, B, 1, 0, B, true, true, err);
     if (rc != 0) return rc < 0 ? rc : 0; /* 1: the logits are written */
     CALL(be->ops->linear(be->ctx, r->h, r->m->lm_head, NULL, B, c->hidden_size, c->vocab_size,
                          r->logits));
@@ -620,8 +621,12 @@ static int forward(mr *r, const mr_batch *b, float *logits, const mr_sampling *s
         return finish_rows(r, 0, b->n_logits, logits, smp, err);
     }
     if ((rc = upload_meta(r, b, b->n_tokens, b->n_seqs, err)) < 0) return rc;
-    if ((rc = run_layers(r, b->n_tokens, b->n_seqs, max_q, max_ctx, b->n_logits > 0, false,
-                         err)) < 0)
+    /* the leading one-row sequences (the scheduler puts running decodes first): a backend may
+     * run their attention as a decode batch */
+    int32_t n_decode = 0;
+    while (n_decode < b->n_seqs && b->cu_q[n_decode + 1] - b->cu_q[n_decode] == 1) n_decode++;
+    if ((rc = run_layers(r, b->n_tokens, b->n_seqs, max_q, max_ctx, n_decode, b->n_logits > 0,
+                         false, err)) < 0)
         return rc;
     for (int32_t i0 = 0; i0 < b->n_logits; i0 += LOGITS_CHUNK) {
         int32_t n = b->n_logits - i0 < LOGITS_CHUNK ? b->n_logits - i0 : LOGITS_CHUNK;

@@ -41,6 +41,9 @@ typedef struct {
     int32_t block_size;          /* tokens per KV block */
     int32_t sliding_window;      /* attend only to the last this-many positions; 0 = unlimited */
     float scale;                 /* softmax scale, usually 1/sqrt(head_dim) */
+    int32_t n_decode;            /* a hint for a mixed batch: its first n_decode sequences have
+                                  * one query row each (0 = none or not known), which a backend
+                                  * may run as a decode batch; 0 <= n_decode <= n_seqs */
 } pd_attn_args;
 
 /* RoPE on the q and k parts of a fused qkv buffer, then store k and v by slot mapping. With

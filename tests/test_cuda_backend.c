@@ -728,6 +728,8 @@ static void run_attention(const char *what, const attn_shape *sh, int n_seqs,
     CHECK_EQ_INT((decode ? g_cpu->ops->attention_decode : g_cpu->ops->attention_prefill)(g_cpu->ctx, &a), 0);
     a.q = pq.g; a.k_cache = pk.g; a.v_cache = pv.g; a.out = out.g;
     a.cu_q = pcu.g; a.ctx_lens = pctx.g; a.block_tables = pbt.g;
+    if (!decode) /* the leading one-row sequences, as the model runner tells them */
+        while (a.n_decode < n_seqs && q_lens[a.n_decode] == 1) a.n_decode++;
     CHECK_EQ_INT((decode ? g_gpu->ops->attention_decode : g_gpu->ops->attention_prefill)(g_gpu->ctx, &a), 0);
     CHECK_EQ_INT(sync_both(), 0);
     char name[160];
@@ -762,6 +764,12 @@ static void test_attention_flash(void)
     run_attention("prefill flash long", &shapes[0], 3, lq, lc, 0);
     const attn_shape win = {16, 8, 128, 16, 1000};
     run_attention("prefill flash long", &win, 3, lq, lc, 0);
+    /* mixed: running decodes first (the decode kernel takes them), then prompts and a
+     * one-token chunk among them (the prefill kernel); with a window too */
+    const int32_t xq[7] = {1, 1, 1, 1, 300, 1, 70}, xc[7] = {700, 5, 2000, 64, 300, 129, 170};
+    run_attention("prefill flash mixed", &shapes[0], 7, xq, xc, 0);
+    run_attention("prefill flash mixed", &shapes[5], 7, xq, xc, 0);
+    run_attention("prefill flash mixed", &win, 7, xq, xc, 0);
     /* enough rows for the 128-row tiles (several blocks per SM): 36 sequences of 20 to 169
      * new tokens, a third of them after a cached prefix; then 32 heads without GQA, window */
     enum { NM = 36 };
@@ -789,6 +797,9 @@ static void test_attention(void)
         /* prefill: a fresh prompt, a chunk after a cached prefix, a one-token sequence */
         const int32_t pq[3] = {45, 20, 1}, pc[3] = {45, 83, 9};
         run_attention("prefill mixed", sh, 3, pq, pc, 0);
+        /* decodes first, then a prompt (the attention op's n_decode hint set) */
+        const int32_t mq[3] = {1, 1, 30}, mc[3] = {300, 17, 40};
+        run_attention("prefill after decodes", sh, 3, mq, mc, 0);
         /* decode: several sequences, one query each, short and long contexts */
         const int32_t dq[5] = {1, 1, 1, 1, 1}, dc[5] = {1, 16, 17, 300, 1500};
         run_attention("decode", sh, 5, dq, dc, 1);

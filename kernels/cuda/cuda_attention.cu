@@ -35,6 +35,7 @@ attention_kernel(const bf16 *q, int64_t q_row_stride, const bf16 *k_cache, const
         else hi = mid - 1;
     }
     const int32_t s = lo, q0 = cu_q[s], q_len = cu_q[s + 1] - q0;
+    if (t < q0) return; /* a row before the batch's first (a mixed batch's decode rows) */
     const int32_t pos = ctx_lens[s] - q_len + (t - q0);
     int32_t start = 0;
     if (sliding_window > 0 && pos - sliding_window + 1 > 0) start = pos - sliding_window + 1;
@@ -161,8 +162,28 @@ extern "C" int pd_cuda__attention(void *ctx, const pd_attn_args *a)
         a->n_heads % a->n_kv_heads || a->head_dim <= 0 || a->block_size <= 0 ||
         a->max_blocks_per_seq <= 0 || a->sliding_window < 0 ||
         a->q_row_stride < (int64_t)a->n_heads * a->head_dim || !a->q || !a->k_cache ||
-        !a->v_cache || !a->out || !a->cu_q || !a->ctx_lens || !a->block_tables)
+        !a->v_cache || !a->out || !a->cu_q || !a->ctx_lens || !a->block_tables ||
+        a->n_decode < 0 || a->n_decode > a->n_seqs)
         return PD_EINVAL;
+    /* A mixed batch's leading one-row sequences (running decodes beside new prompts) go to the
+     * decode kernel as a batch of their own: in the prefill kernel each would take a block of
+     * 64 - 128 query rows to use 1 - 8 of them. The rest keeps its absolute rows (cu_q
+     * values); the prefill kernel's blocks before them leave at once. */
+    if (a->max_q_len > 1 && a->n_decode > 0 && a->n_decode < a->n_seqs) {
+        const int32_t D = a->n_decode;
+        pd_attn_args d = *a, p = *a;
+        d.n_seqs = d.n_tokens = D;
+        d.max_q_len = 1;
+        d.n_decode = 0;
+        int rc = pd_cuda__attention_decode(ctx, &d);
+        if (rc < 0) return rc;
+        p.n_seqs = a->n_seqs - D;
+        p.cu_q = a->cu_q + D;
+        p.ctx_lens = a->ctx_lens + D;
+        p.block_tables = a->block_tables + (size_t)D * a->max_blocks_per_seq;
+        p.n_decode = 0;
+        return pd_cuda__attention(ctx, &p);
+    }
     /* Prefill batches go to the tensor-core kernel when their shape fits it (it answers 1
      * when not); decode batches (one query row each) come here only as the decode kernel's
      * fallback and stay here. */

@@ -87,7 +87,9 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
     }
     const int32_t s = lo, q0 = cu_q[s], q_len = cu_q[s + 1] - q0;
     const int32_t t0 = (tile - (q0 / tq + s)) * tq;
-    if (t0 >= q_len) return; /* the whole block: before any barrier */
+    /* the whole block, before any barrier: past the sequence's rows, or before the batch's
+     * first (a mixed batch's decode rows, which the decode kernel takes) */
+    if (t0 < 0 || t0 >= q_len) return;
     const int32_t n_tok = min(tq, q_len - t0), n_rows = n_tok * G;
     const int32_t pos_lo = ctx_lens[s] - q_len + t0, pos_hi = pos_lo + n_tok - 1;
     const int32_t kstart = sliding_window > 0 ? max(0, pos_lo - sliding_window + 1) : 0;
