@@ -253,6 +253,10 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
 
 /* xs[q] = bf16(w * (resid[q] / rms)) for the n rows, as the rmsnorm op rounds it: the rows
  * to shared memory 16 bytes a thread at a time with their sums of squares, then in place. */
+#define DL_NORM_CHUNKS 4 /* 16-byte chunks of a row per thread: hidden <= 8 x 256 x 4 */
+
+/* xs = rmsnorm(resid) * nw for the n rows, as the rmsnorm op rounds. The norm weights load
+ * with the rows (one round trip from L2, not two). */
 template <int NMAX>
 static __device__ void norm_rows(const dl_params &p, const bf16 *nw, bf16 *xs)
 {
@@ -261,6 +265,12 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, bf16 *xs)
     const int32_t hc = p.hidden / 8;
     const uint4 *r4 = reinterpret_cast<const uint4 *>(p.resid);
     uint4 *x4 = reinterpret_cast<uint4 *>(xs);
+    uint4 w[DL_NORM_CHUNKS];
+#pragma unroll
+    for (int j = 0; j < DL_NORM_CHUNKS; j++) {
+        const int32_t i = threadIdx.x + j * DL_CW * 32;
+        if (i < hc) w[j] = __ldg(reinterpret_cast<const uint4 *>(nw) + i);
+    }
 #pragma unroll
     for (int q = 0; q < NMAX; q++) {
         if (q >= p.n) break;
@@ -278,9 +288,23 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, bf16 *xs)
         float ss = 0.0f;
         for (int v = 0; v < DL_CW; v++) ss += red[q][v];
         const float rr = (float)(1.0 / sqrt((double)ss / p.hidden + p.eps));
-        for (int32_t i = threadIdx.x; i < p.hidden; i += DL_CW * 32) {
-            bf16 *x = xs + (size_t)q * p.hidden + i;
-            pd_st(x, pd_ld(nw + i) * (pd_ld(x) * rr));
+#pragma unroll
+        for (int j = 0; j < DL_NORM_CHUNKS; j++) {
+            const int32_t i = threadIdx.x + j * DL_CW * 32;
+            if (i >= hc) break;
+            uint4 &xv = x4[(size_t)q * hc + i];
+            const uint32_t xu[4] = {xv.x, xv.y, xv.z, xv.w};
+            const uint32_t wu[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+            uint32_t o[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) { /* bf16 -> fp32: the bits are the high half */
+                const float xl = __uint_as_float(xu[e] << 16);
+                const float xh = __uint_as_float(xu[e] & 0xffff0000u);
+                const float wl = __uint_as_float(wu[e] << 16);
+                const float wh = __uint_as_float(wu[e] & 0xffff0000u);
+                o[e] = pd_pack_bf16(wl * (xl * rr), wh * (xh * rr));
+            }
+            xv = make_uint4(o[0], o[1], o[2], o[3]);
         }
     }
     cons_sync();
@@ -767,6 +791,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     const int32_t G = a->n_heads / a->n_kv_heads, hd = a->head_dim;
     if (c->cc_major < 9 || a->n > fused_max_n() || a->n_layers > DL_MAX_LAYERS ||
         (hd != 64 && hd != 128) || G > DL_MAX_G || a->hidden % 256 ||
+        a->hidden > 8 * DL_CW * 32 * DL_NORM_CHUNKS ||
         a->intermediate % 256 || (a->n_heads * hd) % 256)
         return PD_EUNSUPPORTED; /* a warp's 32 chunks of 8 in one weight row */
     for (int32_t l = 0; l < a->n_layers; l++) {
@@ -775,12 +800,13 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
             !L->k_cache || !L->v_cache || !L->q_norm != !L->k_norm)
             return PD_EINVAL;
         if (!aligned16(L->qkv) || !aligned16(L->o_proj) || !aligned16(L->gate_up) ||
-            !aligned16(L->down))
+            !aligned16(L->down) || !aligned16(L->attn_norm) || !aligned16(L->mlp_norm))
             return PD_EUNSUPPORTED;
     }
     if (!aligned16(a->attn) || !aligned16(a->act)) return PD_EUNSUPPORTED;
     if (a->lm_head && (!a->final_norm || !a->logits || a->vocab <= 0)) return PD_EINVAL;
-    if (a->lm_head && !aligned16(a->lm_head)) return PD_EUNSUPPORTED;
+    if (a->lm_head && (!aligned16(a->lm_head) || !aligned16(a->final_norm)))
+        return PD_EUNSUPPORTED;
 
     const int32_t nq = a->n_heads * hd, qkv_dim = (a->n_heads + 2 * a->n_kv_heads) * hd;
     int32_t kmax = a->hidden > nq ? a->hidden : nq;
