@@ -253,10 +253,9 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
 
 /* xs[q] = bf16(w * (resid[q] / rms)) for the n rows, as the rmsnorm op rounds it: the rows
  * to shared memory 16 bytes a thread at a time with their sums of squares, then in place. */
-#define DL_NORM_CHUNKS 4 /* 16-byte chunks of a row per thread: hidden <= 8 x 256 x 4 */
-
 /* xs = rmsnorm(resid) * nw for the n rows, as the rmsnorm op rounds. The norm weights load
- * with the rows (one round trip from L2, not two). */
+ * with the rows (one round trip from L2, not two) into xs after them (the host sizes xs for
+ * n + 1 rows of hidden). */
 template <int NMAX>
 static __device__ void norm_rows(const dl_params &p, const bf16 *nw, bf16 *xs)
 {
@@ -264,13 +263,9 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, bf16 *xs)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int32_t hc = p.hidden / 8;
     const uint4 *r4 = reinterpret_cast<const uint4 *>(p.resid);
-    uint4 *x4 = reinterpret_cast<uint4 *>(xs);
-    uint4 w[DL_NORM_CHUNKS];
-#pragma unroll
-    for (int j = 0; j < DL_NORM_CHUNKS; j++) {
-        const int32_t i = threadIdx.x + j * DL_CW * 32;
-        if (i < hc) w[j] = __ldg(reinterpret_cast<const uint4 *>(nw) + i);
-    }
+    uint4 *x4 = reinterpret_cast<uint4 *>(xs), *w4 = x4 + (size_t)p.n * hc;
+    for (int32_t i = threadIdx.x; i < hc; i += DL_CW * 32)
+        w4[i] = __ldg(reinterpret_cast<const uint4 *>(nw) + i);
 #pragma unroll
     for (int q = 0; q < NMAX; q++) {
         if (q >= p.n) break;
@@ -288,13 +283,10 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, bf16 *xs)
         float ss = 0.0f;
         for (int v = 0; v < DL_CW; v++) ss += red[q][v];
         const float rr = (float)(1.0 / sqrt((double)ss / p.hidden + p.eps));
-#pragma unroll
-        for (int j = 0; j < DL_NORM_CHUNKS; j++) {
-            const int32_t i = threadIdx.x + j * DL_CW * 32;
-            if (i >= hc) break;
+        for (int32_t i = threadIdx.x; i < hc; i += DL_CW * 32) {
             uint4 &xv = x4[(size_t)q * hc + i];
-            const uint32_t xu[4] = {xv.x, xv.y, xv.z, xv.w};
-            const uint32_t wu[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+            const uint4 wv = w4[i];
+            const uint32_t xu[4] = {xv.x, xv.y, xv.z, xv.w}, wu[4] = {wv.x, wv.y, wv.z, wv.w};
             uint32_t o[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) { /* bf16 -> fp32: the bits are the high half */
@@ -339,10 +331,14 @@ static __device__ void prep_heads(const dl_params &p, const dl_layer &L, int32_t
         const bf16 *src = row + (size_t)(j < G    ? h * G + j
                                          : j == G ? p.n_heads + h
                                                   : p.n_heads + p.n_kv_heads + h) * HD;
-        float x[NR];
-        float2 cn[NP]; /* loaded with x: one round trip */
+        const bf16 *nw = j < G ? L.q_norm : j == G ? L.k_norm : NULL;
+        float x[NR], wv[NR];
+        float2 cn[NP]; /* loaded with x, as the head norm's weights: one round trip */
 #pragma unroll
-        for (int r = 0; r < NR; r++) x[r] = __bfloat162float(__ldcg(src + lane + 32 * r));
+        for (int r = 0; r < NR; r++) {
+            x[r] = __bfloat162float(__ldcg(src + lane + 32 * r));
+            wv[r] = nw ? pd_ld(nw + lane + 32 * r) : 0.0f;
+        }
 #pragma unroll
         for (int r = 0; r < NP; r++)
             cn[r] = j <= G ? __ldcg(reinterpret_cast<const float2 *>(p.rope) + s * HALF + lane + 32 * r)
@@ -355,7 +351,6 @@ static __device__ void prep_heads(const dl_params &p, const dl_layer &L, int32_t
             }
             continue;
         }
-        const bf16 *nw = j < G ? L.q_norm : L.k_norm;
         if (nw) {
             float ss = 0.0f;
 #pragma unroll
@@ -364,7 +359,7 @@ static __device__ void prep_heads(const dl_params &p, const dl_layer &L, int32_t
             const float rr = (float)(1.0 / sqrt((double)ss / HD + p.eps));
 #pragma unroll
             for (int r = 0; r < NR; r++)
-                x[r] = __bfloat162float(__float2bfloat16_rn(pd_ld(nw + lane + 32 * r) * (x[r] * rr)));
+                x[r] = __bfloat162float(__float2bfloat16_rn(wv[r] * (x[r] * rr)));
         }
         float o[NR];
 #pragma unroll
@@ -424,13 +419,12 @@ static __device__ __forceinline__ dl_unit unit_of(const dl_params &p, int32_t u)
     return a;
 }
 
-/* DL_KEYS_PER_WARP cached keys and values of unit a from j0 on, into registers (the new
- * token's, stored in S2 by split 0, is never read from the cache). Loading them before the
- * grid barrier ahead of S2 was tried: the registers spill and the step got 5% slower. */
+/* The cache offsets (elements, layer-independent) of this lane's part of keys j0 .. j0 +
+ * DL_KEYS_PER_WARP - 1 of unit a; -1 for a key past the split (weight 0) or the new token (its
+ * K / V come from shared memory, stored in S2 by split 0). */
 template <int E>
-static __device__ __forceinline__ void kv_batch(const dl_params &p, const dl_layer &L,
-                                                const dl_unit &a, int32_t j0,
-                                                float (&kv)[DL_KEYS_PER_WARP][2][E])
+static __device__ __forceinline__ void key_offsets(const dl_params &p, const dl_unit &a,
+                                                   int32_t j0, int64_t (&off)[DL_KEYS_PER_WARP])
 {
     constexpr int HD = E * 32;
     const int lane = threadIdx.x & 31;
@@ -439,24 +433,41 @@ static __device__ __forceinline__ void kv_batch(const dl_params &p, const dl_lay
 #pragma unroll
     for (int i = 0; i < DL_KEYS_PER_WARP; i++) {
         const int32_t j = j0 + i;
-        if (j >= a.ke || j == a.ctx - 1) { /* past the split (weight 0) or the new token */
+        off[i] = j >= a.ke || j == a.ctx - 1
+                     ? -1
+                     : ((int64_t)table[j / p.block_size] * p.block_size + j % p.block_size) *
+                               kv_row + (int64_t)a.h * HD + lane * E;
+    }
+}
+
+/* The keys and values at those offsets, into registers (zeros at -1). */
+template <int E>
+static __device__ __forceinline__ void kv_load(const dl_layer &L,
+                                               const int64_t (&off)[DL_KEYS_PER_WARP],
+                                               float (&kv)[DL_KEYS_PER_WARP][2][E])
+{
+#pragma unroll
+    for (int i = 0; i < DL_KEYS_PER_WARP; i++) {
+        if (off[i] < 0) {
 #pragma unroll
             for (int e = 0; e < E; e++) kv[i][0][e] = kv[i][1][e] = 0.0f;
             continue;
         }
-        const int64_t off = ((int64_t)table[j / p.block_size] * p.block_size +
-                             j % p.block_size) * kv_row + (int64_t)a.h * HD + lane * E;
-        load_e<E>(L.k_cache + off, kv[i][0]);
-        load_e<E>(L.v_cache + off, kv[i][1]);
+        load_e<E>(L.k_cache + off[i], kv[i][0]);
+        load_e<E>(L.v_cache + off[i], kv[i][1]);
     }
 }
 
 /* One unit: attention of its G query heads over the split's keys; the result, or a partial
- * merged by the last split to finish. sm is scratch of DL_CW * G * (HD + 2) floats after the
- * q / k / v vectors. */
+ * merged by the last split to finish. Up to 4 query heads a KV head, off0 holds key_offsets of
+ * this warp's first batch (the same every layer: the kernel computes the first unit's once,
+ * so its K / V loads depend on no other load), issued before the q / k / v preparation, whose
+ * loads they overlap; with 8 the registers would spill, and the offsets are computed after
+ * the preparation (off0 unused). sm is scratch of
+ * DL_CW * G * (HD + 2) floats after the q / k / v vectors. */
 template <int HD, int MAXG>
 static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const dl_unit &a,
-                                   float *sm)
+                                   const int64_t (&off0)[DL_KEYS_PER_WARP], float *sm)
 {
     constexpr int E = HD / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -471,6 +482,8 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     if (sp >= used) return;
     const int32_t kb = a.kb, ke = a.ke;
     float *qs = sm, *kn = qs + DL_MAX_G * HD, *vn = kn + HD, *scr = vn + HD;
+    float kv0[DL_KEYS_PER_WARP][2][E];
+    if constexpr (MAXG <= 4) kv_load<E>(L, off0, kv0);
     prep_heads<HD>(p, L, s, h, G, sp == 0, qs, kn, vn);
 
     float acc[MAXG][E], m[MAXG], l[MAXG]; /* q stays in shared memory */
@@ -532,9 +545,19 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
         }
     };
     int32_t j0 = kb + warp * DL_KEYS_PER_WARP;
-    for (; j0 < ke; j0 += DL_CW * DL_KEYS_PER_WARP) {
+    if (j0 < ke) {
+        if constexpr (MAXG > 4) { /* off0 unused: the offsets here, after the preparation */
+            int64_t off[DL_KEYS_PER_WARP];
+            key_offsets<E>(p, a, j0, off);
+            kv_load<E>(L, off, kv0);
+        }
+        batch(j0, kv0);
+    }
+    for (j0 += DL_CW * DL_KEYS_PER_WARP; j0 < ke; j0 += DL_CW * DL_KEYS_PER_WARP) {
         float kv[DL_KEYS_PER_WARP][2][E];
-        kv_batch<E>(p, L, a, j0, kv);
+        int64_t off[DL_KEYS_PER_WARP];
+        key_offsets<E>(p, a, j0, off);
+        kv_load<E>(L, off, kv);
         batch(j0, kv);
     }
     /* merge the warps: scr[w][g] = (max, sum), then [w][g][HD] outputs */
@@ -662,6 +685,16 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
             make_float2((float)cd * p.attn_factor, (float)sd * p.attn_factor);
     }
     const int32_t units = p.n * p.n_kv_heads * p.splits;
+    /* this block's first S2 unit and its warp's first keys: the same in every layer (kept in
+     * registers up to 4 query heads a KV head; with 8 they would spill) */
+    dl_unit u0 = {};
+    int64_t off0[DL_KEYS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < DL_KEYS_PER_WARP; i++) off0[i] = -1;
+    if (MAXG <= 4 && (int32_t)blockIdx.x < units) {
+        u0 = unit_of(p, blockIdx.x);
+        key_offsets<HD / 32>(p, u0, u0.kb + warp * DL_KEYS_PER_WARP, off0);
+    }
     for (int32_t l = 0; l < p.n_layers; l++) {
         const dl_layer &L = p.layer[l];
         dl_stage s;
@@ -671,8 +704,17 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         consume<NMAX>(p, s, xs, L.qkv_bias, DL_STORE, p.qkv, s.m, ring, red, full, empty, pos);
         grid_sync(p.bar, target, p.debug);
         /* S2 */
-        for (int32_t u = blockIdx.x; u < units && !(p.debug & 2); u += gridDim.x)
-            attend_unit<HD, MAXG>(p, L, unit_of(p, u), sm);
+        for (int32_t u = blockIdx.x; u < units && !(p.debug & 2); u += gridDim.x) {
+            dl_unit a = u0;
+            int64_t off[DL_KEYS_PER_WARP];
+#pragma unroll
+            for (int i = 0; i < DL_KEYS_PER_WARP; i++) off[i] = off0[i];
+            if (MAXG > 4 || u != blockIdx.x) {
+                a = unit_of(p, u);
+                if (MAXG <= 4) key_offsets<HD / 32>(p, a, a.kb + warp * DL_KEYS_PER_WARP, off);
+            }
+            attend_unit<HD, MAXG>(p, L, a, off, sm);
+        }
         grid_sync(p.bar, target, p.debug);
         /* S3 */
         s = stage_of(p, l, 1, HD);
@@ -791,7 +833,6 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     const int32_t G = a->n_heads / a->n_kv_heads, hd = a->head_dim;
     if (c->cc_major < 9 || a->n > fused_max_n() || a->n_layers > DL_MAX_LAYERS ||
         (hd != 64 && hd != 128) || G > DL_MAX_G || a->hidden % 256 ||
-        a->hidden > 8 * DL_CW * 32 * DL_NORM_CHUNKS ||
         a->intermediate % 256 || (a->n_heads * hd) % 256)
         return PD_EUNSUPPORTED; /* a warp's 32 chunks of 8 in one weight row */
     for (int32_t l = 0; l < a->n_layers; l++) {
@@ -812,6 +853,8 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     int32_t kmax = a->hidden > nq ? a->hidden : nq;
     if (a->intermediate > kmax) kmax = a->intermediate;
     size_t x_bytes = (size_t)a->n * kmax * 2;
+    if ((size_t)(a->n + 1) * a->hidden * 2 > x_bytes) /* norm_rows: the weights after the rows */
+        x_bytes = (size_t)(a->n + 1) * a->hidden * 2;
     const size_t att_bytes =
         ((size_t)(DL_MAX_G + 2) * hd + 2 * DL_CW * G + (size_t)DL_CW * G * hd) * sizeof(float);
     if (att_bytes > x_bytes) x_bytes = att_bytes;
