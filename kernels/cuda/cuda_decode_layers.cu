@@ -27,9 +27,11 @@
  * after a 128-token prompt and 15% after a 1000-token one; the Llama-3-8B shape 8%.
  * Batches of 2 and 4 gain after short prompts but lose after long ones (the attention stage
  * has fewer splits a sequence), hence n = 1 by default (PDSERVE_CUDA_FUSED_DECODE=N: up to
- * N). What is left of a step is mostly latency: the attention stage's chain of dependent
- * global round trips (about 0.3 ms of 1.08), the 140 grid barriers (about 0.15 ms), each
- * stage's first loads, and what runs outside the kernel (lm_head, sampling, the host).
+ * N). What is left of a step is latency inside this kernel (ncu: it is 0.96 - 1.06 ms of a
+ * 1.07 ms step): the attention stage's chain of dependent global round trips, the 140 grid
+ * barriers and each stage's first loads. Each dependent round trip taken off every layer's
+ * path shows: the norm weights loaded with the rows, the first keys' offsets computed once a
+ * launch (+6% together, docs/perf.md).
  *
  * The grid is cooperative (every block resident); the barrier is a counter in global memory that
  * each block's first thread adds to and polls, and that the last block out resets. */
