@@ -142,7 +142,7 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
 #pragma unroll
             for (int kk = 0; kk < HD / 16; kk++)
                 pd_ldsm4(qf[kk], sq + swz<HD>(warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                           2 * kk + (lane >> 4)));
+                                              2 * kk + (lane >> 4)));
         }
         const int32_t kb = kstart + j * KT;
         if (j + 2 < n_tiles) {
@@ -164,7 +164,7 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
             for (int nn = 0; nn < KT / 16; nn++) {
                 unsigned b[4];
                 pd_ldsm4(b, kt + swz<HD>(nn * 16 + (lane & 7) + (lane >> 4) * 8,
-                                      2 * kk + ((lane >> 3) & 1)));
+                                         2 * kk + ((lane >> 3) & 1)));
                 pd_mma16816(sc[2 * nn], qf[kk], b[0], b[1]);
                 pd_mma16816(sc[2 * nn + 1], qf[kk], b[2], b[3]);
             }
@@ -224,7 +224,7 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
             for (int dn = 0; dn < HD / 16; dn++) {
                 unsigned b[4];
                 pd_ldsm4t(b, vt + swz<HD>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                       2 * dn + (lane >> 4)));
+                                          2 * dn + (lane >> 4)));
                 pd_mma16816(o[2 * dn], a, b[0], b[1]);
                 pd_mma16816(o[2 * dn + 1], a, b[2], b[3]);
             }
@@ -312,11 +312,8 @@ extern "C" int pd_cuda__attention_prefill(void *ctx, const pd_attn_args *a)
                                 (uintptr_t)a->v_cache | (uintptr_t)a->out;
     if (!flash_enabled() || (hd != 64 && hd != 128) || G > MAX_G || (addr_bits & 15) != 0 ||
         a->q_row_stride % 8 != 0 || a->n_kv_heads > 65535 ||
-        (int64_t)a->n_tokens + (int64_t)a->n_seqs * 8 > INT32_MAX)
+        (int64_t)a->n_tokens + (int64_t)a->n_seqs * 8 > INT32_MAX || c->cc_major < 8)
         return 1;
-    int major = 0;
-    PD_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->device));
-    if (major < 8) return 1;
 
     /* Tile height: 128 rows (8 warps) when the grid has enough such blocks to spread over the
      * SMs (causal tiles differ in work: a few blocks per SM even it out) and the sequences are

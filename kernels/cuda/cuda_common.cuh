@@ -117,9 +117,9 @@ static __device__ __forceinline__ void pd_pdl_wait(void)
 
 bool pd_cuda__pdl_on(void); /* cuda_context.cu: PDSERVE_CUDA_PDL, read once */
 
-/* kernel<<<grid, block, smem, stream>>>(args...) with the launch attributes attrs[n_attrs]. */
-/* pd_cuda__launch: that with the programmatic-serialisation attribute
- * when PDL is on and the grid is small (PD_PDL_MAX_BLOCKS: the latency-bound launches of a
+/* kernel<<<grid, block, smem, stream>>>(args...) with the launch attributes attrs[n_attrs].
+ * pd_cuda__launch: the same with the programmatic-serialisation attribute when PDL is on and
+ * the grid is small (PD_PDL_MAX_BLOCKS: the latency-bound launches of a
  * decode step; the successor of a grid of several waves would park its blocks in the slots
  * of the last wave: measured slower on the 256-request workload). Returns the launch's
  * error. */
@@ -188,15 +188,22 @@ static __device__ __forceinline__ float pd_block_sum(float v)
     return total;
 }
 
+/* The two bf16 of a 32-bit word in fp32, as shifts (the bits are the high half): exact, and
+ * cheaper than cvt. */
+static __device__ __forceinline__ float pd_bf16_lo(uint32_t u) { return __uint_as_float(u << 16); }
+static __device__ __forceinline__ float pd_bf16_hi(uint32_t u)
+{
+    return __uint_as_float(u & 0xffff0000u);
+}
+
 /* The sum of squares of 8 bf16 (16 bytes), in fp32. */
 static __device__ __forceinline__ float pd_sumsq8(uint4 a)
 {
-    /* bf16 -> fp32 as shifts (the bits are the high half): exact, and cheaper than cvt */
     const uint32_t u[4] = {a.x, a.y, a.z, a.w};
     float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        const float lo = __uint_as_float(u[i] << 16), hi = __uint_as_float(u[i] & 0xffff0000u);
+        const float lo = pd_bf16_lo(u[i]), hi = pd_bf16_hi(u[i]);
         s = fmaf(lo, lo, fmaf(hi, hi, s));
     }
     return s;
@@ -241,7 +248,6 @@ static __device__ __forceinline__ void pd_cp_wait(void)
 {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
-
 
 /* ---- ldmatrix, exp2, packing (sm_80 and up): the tensor-core attention kernels ---- */
 

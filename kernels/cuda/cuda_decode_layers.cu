@@ -292,13 +292,9 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, bf16 *xs)
             const uint32_t xu[4] = {xv.x, xv.y, xv.z, xv.w}, wu[4] = {wv.x, wv.y, wv.z, wv.w};
             uint32_t o[4];
 #pragma unroll
-            for (int e = 0; e < 4; e++) { /* bf16 -> fp32: the bits are the high half */
-                const float xl = __uint_as_float(xu[e] << 16);
-                const float xh = __uint_as_float(xu[e] & 0xffff0000u);
-                const float wl = __uint_as_float(wu[e] << 16);
-                const float wh = __uint_as_float(wu[e] & 0xffff0000u);
-                o[e] = pd_pack_bf16(wl * (xl * rr), wh * (xh * rr));
-            }
+            for (int e = 0; e < 4; e++)
+                o[e] = pd_pack_bf16(pd_bf16_lo(wu[e]) * (pd_bf16_lo(xu[e]) * rr),
+                                    pd_bf16_hi(wu[e]) * (pd_bf16_hi(xu[e]) * rr));
             xv = make_uint4(o[0], o[1], o[2], o[3]);
         }
     }
