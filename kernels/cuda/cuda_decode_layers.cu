@@ -35,10 +35,18 @@
  *
  * The grid is cooperative (every block resident); the barrier is a counter in global memory that
  * each block's first thread adds to and polls, and that the last block out resets. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cuda/cuda_common.cuh"
+
+/* Built with -DPD_DL_TIMING=1, PDSERVE_CUDA_DL_DEBUG=16 prints where the stages' time goes
+ * (ts_report); otherwise the timing code is not compiled in (it costs registers). */
+#ifndef PD_DL_TIMING
+#define PD_DL_TIMING 0
+#endif
+#define DL_TIMED(p) (PD_DL_TIMING && ((p).debug & 16))
 
 #define DL_MAX_LAYERS 128  /* layer table in the kernel parameters (96 B a layer) */
 #define DL_MAX_N 8         /* sequences a launch takes */
@@ -51,6 +59,8 @@
 #define DL_MIN_CHUNK 16    /* keys of a split, at least: more splits of one key batch each (against
                             * 32: +7% at batch 1 after short prompts; 8: as 16) */
 #define DL_MAX_SPLITS 32
+#define DL_SLOT_STEPS (DL_SLOT_BYTES / (8 * 2 * 32 * DL_CW)) /* a warp's mma steps a slot */
+#define DL_WRED_FLOATS 4096 /* the warps' partial sums of a chunk of output columns (16 KiB) */
 
 struct dl_layer {
     const bf16 *attn_norm, *qkv, *qkv_bias, *q_norm, *k_norm;
@@ -73,8 +83,9 @@ struct dl_params {
     int32_t max_blocks_per_seq, block_size, sliding_window, splits;
     float eps, attn_factor, scale_log2;
     int32_t slot_bytes, n_slots, x_bytes; /* shared memory: ring, then x / attention scratch, */
-    int32_t red_rows;                     /* then red_rows x NMAX row sums */
+                                          /* then the warps' sums (DL_WRED_FLOATS) */
     int32_t debug;                        /* PDSERVE_CUDA_DL_DEBUG bits (timing only) */
+    unsigned long long *ts;               /* debug 16: [stage][block][8] marks and waits */
     dl_layer layer[DL_MAX_LAYERS];
 };
 
@@ -103,6 +114,26 @@ static __device__ __forceinline__ void grid_sync(unsigned *bar, unsigned &target
         } while (v < target);
     }
     cons_sync();
+}
+
+/* Debug bit 16: stage st's (layer * 5 + stage) mark k of this block (0 start, 1 after the
+ * prologue, 2 after the products / attention, 3 at the barrier), in globaltimer ns. */
+static __device__ __forceinline__ unsigned long long dl_now(void)
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+static __device__ __forceinline__ void dl_put(const dl_params &p, int32_t st, int k,
+                                              unsigned long long v)
+{
+    p.ts[((size_t)st * gridDim.x + blockIdx.x) * 8 + k] = v;
+}
+
+static __device__ __forceinline__ void dl_mark(const dl_params &p, int32_t st, int k)
+{
+    if (DL_TIMED(p) && threadIdx.x == 0) dl_put(p, st, k, dl_now());
 }
 
 /* ---- the weight schedule, walked identically by producer and consumers ---- */
@@ -169,16 +200,27 @@ static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, u
         const int stages = l + 1 == p.n_layers && p.lm_head ? 5 : 4; /* the head after the last */
         for (int st = 0; st < stages; st++) {
             const dl_stage s = stage_of(p, l, st, HD);
+            unsigned long long waited = 0, t_last = 0;
             for (int32_t c = s.c0; c < s.c1; c += s.cpg)
                 for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, pos.next(p.n_slots)) {
                     const uint32_t len = (uint32_t)min(s.kslice, s.k - k0) * 2;
+                    const unsigned long long tw = DL_TIMED(p) ? dl_now() : 0;
                     pd_mbar_wait(&empty[pos.slot()], pos.ph() ^ 1);
+                    if (DL_TIMED(p)) {
+                        t_last = dl_now();
+                        waited += t_last - tw;
+                    }
                     char *dst = ring + (size_t)pos.slot() * p.slot_bytes;
                     pd_mbar_expect_tx(&full[pos.slot()], 8 * len);
                     for (int j = 0; j < 8; j++)
                         pd_bulk_load(dst + (size_t)j * len, s.w + unit_row(s, c, j) * s.k + k0, len,
                                   &full[pos.slot()]);
                 }
+            if (DL_TIMED(p)) {
+                const int32_t mst = st == 4 ? p.n_layers * 5 : l * 5 + (st ? st + 1 : 0);
+                dl_put(p, mst, 6, waited);
+                dl_put(p, mst, 7, t_last);
+            }
         }
     }
 }
@@ -191,66 +233,98 @@ enum { DL_STORE, DL_ADD, DL_SWIGLU };
  * On the tensor cores, as the GEMV kernel of cuda_linear.cu does it: a warp step is one
  * mma.m16n8k16 pair over 32 k of 8 weight rows (B, lane (g, t) holding 8 consecutive k of row
  * g, 16 bytes) and of the n <= 8 x rows (A rows g; rows past n feed outputs that are dropped).
- * A slot's (group of 8 rows, step) pairs are spread over the consumer warps; each warp's sums
- * of a group go into the stage's row sums in shared memory (red), and only when the stage's
- * last slot is read do the threads finish one (column, x row) each. x is [n][k] in shared
- * memory (k % 256 == 0); out rows are `ld` apart. (fp32 FMAs with one conversion per element
- * were instruction-bound at a third of the bandwidth: docs/perf.md.) */
+ * A slot's steps (at most DL_SLOT_STEPS a warp) are spread over the consumer warps, each
+ * loaded before any is multiplied, into accumulators of their own (no chain of dependent
+ * mma). Each warp stores its sums of a group in its own part of wred ([warp][unit][NMAX]: no
+ * atomics, which contended 8 ways); after a chunk of groups (all of a layer's stage, the head
+ * in pieces) the threads add the warps' parts and finish one (column, x row) each. x is [n][k]
+ * in shared memory (k % 256 == 0); out rows are `ld` apart. (fp32 FMAs with one conversion
+ * per element were instruction-bound at a third of the bandwidth: docs/perf.md.) */
 template <int NMAX>
 static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16 *xs,
                                const bf16 *bias, int mode, bf16 *out, int32_t ld, char *ring,
-                               float *red, uint64_t *full, uint64_t *empty, dl_ring_pos &pos)
+                               float *wred, uint64_t *full, uint64_t *empty, dl_ring_pos &pos,
+                               int32_t mst)
 {
+    constexpr int32_t CH = DL_WRED_FLOATS / (DL_CW * NMAX); /* units a chunk */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int32_t kc = s.k / 8, n = p.n, ncols = s.c1 - s.c0;
-    const uint4 *xrow = reinterpret_cast<const uint4 *>(xs) + (size_t)min(g, n - 1) * kc;
-    for (int32_t c = s.c0; c < s.c1; c += s.cpg) {
-        const int32_t vc = min(s.cpg, s.c1 - c); /* valid columns of the group */
-        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, pos.next(p.n_slots)) {
-            const int32_t len = min(s.kslice, s.k - k0), steps = len / 32; /* steps % 8 == 0 */
-            if (!(p.debug & 8)) pd_mbar_wait(&full[pos.slot()], pos.ph());
-            if (!(p.debug & 9)) {
-                const uint4 *wrow = reinterpret_cast<const uint4 *>(
-                                        ring + (size_t)pos.slot() * p.slot_bytes) + (size_t)g * (len / 8);
-                const uint4 *xr = xrow + k0 / 8;
-                for (int32_t st = warp; st < steps; st += DL_CW) {
-                    const uint4 wv = wrow[st * 4 + t], xv = xr[st * 4 + t];
-                    mma_bf16(d, xv.x, 0u, xv.y, 0u, wv.x, wv.y);
-                    mma_bf16(d, xv.z, 0u, xv.w, 0u, wv.z, wv.w);
+    const int32_t kc = s.k / 8, n = p.n, chunk = s.swiglu ? CH / 2 : CH;
+    const uint4 *xrow = reinterpret_cast<const uint4 *>(xs) + (size_t)min(g, n - 1) * kc + t;
+    float *wmine = wred + (size_t)warp * CH * NMAX;
+    unsigned long long waited = 0, n_wait = 0;
+    for (int32_t cb = s.c0; cb < s.c1; cb += chunk) {
+        const int32_t ncols = min(chunk, s.c1 - cb);
+        for (int32_t c = cb; c < cb + ncols; c += s.cpg) {
+            const int32_t vc = min(s.cpg, s.c1 - c); /* valid columns of the group */
+            float d[2][4] = {}; /* two chains, alternating steps */
+            for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, pos.next(p.n_slots)) {
+                const int32_t len = min(s.kslice, s.k - k0), per = len / (32 * DL_CW);
+                const unsigned long long tw = DL_TIMED(p) && threadIdx.x == 0 ? dl_now() : 0;
+                if (!(p.debug & 8)) pd_mbar_wait(&full[pos.slot()], pos.ph());
+                if (DL_TIMED(p) && threadIdx.x == 0) {
+                    waited += dl_now() - tw;
+                    n_wait++;
                 }
-            }
-            __syncwarp();
-            if (lane == 0 && !(p.debug & 8)) pd_mbar_arrive(&empty[pos.slot()]); /* slot free */
-        }
-        /* lane (g, t): x row g, units 2t and 2t + 1 of the group */
+                if (!(p.debug & 9)) {
+                    const uint4 *wrow = reinterpret_cast<const uint4 *>(
+                                            ring + (size_t)pos.slot() * p.slot_bytes) +
+                                        (size_t)g * (len / 8) + t;
+                    const uint4 *xr = xrow + k0 / 8;
+                    uint4 wv[DL_SLOT_STEPS], xv[DL_SLOT_STEPS];
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
-            const int u = 2 * t + j, col = s.swiglu ? (u & 3) : u;
-            if (g < n && col < vc)
-                atomicAdd(&red[((s.swiglu && u >= 4 ? ncols : 0) + c - s.c0 + col) * NMAX + g],
-                          d[j]);
+                    for (int i = 0; i < DL_SLOT_STEPS; i++)
+                        if (i < per) {
+                            wv[i] = wrow[(warp + i * DL_CW) * 4];
+                            xv[i] = xr[(warp + i * DL_CW) * 4];
+                        }
+#pragma unroll
+                    for (int i = 0; i < DL_SLOT_STEPS; i++)
+                        if (i < per) {
+                            mma_bf16(d[i & 1], xv[i].x, 0u, xv[i].y, 0u, wv[i].x, wv[i].y);
+                            mma_bf16(d[i & 1], xv[i].z, 0u, xv[i].w, 0u, wv[i].z, wv[i].w);
+                        }
+                }
+                __syncwarp();
+                if (lane == 0 && !(p.debug & 8)) pd_mbar_arrive(&empty[pos.slot()]); /* free */
+            }
+            /* lane (g, t): x row g, units 2t and 2t + 1 of the group */
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const float v = d[0][j] + d[1][j];
+                const int u = 2 * t + j, col = s.swiglu ? (u & 3) : u;
+                if (g < n && col < vc)
+                    wmine[((s.swiglu && u >= 4 ? ncols : 0) + c - cb + col) * NMAX + g] = v;
+            }
         }
-    }
-    cons_sync();
-    for (int32_t i = threadIdx.x; i < ncols * n; i += DL_CW * 32) {
-        const int32_t j = i / n, q = i % n, col = s.c0 + j;
-        float v = red[j * NMAX + q];
-        red[j * NMAX + q] = 0.0f; /* for the next stage (after its first barrier) */
-        if (mode == DL_SWIGLU) {
-            float u = red[(ncols + j) * NMAX + q];
-            red[(ncols + j) * NMAX + q] = 0.0f;
-            const float bg = bias ? pd_ld(bias + col) : 0.0f;
-            const float bu = bias ? pd_ld(bias + s.m + col) : 0.0f;
-            const float gt = __bfloat162float(__float2bfloat16_rn(v + bg));
-            u = __bfloat162float(__float2bfloat16_rn(u + bu));
-            pd_st(out + (size_t)q * ld + col, gt / (1.0f + expf(-gt)) * u);
-        } else {
-            bf16 *o = out + (size_t)q * ld + col;
-            if (bias) v += pd_ld(bias + col);
-            if (mode == DL_ADD) v += __bfloat162float(__ldcg(o));
-            pd_st(o, v);
+        if (cb + ncols >= s.c1) {
+            dl_mark(p, mst, 2);
+            if (DL_TIMED(p) && threadIdx.x == 0) {
+                dl_put(p, mst, 4, waited);
+                dl_put(p, mst, 5, n_wait);
+            }
         }
+        cons_sync();
+        for (int32_t i = threadIdx.x; i < ncols * n; i += DL_CW * 32) {
+            const int32_t j = i / n, q = i % n, col = cb + j;
+            float v = 0.0f, u = 0.0f;
+#pragma unroll
+            for (int w = 0; w < DL_CW; w++) v += wred[((size_t)w * CH + j) * NMAX + q];
+            if (mode == DL_SWIGLU) {
+#pragma unroll
+                for (int w = 0; w < DL_CW; w++) u += wred[((size_t)w * CH + ncols + j) * NMAX + q];
+                const float bg = bias ? pd_ld(bias + col) : 0.0f;
+                const float bu = bias ? pd_ld(bias + s.m + col) : 0.0f;
+                const float gt = __bfloat162float(__float2bfloat16_rn(v + bg));
+                u = __bfloat162float(__float2bfloat16_rn(u + bu));
+                pd_st(out + (size_t)q * ld + col, gt / (1.0f + expf(-gt)) * u);
+            } else {
+                bf16 *o = out + (size_t)q * ld + col;
+                if (bias) v += pd_ld(bias + col);
+                if (mode == DL_ADD) v += __bfloat162float(__ldcg(o));
+                pd_st(o, v);
+            }
+        }
+        if (cb + ncols < s.c1) cons_sync(); /* wred is the next chunk's */
     }
 }
 
@@ -466,7 +540,8 @@ static __device__ __forceinline__ void kv_load(const dl_layer &L,
  * DL_CW * G * (HD + 2) floats after the q / k / v vectors. */
 template <int HD, int MAXG>
 static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const dl_unit &a,
-                                   const int64_t (&off0)[DL_KEYS_PER_WARP], float *sm)
+                                   const int64_t (&off0)[DL_KEYS_PER_WARP], float *sm,
+                                   int32_t mst)
 {
     constexpr int E = HD / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -484,6 +559,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     float kv0[DL_KEYS_PER_WARP][2][E];
     if constexpr (MAXG <= 4) kv_load<E>(L, off0, kv0);
     prep_heads<HD>(p, L, s, h, G, sp == 0, qs, kn, vn);
+    dl_mark(p, mst, 1);
 
     float acc[MAXG][E], m[MAXG], l[MAXG]; /* q stays in shared memory */
 #pragma unroll
@@ -604,6 +680,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     }
     __shared__ int is_last;
     int32_t *cnt = p.count + (size_t)s * p.n_kv_heads + h;
+    dl_mark(p, mst, 2);
     __threadfence();
     cons_sync();
     if (threadIdx.x == 0) is_last = atomicAdd(cnt, 1) == used - 1;
@@ -669,7 +746,6 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
     }
     bf16 *xs = reinterpret_cast<bf16 *>(xsb);
     float *red = reinterpret_cast<float *>(xsb + p.x_bytes);
-    for (int32_t i = threadIdx.x; i < p.red_rows * NMAX; i += DL_CW * 32) red[i] = 0.0f;
     float *sm = reinterpret_cast<float *>(xsb);
     dl_ring_pos pos;
     unsigned target = 0;
@@ -698,10 +774,16 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         const dl_layer &L = p.layer[l];
         dl_stage s;
         /* S1 */
+        const int32_t m0 = l * 5;
         s = stage_of(p, l, 0, HD);
+        dl_mark(p, m0, 0);
         norm_rows<NMAX>(p, L.attn_norm, xs);
-        consume<NMAX>(p, s, xs, L.qkv_bias, DL_STORE, p.qkv, s.m, ring, red, full, empty, pos);
+        dl_mark(p, m0, 1);
+        consume<NMAX>(p, s, xs, L.qkv_bias, DL_STORE, p.qkv, s.m, ring, red, full, empty, pos,
+                      m0);
+        dl_mark(p, m0, 3);
         grid_sync(p.bar, target, p.debug);
+        dl_mark(p, m0 + 1, 0);
         /* S2 */
         for (int32_t u = blockIdx.x; u < units && !(p.debug & 2); u += gridDim.x) {
             dl_unit a = u0;
@@ -712,29 +794,47 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
                 a = unit_of(p, u);
                 if (MAXG <= 4) key_offsets<HD / 32>(p, a, a.kb + warp * DL_KEYS_PER_WARP, off);
             }
-            attend_unit<HD, MAXG>(p, L, a, off, sm);
+            attend_unit<HD, MAXG>(p, L, a, off, sm, m0 + 1);
         }
+        dl_mark(p, m0 + 1, 3);
         grid_sync(p.bar, target, p.debug);
         /* S3 */
         s = stage_of(p, l, 1, HD);
+        dl_mark(p, m0 + 2, 0);
         copy_rows(p.attn, p.n, s.k, xs);
-        consume<NMAX>(p, s, xs, L.o_bias, DL_ADD, p.resid, p.hidden, ring, red, full, empty, pos);
+        dl_mark(p, m0 + 2, 1);
+        consume<NMAX>(p, s, xs, L.o_bias, DL_ADD, p.resid, p.hidden, ring, red, full, empty, pos,
+                      m0 + 2);
+        dl_mark(p, m0 + 2, 3);
         grid_sync(p.bar, target, p.debug);
         /* S4 */
         s = stage_of(p, l, 2, HD);
+        dl_mark(p, m0 + 3, 0);
         norm_rows<NMAX>(p, L.mlp_norm, xs);
-        consume<NMAX>(p, s, xs, NULL, DL_SWIGLU, p.act, p.inter, ring, red, full, empty, pos);
+        dl_mark(p, m0 + 3, 1);
+        consume<NMAX>(p, s, xs, NULL, DL_SWIGLU, p.act, p.inter, ring, red, full, empty, pos,
+                      m0 + 3);
+        dl_mark(p, m0 + 3, 3);
         grid_sync(p.bar, target, p.debug);
         /* S5 */
         s = stage_of(p, l, 3, HD);
+        dl_mark(p, m0 + 4, 0);
         copy_rows(p.act, p.n, p.inter, xs);
-        consume<NMAX>(p, s, xs, NULL, DL_ADD, p.resid, p.hidden, ring, red, full, empty, pos);
+        dl_mark(p, m0 + 4, 1);
+        consume<NMAX>(p, s, xs, NULL, DL_ADD, p.resid, p.hidden, ring, red, full, empty, pos,
+                      m0 + 4);
+        dl_mark(p, m0 + 4, 3);
         if (l + 1 < p.n_layers || p.lm_head) grid_sync(p.bar, target, p.debug);
     }
     if (p.lm_head) { /* S6: logits = rmsnorm(resid) * final_norm . lm_head^T */
         const dl_stage s = stage_of(p, p.n_layers - 1, 4, HD);
+        const int32_t mh = p.n_layers * 5;
+        dl_mark(p, mh, 0);
         norm_rows<NMAX>(p, p.final_norm, xs);
-        consume<NMAX>(p, s, xs, NULL, DL_STORE, p.logits, p.vocab, ring, red, full, empty, pos);
+        dl_mark(p, mh, 1);
+        consume<NMAX>(p, s, xs, NULL, DL_STORE, p.logits, p.vocab, ring, red, full, empty, pos,
+                      mh);
+        dl_mark(p, mh, 3);
     }
     /* the last block out resets the counters for the next launch (every block is past its
      * last barrier once it counts itself done) */
@@ -781,6 +881,81 @@ static int debug_bits(void)
         v = e && atoi(e) > 0 ? atoi(e) : 0;
     }
     return v;
+}
+
+/* Debug bit 16 (eager steps only: it synchronizes): per stage of the kernel, averaged over
+ * layers and launches, where its time goes; printed to stderr every 64 launches. Per stage:
+ * span (first block's start to the last block's arrival at the barrier), the mean block's
+ * prologue / body / epilogue, the slowest block's start-to-arrival, and the barrier (last
+ * arrival to first start of the next stage). */
+static unsigned long long *ts_dev;
+static size_t ts_cap;
+
+static void ts_report(const unsigned long long *ts, int32_t n_stages, int grid)
+{
+    static double acc[6][9];
+    static long cnt[6], launches;
+    for (int32_t st = 0; st < n_stages; st++) {
+        const unsigned long long *b = ts + (size_t)st * grid * 8;
+        unsigned long long s0 = ~0ull, a1 = 0, nx = ~0ull;
+        double pro = 0, body = 0, epi = 0, worst = 0, fw = 0, pw = 0, lead = 0;
+        int np = 0, nb = 0, nl = 0;
+        for (int i = 0; i < grid; i++) {
+            const unsigned long long *t = b + (size_t)i * 8;
+            if (!t[0] || !t[3]) continue;
+            if (t[0] < s0) s0 = t[0];
+            if (t[3] > a1) a1 = t[3];
+            if ((double)(t[3] - t[0]) > worst) worst = (double)(t[3] - t[0]);
+            fw += (double)t[4];
+            pw += (double)t[6];
+            if (t[7]) {
+                lead += (double)t[7] - (double)t[0];
+                nl++;
+            }
+            if (t[1] && t[2]) {
+                pro += (double)(t[1] - t[0]);
+                body += (double)(t[2] - t[1]);
+                epi += (double)(t[3] - t[2]);
+                np++;
+            }
+            nb++;
+        }
+        if (!nb) continue;
+        if (st + 1 < n_stages)
+            for (int i = 0; i < grid; i++) {
+                const unsigned long long t0 = ts[((size_t)(st + 1) * grid + i) * 8];
+                if (t0 && t0 < nx) nx = t0;
+            }
+        const int k = st == n_stages - 1 && n_stages % 5 == 1 ? 5 : st % 5;
+        double *a = acc[k];
+        a[0] += (double)(a1 - s0);
+        if (np) {
+            a[1] += pro / np;
+            a[2] += body / np;
+            a[3] += epi / np;
+        }
+        a[4] += worst;
+        if (nx != ~0ull && nx > a1) a[5] += (double)(nx - a1);
+        a[6] += fw / nb;
+        a[7] += pw / nb;
+        if (nl) a[8] += lead / nl;
+        cnt[k]++;
+    }
+    if (++launches % 64) return;
+    static const char *name[6] = {"S1 qkv", "S2 attn", "S3 o", "S4 gate/up", "S5 down", "head"};
+    fprintf(stderr, "decode_layers stages (us, mean of %ld launches; per stage: span, block "
+                    "prologue / body / epilogue, slowest block, barrier; waits for full slots, "
+                    "producer's waits for empty ones, its last issue after the stage start)\n",
+            launches);
+    for (int k = 0; k < 6; k++) {
+        if (!cnt[k]) continue;
+        const double d = 1e3 * (double)cnt[k];
+        fprintf(stderr, "  %-10s %7.2f   %6.2f %6.2f %6.2f   %7.2f   %6.2f   %6.2f %6.2f %7.2f\n",
+                name[k], acc[k][0] / d, acc[k][1] / d, acc[k][2] / d, acc[k][3] / d,
+                acc[k][4] / d, acc[k][5] / d, acc[k][6] / d, acc[k][7] / d, acc[k][8] / d);
+    }
+    memset(acc, 0, sizeof acc);
+    memset(cnt, 0, sizeof cnt);
 }
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
@@ -848,7 +1023,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     if (a->lm_head && (!aligned16(a->lm_head) || !aligned16(a->final_norm)))
         return PD_EUNSUPPORTED;
 
-    const int32_t nq = a->n_heads * hd, qkv_dim = (a->n_heads + 2 * a->n_kv_heads) * hd;
+    const int32_t nq = a->n_heads * hd;
     int32_t kmax = a->hidden > nq ? a->hidden : nq;
     if (a->intermediate > kmax) kmax = a->intermediate;
     size_t x_bytes = (size_t)a->n * kmax * 2;
@@ -860,15 +1035,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     x_bytes = (x_bytes + 127) & ~(size_t)127;
     const size_t slot = DL_SLOT_BYTES; /* 8 rows of 1024 k */
     const int grid = c->sm_count;
-    /* row sums: a block's most columns in a stage, twice with SwiGLU (gate and up sums) */
-    const int32_t stage_cols[4] = {qkv_dim, a->hidden, a->intermediate, a->lm_head ? a->vocab : 0};
-    int32_t red_rows = 0;
-    for (int i = 0; i < 4; i++) {
-        const int32_t per = (stage_cols[i] + grid - 1) / grid * (i == 2 ? 2 : 1);
-        if (per > red_rows) red_rows = per;
-    }
-    const int nmax = a->n <= 1 ? 1 : a->n <= 2 ? 2 : a->n <= 4 ? 4 : 8;
-    const size_t red_bytes = (size_t)red_rows * nmax * sizeof(float);
+    const size_t red_bytes = DL_WRED_FLOATS * sizeof(float);
     const size_t avail = (size_t)c->smem_optin - 2048; /* the static mbarriers and sums */
     if (x_bytes + red_bytes + DL_MIN_SLOTS * slot > avail) return PD_EUNSUPPORTED;
     size_t n_slots = (avail - x_bytes - red_bytes) / slot;
@@ -916,7 +1083,6 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     p.slot_bytes = (int32_t)slot;
     p.n_slots = (int32_t)n_slots;
     p.x_bytes = (int32_t)x_bytes;
-    p.red_rows = red_rows;
     p.debug = debug_bits();
     for (int32_t l = 0; l < a->n_layers; l++) {
         const pd_layer_args *L = &a->layers[l];
@@ -935,7 +1101,34 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
         d.v_cache = (bf16 *)L->v_cache;
     }
     const size_t smem = n_slots * slot + x_bytes + red_bytes;
+    const int32_t n_stages = a->n_layers * 5 + (a->lm_head ? 1 : 0);
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    if (DL_TIMED(p) && cudaStreamIsCapturing(c->stream, &cap) == cudaSuccess &&
+        cap == cudaStreamCaptureStatusNone) {
+        const size_t need = (size_t)n_stages * grid * 8;
+        if (need > ts_cap) {
+            if (ts_dev) cudaFree(ts_dev);
+            ts_dev = NULL;
+            ts_cap = 0;
+            PD_CUDA_CHECK(cudaMalloc((void **)&ts_dev, need * sizeof *ts_dev));
+            ts_cap = need;
+        }
+        PD_CUDA_CHECK(cudaMemsetAsync(ts_dev, 0, need * sizeof *ts_dev, c->stream));
+        p.ts = ts_dev;
+    } else {
+        p.debug &= ~16;
+    }
     PD_CUDA_CHECK(hd == 64 ? launch_hd<64>(p, grid, smem, c->stream)
                            : launch_hd<128>(p, grid, smem, c->stream));
+    if (DL_TIMED(p)) {
+        const size_t need = (size_t)n_stages * grid * 8;
+        unsigned long long *h = (unsigned long long *)malloc(need * sizeof *h);
+        if (!h) return PD_ENOMEM;
+        const cudaError_t e = cudaMemcpyAsync(h, ts_dev, need * sizeof *h,
+                                              cudaMemcpyDeviceToHost, c->stream);
+        if (e == cudaSuccess && cudaStreamSynchronize(c->stream) == cudaSuccess)
+            ts_report(h, n_stages, grid);
+        free(h);
+    }
     return 0;
 }
