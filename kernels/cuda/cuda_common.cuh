@@ -337,4 +337,29 @@ static __device__ __forceinline__ void pd_bulk_load(void *dst, const void *src, 
                  : "memory");
 }
 
+/* An L2 cache policy: lines it loads are the first evicted (a stream read once, that should
+ * not push out what is read again). */
+static __device__ __forceinline__ uint64_t pd_policy_evict_first(void)
+{
+    uint64_t pol;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+
+/* pd_bulk_load under an L2 cache policy. */
+static __device__ __forceinline__ void pd_bulk_load_hint(void *dst, const void *src,
+                                                         uint32_t bytes, uint64_t *b, uint64_t pol)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+                 "[%0], [%1], %2, [%3], %4;" ::"r"(pd_smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(pd_smem_u32(b)), "l"(pol)
+                 : "memory");
+}
+
+/* Prefetches the line holding p into L2. */
+static __device__ __forceinline__ void pd_prefetch_l2(const void *p)
+{
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 #endif

@@ -106,7 +106,7 @@ static __device__ __forceinline__ void grid_sync(unsigned *bar, unsigned &target
     target += gridDim.x;
     cons_sync();
     if (threadIdx.x == 0) {
-        __threadfence();
+        if (!(debug & 64)) __threadfence();
         atomicAdd(bar, 1u);
         unsigned v;
         do {
@@ -196,6 +196,7 @@ template <int HD>
 static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, uint64_t *empty)
 {
     dl_ring_pos pos;
+    const uint64_t pol = pd_policy_evict_first();
     for (int32_t l = 0; l < p.n_layers; l++) {
         const int stages = l + 1 == p.n_layers && p.lm_head ? 5 : 4; /* the head after the last */
         for (int st = 0; st < stages; st++) {
@@ -212,9 +213,14 @@ static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, u
                     }
                     char *dst = ring + (size_t)pos.slot() * p.slot_bytes;
                     pd_mbar_expect_tx(&full[pos.slot()], 8 * len);
-                    for (int j = 0; j < 8; j++)
-                        pd_bulk_load(dst + (size_t)j * len, s.w + unit_row(s, c, j) * s.k + k0, len,
-                                  &full[pos.slot()]);
+                    for (int j = 0; j < 8; j++) {
+                        const bf16 *src = s.w + unit_row(s, c, j) * s.k + k0;
+                        if (p.debug & 32)
+                            pd_bulk_load(dst + (size_t)j * len, src, len, &full[pos.slot()]);
+                        else
+                            pd_bulk_load_hint(dst + (size_t)j * len, src, len, &full[pos.slot()],
+                                              pol);
+                    }
                 }
             if (DL_TIMED(p)) {
                 const int32_t mst = st == 4 ? p.n_layers * 5 : l * 5 + (st ? st + 1 : 0);
@@ -226,6 +232,39 @@ static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, u
 }
 
 /* ---- consumers: products ---- */
+
+/* The lines of v (bytes long) into L2, spread over the consumer threads from line base on. */
+static __device__ __forceinline__ void prefetch_lines(const void *v, int32_t bytes, int32_t &base)
+{
+    if (!v) return;
+    const int32_t lines = (bytes + 127) / 128;
+    for (int32_t i = ((int32_t)threadIdx.x - base % (DL_CW * 32) + DL_CW * 32) % (DL_CW * 32);
+         i < lines; i += DL_CW * 32)
+        pd_prefetch_l2(static_cast<const char *>(v) + (size_t)i * 128);
+    base += lines;
+}
+
+/* The small vectors a layer's stages read after its first (the head norms, the output bias,
+ * the MLP norm) and the next layer's first ones, from HBM into L2 ahead of their stages: the
+ * weight stream evicts them every step, and a stage's first loads are on its critical path.
+ * One block a layer issues them (L2 is shared). */
+static __device__ void prefetch_small(const dl_params &p, int32_t l, int32_t hd)
+{
+    const dl_layer &L = p.layer[l];
+    const int32_t h2 = p.hidden * 2;
+    int32_t base = 0;
+    prefetch_lines(L.q_norm, hd * 2, base);
+    prefetch_lines(L.k_norm, hd * 2, base);
+    prefetch_lines(L.o_bias, h2, base);
+    prefetch_lines(L.mlp_norm, h2, base);
+    if (l + 1 < p.n_layers) {
+        const dl_layer &N = p.layer[l + 1];
+        prefetch_lines(N.attn_norm, h2, base);
+        prefetch_lines(N.qkv_bias, (p.n_heads + 2 * p.n_kv_heads) * hd * 2, base);
+    } else {
+        prefetch_lines(p.final_norm, h2, base);
+    }
+}
 
 enum { DL_STORE, DL_ADD, DL_SWIGLU };
 
@@ -777,6 +816,8 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         const int32_t m0 = l * 5;
         s = stage_of(p, l, 0, HD);
         dl_mark(p, m0, 0);
+        if ((int32_t)blockIdx.x == l % (int32_t)gridDim.x && !(p.debug & 128))
+            prefetch_small(p, l, HD);
         norm_rows<NMAX>(p, L.attn_norm, xs);
         dl_mark(p, m0, 1);
         consume<NMAX>(p, s, xs, L.qkv_bias, DL_STORE, p.qkv, s.m, ring, red, full, empty, pos,
@@ -872,7 +913,10 @@ static int fused_max_n(void)
 }
 
 /* PDSERVE_CUDA_DL_DEBUG: parts of the kernel off, for timing breakdowns only (the results are
- * wrong): 1 the products' arithmetic, 2 attention, 4 the grid barriers, 8 the weight stream. */
+ * wrong): 1 the products' arithmetic, 2 attention, 4 the grid barriers, 8 the weight stream;
+ * 16 stage timing (in a -DPD_DL_TIMING=1 build); A/B switches (results right): 32 the weight
+ * stream without its evict-first L2 policy, 64 the grid barrier without its fence (results
+ * may be wrong), 128 no L2 prefetch of the small vectors. */
 static int debug_bits(void)
 {
     static int v = -1; /* racy first reads all compute the same value */
