@@ -40,7 +40,10 @@ typedef struct {
     int32_t *attn_count;   /* zeroed counters of the decode kernel's inline combine, one per
                             * (sequence, KV head) */
     size_t attn_count_n;
-    unsigned *grid_bar;    /* decode_layers' grid barrier counters (zero between launches) */
+    unsigned *grid_bar;    /* decode_layers' counters: [0] unused, [1] blocks done (zero
+                            * between launches), [2] launches (the flags' epoch) */
+    void *dl_ll;           /* decode_layers' flagged exchange lines (zeroed at creation) */
+    size_t dl_ll_bytes;
     size_t free_at_create; /* the device's free memory once the context existed (mem_info) */
     void *cublas_ws;       /* cuBLAS's workspace, given explicitly so that captures need no
                             * allocation */

@@ -14,6 +14,8 @@
  * where 2 splits of partials fit, n_seqs x n_heads x 2 x (head_dim + 2) floats, head_dim >= 8,
  * so this many cover every one (819 KiB). */
 #define ATTN_COUNT_N (ATTN_PART_FLOATS / (2 * (8 + 2)))
+/* decode_layers' exchange lines: 8 rows of a 70B-shape layer's outputs take 2 MiB. */
+#define DL_LL_BYTES ((size_t)4 << 20)
 
 void pd_cuda__report(const char *call, const char *msg, const char *file, int line)
 {
@@ -55,6 +57,7 @@ extern "C" void pd_cuda__ctx_destroy(void *ctx)
     if (c->attn_part) (void)cudaFree(c->attn_part);
     if (c->attn_count) (void)cudaFree(c->attn_count);
     if (c->grid_bar) (void)cudaFree(c->grid_bar);
+    if (c->dl_ll) (void)cudaFree(c->dl_ll);
     if (c->cublas_ws) (void)cudaFree(c->cublas_ws);
     if (c->stream) (void)cudaStreamDestroy(c->stream);
     free(c);
@@ -110,8 +113,11 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
     CTX_TRY(cudaMemset(c->attn_count, 0, ATTN_COUNT_N * sizeof(int32_t)) == cudaSuccess,
             PD_EBACKEND);
     c->attn_count_n = ATTN_COUNT_N;
-    CTX_TRY(cudaMalloc((void **)&c->grid_bar, 2 * sizeof(unsigned)) == cudaSuccess, PD_ENOMEM);
-    CTX_TRY(cudaMemset(c->grid_bar, 0, 2 * sizeof(unsigned)) == cudaSuccess, PD_EBACKEND);
+    CTX_TRY(cudaMalloc((void **)&c->grid_bar, 3 * sizeof(unsigned)) == cudaSuccess, PD_ENOMEM);
+    CTX_TRY(cudaMemset(c->grid_bar, 0, 3 * sizeof(unsigned)) == cudaSuccess, PD_EBACKEND);
+    CTX_TRY(cudaMalloc(&c->dl_ll, DL_LL_BYTES) == cudaSuccess, PD_ENOMEM);
+    CTX_TRY(cudaMemset(c->dl_ll, 0, DL_LL_BYTES) == cudaSuccess, PD_EBACKEND);
+    c->dl_ll_bytes = DL_LL_BYTES;
     c->sm_count = prop.multiProcessorCount;
     c->cc_major = prop.major;
     c->smem_optin = (int)prop.sharedMemPerBlockOptin;

@@ -71,9 +71,9 @@ struct dl_layer {
 struct dl_params {
     bf16 *resid, *qkv, *attn, *act;
     float *part;             /* split partials: outputs, then (max, sum) pairs */
-    float *rope;             /* [n][head_dim / 2] (cos, sin) pairs, made at the start */
     int32_t *count;          /* per (sequence, KV head): splits done (reset by the merger) */
-    unsigned *bar;           /* [0] grid barrier arrivals, [1] blocks done (both reset at exit) */
+    unsigned *bar;           /* [1] blocks done (reset at exit), [2] launches (the epoch) */
+    uint4 *ll_qkv, *ll_attn, *ll_r3, *ll_r5, *ll_act; /* flagged lines of the stage outputs */
     const int32_t *positions, *slots, *ctx_lens, *block_tables;
     const float *inv_freq;
     const bf16 *final_norm, *lm_head; /* the head stage, when lm_head is set */
@@ -83,7 +83,8 @@ struct dl_params {
     int32_t max_blocks_per_seq, block_size, sliding_window, splits;
     float eps, attn_factor, scale_log2;
     int32_t slot_bytes, n_slots, x_bytes; /* shared memory: ring, then x / attention scratch, */
-                                          /* then the warps' sums (DL_WRED_FLOATS) */
+                                          /* the warps' sums (DL_WRED_FLOATS), then RoPE's
+                                           * [n][head_dim / 2] (cos, sin) pairs */
     int32_t debug;                        /* PDSERVE_CUDA_DL_DEBUG bits (timing only) */
     unsigned long long *ts;               /* debug 16: [stage][block][8] marks and waits */
     dl_layer layer[DL_MAX_LAYERS];
@@ -95,25 +96,40 @@ static __device__ __forceinline__ void cons_sync(void)
     asm volatile("bar.sync 1, %0;" ::"n"(DL_CW * 32) : "memory");
 }
 
-/* All blocks' consumers: every write before it is visible to every read after it (reads of
- * kernel-written data go through L2). target counts arrivals since the launch. */
-static __device__ __forceinline__ void grid_sync(unsigned *bar, unsigned &target, int debug)
+/* The stage outputs go from block to block as flagged lines (NCCL's LL protocol): 16 bytes of
+ * two (bf16 pair, flag) halves, each half written by one 8-byte store, so a reader that sees
+ * a half's flag equal to the stage's sees its data. No fence, counter or barrier: a reader
+ * polls the lines it needs and goes on once they carry this stage's flag (a grid barrier's
+ * fence waited behind the weight stream's loads, 1.6 - 2.5 us on an H100: docs/perf.md).
+ * Flags are (launch epoch << 10) + stage, never 0: the zeroed lines of a new context and the
+ * last launch's lines never match. A line is rewritten a layer later, when every block is
+ * past reading it (each layer's stages need every block's output of the one before). */
+static __device__ __forceinline__ void ll_store(uint4 *line, uint32_t d01, uint32_t d23,
+                                                uint32_t flag)
 {
-    if (debug & 4) {
-        cons_sync();
-        return;
-    }
-    target += gridDim.x;
-    cons_sync();
-    if (threadIdx.x == 0) {
-        if (!(debug & 64)) __threadfence();
-        atomicAdd(bar, 1u);
-        unsigned v;
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(bar) : "memory");
-        } while (v < target);
-    }
-    cons_sync();
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(line), "r"(d01),
+                 "r"(flag), "r"(d23), "r"(flag)
+                 : "memory");
+}
+
+/* The 4 bf16 of a line (as two pairs), once both halves carry flag. */
+static __device__ __forceinline__ uint2 ll_load(const uint4 *line, uint32_t flag)
+{
+    uint32_t a, f1, b, f2;
+    do {
+        asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(a), "=r"(f1), "=r"(b), "=r"(f2)
+                     : "l"(line)
+                     : "memory");
+    } while (f1 != flag || f2 != flag);
+    return make_uint2(a, b);
+}
+
+/* 8 bf16 (16 bytes) from two consecutive lines. */
+static __device__ __forceinline__ uint4 ll_load8(const uint4 *line, uint32_t flag)
+{
+    const uint2 lo = ll_load(line, flag), hi = ll_load(line + 1, flag);
+    return make_uint4(lo.x, lo.y, hi.x, hi.y);
 }
 
 /* Debug bit 16: stage st's (layer * 5 + stage) mark k of this block (0 start, 1 after the
@@ -174,8 +190,10 @@ static __device__ __forceinline__ dl_stage stage_of(const dl_params &p, int32_t 
     case 3: s.w = L.down; s.k = p.inter; s.m = p.hidden; break;
     default: s.w = p.lm_head; s.k = p.hidden; s.m = p.vocab; break; /* the head (l: any) */
     }
-    s.c0 = (int32_t)((int64_t)s.m * blockIdx.x / gridDim.x);
-    s.c1 = (int32_t)((int64_t)s.m * (blockIdx.x + 1) / gridDim.x);
+    /* columns in 8s (whole flagged lines of 4), the last block to the end */
+    s.c0 = 8 * (int32_t)((int64_t)(s.m / 8) * blockIdx.x / gridDim.x);
+    s.c1 = blockIdx.x + 1 == gridDim.x ? s.m
+                                       : 8 * (int32_t)((int64_t)(s.m / 8) * (blockIdx.x + 1) / gridDim.x);
     s.cpg = s.swiglu ? 4 : 8;
     s.kslice = min(s.k, (p.slot_bytes / (8 * 2)) / 256 * 256);
     return s;
@@ -268,6 +286,21 @@ static __device__ void prefetch_small(const dl_params &p, int32_t l, int32_t hd)
 
 enum { DL_STORE, DL_ADD, DL_SWIGLU };
 
+/* Where a stage's outputs go: flagged lines ([n][m / 4], m the stage's columns) and / or plain
+ * rows `ld` apart; with DL_ADD the old values come from flagged lines (add_ll) or plain rows
+ * (add_plain, the kernel's input). */
+struct dl_out {
+    int mode;
+    const bf16 *bias;
+    uint4 *ll;
+    uint32_t flag;
+    bf16 *plain;
+    int32_t ld;
+    const uint4 *add_ll;
+    uint32_t add_flag;
+    const bf16 *add_plain;
+};
+
 /* One stage's products for this block: the slots of its columns as the producer filled them.
  * On the tensor cores, as the GEMV kernel of cuda_linear.cu does it: a warp step is one
  * mma.m16n8k16 pair over 32 k of 8 weight rows (B, lane (g, t) holding 8 consecutive k of row
@@ -281,9 +314,8 @@ enum { DL_STORE, DL_ADD, DL_SWIGLU };
  * per element were instruction-bound at a third of the bandwidth: docs/perf.md.) */
 template <int NMAX>
 static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16 *xs,
-                               const bf16 *bias, int mode, bf16 *out, int32_t ld, char *ring,
-                               float *wred, uint64_t *full, uint64_t *empty, dl_ring_pos &pos,
-                               int32_t mst)
+                               const dl_out &o, char *ring, float *wred, uint64_t *full,
+                               uint64_t *empty, dl_ring_pos &pos, int32_t mst)
 {
     constexpr int32_t CH = DL_WRED_FLOATS / (DL_CW * NMAX); /* units a chunk */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -343,25 +375,52 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
             }
         }
         cons_sync();
-        for (int32_t i = threadIdx.x; i < ncols * n; i += DL_CW * 32) {
-            const int32_t j = i / n, q = i % n, col = cb + j;
-            float v = 0.0f, u = 0.0f;
+        /* a thread a (row, 4 columns): one flagged line (chunks start at multiples of 8) */
+        for (int32_t i = threadIdx.x; i < (ncols + 3) / 4 * n; i += DL_CW * 32) {
+            const int32_t j0 = i / n * 4, q = i % n, col0 = cb + j0;
+            float r[4];
 #pragma unroll
-            for (int w = 0; w < DL_CW; w++) v += wred[((size_t)w * CH + j) * NMAX + q];
-            if (mode == DL_SWIGLU) {
+            for (int e = 0; e < 4; e++) {
+                const int32_t j = min(j0 + e, ncols - 1), col = cb + j;
+                float v = 0.0f;
 #pragma unroll
-                for (int w = 0; w < DL_CW; w++) u += wred[((size_t)w * CH + ncols + j) * NMAX + q];
-                const float bg = bias ? pd_ld(bias + col) : 0.0f;
-                const float bu = bias ? pd_ld(bias + s.m + col) : 0.0f;
-                const float gt = __bfloat162float(__float2bfloat16_rn(v + bg));
-                u = __bfloat162float(__float2bfloat16_rn(u + bu));
-                pd_st(out + (size_t)q * ld + col, gt / (1.0f + expf(-gt)) * u);
-            } else {
-                bf16 *o = out + (size_t)q * ld + col;
-                if (bias) v += pd_ld(bias + col);
-                if (mode == DL_ADD) v += __bfloat162float(__ldcg(o));
-                pd_st(o, v);
+                for (int w = 0; w < DL_CW; w++) v += wred[((size_t)w * CH + j) * NMAX + q];
+                if (o.mode == DL_SWIGLU) {
+                    float u = 0.0f;
+#pragma unroll
+                    for (int w = 0; w < DL_CW; w++)
+                        u += wred[((size_t)w * CH + ncols + j) * NMAX + q];
+                    const float bg = o.bias ? pd_ld(o.bias + col) : 0.0f;
+                    const float bu = o.bias ? pd_ld(o.bias + s.m + col) : 0.0f;
+                    const float gt = __bfloat162float(__float2bfloat16_rn(v + bg));
+                    u = __bfloat162float(__float2bfloat16_rn(u + bu));
+                    v = gt / (1.0f + expf(-gt)) * u;
+                } else if (o.bias) {
+                    v += pd_ld(o.bias + col);
+                }
+                r[e] = v;
             }
+            if (o.mode == DL_ADD) {
+                if (o.add_ll) {
+                    const uint2 old = ll_load(o.add_ll + ((size_t)q * s.m + col0) / 4, o.add_flag);
+                    r[0] += pd_bf16_lo(old.x);
+                    r[1] += pd_bf16_hi(old.x);
+                    r[2] += pd_bf16_lo(old.y);
+                    r[3] += pd_bf16_hi(old.y);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        if (j0 + e < ncols)
+                            r[e] += __bfloat162float(__ldcg(o.add_plain + (size_t)q * o.ld + col0 + e));
+                }
+            }
+            if (o.ll)
+                ll_store(o.ll + ((size_t)q * s.m + col0) / 4, pd_pack_bf16(r[0], r[1]),
+                         pd_pack_bf16(r[2], r[3]), o.flag);
+            if (o.plain)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    if (j0 + e < ncols) pd_st(o.plain + (size_t)q * o.ld + col0 + e, r[e]);
         }
         if (cb + ncols < s.c1) cons_sync(); /* wred is the next chunk's */
     }
@@ -373,7 +432,8 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
  * with the rows (one round trip from L2, not two) into xs after them (the host sizes xs for
  * n + 1 rows of hidden). */
 template <int NMAX>
-static __device__ void norm_rows(const dl_params &p, const bf16 *nw, bf16 *xs)
+static __device__ void norm_rows(const dl_params &p, const bf16 *nw, const uint4 *src_ll,
+                                 uint32_t flag, bf16 *xs)
 {
     __shared__ float red[NMAX][DL_CW];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -387,7 +447,8 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, bf16 *xs)
         if (q >= p.n) break;
         float ss = 0.0f;
         for (int32_t i = threadIdx.x; i < hc; i += DL_CW * 32) {
-            const uint4 v = __ldcg(r4 + (size_t)q * hc + i);
+            const uint4 v = src_ll ? ll_load8(src_ll + 2 * ((size_t)q * hc + i), flag)
+                                   : __ldcg(r4 + (size_t)q * hc + i);
             x4[(size_t)q * hc + i] = v;
             ss += pd_sumsq8(v);
         }
@@ -414,13 +475,13 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, bf16 *xs)
     cons_sync();
 }
 
-/* xs = the n rows of src ([n][k], written in this kernel), 16 bytes at a time. */
-static __device__ void copy_rows(const bf16 *src, int32_t n, int32_t k, bf16 *xs)
+/* xs = the n rows of a stage's output ([n][k] in flagged lines), 16 bytes at a time. */
+static __device__ void copy_rows(const uint4 *src_ll, uint32_t flag, int32_t n, int32_t k,
+                                 bf16 *xs)
 {
-    const uint4 *s4 = reinterpret_cast<const uint4 *>(src);
     uint4 *d4 = reinterpret_cast<uint4 *>(xs);
     const int32_t total = n * k / 8;
-    for (int32_t i = threadIdx.x; i < total; i += DL_CW * 32) d4[i] = __ldcg(s4 + i);
+    for (int32_t i = threadIdx.x; i < total; i += DL_CW * 32) d4[i] = ll_load8(src_ll + 2 * i, flag);
     cons_sync();
 }
 
@@ -431,30 +492,38 @@ static __device__ void copy_rows(const bf16 *src, int32_t n, int32_t k, bf16 *xs
  * scaled for exp2); split 0 stores the new key and value in the cache. */
 template <int HD>
 static __device__ void prep_heads(const dl_params &p, const dl_layer &L, int32_t s, int32_t h,
-                                  int32_t G, bool store, float *qs, float *kn, float *vn)
+                                  int32_t G, bool store, uint32_t qflag, const float2 *rope,
+                                  float *qs, float *kn, float *vn, float *stg)
 {
     constexpr int NR = HD / 32, NP = NR / 2, HALF = HD / 2;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int32_t qkv_dim = (p.n_heads + 2 * p.n_kv_heads) * HD;
-    const bf16 *row = p.qkv + (size_t)s * qkv_dim;
     const int32_t slot = p.slots[s];
     const int64_t kv_off = (int64_t)slot * p.n_kv_heads * HD + (int64_t)h * HD;
+    stg += warp * HD; /* the warp's row of the head, as read in lines of 4 */
     for (int32_t j = warp; j < G + 2; j += DL_CW) {
-        const bf16 *src = row + (size_t)(j < G    ? h * G + j
-                                         : j == G ? p.n_heads + h
-                                                  : p.n_heads + p.n_kv_heads + h) * HD;
+        const int32_t col = (j < G    ? h * G + j
+                             : j == G ? p.n_heads + h
+                                      : p.n_heads + p.n_kv_heads + h) * HD;
         const bf16 *nw = j < G ? L.q_norm : j == G ? L.k_norm : NULL;
         float x[NR], wv[NR];
-        float2 cn[NP]; /* loaded with x, as the head norm's weights: one round trip */
+        float2 cn[NP];
 #pragma unroll
-        for (int r = 0; r < NR; r++) {
-            x[r] = __bfloat162float(__ldcg(src + lane + 32 * r));
-            wv[r] = nw ? pd_ld(nw + lane + 32 * r) : 0.0f;
-        }
+        for (int r = 0; r < NR; r++) wv[r] = nw ? pd_ld(nw + lane + 32 * r) : 0.0f;
 #pragma unroll
         for (int r = 0; r < NP; r++)
-            cn[r] = j <= G ? __ldcg(reinterpret_cast<const float2 *>(p.rope) + s * HALF + lane + 32 * r)
-                           : make_float2(0.0f, 0.0f);
+            cn[r] = j <= G ? rope[s * HALF + lane + 32 * r] : make_float2(0.0f, 0.0f);
+        __syncwarp(); /* the last head's reads of the row are done */
+        if (lane < HD / 4) {
+            const uint2 v = ll_load(p.ll_qkv + ((size_t)s * qkv_dim + col) / 4 + lane, qflag);
+            stg[4 * lane] = pd_bf16_lo(v.x);
+            stg[4 * lane + 1] = pd_bf16_hi(v.x);
+            stg[4 * lane + 2] = pd_bf16_lo(v.y);
+            stg[4 * lane + 3] = pd_bf16_hi(v.y);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int r = 0; r < NR; r++) x[r] = stg[lane + 32 * r];
         if (j == G + 1) {
 #pragma unroll
             for (int r = 0; r < NR; r++) {
@@ -505,6 +574,25 @@ static __device__ __forceinline__ void load_e(const bf16 *p, float (&v)[E])
     } else {
         const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(p));
         v[0] = a.x; v[E > 1 ? 1 : 0] = a.y;
+    }
+}
+
+/* The attention output of unit (s, h), G * HD values in res (NULL: zeros), as flagged lines;
+ * also into p.attn when plain (the last layer: the op's scratch holds it, as op by op). */
+template <int HD>
+static __device__ void emit_attn(const dl_params &p, int32_t s, int32_t h, int32_t G,
+                                 const float *res, uint32_t flag, bool plain)
+{
+    const int32_t nq = p.n_heads * HD, c0 = h * G * HD;
+    for (int32_t i = threadIdx.x; i < G * HD / 4; i += DL_CW * 32) {
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) v[e] = res ? res[4 * i + e] : 0.0f;
+        ll_store(p.ll_attn + ((size_t)s * nq + c0) / 4 + i, pd_pack_bf16(v[0], v[1]),
+                 pd_pack_bf16(v[2], v[3]), flag);
+        if (plain)
+#pragma unroll
+            for (int e = 0; e < 4; e++) pd_st(p.attn + (size_t)s * nq + c0 + 4 * i + e, v[e]);
     }
 }
 
@@ -580,15 +668,14 @@ static __device__ __forceinline__ void kv_load(const dl_layer &L,
 template <int HD, int MAXG>
 static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const dl_unit &a,
                                    const int64_t (&off0)[DL_KEYS_PER_WARP], float *sm,
-                                   int32_t mst)
+                                   const float2 *rope, uint32_t qflag, uint32_t aflag,
+                                   bool plain, int32_t layer, int32_t mst)
 {
     constexpr int E = HD / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int32_t G = p.n_heads / p.n_kv_heads, ctx = a.ctx, s = a.s, h = a.h, sp = a.sp;
-    bf16 *out = p.attn + (size_t)s * p.n_heads * HD + (size_t)h * G * HD;
     if (ctx <= 0) { /* padding row */
-        if (sp == 0)
-            for (int32_t i = threadIdx.x; i < G * HD; i += DL_CW * 32) pd_st(out + i, 0.0f);
+        if (sp == 0) emit_attn<HD>(p, s, h, G, NULL, aflag, plain);
         return;
     }
     const int32_t used = a.used;
@@ -597,7 +684,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     float *qs = sm, *kn = qs + DL_MAX_G * HD, *vn = kn + HD, *scr = vn + HD;
     float kv0[DL_KEYS_PER_WARP][2][E];
     if constexpr (MAXG <= 4) kv_load<E>(L, off0, kv0);
-    prep_heads<HD>(p, L, s, h, G, sp == 0, qs, kn, vn);
+    prep_heads<HD>(p, L, s, h, G, sp == 0, qflag, rope, qs, kn, vn, scr);
     dl_mark(p, mst, 1);
 
     float acc[MAXG][E], m[MAXG], l[MAXG]; /* q stays in shared memory */
@@ -703,7 +790,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
             O = fmaf(wacc[(w * G + g) * HD + d], f, O);
         }
         if (used == 1) {
-            pd_st(out + i, O / Ls);
+            qs[i] = O / Ls; /* the queries are read by now */
         } else {
             const size_t item = ((size_t)s * p.n_heads + head0 + g) * p.splits + sp;
             p.part[item * HD + d] = O;
@@ -714,6 +801,8 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
         }
     }
     if (used == 1) {
+        cons_sync();
+        emit_attn<HD>(p, s, h, G, qs, aflag, plain);
         cons_sync(); /* the scratch is the next unit's */
         return;
     }
@@ -722,7 +811,9 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     dl_mark(p, mst, 2);
     __threadfence();
     cons_sync();
-    if (threadIdx.x == 0) is_last = atomicAdd(cnt, 1) == used - 1;
+    /* the counter grows by used a layer (reset at the launch's end: a reset here could land
+     * after the next layer's first split counts) */
+    if (threadIdx.x == 0) is_last = atomicAdd(cnt, 1) == used * (layer + 1) - 1;
     cons_sync();
     if (is_last) { /* on the critical path of every block: one round of loads, then one */
         __threadfence();
@@ -751,9 +842,10 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
                 Ls = fmaf(fg[2 * j + 1], f, Ls);
                 O = fmaf(v[j], f, O);
             }
-            pd_st(out + i, O / Ls);
+            qs[i] = O / Ls;
         }
-        if (threadIdx.x == 0) *cnt = 0;
+        cons_sync();
+        emit_attn<HD>(p, s, h, G, qs, aflag, plain);
     }
     cons_sync();
 }
@@ -785,18 +877,18 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
     }
     bf16 *xs = reinterpret_cast<bf16 *>(xsb);
     float *red = reinterpret_cast<float *>(xsb + p.x_bytes);
+    float2 *rope = reinterpret_cast<float2 *>(xsb + p.x_bytes + DL_WRED_FLOATS * sizeof(float));
     float *sm = reinterpret_cast<float *>(xsb);
     dl_ring_pos pos;
-    unsigned target = 0;
-    /* the rotation of each sequence's position, for every layer (read after the first barrier):
-     * cos and sin taken in double and rounded once, as rope_store_kv does */
-    for (int32_t i = blockIdx.x * DL_CW * 32 + threadIdx.x; i < p.n * HD / 2;
-         i += gridDim.x * DL_CW * 32) {
+    /* this launch's flags: stage i of the step has flag base + i + 1 */
+    const uint32_t epoch = __ldcv(p.bar + 2) + 1, base = epoch << 10;
+    /* the rotation of each sequence's position, for every layer: cos and sin taken in double
+     * and rounded once, as rope_store_kv does (each block its own, in shared memory) */
+    for (int32_t i = threadIdx.x; i < p.n * HD / 2; i += DL_CW * 32) {
         const int32_t sq = i / (HD / 2), f = i % (HD / 2);
         double sd, cd;
         sincos((double)((float)p.positions[sq] * p.inv_freq[f]), &sd, &cd);
-        reinterpret_cast<float2 *>(p.rope)[i] =
-            make_float2((float)cd * p.attn_factor, (float)sd * p.attn_factor);
+        rope[i] = make_float2((float)cd * p.attn_factor, (float)sd * p.attn_factor);
     }
     const int32_t units = p.n * p.n_kv_heads * p.splits;
     /* this block's first S2 unit and its warp's first keys: the same in every layer (kept in
@@ -809,24 +901,27 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         u0 = unit_of(p, blockIdx.x);
         key_offsets<HD / 32>(p, u0, u0.kb + warp * DL_KEYS_PER_WARP, off0);
     }
+    cons_sync(); /* the rotations */
     for (int32_t l = 0; l < p.n_layers; l++) {
         const dl_layer &L = p.layer[l];
-        dl_stage s;
-        /* S1 */
+        const bool last = l + 1 == p.n_layers;
         const int32_t m0 = l * 5;
+        const uint32_t f0 = base + m0 + 1; /* S1's flag; S2 .. S5: f0 + 1 .. f0 + 4 */
+        dl_stage s;
+        dl_out o = {};
+        /* S1 */
         s = stage_of(p, l, 0, HD);
         dl_mark(p, m0, 0);
         if ((int32_t)blockIdx.x == l % (int32_t)gridDim.x && !(p.debug & 128))
             prefetch_small(p, l, HD);
-        norm_rows<NMAX>(p, L.attn_norm, xs);
+        norm_rows<NMAX>(p, L.attn_norm, l ? p.ll_r5 : NULL, f0 - 1, xs);
         dl_mark(p, m0, 1);
-        consume<NMAX>(p, s, xs, L.qkv_bias, DL_STORE, p.qkv, s.m, ring, red, full, empty, pos,
-                      m0);
+        o = {DL_STORE, L.qkv_bias, p.ll_qkv, f0, last ? p.qkv : NULL, s.m, NULL, 0, NULL};
+        consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0);
         dl_mark(p, m0, 3);
-        grid_sync(p.bar, target, p.debug);
         dl_mark(p, m0 + 1, 0);
         /* S2 */
-        for (int32_t u = blockIdx.x; u < units && !(p.debug & 2); u += gridDim.x) {
+        for (int32_t u = blockIdx.x; u < units; u += gridDim.x) {
             dl_unit a = u0;
             int64_t off[DL_KEYS_PER_WARP];
 #pragma unroll
@@ -835,56 +930,55 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
                 a = unit_of(p, u);
                 if (MAXG <= 4) key_offsets<HD / 32>(p, a, a.kb + warp * DL_KEYS_PER_WARP, off);
             }
-            attend_unit<HD, MAXG>(p, L, a, off, sm, m0 + 1);
+            attend_unit<HD, MAXG>(p, L, a, off, sm, rope, f0, f0 + 1, last, l, m0 + 1);
         }
         dl_mark(p, m0 + 1, 3);
-        grid_sync(p.bar, target, p.debug);
         /* S3 */
         s = stage_of(p, l, 1, HD);
         dl_mark(p, m0 + 2, 0);
-        copy_rows(p.attn, p.n, s.k, xs);
+        copy_rows(p.ll_attn, f0 + 1, p.n, s.k, xs);
         dl_mark(p, m0 + 2, 1);
-        consume<NMAX>(p, s, xs, L.o_bias, DL_ADD, p.resid, p.hidden, ring, red, full, empty, pos,
-                      m0 + 2);
+        o = {DL_ADD, L.o_bias, p.ll_r3, f0 + 2, NULL, p.hidden, l ? p.ll_r5 : NULL, f0 - 1,
+             p.resid};
+        consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 2);
         dl_mark(p, m0 + 2, 3);
-        grid_sync(p.bar, target, p.debug);
         /* S4 */
         s = stage_of(p, l, 2, HD);
         dl_mark(p, m0 + 3, 0);
-        norm_rows<NMAX>(p, L.mlp_norm, xs);
+        norm_rows<NMAX>(p, L.mlp_norm, p.ll_r3, f0 + 2, xs);
         dl_mark(p, m0 + 3, 1);
-        consume<NMAX>(p, s, xs, NULL, DL_SWIGLU, p.act, p.inter, ring, red, full, empty, pos,
-                      m0 + 3);
+        o = {DL_SWIGLU, NULL, p.ll_act, f0 + 3, last ? p.act : NULL, p.inter, NULL, 0, NULL};
+        consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 3);
         dl_mark(p, m0 + 3, 3);
-        grid_sync(p.bar, target, p.debug);
         /* S5 */
         s = stage_of(p, l, 3, HD);
         dl_mark(p, m0 + 4, 0);
-        copy_rows(p.act, p.n, p.inter, xs);
+        copy_rows(p.ll_act, f0 + 3, p.n, p.inter, xs);
         dl_mark(p, m0 + 4, 1);
-        consume<NMAX>(p, s, xs, NULL, DL_ADD, p.resid, p.hidden, ring, red, full, empty, pos,
-                      m0 + 4);
+        o = {DL_ADD, NULL, p.ll_r5, f0 + 4, last ? p.resid : NULL, p.hidden, p.ll_r3, f0 + 2,
+             NULL};
+        consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 4);
         dl_mark(p, m0 + 4, 3);
-        if (l + 1 < p.n_layers || p.lm_head) grid_sync(p.bar, target, p.debug);
     }
     if (p.lm_head) { /* S6: logits = rmsnorm(resid) * final_norm . lm_head^T */
         const dl_stage s = stage_of(p, p.n_layers - 1, 4, HD);
         const int32_t mh = p.n_layers * 5;
         dl_mark(p, mh, 0);
-        norm_rows<NMAX>(p, p.final_norm, xs);
+        norm_rows<NMAX>(p, p.final_norm, p.ll_r5, base + mh, xs);
         dl_mark(p, mh, 1);
-        consume<NMAX>(p, s, xs, NULL, DL_STORE, p.logits, p.vocab, ring, red, full, empty, pos,
-                      mh);
+        const dl_out o = {DL_STORE, NULL, NULL, 0, p.logits, p.vocab, NULL, 0, NULL};
+        consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, mh);
         dl_mark(p, mh, 3);
     }
-    /* the last block out resets the counters for the next launch (every block is past its
-     * last barrier once it counts itself done) */
+    /* the last block out resets the counters and moves the epoch for the next launch (every
+     * block has read the epoch and counted its splits once it counts itself done) */
     cons_sync();
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(&p.bar[1], 1u) == gridDim.x - 1) {
-            p.bar[0] = 0;
+            for (int32_t i = 0; i < p.n * p.n_kv_heads; i++) p.count[i] = 0;
             p.bar[1] = 0;
+            p.bar[2] = epoch;
             __threadfence();
         }
     }
@@ -913,10 +1007,9 @@ static int fused_max_n(void)
 }
 
 /* PDSERVE_CUDA_DL_DEBUG: parts of the kernel off, for timing breakdowns only (the results are
- * wrong): 1 the products' arithmetic, 2 attention, 4 the grid barriers, 8 the weight stream;
- * 16 stage timing (in a -DPD_DL_TIMING=1 build); A/B switches (results right): 32 the weight
- * stream without its evict-first L2 policy, 64 the grid barrier without its fence (results
- * may be wrong), 128 no L2 prefetch of the small vectors. */
+ * wrong): 1 the products' arithmetic, 8 the weight stream; 16 stage timing (in a -DPD_DL_TIMING=1
+ * build); A/B switches (results right): 32 the weight stream without its evict-first L2
+ * policy, 128 no L2 prefetch of the small vectors. */
 static int debug_bits(void)
 {
     static int v = -1; /* racy first reads all compute the same value */
@@ -1079,7 +1172,8 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     x_bytes = (x_bytes + 127) & ~(size_t)127;
     const size_t slot = DL_SLOT_BYTES; /* 8 rows of 1024 k */
     const int grid = c->sm_count;
-    const size_t red_bytes = DL_WRED_FLOATS * sizeof(float);
+    /* the warps' sums, then the rotations */
+    const size_t red_bytes = DL_WRED_FLOATS * sizeof(float) + (size_t)a->n * hd / 2 * 8;
     const size_t avail = (size_t)c->smem_optin - 2048; /* the static mbarriers and sums */
     if (x_bytes + red_bytes + DL_MIN_SLOTS * slot > avail) return PD_EUNSUPPORTED;
     size_t n_slots = (avail - x_bytes - red_bytes) / slot;
@@ -1088,7 +1182,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     int32_t splits = grid / (a->n * a->n_kv_heads);
     if (splits < 1) splits = 1;
     if (splits > DL_MAX_SPLITS) splits = DL_MAX_SPLITS;
-    if ((size_t)a->n * a->n_heads * splits * (hd + 2) + (size_t)a->n * hd > c->attn_part_floats ||
+    if ((size_t)a->n * a->n_heads * splits * (hd + 2) > c->attn_part_floats ||
         (size_t)a->n * a->n_kv_heads > c->attn_count_n)
         return PD_EUNSUPPORTED;
 
@@ -1099,7 +1193,18 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     p.attn = (bf16 *)a->attn;
     p.act = (bf16 *)a->act;
     p.part = c->attn_part;
-    p.rope = c->attn_part + c->attn_part_floats - (size_t)a->n * hd;
+    {
+        /* the flagged lines: 4 bf16 in 16 bytes, rows [n][columns] */
+        const size_t q4 = (size_t)a->n * 4, qkv_dim = (size_t)(a->n_heads + 2 * a->n_kv_heads) * hd;
+        const size_t need = q4 * (qkv_dim + (size_t)nq + 2 * (size_t)a->hidden + a->intermediate);
+        if (need > c->dl_ll_bytes) return PD_EUNSUPPORTED;
+        char *ll = (char *)c->dl_ll;
+        p.ll_qkv = (uint4 *)ll;
+        p.ll_attn = (uint4 *)(ll += q4 * qkv_dim);
+        p.ll_r3 = (uint4 *)(ll += q4 * nq);
+        p.ll_r5 = (uint4 *)(ll += q4 * a->hidden);
+        p.ll_act = (uint4 *)(ll += q4 * a->hidden);
+    }
     p.count = c->attn_count;
     p.bar = c->grid_bar;
     p.positions = a->positions;
