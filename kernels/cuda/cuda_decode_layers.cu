@@ -71,7 +71,6 @@ struct dl_layer {
 struct dl_params {
     bf16 *resid, *qkv, *attn, *act;
     float *part;             /* split partials: outputs, then (max, sum) pairs */
-    int32_t *count;          /* per (sequence, KV head): splits done (reset by the merger) */
     unsigned *bar;           /* [1] blocks done (reset at exit), [2] launches (the epoch) */
     uint4 *ll_qkv, *ll_attn, *ll_r3, *ll_r5, *ll_act; /* flagged lines of the stage outputs */
     const int32_t *positions, *slots, *ctx_lens, *block_tables;
@@ -123,6 +122,28 @@ static __device__ __forceinline__ uint2 ll_load(const uint4 *line, uint32_t flag
                      : "memory");
     } while (f1 != flag || f2 != flag);
     return make_uint2(a, b);
+}
+
+/* A flagged 8-byte half (fp32 value, flag): stored at once; loaded in two steps, so that many
+ * loads are in flight before the first wait (ll_issue, then ll_finish polls until the flag). */
+static __device__ __forceinline__ void ll_storef(uint2 *half, float v, uint32_t flag)
+{
+    asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(half), "r"(__float_as_uint(v)),
+                 "r"(flag)
+                 : "memory");
+}
+
+static __device__ __forceinline__ uint2 ll_issue(const uint2 *half)
+{
+    uint2 v;
+    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(half) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ float ll_finish(const uint2 *half, uint2 v, uint32_t flag)
+{
+    while (v.y != flag) v = ll_issue(half);
+    return __uint_as_float(v.x);
 }
 
 /* 8 bf16 (16 bytes) from two consecutive lines. */
@@ -287,8 +308,8 @@ static __device__ void prefetch_small(const dl_params &p, int32_t l, int32_t hd)
 enum { DL_STORE, DL_ADD, DL_SWIGLU };
 
 /* Where a stage's outputs go: flagged lines ([n][m / 4], m the stage's columns) and / or plain
- * rows `ld` apart; with DL_ADD the old values come from flagged lines (add_ll) or plain rows
- * (add_plain, the kernel's input). */
+ * rows `ld` apart; with DL_ADD the old values are the block's own columns of the residual
+ * stream, kept in shared memory (own, [column - c0][NMAX]) and updated there. */
 struct dl_out {
     int mode;
     const bf16 *bias;
@@ -296,9 +317,7 @@ struct dl_out {
     uint32_t flag;
     bf16 *plain;
     int32_t ld;
-    const uint4 *add_ll;
-    uint32_t add_flag;
-    const bf16 *add_plain;
+    float *own;
 };
 
 /* One stage's products for this block: the slots of its columns as the producer filled them.
@@ -400,20 +419,14 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                 }
                 r[e] = v;
             }
-            if (o.mode == DL_ADD) {
-                if (o.add_ll) {
-                    const uint2 old = ll_load(o.add_ll + ((size_t)q * s.m + col0) / 4, o.add_flag);
-                    r[0] += pd_bf16_lo(old.x);
-                    r[1] += pd_bf16_hi(old.x);
-                    r[2] += pd_bf16_lo(old.y);
-                    r[3] += pd_bf16_hi(old.y);
-                } else {
+            if (o.mode == DL_ADD)
 #pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        if (j0 + e < ncols)
-                            r[e] += __bfloat162float(__ldcg(o.add_plain + (size_t)q * o.ld + col0 + e));
-                }
-            }
+                for (int e = 0; e < 4; e++)
+                    if (j0 + e < ncols) {
+                        float *w = o.own + (size_t)(col0 + e - s.c0) * NMAX + q;
+                        r[e] = __bfloat162float(__float2bfloat16_rn(r[e] + *w));
+                        *w = r[e];
+                    }
             if (o.ll)
                 ll_store(o.ll + ((size_t)q * s.m + col0) / 4, pd_pack_bf16(r[0], r[1]),
                          pd_pack_bf16(r[2], r[3]), o.flag);
@@ -669,7 +682,7 @@ template <int HD, int MAXG>
 static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const dl_unit &a,
                                    const int64_t (&off0)[DL_KEYS_PER_WARP], float *sm,
                                    const float2 *rope, uint32_t qflag, uint32_t aflag,
-                                   bool plain, int32_t layer, int32_t mst)
+                                   bool plain, int32_t mst)
 {
     constexpr int E = HD / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -774,9 +787,14 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
         for (int e = 0; e < E; e++) wacc[(warp * G + g) * HD + lane * E + e] = acc[g][e];
     }
     cons_sync();
+    /* The splits' partials go to split 0 as flagged 8-byte halves (value, flag) in p.part: no
+     * fence or counter (each block has at most one unit when there are splits: units =
+     * n x KV heads x splits <= grid). Split 0 keeps its own in shared memory (outputs in qs,
+     * the queries being read by now; (max, sum) in mine) and merges. */
+    __shared__ float mine[2 * DL_MAX_G];
     const int32_t head0 = h * G;
     const size_t n_items = (size_t)p.n * p.n_heads * p.splits;
-    float *ml = p.part + n_items * HD;
+    uint2 *po = reinterpret_cast<uint2 *>(p.part), *pml = po + n_items * HD;
     for (int32_t i = threadIdx.x; i < G * HD; i += DL_CW * 32) {
         const int32_t g = i / HD, d = i % HD;
         float M = -INFINITY;
@@ -789,65 +807,66 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
             Ls = fmaf(wml[2 * (w * G + g) + 1], f, Ls);
             O = fmaf(wacc[(w * G + g) * HD + d], f, O);
         }
-        if (used == 1) {
-            qs[i] = O / Ls; /* the queries are read by now */
+        if (used == 1 || sp == 0) {
+            qs[i] = used == 1 ? O / Ls : O;
+            if (d == 0) {
+                mine[2 * g] = M;
+                mine[2 * g + 1] = Ls;
+            }
         } else {
             const size_t item = ((size_t)s * p.n_heads + head0 + g) * p.splits + sp;
-            p.part[item * HD + d] = O;
+            ll_storef(po + item * HD + d, O, aflag);
             if (d == 0) {
-                ml[2 * item] = M;
-                ml[2 * item + 1] = Ls;
+                ll_storef(pml + 2 * item, M, aflag);
+                ll_storef(pml + 2 * item + 1, Ls, aflag);
             }
         }
     }
-    if (used == 1) {
-        cons_sync();
-        emit_attn<HD>(p, s, h, G, qs, aflag, plain);
-        cons_sync(); /* the scratch is the next unit's */
-        return;
-    }
-    __shared__ int is_last;
-    int32_t *cnt = p.count + (size_t)s * p.n_kv_heads + h;
     dl_mark(p, mst, 2);
-    __threadfence();
     cons_sync();
-    /* the counter grows by used a layer (reset at the launch's end: a reset here could land
-     * after the next layer's first split counts) */
-    if (threadIdx.x == 0) is_last = atomicAdd(cnt, 1) == used * (layer + 1) - 1;
-    cons_sync();
-    if (is_last) { /* on the critical path of every block: one round of loads, then one */
-        __threadfence();
+    if (used > 1 && sp == 0) { /* the merge: every split's (max, sum), then the outputs */
         float *fac = scr; /* [g][split] (max, sum): the warps' scratch is read by now */
         for (int32_t i = threadIdx.x; i < G * used; i += DL_CW * 32) {
-            const size_t item = ((size_t)s * p.n_heads + head0 + i / used) * p.splits + i % used;
-            fac[2 * i] = __ldcg(ml + 2 * item);
-            fac[2 * i + 1] = __ldcg(ml + 2 * item + 1);
+            const int32_t g = i / used, j = i % used;
+            const size_t item = ((size_t)s * p.n_heads + head0 + g) * p.splits + j;
+            if (j == 0) {
+                fac[2 * i] = mine[2 * g];
+                fac[2 * i + 1] = mine[2 * g + 1];
+            } else {
+                uint2 a = ll_issue(pml + 2 * item), b = ll_issue(pml + 2 * item + 1);
+                fac[2 * i] = ll_finish(pml + 2 * item, a, aflag);
+                fac[2 * i + 1] = ll_finish(pml + 2 * item + 1, b, aflag);
+            }
         }
         cons_sync();
         for (int32_t i = threadIdx.x; i < G * HD; i += DL_CW * 32) {
             const int32_t g = i / HD, d = i % HD;
             const size_t item0 = ((size_t)s * p.n_heads + head0 + g) * p.splits;
             const float *fg = fac + 2 * g * used;
-            float v[DL_MAX_SPLITS]; /* every partial of this element in flight at once */
-#pragma unroll
-            for (int32_t j = 0; j < DL_MAX_SPLITS; j++)
-                v[j] = j < used ? __ldcg(p.part + (item0 + j) * HD + d) : 0.0f;
             float M = -INFINITY;
             for (int32_t j = 0; j < used; j++) M = fmaxf(M, fg[2 * j]);
-            float Ls = 0.0f, O = 0.0f;
+            float Ls = fg[1] * exp2f(fg[0] - M), O = qs[i] * exp2f(fg[0] - M);
+            for (int32_t j0 = 1; j0 < used; j0 += 8) { /* 8 partials in flight at once */
+                uint2 v[8];
 #pragma unroll
-            for (int32_t j = 0; j < DL_MAX_SPLITS; j++) {
-                if (j >= used) break;
-                const float f = exp2f(fg[2 * j] - M);
-                Ls = fmaf(fg[2 * j + 1], f, Ls);
-                O = fmaf(v[j], f, O);
+                for (int32_t k = 0; k < 8; k++)
+                    if (j0 + k < used) v[k] = ll_issue(po + (item0 + j0 + k) * HD + d);
+#pragma unroll
+                for (int32_t k = 0; k < 8; k++) {
+                    if (j0 + k >= used) break;
+                    const float f = exp2f(fg[2 * (j0 + k)] - M);
+                    Ls = fmaf(fg[2 * (j0 + k) + 1], f, Ls);
+                    O = fmaf(ll_finish(po + (item0 + j0 + k) * HD + d, v[k], aflag), f, O);
+                }
             }
             qs[i] = O / Ls;
         }
+    }
+    if (used == 1 || sp == 0) {
         cons_sync();
         emit_attn<HD>(p, s, h, G, qs, aflag, plain);
     }
-    cons_sync();
+    cons_sync(); /* the scratch is the next unit's */
 }
 
 /* ---- the kernel ---- */
@@ -878,6 +897,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
     bf16 *xs = reinterpret_cast<bf16 *>(xsb);
     float *red = reinterpret_cast<float *>(xsb + p.x_bytes);
     float2 *rope = reinterpret_cast<float2 *>(xsb + p.x_bytes + DL_WRED_FLOATS * sizeof(float));
+    float *own = reinterpret_cast<float *>(rope + p.n * HD / 2);
     float *sm = reinterpret_cast<float *>(xsb);
     dl_ring_pos pos;
     /* this launch's flags: stage i of the step has flag base + i + 1 */
@@ -901,7 +921,14 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         u0 = unit_of(p, blockIdx.x);
         key_offsets<HD / 32>(p, u0, u0.kb + warp * DL_KEYS_PER_WARP, off0);
     }
-    cons_sync(); /* the rotations */
+    {   /* this block's columns of the residual stream (the same in S3 and S5) */
+        const dl_stage so = stage_of(p, 0, 1, HD);
+        for (int32_t i = threadIdx.x; i < (so.c1 - so.c0) * p.n; i += DL_CW * 32) {
+            const int32_t j = i / p.n, q = i % p.n;
+            own[j * NMAX + q] = __bfloat162float(__ldcg(p.resid + (size_t)q * p.hidden + so.c0 + j));
+        }
+    }
+    cons_sync(); /* the rotations, the residual columns */
     for (int32_t l = 0; l < p.n_layers; l++) {
         const dl_layer &L = p.layer[l];
         const bool last = l + 1 == p.n_layers;
@@ -916,7 +943,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
             prefetch_small(p, l, HD);
         norm_rows<NMAX>(p, L.attn_norm, l ? p.ll_r5 : NULL, f0 - 1, xs);
         dl_mark(p, m0, 1);
-        o = {DL_STORE, L.qkv_bias, p.ll_qkv, f0, last ? p.qkv : NULL, s.m, NULL, 0, NULL};
+        o = {DL_STORE, L.qkv_bias, p.ll_qkv, f0, last ? p.qkv : NULL, s.m, NULL};
         consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0);
         dl_mark(p, m0, 3);
         dl_mark(p, m0 + 1, 0);
@@ -930,7 +957,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
                 a = unit_of(p, u);
                 if (MAXG <= 4) key_offsets<HD / 32>(p, a, a.kb + warp * DL_KEYS_PER_WARP, off);
             }
-            attend_unit<HD, MAXG>(p, L, a, off, sm, rope, f0, f0 + 1, last, l, m0 + 1);
+            attend_unit<HD, MAXG>(p, L, a, off, sm, rope, f0, f0 + 1, last, m0 + 1);
         }
         dl_mark(p, m0 + 1, 3);
         /* S3 */
@@ -938,8 +965,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_mark(p, m0 + 2, 0);
         copy_rows(p.ll_attn, f0 + 1, p.n, s.k, xs);
         dl_mark(p, m0 + 2, 1);
-        o = {DL_ADD, L.o_bias, p.ll_r3, f0 + 2, NULL, p.hidden, l ? p.ll_r5 : NULL, f0 - 1,
-             p.resid};
+        o = {DL_ADD, L.o_bias, p.ll_r3, f0 + 2, NULL, p.hidden, own};
         consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 2);
         dl_mark(p, m0 + 2, 3);
         /* S4 */
@@ -947,7 +973,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_mark(p, m0 + 3, 0);
         norm_rows<NMAX>(p, L.mlp_norm, p.ll_r3, f0 + 2, xs);
         dl_mark(p, m0 + 3, 1);
-        o = {DL_SWIGLU, NULL, p.ll_act, f0 + 3, last ? p.act : NULL, p.inter, NULL, 0, NULL};
+        o = {DL_SWIGLU, NULL, p.ll_act, f0 + 3, last ? p.act : NULL, p.inter, NULL};
         consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 3);
         dl_mark(p, m0 + 3, 3);
         /* S5 */
@@ -955,8 +981,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_mark(p, m0 + 4, 0);
         copy_rows(p.ll_act, f0 + 3, p.n, p.inter, xs);
         dl_mark(p, m0 + 4, 1);
-        o = {DL_ADD, NULL, p.ll_r5, f0 + 4, last ? p.resid : NULL, p.hidden, p.ll_r3, f0 + 2,
-             NULL};
+        o = {DL_ADD, NULL, p.ll_r5, f0 + 4, last ? p.resid : NULL, p.hidden, own};
         consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 4);
         dl_mark(p, m0 + 4, 3);
     }
@@ -966,17 +991,16 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_mark(p, mh, 0);
         norm_rows<NMAX>(p, p.final_norm, p.ll_r5, base + mh, xs);
         dl_mark(p, mh, 1);
-        const dl_out o = {DL_STORE, NULL, NULL, 0, p.logits, p.vocab, NULL, 0, NULL};
+        const dl_out o = {DL_STORE, NULL, NULL, 0, p.logits, p.vocab, NULL};
         consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, mh);
         dl_mark(p, mh, 3);
     }
-    /* the last block out resets the counters and moves the epoch for the next launch (every
-     * block has read the epoch and counted its splits once it counts itself done) */
+    /* the last block out resets the counter and moves the epoch for the next launch (every
+     * block has read the epoch once it counts itself done) */
     cons_sync();
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(&p.bar[1], 1u) == gridDim.x - 1) {
-            for (int32_t i = 0; i < p.n * p.n_kv_heads; i++) p.count[i] = 0;
             p.bar[1] = 0;
             p.bar[2] = epoch;
             __threadfence();
@@ -1097,6 +1121,9 @@ static void ts_report(const unsigned long long *ts, int32_t n_stages, int grid)
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
+/* The NMAX a launch of n rows is instantiated with. */
+static int nmax_of(int32_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8; }
+
 template <int HD, int NMAX, int MAXG>
 static cudaError_t launch_t(const dl_params &p, int grid, size_t smem, cudaStream_t stream)
 {
@@ -1172,8 +1199,11 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     x_bytes = (x_bytes + 127) & ~(size_t)127;
     const size_t slot = DL_SLOT_BYTES; /* 8 rows of 1024 k */
     const int grid = c->sm_count;
-    /* the warps' sums, then the rotations */
-    const size_t red_bytes = DL_WRED_FLOATS * sizeof(float) + (size_t)a->n * hd / 2 * 8;
+    /* the warps' sums, the rotations, the block's residual columns (at most 8 ceil(hidden / 8
+     * / grid) of them, as stage_of splits) */
+    const size_t own_cols = 8 * (size_t)((a->hidden / 8 + c->sm_count - 1) / c->sm_count);
+    const size_t red_bytes = DL_WRED_FLOATS * sizeof(float) + (size_t)a->n * hd / 2 * 8 +
+                             own_cols * nmax_of(a->n) * sizeof(float);
     const size_t avail = (size_t)c->smem_optin - 2048; /* the static mbarriers and sums */
     if (x_bytes + red_bytes + DL_MIN_SLOTS * slot > avail) return PD_EUNSUPPORTED;
     size_t n_slots = (avail - x_bytes - red_bytes) / slot;
@@ -1182,8 +1212,8 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     int32_t splits = grid / (a->n * a->n_kv_heads);
     if (splits < 1) splits = 1;
     if (splits > DL_MAX_SPLITS) splits = DL_MAX_SPLITS;
-    if ((size_t)a->n * a->n_heads * splits * (hd + 2) > c->attn_part_floats ||
-        (size_t)a->n * a->n_kv_heads > c->attn_count_n)
+    /* the splits' partials as flagged halves: 8 bytes a float */
+    if ((size_t)a->n * a->n_heads * splits * (hd + 2) * 2 > c->attn_part_floats)
         return PD_EUNSUPPORTED;
 
     dl_params p;
@@ -1205,7 +1235,6 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
         p.ll_r5 = (uint4 *)(ll += q4 * a->hidden);
         p.ll_act = (uint4 *)(ll += q4 * a->hidden);
     }
-    p.count = c->attn_count;
     p.bar = c->grid_bar;
     p.positions = a->positions;
     p.slots = a->slot_mapping;
