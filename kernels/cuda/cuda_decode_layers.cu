@@ -146,11 +146,40 @@ static __device__ __forceinline__ float ll_finish(const uint2 *half, uint2 v, ui
     return __uint_as_float(v.x);
 }
 
-/* 8 bf16 (16 bytes) from two consecutive lines. */
-static __device__ __forceinline__ uint4 ll_load8(const uint4 *line, uint32_t flag)
+/* Flagged lines [0, lines) of src to dst (their 4 bf16, 8 bytes a line), spread over the
+ * consumer threads, 4 loads of a thread in flight before its first wait; with sumsq, the
+ * thread's sum of the squares of its values. */
+static __device__ __forceinline__ float ll_copy(const uint4 *src, uint32_t flag, int32_t lines,
+                                                uint2 *dst, bool sumsq)
 {
-    const uint2 lo = ll_load(line, flag), hi = ll_load(line + 1, flag);
-    return make_uint4(lo.x, lo.y, hi.x, hi.y);
+    constexpr int32_t T = DL_CW * 32;
+    float ss = 0.0f;
+    for (int32_t b = threadIdx.x; b < lines; b += 4 * T) {
+        uint4 v[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (b + k * T < lines)
+                asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
+                             : "l"(src + b + k * T)
+                             : "memory");
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (b + k * T >= lines) break;
+            if (v[k].y != flag || v[k].w != flag) {
+                const uint2 d = ll_load(src + b + k * T, flag);
+                v[k].x = d.x;
+                v[k].z = d.y;
+            }
+            dst[b + k * T] = make_uint2(v[k].x, v[k].z);
+            if (sumsq) {
+                const float a0 = pd_bf16_lo(v[k].x), a1 = pd_bf16_hi(v[k].x);
+                const float a2 = pd_bf16_lo(v[k].z), a3 = pd_bf16_hi(v[k].z);
+                ss += a0 * a0 + a1 * a1 + a2 * a2 + a3 * a3;
+            }
+        }
+    }
+    return ss;
 }
 
 /* Debug bit 16: stage st's (layer * 5 + stage) mark k of this block (0 start, 1 after the
@@ -459,12 +488,15 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, const uint4
     for (int q = 0; q < NMAX; q++) {
         if (q >= p.n) break;
         float ss = 0.0f;
-        for (int32_t i = threadIdx.x; i < hc; i += DL_CW * 32) {
-            const uint4 v = src_ll ? ll_load8(src_ll + 2 * ((size_t)q * hc + i), flag)
-                                   : __ldcg(r4 + (size_t)q * hc + i);
-            x4[(size_t)q * hc + i] = v;
-            ss += pd_sumsq8(v);
-        }
+        if (src_ll)
+            ss = ll_copy(src_ll + (size_t)q * 2 * hc, flag, 2 * hc,
+                         reinterpret_cast<uint2 *>(x4 + (size_t)q * hc), true);
+        else
+            for (int32_t i = threadIdx.x; i < hc; i += DL_CW * 32) {
+                const uint4 v = __ldcg(r4 + (size_t)q * hc + i);
+                x4[(size_t)q * hc + i] = v;
+                ss += pd_sumsq8(v);
+            }
         ss = pd_warp_sum(ss);
         if (lane == 0) red[q][warp] = ss;
     }
@@ -492,9 +524,7 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, const uint4
 static __device__ void copy_rows(const uint4 *src_ll, uint32_t flag, int32_t n, int32_t k,
                                  bf16 *xs)
 {
-    uint4 *d4 = reinterpret_cast<uint4 *>(xs);
-    const int32_t total = n * k / 8;
-    for (int32_t i = threadIdx.x; i < total; i += DL_CW * 32) d4[i] = ll_load8(src_ll + 2 * i, flag);
+    ll_copy(src_ll, flag, n * k / 4, reinterpret_cast<uint2 *>(xs), false);
     cons_sync();
 }
 
