@@ -5,36 +5,36 @@
  * is six launches a layer of 1 - 12 MB each, and each launch pays its start, the latency of its
  * first loads and its tail, which together took 4x the time of the bytes (docs/perf.md). Here
  * one block per SM runs the whole stack. Its products are spread over all blocks by output
- * rows; the stages that need another block's results are separated by grid barriers:
+ * rows; a stage that needs other blocks' results waits for exactly those (flagged lines,
+ * below), with no grid barrier:
  *
  *   S1  x = rmsnorm(resid) * attn_norm;  qkv = x . Wqkv^T (+ bias)
  *   S2  per (sequence, KV head, key split): q / k head norms and RoPE, the new k / v into the
- *       cache, attention over the split's keys; the last split of a head to finish merges
+ *       cache, attention over the split's keys; split 0 merges the others' partials
  *   S3  resid += attn . Wo^T (+ bias)
  *   S4  x = rmsnorm(resid) * mlp_norm;  act = silu(x . Wgate^T) * (x . Wup^T)
  *   S5  resid += act . Wdown^T
  *
  * The weights never depend on the activations, so a producer warp streams each block's share
  * of them, stage after stage and layer after layer, into a ring of shared-memory slots with
- * bulk asynchronous copies (cp.async.bulk, completion counted on an mbarrier per slot) without
- * ever waiting for a grid barrier: while the 8 consumer warps wait at one, or attend, the next
- * stages' weights keep arriving. A slot holds a 1024-k slice of 8 weight rows; the consumer
- * warps split its k between them on the tensor cores (the n rows of x, in shared memory, as
- * the A operand), then hand the slot back. Data written inside the kernel is read through L2
- * (ld.cg): L1 is not coherent.
+ * bulk asynchronous copies (cp.async.bulk, completion counted on an mbarrier per slot, under
+ * an evict-first L2 policy) without ever waiting for another block: while the 8 consumer
+ * warps wait for inputs, or attend, the next stages' weights keep arriving. A slot holds a
+ * 1024-k slice of 8 weight rows; the consumer warps split its k between them on the tensor
+ * cores (the n rows of x, in shared memory, as the A operand), then hand the slot back.
  *
- * On an H200 (docs/perf.md) a Qwen3-0.6B batch-1 step is 17% faster than the op-by-op graphs
- * after a 128-token prompt and 15% after a 1000-token one; the Llama-3-8B shape 8%.
- * Batches of 2 and 4 gain after short prompts but lose after long ones (the attention stage
- * has fewer splits a sequence), hence n = 1 by default (PDSERVE_CUDA_FUSED_DECODE=N: up to
- * N). What is left of a step is latency inside this kernel (ncu: it is 0.96 - 1.06 ms of a
- * 1.07 ms step): the attention stage's chain of dependent global round trips, the 140 grid
- * barriers and each stage's first loads. Each dependent round trip taken off every layer's
- * path shows: the norm weights loaded with the rows, the first keys' offsets computed once a
- * launch (+6% together, docs/perf.md).
+ * Stage outputs go from block to block as flagged lines (ll_store / ll_copy): no fence,
+ * counter or barrier, each reader polls the lines it needs. Grid barriers cost 1.6 - 2.5 us
+ * each on an H100 (their fence waited behind the weight stream's loads) and were 30% of a
+ * step; with the lines, the residual columns kept per block and the split merge on flagged
+ * partials, a Qwen3-0.6B batch-1 step went from 0.95 to 0.79 ms on an H100 (1.94x its
+ * weight-bytes floor) and 0.94 to 0.77 ms on an H200 (docs/perf.md, sixth pass). Batches of
+ * 2 and 4 gain too, but lost against the op-by-op graphs after long prompts when measured
+ * (the attention stage has fewer splits a sequence), hence n = 1 by default
+ * (PDSERVE_CUDA_FUSED_DECODE=N: up to N).
  *
- * The grid is cooperative (every block resident); the barrier is a counter in global memory that
- * each block's first thread adds to and polls, and that the last block out resets. */
+ * The grid is cooperative (every block resident, so that polling blocks never wait for one
+ * that is not running); the last block out resets the done counter and moves the epoch. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
