@@ -40,8 +40,8 @@ typedef struct {
     int32_t *attn_count;   /* zeroed counters of the decode kernel's inline combine, one per
                             * (sequence, KV head) */
     size_t attn_count_n;
-    unsigned *grid_bar;    /* decode_layers' counters: [0] unused, [1] blocks done (zero
-                            * between launches), [2] launches (the flags' epoch) */
+    unsigned *dl_counters; /* decode_layers' counters: [0] blocks done (zero between
+                            * launches), [1] launches (the flags' epoch) */
     void *dl_ll;           /* decode_layers' flagged exchange lines (zeroed at creation) */
     size_t dl_ll_bytes;
     size_t free_at_create; /* the device's free memory once the context existed (mem_info) */
@@ -346,6 +346,14 @@ static __device__ __forceinline__ uint64_t pd_policy_evict_first(void)
 {
     uint64_t pol;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+
+/* The default L2 policy, as a policy operand (A/B runs against evict-first). */
+static __device__ __forceinline__ uint64_t pd_policy_evict_normal(void)
+{
+    uint64_t pol;
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
     return pol;
 }
 

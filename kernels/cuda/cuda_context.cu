@@ -56,7 +56,7 @@ extern "C" void pd_cuda__ctx_destroy(void *ctx)
     if (c->staging) (void)cudaFreeHost(c->staging);
     if (c->attn_part) (void)cudaFree(c->attn_part);
     if (c->attn_count) (void)cudaFree(c->attn_count);
-    if (c->grid_bar) (void)cudaFree(c->grid_bar);
+    if (c->dl_counters) (void)cudaFree(c->dl_counters);
     if (c->dl_ll) (void)cudaFree(c->dl_ll);
     if (c->cublas_ws) (void)cudaFree(c->cublas_ws);
     if (c->stream) (void)cudaStreamDestroy(c->stream);
@@ -113,8 +113,8 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
     CTX_TRY(cudaMemset(c->attn_count, 0, ATTN_COUNT_N * sizeof(int32_t)) == cudaSuccess,
             PD_EBACKEND);
     c->attn_count_n = ATTN_COUNT_N;
-    CTX_TRY(cudaMalloc((void **)&c->grid_bar, 3 * sizeof(unsigned)) == cudaSuccess, PD_ENOMEM);
-    CTX_TRY(cudaMemset(c->grid_bar, 0, 3 * sizeof(unsigned)) == cudaSuccess, PD_EBACKEND);
+    CTX_TRY(cudaMalloc((void **)&c->dl_counters, 2 * sizeof(unsigned)) == cudaSuccess, PD_ENOMEM);
+    CTX_TRY(cudaMemset(c->dl_counters, 0, 2 * sizeof(unsigned)) == cudaSuccess, PD_EBACKEND);
     CTX_TRY(cudaMalloc(&c->dl_ll, DL_LL_BYTES) == cudaSuccess, PD_ENOMEM);
     CTX_TRY(cudaMemset(c->dl_ll, 0, DL_LL_BYTES) == cudaSuccess, PD_EBACKEND);
     c->dl_ll_bytes = DL_LL_BYTES;

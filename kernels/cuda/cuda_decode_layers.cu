@@ -71,7 +71,7 @@ struct dl_layer {
 struct dl_params {
     bf16 *resid, *qkv, *attn, *act;
     float *part;             /* split partials: outputs, then (max, sum) pairs */
-    unsigned *bar;           /* [1] blocks done (reset at exit), [2] launches (the epoch) */
+    unsigned *bar;           /* [0] blocks done (reset at exit), [1] launches (the epoch) */
     uint4 *ll_qkv, *ll_attn, *ll_r3, *ll_r5, *ll_act; /* flagged lines of the stage outputs */
     const int32_t *positions, *slots, *ctx_lens, *block_tables;
     const float *inv_freq;
@@ -82,8 +82,9 @@ struct dl_params {
     int32_t max_blocks_per_seq, block_size, sliding_window, splits;
     float eps, attn_factor, scale_log2;
     int32_t slot_bytes, n_slots, x_bytes; /* shared memory: ring, then x / attention scratch, */
-                                          /* the warps' sums (DL_WRED_FLOATS), then RoPE's
-                                           * [n][head_dim / 2] (cos, sin) pairs */
+                                          /* the warps' sums (DL_WRED_FLOATS), RoPE's
+                                           * [n][head_dim / 2] (cos, sin) pairs, then the
+                                           * block's residual columns */
     int32_t debug;                        /* PDSERVE_CUDA_DL_DEBUG bits (timing only) */
     unsigned long long *ts;               /* debug 16: [stage][block][8] marks and waits */
     dl_layer layer[DL_MAX_LAYERS];
@@ -111,17 +112,27 @@ static __device__ __forceinline__ void ll_store(uint4 *line, uint32_t d01, uint3
                  : "memory");
 }
 
-/* The 4 bf16 of a line (as two pairs), once both halves carry flag. */
+/* A line as it is now: (pair, flag, pair, flag). */
+static __device__ __forceinline__ uint4 ll_issue4(const uint4 *line)
+{
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(line)
+                 : "memory");
+    return v;
+}
+
+/* The 4 bf16 of a line (as two pairs) loaded as v, polled until both halves carry flag. */
+static __device__ __forceinline__ uint2 ll_finish4(const uint4 *line, uint4 v, uint32_t flag)
+{
+    while (v.y != flag || v.w != flag) v = ll_issue4(line);
+    return make_uint2(v.x, v.z);
+}
+
 static __device__ __forceinline__ uint2 ll_load(const uint4 *line, uint32_t flag)
 {
-    uint32_t a, f1, b, f2;
-    do {
-        asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(a), "=r"(f1), "=r"(b), "=r"(f2)
-                     : "l"(line)
-                     : "memory");
-    } while (f1 != flag || f2 != flag);
-    return make_uint2(a, b);
+    return ll_finish4(line, ll_issue4(line), flag);
 }
 
 /* A flagged 8-byte half (fp32 value, flag): stored at once; loaded in two steps, so that many
@@ -158,15 +169,11 @@ static __device__ __forceinline__ float ll_copy(const uint4 *src, uint32_t flag,
         uint4 v[4];
 #pragma unroll
         for (int k = 0; k < 4; k++)
-            if (b + k * T < lines)
-                asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
-                             : "l"(src + b + k * T)
-                             : "memory");
+            if (b + k * T < lines) v[k] = ll_issue4(src + b + k * T);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             if (b + k * T >= lines) break;
-            if (v[k].y != flag || v[k].w != flag) {
+            if (v[k].y != flag || v[k].w != flag) { /* not yet: poll (the common case is not) */
                 const uint2 d = ll_load(src + b + k * T, flag);
                 v[k].x = d.x;
                 v[k].z = d.y;
@@ -264,7 +271,8 @@ template <int HD>
 static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, uint64_t *empty)
 {
     dl_ring_pos pos;
-    const uint64_t pol = pd_policy_evict_first();
+    /* debug 32: the A/B without the evict-first policy */
+    const uint64_t pol = p.debug & 32 ? pd_policy_evict_normal() : pd_policy_evict_first();
     for (int32_t l = 0; l < p.n_layers; l++) {
         const int stages = l + 1 == p.n_layers && p.lm_head ? 5 : 4; /* the head after the last */
         for (int st = 0; st < stages; st++) {
@@ -281,14 +289,9 @@ static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, u
                     }
                     char *dst = ring + (size_t)pos.slot() * p.slot_bytes;
                     pd_mbar_expect_tx(&full[pos.slot()], 8 * len);
-                    for (int j = 0; j < 8; j++) {
-                        const bf16 *src = s.w + unit_row(s, c, j) * s.k + k0;
-                        if (p.debug & 32)
-                            pd_bulk_load(dst + (size_t)j * len, src, len, &full[pos.slot()]);
-                        else
-                            pd_bulk_load_hint(dst + (size_t)j * len, src, len, &full[pos.slot()],
-                                              pol);
-                    }
+                    for (int j = 0; j < 8; j++)
+                        pd_bulk_load_hint(dst + (size_t)j * len, s.w + unit_row(s, c, j) * s.k + k0,
+                                          len, &full[pos.slot()], pol);
                 }
             if (DL_TIMED(p)) {
                 const int32_t mst = st == 4 ? p.n_layers * 5 : l * 5 + (st ? st + 1 : 0);
@@ -301,15 +304,12 @@ static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, u
 
 /* ---- consumers: products ---- */
 
-/* The lines of v (bytes long) into L2, spread over the consumer threads from line base on. */
-static __device__ __forceinline__ void prefetch_lines(const void *v, int32_t bytes, int32_t &base)
+/* The 128-byte lines of v (bytes long) into L2, spread over the consumer threads. */
+static __device__ __forceinline__ void prefetch_lines(const void *v, int32_t bytes)
 {
     if (!v) return;
-    const int32_t lines = (bytes + 127) / 128;
-    for (int32_t i = ((int32_t)threadIdx.x - base % (DL_CW * 32) + DL_CW * 32) % (DL_CW * 32);
-         i < lines; i += DL_CW * 32)
+    for (int32_t i = threadIdx.x; i < (bytes + 127) / 128; i += DL_CW * 32)
         pd_prefetch_l2(static_cast<const char *>(v) + (size_t)i * 128);
-    base += lines;
 }
 
 /* The small vectors a layer's stages read after its first (the head norms, the output bias,
@@ -320,17 +320,16 @@ static __device__ void prefetch_small(const dl_params &p, int32_t l, int32_t hd)
 {
     const dl_layer &L = p.layer[l];
     const int32_t h2 = p.hidden * 2;
-    int32_t base = 0;
-    prefetch_lines(L.q_norm, hd * 2, base);
-    prefetch_lines(L.k_norm, hd * 2, base);
-    prefetch_lines(L.o_bias, h2, base);
-    prefetch_lines(L.mlp_norm, h2, base);
+    prefetch_lines(L.q_norm, hd * 2);
+    prefetch_lines(L.k_norm, hd * 2);
+    prefetch_lines(L.o_bias, h2);
+    prefetch_lines(L.mlp_norm, h2);
     if (l + 1 < p.n_layers) {
         const dl_layer &N = p.layer[l + 1];
-        prefetch_lines(N.attn_norm, h2, base);
-        prefetch_lines(N.qkv_bias, (p.n_heads + 2 * p.n_kv_heads) * hd * 2, base);
+        prefetch_lines(N.attn_norm, h2);
+        prefetch_lines(N.qkv_bias, (p.n_heads + 2 * p.n_kv_heads) * hd * 2);
     } else {
-        prefetch_lines(p.final_norm, h2, base);
+        prefetch_lines(p.final_norm, h2);
     }
 }
 
@@ -702,7 +701,7 @@ static __device__ __forceinline__ void kv_load(const dl_layer &L,
 }
 
 /* One unit: attention of its G query heads over the split's keys; the result, or a partial
- * merged by the last split to finish. Up to 4 query heads a KV head, off0 holds key_offsets of
+ * merged by split 0. Up to 4 query heads a KV head, off0 holds key_offsets of
  * this warp's first batch (the same every layer: the kernel computes the first unit's once,
  * so its K / V loads depend on no other load), issued before the q / k / v preparation, whose
  * loads they overlap; with 8 the registers would spill, and the offsets are computed after
@@ -931,7 +930,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
     float *sm = reinterpret_cast<float *>(xsb);
     dl_ring_pos pos;
     /* this launch's flags: stage i of the step has flag base + i + 1 */
-    const uint32_t epoch = __ldcv(p.bar + 2) + 1, base = epoch << 10;
+    const uint32_t epoch = __ldcv(p.bar + 1) + 1, base = epoch << 10;
     /* the rotation of each sequence's position, for every layer: cos and sin taken in double
      * and rounded once, as rope_store_kv does (each block its own, in shared memory) */
     for (int32_t i = threadIdx.x; i < p.n * HD / 2; i += DL_CW * 32) {
@@ -1030,9 +1029,9 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
     cons_sync();
     if (threadIdx.x == 0) {
         __threadfence();
-        if (atomicAdd(&p.bar[1], 1u) == gridDim.x - 1) {
-            p.bar[1] = 0;
-            p.bar[2] = epoch;
+        if (atomicAdd(&p.bar[0], 1u) == gridDim.x - 1) {
+            p.bar[0] = 0;
+            p.bar[1] = epoch;
             __threadfence();
         }
     }
@@ -1076,9 +1075,9 @@ static int debug_bits(void)
 
 /* Debug bit 16 (eager steps only: it synchronizes): per stage of the kernel, averaged over
  * layers and launches, where its time goes; printed to stderr every 64 launches. Per stage:
- * span (first block's start to the last block's arrival at the barrier), the mean block's
- * prologue / body / epilogue, the slowest block's start-to-arrival, and the barrier (last
- * arrival to first start of the next stage). */
+ * span (first block's start to the last block's end), the mean block's prologue (its
+ * inputs' wait included) / body / epilogue, the slowest block's start to end, and the gap
+ * from the last end to the next stage's first start (stages overlap: mostly 0). */
 static unsigned long long *ts_dev;
 static size_t ts_cap;
 
@@ -1135,7 +1134,7 @@ static void ts_report(const unsigned long long *ts, int32_t n_stages, int grid)
     if (++launches % 64) return;
     static const char *name[6] = {"S1 qkv", "S2 attn", "S3 o", "S4 gate/up", "S5 down", "head"};
     fprintf(stderr, "decode_layers stages (us, mean of %ld launches; per stage: span, block "
-                    "prologue / body / epilogue, slowest block, barrier; waits for full slots, "
+                    "prologue / body / epilogue, slowest block, gap; waits for full slots, "
                     "producer's waits for empty ones, its last issue after the stage start)\n",
             launches);
     for (int k = 0; k < 6; k++) {
@@ -1232,11 +1231,11 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     /* the warps' sums, the rotations, the block's residual columns (at most 8 ceil(hidden / 8
      * / grid) of them, as stage_of splits) */
     const size_t own_cols = 8 * (size_t)((a->hidden / 8 + c->sm_count - 1) / c->sm_count);
-    const size_t red_bytes = DL_WRED_FLOATS * sizeof(float) + (size_t)a->n * hd / 2 * 8 +
-                             own_cols * nmax_of(a->n) * sizeof(float);
+    const size_t tail_bytes = DL_WRED_FLOATS * sizeof(float) + (size_t)a->n * hd / 2 * 8 +
+                              own_cols * nmax_of(a->n) * sizeof(float);
     const size_t avail = (size_t)c->smem_optin - 2048; /* the static mbarriers and sums */
-    if (x_bytes + red_bytes + DL_MIN_SLOTS * slot > avail) return PD_EUNSUPPORTED;
-    size_t n_slots = (avail - x_bytes - red_bytes) / slot;
+    if (x_bytes + tail_bytes + DL_MIN_SLOTS * slot > avail) return PD_EUNSUPPORTED;
+    size_t n_slots = (avail - x_bytes - tail_bytes) / slot;
     if (n_slots > 64) n_slots = 64;
 
     int32_t splits = grid / (a->n * a->n_kv_heads);
@@ -1265,7 +1264,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
         p.ll_r5 = (uint4 *)(ll += q4 * a->hidden);
         p.ll_act = (uint4 *)(ll += q4 * a->hidden);
     }
-    p.bar = c->grid_bar;
+    p.bar = c->dl_counters;
     p.positions = a->positions;
     p.slots = a->slot_mapping;
     p.ctx_lens = a->ctx_lens;
@@ -1308,12 +1307,13 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
         d.k_cache = (bf16 *)L->k_cache;
         d.v_cache = (bf16 *)L->v_cache;
     }
-    const size_t smem = n_slots * slot + x_bytes + red_bytes;
+    const size_t smem = n_slots * slot + x_bytes + tail_bytes;
     const int32_t n_stages = a->n_layers * 5 + (a->lm_head ? 1 : 0);
+    const size_t ts_need = (size_t)n_stages * grid * 8; /* timing words */
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
     if (DL_TIMED(p) && cudaStreamIsCapturing(c->stream, &cap) == cudaSuccess &&
         cap == cudaStreamCaptureStatusNone) {
-        const size_t need = (size_t)n_stages * grid * 8;
+        const size_t need = ts_need;
         if (need > ts_cap) {
             if (ts_dev) cudaFree(ts_dev);
             ts_dev = NULL;
@@ -1329,7 +1329,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     PD_CUDA_CHECK(hd == 64 ? launch_hd<64>(p, grid, smem, c->stream)
                            : launch_hd<128>(p, grid, smem, c->stream));
     if (DL_TIMED(p)) {
-        const size_t need = (size_t)n_stages * grid * 8;
+        const size_t need = ts_need;
         unsigned long long *h = (unsigned long long *)malloc(need * sizeof *h);
         if (!h) return PD_ENOMEM;
         const cudaError_t e = cudaMemcpyAsync(h, ts_dev, need * sizeof *h,
