@@ -879,7 +879,7 @@ static void test_decode_kernels(void)
  * against the CPU running the ops it stands for, layer after layer: the residual stream after
  * three layers, the last layer's scratch outputs, the logits of the fused head (final norm
  * and lm_head), and the K / V each layer stored, for batches of
- * 1, 3 and 8 sequences over a shuffled paged cache (a padding row of context 0 among them),
+ * 1, 2, 3 and 8 sequences over a shuffled paged cache (a padding row of context 0 among them),
  * with and without Qwen3's head norms, biases, a sliding window; GQA 2, 3 and 8. */
 typedef struct {
     int32_t hidden, inter, heads, kv_heads, hd, window;
@@ -1070,9 +1070,10 @@ static void test_decode_layers(void)
         {768, 2048, 12, 4, 64, 40, false, true},  /* GQA 3, biases, a window */
         {512, 1536, 16, 2, 64, 0, true, true},    /* GQA 8 */
     };
-    const int32_t c1[1] = {300}, c3[3] = {1, 17, 700}, c8[8] = {5, 0, 64, 33, 1000, 16, 2, 129};
+    const int32_t c1[1] = {300}, c2[2] = {129, 31}, c3[3] = {1, 17, 700}, c8[8] = {5, 0, 64, 33, 1000, 16, 2, 129};
     for (int s = 0; s < 3; s++) {
         run_decode_layers(&shapes[s], 1, c1);
+        run_decode_layers(&shapes[s], 2, c2);
         run_decode_layers(&shapes[s], 3, c3);
         run_decode_layers(&shapes[s], 8, c8);
     }
