@@ -232,25 +232,45 @@ struct dl_stage {
     int32_t kslice;     /* k per slot: the 8 rows' slices fill one (a multiple of 256) */
 };
 
-/* Stage st (0 QKV, 1 O, 2 gate / up, 3 down, 4 lm_head) of layer l, and this block's
- * columns of it. */
+/* Output columns of stage st (0 QKV, 1 O, 2 gate / up, 3 down, 4 lm_head). */
+static __device__ __forceinline__ int32_t stage_m(const dl_params &p, int st, int32_t hd)
+{
+    return st == 0 ? (p.n_heads + 2 * p.n_kv_heads) * hd
+           : st == 2 ? p.inter
+           : st == 4 ? p.vocab
+                     : p.hidden;
+}
+
+/* This block's columns of stage st, in 8s (whole flagged lines of 4), the last block to the
+ * end: made once a launch into shared memory (two 64-bit divisions each, which stage_of
+ * otherwise paid at every stage's start, on its critical path). */
+static __device__ __forceinline__ int2 stage_cols(const dl_params &p, int st, int32_t hd)
+{
+    const int32_t m = stage_m(p, st, hd);
+    const int32_t c0 = 8 * (int32_t)((int64_t)(m / 8) * blockIdx.x / gridDim.x);
+    const int32_t c1 = blockIdx.x + 1 == gridDim.x
+                           ? m
+                           : 8 * (int32_t)((int64_t)(m / 8) * (blockIdx.x + 1) / gridDim.x);
+    return make_int2(c0, c1);
+}
+
+/* Stage st of layer l (the head: l any), with this block's columns from cols (stage_cols). */
 static __device__ __forceinline__ dl_stage stage_of(const dl_params &p, int32_t l, int st,
-                                                    int32_t hd)
+                                                    int32_t hd, const int2 *cols)
 {
     const dl_layer &L = p.layer[l];
     dl_stage s;
     s.swiglu = st == 2;
     switch (st) {
-    case 0: s.w = L.qkv; s.k = p.hidden; s.m = (p.n_heads + 2 * p.n_kv_heads) * hd; break;
-    case 1: s.w = L.o; s.k = p.n_heads * hd; s.m = p.hidden; break;
-    case 2: s.w = L.gate_up; s.k = p.hidden; s.m = p.inter; break;
-    case 3: s.w = L.down; s.k = p.inter; s.m = p.hidden; break;
-    default: s.w = p.lm_head; s.k = p.hidden; s.m = p.vocab; break; /* the head (l: any) */
+    case 0: s.w = L.qkv; s.k = p.hidden; break;
+    case 1: s.w = L.o; s.k = p.n_heads * hd; break;
+    case 2: s.w = L.gate_up; s.k = p.hidden; break;
+    case 3: s.w = L.down; s.k = p.inter; break;
+    default: s.w = p.lm_head; s.k = p.hidden; break;
     }
-    /* columns in 8s (whole flagged lines of 4), the last block to the end */
-    s.c0 = 8 * (int32_t)((int64_t)(s.m / 8) * blockIdx.x / gridDim.x);
-    s.c1 = blockIdx.x + 1 == gridDim.x ? s.m
-                                       : 8 * (int32_t)((int64_t)(s.m / 8) * (blockIdx.x + 1) / gridDim.x);
+    s.m = stage_m(p, st, hd);
+    s.c0 = cols[st].x;
+    s.c1 = cols[st].y;
     s.cpg = s.swiglu ? 4 : 8;
     s.kslice = min(s.k, (p.slot_bytes / (8 * 2)) / 256 * 256);
     return s;
@@ -268,7 +288,8 @@ static __device__ __forceinline__ int64_t unit_row(const dl_stage &s, int32_t c,
 /* ---- producer ---- */
 
 template <int HD>
-static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, uint64_t *empty)
+static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, uint64_t *empty,
+                               const int2 *cols)
 {
     dl_ring_pos pos;
     /* debug 32: the A/B without the evict-first policy */
@@ -276,7 +297,7 @@ static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, u
     for (int32_t l = 0; l < p.n_layers; l++) {
         const int stages = l + 1 == p.n_layers && p.lm_head ? 5 : 4; /* the head after the last */
         for (int st = 0; st < stages; st++) {
-            const dl_stage s = stage_of(p, l, st, HD);
+            const dl_stage s = stage_of(p, l, st, HD, cols);
             unsigned long long waited = 0, t_last = 0;
             for (int32_t c = s.c0; c < s.c1; c += s.cpg)
                 for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, pos.next(p.n_slots)) {
@@ -424,7 +445,8 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
         cons_sync();
         /* a thread a (row, 4 columns): one flagged line (chunks start at multiples of 8) */
         for (int32_t i = threadIdx.x; i < (ncols + 3) / 4 * n; i += DL_CW * 32) {
-            const int32_t j0 = i / n * 4, q = i % n, col0 = cb + j0;
+            const int32_t j0 = NMAX == 1 ? 4 * i : i / n * 4, q = NMAX == 1 ? 0 : i % n;
+            const int32_t col0 = cb + j0;
             float r[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) {
@@ -907,7 +929,9 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) char smem[];
     __shared__ __align__(8) uint64_t bars[2 * 64];
+    __shared__ int2 cols[5]; /* stage_cols of the 5 stage kinds */
     uint64_t *full = bars, *empty = bars + 64;
+    if (threadIdx.x < 5) cols[threadIdx.x] = stage_cols(p, threadIdx.x, HD);
     char *ring = smem;
     char *xsb = smem + (size_t)p.n_slots * p.slot_bytes;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -920,7 +944,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
     }
     __syncthreads();
     if (warp == DL_CW) { /* the producer */
-        if (lane == 0 && !(p.debug & 8)) produce<HD>(p, ring, full, empty);
+        if (lane == 0 && !(p.debug & 8)) produce<HD>(p, ring, full, empty, cols);
         return;
     }
     bf16 *xs = reinterpret_cast<bf16 *>(xsb);
@@ -951,7 +975,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         key_offsets<HD / 32>(p, u0, u0.kb + warp * DL_KEYS_PER_WARP, off0);
     }
     {   /* this block's columns of the residual stream (the same in S3 and S5) */
-        const dl_stage so = stage_of(p, 0, 1, HD);
+        const dl_stage so = stage_of(p, 0, 1, HD, cols);
         for (int32_t i = threadIdx.x; i < (so.c1 - so.c0) * p.n; i += DL_CW * 32) {
             const int32_t j = i / p.n, q = i % p.n;
             own[j * NMAX + q] = __bfloat162float(__ldcg(p.resid + (size_t)q * p.hidden + so.c0 + j));
@@ -966,7 +990,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_stage s;
         dl_out o = {};
         /* S1 */
-        s = stage_of(p, l, 0, HD);
+        s = stage_of(p, l, 0, HD, cols);
         dl_mark(p, m0, 0);
         if ((int32_t)blockIdx.x == l % (int32_t)gridDim.x && !(p.debug & 128))
             prefetch_small(p, l, HD);
@@ -990,7 +1014,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         }
         dl_mark(p, m0 + 1, 3);
         /* S3 */
-        s = stage_of(p, l, 1, HD);
+        s = stage_of(p, l, 1, HD, cols);
         dl_mark(p, m0 + 2, 0);
         copy_rows(p.ll_attn, f0 + 1, p.n, s.k, xs);
         dl_mark(p, m0 + 2, 1);
@@ -998,7 +1022,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 2);
         dl_mark(p, m0 + 2, 3);
         /* S4 */
-        s = stage_of(p, l, 2, HD);
+        s = stage_of(p, l, 2, HD, cols);
         dl_mark(p, m0 + 3, 0);
         norm_rows<NMAX>(p, L.mlp_norm, p.ll_r3, f0 + 2, xs);
         dl_mark(p, m0 + 3, 1);
@@ -1006,7 +1030,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 3);
         dl_mark(p, m0 + 3, 3);
         /* S5 */
-        s = stage_of(p, l, 3, HD);
+        s = stage_of(p, l, 3, HD, cols);
         dl_mark(p, m0 + 4, 0);
         copy_rows(p.ll_act, f0 + 3, p.n, p.inter, xs);
         dl_mark(p, m0 + 4, 1);
@@ -1015,7 +1039,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_mark(p, m0 + 4, 3);
     }
     if (p.lm_head) { /* S6: logits = rmsnorm(resid) * final_norm . lm_head^T */
-        const dl_stage s = stage_of(p, p.n_layers - 1, 4, HD);
+        const dl_stage s = stage_of(p, p.n_layers - 1, 4, HD, cols);
         const int32_t mh = p.n_layers * 5;
         dl_mark(p, mh, 0);
         norm_rows<NMAX>(p, p.final_norm, p.ll_r5, base + mh, xs);
