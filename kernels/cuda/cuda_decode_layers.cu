@@ -627,18 +627,12 @@ static __device__ void prep_heads(const dl_params &p, const dl_layer &L, int32_t
     cons_sync();
 }
 
+/* Element e of a lane's E keys' or values' elements, kept as bf16 pairs (E / 2 words: half the
+ * registers of floats, and no conversion between a load and its use). */
 template <int E>
-static __device__ __forceinline__ void load_e(const bf16 *p, float (&v)[E])
+static __device__ __forceinline__ float kv_at(const uint32_t (&w)[E / 2], int e)
 {
-    if (E == 4) {
-        const uint2 u = *reinterpret_cast<const uint2 *>(p);
-        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.x));
-        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.y));
-        v[0] = a.x; v[1] = a.y; v[E > 2 ? 2 : 0] = b.x; v[E > 3 ? 3 : 0] = b.y;
-    } else {
-        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(p));
-        v[0] = a.x; v[E > 1 ? 1 : 0] = a.y;
-    }
+    return e & 1 ? pd_bf16_hi(w[e >> 1]) : pd_bf16_lo(w[e >> 1]);
 }
 
 /* The attention output of unit (s, h), G * HD values in res (NULL: zeros), as flagged lines;
@@ -704,21 +698,30 @@ static __device__ __forceinline__ void key_offsets(const dl_params &p, const dl_
     }
 }
 
-/* The keys and values at those offsets, into registers (zeros at -1). */
+/* The keys and values at those offsets, into registers as bf16 pairs (zeros at -1). */
 template <int E>
 static __device__ __forceinline__ void kv_load(const dl_layer &L,
                                                const int64_t (&off)[DL_KEYS_PER_WARP],
-                                               float (&kv)[DL_KEYS_PER_WARP][2][E])
+                                               uint32_t (&kv)[DL_KEYS_PER_WARP][2][E / 2])
 {
 #pragma unroll
     for (int i = 0; i < DL_KEYS_PER_WARP; i++) {
         if (off[i] < 0) {
 #pragma unroll
-            for (int e = 0; e < E; e++) kv[i][0][e] = kv[i][1][e] = 0.0f;
+            for (int w = 0; w < E / 2; w++) kv[i][0][w] = kv[i][1][w] = 0u;
             continue;
         }
-        load_e<E>(L.k_cache + off[i], kv[i][0]);
-        load_e<E>(L.v_cache + off[i], kv[i][1]);
+        if constexpr (E == 4) {
+            const uint2 k = *reinterpret_cast<const uint2 *>(L.k_cache + off[i]);
+            const uint2 v = *reinterpret_cast<const uint2 *>(L.v_cache + off[i]);
+            kv[i][0][0] = k.x;
+            kv[i][0][E / 2 - 1] = k.y;
+            kv[i][1][0] = v.x;
+            kv[i][1][E / 2 - 1] = v.y;
+        } else {
+            kv[i][0][0] = *reinterpret_cast<const uint32_t *>(L.k_cache + off[i]);
+            kv[i][1][0] = *reinterpret_cast<const uint32_t *>(L.v_cache + off[i]);
+        }
     }
 }
 
@@ -746,7 +749,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     if (sp >= used) return;
     const int32_t kb = a.kb, ke = a.ke;
     float *qs = sm, *kn = qs + DL_MAX_G * HD, *vn = kn + HD, *scr = vn + HD;
-    float kv0[DL_KEYS_PER_WARP][2][E];
+    uint32_t kv0[DL_KEYS_PER_WARP][2][E / 2];
     if constexpr (MAXG <= 4) kv_load<E>(L, off0, kv0);
     prep_heads<HD>(p, L, s, h, G, sp == 0, qflag, rope, qs, kn, vn, scr);
     dl_mark(p, mst, 1);
@@ -760,14 +763,14 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
         for (int e = 0; e < E; e++) acc[g][e] = 0.0f;
     }
     /* one batch of keys j0.. in kv: the new token's from shared memory, then online softmax */
-    auto batch = [&](int32_t j0, float (&kv)[DL_KEYS_PER_WARP][2][E]) {
+    auto batch = [&](int32_t j0, uint32_t (&kv)[DL_KEYS_PER_WARP][2][E / 2]) {
 #pragma unroll
         for (int i = 0; i < DL_KEYS_PER_WARP; i++)
-            if (j0 + i == ctx - 1)
+            if (j0 + i == ctx - 1) /* bf16 values: packing them back is exact */
 #pragma unroll
-                for (int e = 0; e < E; e++) {
-                    kv[i][0][e] = kn[lane * E + e];
-                    kv[i][1][e] = vn[lane * E + e];
+                for (int w = 0; w < E / 2; w++) {
+                    kv[i][0][w] = pd_pack_bf16(kn[lane * E + 2 * w], kn[lane * E + 2 * w + 1]);
+                    kv[i][1][w] = pd_pack_bf16(vn[lane * E + 2 * w], vn[lane * E + 2 * w + 1]);
                 }
         /* every score of the batch first (independent shuffle chains), then one rescale */
         float sc[DL_KEYS_PER_WARP][MAXG];
@@ -778,7 +781,8 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
                 if (g >= G) break;
                 float v = 0.0f;
 #pragma unroll
-                for (int e = 0; e < E; e++) v = fmaf(qs[g * HD + lane * E + e], kv[i][0][e], v);
+                for (int e = 0; e < E; e++)
+                    v = fmaf(qs[g * HD + lane * E + e], kv_at<E>(kv[i][0], e), v);
                 sc[i][g] = v;
             }
 #pragma unroll
@@ -804,7 +808,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
                 const float pr = exp2f(sc[i][g] - mn); /* 0 for a key past ke */
                 ls += pr;
 #pragma unroll
-                for (int e = 0; e < E; e++) acc[g][e] = fmaf(pr, kv[i][1][e], acc[g][e]);
+                for (int e = 0; e < E; e++) acc[g][e] = fmaf(pr, kv_at<E>(kv[i][1], e), acc[g][e]);
             }
             l[g] = ls;
         }
@@ -819,7 +823,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
         batch(j0, kv0);
     }
     for (j0 += DL_CW * DL_KEYS_PER_WARP; j0 < ke; j0 += DL_CW * DL_KEYS_PER_WARP) {
-        float kv[DL_KEYS_PER_WARP][2][E];
+        uint32_t kv[DL_KEYS_PER_WARP][2][E / 2];
         int64_t off[DL_KEYS_PER_WARP];
         key_offsets<E>(p, a, j0, off);
         kv_load<E>(L, off, kv);
