@@ -1070,7 +1070,8 @@ static void test_decode_layers(void)
         {768, 2048, 12, 4, 64, 40, false, true},  /* GQA 3, biases, a window */
         {512, 1536, 16, 2, 64, 0, true, true},    /* GQA 8 */
     };
-    const int32_t c1[1] = {300}, c2[2] = {129, 31}, c3[3] = {1, 17, 700}, c8[8] = {5, 0, 64, 33, 1000, 16, 2, 129};
+    const int32_t c1[1] = {300}, c2[2] = {129, 31}, c3[3] = {1, 17, 700};
+    const int32_t c8[8] = {5, 0, 64, 33, 1000, 16, 2, 129};
     for (int s = 0; s < 3; s++) {
         run_decode_layers(&shapes[s], 1, c1);
         run_decode_layers(&shapes[s], 2, c2);
