@@ -52,10 +52,18 @@
 #define DL_MAX_N 8         /* sequences a launch takes */
 #define DL_MAX_G 8         /* query heads per KV head */
 #define DL_CW 8            /* consumer warps */
-#define DL_THREADS ((DL_CW + 1) * 32) /* plus the producer warp */
+#define DL_THREADS ((DL_CW + 4) * 32) /* plus the producer's warpgroup */
+/* Registers a thread after the split (setmaxnreg): 12 warps start with 168 (the most for 3
+ * warps on one SM sub-partition); the producer's warpgroup gives back all but DL_PROD_REGS and
+ * the consumers take them (2 x 232 + 40 per lane of a sub-partition's 64 KiB). */
+#define DL_PROD_REGS 40
+#define DL_CONS_REGS 232
 #define DL_SLOT_BYTES (16 << 10) /* ring slot: 8 weight rows' slices of k */
 #define DL_MIN_SLOTS 4
 #define DL_KEYS_PER_WARP 4 /* keys a warp loads at once in S2 */
+#define DL_PF_ROUNDS 4     /* a unit's rounds of keys (DL_CW x DL_KEYS_PER_WARP each) whose
+                            * offsets are made once a launch and whose K / V load before the
+                            * q / k / v preparation (up to 4 query heads a KV head) */
 #define DL_MIN_CHUNK 16    /* keys of a split, at least: more splits of one key batch each (against
                             * 32: +7% at batch 1 after short prompts; 8: as 16) */
 #define DL_MAX_SPLITS 32
@@ -727,14 +735,15 @@ static __device__ __forceinline__ void kv_load(const dl_layer &L,
 
 /* One unit: attention of its G query heads over the split's keys; the result, or a partial
  * merged by split 0. Up to 4 query heads a KV head, off0 holds key_offsets of
- * this warp's first batch (the same every layer: the kernel computes the first unit's once,
- * so its K / V loads depend on no other load), issued before the q / k / v preparation, whose
- * loads they overlap; with 8 the registers would spill, and the offsets are computed after
- * the preparation (off0 unused). sm is scratch of
+ * this warp's first DL_PF_ROUNDS batches (the same every layer: the kernel computes the first
+ * unit's once, so its K / V loads depend on no other load), all issued before the q / k / v
+ * preparation, whose loads they overlap; with 8 the registers would spill, and the offsets
+ * are computed after the preparation (off0 unused). sm is scratch of
  * DL_CW * G * (HD + 2) floats after the q / k / v vectors. */
 template <int HD, int MAXG>
 static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const dl_unit &a,
-                                   const int64_t (&off0)[DL_KEYS_PER_WARP], float *sm,
+                                   const int64_t (&off0)[DL_PF_ROUNDS][DL_KEYS_PER_WARP],
+                                   float *sm,
                                    const float2 *rope, uint32_t qflag, uint32_t aflag,
                                    bool plain, int32_t mst)
 {
@@ -749,8 +758,11 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     if (sp >= used) return;
     const int32_t kb = a.kb, ke = a.ke;
     float *qs = sm, *kn = qs + DL_MAX_G * HD, *vn = kn + HD, *scr = vn + HD;
-    uint32_t kv0[DL_KEYS_PER_WARP][2][E / 2];
-    if constexpr (MAXG <= 4) kv_load<E>(L, off0, kv0);
+    constexpr int PF = MAXG <= 4 ? DL_PF_ROUNDS : 1; /* batches loaded ahead */
+    uint32_t kv0[PF][DL_KEYS_PER_WARP][2][E / 2];
+    if constexpr (MAXG <= 4)
+#pragma unroll
+        for (int r = 0; r < PF; r++) kv_load<E>(L, off0[r], kv0[r]);
     prep_heads<HD>(p, L, s, h, G, sp == 0, qflag, rope, qs, kn, vn, scr);
     dl_mark(p, mst, 1);
 
@@ -813,16 +825,20 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
             l[g] = ls;
         }
     };
-    int32_t j0 = kb + warp * DL_KEYS_PER_WARP;
-    if (j0 < ke) {
+    const int32_t j0w = kb + warp * DL_KEYS_PER_WARP;
+#pragma unroll
+    for (int r = 0; r < PF; r++) {
+        const int32_t jr = j0w + r * DL_CW * DL_KEYS_PER_WARP;
+        if (jr >= ke) break;
         if constexpr (MAXG > 4) { /* off0 unused: the offsets here, after the preparation */
             int64_t off[DL_KEYS_PER_WARP];
-            key_offsets<E>(p, a, j0, off);
-            kv_load<E>(L, off, kv0);
+            key_offsets<E>(p, a, jr, off);
+            kv_load<E>(L, off, kv0[r]);
         }
-        batch(j0, kv0);
+        batch(jr, kv0[r]);
     }
-    for (j0 += DL_CW * DL_KEYS_PER_WARP; j0 < ke; j0 += DL_CW * DL_KEYS_PER_WARP) {
+    for (int32_t j0 = j0w + PF * DL_CW * DL_KEYS_PER_WARP; j0 < ke;
+         j0 += DL_CW * DL_KEYS_PER_WARP) {
         uint32_t kv[DL_KEYS_PER_WARP][2][E / 2];
         int64_t off[DL_KEYS_PER_WARP];
         key_offsets<E>(p, a, j0, off);
@@ -947,10 +963,12 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    if (warp == DL_CW) { /* the producer */
-        if (lane == 0 && !(p.debug & 8)) produce<HD>(p, ring, full, empty, cols);
+    if (warp >= DL_CW) { /* the producer: one thread of the last warpgroup */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(DL_PROD_REGS));
+        if (warp == DL_CW && lane == 0 && !(p.debug & 8)) produce<HD>(p, ring, full, empty, cols);
         return;
     }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(DL_CONS_REGS));
     bf16 *xs = reinterpret_cast<bf16 *>(xsb);
     float *red = reinterpret_cast<float *>(xsb + p.x_bytes);
     float2 *rope = reinterpret_cast<float2 *>(xsb + p.x_bytes + DL_WRED_FLOATS * sizeof(float));
@@ -971,12 +989,16 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
     /* this block's first S2 unit and its warp's first keys: the same in every layer (kept in
      * registers up to 4 query heads a KV head; with 8 they would spill) */
     dl_unit u0 = {};
-    int64_t off0[DL_KEYS_PER_WARP];
+    int64_t off0[DL_PF_ROUNDS][DL_KEYS_PER_WARP];
 #pragma unroll
-    for (int i = 0; i < DL_KEYS_PER_WARP; i++) off0[i] = -1;
+    for (int r = 0; r < DL_PF_ROUNDS; r++)
+#pragma unroll
+        for (int i = 0; i < DL_KEYS_PER_WARP; i++) off0[r][i] = -1;
     if (MAXG <= 4 && (int32_t)blockIdx.x < units) {
         u0 = unit_of(p, blockIdx.x);
-        key_offsets<HD / 32>(p, u0, u0.kb + warp * DL_KEYS_PER_WARP, off0);
+#pragma unroll
+        for (int r = 0; r < DL_PF_ROUNDS; r++)
+            key_offsets<HD / 32>(p, u0, u0.kb + (warp + r * DL_CW) * DL_KEYS_PER_WARP, off0[r]);
     }
     {   /* this block's columns of the residual stream (the same in S3 and S5) */
         const dl_stage so = stage_of(p, 0, 1, HD, cols);
@@ -1007,12 +1029,18 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         /* S2 */
         for (int32_t u = blockIdx.x; u < units; u += gridDim.x) {
             dl_unit a = u0;
-            int64_t off[DL_KEYS_PER_WARP];
+            int64_t off[DL_PF_ROUNDS][DL_KEYS_PER_WARP];
 #pragma unroll
-            for (int i = 0; i < DL_KEYS_PER_WARP; i++) off[i] = off0[i];
+            for (int r = 0; r < DL_PF_ROUNDS; r++)
+#pragma unroll
+                for (int i = 0; i < DL_KEYS_PER_WARP; i++) off[r][i] = off0[r][i];
             if (MAXG > 4 || u != blockIdx.x) {
                 a = unit_of(p, u);
-                if (MAXG <= 4) key_offsets<HD / 32>(p, a, a.kb + warp * DL_KEYS_PER_WARP, off);
+                if (MAXG <= 4)
+#pragma unroll
+                    for (int r = 0; r < DL_PF_ROUNDS; r++)
+                        key_offsets<HD / 32>(p, a, a.kb + (warp + r * DL_CW) * DL_KEYS_PER_WARP,
+                                             off[r]);
             }
             attend_unit<HD, MAXG>(p, L, a, off, sm, rope, f0, f0 + 1, last, m0 + 1);
         }
