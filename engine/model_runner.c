@@ -444,9 +444,9 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
                           .tmp_out = r->gate_up};
     pd_linear_args ld = {.x = r->act, .out = r->a, .n = T, .k = f, .m = hs, .accumulate = true};
 
-    CALL(o->embedding(x, r->d_ids, T, r->m->embed, hs, r->a));
     if (max_q == 1 && T == S && o->decode_layers && !r->layer_fn) {
-        /* a small decode step the backend runs whole (PD_EUNSUPPORTED: op by op below) */
+        /* a small decode step the backend runs whole, the embedding included
+         * (PD_EUNSUPPORTED: op by op below) */
         pd_decode_args da = {
             .layers = r->dl, .n_layers = c->n_layers, .resid = r->a, .qkv = r->qkv,
             .attn = r->attn, .act = r->act, .n = T, .hidden = hs, .intermediate = f,
@@ -455,7 +455,7 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
             .ctx_lens = r->d_ctx, .block_tables = r->d_bt,
             .max_blocks_per_seq = r->max_blocks_per_seq, .block_size = r->p.block_size,
             .sliding_window = c->sliding_window, .scale = aa.scale, .inv_freq = r->inv_freq,
-            .attn_factor = r->attn_factor,
+            .attn_factor = r->attn_factor, .ids = r->d_ids, .embed = r->m->embed,
         };
         if (final && head) {
             da.final_norm = r->m->final_norm;
@@ -470,6 +470,7 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
             return pd_errf(err, rc, "%s backend: decode_layers failed: %s", be->ops->name,
                            pd_strerror(rc));
     }
+    CALL(o->embedding(x, r->d_ids, T, r->m->embed, hs, r->a));
     for (int32_t l = 0; l < c->n_layers; l++) {
         const pd_layer_weights *w = &r->m->layers[l];
         /* attention block */

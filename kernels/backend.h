@@ -105,7 +105,8 @@ typedef struct {
 typedef struct {
     const pd_layer_args *layers; /* [n_layers], host memory */
     int32_t n_layers;
-    void *resid;                 /* [n][hidden]: the embeddings in, the last layer's stream out */
+    void *resid;                 /* [n][hidden]: the embeddings in (unless embed is set), the
+                                  * last layer's stream out */
     void *qkv, *attn, *act;      /* scratch: [n][(n_heads + 2 n_kv_heads) head_dim], [n][n_heads
                                   * head_dim], [n][intermediate] */
     int32_t n, hidden, intermediate, n_heads, n_kv_heads, head_dim;
@@ -122,6 +123,10 @@ typedef struct {
     const void *lm_head;         /* [vocab][hidden], or NULL: no head */
     void *logits;                /* [n][vocab] */
     int32_t vocab;
+    /* Optional: the embedding op fused, the rows start as embed[ids[i]] (resid's contents on
+     * entry are not read). A backend that cannot takes PD_EUNSUPPORTED, nothing queued. */
+    const int32_t *ids;          /* [n] */
+    const void *embed;           /* [vocab][hidden], or NULL: the rows come in resid */
 } pd_decode_args;
 
 /* One row's parameters for the optional sample op. The fields mean what smp_params's do

@@ -880,7 +880,9 @@ static void test_decode_kernels(void)
  * three layers, the last layer's scratch outputs, the logits of the fused head (final norm
  * and lm_head), and the K / V each layer stored, for batches of
  * 1, 2, 3 and 8 sequences over a shuffled paged cache (a padding row of context 0 among them),
- * with and without Qwen3's head norms, biases, a sliding window; GQA 2, 3 and 8. */
+ * with and without Qwen3's head norms, biases, a sliding window; GQA 2, 3 and 8; with `embed`
+ * the rows come from an embedding table by token id (the embedding op fused), the GPU's
+ * residual stream poisoned on entry. */
 typedef struct {
     int32_t hidden, inter, heads, kv_heads, hd, window;
     bool qk_norm, bias;
@@ -888,7 +890,7 @@ typedef struct {
 
 enum { DL_LAYERS = 3, DL_BS = 16 };
 
-static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx)
+static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx, bool embed)
 {
     const int32_t H = sh->hidden, F = sh->inter, HD = sh->hd, NQ = sh->heads * HD;
     const int32_t QKV = (sh->heads + 2 * sh->kv_heads) * HD, KVR = sh->kv_heads * HD;
@@ -945,6 +947,24 @@ static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx)
     }
     float *x0 = hrand((size_t)n * H, 1.0);
     pair resid = pair_new(x0, (size_t)n * H), qkv = pair_poisoned((size_t)n * QKV);
+    /* the fused embedding: row s of the table's row ids[s] (distinct ids), the rest random */
+    enum { VT = 50 };
+    int32_t ids[8];
+    pair table = {0}, pids = {0};
+    if (embed) {
+        float *t = hrand((size_t)VT * H, 1.0);
+        for (int32_t s = 0; s < n; s++) {
+            ids[s] = (7 * s + 3) % VT;
+            memcpy(t + (size_t)ids[s] * H, x0 + (size_t)s * H, (size_t)H * sizeof *t);
+        }
+        table = pair_new(t, (size_t)VT * H);
+        pids = pair_i32(ids, (size_t)n);
+        free(t);
+        float *nan = hconst((size_t)n * H, NAN);
+        CHECK_EQ_INT(g_gpu->ops->upload(g_gpu->ctx, resid.g, g_gpu->ops->act_dtype, 0, nan,
+                                        PD_DTYPE_F32, (size_t)n * H), 0);
+        free(nan);
+    }
     pair attn = pair_poisoned((size_t)n * NQ), act = pair_poisoned((size_t)n * F);
     pair tx = pair_poisoned((size_t)n * H), tgu = pair_poisoned((size_t)n * 2 * F);
     const float scale = (float)(1.0 / sqrt((double)HD));
@@ -1003,6 +1023,10 @@ static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx)
                          .ctx_lens = pctx.g, .block_tables = pbt.g, .max_blocks_per_seq = mbps,
                          .block_size = DL_BS, .sliding_window = sh->window, .scale = scale,
                          .inv_freq = pf.g, .attn_factor = 1.0f};
+    if (embed) {
+        da.ids = pids.g;
+        da.embed = table.g;
+    }
     if (head) {
         da.final_norm = pfn.g;
         da.lm_head = plm.g;
@@ -1013,9 +1037,9 @@ static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx)
     CHECK_EQ_INT(rc, 0);
     CHECK_EQ_INT(sync_both(), 0);
     char what[128];
-    snprintf(what, sizeof what, "decode_layers n=%d H=%d/%d HD=%d%s%s win=%d", n, sh->heads,
+    snprintf(what, sizeof what, "decode_layers n=%d H=%d/%d HD=%d%s%s win=%d%s", n, sh->heads,
              sh->kv_heads, HD, sh->qk_norm ? " qknorm" : "", sh->bias ? " bias" : "",
-             sh->window);
+             sh->window, embed ? " embed" : "");
     if (rc == 0) {
         compare_pair(what, &resid, 2e-2);
         compare_pair("  last layer's attention", &attn, 2e-2);
@@ -1058,6 +1082,10 @@ static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx)
         pair_free(&vc[l]);
     }
     pair_free(&pfn); pair_free(&plm); pair_free(&logits); pair_free(&hn);
+    if (embed) {
+        pair_free(&table);
+        pair_free(&pids);
+    }
     free(fn); free(lm);
     free(x0); free(inv); free(perm); free(bt);
 }
@@ -1073,10 +1101,11 @@ static void test_decode_layers(void)
     const int32_t c1[1] = {300}, c2[2] = {129, 31}, c3[3] = {1, 17, 700};
     const int32_t c8[8] = {5, 0, 64, 33, 1000, 16, 2, 129};
     for (int s = 0; s < 3; s++) {
-        run_decode_layers(&shapes[s], 1, c1);
-        run_decode_layers(&shapes[s], 2, c2);
-        run_decode_layers(&shapes[s], 3, c3);
-        run_decode_layers(&shapes[s], 8, c8);
+        run_decode_layers(&shapes[s], 1, c1, false);
+        run_decode_layers(&shapes[s], 1, c1, true);
+        run_decode_layers(&shapes[s], 2, c2, false);
+        run_decode_layers(&shapes[s], 3, c3, s == 1);
+        run_decode_layers(&shapes[s], 8, c8, s == 2);
     }
     /* shapes it leaves to the ops: nothing queued, PD_EUNSUPPORTED; bad arguments: PD_EINVAL */
     pd_layer_args none[1] = {{0}};
@@ -1090,6 +1119,9 @@ static void test_decode_layers(void)
     a.inv_freq = buf;
     CHECK_EQ_INT(g_gpu->ops->decode_layers(g_gpu->ctx, &a), PD_EUNSUPPORTED); /* n = 9 */
     a.n = 1;
+    a.embed = buf; /* an embedding table without the ids */
+    CHECK_EQ_INT(g_gpu->ops->decode_layers(g_gpu->ctx, &a), PD_EINVAL);
+    a.embed = NULL;
     a.hidden = 320; /* k % 256 != 0 */
     CHECK_EQ_INT(g_gpu->ops->decode_layers(g_gpu->ctx, &a), PD_EUNSUPPORTED);
     a.hidden = 256;

@@ -82,6 +82,8 @@ struct dl_params {
     unsigned *bar;           /* [0] blocks done (reset at exit), [1] launches (the epoch) */
     uint4 *ll_qkv, *ll_attn, *ll_r3, *ll_r5, *ll_act; /* flagged lines of the stage outputs */
     const int32_t *positions, *slots, *ctx_lens, *block_tables;
+    const int32_t *ids;      /* with embed: the rows start as embed[ids[q]], not resid */
+    const bf16 *embed;
     const float *inv_freq;
     const bf16 *final_norm, *lm_head; /* the head stage, when lm_head is set */
     bf16 *logits;
@@ -502,6 +504,12 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
 /* xs = rmsnorm(resid) * nw for the n rows, as the rmsnorm op rounds. The norm weights load
  * with the rows (one round trip from L2, not two) into xs after them (the host sizes xs for
  * n + 1 rows of hidden). */
+/* Row q of the step's input: the embedding of its token, or the residual stream's. */
+static __device__ __forceinline__ const bf16 *in_row(const dl_params &p, int32_t q)
+{
+    return p.embed ? p.embed + (size_t)__ldg(p.ids + q) * p.hidden : p.resid + (size_t)q * p.hidden;
+}
+
 template <int NMAX>
 static __device__ void norm_rows(const dl_params &p, const bf16 *nw, const uint4 *src_ll,
                                  uint32_t flag, bf16 *xs)
@@ -509,7 +517,6 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, const uint4
     __shared__ float red[NMAX][DL_CW];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int32_t hc = p.hidden / 8;
-    const uint4 *r4 = reinterpret_cast<const uint4 *>(p.resid);
     uint4 *x4 = reinterpret_cast<uint4 *>(xs), *w4 = x4 + (size_t)p.n * hc;
     for (int32_t i = threadIdx.x; i < hc; i += DL_CW * 32)
         w4[i] = __ldg(reinterpret_cast<const uint4 *>(nw) + i);
@@ -522,7 +529,7 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, const uint4
                          reinterpret_cast<uint2 *>(x4 + (size_t)q * hc), true);
         else
             for (int32_t i = threadIdx.x; i < hc; i += DL_CW * 32) {
-                const uint4 v = __ldcg(r4 + (size_t)q * hc + i);
+                const uint4 v = __ldcg(reinterpret_cast<const uint4 *>(in_row(p, q)) + i);
                 x4[(size_t)q * hc + i] = v;
                 ss += pd_sumsq8(v);
             }
@@ -1004,7 +1011,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         const dl_stage so = stage_of(p, 0, 1, HD, cols);
         for (int32_t i = threadIdx.x; i < (so.c1 - so.c0) * p.n; i += DL_CW * 32) {
             const int32_t j = i / p.n, q = i % p.n;
-            own[j * NMAX + q] = __bfloat162float(__ldcg(p.resid + (size_t)q * p.hidden + so.c0 + j));
+            own[j * NMAX + q] = __bfloat162float(__ldcg(in_row(p, q) + so.c0 + j));
         }
     }
     cons_sync(); /* the rotations, the residual columns */
@@ -1250,7 +1257,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
         !a->slot_mapping || !a->ctx_lens || !a->block_tables || !a->inv_freq || a->n < 0 ||
         a->n_layers < 0 || a->hidden <= 0 || a->intermediate <= 0 || a->n_heads <= 0 ||
         a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads || a->block_size <= 0 ||
-        a->max_blocks_per_seq <= 0)
+        a->max_blocks_per_seq <= 0 || (a->embed && !a->ids))
         return PD_EINVAL;
     if (a->n == 0 || a->n_layers == 0) return 0;
     const int32_t G = a->n_heads / a->n_kv_heads, hd = a->head_dim;
@@ -1269,6 +1276,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     }
     if (!aligned16(a->attn) || !aligned16(a->act)) return PD_EUNSUPPORTED;
     if (a->lm_head && (!a->final_norm || !a->logits || a->vocab <= 0)) return PD_EINVAL;
+    if (a->embed && !aligned16(a->embed)) return PD_EUNSUPPORTED;
     if (a->lm_head && (!aligned16(a->lm_head) || !aligned16(a->final_norm)))
         return PD_EUNSUPPORTED;
 
@@ -1326,6 +1334,8 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     p.ctx_lens = a->ctx_lens;
     p.block_tables = a->block_tables;
     p.inv_freq = a->inv_freq;
+    p.ids = a->ids;
+    p.embed = (const bf16 *)a->embed;
     p.final_norm = (const bf16 *)a->final_norm;
     p.lm_head = (const bf16 *)a->lm_head;
     p.logits = (bf16 *)a->logits;
