@@ -381,6 +381,60 @@ static void test_batch_invariance(smp_scratch *s)
     batch_free(&b);
 }
 
+/* Greedy rows without penalties or log-probabilities (the op's greedy-only kernel): the host's
+ * pick and the general path's, on the generated rows plus rows all -inf, all NaN, ties between
+ * the first and the last token, the best last; batches of 1, 3 and 64 (other blocks a row). */
+static void test_greedy_only(smp_scratch *s)
+{
+    static const int32_t vocabs[4] = {151936, 32000, 4097, 7};
+    long same = 0, total = 0;
+    for (int vi = g_quick ? 2 : 0; vi < 4; vi++) {
+        const int32_t V = vocabs[vi], n = 64;
+        batch b;
+        batch_init(&b, V, n);
+        float *x = b.logits;
+        for (int32_t i = 0; i < V; i++) {
+            x[(size_t)0 * V + i] = -INFINITY;
+            x[(size_t)1 * V + i] = NAN;
+            x[(size_t)2 * V + i] = i == 0 || i == V - 1 ? 3.0f : bf16r((float)(urand() - 0.5));
+            x[(size_t)3 * V + i] = i == V - 1 ? 5.0f : (i % 2 ? NAN : -INFINITY);
+        }
+        batch_upload(&b);
+        smp_params ps[MAX_ROWS];
+        pd_sample_row rows[MAX_ROWS];
+        pd_penalty_tok pen[1];
+        for (int32_t r = 0; r < n; r++) ps[r] = mk(0.0f, 0, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f);
+        CHECK_EQ_INT(build_rows(&b, ps, s, rows, pen), 0);
+        int32_t fast[MAX_ROWS], gen[MAX_ROWS];
+        float lp[MAX_ROWS];
+        CHECK_EQ_INT(g_gpu->ops->sample(g_gpu->ctx, b.dev, n, V, rows, pen, 0, gen, lp), 0);
+        const int32_t ns[3] = {1, 3, 64};
+        float *work = xmalloc((size_t)V * sizeof *work);
+        for (int k = 0; k < 3; k++) {
+            for (int32_t r = 0; r < n; r++) fast[r] = -5;
+            CHECK_EQ_INT(g_gpu->ops->sample(g_gpu->ctx, b.dev, ns[k], V, rows, pen, 0, fast,
+                                            NULL),
+                         0);
+            for (int32_t r = 0; r < ns[k]; r++) {
+                memcpy(work, x + (size_t)r * V, (size_t)V * sizeof *work);
+                const int32_t h = smp_sample(&ps[r], work, V, NULL, 0, NULL, 0, s, NULL);
+                CHECK_MSG(fast[r] == h && fast[r] == gen[r],
+                          "greedy only V=%d n=%d row %d: %d, host %d, general path %d", V, ns[k],
+                          r, fast[r], h, gen[r]);
+                same += fast[r] == h && fast[r] == gen[r];
+                total++;
+            }
+            CHECK(ns[k] == n || fast[ns[k]] == -5); /* nothing past the batch */
+        }
+        CHECK_MSG(fast[0] == 0 && fast[1] == 0 && fast[2] == 0 && fast[3] == V - 1,
+                  "greedy only V=%d special rows: %d %d %d %d", V, fast[0], fast[1], fast[2],
+                  fast[3]);
+        free(work);
+        batch_free(&b);
+    }
+    printf("greedy only: %ld/%ld picks as the host's and the general path's\n", same, total);
+}
+
 static void test_bad_args(void)
 {
     void *buf = NULL;
@@ -489,6 +543,12 @@ static void test_timing(smp_scratch *s)
             printf("  %-34s %3d rows: %8.3f ms (%.2f us/row)\n", name, ns[i], ms,
                    ms * 1e3 / ns[i]);
         }
+        if (kind == 0) /* no logprobs: the greedy-only kernel */
+            for (int i = 0; i < 3; i++) {
+                double ms = time_op(b.dev, ns[i], V, rows, pen, n_pen, tok, NULL) * 1e3;
+                printf("  %-34s %3d rows: %8.3f ms (%.2f us/row)\n", "greedy, no logprobs",
+                       ns[i], ms, ms * 1e3 / ns[i]);
+            }
         /* The 256-row batch (one block per row) against rows alone (clusters). */
         int32_t t1;
         float l1;
@@ -538,6 +598,7 @@ int main(void)
     if (g_gpu->ops->sample && s) {
         test_bad_args();
         test_against_host(s);
+        test_greedy_only(s);
         if (!g_quick) {
             test_batch_invariance(s);
             test_timing(s);

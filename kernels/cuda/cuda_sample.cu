@@ -704,6 +704,91 @@ static __global__ void __launch_bounds__(SMP_THREADS, 2) sample_kernel(smp_args 
     cl_sync(C); /* no block leaves while another may still read its shared memory */
 }
 
+/* ---- the greedy rows alone ---- */
+
+/* Rows that are all greedy, without penalties or log-probabilities, need only each row's first
+ * largest logit: GR_BLOCKS blocks a row (no cluster, no rows uploaded), each the best of its
+ * slice into part; the last block of a row (a counter, reset by it) takes the best of those.
+ * The same pick as sample_greedy: the largest value, the lowest id among equals, NaN never. */
+#define GR_THREADS 256
+#define GR_MAX_BLOCKS 64
+
+static __global__ void __launch_bounds__(GR_THREADS) greedy_kernel(const bf16 *logits,
+                                                                   int32_t vocab, int32_t nb,
+                                                                   int32_t vec, float2 *part,
+                                                                   unsigned *count,
+                                                                   int32_t *tok)
+{
+    __shared__ float wv[GR_THREADS / 32];
+    __shared__ int32_t wi[GR_THREADS / 32];
+    __shared__ bool last;
+    const int32_t row = (int32_t)blockIdx.x / nb, b = (int32_t)blockIdx.x % nb;
+    const bf16 *x = logits + (size_t)row * (size_t)vocab;
+    const int32_t per = (vocab / 8 + nb - 1) / nb * 8; /* whole 8s a block */
+    const int32_t lo = min(vocab, b * per), hi = b + 1 == nb ? vocab : min(vocab, lo + per);
+    float bv = -INFINITY;
+    int32_t bi = INT32_MAX;
+    if (vec) {
+        for (int32_t i = lo + 8 * (int32_t)threadIdx.x; i < hi; i += 8 * GR_THREADS) {
+            if (i + 8 > hi) { /* the row's tail */
+                for (int32_t j = i; j < hi; j++) {
+                    const float l = __bfloat162float(x[j]);
+                    if (l > -INFINITY) best_merge(bv, bi, l, j);
+                }
+                break;
+            }
+            const uint4 v = __ldcg(reinterpret_cast<const uint4 *>(x + i));
+            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                const float l = e & 1 ? pd_bf16_hi(w[e >> 1]) : pd_bf16_lo(w[e >> 1]);
+                if (l > -INFINITY) best_merge(bv, bi, l, i + e); /* NaN fails the test */
+            }
+        }
+    } else {
+        for (int32_t i = lo + (int32_t)threadIdx.x; i < hi; i += GR_THREADS) {
+            const float l = __bfloat162float(x[i]);
+            if (l > -INFINITY) best_merge(bv, bi, l, i);
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        best_merge(bv, bi, __shfl_xor_sync(SMP_FULL, bv, o), __shfl_xor_sync(SMP_FULL, bi, o));
+    if ((threadIdx.x & 31) == 0) {
+        wv[threadIdx.x >> 5] = bv;
+        wi[threadIdx.x >> 5] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int i = 1; i < GR_THREADS / 32; i++) best_merge(bv, bi, wv[i], wi[i]);
+        part[(size_t)row * nb + b] = make_float2(bv, __int_as_float(bi));
+        __threadfence();
+        last = atomicAdd(&count[row], 1u) == (unsigned)nb - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    bv = -INFINITY;
+    bi = INT32_MAX;
+    for (int32_t i = (int32_t)threadIdx.x; i < nb; i += GR_THREADS) {
+        const float2 v = __ldcg(part + (size_t)row * nb + i);
+        best_merge(bv, bi, v.x, __float_as_int(v.y));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        best_merge(bv, bi, __shfl_xor_sync(SMP_FULL, bv, o), __shfl_xor_sync(SMP_FULL, bi, o));
+    if ((threadIdx.x & 31) == 0) {
+        wv[threadIdx.x >> 5] = bv;
+        wi[threadIdx.x >> 5] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int i = 1; i < GR_THREADS / 32; i++) best_merge(bv, bi, wv[i], wi[i]);
+        tok[row] = bi == INT32_MAX ? 0 : bi; /* no token can win: 0, as smp_sample */
+        count[row] = 0;                      /* for the next launch */
+    }
+}
+
 /* ---- host side ---- */
 
 typedef struct {
@@ -714,6 +799,9 @@ typedef struct {
     int32_t mark_n;
     uint32_t stamp;
     size_t smem_max;            /* the device's opt-in limit per block */
+    float2 *gr_part;            /* greedy_kernel: [gr_rows][GR_MAX_BLOCKS] bests */
+    unsigned *gr_count;         /* [gr_rows] blocks done, zero between launches */
+    int32_t gr_rows;
     int max_cluster;            /* 8 with thread block clusters, 1 without */
 } smp_state;
 
@@ -723,6 +811,8 @@ extern "C" void pd_cuda__sample_free(void *state)
     if (!st) return;
     if (st->host) (void)cudaFreeHost(st->host);
     if (st->dev) (void)cudaFree(st->dev);
+    if (st->gr_part) (void)cudaFree(st->gr_part);
+    if (st->gr_count) (void)cudaFree(st->gr_count);
     free(st->mark);
     free(st);
 }
@@ -844,6 +934,40 @@ static cudaError_t launch(pd_cuda_ctx *c, const smp_args &a, int32_t n, size_t s
     return cudaLaunchKernelEx(&cfg, sample_kernel, a);
 }
 
+/* The sample op when greedy_kernel suffices: the tokens through the output area of st's
+ * buffers (at out_off), nothing uploaded. */
+static int greedy_rows(pd_cuda_ctx *c, smp_state *st, void *logits, int32_t n, int32_t vocab,
+                       int32_t *tokens, size_t out_off)
+{
+    if (n > st->gr_rows) {
+        if (st->gr_part) (void)cudaFree(st->gr_part);
+        if (st->gr_count) (void)cudaFree(st->gr_count);
+        st->gr_part = NULL;
+        st->gr_count = NULL;
+        st->gr_rows = 0;
+        PD_CUDA_CHECK(cudaMalloc((void **)&st->gr_part, (size_t)n * GR_MAX_BLOCKS * sizeof(float2)));
+        PD_CUDA_CHECK(cudaMalloc((void **)&st->gr_count, (size_t)n * sizeof(unsigned)));
+        PD_CUDA_CHECK(cudaMemsetAsync(st->gr_count, 0, (size_t)n * sizeof(unsigned), c->stream));
+        st->gr_rows = n;
+    }
+    /* about two blocks an SM, each at least 8 tokens a thread */
+    int32_t nb = 2 * c->sm_count / n;
+    const int32_t most = (vocab + 8 * GR_THREADS - 1) / (8 * GR_THREADS);
+    if (nb > most) nb = most;
+    if (nb > GR_MAX_BLOCKS) nb = GR_MAX_BLOCKS;
+    if (nb < 1) nb = 1;
+    const int32_t vec = vocab % 8 == 0 && ((uintptr_t)logits & 15) == 0;
+    int32_t *tok = (int32_t *)(st->dev + out_off);
+    greedy_kernel<<<(unsigned)n * (unsigned)nb, GR_THREADS, 0, c->stream>>>(
+        (const bf16 *)logits, vocab, nb, vec, st->gr_part, st->gr_count, tok);
+    PD_CUDA_CHECK(cudaGetLastError());
+    PD_CUDA_CHECK(cudaMemcpyAsync(st->host + out_off, tok, (size_t)n * sizeof *tokens,
+                                  cudaMemcpyDeviceToHost, c->stream));
+    PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    memcpy(tokens, st->host + out_off, (size_t)n * sizeof *tokens);
+    return 0;
+}
+
 extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab,
                                const pd_sample_row *rows, const pd_penalty_tok *pen,
                                int32_t n_pen, int32_t *tokens, float *logprobs)
@@ -871,6 +995,10 @@ extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab
         PD_CUDA_CHECK(cudaMalloc((void **)&st->dev, want));
         st->bytes = want;
     }
+    bool greedy = !logprobs; /* every row's first largest logit is all it takes */
+    for (int32_t r = 0; r < n && greedy; r++)
+        greedy = !(rows[r].temperature >= SMP_GREEDY_EPS) && rows[r].pen_n == 0;
+    if (greedy) return greedy_rows(c, st, logits, n, vocab, tokens, in_b);
     memcpy(st->host, rows, (size_t)n * sizeof *rows);
     if (n_pen > 0) memcpy(st->host + rows_b, pen, (size_t)n_pen * sizeof *pen);
 
