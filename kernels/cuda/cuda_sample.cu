@@ -713,14 +713,29 @@ static __global__ void __launch_bounds__(SMP_THREADS, 2) sample_kernel(smp_args 
 #define GR_THREADS 256
 #define GR_MAX_BLOCKS 64
 
+/* The block's best of its threads' (bv, bi), in thread 0's; the others' are left partial. */
+static __device__ void gr_block_best(float &bv, int32_t &bi)
+{
+    __shared__ float wv[GR_THREADS / 32];
+    __shared__ int32_t wi[GR_THREADS / 32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        best_merge(bv, bi, __shfl_xor_sync(SMP_FULL, bv, o), __shfl_xor_sync(SMP_FULL, bi, o));
+    if ((threadIdx.x & 31) == 0) {
+        wv[threadIdx.x >> 5] = bv;
+        wi[threadIdx.x >> 5] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int i = 1; i < GR_THREADS / 32; i++) best_merge(bv, bi, wv[i], wi[i]);
+}
+
 static __global__ void __launch_bounds__(GR_THREADS) greedy_kernel(const bf16 *logits,
                                                                    int32_t vocab, int32_t nb,
                                                                    int32_t vec, float2 *part,
                                                                    unsigned *count,
                                                                    int32_t *tok)
 {
-    __shared__ float wv[GR_THREADS / 32];
-    __shared__ int32_t wi[GR_THREADS / 32];
     __shared__ bool last;
     const int32_t row = (int32_t)blockIdx.x / nb, b = (int32_t)blockIdx.x % nb;
     const bf16 *x = logits + (size_t)row * (size_t)vocab;
@@ -751,16 +766,8 @@ static __global__ void __launch_bounds__(GR_THREADS) greedy_kernel(const bf16 *l
             if (l > -INFINITY) best_merge(bv, bi, l, i);
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        best_merge(bv, bi, __shfl_xor_sync(SMP_FULL, bv, o), __shfl_xor_sync(SMP_FULL, bi, o));
-    if ((threadIdx.x & 31) == 0) {
-        wv[threadIdx.x >> 5] = bv;
-        wi[threadIdx.x >> 5] = bi;
-    }
-    __syncthreads();
+    gr_block_best(bv, bi);
     if (threadIdx.x == 0) {
-        for (int i = 1; i < GR_THREADS / 32; i++) best_merge(bv, bi, wv[i], wi[i]);
         part[(size_t)row * nb + b] = make_float2(bv, __int_as_float(bi));
         __threadfence();
         last = atomicAdd(&count[row], 1u) == (unsigned)nb - 1;
@@ -774,16 +781,8 @@ static __global__ void __launch_bounds__(GR_THREADS) greedy_kernel(const bf16 *l
         const float2 v = __ldcg(part + (size_t)row * nb + i);
         best_merge(bv, bi, v.x, __float_as_int(v.y));
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        best_merge(bv, bi, __shfl_xor_sync(SMP_FULL, bv, o), __shfl_xor_sync(SMP_FULL, bi, o));
-    if ((threadIdx.x & 31) == 0) {
-        wv[threadIdx.x >> 5] = bv;
-        wi[threadIdx.x >> 5] = bi;
-    }
-    __syncthreads();
+    gr_block_best(bv, bi);
     if (threadIdx.x == 0) {
-        for (int i = 1; i < GR_THREADS / 32; i++) best_merge(bv, bi, wv[i], wi[i]);
         tok[row] = bi == INT32_MAX ? 0 : bi; /* no token can win: 0, as smp_sample */
         count[row] = 0;                      /* for the next launch */
     }
