@@ -63,7 +63,9 @@
 #define DL_KEYS_PER_WARP 4 /* keys a warp loads at once in S2 */
 #define DL_PF_ROUNDS 4     /* a unit's rounds of keys (DL_CW x DL_KEYS_PER_WARP each) whose
                             * offsets are made once a launch and whose K / V load before the
-                            * q / k / v preparation (up to 4 query heads a KV head) */
+                            * q / k / v preparation: 4 up to 4 query heads a KV head, then 2
+                            * (the registers: 4 spilled with 8) */
+template <int MAXG> static constexpr __host__ __device__ int dl_pf() { return MAXG <= 4 ? DL_PF_ROUNDS : 2; }
 #define DL_MIN_CHUNK 16    /* keys of a split, at least: more splits of one key batch each (against
                             * 32: +7% at batch 1 after short prompts; 8: as 16) */
 #define DL_MAX_SPLITS 32
@@ -749,7 +751,7 @@ static __device__ __forceinline__ void kv_load(const dl_layer &L,
  * DL_CW * G * (HD + 2) floats after the q / k / v vectors. */
 template <int HD, int MAXG>
 static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const dl_unit &a,
-                                   const int64_t (&off0)[DL_PF_ROUNDS][DL_KEYS_PER_WARP],
+                                   const int64_t (&off0)[dl_pf<MAXG>()][DL_KEYS_PER_WARP],
                                    float *sm,
                                    const float2 *rope, uint32_t qflag, uint32_t aflag,
                                    bool plain, int32_t mst)
@@ -765,11 +767,10 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     if (sp >= used) return;
     const int32_t kb = a.kb, ke = a.ke;
     float *qs = sm, *kn = qs + DL_MAX_G * HD, *vn = kn + HD, *scr = vn + HD;
-    constexpr int PF = MAXG <= 4 ? DL_PF_ROUNDS : 1; /* batches loaded ahead */
+    constexpr int PF = dl_pf<MAXG>(); /* batches loaded ahead */
     uint32_t kv0[PF][DL_KEYS_PER_WARP][2][E / 2];
-    if constexpr (MAXG <= 4)
 #pragma unroll
-        for (int r = 0; r < PF; r++) kv_load<E>(L, off0[r], kv0[r]);
+    for (int r = 0; r < PF; r++) kv_load<E>(L, off0[r], kv0[r]);
     prep_heads<HD>(p, L, s, h, G, sp == 0, qflag, rope, qs, kn, vn, scr);
     dl_mark(p, mst, 1);
 
@@ -837,11 +838,6 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     for (int r = 0; r < PF; r++) {
         const int32_t jr = j0w + r * DL_CW * DL_KEYS_PER_WARP;
         if (jr >= ke) break;
-        if constexpr (MAXG > 4) { /* off0 unused: the offsets here, after the preparation */
-            int64_t off[DL_KEYS_PER_WARP];
-            key_offsets<E>(p, a, jr, off);
-            kv_load<E>(L, off, kv0[r]);
-        }
         batch(jr, kv0[r]);
     }
     for (int32_t j0 = j0w + PF * DL_CW * DL_KEYS_PER_WARP; j0 < ke;
@@ -996,15 +992,16 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
     /* this block's first S2 unit and its warp's first keys: the same in every layer (kept in
      * registers up to 4 query heads a KV head; with 8 they would spill) */
     dl_unit u0 = {};
-    int64_t off0[DL_PF_ROUNDS][DL_KEYS_PER_WARP];
+    constexpr int PF = dl_pf<MAXG>();
+    int64_t off0[PF][DL_KEYS_PER_WARP];
 #pragma unroll
-    for (int r = 0; r < DL_PF_ROUNDS; r++)
+    for (int r = 0; r < PF; r++)
 #pragma unroll
         for (int i = 0; i < DL_KEYS_PER_WARP; i++) off0[r][i] = -1;
-    if (MAXG <= 4 && (int32_t)blockIdx.x < units) {
+    if ((int32_t)blockIdx.x < units) {
         u0 = unit_of(p, blockIdx.x);
 #pragma unroll
-        for (int r = 0; r < DL_PF_ROUNDS; r++)
+        for (int r = 0; r < PF; r++)
             key_offsets<HD / 32>(p, u0, u0.kb + (warp + r * DL_CW) * DL_KEYS_PER_WARP, off0[r]);
     }
     {   /* this block's columns of the residual stream (the same in S3 and S5) */
@@ -1036,18 +1033,17 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         /* S2 */
         for (int32_t u = blockIdx.x; u < units; u += gridDim.x) {
             dl_unit a = u0;
-            int64_t off[DL_PF_ROUNDS][DL_KEYS_PER_WARP];
+            int64_t off[PF][DL_KEYS_PER_WARP];
 #pragma unroll
-            for (int r = 0; r < DL_PF_ROUNDS; r++)
+            for (int r = 0; r < PF; r++)
 #pragma unroll
                 for (int i = 0; i < DL_KEYS_PER_WARP; i++) off[r][i] = off0[r][i];
-            if (MAXG > 4 || u != blockIdx.x) {
+            if (u != blockIdx.x) {
                 a = unit_of(p, u);
-                if (MAXG <= 4)
 #pragma unroll
-                    for (int r = 0; r < DL_PF_ROUNDS; r++)
-                        key_offsets<HD / 32>(p, a, a.kb + (warp + r * DL_CW) * DL_KEYS_PER_WARP,
-                                             off[r]);
+                for (int r = 0; r < PF; r++)
+                    key_offsets<HD / 32>(p, a, a.kb + (warp + r * DL_CW) * DL_KEYS_PER_WARP,
+                                         off[r]);
             }
             attend_unit<HD, MAXG>(p, L, a, off, sm, rope, f0, f0 + 1, last, m0 + 1);
         }
