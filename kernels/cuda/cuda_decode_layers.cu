@@ -743,11 +743,10 @@ static __device__ __forceinline__ void kv_load(const dl_layer &L,
 }
 
 /* One unit: attention of its G query heads over the split's keys; the result, or a partial
- * merged by split 0. Up to 4 query heads a KV head, off0 holds key_offsets of
- * this warp's first DL_PF_ROUNDS batches (the same every layer: the kernel computes the first
- * unit's once, so its K / V loads depend on no other load), all issued before the q / k / v
- * preparation, whose loads they overlap; with 8 the registers would spill, and the offsets
- * are computed after the preparation (off0 unused). sm is scratch of
+ * merged by split 0. off0 holds key_offsets of this warp's first dl_pf<MAXG>() batches (the
+ * same every layer: the kernel computes the first unit's once, so its K / V loads depend on no
+ * other load), all issued before the q / k / v preparation, whose loads they overlap; later
+ * batches load after the one before. sm is scratch of
  * DL_CW * G * (HD + 2) floats after the q / k / v vectors. */
 template <int HD, int MAXG>
 static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const dl_unit &a,
@@ -989,8 +988,8 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         rope[i] = make_float2((float)cd * p.attn_factor, (float)sd * p.attn_factor);
     }
     const int32_t units = p.n * p.n_kv_heads * p.splits;
-    /* this block's first S2 unit and its warp's first keys: the same in every layer (kept in
-     * registers up to 4 query heads a KV head; with 8 they would spill) */
+    /* this block's first S2 unit and its warp's first keys' offsets: the same in every layer
+     * (kept in registers) */
     dl_unit u0 = {};
     constexpr int PF = dl_pf<MAXG>();
     int64_t off0[PF][DL_KEYS_PER_WARP];
