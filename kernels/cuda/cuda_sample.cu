@@ -315,7 +315,8 @@ static __device__ u64 block_excl_scan(u64 v, u64 *total)
     return before + x - v;
 }
 
-/* The block's best (value, id) into s_x (every thread must call; thread 0 writes). */
+/* The block's best (value, id) into s_x (every thread must call; thread 0 writes; blocks of
+ * up to SMP_THREADS). */
 static __device__ void block_best(float bv, int32_t bi)
 {
 #pragma unroll
@@ -327,7 +328,7 @@ static __device__ void block_best(float bv, int32_t bi)
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        for (int i = 1; i < SMP_WARPS; i++) best_merge(bv, bi, s_wbv[i], s_wbi[i]);
+        for (int i = 1; i < (int)(blockDim.x >> 5); i++) best_merge(bv, bi, s_wbv[i], s_wbi[i]);
         s_x.m = bv;
         s_x.best = bi;
     }
@@ -710,25 +711,8 @@ static __global__ void __launch_bounds__(SMP_THREADS, 2) sample_kernel(smp_args 
  * largest logit: GR_BLOCKS blocks a row (no cluster, no rows uploaded), each the best of its
  * slice into part; the last block of a row (a counter, reset by it) takes the best of those.
  * The same pick as sample_greedy: the largest value, the lowest id among equals, NaN never. */
-#define GR_THREADS 256
+#define GR_THREADS 256 /* at most SMP_THREADS (block_best) */
 #define GR_MAX_BLOCKS 64
-
-/* The block's best of its threads' (bv, bi), in thread 0's; the others' are left partial. */
-static __device__ void gr_block_best(float &bv, int32_t &bi)
-{
-    __shared__ float wv[GR_THREADS / 32];
-    __shared__ int32_t wi[GR_THREADS / 32];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        best_merge(bv, bi, __shfl_xor_sync(SMP_FULL, bv, o), __shfl_xor_sync(SMP_FULL, bi, o));
-    if ((threadIdx.x & 31) == 0) {
-        wv[threadIdx.x >> 5] = bv;
-        wi[threadIdx.x >> 5] = bi;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0)
-        for (int i = 1; i < GR_THREADS / 32; i++) best_merge(bv, bi, wv[i], wi[i]);
-}
 
 static __global__ void __launch_bounds__(GR_THREADS) greedy_kernel(const bf16 *logits,
                                                                    int32_t vocab, int32_t nb,
@@ -766,9 +750,9 @@ static __global__ void __launch_bounds__(GR_THREADS) greedy_kernel(const bf16 *l
             if (l > -INFINITY) best_merge(bv, bi, l, i);
         }
     }
-    gr_block_best(bv, bi);
+    block_best(bv, bi);
     if (threadIdx.x == 0) {
-        part[(size_t)row * nb + b] = make_float2(bv, __int_as_float(bi));
+        part[(size_t)row * nb + b] = make_float2(s_x.m, __int_as_float(s_x.best));
         __threadfence();
         last = atomicAdd(&count[row], 1u) == (unsigned)nb - 1;
     }
@@ -781,10 +765,10 @@ static __global__ void __launch_bounds__(GR_THREADS) greedy_kernel(const bf16 *l
         const float2 v = __ldcg(part + (size_t)row * nb + i);
         best_merge(bv, bi, v.x, __float_as_int(v.y));
     }
-    gr_block_best(bv, bi);
+    block_best(bv, bi);
     if (threadIdx.x == 0) {
-        tok[row] = bi == INT32_MAX ? 0 : bi; /* no token can win: 0, as smp_sample */
-        count[row] = 0;                      /* for the next launch */
+        tok[row] = s_x.best == INT32_MAX ? 0 : s_x.best; /* nothing can win: 0, as smp_sample */
+        count[row] = 0; /* for the next launch */
     }
 }
 
