@@ -501,17 +501,16 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
     }
 }
 
-/* xs[q] = bf16(w * (resid[q] / rms)) for the n rows, as the rmsnorm op rounds it: the rows
- * to shared memory 16 bytes a thread at a time with their sums of squares, then in place. */
-/* xs = rmsnorm(resid) * nw for the n rows, as the rmsnorm op rounds. The norm weights load
- * with the rows (one round trip from L2, not two) into xs after them (the host sizes xs for
- * n + 1 rows of hidden). */
 /* Row q of the step's input: the embedding of its token, or the residual stream's. */
 static __device__ __forceinline__ const bf16 *in_row(const dl_params &p, int32_t q)
 {
     return p.embed ? p.embed + (size_t)__ldg(p.ids + q) * p.hidden : p.resid + (size_t)q * p.hidden;
 }
 
+/* xs = rmsnorm(resid) * nw for the n rows, as the rmsnorm op rounds: the rows to shared memory
+ * 16 bytes a thread at a time with their sums of squares, then in place. The norm weights load
+ * with the rows (one round trip from L2, not two) into xs after them (the host sizes xs for
+ * n + 1 rows of hidden). */
 template <int NMAX>
 static __device__ void norm_rows(const dl_params &p, const bf16 *nw, const uint4 *src_ll,
                                  uint32_t flag, bf16 *xs)
@@ -526,15 +525,17 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, const uint4
     for (int q = 0; q < NMAX; q++) {
         if (q >= p.n) break;
         float ss = 0.0f;
-        if (src_ll)
+        if (src_ll) {
             ss = ll_copy(src_ll + (size_t)q * 2 * hc, flag, 2 * hc,
                          reinterpret_cast<uint2 *>(x4 + (size_t)q * hc), true);
-        else
+        } else { /* the step's input */
+            const uint4 *row = reinterpret_cast<const uint4 *>(in_row(p, q));
             for (int32_t i = threadIdx.x; i < hc; i += DL_CW * 32) {
-                const uint4 v = __ldcg(reinterpret_cast<const uint4 *>(in_row(p, q)) + i);
+                const uint4 v = __ldcg(row + i);
                 x4[(size_t)q * hc + i] = v;
                 ss += pd_sumsq8(v);
             }
+        }
         ss = pd_warp_sum(ss);
         if (lane == 0) red[q][warp] = ss;
     }

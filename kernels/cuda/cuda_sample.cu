@@ -708,7 +708,7 @@ static __global__ void __launch_bounds__(SMP_THREADS, 2) sample_kernel(smp_args 
 /* ---- the greedy rows alone ---- */
 
 /* Rows that are all greedy, without penalties or log-probabilities, need only each row's first
- * largest logit: GR_BLOCKS blocks a row (no cluster, no rows uploaded), each the best of its
+ * largest logit: up to GR_MAX_BLOCKS blocks a row (no cluster, no rows uploaded), each the best of its
  * slice into part; the last block of a row (a counter, reset by it) takes the best of those.
  * The same pick as sample_greedy: the largest value, the lowest id among equals, NaN never. */
 #define GR_THREADS 256 /* at most SMP_THREADS (block_best) */
@@ -727,15 +727,8 @@ static __global__ void __launch_bounds__(GR_THREADS) greedy_kernel(const bf16 *l
     const int32_t lo = min(vocab, b * per), hi = b + 1 == nb ? vocab : min(vocab, lo + per);
     float bv = -INFINITY;
     int32_t bi = INT32_MAX;
-    if (vec) {
+    if (vec) { /* vocab % 8 == 0: every slice is whole 8s */
         for (int32_t i = lo + 8 * (int32_t)threadIdx.x; i < hi; i += 8 * GR_THREADS) {
-            if (i + 8 > hi) { /* the row's tail */
-                for (int32_t j = i; j < hi; j++) {
-                    const float l = __bfloat162float(x[j]);
-                    if (l > -INFINITY) best_merge(bv, bi, l, j);
-                }
-                break;
-            }
             const uint4 v = __ldcg(reinterpret_cast<const uint4 *>(x + i));
             const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -917,6 +910,22 @@ static cudaError_t launch(pd_cuda_ctx *c, const smp_args &a, int32_t n, size_t s
     return cudaLaunchKernelEx(&cfg, sample_kernel, a);
 }
 
+/* The op's results back: out_b bytes of st's output area (at out_off: the tokens, then the
+ * log-probabilities at the next 16 bytes), after the queue. */
+static int copy_out(pd_cuda_ctx *c, smp_state *st, size_t out_off, size_t out_b, int32_t n,
+                    int32_t *tokens, float *logprobs)
+{
+    PD_CUDA_CHECK(cudaMemcpyAsync(st->host + out_off, st->dev + out_off, out_b,
+                                  cudaMemcpyDeviceToHost, c->stream));
+    PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    PD_CUDA_CHECK(cudaGetLastError());
+    memcpy(tokens, st->host + out_off, (size_t)n * sizeof *tokens);
+    if (logprobs)
+        memcpy(logprobs, st->host + out_off + align16((size_t)n * sizeof(int32_t)),
+               (size_t)n * sizeof *logprobs);
+    return 0;
+}
+
 /* The sample op when greedy_kernel suffices: the tokens through the output area of st's
  * buffers (at out_off), nothing uploaded. */
 static int greedy_rows(pd_cuda_ctx *c, smp_state *st, void *logits, int32_t n, int32_t vocab,
@@ -944,11 +953,7 @@ static int greedy_rows(pd_cuda_ctx *c, smp_state *st, void *logits, int32_t n, i
     greedy_kernel<<<(unsigned)n * (unsigned)nb, GR_THREADS, 0, c->stream>>>(
         (const bf16 *)logits, vocab, nb, vec, st->gr_part, st->gr_count, tok);
     PD_CUDA_CHECK(cudaGetLastError());
-    PD_CUDA_CHECK(cudaMemcpyAsync(st->host + out_off, tok, (size_t)n * sizeof *tokens,
-                                  cudaMemcpyDeviceToHost, c->stream));
-    PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-    memcpy(tokens, st->host + out_off, (size_t)n * sizeof *tokens);
-    return 0;
+    return copy_out(c, st, out_off, (size_t)n * sizeof *tokens, n, tokens, NULL);
 }
 
 extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab,
@@ -1027,13 +1032,5 @@ extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab
         e = launch(c, a, n, smem);
     }
     PD_CUDA_CHECK(e);
-    PD_CUDA_CHECK(cudaMemcpyAsync(st->host + in_b, st->dev + in_b, out_b, cudaMemcpyDeviceToHost,
-                                  c->stream));
-    PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-    PD_CUDA_CHECK(cudaGetLastError());
-    memcpy(tokens, st->host + in_b, (size_t)n * sizeof *tokens);
-    if (logprobs)
-        memcpy(logprobs, st->host + in_b + align16((size_t)n * sizeof(int32_t)),
-               (size_t)n * sizeof *logprobs);
-    return 0;
+    return copy_out(c, st, in_b, out_b, n, tokens, logprobs);
 }
