@@ -354,7 +354,8 @@ static void meta_layout(mr *r)
 }
 
 /* Packs a batch of T rows and S sequences into h_meta (block tables at the batch's width w,
- * packed) and copies it to d_meta (block tables at the full pitch). Rows past b->n_tokens and
+ * packed, or for a few sequences at the full pitch) and copies it to d_meta (block tables at
+ * the full pitch). Rows past b->n_tokens and
  * sequences past b->n_seqs are padding: token 0, position 0, no KV store, context 0 (a padding
  * sequence owns one row). b may be NULL: all padding. */
 static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err)
@@ -372,8 +373,18 @@ static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err
         memcpy(h + r->o_slots, b->slot_mapping, (size_t)nt * ib);
         memcpy(h + r->o_cu_q, b->cu_q, ((size_t)ns + 1) * ib);
         memcpy(h + r->o_ctx, b->ctx_lens, (size_t)ns * ib);
-        memcpy(h + r->meta_head, b->block_tables, (size_t)ns * (size_t)w * ib);
     }
+    /* A few sequences' tables go at the full pitch, so that everything is one copy (a copy
+     * costs its API call and latency, ~5 us, more than 16 KiB more of it); more go packed at
+     * width w and through a copy of their own. */
+    const size_t pitch_n = (size_t)r->max_blocks_per_seq;
+    const bool one_copy = o->upload_rows && ns > 0 && (size_t)(ns - 1) * pitch_n + w <= 4096;
+    if (one_copy)
+        for (int32_t s = 0; s < ns; s++)
+            memcpy(h + r->meta_head + (size_t)s * pitch_n, b->block_tables + (size_t)s * w,
+                   (size_t)w * ib);
+    else if (ns)
+        memcpy(h + r->meta_head, b->block_tables, (size_t)ns * (size_t)w * ib);
     if (nl) memcpy(h + r->o_rows, b->logits_rows, (size_t)nl * ib); /* graphs read none */
     for (int32_t i = nt; i < T; i++) {
         h[r->o_ids + i] = 0;
@@ -385,7 +396,13 @@ static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err
         h[r->o_cu_q + s + 1] = h[r->o_cu_q + s] + 1;
         h[r->o_ctx + s] = 0;
     }
-    const size_t pitch = (size_t)r->max_blocks_per_seq * ib;
+    const size_t pitch = pitch_n * ib;
+    if (one_copy) {
+        const size_t n = r->meta_head + (size_t)(ns - 1) * pitch_n + (size_t)w;
+        CALL(o->upload_rows(be->ctx, r->d_meta, n * ib, h, n * ib, n * ib, 1));
+        r->meta_inflight = r->h_meta_pinned;
+        return 0;
+    }
     if (o->upload_rows) {
         /* Everything before the block tables in one copy (the unused tails of the T- and
          * S-sized arrays go along: one copy beats three), then the tables' used columns. */

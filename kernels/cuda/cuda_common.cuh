@@ -50,6 +50,14 @@ typedef struct {
     void *sample_state;    /* cuda_sample.cu's buffers, made on first use (NULL until then) */
 } pd_cuda_ctx;
 
+/* PDSERVE_CUDA_STEP_TIMING=1 (diagnostics): where a graph step's time goes, with events on the
+ * stream at its points (PD_ST_*) and the host's clock around it; averages to stderr every 256
+ * steps. mark records point k (PD_ST_START only when no step is open); end closes the step
+ * after its final sync. Off: one branch each. */
+enum { PD_ST_START, PD_ST_GRAPH, PD_ST_GRAPH_END, PD_ST_COPY, PD_ST_COPY_END, PD_ST_N };
+void pd_cuda__steptime_mark(pd_cuda_ctx *c, int k);
+void pd_cuda__steptime_end(pd_cuda_ctx *c);
+
 /* Logs a failed CUDA or cuBLAS call with its text, the library's message, file and line. */
 void pd_cuda__report(const char *call, const char *msg, const char *file, int line);
 

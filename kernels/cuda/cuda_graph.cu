@@ -1,6 +1,10 @@
 /* cuda_graph.cu -- What lets the model runner replay a decode step as one CUDA graph: pinned
  * host memory, asynchronous row uploads from it (a step's metadata goes in with one or two
  * copies), and graph capture, instantiation and launch on the context's stream. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
 #include "kernels/cuda/cuda_common.cuh"
 
 extern "C" int pd_cuda__host_alloc(void *ctx, size_t bytes, void **out)
@@ -20,12 +24,76 @@ extern "C" void pd_cuda__host_free(void *ctx, void *p)
     if (e != cudaSuccess) pd_cuda__report("cudaFreeHost(p)", cudaGetErrorString(e), __FILE__, __LINE__);
 }
 
+/* ---- PDSERVE_CUDA_STEP_TIMING ---- */
+
+static int st_on = -1; /* -1 not read yet */
+static struct {
+    bool open;
+    unsigned seen; /* the points recorded in the open step */
+    cudaEvent_t ev[PD_ST_N];
+    double t0, acc[PD_ST_N + 1];
+    long steps;
+} st_;
+
+static double host_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+void pd_cuda__steptime_mark(pd_cuda_ctx *c, int k)
+{
+    if (st_on < 0) {
+        const char *e = getenv("PDSERVE_CUDA_STEP_TIMING");
+        st_on = e && atoi(e) > 0;
+        for (int i = 0; st_on && i < PD_ST_N; i++)
+            if (cudaEventCreate(&st_.ev[i]) != cudaSuccess) st_on = 0;
+    }
+    if (!st_on) return;
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(c->stream, &cap) != cudaSuccess || cap != cudaStreamCaptureStatusNone)
+        return;
+    if (k == PD_ST_START) {
+        if (st_.open) return;
+        st_.open = true;
+        st_.seen = 0;
+        st_.t0 = host_now();
+    } else if (!st_.open) {
+        return;
+    }
+    if (cudaEventRecord(st_.ev[k], c->stream) == cudaSuccess) st_.seen |= 1u << k;
+}
+
+void pd_cuda__steptime_end(pd_cuda_ctx *c)
+{
+    (void)c;
+    if (st_on <= 0 || !st_.open) return;
+    st_.open = false;
+    const double host_us = (host_now() - st_.t0) * 1e6;
+    if (st_.seen != (1u << PD_ST_N) - 1) return; /* not a graph step */
+    float ms[PD_ST_N] = {0};
+    for (int k = 1; k < PD_ST_N; k++)
+        if (cudaEventElapsedTime(&ms[k], st_.ev[k - 1], st_.ev[k]) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return;
+        }
+    for (int k = 1; k < PD_ST_N; k++) st_.acc[k] += ms[k] * 1e3;
+    st_.acc[PD_ST_N] += host_us;
+    if (++st_.steps % 256) return;
+    const double n = (double)st_.steps;
+    fprintf(stderr, "step timing (us, mean of %ld graph steps): upload %.2f | graph %.2f | to the "
+            "copy (sample) %.2f | copy %.2f | host, call to sync %.2f\n", st_.steps,
+            st_.acc[1] / n, st_.acc[2] / n, st_.acc[3] / n, st_.acc[4] / n, st_.acc[5] / n);
+}
+
 extern "C" int pd_cuda__upload_rows(void *ctx, void *dst, size_t dst_pitch, const void *src,
                                     size_t src_pitch, size_t row_bytes, size_t rows)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     if (rows == 0 || row_bytes == 0) return 0;
     if (!dst || !src || dst_pitch < row_bytes || src_pitch < row_bytes) return PD_EINVAL;
+    pd_cuda__steptime_mark(c, PD_ST_START);
     if (rows == 1)
         PD_CUDA_CHECK(cudaMemcpyAsync(dst, src, row_bytes, cudaMemcpyHostToDevice, c->stream));
     else
@@ -76,7 +144,9 @@ extern "C" int pd_cuda__graph_launch(void *ctx, void *graph)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     if (!graph) return PD_EINVAL;
+    pd_cuda__steptime_mark(c, PD_ST_GRAPH);
     PD_CUDA_CHECK(cudaGraphLaunch((cudaGraphExec_t)graph, c->stream));
+    pd_cuda__steptime_mark(c, PD_ST_GRAPH_END);
     return 0;
 }
 

@@ -770,6 +770,7 @@ static __global__ void __launch_bounds__(GR_THREADS) greedy_kernel(const bf16 *l
 typedef struct {
     unsigned char *host;        /* pinned: rows | penalty list | tokens | logprobs */
     unsigned char *dev;         /* device: the same layout */
+    unsigned char *host_dev;    /* host as the device addresses it (mapped), or NULL */
     size_t bytes;               /* size of both */
     uint32_t *mark;             /* duplicate check: stamp per token, mark_n tokens */
     int32_t mark_n;
@@ -913,12 +914,16 @@ static cudaError_t launch(pd_cuda_ctx *c, const smp_args &a, int32_t n, size_t s
 /* The op's results back: out_b bytes of st's output area (at out_off: the tokens, then the
  * log-probabilities at the next 16 bytes), after the queue. */
 static int copy_out(pd_cuda_ctx *c, smp_state *st, size_t out_off, size_t out_b, int32_t n,
-                    int32_t *tokens, float *logprobs)
+                    int32_t *tokens, float *logprobs, bool written)
 {
-    PD_CUDA_CHECK(cudaMemcpyAsync(st->host + out_off, st->dev + out_off, out_b,
-                                  cudaMemcpyDeviceToHost, c->stream));
+    pd_cuda__steptime_mark(c, PD_ST_COPY);
+    if (!written)
+        PD_CUDA_CHECK(cudaMemcpyAsync(st->host + out_off, st->dev + out_off, out_b,
+                                      cudaMemcpyDeviceToHost, c->stream));
+    pd_cuda__steptime_mark(c, PD_ST_COPY_END);
     PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
     PD_CUDA_CHECK(cudaGetLastError());
+    pd_cuda__steptime_end(c);
     memcpy(tokens, st->host + out_off, (size_t)n * sizeof *tokens);
     if (logprobs)
         memcpy(logprobs, st->host + out_off + align16((size_t)n * sizeof(int32_t)),
@@ -949,11 +954,14 @@ static int greedy_rows(pd_cuda_ctx *c, smp_state *st, void *logits, int32_t n, i
     if (nb > GR_MAX_BLOCKS) nb = GR_MAX_BLOCKS;
     if (nb < 1) nb = 1;
     const int32_t vec = vocab % 8 == 0 && ((uintptr_t)logits & 15) == 0;
-    int32_t *tok = (int32_t *)(st->dev + out_off);
+    /* The tokens straight into the pinned buffer when the device can write it (one copy's
+     * latency less a step), else through the device's */
+    int32_t *tok = st->host_dev ? (int32_t *)(st->host_dev + out_off) : (int32_t *)(st->dev + out_off);
     greedy_kernel<<<(unsigned)n * (unsigned)nb, GR_THREADS, 0, c->stream>>>(
         (const bf16 *)logits, vocab, nb, vec, st->gr_part, st->gr_count, tok);
     PD_CUDA_CHECK(cudaGetLastError());
-    return copy_out(c, st, out_off, (size_t)n * sizeof *tokens, n, tokens, NULL);
+    return copy_out(c, st, out_off, (size_t)n * sizeof *tokens, n, tokens, NULL,
+                    st->host_dev != NULL);
 }
 
 extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab,
@@ -977,11 +985,15 @@ extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab
         size_t want = (in_b + out_b + 65535) & ~(size_t)65535;
         if (st->host) (void)cudaFreeHost(st->host);
         if (st->dev) (void)cudaFree(st->dev);
-        st->host = st->dev = NULL;
+        st->host = st->dev = st->host_dev = NULL;
         st->bytes = 0;
         PD_CUDA_CHECK(cudaMallocHost((void **)&st->host, want));
         PD_CUDA_CHECK(cudaMalloc((void **)&st->dev, want));
         st->bytes = want;
+        if (cudaHostGetDevicePointer((void **)&st->host_dev, st->host, 0) != cudaSuccess) {
+            st->host_dev = NULL; /* not mapped: the tokens come back by copy */
+            (void)cudaGetLastError();
+        }
     }
     bool greedy = !logprobs; /* every row's first largest logit is all it takes */
     for (int32_t r = 0; r < n && greedy; r++)
@@ -1032,5 +1044,5 @@ extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab
         e = launch(c, a, n, smem);
     }
     PD_CUDA_CHECK(e);
-    return copy_out(c, st, in_b, out_b, n, tokens, logprobs);
+    return copy_out(c, st, in_b, out_b, n, tokens, logprobs, false);
 }
