@@ -46,6 +46,23 @@ struct eng {
     int32_t *kvl_n;
     pd_seq **pending;       /* decode-only: admitted sequences already finished */
     int32_t n_pending, cap_pending;
+    /* Pipelined decode steps (exec.launch): between eng_step calls at most one launched step
+     * is not yet collected; during a call a second may be launched before the first is
+     * collected. */
+    bool async;
+    struct eng_flight {
+        int32_t n;          /* rows (every row a decode row with logits) */
+        pd_seq **seq;       /* [max_num_seqs] */
+        int32_t *tokens;    /* [max_num_seqs]: filled by the collect */
+        float *logprobs;
+        bool want_lp;
+        double t_launch;
+    } fl[2];
+    int32_t n_fl, fl_head;  /* launched, not collected; fl[fl_head] the oldest */
+    double t_collected;     /* when the last collect returned */
+    pd_seq **limbo;         /* finished or aborted while a launched step holds a row of them:
+                             * blocks and memory released once none does */
+    int32_t n_limbo;
     eng_stats st;
 };
 
@@ -159,11 +176,26 @@ static void runner_set_hook(void *ctx, mr_layer_fn fn, void *arg)
     mr_set_layer_hook(ctx, fn, arg);
 }
 
+static int runner_launch(void *ctx, const mr_batch *b, const mr_sampling *s, bool ids_from_last,
+                         char *err)
+{
+    return mr_launch(ctx, b, s, ids_from_last, err);
+}
+
+static int runner_collect(void *ctx, char *err) { return mr_collect(ctx, err); }
+
 eng_executor eng_executor_runner(mr *r)
 {
-    eng_executor x = {runner_forward, r, runner_set_hook,
-                      mr_samples_on_backend(r) ? runner_forward_sample : NULL};
+    const bool smp = mr_samples_on_backend(r), pipe = smp && mr_can_launch(r);
+    eng_executor x = {runner_forward, r, runner_set_hook, smp ? runner_forward_sample : NULL,
+                      pipe ? runner_launch : NULL, pipe ? runner_collect : NULL};
     return x;
+}
+
+bool eng_async_steps_default(void)
+{
+    const char *a = getenv("PDSERVE_ASYNC_STEPS");
+    return !(a && *a && atoi(a) == 0);
 }
 
 eng_params eng_default_params(const mr *r)
@@ -178,6 +210,7 @@ eng_params eng_default_params(const mr *r)
         .max_model_len = 0,
         .enable_prefix_cache = true,
         .enable_chunked_prefill = true,
+        .async_steps = eng_async_steps_default(),
     };
     return p;
 }
@@ -219,6 +252,15 @@ int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng
     } else if (!(e->logits = malloc(S * (size_t)cfg->vocab_size * sizeof(float)))) {
         goto fail;
     }
+    e->async = p->async_steps && exec.forward_sample && exec.launch && exec.collect;
+    for (int k = 0; k < 2 && e->async; k++) {
+        e->fl[k].seq = malloc(S * sizeof(pd_seq *));
+        e->fl[k].tokens = malloc(S * sizeof(int32_t));
+        e->fl[k].logprobs = malloc(S * sizeof(float));
+        if (!e->fl[k].seq || !e->fl[k].tokens || !e->fl[k].logprobs) goto fail;
+    }
+    e->limbo = malloc(S * 2 * sizeof(pd_seq *));
+    if (!e->limbo) goto fail;
     e->outs = malloc(S * sizeof(eng_output));
     e->finished = malloc(S * sizeof(pd_seq *));
     e->kvl_ids = malloc(S * sizeof *e->kvl_ids);
@@ -254,6 +296,18 @@ static void seq_drop(eng *e, pd_seq *s)
 void eng_destroy(eng *e)
 {
     if (!e) return;
+    char err[PD_ERR_LEN];
+    while (e->n_fl > 0 && e->fl[0].seq) { /* the executor may still write their buffers */
+        (void)e->exec.collect(e->exec.ctx, err);
+        e->n_fl--;
+    }
+    for (int32_t i = 0; i < e->n_limbo; i++) seq_free(e->limbo[i]);
+    free(e->limbo);
+    for (int k = 0; k < 2; k++) {
+        free(e->fl[k].seq);
+        free(e->fl[k].tokens);
+        free(e->fl[k].logprobs);
+    }
     if (e->map.vals) {
         for (uint32_t i = 0; i <= e->map.mask; i++)
             if (e->map.vals[i]) seq_free(e->map.vals[i]);
@@ -358,12 +412,19 @@ int eng_add_request(eng *e, const eng_request *r, char *err)
     return 0;
 }
 
+static void retire(eng *e, pd_seq *s);
+
 int eng_abort(eng *e, uint64_t id)
 {
     pd_seq *s = map_get(&e->map, id);
     if (!s) return PD_ENOTFOUND;
     for (int32_t i = 0; i < e->n_pending; i++)
         if (e->pending[i] == s) e->pending[i] = e->pending[--e->n_pending];
+    if (s->n_launched > 0) { /* a launched step still writes its KV: released after it */
+        s->finish = SEQ_FINISH_ABORTED;
+        retire(e, s);
+        return 0;
+    }
     seq_drop(e, s);
     return 0;
 }
@@ -468,6 +529,12 @@ static void retire(eng *e, pd_seq *s)
         s->status = SEQ_PREFILLED; /* keeps its blocks until eng_release */
         return;
     }
+    if (s->n_launched > 0) { /* a launched step holds a row of it: see release_limbo */
+        map_del(&e->map, s->id);
+        s->status = SEQ_FINISHED;
+        e->limbo[e->n_limbo++] = s;
+        return;
+    }
     if (s->n_blocks) bm_free(e->blocks, s);
     map_del(&e->map, s->id);
     s->status = SEQ_FINISHED;
@@ -511,6 +578,132 @@ static int sampling_rows(eng *e, int32_t nl, mr_sampling *smp)
     return 0;
 }
 
+/* ---- pipelined decode steps ---- */
+
+/* Frees the finished sequences that no launched step holds any more. */
+static void release_limbo(eng *e)
+{
+    for (int32_t i = 0; i < e->n_limbo;) {
+        pd_seq *s = e->limbo[i];
+        if (s->n_launched > 0) {
+            i++;
+            continue;
+        }
+        if (s->n_blocks) bm_free(e->blocks, s);
+        seq_free(s);
+        e->limbo[i] = e->limbo[--e->n_limbo];
+    }
+}
+
+/* Flight f launched: rows[0, n) are seqs, counted as held. */
+static void flight_set(eng *e, struct eng_flight *f, pd_seq *const *seqs, int32_t n, bool want_lp)
+{
+    f->n = n;
+    memcpy(f->seq, seqs, (size_t)n * sizeof *seqs);
+    for (int32_t k = 0; k < n; k++) seqs[k]->n_launched++;
+    f->want_lp = want_lp;
+    f->t_launch = now_s();
+    e->n_fl++;
+    e->st.steps++;
+    e->st.batch_seqs_sum += n;
+}
+
+/* Launches the step after F while F runs: the same sequences one token on, each row's input
+ * the token F samples for it (taken where it is sampled). Only when nothing else wants the
+ * step: no waiting or pending request, every running sequence in F, none with penalties (its
+ * penalty list would lack F's token). A sequence that F finishes computes a wasted row; its
+ * blocks stay until this step is collected (release_limbo). Returns whether it launched. */
+static bool launch_next(eng *e, const struct eng_flight *F, struct eng_flight *N)
+{
+    if (sched_n_waiting(e->sch) > 0 || e->n_pending > 0 || F->n != sched_n_running(e->sch))
+        return false;
+    const int32_t bs = e->p.block_size, n = F->n;
+    int32_t width = 1;
+    bool want_lp = false;
+    for (int32_t k = 0; k < n; k++) {
+        pd_seq *s = F->seq[k];
+        if (s->status != SEQ_RUNNING || smp_penalized(&s->sampling)) return false;
+        /* F computes position n_computed; this step the one after it */
+        if (bm_append(e->blocks, s, s->n_computed + 2) < 0) return false; /* kept: needed next */
+        if (s->n_blocks > width) width = s->n_blocks;
+    }
+    e->cu_q[0] = 0;
+    for (int32_t k = 0; k < n; k++) {
+        pd_seq *s = F->seq[k];
+        const int32_t p = s->n_computed + 1;
+        e->ids[k] = 0; /* not read: F's pick */
+        e->pos[k] = p;
+        e->slots[k] = s->block_table[p / bs] * bs + p % bs;
+        e->cu_q[k + 1] = k + 1;
+        e->ctx[k] = p + 1;
+        memcpy(e->bt + (size_t)k * width, s->block_table, (size_t)s->n_blocks * sizeof(int32_t));
+        for (int32_t j = s->n_blocks; j < width; j++) e->bt[(size_t)k * width + j] = 0;
+        e->rows[k] = k;
+        e->srows[k] = smp_sample_row(&s->sampling, seq_n_output(s) + 1, 0, 0);
+        want_lp |= s->want_logprob;
+    }
+    mr_batch b = {n, e->ids, e->pos, e->slots, n, e->cu_q, e->ctx, e->bt, width, n, e->rows};
+    mr_sampling smp = {e->srows, NULL, 0, N->tokens, want_lp ? N->logprobs : NULL};
+    char err[PD_ERR_LEN];
+    if (e->exec.launch(e->exec.ctx, &b, &smp, true, err) != 0) return false; /* run normally */
+    flight_set(e, N, F->seq, n, want_lp);
+    e->st.decode_tokens += n;
+    int32_t used = bm_n_used(e->blocks);
+    if (used > e->st.peak_blocks_used) e->st.peak_blocks_used = used;
+    return true;
+}
+
+/* The step of a call that found a launched step F: launches the next one if it can, then
+ * collects F and reports its tokens. */
+static int pipe_step(eng *e, int32_t n_out, int32_t *n_outs, char *err)
+{
+    struct eng_flight *F = &e->fl[e->fl_head], *N = &e->fl[(e->fl_head + 1) % 2];
+    const bool next = launch_next(e, F, N);
+    int rc = e->exec.collect(e->exec.ctx, err);
+    const double t = now_s(), t0 = F->t_launch > e->t_collected ? F->t_launch : e->t_collected;
+    e->st.model_s += t - t0; /* the step's time once the one before was done */
+    e->st.decode_model_s += t - t0;
+    e->st.decode_steps++;
+    e->t_collected = t;
+    e->fl_head = (e->fl_head + 1) % 2;
+    e->n_fl--;
+    for (int32_t k = 0; k < F->n; k++) F->seq[k]->n_launched--;
+    if (rc < 0) { /* the step is lost, and the one after it with it: fail their requests */
+        if (next) {
+            char e2[PD_ERR_LEN];
+            (void)e->exec.collect(e->exec.ctx, e2);
+            for (int32_t k = 0; k < N->n; k++) N->seq[k]->n_launched--;
+            e->fl_head = (e->fl_head + 1) % 2;
+            e->n_fl--;
+        }
+        bm_drop_cache(e->blocks);
+        for (int32_t k = 0; k < F->n; k++) {
+            pd_seq *s = F->seq[k];
+            if (s->status != SEQ_RUNNING) continue;
+            s->finish = SEQ_FINISH_ABORTED;
+            report(e, &n_out, s, -1, 0.0f);
+            retire(e, s);
+        }
+        release_limbo(e);
+        *n_outs = n_out;
+        return rc;
+    }
+    for (int32_t k = 0; k < F->n; k++) {
+        pd_seq *s = F->seq[k];
+        if (s->status != SEQ_RUNNING) continue; /* finished or aborted since the launch */
+        s->n_computed++;
+        const int32_t tok = F->tokens[k];
+        const float lp = s->want_logprob && F->want_lp ? F->logprobs[k] : 0.0f;
+        s->finish = append_token(e, s, tok);
+        report(e, &n_out, s, tok, lp);
+        if (s->finish != SEQ_FINISH_NONE) retire(e, s);
+        else if (s->n_launched > 0) bm_commit(e->blocks, s, s->n_tokens); /* N's token known */
+    }
+    release_limbo(e);
+    *n_outs = n_out;
+    return 0;
+}
+
 int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
 {
     double t0 = now_s();
@@ -525,6 +718,8 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
         map_del(&e->map, s->id);
         e->finished[e->n_finished++] = s;
     }
+    *outs = e->outs;
+    if (e->n_fl > 0) return pipe_step(e, n_out, n_outs, err); /* launched by the last call */
     sched_out so;
     sched_schedule(e->sch, &so);
     e->st.preemptions += so.n_preempted;
@@ -532,7 +727,6 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
     e->st.admitted_prompt_tokens += so.n_admitted_tokens;
     for (int32_t i = 0; i < so.n_items; i++)
         if (so.items[i].seq->t_scheduled == 0) so.items[i].seq->t_scheduled = t0;
-    *outs = e->outs;
     if (so.n_items == 0) {
         *n_outs = n_out;
         e->st.host_s += now_s() - t0;
@@ -594,8 +788,24 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
     mr_sampling smp = {0};
     if (e->exec.forward_sample && sampling_rows(e, nl, &smp) < 0)
         return pd_errf(err, PD_ENOMEM, "out of memory for the penalty lists");
+    int rc = PD_EUNSUPPORTED;
+    if (e->async && !hooked && all_decode && nt == so.n_items && nl == nt && smp.n_pen == 0) {
+        /* a decode step without penalties: launched, then pipe_step */
+        struct eng_flight *f = &e->fl[e->fl_head];
+        const bool want_lp = smp.logprobs != NULL;
+        mr_sampling fs = {smp.rows, NULL, 0, f->tokens, want_lp ? f->logprobs : NULL};
+        rc = e->exec.launch(e->exec.ctx, &b, &fs, false, err);
+        if (rc == 0) {
+            flight_set(e, f, e->row_seq, nl, want_lp);
+            int32_t used = bm_n_used(e->blocks);
+            if (used > e->st.peak_blocks_used) e->st.peak_blocks_used = used;
+            e->st.host_s += now_s() - t0;
+            return pipe_step(e, n_out, n_outs, err);
+        }
+    }
     double t1 = now_s();
-    int rc = e->exec.forward_sample ? e->exec.forward_sample(e->exec.ctx, &b, &smp, err)
+    if (rc == PD_EUNSUPPORTED)
+        rc = e->exec.forward_sample ? e->exec.forward_sample(e->exec.ctx, &b, &smp, err)
                                     : e->exec.forward(e->exec.ctx, &b, e->logits, err);
     double t2 = now_s();
     if (hooked) e->exec.set_layer_hook(e->exec.ctx, NULL, NULL);
@@ -654,7 +864,8 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
 
 bool eng_has_work(const eng *e)
 {
-    return sched_n_waiting(e->sch) > 0 || sched_n_running(e->sch) > 0 || e->n_pending > 0;
+    return sched_n_waiting(e->sch) > 0 || sched_n_running(e->sch) > 0 || e->n_pending > 0 ||
+           e->n_fl > 0;
 }
 
 int32_t eng_n_waiting(const eng *e) { return sched_n_waiting(e->sch); }
@@ -691,6 +902,8 @@ int eng_check(const eng *e)
         }
         for (int32_t j = 0; j < s->n_blocks; j++) refs[s->block_table[j]]++;
     }
+    for (int32_t i = 0; i < e->n_limbo; i++) /* finished, blocks held for a launched step */
+        for (int32_t j = 0; j < e->limbo[i]->n_blocks; j++) refs[e->limbo[i]->block_table[j]]++;
     for (int32_t b = 0; b < nb && rc == 0; b++) {
         if (refs[b] != bm_ref(e->blocks, b)) {
             fprintf(stderr, "eng_check: block %d has ref %d but %d holders\n", b,

@@ -31,6 +31,14 @@ typedef struct {
     /* Optional: a forward that samples the logits rows where they are (mr_forward_sample);
      * when set the engine uses it instead of forward + the host sampler. */
     int (*forward_sample)(void *ctx, const mr_batch *b, const mr_sampling *s, char *err);
+    /* Optional, with forward_sample (both or neither): pipelined steps, as mr_launch and
+     * mr_collect (engine/model_runner.h). launch queues a forward that samples and returns at
+     * once, PD_EUNSUPPORTED when it queued nothing (the engine then runs the step with
+     * forward_sample); with ids_from_last each row's input token is what the launch before
+     * sampled for the same row. collect waits for the oldest launch not yet collected. */
+    int (*launch)(void *ctx, const mr_batch *b, const mr_sampling *s, bool ids_from_last,
+                  char *err);
+    int (*collect)(void *ctx, char *err);
 } eng_executor;
 
 /* The executor that runs r (borrowed; must outlive the engine). */
@@ -45,10 +53,16 @@ typedef struct {
     int32_t max_model_len;          /* longest sequence; 0 = the model's max_position */
     bool enable_prefix_cache;       /* reuse cached full blocks of earlier prompts */
     bool enable_chunked_prefill;    /* split long prompts over steps */
+    bool async_steps;               /* with an executor that launches: while the host reads a
+                                     * decode step's tokens, the next step (the same sequences,
+                                     * one token on) already runs (default on;
+                                     * PDSERVE_ASYNC_STEPS=0 turns it off) */
 } eng_params;
 
 /* Defaults for a runner: its pool, block size and step sizes; prefix cache and chunked
  * prefill on; colocated. */
+/* Pipelined decode steps by default: true unless PDSERVE_ASYNC_STEPS=0. */
+bool eng_async_steps_default(void);
 eng_params eng_default_params(const mr *r);
 
 typedef struct {

@@ -47,6 +47,16 @@ struct mr {
     int32_t graph_bs[MAX_GRAPHS];
     void *graphs[MAX_GRAPHS];
     int64_t graph_steps;
+    /* pipelined steps (mr_launch / mr_collect): a second pinned metadata buffer (launches
+     * alternate between the two), and the launches not yet collected, oldest first */
+    int32_t *h_meta2;
+    int64_t n_launches;
+    int32_t n_out;                /* 0..2 outstanding */
+    struct {
+        int slot;
+        int32_t *tokens;
+        float *logprobs;
+    } out[2];
     mr_layer_fn layer_fn;         /* optional per-layer KV-ready hook */
     void *layer_arg;
 };
@@ -175,6 +185,9 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
     if (r->be->ops->host_alloc && r->be->ops->upload_rows &&
         r->be->ops->host_alloc(r->be->ctx, meta_n * sizeof(int32_t), (void **)&r->h_meta) == 0) {
         r->h_meta_pinned = true;
+        if (r->be->ops->sample_launch && r->be->ops->sample_collect &&
+            r->be->ops->host_alloc(r->be->ctx, meta_n * sizeof(int32_t), (void **)&r->h_meta2) != 0)
+            r->h_meta2 = NULL; /* no pipelined steps */
     } else {
         r->h_meta = malloc(meta_n * sizeof(int32_t));
         if (!r->h_meta) {
@@ -234,7 +247,7 @@ void mr_destroy(mr *r)
     if (!r) return;
     pd_backend *be = r->be;
 #define FREE(x) be->ops->free(be->ctx, (x))
-    if (r->meta_inflight) (void)be->ops->sync(be->ctx);
+    if (r->meta_inflight || r->n_out) (void)be->ops->sync(be->ctx);
     drop_graphs(r);
     FREE(r->kv);
     free(r->k_cache);
@@ -246,6 +259,7 @@ void mr_destroy(mr *r)
 #undef FREE
     if (r->h_meta_pinned) be->ops->host_free(be->ctx, r->h_meta);
     else free(r->h_meta);
+    if (r->h_meta2) be->ops->host_free(be->ctx, r->h_meta2);
     free(r);
 }
 
@@ -358,12 +372,11 @@ static void meta_layout(mr *r)
  * the full pitch). Rows past b->n_tokens and
  * sequences past b->n_seqs are padding: token 0, position 0, no KV store, context 0 (a padding
  * sequence owns one row). b may be NULL: all padding. */
-static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err)
+static int upload_meta_from(mr *r, int32_t *h, bool skip_ids, const mr_batch *b, int32_t T,
+                            int32_t S, char *err)
 {
     pd_backend *be = r->be;
     const pd_backend_ops *o = be->ops;
-    if (r->meta_inflight) CALL(o->sync(be->ctx)); /* the last upload may still read h_meta */
-    int32_t *h = r->h_meta;
     const int32_t nt = b ? b->n_tokens : 0, ns = b ? b->n_seqs : 0, nl = b ? b->n_logits : 0;
     const int32_t w = b ? b->max_blocks_per_seq : 1;
     const size_t ib = sizeof(int32_t);
@@ -397,17 +410,19 @@ static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err
         h[r->o_ctx + s] = 0;
     }
     const size_t pitch = pitch_n * ib;
+    /* skip_ids: the ids are already in d_meta (the last step's sample op put them there) */
+    const size_t o0 = skip_ids ? r->o_pos : 0;
     if (one_copy) {
-        const size_t n = r->meta_head + (size_t)(ns - 1) * pitch_n + (size_t)w;
-        CALL(o->upload_rows(be->ctx, r->d_meta, n * ib, h, n * ib, n * ib, 1));
+        const size_t n = r->meta_head + (size_t)(ns - 1) * pitch_n + (size_t)w - o0;
+        CALL(o->upload_rows(be->ctx, r->d_meta + o0, n * ib, h + o0, n * ib, n * ib, 1));
         r->meta_inflight = r->h_meta_pinned;
         return 0;
     }
     if (o->upload_rows) {
         /* Everything before the block tables in one copy (the unused tails of the T- and
          * S-sized arrays go along: one copy beats three), then the tables' used columns. */
-        CALL(o->upload_rows(be->ctx, r->d_meta, r->meta_head * ib, h, r->meta_head * ib,
-                            r->meta_head * ib, 1));
+        const size_t n = r->meta_head - o0;
+        CALL(o->upload_rows(be->ctx, r->d_meta + o0, n * ib, h + o0, n * ib, n * ib, 1));
         if (ns) CALL(o->upload_rows(be->ctx, r->d_bt, pitch, h + r->meta_head, (size_t)w * ib,
                                     (size_t)w * ib, (size_t)ns));
         r->meta_inflight = r->h_meta_pinned;
@@ -418,6 +433,14 @@ static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err
         CALL(o->upload(be->ctx, r->d_bt, PD_DTYPE_I32, (size_t)s * r->max_blocks_per_seq,
                        h + r->meta_head + (size_t)s * w, PD_DTYPE_I32, (size_t)w));
     return 0;
+}
+
+/* The steps that run one at a time upload from h_meta, waiting for the last upload first. */
+static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err)
+{
+    pd_backend *be = r->be;
+    if (r->meta_inflight) CALL(be->ops->sync(be->ctx)); /* the last upload may still read h_meta */
+    return upload_meta_from(r, r->h_meta, false, b, T, S, err);
 }
 
 /* Embedding, every layer and, when `final` is set, the final norm into r->h, for T rows of S
@@ -670,6 +693,57 @@ int mr_forward_sample(mr *r, const mr_batch *b, const mr_sampling *s, char *err)
         (s->n_pen > 0 && !s->pen))
         return pd_errf(err, PD_EINVAL, "model runner: sampling arguments missing");
     return forward(r, b, NULL, s, err);
+}
+
+bool mr_can_launch(const mr *r) { return r->h_meta2 != NULL && r->n_graphs > 0; }
+
+int mr_launch(mr *r, const mr_batch *b, const mr_sampling *s, bool ids_from_last, char *err)
+{
+    pd_backend *be = r->be;
+    const pd_backend_ops *o = be->ops;
+    if (!mr_can_launch(r)) return PD_EUNSUPPORTED;
+    if (r->n_out == 2)
+        return pd_errf(err, PD_ESTATE, "model runner: two launches are already outstanding");
+    if (!s || !s->rows || !s->tokens || s->n_pen < 0 || (s->n_pen > 0 && !s->pen))
+        return pd_errf(err, PD_EINVAL, "model runner: sampling arguments missing");
+    if (ids_from_last && r->n_out == 0)
+        return pd_errf(err, PD_ESTATE, "model runner: no launch to take the input ids from");
+    int32_t max_q = 0, max_ctx = 0;
+    int rc = validate(r, b, &max_q, &max_ctx, err);
+    if (rc < 0) return rc;
+    const int32_t g = pick_graph(r, b, max_q);
+    if (g < 0) return PD_EUNSUPPORTED; /* nothing queued: run it with mr_forward_sample */
+    /* Launches alternate between the two metadata buffers: the one before this may still be
+     * reading its own (it is queued behind the step before it); the one before that was
+     * collected, so its upload is done. */
+    const int slot = (int)(r->n_launches & 1);
+    if ((rc = upload_meta_from(r, slot ? r->h_meta2 : r->h_meta, ids_from_last, b,
+                               r->graph_bs[g], r->graph_bs[g], err)) < 0)
+        return rc;
+    r->meta_inflight = false; /* a collect waits for the queue past it */
+    CALL(o->graph_launch(be->ctx, r->graphs[g]));
+    CALL(o->sample_launch(be->ctx, r->logits, b->n_logits, r->m->cfg.vocab_size, s->rows, s->pen,
+                          s->n_pen, s->logprobs != NULL, r->d_ids, slot));
+    r->graph_steps++;
+    r->n_launches++;
+    r->out[r->n_out].slot = slot;
+    r->out[r->n_out].tokens = s->tokens;
+    r->out[r->n_out].logprobs = s->logprobs;
+    r->n_out++;
+    return 0;
+}
+
+int mr_collect(mr *r, char *err)
+{
+    pd_backend *be = r->be;
+    if (r->n_out == 0) return pd_errf(err, PD_ESTATE, "model runner: nothing launched to collect");
+    const int slot = r->out[0].slot;
+    int32_t *tokens = r->out[0].tokens;
+    float *logprobs = r->out[0].logprobs;
+    r->out[0] = r->out[1];
+    r->n_out--;
+    CALL(be->ops->sample_collect(be->ctx, slot, tokens, logprobs));
+    return 0;
 }
 
 int32_t mr_n_graphs(const mr *r) { return r->n_graphs; }

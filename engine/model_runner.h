@@ -85,6 +85,18 @@ bool mr_samples_on_backend(const mr *r);
  * (and log-probabilities) come back. PD_EINVAL when the backend has no sample op. */
 int mr_forward_sample(mr *r, const mr_batch *b, const mr_sampling *s, char *err);
 
+/* Pipelined steps: mr_launch queues what mr_forward_sample does and returns at once;
+ * mr_collect waits for the oldest launch not yet collected and writes its tokens and logprobs
+ * where its mr_sampling said (those buffers must live until then). With ids_from_last, each
+ * row's input token is the token the launch before sampled for the same row, taken on the
+ * backend (b->input_ids are not read): the host can queue step N + 1 before step N's tokens
+ * come back. At most two launches are outstanding. Only pure decode batches that replay a
+ * graph are launched: PD_EUNSUPPORTED (nothing queued) for the others, and always when
+ * mr_can_launch is false (no graphs, or a backend without the split sample op). */
+bool mr_can_launch(const mr *r);
+int mr_launch(mr *r, const mr_batch *b, const mr_sampling *s, bool ids_from_last, char *err);
+int mr_collect(mr *r, char *err);
+
 /* Decode graphs captured at creation (0 when eager), and how many steps replayed one. */
 int32_t mr_n_graphs(const mr *r);
 int64_t mr_graph_steps(const mr *r);

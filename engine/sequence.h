@@ -59,6 +59,8 @@ typedef struct pd_seq {
     bool want_logprob;         /* report the sampled token's log-probability */
     bool skip_prefix_cache;    /* never map this sequence onto cached blocks (its KV is
                                   written from outside: decode-only reservations) */
+    int32_t n_launched;        /* launched steps not yet collected that hold a row of it (the
+                                  engine's pipelined steps): its blocks and memory stay until 0 */
     struct pd_seq *prev, *next; /* queue links */
 } pd_seq;
 

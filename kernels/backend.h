@@ -234,6 +234,17 @@ typedef struct pd_backend_ops {
      * PD_ENOMEM, PD_EBACKEND. */
     int (*sample)(void *ctx, void *logits, int32_t n, int32_t vocab, const pd_sample_row *rows,
                   const pd_penalty_tok *pen, int32_t n_pen, int32_t *tokens, float *logprobs);
+    /* Optional, with sample (both or neither): the same op split for pipelined steps.
+     * sample_launch queues it and returns at once; the results go to slot `slot` (0 or 1) of
+     * the op's own buffers, and with ids_out (backend memory, [n] int32) the tokens also go
+     * there in queue order (the next step's input ids, without a round trip). sample_collect
+     * waits for the slot's launch and writes its tokens, and its logprobs when the launch asked
+     * for them, as sample does. A slot is launched again only after it was collected. Returns
+     * 0, PD_EINVAL, PD_ENOMEM, PD_EBACKEND. */
+    int (*sample_launch)(void *ctx, void *logits, int32_t n, int32_t vocab,
+                         const pd_sample_row *rows, const pd_penalty_tok *pen, int32_t n_pen,
+                         bool logprobs, int32_t *ids_out, int slot);
+    int (*sample_collect)(void *ctx, int slot, int32_t *tokens, float *logprobs);
     /* Optional (NULL = not offered): decode_layers above, for the shapes the backend fuses;
      * PD_EUNSUPPORTED (nothing queued) for the others, which the caller composes from the ops
      * it names. Returns 0, PD_EUNSUPPORTED, PD_EINVAL, PD_EBACKEND. */

@@ -121,4 +121,86 @@ static inline mc_config fake_cfg(void)
     return c;
 }
 
+/* A pipelined executor over the same fake model (eng_executor's launch / collect): a launch
+ * runs its forward at once (what a queue runs in launch order) and keeps the picks until they
+ * are collected; with ids_from_last each row's input is the previous launch's pick for the
+ * same row, so an engine that lines the rows up wrongly gets other tokens. Misuse of the
+ * protocol (three outstanding, chaining onto nothing or onto a launch of another row count,
+ * a collect of nothing) is counted. Batches over FP_ROWS rows are PD_EUNSUPPORTED. */
+#define FP_ROWS 64
+typedef struct {
+    fake *f;
+    int32_t n_out, head;
+    struct {
+        int32_t n;
+        int32_t tok[FP_ROWS];
+        float lp[FP_ROWS];
+        int32_t *dst;
+        float *dst_lp;
+    } q[2];
+    int32_t last[FP_ROWS], n_last; /* the latest launch's picks */
+    int64_t misuse, launches, chained;
+} fake_pipe;
+
+static inline int fake_pipe_launch(void *ctx, const mr_batch *b, const mr_sampling *s,
+                                   bool ids_from_last, char *err)
+{
+    fake_pipe *p = ctx;
+    if (b->n_tokens > FP_ROWS || b->n_logits != b->n_tokens) return PD_EUNSUPPORTED;
+    if (p->n_out == 2 || (ids_from_last && (p->n_out == 0 || p->n_last != b->n_tokens))) {
+        p->misuse++;
+        return pd_errf(err, PD_ESTATE, "fake pipe: launch out of order");
+    }
+    int32_t ids[FP_ROWS];
+    for (int32_t i = 0; i < b->n_tokens; i++) ids[i] = ids_from_last ? p->last[i] : b->input_ids[i];
+    mr_batch c = *b;
+    c.input_ids = ids;
+    const int k = (p->head + p->n_out) % 2;
+    mr_sampling t = *s;
+    t.tokens = p->q[k].tok;
+    t.logprobs = s->logprobs ? p->q[k].lp : NULL;
+    int rc = fake_forward_sample(p->f, &c, &t, err);
+    if (rc < 0) return rc;
+    p->q[k].n = b->n_logits;
+    p->q[k].dst = s->tokens;
+    p->q[k].dst_lp = s->logprobs;
+    memcpy(p->last, p->q[k].tok, (size_t)b->n_logits * sizeof(int32_t));
+    p->n_last = b->n_logits;
+    p->n_out++;
+    p->launches++;
+    p->chained += ids_from_last;
+    return 0;
+}
+
+static inline int fake_pipe_collect(void *ctx, char *err)
+{
+    fake_pipe *p = ctx;
+    if (p->n_out == 0) {
+        p->misuse++;
+        return pd_errf(err, PD_ESTATE, "fake pipe: nothing to collect");
+    }
+    const int k = p->head;
+    memcpy(p->q[k].dst, p->q[k].tok, (size_t)p->q[k].n * sizeof(int32_t));
+    if (p->q[k].dst_lp) memcpy(p->q[k].dst_lp, p->q[k].lp, (size_t)p->q[k].n * sizeof(float));
+    p->head = (p->head + 1) % 2;
+    p->n_out--;
+    return 0;
+}
+
+static inline int fake_pipe_forward(void *ctx, const mr_batch *b, float *logits, char *err)
+{
+    return fake_forward(((fake_pipe *)ctx)->f, b, logits, err);
+}
+
+static inline int fake_pipe_forward_sample(void *ctx, const mr_batch *b, const mr_sampling *s,
+                                           char *err)
+{
+    fake_pipe *p = ctx;
+    if (p->n_out) {
+        p->misuse++; /* a step run at once while launched ones are outstanding */
+        return pd_errf(err, PD_ESTATE, "fake pipe: forward while launches are outstanding");
+    }
+    return fake_forward_sample(p->f, b, s, err);
+}
+
 #endif

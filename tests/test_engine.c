@@ -37,10 +37,10 @@ static void run_alone(const eng_request *rq, int32_t *out, int32_t *n_out, seq_f
 {
     mc_config cfg = fake_cfg();
     fake f = {calloc(256 * 4, sizeof(int64_t)), 256 * 4, 0, 0};
-    eng_params p = {ENG_MODE_COLOCATED, 256, 4, 512, 8, 0, false, true};
+    eng_params p = {ENG_MODE_COLOCATED, 256, 4, 512, 8, 0, false, true, false};
     eng *e;
     char err[PD_ERR_LEN];
-    eng_executor x = {fake_forward, &f, NULL, NULL};
+    eng_executor x = {fake_forward, &f, NULL, NULL, NULL, NULL};
     CHECK(eng_create(&p, &cfg, x, &e, err) == 0);
     CHECK_MSG(eng_add_request(e, rq, err) == 0, "%s", err);
     *n_out = 0;
@@ -58,7 +58,7 @@ static void run_alone(const eng_request *rq, int32_t *out, int32_t *n_out, seq_f
     free(f.kv);
 }
 
-static int64_t g_preemptions, g_cached;
+static int64_t g_preemptions, g_cached, g_launches, g_chained;
 
 static int run_case(uint64_t seed)
 {
@@ -113,7 +113,15 @@ static int run_case(uint64_t seed)
     char err[PD_ERR_LEN];
     /* Odd seeds sample through the executor's forward_sample, as with a backend that samples
      * where the logits are; the reference (run_alone) samples on the host. */
-    eng_executor x = {fake_forward, &f, NULL, seed % 2 ? fake_forward_sample : NULL};
+    eng_executor x = {fake_forward, &f, NULL, seed % 2 ? fake_forward_sample : NULL, NULL, NULL};
+    /* Seeds 3 mod 4 pipeline their decode steps (launch / collect). */
+    fake_pipe fp = {0};
+    fp.f = &f;
+    if (seed % 4 == 3) {
+        x = (eng_executor){fake_pipe_forward, &fp, NULL, fake_pipe_forward_sample,
+                           fake_pipe_launch, fake_pipe_collect};
+        p.async_steps = true;
+    }
     int fails_before = pd_test_failures;
     CHECK(eng_create(&p, &cfg, x, &e, err) == 0);
     int added = 0, steps = 0;
@@ -155,6 +163,9 @@ static int run_case(uint64_t seed)
     }
     CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
     CHECK_EQ_INT(f.corrupt, 0);
+    CHECK_EQ_INT((int)fp.misuse, 0);
+    g_launches += fp.launches;
+    g_chained += fp.chained;
     for (int i = 0; i < n_req; i++) {
         req *r = &rq[i];
         if (r->aborted) continue;
@@ -183,9 +194,9 @@ static void test_modes(void)
     /* Prefill-only: the request finishes with PREFILLED after one token and keeps its blocks
      * until released. */
     fake f = {calloc(64 * 4, sizeof(int64_t)), 64 * 4, 0, 0};
-    eng_params p = {ENG_MODE_PREFILL, 64, 4, 64, 4, 0, true, true};
+    eng_params p = {ENG_MODE_PREFILL, 64, 4, 64, 4, 0, true, true, false};
     eng *e;
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
     int32_t prompt[10] = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
     eng_request rq = {.id = 7, .prompt = prompt, .n_prompt = 10, .sampling = smp_default_params()};
     rq.sampling.temperature = 0;
@@ -210,7 +221,7 @@ static void test_modes(void)
      * after it match a colocated run. */
     p.mode = ENG_MODE_DECODE;
     memset(f.kv, 0, 64 * 4 * sizeof(int64_t));
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
     const int32_t *blocks;
     int32_t nb;
     CHECK(eng_reserve(e, &rq, &blocks, &nb, err) == 0);
@@ -256,9 +267,9 @@ static void test_bad_requests(void)
     mc_config cfg = fake_cfg();
     char err[PD_ERR_LEN];
     fake f = {calloc(16 * 4, sizeof(int64_t)), 16 * 4, 0, 0};
-    eng_params p = {ENG_MODE_COLOCATED, 16, 4, 32, 4, 0, true, false};
+    eng_params p = {ENG_MODE_COLOCATED, 16, 4, 32, 4, 0, true, false, false};
     eng *e;
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
     int32_t prompt[40] = {1, 2, 3};
     eng_request rq = {.id = 1, .prompt = prompt, .n_prompt = 3, .sampling = smp_default_params()};
     rq.stop.max_tokens = 4;
@@ -303,9 +314,12 @@ int main(int argc, char **argv)
     for (int s = 0; s < n_seeds; s++)
         if (run_case((uint64_t)s) < 0 && ++bad > 3) break;
     fprintf(stderr, "test_engine: %d random cases, %lld preemptions, %lld prompt tokens from "
-            "the prefix cache\n", n_seeds, (long long)g_preemptions, (long long)g_cached);
+            "the prefix cache, %lld pipelined launches (%lld chained)\n", n_seeds,
+            (long long)g_preemptions, (long long)g_cached, (long long)g_launches,
+            (long long)g_chained);
     CHECK(g_preemptions > 500); /* the pools are small enough to force preemption */
     CHECK(g_cached > 100);      /* and prompts share prefixes */
+    CHECK(g_chained > 1000);    /* and pipelined steps do chain (the cases 3 mod 4) */
     test_modes();
     test_bad_requests();
     return pd_test_result("test_engine");

@@ -6,7 +6,9 @@
  * eager CPU runner on the same weights, step after step, as the batch shrinks from 5 sequences
  * (bucket 8) to 3 (bucket 4) to 1 (bucket 1), and steps that cannot replay a graph (prompt
  * chunks, logits of a subset of rows) must run eagerly. So CI, without a GPU, covers the
- * runner's padding, bucket choice, metadata layout and graph bookkeeping. */
+ * runner's padding, bucket choice, metadata layout and graph bookkeeping. With a split sample
+ * op (greedy, on the host) it also runs pipelined steps (mr_launch / mr_collect) against the
+ * same steps one at a time. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -177,6 +179,47 @@ static int w_upload_rows(void *ctx, void *dst, size_t dst_pitch, const void *src
     return 0;
 }
 
+/* The split sample op (sample_launch / sample_collect), greedy rows only: the queue is the CPU,
+ * so a launch picks at once; its picks wait in the slot for the collect, and go to ids_out as
+ * the op's contract says. A launch over a slot not yet collected is an error. */
+static struct {
+    int32_t n;
+    int32_t tok[64];
+} g_slot[2];
+static int g_pipe_launches;
+
+static int w_sample_launch(void *ctx, void *logits, int32_t n, int32_t vocab,
+                           const pd_sample_row *rows, const pd_penalty_tok *pen, int32_t n_pen,
+                           bool logprobs, int32_t *ids_out, int slot)
+{
+    (void)ctx;
+    (void)pen;
+    if (g_rec || slot < 0 || slot > 1 || g_slot[slot].n || n <= 0 || n > 64 || n_pen ||
+        logprobs)
+        return PD_EINVAL;
+    for (int32_t i = 0; i < n; i++) {
+        if (rows[i].temperature > 0.0f) return PD_EINVAL; /* greedy only */
+        const float *l = (const float *)logits + (size_t)i * vocab;
+        int32_t b = 0;
+        for (int32_t t = 1; t < vocab; t++)
+            if (l[t] > l[b]) b = t;
+        g_slot[slot].tok[i] = b;
+        if (ids_out) ids_out[i] = b; /* backend memory is host memory here */
+    }
+    g_slot[slot].n = n;
+    g_pipe_launches++;
+    return 0;
+}
+
+static int w_sample_collect(void *ctx, int slot, int32_t *tokens, float *logprobs)
+{
+    (void)ctx;
+    if (slot < 0 || slot > 1 || !g_slot[slot].n || logprobs) return PD_EINVAL;
+    memcpy(tokens, g_slot[slot].tok, (size_t)g_slot[slot].n * sizeof *tokens);
+    g_slot[slot].n = 0;
+    return 0;
+}
+
 static int open_backend(bool graphs, pd_backend **out, char *err)
 {
     int rc = pd_backend_create("cpu", NULL, out, err);
@@ -199,6 +242,8 @@ static int open_backend(bool graphs, pd_backend **out, char *err)
     g_ops.host_alloc = w_host_alloc;
     g_ops.host_free = w_host_free;
     g_ops.upload_rows = w_upload_rows;
+    g_ops.sample_launch = w_sample_launch;
+    g_ops.sample_collect = w_sample_collect;
     (*out)->ops = &g_ops;
     return 0;
 }
@@ -343,11 +388,114 @@ static void run(const char *name)
     tg_close(&eg);
 }
 
+/* Pipelined decode steps (mr_launch / mr_collect) on a graph runner against the same steps run
+ * one at a time on another: step k + 1 launched before step k is collected, its input ids
+ * taken from step k's picks on the backend (the batch's own ids are 0, never read). The picks
+ * must be the same tokens, step after step (the same graphs over the same data). Misuse is
+ * PD_ESTATE, batches a graph does not take PD_EUNSUPPORTED. */
+static void run_pipelined(const char *name)
+{
+    char dir[1024], err[PD_ERR_LEN] = "";
+    snprintf(dir, sizeof dir, "%s/testdata/golden/%s", pd_test_shared_dir(), name);
+    tg_model gp = {0}, gs = {0};
+    if (side_open(dir, true, &gp, err) < 0 || side_open(dir, true, &gs, err) < 0) {
+        CHECK_MSG(0, "%s: %s", name, err);
+        tg_close(&gp);
+        tg_close(&gs);
+        return;
+    }
+    CHECK(mr_can_launch(gp.r));
+    enum { NS = 3, STEPS = 10 };
+    const int32_t V = gp.m->cfg.vocab_size, width = mr_max_blocks_per_seq(gp.r);
+    const int32_t q_lens[NS] = {7, 19, 12};
+    int32_t *bt = calloc((size_t)NS * width, sizeof *bt);
+    float *lg = malloc((size_t)64 * V * sizeof(float));
+    int32_t ids[64], pos[64], slots[64], rows[64], cu[NS + 1] = {0}, ctx[NS], last[NS];
+    for (int s = 0; s < NS; s++)
+        for (int b = 0; b < (q_lens[s] + STEPS + 2 + BS - 1) / BS; b++) bt[s * width + b] = s + NS * b;
+    int32_t T = 0;
+    uint32_t rs = 777;
+    for (int s = 0; s < NS; s++) {
+        cu[s + 1] = cu[s] + q_lens[s];
+        ctx[s] = q_lens[s];
+        rows[s] = cu[s + 1] - 1;
+        for (int i = 0; i < q_lens[s]; i++, T++) {
+            rs = rs * 1664525u + 1013904223u;
+            ids[T] = (int32_t)(rs % (uint32_t)V);
+            pos[T] = i;
+            slots[T] = bt[s * width + i / BS] * BS + i % BS;
+        }
+    }
+    mr_batch b = {T, ids, pos, slots, NS, cu, ctx, bt, width, NS, rows};
+    pd_sample_row srow[NS];
+    memset(srow, 0, sizeof srow);
+    for (int s = 0; s < NS; s++) srow[s].top_p = 1.0f; /* greedy */
+    int32_t tk[2][NS], dummy[NS];
+    mr_sampling smp = {srow, NULL, 0, tk[0], NULL};
+    CHECK_EQ_INT(mr_launch(gp.r, &b, &smp, false, err), PD_EUNSUPPORTED); /* a prompt batch */
+    CHECK(mr_forward(gp.r, &b, lg, err) == 0 && mr_forward(gs.r, &b, lg, err) == 0);
+    for (int s = 0; s < NS; s++) last[s] = argmax(lg + (size_t)s * V, V);
+    CHECK_EQ_INT(mr_collect(gp.r, err), PD_ESTATE); /* nothing launched */
+    int32_t dcu[NS + 1], dctx[NS];
+    /* step k's batch, its ids the host's picks (from_host) or 0 */
+    #define STEP_BATCH(k, from_host)                                                        \
+        for (int s = 0; s < NS; s++) {                                                     \
+            const int32_t p = q_lens[s] + (k);                                             \
+            ids[s] = (from_host) ? last[s] : 0;                                            \
+            pos[s] = p;                                                                    \
+            slots[s] = bt[s * width + p / BS] * BS + p % BS;                               \
+            dctx[s] = p + 1;                                                               \
+            dcu[s + 1] = s + 1;                                                            \
+            rows[s] = s;                                                                   \
+        }                                                                                  \
+        dcu[0] = 0;
+    mr_batch d = {NS, ids, pos, slots, NS, dcu, dctx, bt, width, NS, rows};
+    STEP_BATCH(0, true);
+    CHECK_EQ_INT(mr_launch(gp.r, &d, &smp, true, err), PD_ESTATE); /* nothing to chain onto */
+    CHECK(mr_launch(gp.r, &d, &smp, false, err) == 0);
+    int same = 0;
+    for (int k = 0; k < STEPS; k++) {
+        /* the one-at-a-time runner: step k with the true ids */
+        STEP_BATCH(k, true);
+        CHECK(mr_forward(gs.r, &d, lg, err) == 0);
+        int32_t want[NS];
+        for (int s = 0; s < NS; s++) want[s] = argmax(lg + (size_t)s * V, V);
+        /* the pipelined one: step k + 1 launched before step k is collected */
+        if (k + 1 < STEPS) {
+            STEP_BATCH(k + 1, false);
+            smp.tokens = tk[(k + 1) & 1];
+            CHECK_MSG(mr_launch(gp.r, &d, &smp, true, err) == 0, "%s step %d: %s", name, k + 1, err);
+            if (k == 0) {
+                smp.tokens = dummy;
+                CHECK_EQ_INT(mr_launch(gp.r, &d, &smp, true, err), PD_ESTATE); /* a third */
+            }
+        }
+        CHECK_MSG(mr_collect(gp.r, err) == 0, "%s step %d: %s", name, k, err);
+        for (int s = 0; s < NS; s++) {
+            same += tk[k & 1][s] == want[s];
+            last[s] = want[s];
+        }
+    }
+    CHECK_EQ_INT(mr_collect(gp.r, err), PD_ESTATE);
+    CHECK_MSG(same == NS * STEPS, "%s: %d of %d pipelined picks equal the one-at-a-time ones", name,
+              same, NS * STEPS);
+    printf("  %-11s %d pipelined decode steps of %d sequences: %d of %d picks as one at a time\n",
+           name, STEPS, NS, same, NS * STEPS);
+    #undef STEP_BATCH
+    free(bt);
+    free(lg);
+    tg_close(&gp);
+    tg_close(&gs);
+}
+
 int main(void)
 {
     printf("test_graph_replay: decode graphs recorded and replayed on the CPU backend\n");
     run("qwen3-tiny");
     run("llama-tiny");
+    run_pipelined("qwen3-tiny");
+    run_pipelined("llama-tiny");
     CHECK(g_replays > 0);
+    CHECK(g_pipe_launches > 0);
     return pd_test_result("test_graph_replay");
 }

@@ -83,10 +83,10 @@ static void run_alone(const eng_request *rq, int32_t *out, int32_t *n)
 {
     mc_config cfg = fake_cfg();
     fake f = {calloc(64 * 4, sizeof(int64_t)), 64 * 4, 0, 0};
-    eng_params p = {ENG_MODE_COLOCATED, 64, 4, 256, 8, 0, false, true};
+    eng_params p = {ENG_MODE_COLOCATED, 64, 4, 256, 8, 0, false, true, false};
     eng *e;
     char err[PD_ERR_LEN];
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
     CHECK(eng_add_request(e, rq, err) == 0);
     *n = 0;
     while (eng_has_work(e)) {
@@ -120,10 +120,10 @@ static void test_concurrent(void)
     g_items[13].prompt[0] = V + 1;
     mc_config cfg = fake_cfg();
     fake f = {calloc(48 * 4, sizeof(int64_t)), 48 * 4, 0, 200};
-    eng_params p = {ENG_MODE_COLOCATED, 48, 4, 64, 16, 0, true, true};
+    eng_params p = {ENG_MODE_COLOCATED, 48, 4, 64, 16, 0, true, true, false};
     eng *e;
     char err[PD_ERR_LEN];
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
     ew_callbacks cb = {on_output, on_error, on_reserved, NULL, NULL};
     CHECK(ew_create(e, &cb, &g_w) == 0);
     pthread_t th[N_THREADS + 1];
@@ -192,10 +192,10 @@ static void test_decode_and_shutdown(void)
 {
     mc_config cfg = fake_cfg();
     fake f = {calloc(64 * 4, sizeof(int64_t)), 64 * 4, 0, 2000};
-    eng_params p = {ENG_MODE_DECODE, 64, 4, 64, 8, 0, true, true};
+    eng_params p = {ENG_MODE_DECODE, 64, 4, 64, 8, 0, true, true, false};
     eng *e;
     char err[PD_ERR_LEN];
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
     ew_callbacks cb = {on_output, on_error, on_reserved, NULL, NULL};
     CHECK(ew_create(e, &cb, &g_w) == 0);
     item *a = &g_items[0], *b = &g_items[1], *c = &g_items[2];

@@ -390,7 +390,7 @@ int main(int argc, char **argv)
                 mp.kv_cache_bytes ? "" : ", from --gpu-memory-utilization", mr_n_graphs(r));
     }
     eng_params ep = {ENG_MODE_COLOCATED, n_blocks, block_size, mp.max_num_batched_tokens,
-                     mp.max_num_seqs, 0, prefix_cache, chunked};
+                     mp.max_num_seqs, 0, prefix_cache, chunked, eng_async_steps_default()};
     run_result res;
     if (warmup) {
         /* cuBLAS picks its algorithms and the driver loads kernels on first use: keep that

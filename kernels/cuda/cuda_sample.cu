@@ -718,7 +718,7 @@ static __global__ void __launch_bounds__(GR_THREADS) greedy_kernel(const bf16 *l
                                                                    int32_t vocab, int32_t nb,
                                                                    int32_t vec, float2 *part,
                                                                    unsigned *count,
-                                                                   int32_t *tok)
+                                                                   int32_t *tok, int32_t *ids)
 {
     __shared__ bool last;
     const int32_t row = (int32_t)blockIdx.x / nb, b = (int32_t)blockIdx.x % nb;
@@ -760,24 +760,41 @@ static __global__ void __launch_bounds__(GR_THREADS) greedy_kernel(const bf16 *l
     }
     block_best(bv, bi);
     if (threadIdx.x == 0) {
-        tok[row] = s_x.best == INT32_MAX ? 0 : s_x.best; /* nothing can win: 0, as smp_sample */
+        const int32_t t = s_x.best == INT32_MAX ? 0 : s_x.best; /* nothing can win: 0, as smp_sample */
+        tok[row] = t;
+        if (ids) ids[row] = t; /* the next step's input */
         count[row] = 0; /* for the next launch */
     }
 }
 
 /* ---- host side ---- */
 
+/* One set of the op's buffers: pinned host memory (rows | penalty list | tokens | logprobs)
+ * and its device twin, of `bytes` each. */
 typedef struct {
-    unsigned char *host;        /* pinned: rows | penalty list | tokens | logprobs */
-    unsigned char *dev;         /* device: the same layout */
+    unsigned char *host;
+    unsigned char *dev;
     unsigned char *host_dev;    /* host as the device addresses it (mapped), or NULL */
-    size_t bytes;               /* size of both */
+    size_t bytes;
+} smp_buf;
+
+/* The sets: SMP_SYNC for the sample op, 0 and 1 for sample_launch's slots (a slot's set is
+ * reused only once its last launch was collected). */
+#define SMP_SYNC 2
+
+typedef struct {
+    smp_buf buf[3];
+    cudaEvent_t done[2];        /* sample_launch: recorded after the slot's results */
+    int32_t n[2];               /* sample_launch: the slot's rows, */
+    size_t out_off[2];          /* where its results are in its set, */
+    bool want_lp[2];            /* whether it computed logprobs */
     uint32_t *mark;             /* duplicate check: stamp per token, mark_n tokens */
     int32_t mark_n;
     uint32_t stamp;
     size_t smem_max;            /* the device's opt-in limit per block */
     float2 *gr_part;            /* greedy_kernel: [gr_rows][GR_MAX_BLOCKS] bests */
-    unsigned *gr_count;         /* [gr_rows] blocks done, zero between launches */
+    unsigned *gr_count;         /* [gr_rows] blocks done, zero between launches (the launches
+                                 * of both slots run in queue order: one scratch serves) */
     int32_t gr_rows;
     int max_cluster;            /* 8 with thread block clusters, 1 without */
 } smp_state;
@@ -786,8 +803,12 @@ extern "C" void pd_cuda__sample_free(void *state)
 {
     smp_state *st = (smp_state *)state;
     if (!st) return;
-    if (st->host) (void)cudaFreeHost(st->host);
-    if (st->dev) (void)cudaFree(st->dev);
+    for (int i = 0; i < 3; i++) {
+        if (st->buf[i].host) (void)cudaFreeHost(st->buf[i].host);
+        if (st->buf[i].dev) (void)cudaFree(st->buf[i].dev);
+    }
+    for (int i = 0; i < 2; i++)
+        if (st->done[i]) (void)cudaEventDestroy(st->done[i]);
     if (st->gr_part) (void)cudaFree(st->gr_part);
     if (st->gr_count) (void)cudaFree(st->gr_count);
     free(st->mark);
@@ -826,6 +847,15 @@ static int state_get(pd_cuda_ctx *c, smp_state **out)
                             __FILE__, __LINE__);
             free(st);
             return PD_EBACKEND;
+        }
+        for (int i = 0; i < 2; i++) {
+            e = cudaEventCreateWithFlags(&st->done[i], cudaEventDisableTiming);
+            if (e != cudaSuccess) {
+                pd_cuda__report("cudaEventCreateWithFlags(&st->done[i])", cudaGetErrorString(e),
+                                __FILE__, __LINE__);
+                pd_cuda__sample_free(st);
+                return PD_EBACKEND;
+            }
         }
         c->sample_state = st;
     }
@@ -911,96 +941,80 @@ static cudaError_t launch(pd_cuda_ctx *c, const smp_args &a, int32_t n, size_t s
     return cudaLaunchKernelEx(&cfg, sample_kernel, a);
 }
 
-/* The op's results back: out_b bytes of st's output area (at out_off: the tokens, then the
- * log-probabilities at the next 16 bytes), after the queue. */
-static int copy_out(pd_cuda_ctx *c, smp_state *st, size_t out_off, size_t out_b, int32_t n,
-                    int32_t *tokens, float *logprobs, bool written)
+/* Set b at least `need` bytes (what it held is not kept). */
+static int buf_reserve(smp_buf *b, size_t need)
 {
-    pd_cuda__steptime_mark(c, PD_ST_COPY);
-    if (!written)
-        PD_CUDA_CHECK(cudaMemcpyAsync(st->host + out_off, st->dev + out_off, out_b,
-                                      cudaMemcpyDeviceToHost, c->stream));
-    pd_cuda__steptime_mark(c, PD_ST_COPY_END);
-    PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-    PD_CUDA_CHECK(cudaGetLastError());
-    pd_cuda__steptime_end(c);
-    memcpy(tokens, st->host + out_off, (size_t)n * sizeof *tokens);
-    if (logprobs)
-        memcpy(logprobs, st->host + out_off + align16((size_t)n * sizeof(int32_t)),
-               (size_t)n * sizeof *logprobs);
+    if (need <= b->bytes) return 0;
+    const size_t want = (need + 65535) & ~(size_t)65535;
+    if (b->host) (void)cudaFreeHost(b->host);
+    if (b->dev) (void)cudaFree(b->dev);
+    b->host = b->dev = b->host_dev = NULL;
+    b->bytes = 0;
+    PD_CUDA_CHECK(cudaMallocHost((void **)&b->host, want));
+    PD_CUDA_CHECK(cudaMalloc((void **)&b->dev, want));
+    b->bytes = want;
+    if (cudaHostGetDevicePointer((void **)&b->host_dev, b->host, 0) != cudaSuccess) {
+        b->host_dev = NULL; /* not mapped: the tokens come back by copy */
+        (void)cudaGetLastError();
+    }
     return 0;
 }
 
-/* The sample op when greedy_kernel suffices: the tokens through the output area of st's
- * buffers (at out_off), nothing uploaded. */
-static int greedy_rows(pd_cuda_ctx *c, smp_state *st, void *logits, int32_t n, int32_t vocab,
-                       int32_t *tokens, size_t out_off)
+/* Queues the op for n validated rows through set b: the rows and penalty list go in with one
+ * copy; the tokens (then the logprobs, from the next 16 bytes) reach b's pinned memory at
+ * *out_off when the queue gets there. With ids (device memory), the tokens go there too. */
+static int enqueue(pd_cuda_ctx *c, smp_state *st, smp_buf *b, void *logits, int32_t n,
+                   int32_t vocab, const pd_sample_row *rows, const pd_penalty_tok *pen,
+                   int32_t n_pen, bool want_lp, int32_t *ids, size_t *out_off)
 {
-    if (n > st->gr_rows) {
-        if (st->gr_part) (void)cudaFree(st->gr_part);
-        if (st->gr_count) (void)cudaFree(st->gr_count);
-        st->gr_part = NULL;
-        st->gr_count = NULL;
-        st->gr_rows = 0;
-        PD_CUDA_CHECK(cudaMalloc((void **)&st->gr_part, (size_t)n * GR_MAX_BLOCKS * sizeof(float2)));
-        PD_CUDA_CHECK(cudaMalloc((void **)&st->gr_count, (size_t)n * sizeof(unsigned)));
-        PD_CUDA_CHECK(cudaMemsetAsync(st->gr_count, 0, (size_t)n * sizeof(unsigned), c->stream));
-        st->gr_rows = n;
-    }
-    /* about two blocks an SM, each at least 8 tokens a thread */
-    int32_t nb = 2 * c->sm_count / n;
-    const int32_t most = (vocab + 8 * GR_THREADS - 1) / (8 * GR_THREADS);
-    if (nb > most) nb = most;
-    if (nb > GR_MAX_BLOCKS) nb = GR_MAX_BLOCKS;
-    if (nb < 1) nb = 1;
-    const int32_t vec = vocab % 8 == 0 && ((uintptr_t)logits & 15) == 0;
-    /* The tokens straight into the pinned buffer when the device can write it (one copy's
-     * latency less a step), else through the device's */
-    int32_t *tok = st->host_dev ? (int32_t *)(st->host_dev + out_off) : (int32_t *)(st->dev + out_off);
-    greedy_kernel<<<(unsigned)n * (unsigned)nb, GR_THREADS, 0, c->stream>>>(
-        (const bf16 *)logits, vocab, nb, vec, st->gr_part, st->gr_count, tok);
-    PD_CUDA_CHECK(cudaGetLastError());
-    return copy_out(c, st, out_off, (size_t)n * sizeof *tokens, n, tokens, NULL,
-                    st->host_dev != NULL);
-}
-
-extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab,
-                               const pd_sample_row *rows, const pd_penalty_tok *pen,
-                               int32_t n_pen, int32_t *tokens, float *logprobs)
-{
-    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
-    smp_state *st = NULL;
-    int rc = state_get(c, &st);
-    if (rc < 0) return rc;
-    rc = validate(st, logits, n, vocab, rows, pen, n_pen, tokens);
-    if (rc < 0) return rc;
     bool bitmap = false;
     for (int32_t r = 0; r < n && !bitmap; r++) bitmap = rows[r].pen_n > 0;
-
-    /* Buffers: the input (rows, list) goes in with one copy, the output comes back with one. */
     const size_t rows_b = align16((size_t)n * sizeof *rows);
     const size_t in_b = rows_b + align16((size_t)n_pen * sizeof *pen);
-    const size_t out_b = align16((size_t)n * sizeof(int32_t)) + (size_t)n * sizeof(float);
-    if (in_b + out_b > st->bytes) {
-        size_t want = (in_b + out_b + 65535) & ~(size_t)65535;
-        if (st->host) (void)cudaFreeHost(st->host);
-        if (st->dev) (void)cudaFree(st->dev);
-        st->host = st->dev = st->host_dev = NULL;
-        st->bytes = 0;
-        PD_CUDA_CHECK(cudaMallocHost((void **)&st->host, want));
-        PD_CUDA_CHECK(cudaMalloc((void **)&st->dev, want));
-        st->bytes = want;
-        if (cudaHostGetDevicePointer((void **)&st->host_dev, st->host, 0) != cudaSuccess) {
-            st->host_dev = NULL; /* not mapped: the tokens come back by copy */
-            (void)cudaGetLastError();
-        }
-    }
-    bool greedy = !logprobs; /* every row's first largest logit is all it takes */
+    const size_t tok_b = align16((size_t)n * sizeof(int32_t));
+    const size_t out_b = tok_b + (size_t)n * sizeof(float);
+    int rc = buf_reserve(b, in_b + out_b);
+    if (rc < 0) return rc;
+    *out_off = in_b;
+
+    bool greedy = !want_lp; /* every row's first largest logit is all it takes */
     for (int32_t r = 0; r < n && greedy; r++)
         greedy = !(rows[r].temperature >= SMP_GREEDY_EPS) && rows[r].pen_n == 0;
-    if (greedy) return greedy_rows(c, st, logits, n, vocab, tokens, in_b);
-    memcpy(st->host, rows, (size_t)n * sizeof *rows);
-    if (n_pen > 0) memcpy(st->host + rows_b, pen, (size_t)n_pen * sizeof *pen);
+    if (greedy) { /* nothing uploaded */
+        if (n > st->gr_rows) {
+            if (st->gr_part) (void)cudaFree(st->gr_part);
+            if (st->gr_count) (void)cudaFree(st->gr_count);
+            st->gr_part = NULL;
+            st->gr_count = NULL;
+            st->gr_rows = 0;
+            PD_CUDA_CHECK(cudaMalloc((void **)&st->gr_part,
+                                     (size_t)n * GR_MAX_BLOCKS * sizeof(float2)));
+            PD_CUDA_CHECK(cudaMalloc((void **)&st->gr_count, (size_t)n * sizeof(unsigned)));
+            PD_CUDA_CHECK(cudaMemsetAsync(st->gr_count, 0, (size_t)n * sizeof(unsigned), c->stream));
+            st->gr_rows = n;
+        }
+        /* about two blocks an SM, each at least 8 tokens a thread */
+        int32_t nb = 2 * c->sm_count / n;
+        const int32_t most = (vocab + 8 * GR_THREADS - 1) / (8 * GR_THREADS);
+        if (nb > most) nb = most;
+        if (nb > GR_MAX_BLOCKS) nb = GR_MAX_BLOCKS;
+        if (nb < 1) nb = 1;
+        const int32_t vec = vocab % 8 == 0 && ((uintptr_t)logits & 15) == 0;
+        /* the tokens straight into the pinned memory when the device can write it (one
+         * copy's latency less a step), else through the device's */
+        int32_t *tok = (int32_t *)((b->host_dev ? b->host_dev : b->dev) + in_b);
+        greedy_kernel<<<(unsigned)n * (unsigned)nb, GR_THREADS, 0, c->stream>>>(
+            (const bf16 *)logits, vocab, nb, vec, st->gr_part, st->gr_count, tok, ids);
+        PD_CUDA_CHECK(cudaGetLastError());
+        pd_cuda__steptime_mark(c, PD_ST_COPY);
+        if (!b->host_dev)
+            PD_CUDA_CHECK(cudaMemcpyAsync(b->host + in_b, b->dev + in_b, tok_b,
+                                          cudaMemcpyDeviceToHost, c->stream));
+        pd_cuda__steptime_mark(c, PD_ST_COPY_END);
+        return 0;
+    }
+    memcpy(b->host, rows, (size_t)n * sizeof *rows);
+    if (n_pen > 0) memcpy(b->host + rows_b, pen, (size_t)n_pen * sizeof *pen);
 
     int C = pick_cluster(c, st, n, vocab);
     size_t smem = smem_bytes(vocab, C, bitmap);
@@ -1018,19 +1032,19 @@ extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab
     }
     smp_args a;
     a.logits = (const bf16 *)logits;
-    a.rows = (const pd_sample_row *)st->dev;
-    a.pen = (const pd_penalty_tok *)(st->dev + rows_b);
-    a.tok = (int32_t *)(st->dev + in_b);
-    a.lp = (float *)(st->dev + in_b + align16((size_t)n * sizeof(int32_t)));
+    a.rows = (const pd_sample_row *)b->dev;
+    a.pen = (const pd_penalty_tok *)(b->dev + rows_b);
+    a.tok = (int32_t *)(b->dev + in_b);
+    a.lp = (float *)(b->dev + in_b + tok_b);
     a.vocab = vocab;
     a.cluster = C;
     a.shift = shift;
     a.id_bits = vocab > 1 ? 32 - __builtin_clz((unsigned)(vocab - 1)) : 1;
-    a.want_lp = logprobs != NULL;
+    a.want_lp = want_lp;
     a.vec = vocab % 8 == 0 && ((uintptr_t)logits & 15) == 0;
     a.bitmap = bitmap;
 
-    PD_CUDA_CHECK(cudaMemcpyAsync(st->dev, st->host, in_b, cudaMemcpyHostToDevice, c->stream));
+    PD_CUDA_CHECK(cudaMemcpyAsync(b->dev, b->host, in_b, cudaMemcpyHostToDevice, c->stream));
     cudaError_t e = launch(c, a, n, smem);
     if (e != cudaSuccess && C > 1) {
         /* A cluster that cannot be placed: one block per row gives the same results. */
@@ -1044,5 +1058,79 @@ extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab
         e = launch(c, a, n, smem);
     }
     PD_CUDA_CHECK(e);
-    return copy_out(c, st, in_b, out_b, n, tokens, logprobs, false);
+    if (ids)
+        PD_CUDA_CHECK(cudaMemcpyAsync(ids, a.tok, (size_t)n * sizeof(int32_t),
+                                      cudaMemcpyDeviceToDevice, c->stream));
+    pd_cuda__steptime_mark(c, PD_ST_COPY);
+    PD_CUDA_CHECK(cudaMemcpyAsync(b->host + in_b, b->dev + in_b, out_b, cudaMemcpyDeviceToHost,
+                                  c->stream));
+    pd_cuda__steptime_mark(c, PD_ST_COPY_END);
+    return 0;
+}
+
+/* The results of n rows out of set b's pinned memory at off (once they are there). */
+static void take(const smp_buf *b, size_t off, int32_t n, int32_t *tokens, float *logprobs)
+{
+    memcpy(tokens, b->host + off, (size_t)n * sizeof *tokens);
+    if (logprobs)
+        memcpy(logprobs, b->host + off + align16((size_t)n * sizeof(int32_t)),
+               (size_t)n * sizeof *logprobs);
+}
+
+extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab,
+                               const pd_sample_row *rows, const pd_penalty_tok *pen,
+                               int32_t n_pen, int32_t *tokens, float *logprobs)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    smp_state *st = NULL;
+    int rc = state_get(c, &st);
+    if (rc < 0) return rc;
+    rc = validate(st, logits, n, vocab, rows, pen, n_pen, tokens);
+    if (rc < 0) return rc;
+    smp_buf *b = &st->buf[SMP_SYNC];
+    size_t off = 0;
+    if ((rc = enqueue(c, st, b, logits, n, vocab, rows, pen, n_pen, logprobs != NULL, NULL,
+                      &off)) < 0)
+        return rc;
+    PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    PD_CUDA_CHECK(cudaGetLastError());
+    pd_cuda__steptime_end(c);
+    take(b, off, n, tokens, logprobs);
+    return 0;
+}
+
+extern "C" int pd_cuda__sample_launch(void *ctx, void *logits, int32_t n, int32_t vocab,
+                                      const pd_sample_row *rows, const pd_penalty_tok *pen,
+                                      int32_t n_pen, bool logprobs, int32_t *ids_out, int slot)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    if (slot < 0 || slot > 1) return PD_EINVAL;
+    smp_state *st = NULL;
+    int rc = state_get(c, &st);
+    if (rc < 0) return rc;
+    const int32_t dummy = 0;
+    rc = validate(st, logits, n, vocab, rows, pen, n_pen, &dummy);
+    if (rc < 0) return rc;
+    if ((rc = enqueue(c, st, &st->buf[slot], logits, n, vocab, rows, pen, n_pen, logprobs,
+                      ids_out, &st->out_off[slot])) < 0)
+        return rc;
+    PD_CUDA_CHECK(cudaEventRecord(st->done[slot], c->stream));
+    st->n[slot] = n;
+    st->want_lp[slot] = logprobs;
+    return 0;
+}
+
+extern "C" int pd_cuda__sample_collect(void *ctx, int slot, int32_t *tokens, float *logprobs)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    smp_state *st = (smp_state *)c->sample_state;
+    if (!st || slot < 0 || slot > 1 || !tokens || st->n[slot] <= 0 ||
+        (logprobs && !st->want_lp[slot]))
+        return PD_EINVAL;
+    PD_CUDA_CHECK(cudaEventSynchronize(st->done[slot]));
+    PD_CUDA_CHECK(cudaGetLastError());
+    pd_cuda__steptime_end(c);
+    take(&st->buf[slot], st->out_off[slot], st->n[slot], tokens, logprobs);
+    st->n[slot] = 0;
+    return 0;
 }
