@@ -382,10 +382,13 @@ struct dl_out {
 };
 
 /* One stage's products for this block: the slots of its columns as the producer filled them.
- * On the tensor cores, as the GEMV kernel of cuda_linear.cu does it: a warp step is one
- * mma.m16n8k16 pair over 32 k of 8 weight rows (B, lane (g, t) holding 8 consecutive k of row
- * g, 16 bytes) and of the n <= 8 x rows (A rows g; rows past n feed outputs that are dropped).
- * A slot's steps (at most DL_SLOT_STEPS a warp) are spread over the consumer warps, each
+ * On the tensor cores: a warp step covers 32 k of the 8 weight rows, lane (g, t) holding 8
+ * consecutive k of row g (16 bytes). Up to 4 x rows the weights are mma.m16n8k16's A, one mma
+ * a step: A row g takes 4 of the lane's k, row g + 8 the other 4, and x is B, its column 2q + h
+ * x row q's matching 4 k (loaded by lane 2q + h alone), so D[g][2q] + D[g + 8][2q + 1] is unit
+ * g's sum for x row q (+1.5% a step against the pair below: docs/perf.md). With more x rows, as
+ * the GEMV kernel of cuda_linear.cu does it: an mma pair, the weights as B and the n <= 8 x
+ * rows as A rows g (rows past n feed outputs that are dropped). A slot's steps (at most DL_SLOT_STEPS a warp) are spread over the consumer warps, each
  * loaded before any is multiplied, into accumulators of their own (no chain of dependent
  * mma). Each warp stores its sums of a group in its own part of wred ([warp][unit][NMAX]: no
  * atomics, which contended 8 ways); after a chunk of groups (all of a layer's stage, the head
@@ -401,6 +404,9 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int32_t kc = s.k / 8, n = p.n, chunk = s.swiglu ? CH / 2 : CH;
     const uint4 *xrow = reinterpret_cast<const uint4 *>(xs) + (size_t)min(g, n - 1) * kc + t;
+    /* NMAX <= 4: lane (g, t) with g < 2n: x row g / 2, the half g % 2 of its 8 k (uint2s) */
+    const uint2 *xh = reinterpret_cast<const uint2 *>(xs) + (size_t)min(g >> 1, n - 1) * 2 * kc +
+                      2 * t + (g & 1);
     float *wmine = wred + (size_t)warp * CH * NMAX;
     unsigned long long waited = 0, n_wait = 0;
     for (int32_t cb = s.c0; cb < s.c1; cb += chunk) {
@@ -420,31 +426,58 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                     const uint4 *wrow = reinterpret_cast<const uint4 *>(
                                             ring + (size_t)pos.slot() * p.slot_bytes) +
                                         (size_t)g * (len / 8) + t;
-                    const uint4 *xr = xrow + k0 / 8;
-                    uint4 wv[DL_SLOT_STEPS], xv[DL_SLOT_STEPS];
+                    if constexpr (NMAX <= 4) {
+                        /* the weight rows as A: rows g (k-half 0: 4 of the lane's 8 k) and
+                         * g + 8 (the other 4); x as B, column 2q + h holding x row q's
+                         * matching half (lanes 2q + h load those 4 k, the others zeros):
+                         * one mma a step, D[g][2q] + D[g + 8][2q + 1] the sum */
+                        uint4 wv[DL_SLOT_STEPS];
+                        uint2 xv[DL_SLOT_STEPS];
 #pragma unroll
-                    for (int i = 0; i < DL_SLOT_STEPS; i++)
-                        if (i < per) {
-                            wv[i] = wrow[(warp + i * DL_CW) * 4];
-                            xv[i] = xr[(warp + i * DL_CW) * 4];
-                        }
+                        for (int i = 0; i < DL_SLOT_STEPS; i++)
+                            if (i < per) {
+                                wv[i] = wrow[(warp + i * DL_CW) * 4];
+                                xv[i] = g < 2 * n ? xh[k0 / 4 + (warp + i * DL_CW) * 8]
+                                                  : make_uint2(0u, 0u);
+                            }
 #pragma unroll
-                    for (int i = 0; i < DL_SLOT_STEPS; i++)
-                        if (i < per) {
-                            mma_bf16(d[i & 1], xv[i].x, 0u, xv[i].y, 0u, wv[i].x, wv[i].y);
-                            mma_bf16(d[i & 1], xv[i].z, 0u, xv[i].w, 0u, wv[i].z, wv[i].w);
-                        }
+                        for (int i = 0; i < DL_SLOT_STEPS; i++)
+                            if (i < per)
+                                mma_bf16(d[i & 1], wv[i].x, wv[i].z, wv[i].y, wv[i].w, xv[i].x,
+                                         xv[i].y);
+                    } else {
+                        const uint4 *xr = xrow + k0 / 8;
+                        uint4 wv[DL_SLOT_STEPS], xv[DL_SLOT_STEPS];
+#pragma unroll
+                        for (int i = 0; i < DL_SLOT_STEPS; i++)
+                            if (i < per) {
+                                wv[i] = wrow[(warp + i * DL_CW) * 4];
+                                xv[i] = xr[(warp + i * DL_CW) * 4];
+                            }
+#pragma unroll
+                        for (int i = 0; i < DL_SLOT_STEPS; i++)
+                            if (i < per) {
+                                mma_bf16(d[i & 1], xv[i].x, 0u, xv[i].y, 0u, wv[i].x, wv[i].y);
+                                mma_bf16(d[i & 1], xv[i].z, 0u, xv[i].w, 0u, wv[i].z, wv[i].w);
+                            }
+                    }
                 }
                 __syncwarp();
                 if (lane == 0 && !(p.debug & 8)) pd_mbar_arrive(&empty[pos.slot()]); /* free */
             }
-            /* lane (g, t): x row g, units 2t and 2t + 1 of the group */
+            if constexpr (NMAX <= 4) { /* lane (g, t): unit g of the group, x row t */
+                const float v = d[0][0] + d[1][0] + d[0][3] + d[1][3];
+                const int col = s.swiglu ? (g & 3) : g;
+                if (t < n && col < vc)
+                    wmine[((s.swiglu && g >= 4 ? ncols : 0) + c - cb + col) * NMAX + t] = v;
+            } else { /* lane (g, t): x row g, units 2t and 2t + 1 of the group */
 #pragma unroll
-            for (int j = 0; j < 2; j++) {
-                const float v = d[0][j] + d[1][j];
-                const int u = 2 * t + j, col = s.swiglu ? (u & 3) : u;
-                if (g < n && col < vc)
-                    wmine[((s.swiglu && u >= 4 ? ncols : 0) + c - cb + col) * NMAX + g] = v;
+                for (int j = 0; j < 2; j++) {
+                    const float v = d[0][j] + d[1][j];
+                    const int u = 2 * t + j, col = s.swiglu ? (u & 3) : u;
+                    if (g < n && col < vc)
+                        wmine[((s.swiglu && u >= 4 ? ncols : 0) + c - cb + col) * NMAX + g] = v;
+                }
             }
         }
         if (cb + ncols >= s.c1) {
