@@ -297,10 +297,8 @@ void eng_destroy(eng *e)
 {
     if (!e) return;
     char err[PD_ERR_LEN];
-    while (e->n_fl > 0 && e->fl[0].seq) { /* the executor may still write their buffers */
+    for (; e->n_fl > 0; e->n_fl--) /* launched steps may still write their buffers */
         (void)e->exec.collect(e->exec.ctx, err);
-        e->n_fl--;
-    }
     for (int32_t i = 0; i < e->n_limbo; i++) seq_free(e->limbo[i]);
     free(e->limbo);
     for (int k = 0; k < 2; k++) {

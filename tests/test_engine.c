@@ -262,6 +262,55 @@ static void test_modes(void)
 }
 
 /* Bad requests are refused with a message. */
+/* Pipelined steps: a step stays launched between eng_step calls (eng_has_work says so); an
+ * abort of a sequence it holds keeps its blocks until the step is collected; destroying the
+ * engine with a step launched collects it (no buffer left for the executor to write). */
+static void test_pipelined_lifecycle(void)
+{
+    mc_config cfg = fake_cfg();
+    char err[PD_ERR_LEN];
+    fake f = {calloc(64 * 4, sizeof(int64_t)), 64 * 4, 0, 0};
+    fake_pipe fp = {0};
+    fp.f = &f;
+    eng_params p = {ENG_MODE_COLOCATED, 64, 4, 64, 4, 0, true, true, true};
+    eng *e;
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_pipe_forward, &fp, NULL, fake_pipe_forward_sample,
+                                              fake_pipe_launch, fake_pipe_collect}, &e, err) == 0);
+    int32_t prompt[5] = {1, 2, 3, 4, 5};
+    eng_request rq = {.id = 1, .prompt = prompt, .n_prompt = 5, .sampling = smp_default_params()};
+    rq.sampling.temperature = 0.0f;
+    rq.stop.max_tokens = 20;
+    rq.stop.ignore_eos = true;
+    CHECK(eng_add_request(e, &rq, err) == 0);
+    rq.id = 2;
+    CHECK(eng_add_request(e, &rq, err) == 0);
+    const eng_output *o;
+    int32_t k, got = 0;
+    for (int i = 0; i < 4; i++) { /* the prompts, then decode steps: one launched ahead */
+        CHECK(eng_step(e, &o, &k, err) == 0);
+        got += k;
+    }
+    CHECK_EQ_INT(fp.n_out, 1);
+    CHECK(fp.chained > 0);
+    const int32_t used = bm_n_used(eng_block_manager(e));
+    CHECK(eng_abort(e, 1) == 0);
+    CHECK_EQ_INT(eng_abort(e, 1), PD_ENOTFOUND);
+    CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), used); /* held for the launched step */
+    CHECK(eng_check(e) == 0);
+    CHECK(eng_has_work(e));
+    CHECK(eng_step(e, &o, &k, err) == 0); /* collects it: request 2's token only */
+    for (int32_t j = 0; j < k; j++) CHECK(o[j].id == 2);
+    CHECK(bm_n_used(eng_block_manager(e)) < used);
+    CHECK(eng_check(e) == 0);
+    CHECK(eng_step(e, &o, &k, err) == 0);
+    CHECK_EQ_INT(fp.n_out, 1); /* request 2 alone, pipelined again */
+    eng_destroy(e);
+    CHECK_EQ_INT(fp.n_out, 0);
+    CHECK_EQ_INT((int)fp.misuse, 0);
+    (void)got;
+    free(f.kv);
+}
+
 static void test_bad_requests(void)
 {
     mc_config cfg = fake_cfg();
@@ -321,6 +370,7 @@ int main(int argc, char **argv)
     CHECK(g_cached > 100);      /* and prompts share prefixes */
     CHECK(g_chained > 1000);    /* and pipelined steps do chain (the cases 3 mod 4) */
     test_modes();
+    test_pipelined_lifecycle();
     test_bad_requests();
     return pd_test_result("test_engine");
 }
