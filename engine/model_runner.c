@@ -410,11 +410,14 @@ static int upload_meta_from(mr *r, int32_t *h, bool skip_ids, const mr_batch *b,
         h[r->o_ctx + s] = 0;
     }
     const size_t pitch = pitch_n * ib;
-    /* skip_ids: the ids are already in d_meta (the last step's sample op put them there) */
+    /* skip_ids: the ids are already in d_meta (the last step's sample op put them there), and
+     * the copies may overlap that sample op, which reads none of d_meta */
     const size_t o0 = skip_ids ? r->o_pos : 0;
+    int (*up)(void *, void *, size_t, const void *, size_t, size_t, size_t) =
+        skip_ids && o->upload_rows_overlap ? o->upload_rows_overlap : o->upload_rows;
     if (one_copy) {
         const size_t n = r->meta_head + (size_t)(ns - 1) * pitch_n + (size_t)w - o0;
-        CALL(o->upload_rows(be->ctx, r->d_meta + o0, n * ib, h + o0, n * ib, n * ib, 1));
+        CALL(up(be->ctx, r->d_meta + o0, n * ib, h + o0, n * ib, n * ib, 1));
         r->meta_inflight = r->h_meta_pinned;
         return 0;
     }
@@ -422,9 +425,9 @@ static int upload_meta_from(mr *r, int32_t *h, bool skip_ids, const mr_batch *b,
         /* Everything before the block tables in one copy (the unused tails of the T- and
          * S-sized arrays go along: one copy beats three), then the tables' used columns. */
         const size_t n = r->meta_head - o0;
-        CALL(o->upload_rows(be->ctx, r->d_meta + o0, n * ib, h + o0, n * ib, n * ib, 1));
-        if (ns) CALL(o->upload_rows(be->ctx, r->d_bt, pitch, h + r->meta_head, (size_t)w * ib,
-                                    (size_t)w * ib, (size_t)ns));
+        CALL(up(be->ctx, r->d_meta + o0, n * ib, h + o0, n * ib, n * ib, 1));
+        if (ns) CALL(up(be->ctx, r->d_bt, pitch, h + r->meta_head, (size_t)w * ib, (size_t)w * ib,
+                        (size_t)ns));
         r->meta_inflight = r->h_meta_pinned;
         return 0;
     }

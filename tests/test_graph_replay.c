@@ -242,6 +242,7 @@ static int open_backend(bool graphs, pd_backend **out, char *err)
     g_ops.host_alloc = w_host_alloc;
     g_ops.host_free = w_host_free;
     g_ops.upload_rows = w_upload_rows;
+    g_ops.upload_rows_overlap = w_upload_rows; /* everything here runs in order */
     g_ops.sample_launch = w_sample_launch;
     g_ops.sample_collect = w_sample_collect;
     (*out)->ops = &g_ops;

@@ -40,6 +40,7 @@ static const pd_backend_ops k_cuda_ops = {
     .host_alloc = pd_cuda__host_alloc,
     .host_free = pd_cuda__host_free,
     .upload_rows = pd_cuda__upload_rows,
+    .upload_rows_overlap = pd_cuda__upload_rows_overlap,
     .graph_begin = pd_cuda__graph_begin,
     .graph_end = pd_cuda__graph_end,
     .graph_launch = pd_cuda__graph_launch,

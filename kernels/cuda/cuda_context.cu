@@ -59,6 +59,10 @@ extern "C" void pd_cuda__ctx_destroy(void *ctx)
     if (c->dl_counters) (void)cudaFree(c->dl_counters);
     if (c->dl_ll) (void)cudaFree(c->dl_ll);
     if (c->cublas_ws) (void)cudaFree(c->cublas_ws);
+    if (c->side) (void)cudaStreamSynchronize(c->side);
+    if (c->ev_graph) (void)cudaEventDestroy(c->ev_graph);
+    if (c->ev_upload) (void)cudaEventDestroy(c->ev_upload);
+    if (c->side) (void)cudaStreamDestroy(c->side);
     if (c->stream) (void)cudaStreamDestroy(c->stream);
     free(c);
 }

@@ -102,6 +102,39 @@ extern "C" int pd_cuda__upload_rows(void *ctx, void *dst, size_t dst_pitch, cons
     return 0;
 }
 
+/* The side stream and its events, once. */
+static int side_init(pd_cuda_ctx *c)
+{
+    if (c->side) return 0;
+    PD_CUDA_CHECK(cudaEventCreateWithFlags(&c->ev_graph, cudaEventDisableTiming));
+    PD_CUDA_CHECK(cudaEventCreateWithFlags(&c->ev_upload, cudaEventDisableTiming));
+    PD_CUDA_CHECK(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking));
+    return 0;
+}
+
+/* upload_rows on the side stream, after the last graph launch's graph (ev_graph) but not after
+ * what was queued behind it (a pipelined step's sample op): the copy engine works while the
+ * SMs sample; the main stream waits for the copy before its next op. */
+extern "C" int pd_cuda__upload_rows_overlap(void *ctx, void *dst, size_t dst_pitch,
+                                            const void *src, size_t src_pitch, size_t row_bytes,
+                                            size_t rows)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    if (rows == 0 || row_bytes == 0) return 0;
+    if (!dst || !src || dst_pitch < row_bytes || src_pitch < row_bytes) return PD_EINVAL;
+    if (!c->side || !c->graph_recorded) /* no graph launched yet: in order */
+        return pd_cuda__upload_rows(ctx, dst, dst_pitch, src, src_pitch, row_bytes, rows);
+    PD_CUDA_CHECK(cudaStreamWaitEvent(c->side, c->ev_graph, 0));
+    if (rows == 1)
+        PD_CUDA_CHECK(cudaMemcpyAsync(dst, src, row_bytes, cudaMemcpyHostToDevice, c->side));
+    else
+        PD_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows,
+                                        cudaMemcpyHostToDevice, c->side));
+    PD_CUDA_CHECK(cudaEventRecord(c->ev_upload, c->side));
+    PD_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_upload, 0));
+    return 0;
+}
+
 /* Thread-local capture: only this thread's unsafe calls (synchronisations, allocations) break
  * the capture; another thread of the process (the KV transfer's) may go on allocating. */
 extern "C" int pd_cuda__graph_begin(void *ctx)
@@ -146,6 +179,10 @@ extern "C" int pd_cuda__graph_launch(void *ctx, void *graph)
     if (!graph) return PD_EINVAL;
     pd_cuda__steptime_mark(c, PD_ST_GRAPH);
     PD_CUDA_CHECK(cudaGraphLaunch((cudaGraphExec_t)graph, c->stream));
+    int rc = side_init(c);
+    if (rc < 0) return rc;
+    PD_CUDA_CHECK(cudaEventRecord(c->ev_graph, c->stream)); /* for upload_rows_overlap */
+    c->graph_recorded = true;
     pd_cuda__steptime_mark(c, PD_ST_GRAPH_END);
     return 0;
 }

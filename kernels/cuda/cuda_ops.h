@@ -69,6 +69,8 @@ int pd_cuda__host_alloc(void *ctx, size_t bytes, void **out);
 void pd_cuda__host_free(void *ctx, void *p);
 int pd_cuda__upload_rows(void *ctx, void *dst, size_t dst_pitch, const void *src,
                          size_t src_pitch, size_t row_bytes, size_t rows);
+int pd_cuda__upload_rows_overlap(void *ctx, void *dst, size_t dst_pitch, const void *src,
+                                 size_t src_pitch, size_t row_bytes, size_t rows);
 int pd_cuda__graph_begin(void *ctx);
 int pd_cuda__graph_end(void *ctx, void **graph);
 int pd_cuda__graph_launch(void *ctx, void *graph);
