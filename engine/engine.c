@@ -73,6 +73,20 @@ static double now_s(void)
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+static void note_peak_blocks(eng *e)
+{
+    const int32_t used = bm_n_used(e->blocks);
+    if (used > e->st.peak_blocks_used) e->st.peak_blocks_used = used;
+}
+
+/* Row k of the step's block tables (width entries): s's blocks, then zeros. */
+static void put_table(eng *e, int32_t k, int32_t width, const pd_seq *s)
+{
+    int32_t *row = e->bt + (size_t)k * width;
+    memcpy(row, s->block_table, (size_t)s->n_blocks * sizeof(int32_t));
+    for (int32_t j = s->n_blocks; j < width; j++) row[j] = 0;
+}
+
 const char *seq_finish_name(seq_finish f)
 {
     switch (f) {
@@ -259,8 +273,8 @@ int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng
         e->fl[k].logprobs = malloc(S * sizeof(float));
         if (!e->fl[k].seq || !e->fl[k].tokens || !e->fl[k].logprobs) goto fail;
     }
-    e->limbo = malloc(S * 2 * sizeof(pd_seq *));
-    if (!e->limbo) goto fail;
+    /* limbo: sequences held by the (at most two) launched steps */
+    if (e->async && !(e->limbo = malloc(S * 2 * sizeof(pd_seq *)))) goto fail;
     e->outs = malloc(S * sizeof(eng_output));
     e->finished = malloc(S * sizeof(pd_seq *));
     e->kvl_ids = malloc(S * sizeof *e->kvl_ids);
@@ -451,8 +465,7 @@ int eng_reserve(eng *e, const eng_request *r, const int32_t **block_ids, int32_t
         return pd_errf(err, PD_ENOSPC, "no free KV blocks for %d tokens now", r->n_prompt + 1);
     }
     s->status = SEQ_RESERVED;
-    int32_t used = bm_n_used(e->blocks);
-    if (used > e->st.peak_blocks_used) e->st.peak_blocks_used = used;
+    note_peak_blocks(e);
     *block_ids = s->block_table;
     *n_blocks = (r->n_prompt + e->p.block_size - 1) / e->p.block_size;
     return 0;
@@ -634,8 +647,7 @@ static bool launch_next(eng *e, const struct eng_flight *F, struct eng_flight *N
         e->slots[k] = s->block_table[p / bs] * bs + p % bs;
         e->cu_q[k + 1] = k + 1;
         e->ctx[k] = p + 1;
-        memcpy(e->bt + (size_t)k * width, s->block_table, (size_t)s->n_blocks * sizeof(int32_t));
-        for (int32_t j = s->n_blocks; j < width; j++) e->bt[(size_t)k * width + j] = 0;
+        put_table(e, k, width, s);
         e->rows[k] = k;
         e->srows[k] = smp_sample_row(&s->sampling, seq_n_output(s) + 1, 0, 0);
         want_lp |= s->want_logprob;
@@ -646,8 +658,7 @@ static bool launch_next(eng *e, const struct eng_flight *F, struct eng_flight *N
     if (e->exec.launch(e->exec.ctx, &b, &smp, true, err) != 0) return false; /* run normally */
     flight_set(e, N, F->seq, n, want_lp);
     e->st.decode_tokens += n;
-    int32_t used = bm_n_used(e->blocks);
-    if (used > e->st.peak_blocks_used) e->st.peak_blocks_used = used;
+    note_peak_blocks(e);
     return true;
 }
 
@@ -749,8 +760,7 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
         nt += it->n_new;
         e->cu_q[i + 1] = nt;
         e->ctx[i] = s->n_computed + it->n_new;
-        memcpy(e->bt + (size_t)i * width, s->block_table, (size_t)s->n_blocks * sizeof(int32_t));
-        for (int32_t j = s->n_blocks; j < width; j++) e->bt[(size_t)i * width + j] = 0;
+        put_table(e, i, width, s);
         if (it->sample) {
             e->rows[nl] = nt - 1;
             e->row_seq[nl++] = s;
@@ -795,8 +805,7 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
         rc = e->exec.launch(e->exec.ctx, &b, &fs, false, err);
         if (rc == 0) {
             flight_set(e, f, e->row_seq, nl, want_lp);
-            int32_t used = bm_n_used(e->blocks);
-            if (used > e->st.peak_blocks_used) e->st.peak_blocks_used = used;
+            note_peak_blocks(e);
             e->st.host_s += now_s() - t0;
             return pipe_step(e, n_out, n_outs, err);
         }
@@ -816,8 +825,7 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
         e->st.prefill_model_s += t2 - t1;
     }
     e->st.batch_seqs_sum += so.n_items;
-    int32_t used = bm_n_used(e->blocks);
-    if (used > e->st.peak_blocks_used) e->st.peak_blocks_used = used;
+    note_peak_blocks(e);
     if (rc < 0) { /* the step is lost: fail its requests cleanly */
         bm_drop_cache(e->blocks); /* blocks registered for this step were never written */
         for (int32_t i = 0; i < so.n_items; i++) {

@@ -285,17 +285,55 @@ static void diff(const float *a, const float *b, size_t n, double *max_diff, dou
     }
 }
 
-static void run(const char *name)
+/* n prompts of q_lens[s] random ids (an LCG from seed), each sequence its own blocks,
+ * interleaved (block b of sequence s is s + n b), room for `steps` more tokens: fills bt
+ * (width a row), the batch's rows (ids, pos, slots), cu, ctx and rows (every sequence's last
+ * row); returns the row count. */
+static int32_t make_prompts(int n, const int32_t *q_lens, int steps, int32_t width, int32_t V,
+                            uint32_t seed, int32_t *bt, int32_t *ids, int32_t *pos,
+                            int32_t *slots, int32_t *cu, int32_t *ctx, int32_t *rows)
+{
+    for (int s = 0; s < n; s++)
+        for (int b = 0; b < (q_lens[s] + steps + BS - 1) / BS; b++) bt[s * width + b] = s + n * b;
+    int32_t T = 0;
+    uint32_t rs = seed;
+    cu[0] = 0;
+    for (int s = 0; s < n; s++) {
+        cu[s + 1] = cu[s] + q_lens[s];
+        ctx[s] = q_lens[s];
+        rows[s] = cu[s + 1] - 1;
+        for (int i = 0; i < q_lens[s]; i++, T++) {
+            rs = rs * 1664525u + 1013904223u;
+            ids[T] = (int32_t)(rs % (uint32_t)V);
+            pos[T] = i;
+            slots[T] = bt[s * width + i / BS] * BS + i % BS;
+        }
+    }
+    return T;
+}
+
+/* Two runners on golden model `name`: a with graphs, b with graphs when b_graphs. False (a
+ * failed check, both closed) when either does not open. */
+static bool open_pair(const char *name, bool b_graphs, tg_model *a, tg_model *b)
 {
     char dir[1024], err[PD_ERR_LEN] = "";
     snprintf(dir, sizeof dir, "%s/testdata/golden/%s", pd_test_shared_dir(), name);
-    tg_model gr = {0}, eg = {0};
-    if (side_open(dir, true, &gr, err) < 0 || side_open(dir, false, &eg, err) < 0) {
+    memset(a, 0, sizeof *a);
+    memset(b, 0, sizeof *b);
+    if (side_open(dir, true, a, err) < 0 || side_open(dir, b_graphs, b, err) < 0) {
         CHECK_MSG(0, "%s: %s", name, err);
-        tg_close(&gr);
-        tg_close(&eg);
-        return;
+        tg_close(a);
+        tg_close(b);
+        return false;
     }
+    return true;
+}
+
+static void run(const char *name)
+{
+    char err[PD_ERR_LEN] = "";
+    tg_model gr, eg;
+    if (!open_pair(name, false, &gr, &eg)) return;
     CHECK_MSG(mr_n_graphs(gr.r) == 4, "%s: %d graphs captured, expected 4 (1, 2, 4, 8)", name,
               mr_n_graphs(gr.r));
     CHECK_EQ_INT(mr_n_graphs(eg.r), 0);
@@ -305,23 +343,9 @@ static void run(const char *name)
     int32_t ids[128], pos[128], slots[128], rows[128], cu[N_SEQS + 1] = {0}, ctx[N_SEQS];
     int32_t *dbt = calloc((size_t)N_SEQS * width, sizeof *dbt); /* a step's tables */
     float *lg = malloc((size_t)128 * V * sizeof(float)), *le = malloc((size_t)128 * V * sizeof(float));
-    /* Each sequence its own blocks, interleaved (block b of sequence s is s + N_SEQS b). */
-    for (int s = 0; s < N_SEQS; s++)
-        for (int b = 0; b < (q_lens[s] + N_STEPS + BS - 1) / BS; b++) bt[s * width + b] = s + N_SEQS * b;
-    int32_t T = 0;
-    uint32_t rs = 12345;
-    for (int s = 0; s < N_SEQS; s++) {
-        cu[s + 1] = cu[s] + q_lens[s];
-        ctx[s] = q_lens[s];
-        for (int i = 0; i < q_lens[s]; i++, T++) {
-            rs = rs * 1664525u + 1013904223u;
-            ids[T] = (int32_t)(rs % (uint32_t)V);
-            pos[T] = i;
-            slots[T] = bt[s * width + i / BS] * BS + i % BS;
-        }
-    }
+    const int32_t T = make_prompts(N_SEQS, q_lens, N_STEPS, width, V, 12345, bt, ids, pos, slots,
+                                   cu, ctx, rows);
     /* The prompts, logits of every sequence's last row: eager on both. */
-    for (int s = 0; s < N_SEQS; s++) rows[s] = cu[s + 1] - 1;
     mr_batch b = {T, ids, pos, slots, N_SEQS, cu, ctx, bt, width, N_SEQS, rows};
     CHECK(mr_forward(gr.r, &b, lg, err) == 0 && mr_forward(eg.r, &b, le, err) == 0);
     CHECK_EQ_INT((int)mr_graph_steps(gr.r), 0);
@@ -396,15 +420,9 @@ static void run(const char *name)
  * PD_ESTATE, batches a graph does not take PD_EUNSUPPORTED. */
 static void run_pipelined(const char *name)
 {
-    char dir[1024], err[PD_ERR_LEN] = "";
-    snprintf(dir, sizeof dir, "%s/testdata/golden/%s", pd_test_shared_dir(), name);
-    tg_model gp = {0}, gs = {0};
-    if (side_open(dir, true, &gp, err) < 0 || side_open(dir, true, &gs, err) < 0) {
-        CHECK_MSG(0, "%s: %s", name, err);
-        tg_close(&gp);
-        tg_close(&gs);
-        return;
-    }
+    char err[PD_ERR_LEN] = "";
+    tg_model gp, gs;
+    if (!open_pair(name, true, &gp, &gs)) return;
     CHECK(mr_can_launch(gp.r));
     enum { NS = 3, STEPS = 10 };
     const int32_t V = gp.m->cfg.vocab_size, width = mr_max_blocks_per_seq(gp.r);
@@ -412,21 +430,8 @@ static void run_pipelined(const char *name)
     int32_t *bt = calloc((size_t)NS * width, sizeof *bt);
     float *lg = malloc((size_t)64 * V * sizeof(float));
     int32_t ids[64], pos[64], slots[64], rows[64], cu[NS + 1] = {0}, ctx[NS], last[NS];
-    for (int s = 0; s < NS; s++)
-        for (int b = 0; b < (q_lens[s] + STEPS + 2 + BS - 1) / BS; b++) bt[s * width + b] = s + NS * b;
-    int32_t T = 0;
-    uint32_t rs = 777;
-    for (int s = 0; s < NS; s++) {
-        cu[s + 1] = cu[s] + q_lens[s];
-        ctx[s] = q_lens[s];
-        rows[s] = cu[s + 1] - 1;
-        for (int i = 0; i < q_lens[s]; i++, T++) {
-            rs = rs * 1664525u + 1013904223u;
-            ids[T] = (int32_t)(rs % (uint32_t)V);
-            pos[T] = i;
-            slots[T] = bt[s * width + i / BS] * BS + i % BS;
-        }
-    }
+    const int32_t T = make_prompts(NS, q_lens, STEPS + 2, width, V, 777, bt, ids, pos, slots, cu,
+                                   ctx, rows);
     mr_batch b = {T, ids, pos, slots, NS, cu, ctx, bt, width, NS, rows};
     pd_sample_row srow[NS];
     memset(srow, 0, sizeof srow);

@@ -87,6 +87,15 @@ void pd_cuda__steptime_end(pd_cuda_ctx *c)
             st_.acc[1] / n, st_.acc[2] / n, st_.acc[3] / n, st_.acc[4] / n, st_.acc[5] / n);
 }
 
+/* rows rows of row_bytes, host to device, queued on stream. */
+static cudaError_t copy_rows(void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
+                             size_t row_bytes, size_t rows, cudaStream_t stream)
+{
+    return rows == 1 ? cudaMemcpyAsync(dst, src, row_bytes, cudaMemcpyHostToDevice, stream)
+                     : cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows,
+                                         cudaMemcpyHostToDevice, stream);
+}
+
 extern "C" int pd_cuda__upload_rows(void *ctx, void *dst, size_t dst_pitch, const void *src,
                                     size_t src_pitch, size_t row_bytes, size_t rows)
 {
@@ -94,11 +103,7 @@ extern "C" int pd_cuda__upload_rows(void *ctx, void *dst, size_t dst_pitch, cons
     if (rows == 0 || row_bytes == 0) return 0;
     if (!dst || !src || dst_pitch < row_bytes || src_pitch < row_bytes) return PD_EINVAL;
     pd_cuda__steptime_mark(c, PD_ST_START);
-    if (rows == 1)
-        PD_CUDA_CHECK(cudaMemcpyAsync(dst, src, row_bytes, cudaMemcpyHostToDevice, c->stream));
-    else
-        PD_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows,
-                                        cudaMemcpyHostToDevice, c->stream));
+    PD_CUDA_CHECK(copy_rows(dst, dst_pitch, src, src_pitch, row_bytes, rows, c->stream));
     return 0;
 }
 
@@ -120,16 +125,11 @@ extern "C" int pd_cuda__upload_rows_overlap(void *ctx, void *dst, size_t dst_pit
                                             size_t rows)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
-    if (rows == 0 || row_bytes == 0) return 0;
-    if (!dst || !src || dst_pitch < row_bytes || src_pitch < row_bytes) return PD_EINVAL;
-    if (!c->side || !c->graph_recorded) /* no graph launched yet: in order */
+    if (!c->graph_recorded || rows == 0 || row_bytes == 0) /* no graph launched yet: in order */
         return pd_cuda__upload_rows(ctx, dst, dst_pitch, src, src_pitch, row_bytes, rows);
+    if (!dst || !src || dst_pitch < row_bytes || src_pitch < row_bytes) return PD_EINVAL;
     PD_CUDA_CHECK(cudaStreamWaitEvent(c->side, c->ev_graph, 0));
-    if (rows == 1)
-        PD_CUDA_CHECK(cudaMemcpyAsync(dst, src, row_bytes, cudaMemcpyHostToDevice, c->side));
-    else
-        PD_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows,
-                                        cudaMemcpyHostToDevice, c->side));
+    PD_CUDA_CHECK(copy_rows(dst, dst_pitch, src, src_pitch, row_bytes, rows, c->side));
     PD_CUDA_CHECK(cudaEventRecord(c->ev_upload, c->side));
     PD_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_upload, 0));
     return 0;
