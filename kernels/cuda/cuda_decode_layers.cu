@@ -69,6 +69,7 @@ template <int MAXG> static constexpr __host__ __device__ int dl_pf() { return MA
 #define DL_MIN_CHUNK 16    /* keys of a split, at least: more splits of one key batch each (against
                             * 32: +7% at batch 1 after short prompts; 8: as 16) */
 #define DL_MAX_SPLITS 32
+#define DL_MERGE_BATCH 16 /* split outputs a thread of the merge loads at once */
 #define DL_SLOT_STEPS (DL_SLOT_BYTES / (8 * 2 * 32 * DL_CW)) /* a warp's mma steps a slot */
 #define DL_WRED_FLOATS 4096 /* the warps' partial sums of a chunk of output columns (16 KiB) */
 
@@ -170,8 +171,10 @@ static __device__ __forceinline__ float ll_finish(const uint2 *half, uint2 v, ui
 }
 
 /* Flagged lines [0, lines) of src to dst (their 4 bf16, 8 bytes a line), spread over the
- * consumer threads, 4 loads of a thread in flight before its first wait; with sumsq, the
- * thread's sum of the squares of its values. */
+ * consumer threads, 4 loads of a thread in flight; with sumsq, the thread's sum of the squares
+ * of its values. Lines loaded before their writer stored them are polled again all together,
+ * one round trip a round (polling them one after the other cost a round trip each after the
+ * first had arrived). */
 static __device__ __forceinline__ float ll_copy(const uint4 *src, uint32_t flag, int32_t lines,
                                                 uint2 *dst, bool sumsq)
 {
@@ -182,14 +185,20 @@ static __device__ __forceinline__ float ll_copy(const uint4 *src, uint32_t flag,
 #pragma unroll
         for (int k = 0; k < 4; k++)
             if (b + k * T < lines) v[k] = ll_issue4(src + b + k * T);
+        for (;;) {
+            bool ready = true;
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                if (b + k * T < lines && (v[k].y != flag || v[k].w != flag)) ready = false;
+            if (ready) break;
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                if (b + k * T < lines && (v[k].y != flag || v[k].w != flag))
+                    v[k] = ll_issue4(src + b + k * T);
+        }
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             if (b + k * T >= lines) break;
-            if (v[k].y != flag || v[k].w != flag) { /* not yet: poll (the common case is not) */
-                const uint2 d = ll_load(src + b + k * T, flag);
-                v[k].x = d.x;
-                v[k].z = d.y;
-            }
             dst[b + k * T] = make_uint2(v[k].x, v[k].z);
             if (sumsq) {
                 const float a0 = pd_bf16_lo(v[k].x), a1 = pd_bf16_hi(v[k].x);
@@ -931,42 +940,62 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     }
     dl_mark(p, mst, 2);
     cons_sync();
-    if (used > 1 && sp == 0) { /* the merge: every split's (max, sum), then the outputs */
-        float *fac = scr; /* [g][split] (max, sum): the warps' scratch is read by now */
-        for (int32_t i = threadIdx.x; i < G * used; i += DL_CW * 32) {
-            const int32_t g = i / used, j = i % used;
-            const size_t item = ((size_t)s * p.n_heads + head0 + g) * p.splits + j;
-            if (j == 0) {
-                fac[2 * i] = mine[2 * g];
-                fac[2 * i + 1] = mine[2 * g + 1];
-            } else {
-                uint2 a = ll_issue(pml + 2 * item), b = ll_issue(pml + 2 * item + 1);
-                fac[2 * i] = ll_finish(pml + 2 * item, a, aflag);
-                fac[2 * i + 1] = ll_finish(pml + 2 * item + 1, b, aflag);
-            }
-        }
-        cons_sync();
+    if (used > 1 && sp == 0) {
+        /* The merge: a warp's threads share a query head g (HD >= 32). Lane j polls split
+         * j's (max, sum) (the splits store them with their outputs), the lanes' factors go
+         * round the warp, then each thread loads the splits' outputs of its element,
+         * DL_MERGE_BATCH of them at once (split 0's own are in qs / mine). Whatever was
+         * loaded before its writer stored it is loaded again, all together. */
+        const int lane = threadIdx.x & 31;
         for (int32_t i = threadIdx.x; i < G * HD; i += DL_CW * 32) {
             const int32_t g = i / HD, d = i % HD;
             const size_t item0 = ((size_t)s * p.n_heads + head0 + g) * p.splits;
-            const float *fg = fac + 2 * g * used;
-            float M = -INFINITY;
-            for (int32_t j = 0; j < used; j++) M = fmaxf(M, fg[2 * j]);
-            float Ls = fg[1] * exp2f(fg[0] - M), O = qs[i] * exp2f(fg[0] - M);
-            for (int32_t j0 = 1; j0 < used; j0 += 8) { /* 8 partials in flight at once */
-                uint2 v[8];
+            float M = -INFINITY, L = 0.0f, O = 0.0f;
+            for (int32_t j0 = 0; j0 < used; j0 += 32) {
+                const int32_t j = j0 + lane, nj = min(32, used - j0);
+                float mj = -INFINITY, lj = 0.0f;
+                if (j == 0) {
+                    mj = mine[2 * g];
+                    lj = mine[2 * g + 1];
+                } else if (lane < nj) {
+                    const uint2 *q = pml + 2 * (item0 + j);
+                    uint2 am = ll_issue(q), al = ll_issue(q + 1);
+                    while (am.y != aflag || al.y != aflag) {
+                        if (am.y != aflag) am = ll_issue(q);
+                        if (al.y != aflag) al = ll_issue(q + 1);
+                    }
+                    mj = __uint_as_float(am.x);
+                    lj = __uint_as_float(al.x);
+                }
+                const float Mn = fmaxf(M, pd_warp_max(mj)), corr = exp2f(M - Mn);
+                const float fj = lane < nj ? exp2f(mj - Mn) : 0.0f;
+                M = Mn;
+                L = fmaf(L, corr, pd_warp_sum(lj * fj));
+                O *= corr;
+                for (int32_t k0 = 0; k0 < nj; k0 += DL_MERGE_BATCH) {
+                    uint2 v[DL_MERGE_BATCH];
 #pragma unroll
-                for (int32_t k = 0; k < 8; k++)
-                    if (j0 + k < used) v[k] = ll_issue(po + (item0 + j0 + k) * HD + d);
+                    for (int k = 0; k < DL_MERGE_BATCH; k++)
+                        v[k] = k0 + k < nj && j0 + k0 + k > 0
+                                   ? ll_issue(po + (item0 + j0 + k0 + k) * HD + d)
+                                   : make_uint2(__float_as_uint(qs[i]), aflag);
+                    for (;;) {
+                        bool ready = true;
 #pragma unroll
-                for (int32_t k = 0; k < 8; k++) {
-                    if (j0 + k >= used) break;
-                    const float f = exp2f(fg[2 * (j0 + k)] - M);
-                    Ls = fmaf(fg[2 * (j0 + k) + 1], f, Ls);
-                    O = fmaf(ll_finish(po + (item0 + j0 + k) * HD + d, v[k], aflag), f, O);
+                        for (int k = 0; k < DL_MERGE_BATCH; k++) ready = ready && v[k].y == aflag;
+                        if (ready) break;
+#pragma unroll
+                        for (int k = 0; k < DL_MERGE_BATCH; k++)
+                            if (v[k].y != aflag) v[k] = ll_issue(po + (item0 + j0 + k0 + k) * HD + d);
+                    }
+#pragma unroll
+                    for (int k = 0; k < DL_MERGE_BATCH; k++) {
+                        const float f = __shfl_sync(0xffffffffu, fj, (k0 + k) & 31);
+                        if (k0 + k < nj) O = fmaf(__uint_as_float(v[k].x), f, O);
+                    }
                 }
             }
-            qs[i] = O / Ls;
+            qs[i] = O / L;
         }
     }
     if (used == 1 || sp == 0) {
