@@ -148,8 +148,8 @@ static __device__ __forceinline__ uint2 ll_load(const uint4 *line, uint32_t flag
     return ll_finish4(line, ll_issue4(line), flag);
 }
 
-/* A flagged 8-byte half (fp32 value, flag): stored at once; loaded in two steps, so that many
- * loads are in flight before the first wait (ll_issue, then ll_finish polls until the flag). */
+/* A flagged 8-byte half (fp32 value, flag): stored at once; ll_issue loads it as it is now
+ * (the reader polls until the flag, many loads in flight before the first wait). */
 static __device__ __forceinline__ void ll_storef(uint2 *half, float v, uint32_t flag)
 {
     asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(half), "r"(__float_as_uint(v)),
@@ -162,12 +162,6 @@ static __device__ __forceinline__ uint2 ll_issue(const uint2 *half)
     uint2 v;
     asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(half) : "memory");
     return v;
-}
-
-static __device__ __forceinline__ float ll_finish(const uint2 *half, uint2 v, uint32_t flag)
-{
-    while (v.y != flag) v = ll_issue(half);
-    return __uint_as_float(v.x);
 }
 
 /* Flagged lines [0, lines) of src to dst (their 4 bf16, 8 bytes a line), spread over the
