@@ -973,6 +973,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
                         v[k] = k0 + k < nj && j0 + k0 + k > 0
                                    ? ll_issue(po + (item0 + j0 + k0 + k) * HD + d)
                                    : make_uint2(__float_as_uint(qs[i]), aflag);
+                    const uint2 *pk = po + (item0 + j0 + k0) * HD + d; /* split j0 + k0's */
                     for (;;) {
                         bool ready = true;
 #pragma unroll
@@ -980,7 +981,7 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
                         if (ready) break;
 #pragma unroll
                         for (int k = 0; k < DL_MERGE_BATCH; k++)
-                            if (v[k].y != aflag) v[k] = ll_issue(po + (item0 + j0 + k0 + k) * HD + d);
+                            if (v[k].y != aflag) v[k] = ll_issue(pk + (size_t)k * HD);
                     }
 #pragma unroll
                     for (int k = 0; k < DL_MERGE_BATCH; k++) {
