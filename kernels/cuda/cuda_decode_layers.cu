@@ -69,7 +69,7 @@ template <int MAXG> static constexpr __host__ __device__ int dl_pf() { return MA
 #define DL_MIN_CHUNK 16    /* keys of a split, at least: more splits of one key batch each (against
                             * 32: +7% at batch 1 after short prompts; 8: as 16) */
 #define DL_MAX_SPLITS 32
-#define DL_MERGE_BATCH 16 /* split outputs a thread of the merge loads at once */
+#define DL_MERGE_BATCH 16 /* splits' lines a thread of the merge loads at once */
 #define DL_SLOT_STEPS (DL_SLOT_BYTES / (8 * 2 * 32 * DL_CW)) /* a warp's mma steps a slot */
 #define DL_WRED_FLOATS 4096 /* the warps' partial sums of a chunk of output columns (16 KiB) */
 
@@ -81,7 +81,7 @@ struct dl_layer {
 
 struct dl_params {
     bf16 *resid, *qkv, *attn, *act;
-    float *part;             /* split partials: outputs, then (max, sum) pairs */
+    float *part;             /* split partials: flagged lines (output, log2 weight) */
     unsigned *bar;           /* [0] blocks done (reset at exit), [1] launches (the epoch) */
     uint4 *ll_qkv, *ll_attn, *ll_r3, *ll_r5, *ll_act; /* flagged lines of the stage outputs */
     const int32_t *positions, *slots, *ctx_lens, *block_tables;
@@ -146,22 +146,6 @@ static __device__ __forceinline__ uint2 ll_finish4(const uint4 *line, uint4 v, u
 static __device__ __forceinline__ uint2 ll_load(const uint4 *line, uint32_t flag)
 {
     return ll_finish4(line, ll_issue4(line), flag);
-}
-
-/* A flagged 8-byte half (fp32 value, flag): stored at once; ll_issue loads it as it is now
- * (the reader polls until the flag, many loads in flight before the first wait). */
-static __device__ __forceinline__ void ll_storef(uint2 *half, float v, uint32_t flag)
-{
-    asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(half), "r"(__float_as_uint(v)),
-                 "r"(flag)
-                 : "memory");
-}
-
-static __device__ __forceinline__ uint2 ll_issue(const uint2 *half)
-{
-    uint2 v;
-    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(half) : "memory");
-    return v;
 }
 
 /* Flagged lines [0, lines) of src to dst (their 4 bf16, 8 bytes a line), spread over the
@@ -897,14 +881,15 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
         for (int e = 0; e < E; e++) wacc[(warp * G + g) * HD + lane * E + e] = acc[g][e];
     }
     cons_sync();
-    /* The splits' partials go to split 0 as flagged 8-byte halves (value, flag) in p.part: no
-     * fence or counter (each block has at most one unit when there are splits: units =
-     * n x KV heads x splits <= grid). Split 0 keeps its own in shared memory (outputs in qs,
-     * the queries being read by now; (max, sum) in mine) and merges. */
-    __shared__ float mine[2 * DL_MAX_G];
+    /* The splits' partials go to split 0 as flagged lines, one an output element: (the
+     * element of the split's own normalized output, flag, the split's log2 weight m +
+     * log2(l), flag). No fence or counter (each block has at most one unit when there are
+     * splits: units = n x KV heads x splits <= grid); the merge takes everything it needs of
+     * a split in one load. Split 0 keeps its own in shared memory (outputs in qs, the queries
+     * being read by now; log2 weights in mine) and merges. */
+    __shared__ float mine[DL_MAX_G];
     const int32_t head0 = h * G;
-    const size_t n_items = (size_t)p.n * p.n_heads * p.splits;
-    uint2 *po = reinterpret_cast<uint2 *>(p.part), *pml = po + n_items * HD;
+    uint4 *pl = reinterpret_cast<uint4 *>(p.part);
     for (int32_t i = threadIdx.x; i < G * HD; i += DL_CW * 32) {
         const int32_t g = i / HD, d = i % HD;
         float M = -INFINITY;
@@ -917,80 +902,58 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
             Ls = fmaf(wml[2 * (w * G + g) + 1], f, Ls);
             O = fmaf(wacc[(w * G + g) * HD + d], f, O);
         }
+        const float on = O / Ls, lw = M + log2f(Ls); /* a split has keys: Ls >= 1 */
         if (used == 1 || sp == 0) {
-            qs[i] = used == 1 ? O / Ls : O;
-            if (d == 0) {
-                mine[2 * g] = M;
-                mine[2 * g + 1] = Ls;
-            }
+            qs[i] = on;
+            if (d == 0) mine[g] = lw;
         } else {
             const size_t item = ((size_t)s * p.n_heads + head0 + g) * p.splits + sp;
-            ll_storef(po + item * HD + d, O, aflag);
-            if (d == 0) {
-                ll_storef(pml + 2 * item, M, aflag);
-                ll_storef(pml + 2 * item + 1, Ls, aflag);
-            }
+            ll_store(pl + item * HD + d, __float_as_uint(on), __float_as_uint(lw), aflag);
         }
     }
     dl_mark(p, mst, 2);
     cons_sync();
     if (used > 1 && sp == 0) {
-        /* The merge: a warp's threads share a query head g (HD >= 32). Lane j polls split
-         * j's (max, sum) (the splits store them with their outputs), the lanes' factors go
-         * round the warp, then each thread loads the splits' outputs of its element,
-         * DL_MERGE_BATCH of them at once (split 0's own are in qs / mine). Whatever was
-         * loaded before its writer stored it is loaded again, all together. */
-        const int lane = threadIdx.x & 31;
+        /* The merge: each thread loads its element's lines of DL_MERGE_BATCH splits at once,
+         * polls again all together those loaded before their writer stored them, and folds
+         * them in with a running largest log2 weight. */
         for (int32_t i = threadIdx.x; i < G * HD; i += DL_CW * 32) {
             const int32_t g = i / HD, d = i % HD;
-            const size_t item0 = ((size_t)s * p.n_heads + head0 + g) * p.splits;
-            float M = -INFINITY, L = 0.0f, O = 0.0f;
-            for (int32_t j0 = 0; j0 < used; j0 += 32) {
-                const int32_t j = j0 + lane, nj = min(32, used - j0);
-                float mj = -INFINITY, lj = 0.0f;
-                if (j == 0) {
-                    mj = mine[2 * g];
-                    lj = mine[2 * g + 1];
-                } else if (lane < nj) {
-                    const uint2 *q = pml + 2 * (item0 + j);
-                    uint2 am = ll_issue(q), al = ll_issue(q + 1);
-                    while (am.y != aflag || al.y != aflag) {
-                        if (am.y != aflag) am = ll_issue(q);
-                        if (al.y != aflag) al = ll_issue(q + 1);
-                    }
-                    mj = __uint_as_float(am.x);
-                    lj = __uint_as_float(al.x);
-                }
-                const float Mn = fmaxf(M, pd_warp_max(mj)), corr = exp2f(M - Mn);
-                const float fj = lane < nj ? exp2f(mj - Mn) : 0.0f;
-                M = Mn;
-                L = fmaf(L, corr, pd_warp_sum(lj * fj));
-                O *= corr;
-                for (int32_t k0 = 0; k0 < nj; k0 += DL_MERGE_BATCH) {
-                    uint2 v[DL_MERGE_BATCH];
+            const uint4 *pk = pl + ((size_t)s * p.n_heads + head0 + g) * p.splits * HD + d;
+            float lw = mine[g], S = 1.0f, O = qs[i];
+            for (int32_t j0 = 1; j0 < used; j0 += DL_MERGE_BATCH) {
+                const int32_t nj = min(DL_MERGE_BATCH, used - j0);
+                uint4 v[DL_MERGE_BATCH];
+#pragma unroll
+                for (int k = 0; k < DL_MERGE_BATCH; k++)
+                    v[k] = k < nj ? ll_issue4(pk + (size_t)(j0 + k) * HD)
+                                  : make_uint4(0u, aflag, __float_as_uint(-INFINITY), aflag);
+                for (;;) {
+                    bool ready = true;
 #pragma unroll
                     for (int k = 0; k < DL_MERGE_BATCH; k++)
-                        v[k] = k0 + k < nj && j0 + k0 + k > 0
-                                   ? ll_issue(po + (item0 + j0 + k0 + k) * HD + d)
-                                   : make_uint2(__float_as_uint(qs[i]), aflag);
-                    const uint2 *pk = po + (item0 + j0 + k0) * HD + d; /* split j0 + k0's */
-                    for (;;) {
-                        bool ready = true;
+                        ready = ready && v[k].y == aflag && v[k].w == aflag;
+                    if (ready) break;
 #pragma unroll
-                        for (int k = 0; k < DL_MERGE_BATCH; k++) ready = ready && v[k].y == aflag;
-                        if (ready) break;
+                    for (int k = 0; k < DL_MERGE_BATCH; k++)
+                        if (v[k].y != aflag || v[k].w != aflag)
+                            v[k] = ll_issue4(pk + (size_t)(j0 + k) * HD);
+                }
+                float mx = lw;
 #pragma unroll
-                        for (int k = 0; k < DL_MERGE_BATCH; k++)
-                            if (v[k].y != aflag) v[k] = ll_issue(pk + (size_t)k * HD);
-                    }
+                for (int k = 0; k < DL_MERGE_BATCH; k++) mx = fmaxf(mx, __uint_as_float(v[k].z));
+                const float corr = exp2f(lw - mx);
+                S *= corr;
+                O *= corr;
+                lw = mx;
 #pragma unroll
-                    for (int k = 0; k < DL_MERGE_BATCH; k++) {
-                        const float f = __shfl_sync(0xffffffffu, fj, (k0 + k) & 31);
-                        if (k0 + k < nj) O = fmaf(__uint_as_float(v[k].x), f, O);
-                    }
+                for (int k = 0; k < DL_MERGE_BATCH; k++) {
+                    const float w = exp2f(__uint_as_float(v[k].z) - lw); /* 0 past nj */
+                    S += w;
+                    O = fmaf(w, __uint_as_float(v[k].x), O);
                 }
             }
-            qs[i] = O / L;
+            qs[i] = O / S;
         }
     }
     if (used == 1 || sp == 0) {
@@ -1358,8 +1321,8 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     int32_t splits = grid / (a->n * a->n_kv_heads);
     if (splits < 1) splits = 1;
     if (splits > DL_MAX_SPLITS) splits = DL_MAX_SPLITS;
-    /* the splits' partials as flagged halves: 8 bytes a float */
-    if ((size_t)a->n * a->n_heads * splits * (hd + 2) * 2 > c->attn_part_floats)
+    /* the splits' partials as flagged lines: 16 bytes an output element */
+    if ((size_t)a->n * a->n_heads * splits * hd * 4 > c->attn_part_floats)
         return PD_EUNSUPPORTED;
 
     dl_params p;
