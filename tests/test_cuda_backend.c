@@ -261,6 +261,62 @@ static void test_upload_download(void)
     free(src); free(s_bf); free(s_f16); free(s_i); free(want); free(got);
 }
 
+/* upload_rows / upload_rows_overlap (the runner's step metadata): rows of bytes at pitches,
+ * from pinned memory (small ones by a kernel that reads it, larger ones by the copy engine)
+ * and from ordinary memory; each checked against the same copy made on the host, the rest of
+ * the buffer untouched. Sources keep every int's top byte 0, so that the ints come back through
+ * download_f32 exactly. */
+static void test_upload_rows(void)
+{
+    const pd_backend_ops *o = g_gpu->ops;
+    if (!o->upload_rows || !o->host_alloc || !o->host_free) return;
+    enum { NI = 40000 }; /* ints in the device buffer (156 KiB) */
+    const size_t nb = (size_t)NI * 4, sb = (size_t)100 << 10;
+    unsigned char *pinned = NULL, *plain = malloc(sb), *model = malloc(nb);
+    int32_t *mi = malloc(nb);
+    float *got = hmalloc(NI);
+    CHECK_EQ_INT(o->host_alloc(g_gpu->ctx, sb, (void **)&pinned), 0);
+    if (!pinned || !plain || !model || !mi || !got) goto out;
+    for (size_t i = 0; i < sb; i++)
+        pinned[i] = plain[i] = i % 4 == 3 ? 0 : (unsigned char)(1 + (i * 37 + i / 251) % 250);
+    for (size_t i = 0; i < nb; i++) model[i] = i % 4 == 3 ? 0 : (unsigned char)(i % 13);
+    memcpy(mi, model, nb);
+    void *b = alloc_on(g_gpu, PD_DTYPE_I32, NI);
+    CHECK_EQ_INT(o->upload(g_gpu->ctx, b, PD_DTYPE_I32, 0, mi, PD_DTYPE_I32, NI), 0);
+    /* dst offset, dst pitch, src offset, src pitch, row bytes, rows, from ordinary memory, by
+     * upload_rows_overlap */
+    static const size_t cases[][8] = {
+        {8, 0, 4, 0, 4 * 37, 1, 0, 0},         /* one row, ints */
+        {400, 32, 40, 40, 24, 5, 0, 1},        /* rows at pitches, ints */
+        {1200, 16, 12, 12, 6, 7, 0, 0},        /* rows of 6 bytes: bytes */
+        {0, 0, 0, 0, (size_t)80 << 10, 1, 0, 0}, /* past 64 KiB: the copy engine */
+        {2000, 64, 8, 48, 40, 9, 0, 1},        /* pitches, by upload_rows_overlap */
+        {3000, 20, 0, 28, 20, 4, 1, 0},        /* from ordinary memory */
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        const size_t *c = cases[k];
+        const size_t dpitch = c[1] ? c[1] : c[4], spitch = c[3] ? c[3] : c[4];
+        const unsigned char *src = (c[6] ? plain : pinned) + c[2];
+        int (*up)(void *, void *, size_t, const void *, size_t, size_t, size_t) =
+            c[7] && o->upload_rows_overlap ? o->upload_rows_overlap : o->upload_rows;
+        CHECK_EQ_INT(up(g_gpu->ctx, (char *)b + c[0], dpitch, src, spitch, c[4], c[5]), 0);
+        for (size_t r = 0; r < c[5]; r++) memcpy(model + c[0] + r * dpitch, src + r * spitch, c[4]);
+        CHECK_EQ_INT(o->sync(g_gpu->ctx), 0);
+        memcpy(mi, model, nb);
+        CHECK_EQ_INT(o->download_f32(g_gpu->ctx, got, b, PD_DTYPE_I32, 0, NI), 0);
+        size_t bad = 0;
+        for (size_t i = 0; i < NI; i++) bad += got[i] != (float)mi[i];
+        CHECK_MSG(bad == 0, "upload_rows case %zu (%zu rows of %zu bytes): %zu ints wrong", k,
+                  c[5], c[4], bad);
+    }
+    CHECK_EQ_INT(o->upload_rows(g_gpu->ctx, b, 4, pinned, 4, 8, 1), PD_EINVAL); /* pitch < row */
+    printf("  upload_rows: 6 cases exact (ints, bytes, pitches, past 64 KiB, ordinary memory)\n");
+    o->free(g_gpu->ctx, b);
+out:
+    o->host_free(g_gpu->ctx, pinned);
+    free(plain); free(model); free(mi); free(got);
+}
+
 /* fill_uniform: the CUDA stream is the CPU's stream, bit for bit (rounded to bf16). */
 static void test_fill_uniform(void)
 {
@@ -1245,6 +1301,7 @@ int main(void)
     printf("test_cuda_backend: every op on cuda against cpu\n");
     test_memory();
     test_upload_download();
+    test_upload_rows();
     test_fill_uniform();
     test_embedding_gather();
     test_swiglu();
