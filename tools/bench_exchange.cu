@@ -1,0 +1,418 @@
+/* bench_exchange.cu -- pdserve-bench-exchange: what a block-to-block exchange of a persistent
+ * kernel costs on this GPU, the measurement behind decode_layers' next design step
+ * (docs/perf.md, issue #8, eleventh pass).
+ *
+ * Every block of a grid shaped like decode_layers (one block an SM, 12 warps, ~200 KiB of
+ * shared memory) runs rounds of an all-gather: each block publishes `lines` flagged 16-byte
+ * lines and waits until it has read everyone else's of the same round. Three ways:
+ *   l2       all blocks of the grid, through global memory (L2), as decode_layers does;
+ *   l2-peer  only the blocks of the block's own cluster, through global memory;
+ *   dsmem    only the blocks of the cluster, stored into each peer's shared memory
+ *            (distributed shared memory, st.shared::cluster), polled there;
+ *   relay    all blocks of the grid, each block of a cluster reading a C-th of the lines from
+ *            global memory and forwarding them into its peers' shared memory: L2 traffic a
+ *            C-th of l2's, the rest through distributed shared memory.
+ * With --stream, a producer thread in every block streams a large buffer through a ring of
+ * 16 KiB shared-memory slots with bulk copies (cp.async.bulk, evict-first), the way
+ * decode_layers streams its weights, at the full rate the memory gives. Also prints how many
+ * clusters of each size can be resident at that footprint (a persistent grid needs them all).
+ * Built with the CUDA backend only; sm_90. */
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define THREADS 384       /* 8 consumer warps + a producer warpgroup, as decode_layers */
+#define CONSUMERS 256
+#define SLOT (16 << 10)
+#define MAX_LINES 8       /* lines a block publishes a round */
+#define MAX_CLUSTER 16
+
+#define CK(x)                                                                                  \
+    do {                                                                                       \
+        cudaError_t e_ = (x);                                                                  \
+        if (e_ != cudaSuccess) {                                                               \
+            fprintf(stderr, "pdserve-bench-exchange: %s: %s\n", #x, cudaGetErrorString(e_));   \
+            exit(1);                                                                           \
+        }                                                                                      \
+    } while (0)
+
+enum { MODE_L2, MODE_L2_PEER, MODE_DSMEM, MODE_RELAY };
+
+struct xargs {
+    int mode, rounds, lines, cluster, stream;
+    uint4 *gl;                   /* [2][grid][lines] flagged lines (l2, l2-peer) */
+    const char *big;             /* the streamed buffer */
+    size_t big_bytes;
+    volatile int *stop;          /* block 0 sets it when its rounds are done */
+    unsigned long long *ns;      /* per block: its rounds' time */
+    unsigned base;               /* this launch's flags: base + round */
+    int slots;
+    int inbox_off;               /* relay: [2][grid][lines] lines in dynamic shared memory here */
+};
+
+static __device__ __forceinline__ uint32_t smem_u32(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ unsigned long long now_ns(void)
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+static __device__ __forceinline__ void cons_sync(void)
+{
+    asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
+}
+
+static __device__ __forceinline__ uint32_t cluster_rank(void)
+{
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+static __device__ __forceinline__ void cluster_sync(void)
+{
+    asm volatile("barrier.cluster.arrive.aligned;\nbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
+/* The producer: bulk copies of 16 KiB into the ring, each slot reused once its last copy
+ * landed, until block 0 is done; then it waits for the copies still in flight. */
+static __device__ __forceinline__ void slot_wait(uint64_t *full, int slots, unsigned long long m)
+{ /* copy m (0-based) is its slot's (m / slots)-th completion */
+    asm volatile("{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra W;\n}\n" ::"r"(smem_u32(&full[m % slots])), "r"((uint32_t)((m / slots) & 1))
+                 : "memory");
+}
+
+static __device__ void stream_loop(const xargs &a, char *ring, uint64_t *full)
+{
+    uint64_t pol;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    const size_t span = a.big_bytes / gridDim.x / SLOT * SLOT; /* this block's part */
+    const char *src0 = a.big + (size_t)blockIdx.x * span;
+    size_t off = 0;
+    unsigned long long n = 0;
+    for (;; n++) {
+        const int s = (int)(n % a.slots);
+        if (n >= (unsigned long long)a.slots) {
+            slot_wait(full, a.slots, n - a.slots);
+            if (*a.stop) break;
+        }
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&full[s])),
+                     "r"(SLOT) : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+                     "[%0], [%1], %2, [%3], %4;" ::"r"(smem_u32(ring + (size_t)s * SLOT)),
+                     "l"(src0 + off), "r"(SLOT), "r"(smem_u32(&full[s])), "l"(pol)
+                     : "memory");
+        off = off + SLOT >= span ? 0 : off + SLOT;
+    }
+    for (unsigned long long m = n - a.slots + 1; m < n; m++) slot_wait(full, a.slots, m); /* drain */
+}
+
+/* One round's lines of block b: (round flag, b, round flag, line index). */
+static __device__ __forceinline__ bool line_ok(uint4 v, unsigned flag)
+{
+    return v.x == flag && v.z == flag;
+}
+
+/* The consumer warps' rounds (see the top of the file). */
+static __device__ void consume_rounds(const xargs &a, uint4 (*inbox)[MAX_CLUSTER][MAX_LINES],
+                                      uint4 *relay)
+{
+    const int C = a.cluster, L = a.lines;
+    const uint32_t rank = C > 1 ? cluster_rank() : 0;
+    const int peer0 = (int)blockIdx.x - (int)rank; /* the cluster's first block */
+    const int n_src = a.mode == MODE_L2 || a.mode == MODE_RELAY ? (int)gridDim.x : C;
+    const int src0 = a.mode == MODE_L2 || a.mode == MODE_RELAY ? 0 : peer0;
+    const unsigned long long t0 = now_ns();
+    for (int r = 0; r < a.rounds; r++) {
+        const unsigned flag = a.base + (unsigned)r;
+        const int par = r & 1;
+        /* publish */
+        if (a.mode == MODE_DSMEM) {
+            for (int i = threadIdx.x; i < C * L; i += CONSUMERS) {
+                const int p = i / L, k = i % L;
+                const uint32_t local = smem_u32(&inbox[par][rank][k]);
+                uint32_t remote;
+                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(p));
+                asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote),
+                             "r"(flag), "r"((unsigned)blockIdx.x), "r"(flag), "r"((unsigned)k)
+                             : "memory");
+            }
+        } else {
+            for (int k = threadIdx.x; k < L; k += CONSUMERS) {
+                uint4 *line = a.gl + ((size_t)par * gridDim.x + blockIdx.x) * L + k;
+                asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(line),
+                             "r"(flag), "r"((unsigned)blockIdx.x), "r"(flag), "r"((unsigned)k)
+                             : "memory");
+            }
+        }
+        if (a.mode == MODE_RELAY) {
+            /* this rank's sources (b % C == rank) from global memory, forwarded to every
+             * peer's shared memory (its own copy included); then the rest from the peers */
+            uint4 *mine = relay + (size_t)par * gridDim.x * L;
+            const int n_mine = ((int)gridDim.x - (int)rank + C - 1) / C;
+            for (int i = threadIdx.x; i < n_mine * L; i += CONSUMERS) {
+                const int b = (int)rank + C * (i / L), k = i % L;
+                const uint4 *q = a.gl + ((size_t)par * gridDim.x + b) * L + k;
+                uint4 v;
+                do {
+                    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                                 : "l"(q)
+                                 : "memory");
+                } while (!line_ok(v, flag));
+                const uint32_t local = smem_u32(mine + (size_t)b * L + k);
+                for (int p = 0; p < C; p++) {
+                    uint32_t remote;
+                    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(p));
+                    asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote),
+                                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                                 : "memory");
+                }
+            }
+            for (int i = threadIdx.x; i < (int)gridDim.x * L; i += CONSUMERS) {
+                const volatile uint4 *q = mine + i;
+                uint4 v;
+                do {
+                    v.x = q->x;
+                    v.z = q->z;
+                } while (!line_ok(v, flag));
+            }
+            cons_sync();
+            continue;
+        }
+        /* gather: each line polled until it carries the round's flag */
+        for (int i = threadIdx.x; i < n_src * L; i += CONSUMERS) {
+            const int b = src0 + i / L, k = i % L;
+            if (a.mode == MODE_DSMEM) {
+                const volatile uint4 *q = &inbox[par][i / L][k];
+                uint4 v;
+                do {
+                    v.x = q->x;
+                    v.z = q->z;
+                } while (!line_ok(v, flag));
+            } else {
+                const uint4 *q = a.gl + ((size_t)par * gridDim.x + b) * L + k;
+                uint4 v;
+                do {
+                    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                                 : "l"(q)
+                                 : "memory");
+                } while (!line_ok(v, flag));
+            }
+        }
+        cons_sync();
+    }
+    const unsigned long long t1 = now_ns();
+    if (threadIdx.x == 0) {
+        a.ns[blockIdx.x] = t1 - t0;
+        if (blockIdx.x == 0) {
+            __threadfence();
+            *a.stop = 1;
+        }
+    }
+}
+
+
+static __global__ void __launch_bounds__(THREADS, 1) xchg_kernel(const xargs a)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    __trap(); /* main() runs it on compute capability 9.0 and up only */
+#else
+    extern __shared__ __align__(128) char smem[];
+    __shared__ __align__(8) uint64_t full[16];
+    __shared__ __align__(16) uint4 inbox[2][MAX_CLUSTER][MAX_LINES]; /* dsmem: peers' lines */
+    const int warp = threadIdx.x >> 5;
+    if (threadIdx.x < 16) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[threadIdx.x])));
+    for (int i = threadIdx.x; i < 2 * MAX_CLUSTER * MAX_LINES; i += THREADS)
+        (&inbox[0][0][0])[i] = make_uint4(0, 0, 0, 0);
+    if (a.mode == MODE_RELAY)
+        for (int i = threadIdx.x; i < 2 * (int)gridDim.x * a.lines; i += THREADS)
+            reinterpret_cast<uint4 *>(smem + a.inbox_off)[i] = make_uint4(0, 0, 0, 0);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();
+    if (a.cluster > 1) cluster_sync(); /* every peer's inbox is zeroed before anyone stores */
+    if (warp >= 8) {
+        if (warp == 8 && (threadIdx.x & 31) == 0 && a.stream) stream_loop(a, smem, full);
+        __syncwarp();
+    } else {
+        consume_rounds(a, inbox, reinterpret_cast<uint4 *>(smem + a.inbox_off));
+    }
+    __syncthreads();
+    if (a.cluster > 1) cluster_sync(); /* no block leaves while a peer may store into it */
+#endif
+}
+static void usage(FILE *f)
+{
+    fprintf(f,
+        "usage: pdserve-bench-exchange [--rounds N] [--lines L] [--smem KIB] [--device N]\n"
+        "\n"
+        "Times all-gather rounds between the blocks of a persistent grid (one block an SM, 384\n"
+        "threads): through L2 across the whole grid (l2), through L2 within a cluster (l2-peer),\n"
+        "through distributed shared memory within a cluster (dsmem), and across the whole grid\n"
+        "with each block of a cluster reading a share from L2 and forwarding it to its peers\n"
+        "(relay); cluster sizes 2 .. 16, each with and without a bulk-copy stream of a large\n"
+        "buffer in every block (decode_layers' weight stream).\n"
+        "  --rounds N  rounds a measurement (default 2000)\n"
+        "  --lines L   16-byte lines each block publishes a round (1 .. %d, default 2)\n"
+        "  --smem KIB  dynamic shared memory a block (default 200: decode_layers' ring)\n"
+        "  --device N  CUDA device (default 0)\n",
+        MAX_LINES);
+}
+
+/* Launches the kernel once, timed by its blocks; returns the slowest block's ns a round, or a
+ * negative value when the launch is refused. */
+static double run(const cudaDeviceProp &prop, int mode, int C, int stream, int rounds, int lines,
+                  size_t smem, char *big, size_t big_bytes, uint4 *gl, int *stop,
+                  unsigned long long *ns, unsigned *base, int *grid_out, bool *coop_out)
+{
+    int grid = prop.multiProcessorCount / C * C;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[2];
+    int na = 0;
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = 0;
+    attr[na].id = cudaLaunchAttributeClusterDimension;
+    attr[na].val.clusterDim.x = (unsigned)C;
+    attr[na].val.clusterDim.y = 1;
+    attr[na].val.clusterDim.z = 1;
+    na++;
+    cfg.attrs = attr;
+    cfg.numAttrs = na;
+    cfg.gridDim = dim3((unsigned)grid);
+    int active = 0;
+    if (cudaOccupancyMaxActiveClusters(&active, xchg_kernel, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1.0;
+    }
+    if (active * C < grid) grid = active * C; /* every block resident: they poll each other */
+    if (grid < C) return -1.0;
+    cfg.gridDim = dim3((unsigned)grid);
+    xargs a = {mode, rounds, lines, C, stream, gl, big, big_bytes, stop, ns, *base, 0, 0};
+    const size_t relay_bytes = (size_t)2 * grid * lines * sizeof(uint4);
+    a.slots = (int)((smem - relay_bytes) / SLOT) < 16 ? (int)((smem - relay_bytes) / SLOT) : 16;
+    a.inbox_off = a.slots * SLOT;
+    *base += (unsigned)rounds + 1;
+    CK(cudaMemset(stop, 0, sizeof(int)));
+    /* cooperative when the driver takes it with clusters: the launch then guarantees
+     * residency; else the grid above is at most the resident count */
+    attr[na].id = cudaLaunchAttributeCooperative;
+    attr[na].val.cooperative = 1;
+    cfg.numAttrs = na + 1;
+    cudaError_t e = cudaLaunchKernelEx(&cfg, xchg_kernel, a);
+    *coop_out = e == cudaSuccess;
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        cfg.numAttrs = na;
+        e = cudaLaunchKernelEx(&cfg, xchg_kernel, a);
+    }
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return -1.0;
+    }
+    CK(cudaDeviceSynchronize());
+    unsigned long long *h = (unsigned long long *)malloc(sizeof *h * (size_t)grid);
+    if (!h) exit(1);
+    CK(cudaMemcpy(h, ns, sizeof *h * (size_t)grid, cudaMemcpyDeviceToHost));
+    unsigned long long worst = 0;
+    for (int i = 0; i < grid; i++) worst = h[i] > worst ? h[i] : worst;
+    free(h);
+    *grid_out = grid;
+    return (double)worst / rounds;
+}
+
+int main(int argc, char **argv)
+{
+    int rounds = 2000, lines = 2, dev = 0;
+    size_t smem = (size_t)200 << 10;
+    for (int i = 1; i < argc; i++) {
+        const char *o = argv[i];
+        if (!strcmp(o, "--help") || !strcmp(o, "-h")) {
+            usage(stdout);
+            return 0;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "pdserve-bench-exchange: unknown option or missing value: %s\n", o);
+            usage(stderr);
+            return 2;
+        }
+        const long v = strtol(argv[++i], NULL, 10);
+        if (!strcmp(o, "--rounds") && v > 0 && v <= 1000000) rounds = (int)v;
+        else if (!strcmp(o, "--lines") && v >= 1 && v <= MAX_LINES) lines = (int)v;
+        else if (!strcmp(o, "--smem") && v >= 16 && v <= 220) smem = (size_t)v << 10;
+        else if (!strcmp(o, "--device") && v >= 0) dev = (int)v;
+        else {
+            fprintf(stderr, "pdserve-bench-exchange: bad option or value: %s %s\n", o, argv[i]);
+            usage(stderr);
+            return 2;
+        }
+    }
+    int n_dev = 0;
+    if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
+        fprintf(stderr, "pdserve-bench-exchange: no CUDA device\n");
+        return 1;
+    }
+    if (dev >= n_dev) {
+        fprintf(stderr, "pdserve-bench-exchange: no device %d (%d present)\n", dev, n_dev);
+        return 2;
+    }
+    CK(cudaSetDevice(dev));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, dev));
+    if (prop.major < 9) {
+        fprintf(stderr, "pdserve-bench-exchange: needs compute capability 9.0 (clusters, bulk copies)\n");
+        return 1;
+    }
+    CK(cudaFuncSetAttribute(xchg_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CK(cudaFuncSetAttribute(xchg_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    const size_t big_bytes = (size_t)2 << 30;
+    char *big = NULL;
+    uint4 *gl = NULL;
+    int *stop = NULL;
+    unsigned long long *ns = NULL;
+    CK(cudaMalloc((void **)&big, big_bytes));
+    CK(cudaMemset(big, 1, big_bytes));
+    CK(cudaMalloc((void **)&gl, sizeof(uint4) * 2 * (size_t)prop.multiProcessorCount * MAX_LINES));
+    CK(cudaMemset(gl, 0, sizeof(uint4) * 2 * (size_t)prop.multiProcessorCount * MAX_LINES));
+    CK(cudaMalloc((void **)&stop, sizeof(int)));
+    CK(cudaMalloc((void **)&ns, sizeof(unsigned long long) * (size_t)prop.multiProcessorCount));
+    printf("pdserve-bench-exchange: %s, %d SMs; %d rounds of %d lines a block, %zu KiB shared "
+           "memory a block; ns a round (the slowest block)\n",
+           prop.name, prop.multiProcessorCount, rounds, lines, smem >> 10);
+    printf("%-8s %4s %5s %6s %10s %10s\n", "way", "C", "grid", "coop", "no stream", "stream");
+    unsigned base = 1;
+    static const char *names[4] = {"l2", "l2-peer", "dsmem", "relay"};
+    const int sizes[] = {1, 2, 4, 8, 16};
+    for (int si = 0; si < 5; si++) {
+        const int C = sizes[si];
+        for (int mode = 0; mode < 4; mode++) {
+            if ((C == 1) != (mode == MODE_L2)) continue;
+            double t[2];
+            int grid = 0;
+            bool coop = false;
+            for (int s = 0; s < 2; s++)
+                t[s] = run(prop, mode, C, s, rounds, lines, smem, big, big_bytes, gl, stop, ns,
+                           &base, &grid, &coop);
+            if (t[0] < 0 || t[1] < 0) {
+                printf("%-8s %4d %5s %6s %10s %10s\n", names[mode], C, "-", "-", "refused", "refused");
+                continue;
+            }
+            printf("%-8s %4d %5d %6s %10.0f %10.0f\n", names[mode], C, grid, coop ? "yes" : "no",
+                   t[0], t[1]);
+        }
+    }
+    CK(cudaFree(big));
+    CK(cudaFree(gl));
+    CK(cudaFree(stop));
+    CK(cudaFree(ns));
+    return 0;
+}
