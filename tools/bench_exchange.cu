@@ -1,5 +1,5 @@
 /* bench_exchange.cu -- pdserve-bench-exchange: what a block-to-block exchange of a persistent
- * kernel costs on this GPU, the measurement behind decode_layers' next design step
+ * kernel costs on this GPU, for the design of decode_layers
  * (docs/perf.md, issue #8, eleventh pass).
  *
  * Every block of a grid shaped like decode_layers (one block an SM, 12 warps, ~200 KiB of
@@ -115,10 +115,48 @@ static __device__ void stream_loop(const xargs &a, char *ring, uint64_t *full)
     for (unsigned long long m = n - a.slots + 1; m < n; m++) slot_wait(full, a.slots, m); /* drain */
 }
 
+static __device__ __forceinline__ uint4 ld_line(const uint4 *q)
+{
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(q)
+                 : "memory");
+    return v;
+}
+
 /* One round's lines of block b: (round flag, b, round flag, line index). */
 static __device__ __forceinline__ bool line_ok(uint4 v, unsigned flag)
 {
     return v.x == flag && v.z == flag;
+}
+
+/* Lines [0, n) at line(i), as decode_layers' ll_copy polls them: up to 4 a thread loaded at
+ * once, those not there yet loaded again together (one round trip a round); each line that
+ * has arrived is handed to got(i, v). */
+template <typename A, typename G>
+static __device__ __forceinline__ void gather(int n, unsigned flag, A line, G got)
+{
+    for (int b = threadIdx.x; b < n; b += 4 * CONSUMERS) {
+        uint4 v[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (b + k * CONSUMERS < n) v[k] = ld_line(line(b + k * CONSUMERS));
+        for (;;) {
+            bool ready = true;
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                if (b + k * CONSUMERS < n && !line_ok(v[k], flag)) ready = false;
+            if (ready) break;
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                if (b + k * CONSUMERS < n && !line_ok(v[k], flag))
+                    v[k] = ld_line(line(b + k * CONSUMERS));
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (b + k * CONSUMERS < n) got(b + k * CONSUMERS, v[k]);
+    }
 }
 
 /* The consumer warps' rounds (see the top of the file). */
@@ -158,25 +196,22 @@ static __device__ void consume_rounds(const xargs &a, uint4 (*inbox)[MAX_CLUSTER
              * peer's shared memory (its own copy included); then the rest from the peers */
             uint4 *mine = relay + (size_t)par * gridDim.x * L;
             const int n_mine = ((int)gridDim.x - (int)rank + C - 1) / C;
-            for (int i = threadIdx.x; i < n_mine * L; i += CONSUMERS) {
-                const int b = (int)rank + C * (i / L), k = i % L;
-                const uint4 *q = a.gl + ((size_t)par * gridDim.x + b) * L + k;
-                uint4 v;
-                do {
-                    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                                 : "l"(q)
-                                 : "memory");
-                } while (!line_ok(v, flag));
-                const uint32_t local = smem_u32(mine + (size_t)b * L + k);
-                for (int p = 0; p < C; p++) {
-                    uint32_t remote;
-                    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(p));
-                    asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote),
-                                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                                 : "memory");
-                }
-            }
+            gather(n_mine * L, flag,
+                   [&](int i) {
+                       return a.gl + ((size_t)par * gridDim.x + (int)rank + C * (i / L)) * L + i % L;
+                   },
+                   [&](int i, uint4 v) {
+                       const int b = (int)rank + C * (i / L), k = i % L;
+                       const uint32_t local = smem_u32(mine + (size_t)b * L + k);
+                       for (int p = 0; p < C; p++) {
+                           uint32_t remote;
+                           asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                                        : "=r"(remote) : "r"(local), "r"(p));
+                           asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote),
+                                        "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                                        : "memory");
+                       }
+                   });
             for (int i = threadIdx.x; i < (int)gridDim.x * L; i += CONSUMERS) {
                 const volatile uint4 *q = mine + i;
                 uint4 v;
@@ -188,26 +223,20 @@ static __device__ void consume_rounds(const xargs &a, uint4 (*inbox)[MAX_CLUSTER
             cons_sync();
             continue;
         }
-        /* gather: each line polled until it carries the round's flag */
-        for (int i = threadIdx.x; i < n_src * L; i += CONSUMERS) {
-            const int b = src0 + i / L, k = i % L;
-            if (a.mode == MODE_DSMEM) {
-                const volatile uint4 *q = &inbox[par][i / L][k];
+        /* gather */
+        if (a.mode == MODE_DSMEM) {
+            for (int i = threadIdx.x; i < n_src * L; i += CONSUMERS) {
+                const volatile uint4 *q = &inbox[par][i / L][i % L];
                 uint4 v;
                 do {
                     v.x = q->x;
                     v.z = q->z;
                 } while (!line_ok(v, flag));
-            } else {
-                const uint4 *q = a.gl + ((size_t)par * gridDim.x + b) * L + k;
-                uint4 v;
-                do {
-                    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                                 : "l"(q)
-                                 : "memory");
-                } while (!line_ok(v, flag));
             }
+        } else {
+            gather(n_src * L, flag,
+                   [&](int i) { return a.gl + ((size_t)par * gridDim.x + src0 + i / L) * L + i % L; },
+                   [](int, uint4) {});
         }
         cons_sync();
     }
