@@ -1154,11 +1154,14 @@ static void test_decode_layers(void)
         {768, 2048, 12, 4, 64, 40, false, true},  /* GQA 3, biases, a window */
         {512, 1536, 16, 2, 64, 0, true, true},    /* GQA 8 */
     };
-    const int32_t c1[1] = {300}, c2[2] = {129, 31}, c3[3] = {1, 17, 700};
+    /* 520 keys: in 32 splits of 17 (GQA 8: 2 KV heads, 32 splits on a 132-SM GPU) the last
+     * would have none */
+    const int32_t c1[1] = {300}, c1b[1] = {520}, c2[2] = {129, 31}, c3[3] = {1, 17, 700};
     const int32_t c8[8] = {5, 0, 64, 33, 1000, 16, 2, 129};
     for (int s = 0; s < 3; s++) {
         run_decode_layers(&shapes[s], 1, c1, false);
         run_decode_layers(&shapes[s], 1, c1, true);
+        run_decode_layers(&shapes[s], 1, c1b, false);
         run_decode_layers(&shapes[s], 2, c2, false);
         run_decode_layers(&shapes[s], 3, c3, s == 1);
         run_decode_layers(&shapes[s], 8, c8, s == 2);

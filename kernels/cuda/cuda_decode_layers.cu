@@ -710,6 +710,8 @@ static __device__ __forceinline__ dl_unit unit_of(const dl_params &p, int32_t u)
     const int32_t n_keys = a.ctx - k_start;
     a.used = a.ctx > 0 ? min(p.splits, max(1, n_keys / DL_MIN_CHUNK)) : 1;
     const int32_t chunk = a.ctx > 0 ? (n_keys + a.used - 1) / a.used : 0;
+    /* no split without keys: 520 keys in 32 splits of 17 would leave the last empty (31) */
+    if (chunk > 0) a.used = (n_keys + chunk - 1) / chunk;
     a.kb = k_start + a.sp * chunk;
     a.ke = min(a.kb + chunk, a.ctx);
     return a;
@@ -902,7 +904,8 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
             Ls = fmaf(wml[2 * (w * G + g) + 1], f, Ls);
             O = fmaf(wacc[(w * G + g) * HD + d], f, O);
         }
-        const float on = O / Ls, lw = M + log2f(Ls); /* a split has keys: Ls >= 1 */
+        /* a split has keys (unit_of), so Ls >= 1; a split without would weigh 0 */
+        const float on = Ls > 0.0f ? O / Ls : 0.0f, lw = Ls > 0.0f ? M + log2f(Ls) : -INFINITY;
         if (used == 1 || sp == 0) {
             qs[i] = on;
             if (d == 0) mine[g] = lw;
