@@ -17,11 +17,12 @@
  * decode_layers streams its weights, at the full rate the memory gives. Also prints how many
  * clusters of each size can be resident at that footprint (a persistent grid needs them all).
  * Built with the CUDA backend only; sm_90. */
-#include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernels/cuda/cuda_common.cuh" /* the backend's device helpers (no backend code) */
 
 #define THREADS 384       /* 8 consumer warps + a producer warpgroup, as decode_layers */
 #define CONSUMERS 256
@@ -52,11 +53,6 @@ struct xargs {
     int inbox_off;               /* relay: [2][grid][lines] lines in dynamic shared memory here */
 };
 
-static __device__ __forceinline__ uint32_t smem_u32(const void *p)
-{
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
 static __device__ __forceinline__ unsigned long long now_ns(void)
 {
     unsigned long long t;
@@ -85,15 +81,12 @@ static __device__ __forceinline__ void cluster_sync(void)
  * landed, until block 0 is done; then it waits for the copies still in flight. */
 static __device__ __forceinline__ void slot_wait(uint64_t *full, int slots, unsigned long long m)
 { /* copy m (0-based) is its slot's (m / slots)-th completion */
-    asm volatile("{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@!p bra W;\n}\n" ::"r"(smem_u32(&full[m % slots])), "r"((uint32_t)((m / slots) & 1))
-                 : "memory");
+    pd_mbar_wait(&full[m % slots], (uint32_t)((m / slots) & 1));
 }
 
 static __device__ void stream_loop(const xargs &a, char *ring, uint64_t *full)
 {
-    uint64_t pol;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    const uint64_t pol = pd_policy_evict_first();
     const size_t span = a.big_bytes / gridDim.x / SLOT * SLOT; /* this block's part */
     const char *src0 = a.big + (size_t)blockIdx.x * span;
     size_t off = 0;
@@ -104,25 +97,11 @@ static __device__ void stream_loop(const xargs &a, char *ring, uint64_t *full)
             slot_wait(full, a.slots, n - a.slots);
             if (*a.stop) break;
         }
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&full[s])),
-                     "r"(SLOT) : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
-                     "[%0], [%1], %2, [%3], %4;" ::"r"(smem_u32(ring + (size_t)s * SLOT)),
-                     "l"(src0 + off), "r"(SLOT), "r"(smem_u32(&full[s])), "l"(pol)
-                     : "memory");
+        pd_mbar_expect_tx(&full[s], SLOT);
+        pd_bulk_load_hint(ring + (size_t)s * SLOT, src0 + off, SLOT, &full[s], pol);
         off = off + SLOT >= span ? 0 : off + SLOT;
     }
     for (unsigned long long m = n - a.slots + 1; m < n; m++) slot_wait(full, a.slots, m); /* drain */
-}
-
-static __device__ __forceinline__ uint4 ld_line(const uint4 *q)
-{
-    uint4 v;
-    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(q)
-                 : "memory");
-    return v;
 }
 
 /* One round's lines of block b: (round flag, b, round flag, line index). */
@@ -141,7 +120,7 @@ static __device__ __forceinline__ void gather(int n, unsigned flag, A line, G go
         uint4 v[4];
 #pragma unroll
         for (int k = 0; k < 4; k++)
-            if (b + k * CONSUMERS < n) v[k] = ld_line(line(b + k * CONSUMERS));
+            if (b + k * CONSUMERS < n) v[k] = pd_ld_volatile4(line(b + k * CONSUMERS));
         for (;;) {
             bool ready = true;
 #pragma unroll
@@ -151,7 +130,7 @@ static __device__ __forceinline__ void gather(int n, unsigned flag, A line, G go
 #pragma unroll
             for (int k = 0; k < 4; k++)
                 if (b + k * CONSUMERS < n && !line_ok(v[k], flag))
-                    v[k] = ld_line(line(b + k * CONSUMERS));
+                    v[k] = pd_ld_volatile4(line(b + k * CONSUMERS));
         }
 #pragma unroll
         for (int k = 0; k < 4; k++)
@@ -176,7 +155,7 @@ static __device__ void consume_rounds(const xargs &a, uint4 (*inbox)[MAX_CLUSTER
         if (a.mode == MODE_DSMEM) {
             for (int i = threadIdx.x; i < C * L; i += CONSUMERS) {
                 const int p = i / L, k = i % L;
-                const uint32_t local = smem_u32(&inbox[par][rank][k]);
+                const uint32_t local = pd_smem_u32(&inbox[par][rank][k]);
                 uint32_t remote;
                 asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(p));
                 asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote),
@@ -202,7 +181,7 @@ static __device__ void consume_rounds(const xargs &a, uint4 (*inbox)[MAX_CLUSTER
                    },
                    [&](int i, uint4 v) {
                        const int b = (int)rank + C * (i / L), k = i % L;
-                       const uint32_t local = smem_u32(mine + (size_t)b * L + k);
+                       const uint32_t local = pd_smem_u32(mine + (size_t)b * L + k);
                        for (int p = 0; p < C; p++) {
                            uint32_t remote;
                            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
@@ -260,7 +239,7 @@ static __global__ void __launch_bounds__(THREADS, 1) xchg_kernel(const xargs a)
     __shared__ __align__(8) uint64_t full[16];
     __shared__ __align__(16) uint4 inbox[2][MAX_CLUSTER][MAX_LINES]; /* dsmem: peers' lines */
     const int warp = threadIdx.x >> 5;
-    if (threadIdx.x < 16) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[threadIdx.x])));
+    if (threadIdx.x < 16) pd_mbar_init(&full[threadIdx.x], 1);
     for (int i = threadIdx.x; i < 2 * MAX_CLUSTER * MAX_LINES; i += THREADS)
         (&inbox[0][0][0])[i] = make_uint4(0, 0, 0, 0);
     if (a.mode == MODE_RELAY)

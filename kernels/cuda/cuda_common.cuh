@@ -307,6 +307,18 @@ static __device__ __forceinline__ unsigned pd_pack_bf16(float lo, float hi)
     return *reinterpret_cast<const unsigned *>(&v);
 }
 
+/* A 16-byte line of global memory as it is now (a volatile load: polled until its writer's
+ * flags show; decode_layers' exchanges). */
+static __device__ __forceinline__ uint4 pd_ld_volatile4(const void *p)
+{
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
 /* ---- mbarriers and bulk copies (sm_90) ---- */
 
 static __device__ __forceinline__ uint32_t pd_smem_u32(const void *p)

@@ -128,12 +128,7 @@ static __device__ __forceinline__ void ll_store(uint4 *line, uint32_t d01, uint3
 /* A line as it is now: (pair, flag, pair, flag). */
 static __device__ __forceinline__ uint4 ll_issue4(const uint4 *line)
 {
-    uint4 v;
-    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(line)
-                 : "memory");
-    return v;
+    return pd_ld_volatile4(line);
 }
 
 /* The 4 bf16 of a line (as two pairs) loaded as v, polled until both halves carry flag. */
