@@ -110,6 +110,29 @@ static __device__ __forceinline__ bool line_ok(uint4 v, unsigned flag)
     return v.x == flag && v.z == flag;
 }
 
+/* v into cluster block `peer`'s shared memory, at the place of local (this block's address). */
+static __device__ __forceinline__ void store_peer(const void *local, int peer, uint4 v)
+{
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote)
+                 : "r"(pd_smem_u32(local)), "r"(peer));
+    asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "r"(v.x),
+                 "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+/* Polls a line of this block's shared memory until it carries flag. */
+static __device__ __forceinline__ void wait_local(const uint4 *line, unsigned flag)
+{
+    const volatile uint4 *q = line;
+    uint4 v;
+    do {
+        v.x = q->x;
+        v.z = q->z;
+    } while (!line_ok(v, flag));
+}
+
 /* Lines [0, n) at line(i), as decode_layers' ll_copy polls them: up to 4 a thread loaded at
  * once, those not there yet loaded again together (one round trip a round); each line that
  * has arrived is handed to got(i, v). */
@@ -153,22 +176,13 @@ static __device__ void consume_rounds(const xargs &a, uint4 (*inbox)[MAX_CLUSTER
         const int par = r & 1;
         /* publish */
         if (a.mode == MODE_DSMEM) {
-            for (int i = threadIdx.x; i < C * L; i += CONSUMERS) {
-                const int p = i / L, k = i % L;
-                const uint32_t local = pd_smem_u32(&inbox[par][rank][k]);
-                uint32_t remote;
-                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(p));
-                asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote),
-                             "r"(flag), "r"((unsigned)blockIdx.x), "r"(flag), "r"((unsigned)k)
-                             : "memory");
-            }
+            for (int i = threadIdx.x; i < C * L; i += CONSUMERS)
+                store_peer(&inbox[par][rank][i % L], i / L,
+                           make_uint4(flag, blockIdx.x, flag, (unsigned)(i % L)));
         } else {
-            for (int k = threadIdx.x; k < L; k += CONSUMERS) {
-                uint4 *line = a.gl + ((size_t)par * gridDim.x + blockIdx.x) * L + k;
-                asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(line),
-                             "r"(flag), "r"((unsigned)blockIdx.x), "r"(flag), "r"((unsigned)k)
-                             : "memory");
-            }
+            for (int k = threadIdx.x; k < L; k += CONSUMERS)
+                pd_st_volatile4(a.gl + ((size_t)par * gridDim.x + blockIdx.x) * L + k,
+                                make_uint4(flag, blockIdx.x, flag, (unsigned)k));
         }
         if (a.mode == MODE_RELAY) {
             /* this rank's sources (b % C == rank) from global memory, forwarded to every
@@ -181,37 +195,17 @@ static __device__ void consume_rounds(const xargs &a, uint4 (*inbox)[MAX_CLUSTER
                    },
                    [&](int i, uint4 v) {
                        const int b = (int)rank + C * (i / L), k = i % L;
-                       const uint32_t local = pd_smem_u32(mine + (size_t)b * L + k);
-                       for (int p = 0; p < C; p++) {
-                           uint32_t remote;
-                           asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-                                        : "=r"(remote) : "r"(local), "r"(p));
-                           asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(remote),
-                                        "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                                        : "memory");
-                       }
+                       for (int p = 0; p < C; p++) store_peer(mine + (size_t)b * L + k, p, v);
                    });
-            for (int i = threadIdx.x; i < (int)gridDim.x * L; i += CONSUMERS) {
-                const volatile uint4 *q = mine + i;
-                uint4 v;
-                do {
-                    v.x = q->x;
-                    v.z = q->z;
-                } while (!line_ok(v, flag));
-            }
+            for (int i = threadIdx.x; i < (int)gridDim.x * L; i += CONSUMERS)
+                wait_local(mine + i, flag);
             cons_sync();
             continue;
         }
         /* gather */
         if (a.mode == MODE_DSMEM) {
-            for (int i = threadIdx.x; i < n_src * L; i += CONSUMERS) {
-                const volatile uint4 *q = &inbox[par][i / L][i % L];
-                uint4 v;
-                do {
-                    v.x = q->x;
-                    v.z = q->z;
-                } while (!line_ok(v, flag));
-            }
+            for (int i = threadIdx.x; i < n_src * L; i += CONSUMERS)
+                wait_local(&inbox[par][i / L][i % L], flag);
         } else {
             gather(n_src * L, flag,
                    [&](int i) { return a.gl + ((size_t)par * gridDim.x + src0 + i / L) * L + i % L; },
@@ -228,7 +222,6 @@ static __device__ void consume_rounds(const xargs &a, uint4 (*inbox)[MAX_CLUSTER
         }
     }
 }
-
 
 static __global__ void __launch_bounds__(THREADS, 1) xchg_kernel(const xargs a)
 {

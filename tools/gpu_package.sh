@@ -17,8 +17,8 @@ SHARED=${PDSERVE_SHARED:-../shared}
 B=${PD_GPU_BUILD:-build-gpu}
 G=${PD_GPU_DIR:-.gpu}
 BINS="test_cuda_backend test_cuda_golden test_cuda_sample test_cpu_backend pdserve-generate
-      pdserve-bench-offline pdserve-bench-kernels pdserve-bench-exchange pdserve-prefill pdserve-decode pdserve-router
-      pdserve-cli ${PD_GPU_EXTRA:-}"
+      pdserve-bench-offline pdserve-bench-kernels pdserve-bench-exchange pdserve-prefill
+      pdserve-decode pdserve-router pdserve-cli ${PD_GPU_EXTRA:-}"
 
 # PD_SANITIZE=OFF: a folder configured for ASan before keeps it cached, and CUDA does not
 # start under ASan.

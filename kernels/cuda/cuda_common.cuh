@@ -319,6 +319,14 @@ static __device__ __forceinline__ uint4 pd_ld_volatile4(const void *p)
     return v;
 }
 
+/* Its store: the 16 bytes of v at p in one volatile store. */
+static __device__ __forceinline__ void pd_st_volatile4(void *p, uint4 v)
+{
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x),
+                 "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
 /* ---- mbarriers and bulk copies (sm_90) ---- */
 
 static __device__ __forceinline__ uint32_t pd_smem_u32(const void *p)

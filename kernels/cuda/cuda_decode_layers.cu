@@ -120,9 +120,7 @@ static __device__ __forceinline__ void cons_sync(void)
 static __device__ __forceinline__ void ll_store(uint4 *line, uint32_t d01, uint32_t d23,
                                                 uint32_t flag)
 {
-    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(line), "r"(d01),
-                 "r"(flag), "r"(d23), "r"(flag)
-                 : "memory");
+    pd_st_volatile4(line, make_uint4(d01, flag, d23, flag));
 }
 
 /* A line as it is now: (pair, flag, pair, flag). */

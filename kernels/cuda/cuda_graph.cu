@@ -121,21 +121,17 @@ fetch_rows_kernel(char *dst, size_t dst_pitch, const char *src, size_t src_pitch
     }
 }
 
-/* src's address on the device when it is pinned host memory a kernel can read, else NULL. */
-static const void *host_on_device(const void *src)
+/* src's device address for fetch_rows when the upload is small and src is pinned host memory
+ * a kernel can read, else NULL. */
+static const void *fetchable(const void *src, size_t row_bytes, size_t rows)
 {
+    if (rows * row_bytes > FETCH_MAX_BYTES) return NULL;
     cudaPointerAttributes at;
     if (cudaPointerGetAttributes(&at, src) != cudaSuccess) {
         (void)cudaGetLastError();
         return NULL;
     }
     return at.type == cudaMemoryTypeHost ? at.devicePointer : NULL;
-}
-
-/* src's device address for fetch_rows when the upload is small and src allows it, else NULL. */
-static const void *fetchable(const void *src, size_t row_bytes, size_t rows)
-{
-    return rows * row_bytes <= FETCH_MAX_BYTES ? host_on_device(src) : NULL;
 }
 
 /* The upload from dsrc (fetchable's) by fetch_rows_kernel, queued on stream. */
@@ -151,17 +147,25 @@ static cudaError_t fetch_rows(void *dst, size_t dst_pitch, const void *dsrc, siz
     return cudaGetLastError();
 }
 
+/* The upload in the stream's order: by fetch_rows from dsrc (fetchable's), else the copy
+ * engine's copy from src. */
+static int upload_in_order(pd_cuda_ctx *c, void *dst, size_t dst_pitch, const void *src,
+                           const void *dsrc, size_t src_pitch, size_t row_bytes, size_t rows)
+{
+    pd_cuda__steptime_mark(c, PD_ST_START);
+    PD_CUDA_CHECK(dsrc ? fetch_rows(dst, dst_pitch, dsrc, src_pitch, row_bytes, rows, c->stream)
+                       : copy_rows(dst, dst_pitch, src, src_pitch, row_bytes, rows, c->stream));
+    return 0;
+}
+
 extern "C" int pd_cuda__upload_rows(void *ctx, void *dst, size_t dst_pitch, const void *src,
                                     size_t src_pitch, size_t row_bytes, size_t rows)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     if (rows == 0 || row_bytes == 0) return 0;
     if (!dst || !src || dst_pitch < row_bytes || src_pitch < row_bytes) return PD_EINVAL;
-    pd_cuda__steptime_mark(c, PD_ST_START);
-    const void *dsrc = fetchable(src, row_bytes, rows);
-    PD_CUDA_CHECK(dsrc ? fetch_rows(dst, dst_pitch, dsrc, src_pitch, row_bytes, rows, c->stream)
-                       : copy_rows(dst, dst_pitch, src, src_pitch, row_bytes, rows, c->stream));
-    return 0;
+    return upload_in_order(c, dst, dst_pitch, src, fetchable(src, row_bytes, rows), src_pitch,
+                           row_bytes, rows);
 }
 
 /* The side stream and its events, once. */
@@ -187,11 +191,7 @@ extern "C" int pd_cuda__upload_rows_overlap(void *ctx, void *dst, size_t dst_pit
         return pd_cuda__upload_rows(ctx, dst, dst_pitch, src, src_pitch, row_bytes, rows);
     if (!dst || !src || dst_pitch < row_bytes || src_pitch < row_bytes) return PD_EINVAL;
     const void *dsrc = fetchable(src, row_bytes, rows);
-    if (dsrc) {
-        pd_cuda__steptime_mark(c, PD_ST_START);
-        PD_CUDA_CHECK(fetch_rows(dst, dst_pitch, dsrc, src_pitch, row_bytes, rows, c->stream));
-        return 0;
-    }
+    if (dsrc) return upload_in_order(c, dst, dst_pitch, src, dsrc, src_pitch, row_bytes, rows);
     PD_CUDA_CHECK(cudaStreamWaitEvent(c->side, c->ev_graph, 0));
     PD_CUDA_CHECK(copy_rows(dst, dst_pitch, src, src_pitch, row_bytes, rows, c->side));
     PD_CUDA_CHECK(cudaEventRecord(c->ev_upload, c->side));
