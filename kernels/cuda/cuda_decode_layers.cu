@@ -99,6 +99,8 @@ struct dl_params {
                                            * [n][head_dim / 2] (cos, sin) pairs, then the
                                            * block's residual columns */
     int32_t debug;                        /* PDSERVE_CUDA_DL_DEBUG bits (timing only) */
+    int32_t inflight;                     /* the layers' slots in flight at most (0: the ring;
+                                           * pace_of) */
     unsigned long long *ts;               /* debug 16: [stage][block][8] marks and waits */
     dl_layer layer[DL_MAX_LAYERS];
 };
@@ -283,7 +285,10 @@ template <int HD>
 static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, uint64_t *empty,
                                const int2 *cols)
 {
-    dl_ring_pos pos;
+    /* where the next slot is issued; the oldest slot issued and not yet seen full, and how
+     * many are in flight from there (counted with inflight set, in the layers) */
+    dl_ring_pos pos, fpos;
+    int32_t flying = 0;
     /* debug 32: the A/B without the evict-first policy */
     const uint64_t pol = p.debug & 32 ? pd_policy_evict_normal() : pd_policy_evict_first();
     for (int32_t l = 0; l < p.n_layers; l++) {
@@ -296,6 +301,18 @@ static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, u
                     const uint32_t len = (uint32_t)min(s.kslice, s.k - k0) * 2;
                     const unsigned long long tw = DL_TIMED(p) ? dl_now() : 0;
                     pd_mbar_wait(&empty[pos.slot()], pos.ph() ^ 1);
+                    if (p.inflight > 0 && st < 4) { /* paced: see pace_of */
+                        while (flying > 0 && pd_mbar_test(&full[fpos.slot()], fpos.ph())) {
+                            fpos.next(p.n_slots);
+                            flying--;
+                        }
+                        while (flying >= p.inflight) {
+                            pd_mbar_wait(&full[fpos.slot()], fpos.ph());
+                            fpos.next(p.n_slots);
+                            flying--;
+                        }
+                        flying++;
+                    }
                     if (DL_TIMED(p)) {
                         t_last = dl_now();
                         waited += t_last - tw;
@@ -1223,6 +1240,39 @@ static void ts_report(const unsigned long long *ts, int32_t n_stages, int grid)
     memset(cnt, 0, sizeof cnt);
 }
 
+/* How many of the layers' weight slots the producer keeps in flight, at most (0: as many as the
+ * ring has free). Every block's bulk copies share the memory system with the chain of
+ * exchanges between the blocks, and a stage's refill, issued all at once when its slots free,
+ * lands during the next exchanges and slows their polls (a Qwen3-0.6B layer is latency-bound:
+ * its chain takes about twice its weights' time at the copy rate). One slot a block in flight
+ * paces the stream to a slot a round trip, smoothly; that suits a layer whose weights per
+ * block fill about one ring (Qwen3-0.6B: 15 slots a block, 12 in the ring), which then
+ * still arrive within the layer: +2.9 - 6.9% at batch 1 on an H200 (docs/perf.md). A layer
+ * of k rings per block gets k slots in flight, and from one ring of slots in flight on (a
+ * stream-bound layer, e.g. Llama-3-8B's 206 slots a block) none is held back: pacing those
+ * cost 28 - 48%. The head is never paced. PDSERVE_CUDA_DL_INFLIGHT=N sets it (0: none). */
+static int32_t pace_of(const pd_decode_args *a, int grid, int32_t n_slots, int32_t kslice)
+{
+    static int v = -2; /* -1: not set (racy first reads all compute the same value) */
+    if (v == -2) {
+        const char *e = getenv("PDSERVE_CUDA_DL_INFLIGHT");
+        v = e && *e ? (atoi(e) > 0 ? atoi(e) : 0) : -1;
+    }
+    if (v >= 0) return v;
+    const int32_t hd = a->head_dim;
+    const int32_t m[4] = {(a->n_heads + 2 * a->n_kv_heads) * hd, a->hidden, a->intermediate,
+                          a->hidden};
+    const int32_t k[4] = {a->hidden, a->n_heads * hd, a->hidden, a->intermediate};
+    int64_t slots = 0; /* a layer's slots for the block with the most columns (stage_cols) */
+    for (int st = 0; st < 4; st++) {
+        const int64_t cols = 8 * (((int64_t)m[st] / 8 + grid - 1) / grid);
+        const int64_t groups = (cols + (st == 2 ? 3 : 7)) / (st == 2 ? 4 : 8);
+        slots += groups * ((k[st] + kslice - 1) / kslice);
+    }
+    const int64_t f = slots / n_slots;
+    return f < 1 ? 1 : f >= n_slots ? 0 : (int32_t)f;
+}
+
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 /* The NMAX a launch of n rows is instantiated with. */
@@ -1369,6 +1419,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     p.n_slots = (int32_t)n_slots;
     p.x_bytes = (int32_t)x_bytes;
     p.debug = debug_bits();
+    p.inflight = pace_of(a, grid, (int32_t)n_slots, (int32_t)(slot / 16 / 256 * 256));
     for (int32_t l = 0; l < a->n_layers; l++) {
         const pd_layer_args *L = &a->layers[l];
         dl_layer &d = p.layer[l];
