@@ -33,10 +33,11 @@ for v in "$@"; do # unpack what is still packed
         [ -f "$pkg/bin.tar.xz" ] || { echo "gpu_ab: no package in $pkg"; exit 2; }
         tar -xJf "$pkg/bin.tar.xz" -C "$pkg" || exit 2
     fi
-    if [ ! -d "$LIB/lib" ]; then
+    if [ ! -d "$LIB/lib" ] && [ -f "$pkg/lib.tar.xz" ]; then # one package's libraries do
         mkdir -p "$LIB" && tar -xJf "$pkg/lib.tar.xz" -C "$LIB" || exit 2
     fi
 done
+[ -d "$LIB/lib" ] || { echo "gpu_ab: no package holds lib.tar.xz"; exit 2; }
 for ((r = 1; r <= ROUNDS; r++)); do
     i=0
     for v in "$@"; do
