@@ -19,9 +19,10 @@
  * of them, stage after stage and layer after layer, into a ring of shared-memory slots with
  * bulk asynchronous copies (cp.async.bulk, completion counted on an mbarrier per slot, under
  * an evict-first L2 policy) without ever waiting for another block: while the 8 consumer
- * warps wait for inputs, or attend, the next stages' weights keep arriving. A slot holds a
- * 1024-k slice of 8 weight rows; the consumer warps split its k between them on the tensor
- * cores (the n rows of x, in shared memory, as the A operand), then hand the slot back.
+ * warps wait for inputs, or attend, the next stages' weights keep arriving, paced where a
+ * layer is latency-bound (pace_of: a burst of refills slows the grid's exchanges). A slot
+ * holds a 1024-k slice of 8 weight rows; the consumer warps split its k between them on the
+ * tensor cores (the n rows of x, in shared memory, as the A operand), then hand the slot back.
  *
  * Stage outputs go from block to block as flagged lines (ll_store / ll_copy): no fence,
  * counter or barrier, each reader polls the lines it needs. Grid barriers cost 1.6 - 2.5 us
@@ -1246,11 +1247,12 @@ static void ts_report(const unsigned long long *ts, int32_t n_stages, int grid)
  * lands during the next exchanges and slows their polls (a Qwen3-0.6B layer is latency-bound:
  * its chain takes about twice its weights' time at the copy rate). One slot a block in flight
  * paces the stream to a slot a round trip, smoothly; that suits a layer whose weights per
- * block fill about one ring (Qwen3-0.6B: 15 slots a block, 12 in the ring), which then
- * still arrive within the layer: +2.9 - 6.9% at batch 1 on an H200 (docs/perf.md). A layer
- * of k rings per block gets k slots in flight, and from one ring of slots in flight on (a
- * stream-bound layer, e.g. Llama-3-8B's 206 slots a block) none is held back: pacing those
- * cost 28 - 48%. The head is never paced. PDSERVE_CUDA_DL_INFLIGHT=N sets it (0: none). */
+ * block fill about one ring (Qwen3-0.6B: 15 slots a block, 12 in the ring), which then still
+ * arrive within the layer: batch 1 +4.7 - 6.0% on an H200, +11% on an H100, +4.4% and +7.8%
+ * after a 1000-token prompt (docs/perf.md, twelfth pass). A layer of k rings a block gets k
+ * slots in flight, and from a ring's worth on (a stream-bound layer, e.g. Llama-3-8B's 206
+ * slots a block) none is held back: one slot in flight cost those shapes half their speed.
+ * The head is never paced. PDSERVE_CUDA_DL_INFLIGHT=N sets it (0: none). */
 static int32_t pace_of(const pd_decode_args *a, int grid, int32_t n_slots, int32_t kslice)
 {
     static int v = -2; /* -1: not set (racy first reads all compute the same value) */
@@ -1419,7 +1421,9 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     p.n_slots = (int32_t)n_slots;
     p.x_bytes = (int32_t)x_bytes;
     p.debug = debug_bits();
+    /* a ring's worth in flight is no limit (and keeps the producer's count within a round) */
     p.inflight = pace_of(a, grid, (int32_t)n_slots, (int32_t)(slot / 16 / 256 * 256));
+    if (p.inflight >= (int32_t)n_slots) p.inflight = 0;
     for (int32_t l = 0; l < a->n_layers; l++) {
         const pd_layer_args *L = &a->layers[l];
         dl_layer &d = p.layer[l];
