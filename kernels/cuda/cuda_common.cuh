@@ -363,21 +363,6 @@ static __device__ __forceinline__ void pd_mbar_wait(uint64_t *b, uint32_t parity
                  : "memory");
 }
 
-/* Whether the phase of the given parity has completed (no waiting). */
-static __device__ __forceinline__ bool pd_mbar_test(uint64_t *b, uint32_t parity)
-{
-    uint32_t done;
-    asm volatile("{\n"
-                 ".reg .pred p;\n"
-                 "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 "selp.u32 %0, 1, 0, p;\n"
-                 "}\n"
-                 : "=r"(done)
-                 : "r"(pd_smem_u32(b)), "r"(parity)
-                 : "memory");
-    return done != 0;
-}
-
 /* bytes (a multiple of 16, 16-byte aligned ends) global -> shared, counted on b. */
 static __device__ __forceinline__ void pd_bulk_load(void *dst, const void *src, uint32_t bytes,
                                                     uint64_t *b)

@@ -228,12 +228,24 @@ struct dl_stage {
 };
 
 /* Output columns of stage st (0 QKV, 1 O, 2 gate / up, 3 down, 4 lm_head). */
-static __device__ __forceinline__ int32_t stage_m(const dl_params &p, int st, int32_t hd)
+static __host__ __device__ __forceinline__ int32_t stage_m(const dl_params &p, int st, int32_t hd)
 {
     return st == 0 ? (p.n_heads + 2 * p.n_kv_heads) * hd
            : st == 2 ? p.inter
            : st == 4 ? p.vocab
                      : p.hidden;
+}
+
+/* Row length of stage st, and the k of it a slot holds (the 8 rows' slices fill one, a
+ * multiple of 256). */
+static __host__ __device__ __forceinline__ int32_t stage_k(const dl_params &p, int st, int32_t hd)
+{
+    return st == 1 ? p.n_heads * hd : st == 3 ? p.inter : p.hidden;
+}
+
+static __host__ __device__ __forceinline__ int32_t slot_k(const dl_params &p, int32_t k)
+{
+    return min(k, (p.slot_bytes / (8 * 2)) / 256 * 256);
 }
 
 /* This block's columns of stage st, in 8s (whole flagged lines of 4), the last block to the
@@ -257,17 +269,18 @@ static __device__ __forceinline__ dl_stage stage_of(const dl_params &p, int32_t 
     dl_stage s;
     s.swiglu = st == 2;
     switch (st) {
-    case 0: s.w = L.qkv; s.k = p.hidden; break;
-    case 1: s.w = L.o; s.k = p.n_heads * hd; break;
-    case 2: s.w = L.gate_up; s.k = p.hidden; break;
-    case 3: s.w = L.down; s.k = p.inter; break;
-    default: s.w = p.lm_head; s.k = p.hidden; break;
+    case 0: s.w = L.qkv; break;
+    case 1: s.w = L.o; break;
+    case 2: s.w = L.gate_up; break;
+    case 3: s.w = L.down; break;
+    default: s.w = p.lm_head; break;
     }
+    s.k = stage_k(p, st, hd);
     s.m = stage_m(p, st, hd);
     s.c0 = cols[st].x;
     s.c1 = cols[st].y;
     s.cpg = s.swiglu ? 4 : 8;
-    s.kslice = min(s.k, (p.slot_bytes / (8 * 2)) / 256 * 256);
+    s.kslice = slot_k(p, s.k);
     return s;
 }
 
@@ -303,11 +316,7 @@ static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, u
                     const unsigned long long tw = DL_TIMED(p) ? dl_now() : 0;
                     pd_mbar_wait(&empty[pos.slot()], pos.ph() ^ 1);
                     if (p.inflight > 0 && st < 4) { /* paced: see pace_of */
-                        while (flying > 0 && pd_mbar_test(&full[fpos.slot()], fpos.ph())) {
-                            fpos.next(p.n_slots);
-                            flying--;
-                        }
-                        while (flying >= p.inflight) {
+                        while (flying >= p.inflight) { /* at once if the oldest is full */
                             pd_mbar_wait(&full[fpos.slot()], fpos.ph());
                             fpos.next(p.n_slots);
                             flying--;
@@ -1253,26 +1262,25 @@ static void ts_report(const unsigned long long *ts, int32_t n_stages, int grid)
  * slots in flight, and from a ring's worth on (a stream-bound layer, e.g. Llama-3-8B's 206
  * slots a block) none is held back: one slot in flight cost those shapes half their speed.
  * The head is never paced. PDSERVE_CUDA_DL_INFLIGHT=N sets it (0: none). */
-static int32_t pace_of(const pd_decode_args *a, int grid, int32_t n_slots, int32_t kslice)
+static int32_t pace_of(const dl_params &p, int32_t hd, int grid)
 {
     static int v = -2; /* -1: not set (racy first reads all compute the same value) */
     if (v == -2) {
         const char *e = getenv("PDSERVE_CUDA_DL_INFLIGHT");
         v = e && *e ? (atoi(e) > 0 ? atoi(e) : 0) : -1;
     }
-    if (v >= 0) return v;
-    const int32_t hd = a->head_dim;
-    const int32_t m[4] = {(a->n_heads + 2 * a->n_kv_heads) * hd, a->hidden, a->intermediate,
-                          a->hidden};
-    const int32_t k[4] = {a->hidden, a->n_heads * hd, a->hidden, a->intermediate};
-    int64_t slots = 0; /* a layer's slots for the block with the most columns (stage_cols) */
-    for (int st = 0; st < 4; st++) {
-        const int64_t cols = 8 * (((int64_t)m[st] / 8 + grid - 1) / grid);
-        const int64_t groups = (cols + (st == 2 ? 3 : 7)) / (st == 2 ? 4 : 8);
-        slots += groups * ((k[st] + kslice - 1) / kslice);
+    int64_t f = v;
+    if (v < 0) {
+        int64_t slots = 0; /* a layer's slots for the block with the most columns (stage_cols) */
+        for (int st = 0; st < 4; st++) {
+            const int64_t cols = 8 * (((int64_t)stage_m(p, st, hd) / 8 + grid - 1) / grid);
+            const int64_t cpg = st == 2 ? 4 : 8, k = stage_k(p, st, hd), ks = slot_k(p, k);
+            slots += (cols + cpg - 1) / cpg * ((k + ks - 1) / ks);
+        }
+        f = slots / p.n_slots < 1 ? 1 : slots / p.n_slots;
     }
-    const int64_t f = slots / n_slots;
-    return f < 1 ? 1 : f >= n_slots ? 0 : (int32_t)f;
+    /* a ring's worth in flight is no limit (and keeps the producer's count within a round) */
+    return f >= p.n_slots ? 0 : (int32_t)f;
 }
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
@@ -1421,9 +1429,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     p.n_slots = (int32_t)n_slots;
     p.x_bytes = (int32_t)x_bytes;
     p.debug = debug_bits();
-    /* a ring's worth in flight is no limit (and keeps the producer's count within a round) */
-    p.inflight = pace_of(a, grid, (int32_t)n_slots, (int32_t)(slot / 16 / 256 * 256));
-    if (p.inflight >= (int32_t)n_slots) p.inflight = 0;
+    p.inflight = pace_of(p, hd, grid);
     for (int32_t l = 0; l < a->n_layers; l++) {
         const pd_layer_args *L = &a->layers[l];
         dl_layer &d = p.layer[l];
