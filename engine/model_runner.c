@@ -40,7 +40,8 @@ struct mr {
     bool meta_inflight;           /* an upload from h_meta may still be reading it */
     size_t meta_head;             /* elements before the block tables */
     int32_t *d_ids, *d_pos, *d_slots, *d_rows, *d_cu_q, *d_ctx, *d_bt; /* into d_meta */
-    size_t o_ids, o_pos, o_slots, o_rows, o_cu_q, o_ctx;               /* offsets */
+    int32_t *d_tag;
+    size_t o_ids, o_pos, o_slots, o_rows, o_cu_q, o_ctx, o_tag;        /* offsets */
     float *inv_freq;
     /* decode graphs: graph_bs[i] rows, ascending */
     int32_t n_graphs;
@@ -181,6 +182,7 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
     r->d_rows = r->d_meta + r->o_rows;
     r->d_cu_q = r->d_meta + r->o_cu_q;
     r->d_ctx = r->d_meta + r->o_ctx;
+    r->d_tag = r->d_meta + r->o_tag;
     r->d_bt = r->d_meta + r->meta_head;
     if (r->be->ops->host_alloc && r->be->ops->upload_rows &&
         r->be->ops->host_alloc(r->be->ctx, meta_n * sizeof(int32_t), (void **)&r->h_meta) == 0) {
@@ -354,7 +356,8 @@ static int validate(const mr *r, const mr_batch *b, int32_t *max_q, int32_t *max
     } while (0)
 
 /* Metadata offsets (elements): ids, positions, slots and logits rows (T each), cu_q (S + 1),
- * contexts (S), then the block tables [S][max_blocks_per_seq]. */
+ * contexts (S), the step's sample slot (1: decode_layers' pick_slot), then the block tables
+ * [S][max_blocks_per_seq]. */
 static void meta_layout(mr *r)
 {
     const size_t T = (size_t)r->p.max_num_batched_tokens, S = (size_t)r->p.max_num_seqs;
@@ -364,7 +367,8 @@ static void meta_layout(mr *r)
     r->o_rows = 3 * T;
     r->o_cu_q = 4 * T;
     r->o_ctx = 4 * T + S + 1;
-    r->meta_head = 4 * T + 2 * S + 1;
+    r->o_tag = 4 * T + 2 * S + 1;
+    r->meta_head = 4 * T + 2 * S + 2;
 }
 
 /* Packs a batch of T rows and S sequences into h_meta (block tables at the batch's width w,
@@ -372,8 +376,8 @@ static void meta_layout(mr *r)
  * the full pitch). Rows past b->n_tokens and
  * sequences past b->n_seqs are padding: token 0, position 0, no KV store, context 0 (a padding
  * sequence owns one row). b may be NULL: all padding. */
-static int upload_meta_from(mr *r, int32_t *h, bool skip_ids, const mr_batch *b, int32_t T,
-                            int32_t S, char *err)
+static int upload_meta_from(mr *r, int32_t *h, bool skip_ids, int tag, const mr_batch *b,
+                            int32_t T, int32_t S, char *err)
 {
     pd_backend *be = r->be;
     const pd_backend_ops *o = be->ops;
@@ -404,6 +408,7 @@ static int upload_meta_from(mr *r, int32_t *h, bool skip_ids, const mr_batch *b,
         h[r->o_pos + i] = 0;
         h[r->o_slots + i] = -1;
     }
+    h[r->o_tag] = tag;
     if (ns == 0) h[r->o_cu_q] = 0;
     for (int32_t s = ns; s < S; s++) { /* padding sequences take the padding rows one each */
         h[r->o_cu_q + s + 1] = h[r->o_cu_q + s] + 1;
@@ -443,7 +448,7 @@ static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err
 {
     pd_backend *be = r->be;
     if (r->meta_inflight) CALL(be->ops->sync(be->ctx)); /* the last upload may still read h_meta */
-    return upload_meta_from(r, r->h_meta, false, b, T, S, err);
+    return upload_meta_from(r, r->h_meta, false, PD_SAMPLE_SYNC_SLOT, b, T, S, err);
 }
 
 /* Embedding, every layer and, when `final` is set, the final norm into r->h, for T rows of S
@@ -505,6 +510,8 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
             da.lm_head = r->m->lm_head;
             da.logits = r->logits;
             da.vocab = c->vocab_size;
+            da.pick_ids = r->d_ids; /* the next step's ids, as the sample ops write them */
+            da.pick_slot = r->d_tag;
         }
         int rc = o->decode_layers(x, &da);
         if (rc == 0 && da.lm_head) return 1;
@@ -720,7 +727,7 @@ int mr_launch(mr *r, const mr_batch *b, const mr_sampling *s, bool ids_from_last
      * reading its own (it is queued behind the step before it); the one before that was
      * collected, so its upload is done. */
     const int slot = (int)(r->n_launches & 1);
-    if ((rc = upload_meta_from(r, slot ? r->h_meta2 : r->h_meta, ids_from_last, b,
+    if ((rc = upload_meta_from(r, slot ? r->h_meta2 : r->h_meta, ids_from_last, slot, b,
                                r->graph_bs[g], r->graph_bs[g], err)) < 0)
         return rc;
     r->meta_inflight = false; /* a collect waits for the queue past it */

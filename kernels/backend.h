@@ -123,11 +123,23 @@ typedef struct {
     const void *lm_head;         /* [vocab][hidden], or NULL: no head */
     void *logits;                /* [n][vocab] */
     int32_t vocab;
+    /* Optional, with lm_head: each row's greedy pick too (its first largest logit, NaN never:
+     * the sample op's pick at temperature 0) into pick_ids[n] (backend memory: the next step's
+     * input ids), and for the backend's sample ops into their slot *pick_slot (backend memory:
+     * 0 or 1 for sample_launch's slots, PD_SAMPLE_SYNC_SLOT for sample). The sample op of
+     * that slot, given these logits, rows that are all greedy without penalties, no
+     * log-probabilities and ids_out NULL or pick_ids, may then take them instead of sampling
+     * (if no other forward came between). NULL: no picks; a backend may ignore them. */
+    int32_t *pick_ids;
+    const int32_t *pick_slot;
     /* Optional: the embedding op fused, the rows start as embed[ids[i]] (resid's contents on
      * entry are not read). A backend that cannot takes PD_EUNSUPPORTED, nothing queued. */
     const int32_t *ids;          /* [n] */
     const void *embed;           /* [vocab][hidden], or NULL: the rows come in resid */
 } pd_decode_args;
+
+/* pd_decode_args' pick_slot for a step sampled by the sample op (not sample_launch). */
+#define PD_SAMPLE_SYNC_SLOT 2
 
 /* One row's parameters for the optional sample op. The fields mean what smp_params's do
  * (engine/sampler.h); the op picks the token smp_sample would pick from the same logits (up to

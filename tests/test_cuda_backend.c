@@ -1066,6 +1066,9 @@ static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx,
     enum { V = 1000 };
     float *fn = hrand((size_t)H, 0.5), *lm = hrand((size_t)V * H, 0.05);
     for (int32_t i = 0; i < H; i++) fn[i] = bf16_round(fn[i] + 1.0f);
+    /* lm_head's odd rows repeat the even ones: every logit is tied with its neighbour, and the
+     * greedy pick must be the lower (even) id */
+    for (int32_t v = 1; v < V; v += 2) memcpy(lm + (size_t)v * H, lm + (size_t)(v - 1) * H, (size_t)H * 4);
     pair pfn = pair_new(fn, (size_t)H), plm = pair_new(lm, (size_t)V * H);
     pair logits = pair_poisoned((size_t)n * V), hn = pair_poisoned((size_t)n * H);
     if (head) {
@@ -1083,15 +1086,48 @@ static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx,
         da.ids = pids.g;
         da.embed = table.g;
     }
+    /* with the head, the greedy picks too, for the sample op (poisoned first) */
+    int32_t pk0[8], pslot = PD_SAMPLE_SYNC_SLOT;
+    for (int i = 0; i < 8; i++) pk0[i] = -7;
+    pair pk = pair_i32(pk0, (size_t)n), psl = pair_i32(&pslot, 1);
     if (head) {
         da.final_norm = pfn.g;
         da.lm_head = plm.g;
         da.logits = logits.g;
         da.vocab = V;
+        da.pick_ids = pk.g;
+        da.pick_slot = psl.g;
     }
     int rc = g_gpu->ops->decode_layers(g_gpu->ctx, &da);
     CHECK_EQ_INT(rc, 0);
     CHECK_EQ_INT(sync_both(), 0);
+    if (rc == 0 && head && g_gpu->ops->sample) {
+        /* the sample op takes the picks (greedy rows), then, picks used, samples: both give
+         * each row's first largest logit, which is what went to pick_ids */
+        pd_sample_row rows[8];
+        memset(rows, 0, sizeof rows);
+        for (int i = 0; i < 8; i++) {
+            rows[i].top_p = 1.0f;
+            rows[i].repetition_penalty = 1.0f;
+        }
+        int32_t t1[8], t2[8];
+        CHECK_EQ_INT(g_gpu->ops->sample(g_gpu->ctx, logits.g, n, V, rows, NULL, 0, t1, NULL), 0);
+        CHECK_EQ_INT(g_gpu->ops->sample(g_gpu->ctx, logits.g, n, V, rows, NULL, 0, t2, NULL), 0);
+        float *gl = hmalloc((size_t)n * V), *gp = hmalloc((size_t)n);
+        CHECK_EQ_INT(g_gpu->ops->download_f32(g_gpu->ctx, gl, logits.g, logits.gt, 0,
+                                              (size_t)n * V), 0);
+        CHECK_EQ_INT(g_gpu->ops->download_f32(g_gpu->ctx, gp, pk.g, PD_DTYPE_I32, 0, (size_t)n), 0);
+        for (int32_t q = 0; q < n; q++) {
+            int32_t best = 0;
+            for (int32_t v = 1; v < V; v++)
+                if (gl[(size_t)q * V + v] > gl[(size_t)q * V + best]) best = v;
+            CHECK_MSG(t1[q] == best && t2[q] == best && (int32_t)gp[q] == best && best % 2 == 0,
+                      "decode_layers n=%d row %d: greedy pick %d (fused), %d (sampled), %d "
+                      "(pick_ids), first largest logit %d", n, q, t1[q], t2[q], (int)gp[q], best);
+        }
+        free(gl);
+        free(gp);
+    }
     char what[128];
     snprintf(what, sizeof what, "decode_layers n=%d H=%d/%d HD=%d%s%s win=%d%s", n, sh->heads,
              sh->kv_heads, HD, sh->qk_norm ? " qknorm" : "", sh->bias ? " bias" : "",
@@ -1138,6 +1174,7 @@ static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx,
         pair_free(&vc[l]);
     }
     pair_free(&pfn); pair_free(&plm); pair_free(&logits); pair_free(&hn);
+    pair_free(&pk); pair_free(&psl);
     if (embed) {
         pair_free(&table);
         pair_free(&pids);

@@ -19,6 +19,17 @@ extern "C" {
 
 typedef __nv_bfloat16 bf16;
 
+/* decode_layers' greedy picks (pd_decode_args' pick_ids / pick_slot): where a forward left
+ * them, for the sample ops to take instead of sampling. */
+#define PD_PICK_ROWS 8  /* rows a pick slot holds (decode_layers' most) */
+#define PD_PICK_SLOTS 3 /* sample_launch's two, then the sample op's (PD_SAMPLE_SYNC_SLOT) */
+typedef struct {
+    bool on;
+    const void *logits;    /* the logits they were picked from, */
+    int32_t n, vocab;      /* their rows and width, */
+    const int32_t *ids;    /* and where the picks went as the next step's ids */
+} pd_cuda_pick;
+
 typedef struct {
     int32_t device;        /* CUDA ordinal */
     cudaStream_t stream;   /* every op is queued here */
@@ -43,6 +54,13 @@ typedef struct {
     unsigned *dl_counters; /* decode_layers' counters: [0] blocks done (zero between
                             * launches), [1] launches (the flags' epoch) */
     void *dl_ll;           /* decode_layers' flagged exchange lines (zeroed at creation) */
+    unsigned long long *dl_best; /* decode_layers' picks in the making: a key a row (zero
+                                  * between launches) */
+    int32_t *pick_host;    /* [PD_PICK_SLOTS][PD_PICK_ROWS] picks by sample slot: pinned, */
+    int32_t *pick_dev;     /* and as the device writes it (NULL: not mapped, no picks) */
+    pd_cuda_pick pick;     /* the picks the last forward left (graph_launch, decode_layers;
+                            * the uploads and the sample ops clear it) */
+    pd_cuda_pick cap_pick; /* the picks the graph being captured leaves */
     size_t dl_ll_bytes;
     size_t free_at_create; /* the device's free memory once the context existed (mem_info) */
     void *cublas_ws;       /* cuBLAS's workspace, given explicitly so that captures need no

@@ -58,6 +58,8 @@ extern "C" void pd_cuda__ctx_destroy(void *ctx)
     if (c->attn_count) (void)cudaFree(c->attn_count);
     if (c->dl_counters) (void)cudaFree(c->dl_counters);
     if (c->dl_ll) (void)cudaFree(c->dl_ll);
+    if (c->dl_best) (void)cudaFree(c->dl_best);
+    if (c->pick_host) (void)cudaFreeHost(c->pick_host);
     if (c->cublas_ws) (void)cudaFree(c->cublas_ws);
     if (c->side) (void)cudaStreamSynchronize(c->side);
     if (c->ev_graph) (void)cudaEventDestroy(c->ev_graph);
@@ -122,6 +124,17 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
     CTX_TRY(cudaMalloc(&c->dl_ll, DL_LL_BYTES) == cudaSuccess, PD_ENOMEM);
     CTX_TRY(cudaMemset(c->dl_ll, 0, DL_LL_BYTES) == cudaSuccess, PD_EBACKEND);
     c->dl_ll_bytes = DL_LL_BYTES;
+    CTX_TRY(cudaMalloc((void **)&c->dl_best, PD_PICK_ROWS * sizeof *c->dl_best) == cudaSuccess,
+            PD_ENOMEM);
+    CTX_TRY(cudaMemset(c->dl_best, 0, PD_PICK_ROWS * sizeof *c->dl_best) == cudaSuccess,
+            PD_EBACKEND);
+    CTX_TRY(cudaMallocHost((void **)&c->pick_host,
+                           PD_PICK_SLOTS * PD_PICK_ROWS * sizeof *c->pick_host) == cudaSuccess,
+            PD_ENOMEM);
+    if (cudaHostGetDevicePointer((void **)&c->pick_dev, c->pick_host, 0) != cudaSuccess) {
+        c->pick_dev = NULL; /* not mapped: the sample ops sample */
+        (void)cudaGetLastError();
+    }
     c->sm_count = prop.multiProcessorCount;
     c->cc_major = prop.major;
     c->smem_optin = (int)prop.sharedMemPerBlockOptin;

@@ -92,6 +92,12 @@ struct dl_params {
     const bf16 *final_norm, *lm_head; /* the head stage, when lm_head is set */
     bf16 *logits;
     int32_t vocab;
+    /* with the head: each row's greedy pick (pd_decode_args' pick_ids), made in pick_best (a
+     * key a row, zero between launches: pick_key) and taken by the last block out into
+     * pick_ids and pick_host's slot *pick_slot; pick_best NULL: none */
+    unsigned long long *pick_best;
+    int32_t *pick_ids, *pick_host;
+    const int32_t *pick_slot;
     int32_t n, hidden, inter, n_heads, n_kv_heads, n_layers;
     int32_t max_blocks_per_seq, block_size, sliding_window, splits;
     float eps, attn_factor, scale_log2;
@@ -375,6 +381,17 @@ static __device__ void prefetch_small(const dl_params &p, int32_t l, int32_t hd)
 
 enum { DL_STORE, DL_ADD, DL_SWIGLU };
 
+/* The greedy pick's order in one 64-bit key: the logit (as stored, in bf16; -0 as +0) above,
+ * the lower id winning among equals below; 0 for what never wins (NaN, -inf). The same pick as
+ * the sample op's greedy kernel. */
+static __device__ __forceinline__ unsigned long long pick_key(float v, int32_t id)
+{
+    if (!(v > -INFINITY)) return 0ull;
+    const uint32_t u = __float_as_uint(v == 0.0f ? 0.0f : v);
+    const uint32_t o = u & 0x80000000u ? ~u : u | 0x80000000u;
+    return (unsigned long long)o << 32 | (uint32_t)~(uint32_t)id;
+}
+
 /* Where a stage's outputs go: flagged lines ([n][m / 4], m the stage's columns) and / or plain
  * rows `ld` apart; with DL_ADD the old values are the block's own columns of the residual
  * stream, kept in shared memory (own, [column - c0][NMAX]) and updated there. */
@@ -402,7 +419,7 @@ struct dl_out {
  * in pieces) the threads add the warps' parts and finish one (column, x row) each. x is [n][k]
  * in shared memory (k % 256 == 0); out rows are `ld` apart. (fp32 FMAs with one conversion
  * per element were instruction-bound at a third of the bandwidth: docs/perf.md.) */
-template <int NMAX>
+template <int NMAX, bool PICK = false>
 static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16 *xs,
                                const dl_out &o, char *ring, float *wred, uint64_t *full,
                                uint64_t *empty, dl_ring_pos &pos, int32_t mst)
@@ -416,6 +433,14 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                       2 * t + (g & 1);
     float *wmine = wred + (size_t)warp * CH * NMAX;
     unsigned long long waited = 0, n_wait = 0;
+    /* PICK (the head): the thread's best key of each row, then the block's (sbest) */
+    unsigned long long best[NMAX];
+    __shared__ unsigned long long sbest[NMAX];
+    if constexpr (PICK) {
+#pragma unroll
+        for (int q = 0; q < NMAX; q++) best[q] = 0ull;
+        if (threadIdx.x < NMAX) sbest[threadIdx.x] = 0ull; /* before the first cons_sync */
+    }
     for (int32_t cb = s.c0; cb < s.c1; cb += chunk) {
         const int32_t ncols = min(chunk, s.c1 - cb);
         for (int32_t c = cb; c < cb + ncols; c += s.cpg) {
@@ -529,6 +554,17 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                         r[e] = __bfloat162float(__float2bfloat16_rn(r[e] + *w));
                         *w = r[e];
                     }
+            if constexpr (PICK) {
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    if (j0 + e < ncols) {
+                        const unsigned long long k =
+                            pick_key(__bfloat162float(__float2bfloat16_rn(r[e])), col0 + e);
+#pragma unroll
+                        for (int qq = 0; qq < NMAX; qq++)
+                            if (qq == q) best[qq] = max(best[qq], k);
+                    }
+            }
             if (o.ll)
                 ll_store(o.ll + ((size_t)q * s.m + col0) / 4, pd_pack_bf16(r[0], r[1]),
                          pd_pack_bf16(r[2], r[3]), o.flag);
@@ -538,6 +574,20 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                     if (j0 + e < ncols) pd_st(o.plain + (size_t)q * o.ld + col0 + e, r[e]);
         }
         if (cb + ncols < s.c1) cons_sync(); /* wred is the next chunk's */
+    }
+    if constexpr (PICK) { /* the block's best of each row into the grid's (pick_best) */
+#pragma unroll
+        for (int q = 0; q < NMAX; q++) {
+            unsigned long long v = best[q];
+#pragma unroll
+            for (int sh = 16; sh; sh >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, sh));
+            if (lane == 0 && v) atomicMax(&sbest[q], v);
+        }
+        cons_sync();
+        if (p.pick_best && (int32_t)threadIdx.x < n && sbest[threadIdx.x]) {
+            atomicMax(p.pick_best + threadIdx.x, sbest[threadIdx.x]);
+            __threadfence(); /* before the block counts itself done */
+        }
     }
 }
 
@@ -1123,7 +1173,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         norm_rows<NMAX>(p, p.final_norm, p.ll_r5, base + mh, xs);
         dl_mark(p, mh, 1);
         const dl_out o = {DL_STORE, NULL, NULL, 0, p.logits, p.vocab, NULL};
-        consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, mh);
+        consume<NMAX, true>(p, s, xs, o, ring, red, full, empty, pos, mh);
         dl_mark(p, mh, 3);
     }
     /* the last block out resets the counter and moves the epoch for the next launch (every
@@ -1132,6 +1182,16 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(&p.bar[0], 1u) == gridDim.x - 1) {
+            if (p.pick_best) { /* every block's best is in: the picks */
+                __threadfence();
+                const int32_t slot = *p.pick_slot;
+                for (int32_t q = 0; q < p.n; q++) {
+                    const unsigned long long k = atomicExch(p.pick_best + q, 0ull);
+                    const int32_t t = k ? (int32_t)~(uint32_t)k : 0; /* none: 0, as sampling */
+                    p.pick_ids[q] = t;
+                    if (slot >= 0 && slot < PD_PICK_SLOTS) p.pick_host[slot * PD_PICK_ROWS + q] = t;
+                }
+            }
             p.bar[0] = 0;
             p.bar[1] = epoch;
             __threadfence();
@@ -1283,6 +1343,18 @@ static int32_t pace_of(const dl_params &p, int32_t hd, int grid)
     return f >= p.n_slots ? 0 : (int32_t)f;
 }
 
+/* Whether a launch with the head makes the greedy picks (PDSERVE_CUDA_DL_PICK=0: no, the
+ * sample op samples as without them). */
+static bool picks_on(void)
+{
+    static int v = -1; /* racy first reads all compute the same value */
+    if (v < 0) {
+        const char *e = getenv("PDSERVE_CUDA_DL_PICK");
+        v = !(e && !strcmp(e, "0"));
+    }
+    return v != 0;
+}
+
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 /* The NMAX a launch of n rows is instantiated with. */
@@ -1430,6 +1502,14 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     p.x_bytes = (int32_t)x_bytes;
     p.debug = debug_bits();
     p.inflight = pace_of(p, hd, grid);
+    const bool picks = a->lm_head && a->pick_ids && a->pick_slot && c->pick_dev &&
+                       a->n <= PD_PICK_ROWS && picks_on();
+    if (picks) {
+        p.pick_best = c->dl_best;
+        p.pick_ids = a->pick_ids;
+        p.pick_host = c->pick_dev;
+        p.pick_slot = a->pick_slot;
+    }
     for (int32_t l = 0; l < a->n_layers; l++) {
         const pd_layer_args *L = &a->layers[l];
         dl_layer &d = p.layer[l];
@@ -1467,6 +1547,13 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     }
     PD_CUDA_CHECK(hd == 64 ? launch_hd<64>(p, grid, smem, c->stream)
                            : launch_hd<128>(p, grid, smem, c->stream));
+    {   /* the picks this launch (or the graph being captured) leaves for the sample ops */
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        PD_CUDA_CHECK(cudaStreamIsCapturing(c->stream, &cs));
+        const pd_cuda_pick k = {picks, a->logits, a->n, a->vocab, a->pick_ids};
+        if (cs == cudaStreamCaptureStatusActive) c->cap_pick = k;
+        else c->pick = k;
+    }
     if (DL_TIMED(p)) {
         const size_t need = ts_need;
         unsigned long long *h = (unsigned long long *)malloc(need * sizeof *h);

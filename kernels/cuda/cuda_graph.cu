@@ -162,6 +162,7 @@ extern "C" int pd_cuda__upload_rows(void *ctx, void *dst, size_t dst_pitch, cons
                                     size_t src_pitch, size_t row_bytes, size_t rows)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    c->pick.on = false; /* a forward's metadata: the last one's picks are not this one's */
     if (rows == 0 || row_bytes == 0) return 0;
     if (!dst || !src || dst_pitch < row_bytes || src_pitch < row_bytes) return PD_EINVAL;
     return upload_in_order(c, dst, dst_pitch, src, fetchable(src, row_bytes, rows), src_pitch,
@@ -187,6 +188,7 @@ extern "C" int pd_cuda__upload_rows_overlap(void *ctx, void *dst, size_t dst_pit
                                             size_t rows)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    c->pick.on = false;
     if (!c->graph_recorded || rows == 0 || row_bytes == 0) /* no graph launched yet: in order */
         return pd_cuda__upload_rows(ctx, dst, dst_pitch, src, src_pitch, row_bytes, rows);
     if (!dst || !src || dst_pitch < row_bytes || src_pitch < row_bytes) return PD_EINVAL;
@@ -201,9 +203,16 @@ extern "C" int pd_cuda__upload_rows_overlap(void *ctx, void *dst, size_t dst_pit
 
 /* Thread-local capture: only this thread's unsafe calls (synchronisations, allocations) break
  * the capture; another thread of the process (the KV transfer's) may go on allocating. */
+/* A graph: the executable one, and the greedy picks its replays leave (decode_layers). */
+typedef struct {
+    cudaGraphExec_t exec;
+    pd_cuda_pick pick;
+} cuda_graph;
+
 extern "C" int pd_cuda__graph_begin(void *ctx)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    c->cap_pick.on = false;
     PD_CUDA_CHECK(cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal));
     return 0;
 }
@@ -232,8 +241,23 @@ extern "C" int pd_cuda__graph_end(void *ctx, void **graph)
         return e == cudaErrorMemoryAllocation ? PD_ENOMEM : PD_EBACKEND;
     }
     /* Uploading now moves the first launch's setup cost to start-up. */
-    PD_CUDA_CHECK(cudaGraphUpload(x, c->stream));
-    *graph = x;
+    cuda_graph *w = (cuda_graph *)malloc(sizeof *w);
+    if (!w) {
+        (void)cudaGraphExecDestroy(x);
+        return PD_ENOMEM;
+    }
+    w->exec = x;
+    w->pick = c->cap_pick;
+    c->cap_pick.on = false;
+    e = cudaGraphUpload(x, c->stream);
+    if (e != cudaSuccess) {
+        pd_cuda__report("cudaGraphUpload(x, c->stream)", cudaGetErrorString(e), __FILE__,
+                        __LINE__);
+        (void)cudaGraphExecDestroy(x);
+        free(w);
+        return PD_EBACKEND;
+    }
+    *graph = w;
     return 0;
 }
 
@@ -242,7 +266,10 @@ extern "C" int pd_cuda__graph_launch(void *ctx, void *graph)
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     if (!graph) return PD_EINVAL;
     pd_cuda__steptime_mark(c, PD_ST_GRAPH);
-    PD_CUDA_CHECK(cudaGraphLaunch((cudaGraphExec_t)graph, c->stream));
+    const cuda_graph *w = (const cuda_graph *)graph;
+    c->pick.on = false;
+    PD_CUDA_CHECK(cudaGraphLaunch(w->exec, c->stream));
+    c->pick = w->pick;
     int rc = side_init(c);
     if (rc < 0) return rc;
     PD_CUDA_CHECK(cudaEventRecord(c->ev_graph, c->stream)); /* for upload_rows_overlap */
@@ -255,7 +282,9 @@ extern "C" void pd_cuda__graph_destroy(void *ctx, void *graph)
 {
     if (!graph) return;
     (void)pd_cuda__ctx(ctx);
-    cudaError_t e = cudaGraphExecDestroy((cudaGraphExec_t)graph);
+    cuda_graph *w = (cuda_graph *)graph;
+    cudaError_t e = cudaGraphExecDestroy(w->exec);
     if (e != cudaSuccess)
         pd_cuda__report("cudaGraphExecDestroy(graph)", cudaGetErrorString(e), __FILE__, __LINE__);
+    free(w);
 }

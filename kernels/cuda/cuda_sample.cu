@@ -780,7 +780,7 @@ typedef struct {
 
 /* The sets: SMP_SYNC for the sample op, 0 and 1 for sample_launch's slots (a slot's set is
  * reused only once its last launch was collected). */
-#define SMP_SYNC 2
+#define SMP_SYNC PD_SAMPLE_SYNC_SLOT
 
 typedef struct {
     smp_buf buf[3];
@@ -788,6 +788,7 @@ typedef struct {
     int32_t n[2];               /* sample_launch: the slot's rows, */
     size_t out_off[2];          /* where its results are in its set, */
     bool want_lp[2];            /* whether it computed logprobs */
+    bool picked[2];             /* whether its tokens are decode_layers' picks (pick_host) */
     uint32_t *mark;             /* duplicate check: stamp per token, mark_n tokens */
     int32_t mark_n;
     uint32_t stamp;
@@ -960,6 +961,27 @@ static int buf_reserve(smp_buf *b, size_t need)
     return 0;
 }
 
+/* Whether every row's first largest logit is all it takes. */
+static bool all_greedy(const pd_sample_row *rows, int32_t n, bool want_lp)
+{
+    if (want_lp) return false;
+    for (int32_t r = 0; r < n; r++)
+        if (rows[r].temperature >= SMP_GREEDY_EPS || rows[r].pen_n != 0) return false;
+    return true;
+}
+
+/* Whether the greedy picks the last forward left (decode_layers: pd_decode_args' pick_ids)
+ * answer this call: the same logits, rows that are all greedy, the ids (if any) where the
+ * picks went. They are used once. */
+static bool take_picks(pd_cuda_ctx *c, const void *logits, int32_t n, int32_t vocab,
+                       const pd_sample_row *rows, bool want_lp, const int32_t *ids)
+{
+    const pd_cuda_pick k = c->pick;
+    c->pick.on = false;
+    return k.on && logits == k.logits && n == k.n && vocab == k.vocab && (!ids || ids == k.ids) &&
+           all_greedy(rows, n, want_lp);
+}
+
 /* Queues the op for n validated rows through set b: the rows and penalty list go in with one
  * copy; the tokens (then the logprobs, from the next 16 bytes) reach b's pinned memory at
  * *out_off when the queue gets there. With ids (device memory), the tokens go there too. */
@@ -977,10 +999,7 @@ static int enqueue(pd_cuda_ctx *c, smp_state *st, smp_buf *b, void *logits, int3
     if (rc < 0) return rc;
     *out_off = in_b;
 
-    bool greedy = !want_lp; /* every row's first largest logit is all it takes */
-    for (int32_t r = 0; r < n && greedy; r++)
-        greedy = !(rows[r].temperature >= SMP_GREEDY_EPS) && rows[r].pen_n == 0;
-    if (greedy) { /* nothing uploaded */
+    if (all_greedy(rows, n, want_lp)) { /* nothing uploaded */
         if (n > st->gr_rows) {
             if (st->gr_part) (void)cudaFree(st->gr_part);
             if (st->gr_count) (void)cudaFree(st->gr_count);
@@ -1087,6 +1106,13 @@ extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab
     if (rc < 0) return rc;
     rc = validate(st, logits, n, vocab, rows, pen, n_pen, tokens);
     if (rc < 0) return rc;
+    if (take_picks(c, logits, n, vocab, rows, logprobs != NULL, NULL)) {
+        PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+        PD_CUDA_CHECK(cudaGetLastError());
+        pd_cuda__steptime_end(c);
+        memcpy(tokens, c->pick_host + PD_SAMPLE_SYNC_SLOT * PD_PICK_ROWS, (size_t)n * sizeof *tokens);
+        return 0;
+    }
     smp_buf *b = &st->buf[SMP_SYNC];
     size_t off = 0;
     if ((rc = enqueue(c, st, b, logits, n, vocab, rows, pen, n_pen, logprobs != NULL, NULL,
@@ -1111,6 +1137,13 @@ extern "C" int pd_cuda__sample_launch(void *ctx, void *logits, int32_t n, int32_
     const int32_t dummy = 0;
     rc = validate(st, logits, n, vocab, rows, pen, n_pen, &dummy);
     if (rc < 0) return rc;
+    st->picked[slot] = take_picks(c, logits, n, vocab, rows, logprobs, ids_out);
+    if (st->picked[slot]) { /* the tokens are on their way to pick_host */
+        PD_CUDA_CHECK(cudaEventRecord(st->done[slot], c->stream));
+        st->n[slot] = n;
+        st->want_lp[slot] = false;
+        return 0;
+    }
     if ((rc = enqueue(c, st, &st->buf[slot], logits, n, vocab, rows, pen, n_pen, logprobs,
                       ids_out, &st->out_off[slot])) < 0)
         return rc;
@@ -1130,7 +1163,10 @@ extern "C" int pd_cuda__sample_collect(void *ctx, int slot, int32_t *tokens, flo
     PD_CUDA_CHECK(cudaEventSynchronize(st->done[slot]));
     PD_CUDA_CHECK(cudaGetLastError());
     pd_cuda__steptime_end(c);
-    take(&st->buf[slot], st->out_off[slot], st->n[slot], tokens, logprobs);
+    if (st->picked[slot])
+        memcpy(tokens, c->pick_host + slot * PD_PICK_ROWS, (size_t)st->n[slot] * sizeof *tokens);
+    else
+        take(&st->buf[slot], st->out_off[slot], st->n[slot], tokens, logprobs);
     st->n[slot] = 0;
     return 0;
 }

@@ -41,6 +41,7 @@ extern "C" int pd_cuda__upload(void *ctx, void *dst, pd_dtype dst_type, size_t d
                                const void *src, pd_dtype src_type, size_t n)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    c->pick.on = false; /* a forward's metadata: the last one's picks are not this one's */
     if (n == 0) return 0;
     if (!dst || !src || !valid_dtype(src_type)) return PD_EINVAL;
     if (dst_type != PD_DTYPE_BF16 && dst_type != PD_DTYPE_F32 && dst_type != PD_DTYPE_I32)
