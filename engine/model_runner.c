@@ -34,22 +34,26 @@ struct mr {
     pd_layer_args *dl;            /* [n_layers]: weights and caches for decode_layers */
     /* workspace (backend memory) */
     void *a, *h, *qkv, *attn, *gate_up, *act, *lh, *logits;
-    /* step metadata: one backend buffer and its host twin, same layout (see meta_layout) */
-    int32_t *d_meta, *h_meta;
+    /* step metadata: a backend buffer and its host twin, same layout (see meta_layout); with
+     * pipelined steps two of each, the launches alternating between them. d_meta and the d_*
+     * pointers are the one in use (meta_use), 0 but while a launch of slot 1 is queued. */
+    int32_t *d_metas[2], *d_meta, *h_meta;
     bool h_meta_pinned;           /* h_meta is backend host memory (async uploads) */
     bool meta_inflight;           /* an upload from h_meta may still be reading it */
     size_t meta_head;             /* elements before the block tables */
     int32_t *d_ids, *d_pos, *d_slots, *d_rows, *d_cu_q, *d_ctx, *d_bt; /* into d_meta */
     int32_t *d_tag;
+    int32_t *d_ids_next;          /* the other buffer's ids: where a step's picks go */
     size_t o_ids, o_pos, o_slots, o_rows, o_cu_q, o_ctx, o_tag;        /* offsets */
     float *inv_freq;
-    /* decode graphs: graph_bs[i] rows, ascending */
+    /* decode graphs: graph_bs[i] rows, ascending; graphs[k][i] reads metadata buffer k */
     int32_t n_graphs;
     int32_t graph_bs[MAX_GRAPHS];
-    void *graphs[MAX_GRAPHS];
+    void *graphs[2][MAX_GRAPHS];
     int64_t graph_steps;
     /* pipelined steps (mr_launch / mr_collect): a second pinned metadata buffer (launches
-     * alternate between the two), and the launches not yet collected, oldest first */
+     * alternate between the two, and between d_metas), and the launches not yet collected,
+     * oldest first */
     int32_t *h_meta2;
     int64_t n_launches;
     int32_t n_out;                /* 0..2 outstanding */
@@ -79,6 +83,8 @@ mr_params mr_default_params(void)
     };
     return p;
 }
+
+static void meta_use(mr *r, int k);
 
 static int be_alloc(mr *r, pd_dtype t, size_t n, void **out, char *err)
 {
@@ -173,23 +179,20 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
         (rc = be_alloc(r, act, T * (size_t)c->intermediate_size, &r->act, err)) < 0 ||
         (rc = be_alloc(r, act, LOGITS_CHUNK * hs, &r->lh, err)) < 0 ||
         (rc = be_alloc(r, act, chunk * (size_t)c->vocab_size, &r->logits, err)) < 0 ||
-        (rc = be_alloc(r, PD_DTYPE_I32, meta_n, (void **)&r->d_meta, err)) < 0 ||
+        (rc = be_alloc(r, PD_DTYPE_I32, meta_n, (void **)&r->d_metas[0], err)) < 0 ||
         (rc = be_alloc(r, PD_DTYPE_F32, hd / 2, (void **)&r->inv_freq, err)) < 0)
         goto fail;
-    r->d_ids = r->d_meta + r->o_ids;
-    r->d_pos = r->d_meta + r->o_pos;
-    r->d_slots = r->d_meta + r->o_slots;
-    r->d_rows = r->d_meta + r->o_rows;
-    r->d_cu_q = r->d_meta + r->o_cu_q;
-    r->d_ctx = r->d_meta + r->o_ctx;
-    r->d_tag = r->d_meta + r->o_tag;
-    r->d_bt = r->d_meta + r->meta_head;
     if (r->be->ops->host_alloc && r->be->ops->upload_rows &&
         r->be->ops->host_alloc(r->be->ctx, meta_n * sizeof(int32_t), (void **)&r->h_meta) == 0) {
         r->h_meta_pinned = true;
         if (r->be->ops->sample_launch && r->be->ops->sample_collect &&
             r->be->ops->host_alloc(r->be->ctx, meta_n * sizeof(int32_t), (void **)&r->h_meta2) != 0)
             r->h_meta2 = NULL; /* no pipelined steps */
+        if (r->h_meta2 && r->be->ops->alloc(r->be->ctx, PD_DTYPE_I32, meta_n,
+                                            (void **)&r->d_metas[1]) < 0) {
+            r->be->ops->host_free(r->be->ctx, r->h_meta2);
+            r->h_meta2 = NULL;
+        }
     } else {
         r->h_meta = malloc(meta_n * sizeof(int32_t));
         if (!r->h_meta) {
@@ -197,6 +200,7 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
             goto fail;
         }
     }
+    meta_use(r, 0);
     if (r->p.n_blocks == 0) {
         int64_t bytes = p->kv_cache_bytes;
         if (bytes == 0 && (rc = size_from_device(r, &bytes, err)) < 0) goto fail;
@@ -256,7 +260,8 @@ void mr_destroy(mr *r)
     free(r->v_cache);
     free(r->dl);
     FREE(r->a); FREE(r->h); FREE(r->qkv); FREE(r->attn); FREE(r->gate_up);
-    FREE(r->act); FREE(r->lh); FREE(r->logits); FREE(r->d_meta);
+    FREE(r->act); FREE(r->lh); FREE(r->logits); FREE(r->d_metas[0]);
+    if (r->d_metas[1]) FREE(r->d_metas[1]);
     FREE(r->inv_freq);
 #undef FREE
     if (r->h_meta_pinned) be->ops->host_free(be->ctx, r->h_meta);
@@ -371,6 +376,24 @@ static void meta_layout(mr *r)
     r->meta_head = 4 * T + 2 * S + 2;
 }
 
+/* The d_* pointers into metadata buffer k (1 only with pipelined steps). A step's greedy
+ * picks go to the ids of the other buffer, which the next launch, of the other slot, reads. */
+static void meta_use(mr *r, int k)
+{
+    if (!r->d_metas[k]) k = 0;
+    int32_t *m = r->d_metas[k];
+    r->d_meta = m;
+    r->d_ids = m + r->o_ids;
+    r->d_pos = m + r->o_pos;
+    r->d_slots = m + r->o_slots;
+    r->d_rows = m + r->o_rows;
+    r->d_cu_q = m + r->o_cu_q;
+    r->d_ctx = m + r->o_ctx;
+    r->d_tag = m + r->o_tag;
+    r->d_bt = m + r->meta_head;
+    r->d_ids_next = (r->d_metas[k ^ 1] ? r->d_metas[k ^ 1] : m) + r->o_ids;
+}
+
 /* Packs a batch of T rows and S sequences into h_meta (block tables at the batch's width w,
  * packed, or for a few sequences at the full pitch) and copies it to d_meta (block tables at
  * the full pitch). Rows past b->n_tokens and
@@ -415,8 +438,9 @@ static int upload_meta_from(mr *r, int32_t *h, bool skip_ids, int tag, const mr_
         h[r->o_ctx + s] = 0;
     }
     const size_t pitch = pitch_n * ib;
-    /* skip_ids: the ids are already in d_meta (the last step's sample op put them there), and
-     * the copies may overlap that sample op, which reads none of d_meta */
+    /* skip_ids (a pipelined launch): the ids are already in d_meta (the step before put its
+     * picks there), and nothing queued reads or writes the rest of this buffer (the launch
+     * that used it last was collected), so the copies may run beside the step before */
     const size_t o0 = skip_ids ? r->o_pos : 0;
     int (*up)(void *, void *, size_t, const void *, size_t, size_t, size_t) =
         skip_ids && o->upload_rows_overlap ? o->upload_rows_overlap : o->upload_rows;
@@ -510,7 +534,7 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
             da.lm_head = r->m->lm_head;
             da.logits = r->logits;
             da.vocab = c->vocab_size;
-            da.pick_ids = r->d_ids; /* the next step's ids, as the sample ops write them */
+            da.pick_ids = r->d_ids_next; /* the next step's ids, as the sample ops write them */
             da.pick_slot = r->d_tag;
         }
         int rc = o->decode_layers(x, &da);
@@ -569,7 +593,11 @@ static int graph_body(mr *r, int32_t B, char *err)
 
 static void drop_graphs(mr *r)
 {
-    for (int32_t i = 0; i < r->n_graphs; i++) r->be->ops->graph_destroy(r->be->ctx, r->graphs[i]);
+    for (int k = 0; k < 2; k++)
+        for (int32_t i = 0; i < MAX_GRAPHS; i++) {
+            if (r->graphs[k][i]) r->be->ops->graph_destroy(r->be->ctx, r->graphs[k][i]);
+            r->graphs[k][i] = NULL;
+        }
     r->n_graphs = 0;
 }
 
@@ -594,19 +622,24 @@ static void capture_graphs(mr *r)
     char err[PD_ERR_LEN] = "";
     int rc = 0;
     int32_t b = 1;
-    for (; r->n_graphs < MAX_GRAPHS; b = next_bucket(b)) {
+    for (; r->n_graphs < MAX_GRAPHS && rc >= 0; b = next_bucket(b)) {
         if (b > gmax) b = gmax;
-        if ((rc = upload_meta(r, NULL, b, b, err)) < 0 || (rc = graph_body(r, b, err)) < 0 ||
-            (rc = be->ops->sync(be->ctx)) < 0)
-            break;
-        r->meta_inflight = false;
-        if ((rc = be->ops->graph_begin(be->ctx)) < 0) break;
-        rc = graph_body(r, b, err);
-        void *g = NULL;
-        int rc2 = be->ops->graph_end(be->ctx, &g);
-        if (rc < 0 || (rc = rc2) < 0) break;
-        r->graph_bs[r->n_graphs] = b;
-        r->graphs[r->n_graphs++] = g;
+        for (int k = 0; k < (r->d_metas[1] ? 2 : 1) && rc >= 0; k++) { /* one a buffer */
+            meta_use(r, k);
+            if ((rc = upload_meta(r, NULL, b, b, err)) < 0 || (rc = graph_body(r, b, err)) < 0 ||
+                (rc = be->ops->sync(be->ctx)) < 0)
+                break;
+            r->meta_inflight = false;
+            if ((rc = be->ops->graph_begin(be->ctx)) < 0) break;
+            rc = graph_body(r, b, err);
+            void *g = NULL;
+            int rc2 = be->ops->graph_end(be->ctx, &g);
+            if (rc >= 0) rc = rc2;
+            r->graphs[k][r->n_graphs] = g; /* NULL on failure; drop_graphs takes any */
+        }
+        meta_use(r, 0);
+        if (rc < 0) break;
+        r->graph_bs[r->n_graphs++] = b;
         if (b == gmax) break;
     }
     if (rc < 0) {
@@ -667,7 +700,7 @@ static int forward(mr *r, const mr_batch *b, float *logits, const mr_sampling *s
     if (g >= 0) {
         const int32_t B = r->graph_bs[g];
         if ((rc = upload_meta(r, b, B, B, err)) < 0) return rc;
-        CALL(o->graph_launch(x, r->graphs[g]));
+        CALL(o->graph_launch(x, r->graphs[0][g]));
         r->graph_steps++;
         return finish_rows(r, 0, b->n_logits, logits, smp, err);
     }
@@ -727,13 +760,16 @@ int mr_launch(mr *r, const mr_batch *b, const mr_sampling *s, bool ids_from_last
      * reading its own (it is queued behind the step before it); the one before that was
      * collected, so its upload is done. */
     const int slot = (int)(r->n_launches & 1);
-    if ((rc = upload_meta_from(r, slot ? r->h_meta2 : r->h_meta, ids_from_last, slot, b,
-                               r->graph_bs[g], r->graph_bs[g], err)) < 0)
-        return rc;
+    meta_use(r, slot);
+    rc = upload_meta_from(r, slot ? r->h_meta2 : r->h_meta, ids_from_last, slot, b,
+                          r->graph_bs[g], r->graph_bs[g], err);
+    int32_t *ids_next = r->d_ids_next;
+    meta_use(r, 0);
+    if (rc < 0) return rc;
     r->meta_inflight = false; /* a collect waits for the queue past it */
-    CALL(o->graph_launch(be->ctx, r->graphs[g]));
+    CALL(o->graph_launch(be->ctx, r->graphs[slot][g]));
     CALL(o->sample_launch(be->ctx, r->logits, b->n_logits, r->m->cfg.vocab_size, s->rows, s->pen,
-                          s->n_pen, s->logprobs != NULL, r->d_ids, slot));
+                          s->n_pen, s->logprobs != NULL, ids_next, slot));
     r->graph_steps++;
     r->n_launches++;
     r->out[r->n_out].slot = slot;

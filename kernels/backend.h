@@ -269,10 +269,10 @@ typedef struct pd_backend_ops {
      * memory it must stay unchanged until the next sync. Returns 0, PD_EINVAL, PD_EBACKEND. */
     int (*upload_rows)(void *ctx, void *dst, size_t dst_pitch, const void *src, size_t src_pitch,
                        size_t row_bytes, size_t rows);
-    /* Optional: upload_rows ordered after the last graph_launch's graph but not after the ops
-     * queued behind it (a pipelined step's sample op), which it may overlap; the ops queued
-     * after this call wait for it. For the next step's metadata while the last one samples:
-     * the caller must know that those ops do not read dst. Same returns. */
+    /* Optional: upload_rows ordered after nothing queued before it (it may run beside them:
+     * the caller knows that none of them reads or writes dst); the ops queued after this call
+     * wait for it. For a pipelined step's metadata, into a buffer no queued step reads, while
+     * the step before runs. Same returns. */
     int (*upload_rows_overlap)(void *ctx, void *dst, size_t dst_pitch, const void *src,
                                size_t src_pitch, size_t row_bytes, size_t rows);
     /* Optional: graphs (CUDA graphs). The ops queued between graph_begin and graph_end are

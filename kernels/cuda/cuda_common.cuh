@@ -67,10 +67,9 @@ typedef struct {
                             * allocation */
     void *sample_state;    /* cuda_sample.cu's buffers, made on first use (NULL until then) */
     /* upload_rows_overlap (cuda_graph.cu), made on first use: the side stream its copies go
-     * on, the event each graph launch records after its graph, the event a copy records */
+     * on, the event a copy records */
     cudaStream_t side;
-    cudaEvent_t ev_graph, ev_upload;
-    bool graph_recorded;   /* ev_graph was recorded at least once */
+    cudaEvent_t ev_upload;
 } pd_cuda_ctx;
 
 /* PDSERVE_CUDA_STEP_TIMING=1 (diagnostics): where a graph step's time goes, with events on the

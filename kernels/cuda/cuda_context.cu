@@ -62,7 +62,6 @@ extern "C" void pd_cuda__ctx_destroy(void *ctx)
     if (c->pick_host) (void)cudaFreeHost(c->pick_host);
     if (c->cublas_ws) (void)cudaFree(c->cublas_ws);
     if (c->side) (void)cudaStreamSynchronize(c->side);
-    if (c->ev_graph) (void)cudaEventDestroy(c->ev_graph);
     if (c->ev_upload) (void)cudaEventDestroy(c->ev_upload);
     if (c->side) (void)cudaStreamDestroy(c->side);
     if (c->stream) (void)cudaStreamDestroy(c->stream);

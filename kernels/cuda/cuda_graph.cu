@@ -3,6 +3,7 @@
  * copies), and graph capture, instantiation and launch on the context's stream. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -173,28 +174,36 @@ extern "C" int pd_cuda__upload_rows(void *ctx, void *dst, size_t dst_pitch, cons
 static int side_init(pd_cuda_ctx *c)
 {
     if (c->side) return 0;
-    PD_CUDA_CHECK(cudaEventCreateWithFlags(&c->ev_graph, cudaEventDisableTiming));
     PD_CUDA_CHECK(cudaEventCreateWithFlags(&c->ev_upload, cudaEventDisableTiming));
     PD_CUDA_CHECK(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking));
     return 0;
 }
 
-/* A small upload from pinned memory: upload_rows, in order (fetch_rows beats the copy engine
- * beside the sample op). A larger one on the side stream, after the last graph launch's graph
- * (ev_graph) but not after what was queued behind it (a pipelined step's sample op): the copy
- * engine works while the SMs sample; the main stream waits for the copy before its next op. */
+/* Whether upload_rows_overlap overlaps (PDSERVE_CUDA_OVERLAP_UPLOAD=0: in order, for A/B). */
+static bool overlap_on(void)
+{
+    static int v = -1; /* racy first reads all compute the same value */
+    if (v < 0) {
+        const char *e = getenv("PDSERVE_CUDA_OVERLAP_UPLOAD");
+        v = !(e && !strcmp(e, "0"));
+    }
+    return v != 0;
+}
+
+/* The copy engine's copy on the side stream, ordered after nothing queued before it: a
+ * pipelined step's metadata goes in while the step before runs on every SM (a kernel's copy
+ * would wait for it); the main stream waits for the copy before its next op. */
 extern "C" int pd_cuda__upload_rows_overlap(void *ctx, void *dst, size_t dst_pitch,
                                             const void *src, size_t src_pitch, size_t row_bytes,
                                             size_t rows)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
-    c->pick.on = false;
-    if (!c->graph_recorded || rows == 0 || row_bytes == 0) /* no graph launched yet: in order */
+    if (rows == 0 || row_bytes == 0 || !overlap_on())
         return pd_cuda__upload_rows(ctx, dst, dst_pitch, src, src_pitch, row_bytes, rows);
+    c->pick.on = false;
     if (!dst || !src || dst_pitch < row_bytes || src_pitch < row_bytes) return PD_EINVAL;
-    const void *dsrc = fetchable(src, row_bytes, rows);
-    if (dsrc) return upload_in_order(c, dst, dst_pitch, src, dsrc, src_pitch, row_bytes, rows);
-    PD_CUDA_CHECK(cudaStreamWaitEvent(c->side, c->ev_graph, 0));
+    int rc = side_init(c);
+    if (rc < 0) return rc;
     PD_CUDA_CHECK(copy_rows(dst, dst_pitch, src, src_pitch, row_bytes, rows, c->side));
     PD_CUDA_CHECK(cudaEventRecord(c->ev_upload, c->side));
     PD_CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ev_upload, 0));
@@ -270,10 +279,6 @@ extern "C" int pd_cuda__graph_launch(void *ctx, void *graph)
     c->pick.on = false;
     PD_CUDA_CHECK(cudaGraphLaunch(w->exec, c->stream));
     c->pick = w->pick;
-    int rc = side_init(c);
-    if (rc < 0) return rc;
-    PD_CUDA_CHECK(cudaEventRecord(c->ev_graph, c->stream)); /* for upload_rows_overlap */
-    c->graph_recorded = true;
     pd_cuda__steptime_mark(c, PD_ST_GRAPH_END);
     return 0;
 }
