@@ -36,7 +36,8 @@ struct mr {
     void *a, *h, *qkv, *attn, *gate_up, *act, *lh, *logits;
     /* step metadata: a backend buffer and its host twin, same layout (see meta_layout); with
      * pipelined steps two of each, the launches alternating between them. d_meta and the d_*
-     * pointers are the one in use (meta_use), 0 but while a launch of slot 1 is queued. */
+     * pointers name the one in use (meta_use): buffer 0, but while mr_launch queues a launch of
+     * slot 1 (and while capture_graphs captures its graphs). */
     int32_t *d_metas[2], *d_meta, *h_meta;
     bool h_meta_pinned;           /* h_meta is backend host memory (async uploads) */
     bool meta_inflight;           /* an upload from h_meta may still be reading it */

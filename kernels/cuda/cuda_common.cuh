@@ -149,6 +149,9 @@ static __device__ __forceinline__ void pd_pdl_wait(void)
 }
 
 bool pd_cuda__pdl_on(void); /* cuda_context.cu: PDSERVE_CUDA_PDL, read once */
+/* cuda_context.cu: whether the on-by-default switch `name` is on (=0 turns it off), read once
+ * into *cache (-1 before) */
+bool pd_cuda__switch_on(const char *name, int *cache);
 
 /* kernel<<<grid, block, smem, stream>>>(args...) with the launch attributes attrs[n_attrs].
  * pd_cuda__launch: the same with the programmatic-serialisation attribute when PDL is on and

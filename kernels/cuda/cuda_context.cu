@@ -22,6 +22,15 @@ void pd_cuda__report(const char *call, const char *msg, const char *file, int li
     PD_LOGE("cuda: %s failed: %s (%s:%d)", call, msg, file, line);
 }
 
+bool pd_cuda__switch_on(const char *name, int *cache)
+{
+    if (*cache < 0) { /* racy first reads all compute the same value */
+        const char *e = getenv(name);
+        *cache = !(e && !strcmp(e, "0"));
+    }
+    return *cache != 0;
+}
+
 /* PDL needs sm_90; the kernels are built for sm_90a (PD_CUDA_ARCHS) and the check in them
  * makes the instructions no-ops below that. Off unless PDSERVE_CUDA_PDL=1: on an H200 it made
  * batch-1 and batch-32 decode steps 4-5% faster but the 256-request workload 1.7% slower

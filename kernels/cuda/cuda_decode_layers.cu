@@ -1347,12 +1347,8 @@ static int32_t pace_of(const dl_params &p, int32_t hd, int grid)
  * sample op samples as without them). */
 static bool picks_on(void)
 {
-    static int v = -1; /* racy first reads all compute the same value */
-    if (v < 0) {
-        const char *e = getenv("PDSERVE_CUDA_DL_PICK");
-        v = !(e && !strcmp(e, "0"));
-    }
-    return v != 0;
+    static int v = -1;
+    return pd_cuda__switch_on("PDSERVE_CUDA_DL_PICK", &v);
 }
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }

@@ -3,7 +3,6 @@
  * copies), and graph capture, instantiation and launch on the context's stream. */
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <time.h>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -182,12 +181,8 @@ static int side_init(pd_cuda_ctx *c)
 /* Whether upload_rows_overlap overlaps (PDSERVE_CUDA_OVERLAP_UPLOAD=0: in order, for A/B). */
 static bool overlap_on(void)
 {
-    static int v = -1; /* racy first reads all compute the same value */
-    if (v < 0) {
-        const char *e = getenv("PDSERVE_CUDA_OVERLAP_UPLOAD");
-        v = !(e && !strcmp(e, "0"));
-    }
-    return v != 0;
+    static int v = -1;
+    return pd_cuda__switch_on("PDSERVE_CUDA_OVERLAP_UPLOAD", &v);
 }
 
 /* The copy engine's copy on the side stream, ordered after nothing queued before it: a
