@@ -623,7 +623,7 @@ static void capture_graphs(mr *r)
     char err[PD_ERR_LEN] = "";
     int rc = 0;
     int32_t b = 1;
-    for (; r->n_graphs < MAX_GRAPHS && rc >= 0; b = next_bucket(b)) {
+    for (; r->n_graphs < MAX_GRAPHS; b = next_bucket(b)) {
         if (b > gmax) b = gmax;
         for (int k = 0; k < (r->d_metas[1] ? 2 : 1) && rc >= 0; k++) { /* one a buffer */
             meta_use(r, k);

@@ -1525,9 +1525,10 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     const size_t smem = n_slots * slot + x_bytes + tail_bytes;
     const int32_t n_stages = a->n_layers * 5 + (a->lm_head ? 1 : 0);
     const size_t ts_need = (size_t)n_stages * grid * 8; /* timing words */
+    /* a launch being captured: timing off, and its picks are the graph's (cap_pick) */
     cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    if (DL_TIMED(p) && cudaStreamIsCapturing(c->stream, &cap) == cudaSuccess &&
-        cap == cudaStreamCaptureStatusNone) {
+    PD_CUDA_CHECK(cudaStreamIsCapturing(c->stream, &cap));
+    if (DL_TIMED(p) && cap == cudaStreamCaptureStatusNone) {
         const size_t need = ts_need;
         if (need > ts_cap) {
             if (ts_dev) cudaFree(ts_dev);
@@ -1544,10 +1545,8 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     PD_CUDA_CHECK(hd == 64 ? launch_hd<64>(p, grid, smem, c->stream)
                            : launch_hd<128>(p, grid, smem, c->stream));
     {   /* the picks this launch (or the graph being captured) leaves for the sample ops */
-        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-        PD_CUDA_CHECK(cudaStreamIsCapturing(c->stream, &cs));
         const pd_cuda_pick k = {picks, a->logits, a->n, a->vocab, a->pick_ids};
-        if (cs == cudaStreamCaptureStatusActive) c->cap_pick = k;
+        if (cap == cudaStreamCaptureStatusActive) c->cap_pick = k;
         else c->pick = k;
     }
     if (DL_TIMED(p)) {

@@ -982,6 +982,12 @@ static bool take_picks(pd_cuda_ctx *c, const void *logits, int32_t n, int32_t vo
            all_greedy(rows, n, want_lp);
 }
 
+/* n tokens of the picks in pick_host's slot (once the queue got past their launch). */
+static void take_picked(const pd_cuda_ctx *c, int slot, int32_t n, int32_t *tokens)
+{
+    memcpy(tokens, c->pick_host + (size_t)slot * PD_PICK_ROWS, (size_t)n * sizeof *tokens);
+}
+
 /* Queues the op for n validated rows through set b: the rows and penalty list go in with one
  * copy; the tokens (then the logprobs, from the next 16 bytes) reach b's pinned memory at
  * *out_off when the queue gets there. With ids (device memory), the tokens go there too. */
@@ -1110,7 +1116,7 @@ extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab
         PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
         PD_CUDA_CHECK(cudaGetLastError());
         pd_cuda__steptime_end(c);
-        memcpy(tokens, c->pick_host + PD_SAMPLE_SYNC_SLOT * PD_PICK_ROWS, (size_t)n * sizeof *tokens);
+        take_picked(c, SMP_SYNC, n, tokens);
         return 0;
     }
     smp_buf *b = &st->buf[SMP_SYNC];
@@ -1164,7 +1170,7 @@ extern "C" int pd_cuda__sample_collect(void *ctx, int slot, int32_t *tokens, flo
     PD_CUDA_CHECK(cudaGetLastError());
     pd_cuda__steptime_end(c);
     if (st->picked[slot])
-        memcpy(tokens, c->pick_host + slot * PD_PICK_ROWS, (size_t)st->n[slot] * sizeof *tokens);
+        take_picked(c, slot, st->n[slot], tokens);
     else
         take(&st->buf[slot], st->out_off[slot], st->n[slot], tokens, logprobs);
     st->n[slot] = 0;
