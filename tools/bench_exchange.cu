@@ -11,7 +11,14 @@
  *            (distributed shared memory, st.shared::cluster), polled there;
  *   relay    all blocks of the grid, each block of a cluster reading a C-th of the lines from
  *            global memory and forwarding them into its peers' shared memory: L2 traffic a
- *            C-th of l2's, the rest through distributed shared memory.
+ *            C-th of l2's, the rest through distributed shared memory;
+ *   atomic   an all-reduce instead of an all-gather: every block adds one contribution to each
+ *            of --cols 64-bit sums (red.add; the count of contributions above bit 44, so the
+ *            sum carries its own flag and needs no fence) and polls them all until each counts
+ *            the whole grid: what a row-parallel split of the products (each block's partial
+ *            sums of every output column) would exchange.
+ * --stagger K keeps K polls of each l2 line in flight, first issued --delay cycles apart (does
+ * a line that lands get seen sooner than a round trip later?).
  * With --stream, a producer thread in every block streams a large buffer through a ring of
  * 16 KiB shared-memory slots with bulk copies (cp.async.bulk, evict-first), the way
  * decode_layers streams its weights, at the full rate the memory gives. Also prints how many
@@ -39,10 +46,11 @@
         }                                                                                      \
     } while (0)
 
-enum { MODE_L2, MODE_L2_PEER, MODE_DSMEM, MODE_RELAY };
+enum { MODE_L2, MODE_L2_PEER, MODE_DSMEM, MODE_RELAY, MODE_ATOMIC };
 
 struct xargs {
     int mode, rounds, lines, cluster, stream;
+    int stagger, delay;          /* l2: polls in flight a line, cycles between their first issues */
     uint4 *gl;                   /* [2][grid][lines] flagged lines (l2, l2-peer) */
     const char *big;             /* the streamed buffer */
     size_t big_bytes;
@@ -51,6 +59,8 @@ struct xargs {
     unsigned base;               /* this launch's flags: base + round */
     int slots;
     int inbox_off;               /* relay: [2][grid][lines] lines in dynamic shared memory here */
+    unsigned long long *acc;     /* atomic: [cols] sums, the contributions counted above bit 44 */
+    int cols;
 };
 
 static __device__ __forceinline__ unsigned long long now_ns(void)
@@ -161,6 +171,45 @@ static __device__ __forceinline__ void gather(int n, unsigned flag, A line, G go
     }
 }
 
+/* gather with K polls of each line in flight, first issued `delay` cycles apart so that
+ * they stay staggered: a line that lands is seen about a K-th of a round trip later rather
+ * than a whole one. */
+template <int K, typename A>
+static __device__ __forceinline__ void gather_staggered(int n, unsigned flag, A line, int delay)
+{
+    for (int b = threadIdx.x; b < n; b += 4 * CONSUMERS) {
+        uint4 v[K][4];
+        unsigned done = 0;
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+            if (b + m * CONSUMERS >= n) done |= 1u << m;
+#pragma unroll
+        for (int k = 0; k < K; k++) {
+#pragma unroll
+            for (int m = 0; m < 4; m++)
+                if (!(done >> m & 1)) v[k][m] = pd_ld_volatile4(line(b + m * CONSUMERS));
+            if (k + 1 < K) {
+                const long long t0 = clock64();
+                while (clock64() - t0 < delay) {
+                }
+            }
+        }
+        for (;;) {
+#pragma unroll
+            for (int k = 0; k < K; k++) {
+#pragma unroll
+                for (int m = 0; m < 4; m++)
+                    if (!(done >> m & 1)) {
+                        if (line_ok(v[k][m], flag)) done |= 1u << m;
+                        else v[k][m] = pd_ld_volatile4(line(b + m * CONSUMERS));
+                    }
+                if (done == 15u) break;
+            }
+            if (done == 15u) break;
+        }
+    }
+}
+
 /* The consumer warps' rounds (see the top of the file). */
 static __device__ void consume_rounds(const xargs &a, uint4 (*inbox)[MAX_CLUSTER][MAX_LINES],
                                       uint4 *relay)
@@ -202,14 +251,51 @@ static __device__ void consume_rounds(const xargs &a, uint4 (*inbox)[MAX_CLUSTER
             cons_sync();
             continue;
         }
+        if (a.mode == MODE_ATOMIC) {
+            /* every block adds one contribution to each of cols sums, then polls them all
+             * until each counts every block's contribution of this round */
+            const unsigned long long want = (unsigned long long)gridDim.x * (unsigned)(r + 1);
+            for (int c = threadIdx.x; c < a.cols; c += CONSUMERS)
+                asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(a.acc + c),
+                             "l"((1ull << 44) + (unsigned long long)(c & 7)) : "memory");
+            for (int c = 2 * threadIdx.x; c < a.cols; c += 8 * CONSUMERS) {
+                ulonglong2 v[4];
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    if (c + 2 * k * CONSUMERS < a.cols)
+                        asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
+                                     : "=l"(v[k].x), "=l"(v[k].y)
+                                     : "l"(a.acc + c + 2 * k * CONSUMERS));
+                for (;;) {
+                    bool ready = true;
+#pragma unroll
+                    for (int k = 0; k < 4; k++)
+                        if (c + 2 * k * CONSUMERS < a.cols &&
+                            ((v[k].x >> 44) < want || (v[k].y >> 44) < want))
+                            ready = false;
+                    if (ready) break;
+#pragma unroll
+                    for (int k = 0; k < 4; k++)
+                        if (c + 2 * k * CONSUMERS < a.cols &&
+                            ((v[k].x >> 44) < want || (v[k].y >> 44) < want))
+                            asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
+                                         : "=l"(v[k].x), "=l"(v[k].y)
+                                         : "l"(a.acc + c + 2 * k * CONSUMERS));
+                }
+            }
+            cons_sync();
+            continue;
+        }
         /* gather */
         if (a.mode == MODE_DSMEM) {
             for (int i = threadIdx.x; i < n_src * L; i += CONSUMERS)
                 wait_local(&inbox[par][i / L][i % L], flag);
         } else {
-            gather(n_src * L, flag,
-                   [&](int i) { return a.gl + ((size_t)par * gridDim.x + src0 + i / L) * L + i % L; },
-                   [](int, uint4) {});
+            auto at = [&](int i) { return a.gl + ((size_t)par * gridDim.x + src0 + i / L) * L + i % L; };
+            if (a.stagger == 2) gather_staggered<2>(n_src * L, flag, at, a.delay);
+            else if (a.stagger == 3) gather_staggered<3>(n_src * L, flag, at, a.delay);
+            else if (a.stagger == 4) gather_staggered<4>(n_src * L, flag, at, a.delay);
+            else gather(n_src * L, flag, at, [](int, uint4) {});
         }
         cons_sync();
     }
@@ -255,17 +341,22 @@ static void usage(FILE *f)
 {
     fprintf(f,
         "usage: pdserve-bench-exchange [--rounds N] [--lines L] [--smem KIB] [--device N]\n"
+        "                              [--cols N] [--stagger K] [--delay C]\n"
         "\n"
         "Times all-gather rounds between the blocks of a persistent grid (one block an SM, 384\n"
         "threads): through L2 across the whole grid (l2), through L2 within a cluster (l2-peer),\n"
         "through distributed shared memory within a cluster (dsmem), and across the whole grid\n"
         "with each block of a cluster reading a share from L2 and forwarding it to its peers\n"
-        "(relay); cluster sizes 2 .. 16, each with and without a bulk-copy stream of a large\n"
-        "buffer in every block (decode_layers' weight stream).\n"
+        "(relay); an all-reduce by atomic adds (atomic); cluster sizes 2 .. 16, each with and\n"
+        "without a bulk-copy stream of a large buffer in every block (decode_layers' weight\n"
+        "stream).\n"
         "  --rounds N  rounds a measurement (default 2000)\n"
         "  --lines L   16-byte lines each block publishes a round (1 .. %d, default 2)\n"
         "  --smem KIB  dynamic shared memory a block (default 200: decode_layers' ring)\n"
-        "  --device N  CUDA device (default 0)\n",
+        "  --device N  CUDA device (default 0)\n"
+        "  --cols N    sums of the atomic all-reduce (even, default 1024)\n"
+        "  --stagger K l2: polls of a line in flight (1 .. 4, default 1)\n"
+        "  --delay C   cycles between a line's first K polls (default 300)\n",
         MAX_LINES);
 }
 
@@ -273,7 +364,8 @@ static void usage(FILE *f)
  * negative value when the launch is refused. */
 static double run(const cudaDeviceProp &prop, int mode, int C, int stream, int rounds, int lines,
                   size_t smem, char *big, size_t big_bytes, uint4 *gl, int *stop,
-                  unsigned long long *ns, unsigned *base, int *grid_out, bool *coop_out)
+                  unsigned long long *ns, unsigned *base, int *grid_out, bool *coop_out,
+                  unsigned long long *acc, int cols, int stagger, int delay)
 {
     int grid = prop.multiProcessorCount / C * C;
     cudaLaunchConfig_t cfg = {};
@@ -298,7 +390,8 @@ static double run(const cudaDeviceProp &prop, int mode, int C, int stream, int r
     if (active * C < grid) grid = active * C; /* every block resident: they poll each other */
     if (grid < C) return -1.0;
     cfg.gridDim = dim3((unsigned)grid);
-    xargs a = {mode, rounds, lines, C, stream, gl, big, big_bytes, stop, ns, *base, 0, 0};
+    xargs a = {mode, rounds, lines, C, stream, stagger, delay, gl, big, big_bytes, stop, ns, *base, 0, 0, acc, cols};
+    if (mode == MODE_ATOMIC) CK(cudaMemset(acc, 0, sizeof *acc * (size_t)cols));
     const size_t relay_bytes = (size_t)2 * grid * lines * sizeof(uint4);
     a.slots = (int)((smem - relay_bytes) / SLOT) < 16 ? (int)((smem - relay_bytes) / SLOT) : 16;
     a.inbox_off = a.slots * SLOT;
@@ -333,7 +426,7 @@ static double run(const cudaDeviceProp &prop, int mode, int C, int stream, int r
 
 int main(int argc, char **argv)
 {
-    int rounds = 2000, lines = 2, dev = 0;
+    int rounds = 2000, lines = 2, dev = 0, cols = 1024, stagger = 1, delay = 300;
     size_t smem = (size_t)200 << 10;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
@@ -351,6 +444,9 @@ int main(int argc, char **argv)
         else if (!strcmp(o, "--lines") && v >= 1 && v <= MAX_LINES) lines = (int)v;
         else if (!strcmp(o, "--smem") && v >= 16 && v <= 220) smem = (size_t)v << 10;
         else if (!strcmp(o, "--device") && v >= 0) dev = (int)v;
+        else if (!strcmp(o, "--cols") && v >= 2 && v <= 65536 && v % 2 == 0) cols = (int)v;
+        else if (!strcmp(o, "--stagger") && v >= 1 && v <= 4) stagger = (int)v;
+        else if (!strcmp(o, "--delay") && v >= 0 && v <= 100000) delay = (int)v;
         else {
             fprintf(stderr, "pdserve-bench-exchange: bad option or value: %s %s\n", o, argv[i]);
             usage(stderr);
@@ -385,24 +481,26 @@ int main(int argc, char **argv)
     CK(cudaMalloc((void **)&gl, sizeof(uint4) * 2 * (size_t)prop.multiProcessorCount * MAX_LINES));
     CK(cudaMemset(gl, 0, sizeof(uint4) * 2 * (size_t)prop.multiProcessorCount * MAX_LINES));
     CK(cudaMalloc((void **)&stop, sizeof(int)));
+    unsigned long long *acc = NULL;
+    CK(cudaMalloc((void **)&acc, sizeof *acc * (size_t)cols));
     CK(cudaMalloc((void **)&ns, sizeof(unsigned long long) * (size_t)prop.multiProcessorCount));
     printf("pdserve-bench-exchange: %s, %d SMs; %d rounds of %d lines a block, %zu KiB shared "
            "memory a block; ns a round (the slowest block)\n",
            prop.name, prop.multiProcessorCount, rounds, lines, smem >> 10);
     printf("%-8s %4s %5s %6s %10s %10s\n", "way", "C", "grid", "coop", "no stream", "stream");
     unsigned base = 1;
-    static const char *names[4] = {"l2", "l2-peer", "dsmem", "relay"};
+    static const char *names[5] = {"l2", "l2-peer", "dsmem", "relay", "atomic"};
     const int sizes[] = {1, 2, 4, 8, 16};
     for (int si = 0; si < 5; si++) {
         const int C = sizes[si];
-        for (int mode = 0; mode < 4; mode++) {
-            if ((C == 1) != (mode == MODE_L2)) continue;
+        for (int mode = 0; mode < 5; mode++) {
+            if ((C == 1) != (mode == MODE_L2 || mode == MODE_ATOMIC)) continue;
             double t[2];
             int grid = 0;
             bool coop = false;
             for (int s = 0; s < 2; s++)
                 t[s] = run(prop, mode, C, s, rounds, lines, smem, big, big_bytes, gl, stop, ns,
-                           &base, &grid, &coop);
+                           &base, &grid, &coop, acc, cols, stagger, delay);
             if (t[0] < 0 || t[1] < 0) {
                 printf("%-8s %4d %5s %6s %10s %10s\n", names[mode], C, "-", "-", "refused", "refused");
                 continue;
@@ -415,5 +513,6 @@ int main(int argc, char **argv)
     CK(cudaFree(gl));
     CK(cudaFree(stop));
     CK(cudaFree(ns));
+    CK(cudaFree(acc));
     return 0;
 }

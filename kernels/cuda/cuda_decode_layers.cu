@@ -101,6 +101,7 @@ struct dl_params {
     int32_t n, hidden, inter, n_heads, n_kv_heads, n_layers;
     int32_t max_blocks_per_seq, block_size, sliding_window, splits;
     float eps, attn_factor, scale_log2;
+    float inv_hidden;        /* 1 / hidden: the row norms' mean square */
     int32_t slot_bytes, n_slots, x_bytes; /* shared memory: ring, then x / attention scratch, */
                                           /* the warps' sums (DL_WRED_FLOATS), RoPE's
                                            * [n][head_dim / 2] (cos, sin) pairs, then the
@@ -591,16 +592,28 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
     }
 }
 
+/* 1 / sqrt(mean square + eps), the norms' scale, in float. The ops (and the CPU) take it in
+ * double, rounded once to float; here it sits on the chain of every norm of every layer (the
+ * two row norms and the q / k head norms, every thread of the block waiting for it), and the
+ * double divide, square root and reciprocal took ~0.15 us each time, 2% of a Qwen3-0.6B step
+ * (docs/perf.md, fourteenth pass). The float one differs from it by an ulp or two of the scale,
+ * before the bf16 rounding of the product it scales. */
+static __device__ __forceinline__ float norm_scale(float ss, float inv_len, float eps)
+{
+    return rsqrtf(fmaf(ss, inv_len, eps));
+}
+
 /* Row q of the step's input: the embedding of its token, or the residual stream's. */
 static __device__ __forceinline__ const bf16 *in_row(const dl_params &p, int32_t q)
 {
     return p.embed ? p.embed + (size_t)__ldg(p.ids + q) * p.hidden : p.resid + (size_t)q * p.hidden;
 }
 
-/* xs = rmsnorm(resid) * nw for the n rows, as the rmsnorm op rounds: the rows to shared memory
- * 16 bytes a thread at a time with their sums of squares, then in place. The norm weights load
- * with the rows (one round trip from L2, not two) into xs after them (the host sizes xs for
- * n + 1 rows of hidden). */
+/* xs = rmsnorm(resid) * nw for the n rows, rounded as the rmsnorm op rounds: the rows to
+ * shared memory 16 bytes a thread at a time with their sums of squares, then in place. The norm
+ * weights load with the rows (one round trip from L2, not two) into xs after them (the host
+ * sizes xs for n + 1 rows of hidden). The scale is rsqrt in float (norm_scale), where the op
+ * takes 1 / sqrt in double. */
 template <int NMAX>
 static __device__ void norm_rows(const dl_params &p, const bf16 *nw, const uint4 *src_ll,
                                  uint32_t flag, bf16 *xs)
@@ -633,7 +646,7 @@ static __device__ void norm_rows(const dl_params &p, const bf16 *nw, const uint4
     for (int32_t q = 0; q < p.n; q++) {
         float ss = 0.0f;
         for (int v = 0; v < DL_CW; v++) ss += red[q][v];
-        const float rr = (float)(1.0 / sqrt((double)ss / p.hidden + p.eps));
+        const float rr = norm_scale(ss, p.inv_hidden, p.eps);
         for (int32_t i = threadIdx.x; i < hc; i += DL_CW * 32) {
             uint4 &xv = x4[(size_t)q * hc + i];
             const uint4 wv = w4[i];
@@ -660,8 +673,9 @@ static __device__ void copy_rows(const uint4 *src_ll, uint32_t flag, int32_t n, 
 /* ---- consumers: attention (S2) ---- */
 
 /* Head j of unit (s, h): j < G the query heads, G the KV head's key, G + 1 its value. Norm and
- * RoPE as rope_store_kv does them (rounded to bf16 where it stores), into shared memory (q
- * scaled for exp2); split 0 stores the new key and value in the cache. */
+ * RoPE as rope_store_kv does them (rounded to bf16 where it stores; the norm's scale in float,
+ * norm_scale), into shared memory (q scaled for exp2); split 0 stores the new key and value in
+ * the cache. */
 template <int HD>
 static __device__ void prep_heads(const dl_params &p, const dl_layer &L, int32_t s, int32_t h,
                                   int32_t G, bool store, uint32_t qflag, const float2 *rope,
@@ -709,7 +723,7 @@ static __device__ void prep_heads(const dl_params &p, const dl_layer &L, int32_t
 #pragma unroll
             for (int r = 0; r < NR; r++) ss += x[r] * x[r];
             ss = pd_warp_sum(ss);
-            const float rr = (float)(1.0 / sqrt((double)ss / HD + p.eps));
+            const float rr = norm_scale(ss, 1.0f / HD, p.eps);
 #pragma unroll
             for (int r = 0; r < NR; r++)
                 x[r] = __bfloat162float(__float2bfloat16_rn(wv[r] * (x[r] * rr)));
@@ -1491,6 +1505,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     p.sliding_window = a->sliding_window;
     p.splits = splits;
     p.eps = a->norm_eps;
+    p.inv_hidden = 1.0f / (float)a->hidden;
     p.attn_factor = a->attn_factor;
     p.scale_log2 = a->scale * 1.4426950408889634f;
     p.slot_bytes = (int32_t)slot;
