@@ -67,6 +67,14 @@
                             * q / k / v preparation: 4 up to 4 query heads a KV head, then 2
                             * (the registers: 4 spilled with 8) */
 template <int MAXG> static constexpr __host__ __device__ int dl_pf() { return MAXG <= 4 ? DL_PF_ROUNDS : 2; }
+/* Whether those batches load during S1's products rather than at S2's start (their bytes then
+ * arrive while the block multiplies, not while it polls for q / k / v: +2% after 400 and 1000
+ * tokens, docs/perf.md, fourteenth pass); not with 3 - 4 query heads a KV head, or 8 sequences
+ * at 2, where the registers held through S1 spill. */
+template <int NMAX, int MAXG> static constexpr __host__ __device__ bool dl_early()
+{
+    return MAXG != 4 && !(NMAX == 8 && MAXG == 2);
+}
 #define DL_MIN_CHUNK 16    /* keys of a split, at least: more splits of one key batch each (against
                             * 32: +7% at batch 1 after short prompts; 8: as 16) */
 #define DL_MAX_SPLITS 32
@@ -857,7 +865,7 @@ static __device__ __forceinline__ void kv_load(const dl_layer &L,
  * DL_CW * G * (HD + 2) floats after the q / k / v vectors. */
 template <int HD, int MAXG>
 static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const dl_unit &a,
-                                   const int64_t (&off0)[dl_pf<MAXG>()][DL_KEYS_PER_WARP],
+                                   uint32_t (&kv0)[dl_pf<MAXG>()][DL_KEYS_PER_WARP][2][HD / 64],
                                    float *sm,
                                    const float2 *rope, uint32_t qflag, uint32_t aflag,
                                    bool plain, int32_t mst)
@@ -874,9 +882,6 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
     const int32_t kb = a.kb, ke = a.ke;
     float *qs = sm, *kn = qs + DL_MAX_G * HD, *vn = kn + HD, *scr = vn + HD;
     constexpr int PF = dl_pf<MAXG>(); /* batches loaded ahead */
-    uint32_t kv0[PF][DL_KEYS_PER_WARP][2][E / 2];
-#pragma unroll
-    for (int r = 0; r < PF; r++) kv_load<E>(L, off0[r], kv0[r]);
     prep_heads<HD>(p, L, s, h, G, sp == 0, qflag, rope, qs, kn, vn, scr);
     dl_mark(p, mst, 1);
 
@@ -1133,6 +1138,11 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
             prefetch_small(p, l, HD);
         norm_rows<NMAX>(p, L.attn_norm, l ? p.ll_r5 : NULL, f0 - 1, xs);
         dl_mark(p, m0, 1);
+        /* the first S2 unit's first key batches, loaded during this stage's products */
+        uint32_t kvp[PF][DL_KEYS_PER_WARP][2][HD / 64];
+        if constexpr (dl_early<NMAX, MAXG>())
+#pragma unroll
+            for (int r = 0; r < PF; r++) kv_load<HD / 32>(L, off0[r], kvp[r]);
         o = {DL_STORE, L.qkv_bias, p.ll_qkv, f0, last ? p.qkv : NULL, s.m, NULL};
         consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0);
         dl_mark(p, m0, 3);
@@ -1140,19 +1150,19 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         /* S2 */
         for (int32_t u = blockIdx.x; u < units; u += gridDim.x) {
             dl_unit a = u0;
-            int64_t off[PF][DL_KEYS_PER_WARP];
+            if (!dl_early<NMAX, MAXG>() && u == blockIdx.x)
 #pragma unroll
-            for (int r = 0; r < PF; r++)
-#pragma unroll
-                for (int i = 0; i < DL_KEYS_PER_WARP; i++) off[r][i] = off0[r][i];
+                for (int r = 0; r < PF; r++) kv_load<HD / 32>(L, off0[r], kvp[r]);
             if (u != blockIdx.x) {
                 a = unit_of(p, u);
 #pragma unroll
-                for (int r = 0; r < PF; r++)
-                    key_offsets<HD / 32>(p, a, a.kb + (warp + r * DL_CW) * DL_KEYS_PER_WARP,
-                                         off[r]);
+                for (int r = 0; r < PF; r++) {
+                    int64_t off[DL_KEYS_PER_WARP];
+                    key_offsets<HD / 32>(p, a, a.kb + (warp + r * DL_CW) * DL_KEYS_PER_WARP, off);
+                    kv_load<HD / 32>(L, off, kvp[r]);
+                }
             }
-            attend_unit<HD, MAXG>(p, L, a, off, sm, rope, f0, f0 + 1, last, m0 + 1);
+            attend_unit<HD, MAXG>(p, L, a, kvp, sm, rope, f0, f0 + 1, last, m0 + 1);
         }
         dl_mark(p, m0 + 1, 3);
         /* S3 */
