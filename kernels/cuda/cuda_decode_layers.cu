@@ -858,11 +858,11 @@ static __device__ __forceinline__ void kv_load(const dl_layer &L,
 }
 
 /* One unit: attention of its G query heads over the split's keys; the result, or a partial
- * merged by split 0. off0 holds key_offsets of this warp's first dl_pf<MAXG>() batches (the
- * same every layer: the kernel computes the first unit's once, so its K / V loads depend on no
- * other load), all issued before the q / k / v preparation, whose loads they overlap; later
- * batches load after the one before. sm is scratch of
- * DL_CW * G * (HD + 2) floats after the q / k / v vectors. */
+ * merged by split 0. kv0 holds this warp's first dl_pf<MAXG>() batches of keys and values, as
+ * the caller loaded them before the q / k / v preparation (their offsets are the same every
+ * layer: the kernel makes the first unit's once a launch, so those loads depend on no other
+ * load, and issues them during S1's products where dl_early); later batches load after the
+ * one before. sm is scratch of DL_CW * G * (HD + 2) floats after the q / k / v vectors. */
 template <int HD, int MAXG>
 static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const dl_unit &a,
                                    uint32_t (&kv0)[dl_pf<MAXG>()][DL_KEYS_PER_WARP][2][HD / 64],
