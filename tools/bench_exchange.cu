@@ -144,10 +144,10 @@ static __device__ __forceinline__ void wait_local(const uint4 *line, unsigned fl
 }
 
 /* Lines [0, n) at line(i), as decode_layers' ll_copy polls them: up to 4 a thread loaded at
- * once, those not there yet loaded again together (one round trip a round); each line that
- * has arrived is handed to got(i, v). */
-template <typename A, typename G>
-static __device__ __forceinline__ void gather(int n, unsigned flag, A line, G got)
+ * once, those not there yet (ok(v) false) loaded again together (one round trip a round); each
+ * line that has arrived is handed to got(i, v). */
+template <typename A, typename O, typename G>
+static __device__ __forceinline__ void gather_if(int n, O ok, A line, G got)
 {
     for (int b = threadIdx.x; b < n; b += 4 * CONSUMERS) {
         uint4 v[4];
@@ -158,17 +158,24 @@ static __device__ __forceinline__ void gather(int n, unsigned flag, A line, G go
             bool ready = true;
 #pragma unroll
             for (int k = 0; k < 4; k++)
-                if (b + k * CONSUMERS < n && !line_ok(v[k], flag)) ready = false;
+                if (b + k * CONSUMERS < n && !ok(v[k])) ready = false;
             if (ready) break;
 #pragma unroll
             for (int k = 0; k < 4; k++)
-                if (b + k * CONSUMERS < n && !line_ok(v[k], flag))
+                if (b + k * CONSUMERS < n && !ok(v[k]))
                     v[k] = pd_ld_volatile4(line(b + k * CONSUMERS));
         }
 #pragma unroll
         for (int k = 0; k < 4; k++)
             if (b + k * CONSUMERS < n) got(b + k * CONSUMERS, v[k]);
     }
+}
+
+/* gather_if for flagged lines of this round's flag. */
+template <typename A, typename G>
+static __device__ __forceinline__ void gather(int n, unsigned flag, A line, G got)
+{
+    gather_if(n, [=](uint4 v) { return line_ok(v, flag); }, line, got);
 }
 
 /* gather with K polls of each line in flight, first issued `delay` cycles apart so that
@@ -258,31 +265,12 @@ static __device__ void consume_rounds(const xargs &a, uint4 (*inbox)[MAX_CLUSTER
             for (int c = threadIdx.x; c < a.cols; c += CONSUMERS)
                 asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(a.acc + c),
                              "l"((1ull << 44) + (unsigned long long)(c & 7)) : "memory");
-            for (int c = 2 * threadIdx.x; c < a.cols; c += 8 * CONSUMERS) {
-                ulonglong2 v[4];
-#pragma unroll
-                for (int k = 0; k < 4; k++)
-                    if (c + 2 * k * CONSUMERS < a.cols)
-                        asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
-                                     : "=l"(v[k].x), "=l"(v[k].y)
-                                     : "l"(a.acc + c + 2 * k * CONSUMERS));
-                for (;;) {
-                    bool ready = true;
-#pragma unroll
-                    for (int k = 0; k < 4; k++)
-                        if (c + 2 * k * CONSUMERS < a.cols &&
-                            ((v[k].x >> 44) < want || (v[k].y >> 44) < want))
-                            ready = false;
-                    if (ready) break;
-#pragma unroll
-                    for (int k = 0; k < 4; k++)
-                        if (c + 2 * k * CONSUMERS < a.cols &&
-                            ((v[k].x >> 44) < want || (v[k].y >> 44) < want))
-                            asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
-                                         : "=l"(v[k].x), "=l"(v[k].y)
-                                         : "l"(a.acc + c + 2 * k * CONSUMERS));
-                }
-            }
+            /* a 16-byte line holds two sums, each count in its upper word's top 20 bits */
+            const unsigned w20 = (unsigned)want;
+            gather_if(a.cols / 2,
+                      [=](uint4 v) { return (v.y >> 12) >= w20 && (v.w >> 12) >= w20; },
+                      [&](int i) { return reinterpret_cast<const uint4 *>(a.acc) + i; },
+                      [](int, uint4) {});
             cons_sync();
             continue;
         }
