@@ -21,7 +21,8 @@
     X(ETIMEDOUT, -11, "deadline exceeded")                           \
     X(ECANCELED, -12, "cancelled")                                   \
     X(EUNAVAILABLE, -13, "peer unreachable or gone")                 \
-    X(EMISMATCH, -14, "incompatible configuration between peers")
+    X(EMISMATCH, -14, "incompatible configuration between peers")  \
+    X(EPERM, -15, "peer not authenticated")
 
 enum {
     PD_OK = 0,

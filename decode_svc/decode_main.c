@@ -24,7 +24,9 @@
 
 typedef struct dreq {
     atomic_int refs;
-    rpc_call *call;             /* our reference; dropped when the call is finished */
+    rpc_call *call;             /* our reference, dropped when the request is freed: a send
+                                   after the call was finished is refused (PD_ESTATE), never
+                                   a use after free */
     uint64_t id;                /* engine and kvtransfer request id */
     int32_t n_prompt;
     bool local_prefill;
@@ -32,15 +34,28 @@ typedef struct dreq {
     bool queue_seen;            /* its queue time was observed (engine thread) */
     pthread_mutex_t mu;
     bool finished;              /* the call got its status */
-    bool kv_expected;           /* a kvt reservation exists and has not ended */
     int err_code;               /* rpc status to end with after an abort (0 = CANCELLED) */
     char err_msg[PD_ERR_LEN];
+    /* kvt thread only: */
+    bool kv_expected;           /* a kvt reservation exists and has not ended */
+    bool cancelled;             /* the call was cancelled: no reservation starts any more */
+    /* Reservation limits (guarded by g.resv_mu): */
+    int32_t resv_blocks;        /* blocks counted against the limits; 0 = none held */
+    int resv_caller;            /* its slot in g.callers */
     int32_t *blocks;            /* reserved block ids (staging: copied to the device at admit) */
     int32_t n_blocks;
     uint32_t *pend;             /* tokens not yet sent (the stream queue was full) */
     float *pend_lp;
     size_t n_pend, cap_pend;
 } dreq;
+
+/* Reserved blocks per caller (peer host), for the per-caller limit. */
+#define MAX_CALLERS 256
+typedef struct {
+    char host[64];
+    int64_t blocks;             /* blocks of this caller's reservations waiting for KV */
+    int64_t n;                  /* those reservations */
+} caller_slot;
 
 typedef struct {
     svc_model model;
@@ -52,16 +67,88 @@ typedef struct {
     rpc_server *server;
     svc_instance inst;
     svc_metrics *metrics;
+    pd_metric *m_resv_refused;
     atomic_uint_fast64_t next_id;
     int64_t default_max_tokens;
     bool colocated;
+    /* Admission of reservations (--max-reserved-share*, --reservation-timeout-ms). */
+    double resv_share, resv_share_caller;
+    int64_t resv_timeout_ms;
+    pthread_mutex_t resv_mu;
+    int64_t resv_total;         /* blocks of all reservations waiting for KV */
+    caller_slot callers[MAX_CALLERS];
 } dsvc;
 
 static dsvc g;
 
+/* Counts n blocks of a new reservation from caller host against the limits: every caller's
+ * reservations together may hold resv_share of the pool, one caller's resv_share_caller (a
+ * caller that holds nothing may always reserve one request, so that a long prompt is never
+ * refused forever). Returns 0, or PD_ENOSPC with a message in err. */
+static int resv_take(dreq *r, const char *host, int32_t n, char *err)
+{
+    const int64_t pool = g.model.ep.n_blocks;
+    const int64_t lim_all = (int64_t)(g.resv_share * (double)pool);
+    const int64_t lim_one = (int64_t)(g.resv_share_caller * (double)pool);
+    int rc = 0;
+    pthread_mutex_lock(&g.resv_mu);
+    int slot = -1, free_slot = -1;
+    for (int i = 0; i < MAX_CALLERS && slot < 0; i++) {
+        if (g.callers[i].n > 0 && !strcmp(g.callers[i].host, host)) slot = i;
+        else if (g.callers[i].n == 0 && free_slot < 0) free_slot = i;
+    }
+    if (slot < 0 && free_slot < 0) {
+        rc = pd_errf(err, PD_ENOSPC, "reservations from %d callers are waiting for KV; retry "
+                     "later", MAX_CALLERS);
+    } else if (slot < 0) {
+        slot = free_slot;
+        snprintf(g.callers[slot].host, sizeof g.callers[slot].host, "%s", host);
+        g.callers[slot].blocks = 0;
+    }
+    if (rc == 0 && g.resv_total > 0 && g.resv_total + n > lim_all)
+        rc = pd_errf(err, PD_ENOSPC, "reservations waiting for KV hold %lld of %lld KV blocks "
+                     "(--max-reserved-share %.2f); retry later or elsewhere",
+                     (long long)g.resv_total, (long long)pool, g.resv_share);
+    else if (rc == 0 && g.callers[slot].blocks > 0 && g.callers[slot].blocks + n > lim_one)
+        rc = pd_errf(err, PD_ENOSPC, "this caller's reservations waiting for KV hold %lld of "
+                     "%lld KV blocks (--max-reserved-share-per-caller %.2f); retry later or "
+                     "elsewhere", (long long)g.callers[slot].blocks, (long long)pool,
+                     g.resv_share_caller);
+    if (rc == 0) {
+        g.callers[slot].blocks += n;
+        g.callers[slot].n++;
+        g.resv_total += n;
+        r->resv_blocks = n;
+        r->resv_caller = slot;
+        atomic_fetch_add(&g.inst.reserved_blocks, n);
+        atomic_fetch_add(&g.inst.reservations, 1);
+    }
+    pthread_mutex_unlock(&g.resv_mu);
+    return rc;
+}
+
+/* The reservation no longer waits for KV (landed, failed, cancelled): its blocks stop
+ * counting against the limits. Idempotent; any thread. */
+static void resv_put(dreq *r)
+{
+    pthread_mutex_lock(&g.resv_mu);
+    if (r->resv_blocks > 0) {
+        caller_slot *c = &g.callers[r->resv_caller];
+        c->blocks -= r->resv_blocks;
+        c->n--;
+        g.resv_total -= r->resv_blocks;
+        atomic_fetch_sub(&g.inst.reserved_blocks, r->resv_blocks);
+        atomic_fetch_sub(&g.inst.reservations, 1);
+        r->resv_blocks = 0;
+    }
+    pthread_mutex_unlock(&g.resv_mu);
+}
+
 static void dreq_unref(dreq *r)
 {
     if (atomic_fetch_sub(&r->refs, 1) != 1) return;
+    resv_put(r);
+    rpc_call_unref(r->call);
     pthread_mutex_destroy(&r->mu);
     free(r->blocks);
     free(r->pend);
@@ -69,7 +156,8 @@ static void dreq_unref(dreq *r)
     free(r);
 }
 
-/* Ends the call once (status OK = normal end); drops the call reference. */
+/* Ends the call once (status OK = normal end). The call reference stays until the request is
+ * freed. */
 static void finish_call(dreq *r, rpc_status_code code, const char *msg)
 {
     pthread_mutex_lock(&r->mu);
@@ -79,7 +167,6 @@ static void finish_call(dreq *r, rpc_status_code code, const char *msg)
     if (already) return;
     svc_metrics_request(g.metrics, code);
     rpc_stream_finish(r->call, code, msg && *msg ? "%s" : NULL, msg);
-    rpc_call_unref(r->call);
 }
 
 /* Sends the pending tokens (and the final fields when o is terminal). Engine thread. */
@@ -151,6 +238,7 @@ static void on_output(void *user, const eng_output *o)
         flush_burst(r, NULL);
         return;
     }
+    resv_put(r); /* terminal: whatever it reserved no longer waits for KV */
     if (o->finish == SEQ_FINISH_ABORTED) {
         pthread_mutex_lock(&r->mu);
         int code = r->err_code ? r->err_code : RPC_STATUS_CANCELLED;
@@ -168,11 +256,19 @@ static void on_output(void *user, const eng_output *o)
 static void on_error(void *user, int code, const char *msg)
 {
     dreq *r = user;
+    resv_put(r);
     finish_call(r, svc_status_for(code), msg);
     dreq_unref(r);
 }
 
-/* ---- kvtransfer side (kvt thread) ---- */
+/* ---- kvtransfer side (kvt thread) ----
+ *
+ * Block ownership: the engine frees a reservation's blocks when it aborts the request, and
+ * another reservation may get them at once. So while kvtransfer holds a reservation (a sender
+ * may be writing into its blocks), nothing aborts the request in the engine: a cancellation
+ * goes to the kvt thread, which releases the kvt reservation, and the abort follows from its
+ * KVT_EV_RECV_FAILED event, delivered once no UCX operation writes the blocks any more. The
+ * kvt thread orders the cancellation against do_expect (r->cancelled, r->kv_expected). */
 
 typedef struct {
     dreq *r;
@@ -186,25 +282,32 @@ static void do_expect(kvt_ctx *ctx, void *arg)
     expect_job *j = arg;
     dreq *r = j->r;
     char err[PD_ERR_LEN];
+    if (r->cancelled) { /* cancelled before its reservation reached kvtransfer */
+        resv_put(r);
+        ew_abort(g.worker, r->id);
+        dreq_unref(r); /* the kvt reference taken for this job */
+        free(j);
+        return;
+    }
     kvt_recv_params p = kvt_recv_default_params();
     p.req_id = r->id;
     p.n_blocks = j->n;
     p.block_ids = j->ids;
     p.user = r;
+    p.start_timeout_ms = g.resv_timeout_ms > 0 ? (int32_t)g.resv_timeout_ms : -1;
     int rc = kvt_recv_expect(g.pool, &p, err);
     if (rc < 0) {
         pthread_mutex_lock(&r->mu);
         r->err_code = RPC_STATUS_INTERNAL;
         snprintf(r->err_msg, sizeof r->err_msg, "cannot expect the KV transfer: %.400s", err);
         pthread_mutex_unlock(&r->mu);
+        resv_put(r);
         ew_abort(g.worker, r->id);
         dreq_unref(r); /* the kvt reference taken for this job */
         free(j);
         return;
     }
-    pthread_mutex_lock(&r->mu);
-    r->kv_expected = true;
-    pthread_mutex_unlock(&r->mu);
+    r->kv_expected = true; /* the job's reference now belongs to the reservation's event */
     /* Tell the router where the prefill side writes. */
     Pdserve__Internal__V1__KvLayout layout;
     svc_kv_layout_to_proto(&g.model, &layout);
@@ -223,10 +326,10 @@ static void do_expect(kvt_ctx *ctx, void *arg)
     Pdserve__Internal__V1__DecodeResponse m = PDSERVE__INTERNAL__V1__DECODE_RESPONSE__INIT;
     m.kind_case = PDSERVE__INTERNAL__V1__DECODE_RESPONSE__KIND_RESERVATION;
     m.reservation = &res;
-    if (rpc_stream_send(r->call, &m.base) < 0 || !ids) {
-        /* The call is gone (cancelled): undo the reservation; its event drops the reference. */
-        kvt_recv_release(g.pool, r->id);
-        ew_abort(g.worker, r->id);
+    if (!ids || rpc_stream_send(r->call, &m.base) < 0) {
+        /* The call is gone (cancelled) or out of memory: end the reservation; its
+         * RECV_FAILED event aborts the request and drops the reference. */
+        kvt_recv_cancel(g.pool, r->id);
     }
     free(ids);
     free(j);
@@ -246,17 +349,20 @@ static void on_kvt_event(void *arg, const kvt_event *ev)
     (void)arg;
     dreq *r = ev->user;
     if (!r) return;
-    pthread_mutex_lock(&r->mu);
     r->kv_expected = false;
-    pthread_mutex_unlock(&r->mu);
+    resv_put(r);
     if (ev->type == KVT_EV_RECV_DONE) {
         PD_LOGD("request %llu: KV landed (%llu bytes in %.2f ms)", (unsigned long long)r->id,
                 (unsigned long long)ev->bytes, ev->elapsed_ns / 1e6);
         svc_metrics_kv_transfer(g.metrics, (double)ev->elapsed_ns * 1e-9);
         /* Staging: the KV landed in the host mirror; the engine thread copies it to the
-         * device right before the admission. */
-        if (g.model.mirror) ew_admit_ex(g.worker, r->id, ev->first_token, copy_in, r);
+         * device right before the admission. The device path wrote the device cache itself:
+         * nothing to copy, the sequence just joins the batch. */
+        if (r->cancelled) ew_abort(g.worker, r->id);
+        else if (g.model.mirror && ev->path != KVT_PATH_DEVICE)
+            ew_admit_ex(g.worker, r->id, ev->first_token, copy_in, r);
         else ew_admit(g.worker, r->id, ev->first_token);
+        svc_metrics_kv_path(g.metrics, kvt_path_name(ev->path));
         kvt_recv_release(g.pool, r->id);
     } else if (ev->type == KVT_EV_RECV_FAILED) {
         pthread_mutex_lock(&r->mu);
@@ -265,16 +371,20 @@ static void on_kvt_event(void *arg, const kvt_event *ev)
             snprintf(r->err_msg, sizeof r->err_msg, "KV transfer failed: %.400s", ev->detail);
         }
         pthread_mutex_unlock(&r->mu);
-        ew_abort(g.worker, r->id);
+        ew_abort(g.worker, r->id); /* the blocks are no longer written: the engine frees them */
     }
     dreq_unref(r);
 }
 
-static void do_release(kvt_ctx *ctx, void *arg)
+/* The call was cancelled (kvt thread; carries a reference). */
+static void do_cancel(kvt_ctx *ctx, void *arg)
 {
     (void)ctx;
     dreq *r = arg;
-    kvt_recv_release(g.pool, r->id); /* unknown ids are fine */
+    r->cancelled = true;
+    /* With a reservation in kvt, its RECV_FAILED follows and aborts; without one (not yet,
+     * or no more) the engine aborts now. */
+    if (!r->kv_expected || kvt_recv_cancel(g.pool, r->id) != 0) ew_abort(g.worker, r->id);
     dreq_unref(r);
 }
 
@@ -294,7 +404,7 @@ static void on_reserved(void *user, const int32_t *ids, int32_t n)
         r->n_blocks = n;
     }
     if (!j) {
-        ew_abort(g.worker, r->id);
+        ew_abort(g.worker, r->id); /* nothing in kvt yet: the engine may free the blocks */
         return;
     }
     j->r = r;
@@ -312,9 +422,15 @@ static void on_cancel(rpc_call *call, void *user)
 {
     (void)call;
     dreq *r = user;
-    ew_abort(g.worker, r->id);
+    if (r->local_prefill) { /* no kvtransfer reservation: the engine aborts at once */
+        ew_abort(g.worker, r->id);
+        return;
+    }
     atomic_fetch_add(&r->refs, 1);
-    if (svc_kvt_post(g.kvt, do_release, r) < 0) dreq_unref(r);
+    if (svc_kvt_post(g.kvt, do_cancel, r) < 0) { /* shutting down */
+        ew_abort(g.worker, r->id);
+        dreq_unref(r);
+    }
 }
 
 static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *user)
@@ -324,15 +440,27 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
     char err[PD_ERR_LEN];
     eng_request er;
     memset(&er, 0, sizeof er);
+    if (atomic_load(&g.inst.failed)) { /* a broken engine takes no new work */
+        rpc_stream_finish(call, RPC_STATUS_UNAVAILABLE, "this instance's engine failed; it "
+                          "reports NOT_SERVING until restarted");
+        return;
+    }
     if (q->n_prompt_token_ids == 0) {
         rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "prompt_token_ids is empty");
         return;
     }
-    if (q->n_prompt_token_ids > (size_t)g.model.cfg.max_position) {
+    if (q->n_prompt_token_ids >= (size_t)g.model.cfg.max_position) {
         rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "the prompt has %zu tokens; the "
                           "maximum length is %d", q->n_prompt_token_ids, g.model.cfg.max_position);
         return;
     }
+    for (size_t i = 0; i < q->n_prompt_token_ids; i++)
+        if (q->prompt_token_ids[i] >= (uint32_t)g.model.cfg.vocab_size) {
+            rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "prompt_token_ids[%zu] = %u is "
+                              "out of range [0, %d)", i, q->prompt_token_ids[i],
+                              g.model.cfg.vocab_size);
+            return;
+        }
     if (svc_sampling_from_proto(q->sampling, &er.sampling, err) < 0 ||
         svc_stopping_from_proto(q->stopping, (int32_t)g.default_max_tokens, &er.stop, err) < 0) {
         rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
@@ -346,18 +474,31 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
         rpc_stream_finish(call, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         return;
     }
-    for (size_t i = 0; i < q->n_prompt_token_ids; i++) {
-        uint32_t t = q->prompt_token_ids[i];
-        prompt[i] = t > (uint32_t)INT32_MAX ? -1 : (int32_t)t;
-    }
-    atomic_init(&r->refs, 1); /* the engine's reference */
+    for (size_t i = 0; i < q->n_prompt_token_ids; i++) prompt[i] = (int32_t)q->prompt_token_ids[i];
+    atomic_init(&r->refs, 2); /* the engine's reference + this handler's */
     pthread_mutex_init(&r->mu, NULL);
     r->id = atomic_fetch_add(&g.next_id, 1);
     r->call = call;
+    rpc_call_ref(call);
     r->n_prompt = (int32_t)q->n_prompt_token_ids;
     r->local_prefill = q->local_prefill || g.colocated;
     r->want_logprobs = q->logprobs > 0;
-    rpc_call_ref(call);
+    if (!r->local_prefill) {
+        /* Admission: reservations hold blocks until a prefill instance fills them, so each
+         * caller gets a bounded share of the pool (the prompt's blocks and the first token). */
+        char host[64] = "?";
+        rpc_call_peer(call, host, sizeof host);
+        int32_t bs = g.model.ep.block_size;
+        if (resv_take(r, host, (r->n_prompt + 1 + bs - 1) / bs, err) < 0) {
+            pd_metric_add(g.m_resv_refused, 1);
+            PD_LOGD("decode request %s from %s refused: %s", q->request_id, host, err);
+            finish_call(r, RPC_STATUS_RESOURCE_EXHAUSTED, err);
+            free(prompt);
+            dreq_unref(r);
+            dreq_unref(r);
+            return;
+        }
+    }
     er.id = r->id;
     er.prompt = prompt;
     er.n_prompt = r->n_prompt;
@@ -368,11 +509,25 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
     if (rc < 0) {
         finish_call(r, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         dreq_unref(r);
+        dreq_unref(r);
         return;
     }
-    rpc_call_set_cancel_cb(call, on_cancel, r);
+    /* r is alive here (this handler's reference) even if the engine already finished it. */
     PD_LOGD("decode request %s -> %llu (%d prompt tokens%s)", q->request_id,
             (unsigned long long)r->id, r->n_prompt, r->local_prefill ? ", local prefill" : "");
+    rpc_call_set_cancel_cb(call, on_cancel, r);
+    dreq_unref(r);
+}
+
+/* Scrape time: the reservations waiting for KV. */
+static pd_metric *g_m_resv_blocks, *g_m_resv_n;
+
+static void collect(pd_metrics *m, void *arg)
+{
+    (void)m;
+    (void)arg;
+    pd_metric_set(g_m_resv_blocks, (double)atomic_load(&g.inst.reserved_blocks));
+    pd_metric_set(g_m_resv_n, (double)atomic_load(&g.inst.reservations));
 }
 
 /* ---- setup ---- */
@@ -399,12 +554,23 @@ int main(int argc, char **argv)
     svc_server_flags_init(&sf, "0.0.0.0:50061");
     int64_t metrics_port = -1;
     bool colocated = false;
-    pd_flag flags[32];
+    pd_flag flags[48];
     int n = 0;
     svc_model_flags_add(&mf, flags, &n);
     svc_server_flags_add(&sf, flags, &n, "decode");
     flags[n++] = (pd_flag){"colocated", PD_FLAG_BOOL, &colocated,
                            "compute prompts here too (no prefill instance)", 1, 0};
+    double resv_share = 0.9, resv_share_caller = 0.5;
+    int64_t resv_timeout_ms = 60000;
+    flags[n++] = (pd_flag){"max-reserved-share", PD_FLAG_DOUBLE, &resv_share,
+                           "share of the KV pool that reservations waiting for their KV may hold "
+                           "(more: RESOURCE_EXHAUSTED, the router tries elsewhere)", 0.01, 1};
+    flags[n++] = (pd_flag){"max-reserved-share-per-caller", PD_FLAG_DOUBLE, &resv_share_caller,
+                           "the same for one caller (peer host), so that no caller of the internal "
+                           "port can take the pool", 0.01, 1};
+    flags[n++] = (pd_flag){"reservation-timeout-ms", PD_FLAG_INT, &resv_timeout_ms,
+                           "a reservation whose KV has not started arriving by then is released "
+                           "(0 = never)", 0, 86400000};
     svc_metrics_flag_add(&metrics_port, flags, &n);
     int prc = pd_flags_parse(flags, n, argc, argv, "pdserve-decode",
                              "The decode instance of pdserve: receives KV from prefill instances "
@@ -419,6 +585,10 @@ int main(int argc, char **argv)
     int status = 1;
     g.colocated = colocated;
     g.default_max_tokens = sf.default_max_tokens;
+    g.resv_share = resv_share;
+    g.resv_share_caller = resv_share_caller;
+    g.resv_timeout_ms = resv_timeout_ms;
+    pthread_mutex_init(&g.resv_mu, NULL);
     atomic_init(&g.next_id, 1);
     svc_metrics_params mp = {colocated ? "colocated" : "decode", "recv", listen, metrics_port};
     if (svc_metrics_create(&mp, &g.metrics, err) < 0) {
@@ -431,7 +601,19 @@ int main(int argc, char **argv)
     }
     /* Decode-only requests come through reservations, colocated ones as plain requests (a
      * local prefill is an ordinary admission). */
-    ew_callbacks cb = {on_output, on_error, on_reserved, svc_metrics_on_step, g.metrics};
+    pd_metrics *reg = svc_metrics_registry(g.metrics);
+    g.m_resv_refused = pd_metrics_counter(reg, "pdserve_kv_reservations_refused_total", NULL,
+                                          "Decode reservations refused by the reservation limits "
+                                          "(--max-reserved-share, --max-reserved-share-per-caller)");
+    g_m_resv_blocks = pd_metrics_gauge(reg, "pdserve_kv_reserved_blocks", NULL,
+                                       "KV blocks held by reservations waiting for their KV");
+    g_m_resv_n = pd_metrics_gauge(reg, "pdserve_kv_reservations", NULL,
+                                  "reservations waiting for their KV");
+    svc_metrics_set_collector(g.metrics, collect, NULL);
+    g.inst.metrics = g.metrics;
+    ew_callbacks cb = {.on_output = on_output, .on_error = on_error, .on_reserved = on_reserved,
+                       .on_step = svc_instance_on_step,
+                       .on_step_failed = svc_instance_on_step_failed, .step_arg = &g.inst};
     if (svc_engine_start(&g.model, colocated ? ENG_MODE_COLOCATED : ENG_MODE_DECODE, NULL, &cb,
                          &g.worker, err) < 0 ||
         svc_kvt_start("decode", on_kvt_event, NULL, &g.model, &g.kvt, &g.pool, err) < 0) {

@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "common/error.h"
+#include "common/random.h"
 
 /* Open-addressing map from request id to sequence, grown by doubling. */
 typedef struct {
@@ -25,7 +26,6 @@ struct eng {
     sched *sch;
     id_map map;
     smp_scratch *scratch;
-    uint64_t seed_counter;
     /* per-step buffers */
     int32_t *ids, *pos, *slots, *cu_q, *ctx, *bt, *rows;
     pd_seq **row_seq;
@@ -401,10 +401,9 @@ static int seq_new(eng *e, const eng_request *r, pd_seq **out, char *err)
     s->sampling = r->sampling;
     if (!s->sampling.has_seed) {
         /* Unseeded requests still draw from a per-request stream, so that batch company and
-         * preemption never change their tokens. */
-        uint64_t z = (e->seed_counter += 0x9e3779b97f4a7c15ull) ^ (uint64_t)time(NULL);
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        s->sampling.seed = z ^ (z >> 31);
+         * preemption never change their tokens; its seed comes from the OS-seeded process
+         * stream, so that runs and processes differ (the clock's second did not). */
+        s->sampling.seed = pd_random_u64();
         s->sampling.has_seed = true;
     }
     s->stop = r->stop;

@@ -2,8 +2,10 @@
  * computes RoPE inverse frequencies (same formulas as transformers' rope init functions). */
 #include "engine/model_config.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -21,6 +23,11 @@ static const struct {
     {"Qwen3ForCausalLM", MC_ARCH_QWEN3, "qwen3"},
 };
 #define N_ARCHS ((int)(sizeof k_archs / sizeof k_archs[0]))
+
+/* Size limits of check_sizes (powers of two far above the largest released models). */
+#define MC_MAX_WIDTH (1 << 24)   /* hidden, MLP and attention widths, vocabulary */
+#define MC_MAX_LAYERS (1 << 16)
+#define MC_MAX_PARAMS 0x1p48
 
 static int parse_arch(const json_t *root, mc_config *c, const char *path, char *err)
 {
@@ -112,9 +119,10 @@ static int parse_rope_obj(const json_t *o, mc_config *c, const char *path, char 
         if ((rc = pd_json_get_double(o, "low_freq_factor", &c->rope_low_freq_factor, path, err)) < 0 ||
             (rc = pd_json_get_double(o, "high_freq_factor", &c->rope_high_freq_factor, path, err)) < 0)
             return rc;
-        if (c->rope_high_freq_factor <= c->rope_low_freq_factor)
+        if (!(c->rope_low_freq_factor > 0) ||
+            c->rope_high_freq_factor <= c->rope_low_freq_factor)
             return pd_errf(err, PD_EFORMAT, "%s: llama3 rope needs high_freq_factor > "
-                           "low_freq_factor", path);
+                           "low_freq_factor > 0", path);
     } else if (strcmp(type, "yarn") == 0) {
         c->rope_type = MC_ROPE_YARN;
         double af = -1;
@@ -122,6 +130,10 @@ static int parse_rope_obj(const json_t *o, mc_config *c, const char *path, char 
             (rc = pd_json_get_double(o, "beta_slow", &c->rope_beta_slow, path, err)) < 0 ||
             (rc = pd_json_get_double(o, "attention_factor", &af, path, err)) < 0)
             return rc;
+        /* the correction range takes log(max_pos / (beta * 2 pi)): betas must be positive */
+        if (!(c->rope_beta_fast > 0) || !(c->rope_beta_slow > 0))
+            return pd_errf(err, PD_EFORMAT, "%s: yarn rope needs beta_fast and beta_slow > 0",
+                           path);
         if (af > 0) c->rope_attn_factor = af;
         else c->rope_attn_factor = c->rope_factor > 1 ? 0.1 * log(c->rope_factor) + 1.0 : 1.0;
     } else {
@@ -131,8 +143,14 @@ static int parse_rope_obj(const json_t *o, mc_config *c, const char *path, char 
     int32_t omp = c->rope_orig_max_position;
     if ((rc = pd_json_get_i32(o, "original_max_position_embeddings", &omp, path, err)) < 0) return rc;
     c->rope_orig_max_position = omp;
-    if (c->rope_type != MC_ROPE_DEFAULT && !(c->rope_factor > 0))
-        return pd_errf(err, PD_EFORMAT, "%s: rope \"factor\" must be > 0", path);
+    if (c->rope_orig_max_position <= 0)
+        return pd_errf(err, PD_EFORMAT, "%s: rope original_max_position_embeddings must be > 0",
+                       path);
+    /* A factor below 1 would shrink the context and, near 0, turn frequencies infinite
+     * (transformers warns about it too). */
+    if (c->rope_type != MC_ROPE_DEFAULT && !(c->rope_factor >= 1))
+        return pd_errf(err, PD_EFORMAT, "%s: rope \"factor\" must be >= 1 (got %g)", path,
+                       c->rope_factor);
     return 0;
 }
 
@@ -166,8 +184,11 @@ static int parse_rope(const json_t *root, mc_config *c, const char *path, char *
             if ((rc = parse_rope_obj(rs, c, path, err)) < 0) return rc;
         }
     }
-    if (!(c->rope_theta > 0))
-        return pd_errf(err, PD_EFORMAT, "%s: \"rope_theta\" must be > 0", path);
+    /* frequencies are theta^(-2i/d): theta <= 1 gives none that fall, and yarn divides by
+     * log(theta) */
+    if (!(c->rope_theta > 1))
+        return pd_errf(err, PD_EFORMAT, "%s: \"rope_theta\" must be > 1 (got %g)", path,
+                       c->rope_theta);
     double partial = 1.0;
     if ((rc = pd_json_get_double(root, "partial_rotary_factor", &partial, path, err)) < 0) return rc;
     if (partial != 1.0)
@@ -204,6 +225,39 @@ static int parse_ids(const json_t *root, const char *key, int32_t *ids, int max,
     return n;
 }
 
+/* Rejects shapes far beyond any real model, so that the engine's size arithmetic (int32
+ * widths, int64 element and parameter counts) cannot overflow: every width at most
+ * MC_MAX_WIDTH, at most MC_MAX_LAYERS layers, at most MC_MAX_PARAMS parameters. */
+static int check_sizes(const mc_config *c, const char *path, char *err)
+{
+    const struct {
+        const char *what;
+        int64_t v;
+    } widths[] = {
+        {"hidden_size", c->hidden_size},
+        {"intermediate_size", c->intermediate_size},
+        {"vocab_size", c->vocab_size},
+        {"num_attention_heads * head_dim", (int64_t)c->n_heads * c->head_dim},
+    };
+    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
+        if (widths[i].v > MC_MAX_WIDTH)
+            return pd_errf(err, PD_EFORMAT, "%s: %s = %lld is larger than %d", path,
+                           widths[i].what, (long long)widths[i].v, MC_MAX_WIDTH);
+    if (c->n_layers > MC_MAX_LAYERS)
+        return pd_errf(err, PD_EFORMAT, "%s: num_hidden_layers = %d is larger than %d", path,
+                       c->n_layers, MC_MAX_LAYERS);
+    /* an upper bound of mc_param_count, in double so that it cannot overflow */
+    double h = c->hidden_size, hd = c->head_dim;
+    double per_layer = h * ((double)c->n_heads + 2.0 * c->n_kv_heads) * hd +
+                       (double)c->n_heads * hd * h + 3.0 * h * c->intermediate_size + 4.0 * h +
+                       2.0 * hd;
+    double params = c->n_layers * per_layer + 2.0 * c->vocab_size * h + h;
+    if (params > MC_MAX_PARAMS)
+        return pd_errf(err, PD_EFORMAT, "%s: the sizes give %.3g parameters, more than %.3g",
+                       path, params, MC_MAX_PARAMS);
+    return 0;
+}
+
 static int parse_config(const json_t *root, mc_config *c, const char *path, char *err)
 {
     int rc;
@@ -232,6 +286,7 @@ static int parse_config(const json_t *root, mc_config *c, const char *path, char
     if (c->head_dim <= 0 || c->head_dim % 2 != 0)
         return pd_errf(err, PD_EFORMAT, "%s: head_dim must be a positive even number (got %d)",
                        path, c->head_dim);
+    if ((rc = check_sizes(c, path, err)) < 0) return rc;
     c->max_position = 2048;
     if ((rc = pd_json_get_i32(root, "max_position_embeddings", &c->max_position, path, err)) < 0)
         return rc;
@@ -287,38 +342,121 @@ static int parse_config(const json_t *root, mc_config *c, const char *path, char
     return 0;
 }
 
-int mc_load(const char *dir, mc_config *out, char *err)
+/* Parses len bytes of JSON text into a new reference in *root (caller frees with
+ * json_decref). what names the file in messages. Returns 0 or PD_EFORMAT. */
+static int parse_text(const char *json, size_t len, const char *what, json_t **root, char *err)
+{
+    json_error_t je;
+    *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!*root)
+        return pd_errf(err, PD_EFORMAT, "%s: malformed JSON at line %d column %d: %s", what,
+                       je.line, je.column, je.text);
+    return 0;
+}
+
+/* Reads the whole file at path into *data (caller frees with free()) and *len. Returns 0,
+ * PD_EIO or PD_ENOMEM. */
+static int read_text(const char *path, char **data, size_t *len, char *err)
+{
+    *data = NULL;
+    *len = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return pd_errf(err, PD_EIO, "cannot open %s: %s", path, strerror(errno));
+    size_t cap = 0, n = 0;
+    char *buf = NULL;
+    for (;;) {
+        if (cap - n < 4096) {
+            size_t ncap = cap ? cap * 2 : 65536;
+            char *b = realloc(buf, ncap);
+            if (!b) {
+                free(buf);
+                fclose(f);
+                return pd_errf(err, PD_ENOMEM, "out of memory reading %s", path);
+            }
+            buf = b;
+            cap = ncap;
+        }
+        size_t got = fread(buf + n, 1, cap - n, f);
+        n += got;
+        if (got == 0) break;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (bad) {
+        free(buf);
+        return pd_errf(err, PD_EIO, "cannot read %s", path);
+    }
+    *data = buf;
+    *len = n;
+    return 0;
+}
+
+static int parse_config_text(const char *json, size_t len, mc_config *out, const char *what,
+                             char *err)
 {
     memset(out, 0, sizeof *out);
-    char path[4096];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    json_t *root = NULL;
-    int rc = pd_json_load_file(path, &root, err);
+    json_t *root;
+    int rc = parse_text(json, len, what, &root, err);
     if (rc < 0) return rc;
-    rc = parse_config(root, out, path, err);
+    rc = parse_config(root, out, what, err);
     json_decref(root);
-    if (rc < 0) return rc;
+    return rc;
+}
 
-    snprintf(path, sizeof path, "%s/generation_config.json", dir);
-    struct stat st;
-    if (stat(path, &st) != 0) return 0; /* optional */
-    if ((rc = pd_json_load_file(path, &root, err)) < 0) return rc;
+static int parse_generation_text(const char *json, size_t len, mc_config *out, const char *what,
+                                 char *err)
+{
+    json_t *root;
+    int rc = parse_text(json, len, what, &root, err);
+    if (rc < 0) return rc;
     if (!json_is_object(root)) {
         json_decref(root);
-        return pd_errf(err, PD_EFORMAT, "%s: not a JSON object", path);
+        return pd_errf(err, PD_EFORMAT, "%s: not a JSON object", what);
     }
     int32_t ids[MC_MAX_EOS];
-    rc = parse_ids(root, "eos_token_id", ids, MC_MAX_EOS, path, err);
+    rc = parse_ids(root, "eos_token_id", ids, MC_MAX_EOS, what, err);
     if (rc > 0) {
         memcpy(out->eos_token_ids, ids, (size_t)rc * sizeof ids[0]);
         out->n_eos = rc;
     }
     if (rc >= 0) {
-        int r2 = pd_json_get_i32(root, "bos_token_id", &out->bos_token_id, path, err);
+        int r2 = pd_json_get_i32(root, "bos_token_id", &out->bos_token_id, what, err);
         if (r2 < 0) rc = r2;
     }
     json_decref(root);
     return rc < 0 ? rc : 0;
+}
+
+int mc_parse_json(const char *json, size_t len, mc_config *out, char *err)
+{
+    return parse_config_text(json, len, out, "config.json", err);
+}
+
+int mc_parse_generation_json(const char *json, size_t len, mc_config *cfg, char *err)
+{
+    return parse_generation_text(json, len, cfg, "generation_config.json", err);
+}
+
+int mc_load(const char *dir, mc_config *out, char *err)
+{
+    memset(out, 0, sizeof *out);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    char *text;
+    size_t len;
+    int rc = read_text(path, &text, &len, err);
+    if (rc < 0) return rc;
+    rc = parse_config_text(text, len, out, path, err);
+    free(text);
+    if (rc < 0) return rc;
+
+    snprintf(path, sizeof path, "%s/generation_config.json", dir);
+    struct stat st;
+    if (stat(path, &st) != 0) return 0; /* optional */
+    if ((rc = read_text(path, &text, &len, err)) < 0) return rc;
+    rc = parse_generation_text(text, len, out, path, err);
+    free(text);
+    return rc;
 }
 
 static double yarn_correction_dim(double n_rot, int dim, double base, double max_pos)
@@ -382,7 +520,7 @@ bool mc_is_eos(const mc_config *c, int32_t tok)
 int64_t mc_param_count(const mc_config *c)
 {
     int64_t h = c->hidden_size, hd = c->head_dim;
-    int64_t qkv = (int64_t)(c->n_heads + 2 * c->n_kv_heads) * hd;
+    int64_t qkv = ((int64_t)c->n_heads + 2 * (int64_t)c->n_kv_heads) * hd;
     int64_t per_layer = h * qkv + (int64_t)c->n_heads * hd * h + 3 * h * c->intermediate_size + 2 * h;
     if (c->qkv_bias) per_layer += qkv;
     if (c->o_bias) per_layer += h;

@@ -6,6 +6,7 @@
 #define PD_MODEL_CONFIG_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "common/dtype.h"
@@ -62,10 +63,24 @@ typedef struct {
 } mc_config;
 
 /* Reads dir/config.json and, if present, dir/generation_config.json. Returns 0, PD_EIO (no
- * config.json), PD_EFORMAT (malformed JSON, missing or mistyped key, inconsistent sizes),
+ * config.json), PD_EFORMAT (malformed JSON, missing or mistyped key, inconsistent sizes, sizes
+ * beyond any real model: a width (hidden, intermediate, vocabulary, heads * head_dim) over
+ * 2^24, more than 2^16 layers or 2^48 parameters; RoPE settings that give no usable
+ * frequencies: rope_theta <= 1, a scaling factor < 1, non-positive yarn betas, llama3
+ * low_freq_factor or original_max_position_embeddings),
  * PD_EUNSUPPORTED (architecture, activation, rope type, sliding-window mode, MLP bias not
  * supported). err names the file and key. */
 int mc_load(const char *dir, mc_config *out, char *err);
+
+/* Parses config.json text held in memory (json, len bytes; not kept) into *out, with mc_load's
+ * checks and errors (err names "config.json" and the key). mc_load reads the file and calls
+ * this. Returns 0, PD_EFORMAT or PD_EUNSUPPORTED. */
+int mc_parse_json(const char *json, size_t len, mc_config *out, char *err);
+
+/* Applies generation_config.json text held in memory (len bytes; not kept) to a parsed *cfg:
+ * its eos_token_id (an id or a list) replaces cfg's stop ids, its bos_token_id cfg's. Returns 0
+ * or PD_EFORMAT (malformed JSON, not an object, mistyped key). */
+int mc_parse_generation_json(const char *json, size_t len, mc_config *cfg, char *err);
 
 /* Fills inv_freq[head_dim / 2] with the rotary inverse frequencies of cfg's RoPE settings
  * (scaling applied) and returns the cos/sin multiplier (YaRN attention factor, else 1). */

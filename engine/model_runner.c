@@ -561,10 +561,9 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
         aa.k_cache = r->k_cache[l];
         aa.v_cache = r->v_cache[l];
         CALL(attention(x, &aa));
-        if (r->layer_fn) { /* this layer's KV is stored: a transfer may take it now */
-            CALL(o->sync(x));
-            r->layer_fn(r->layer_arg, l);
-        }
+        if (r->layer_fn) /* this layer's KV store is queued: a transfer may take it now */
+            r->layer_fn(r->layer_arg, l); /* (on the engine thread: it copies after the store
+                                           * on the same stream, or records an event) */
         lo.w = w->o_proj;
         lo.bias = w->o_bias;
         CALL(o->linear_fused(x, &lo));

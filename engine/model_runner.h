@@ -101,9 +101,11 @@ int mr_collect(mr *r, char *err);
 int32_t mr_n_graphs(const mr *r);
 int64_t mr_graph_steps(const mr *r);
 
-/* Called during a forward after layer `layer` stored every token's K and V (the backend is
- * synchronized first, so the KV cache memory of that layer is final for those tokens). Set
- * with mr_set_layer_hook; NULL fn removes it. Runs on the forward's thread. */
+/* Called during a forward after layer `layer`'s store of every token's K and V was queued on
+ * the backend (not synchronized: the hook orders its use after the store, by an op on the
+ * same stream such as kv_blocks_copy, which waits for it, or by event_record for a copy on
+ * another stream). Set with mr_set_layer_hook; NULL fn removes it. Runs on the forward's
+ * thread. */
 typedef void (*mr_layer_fn)(void *arg, int32_t layer);
 void mr_set_layer_hook(mr *r, mr_layer_fn fn, void *arg);
 

@@ -22,8 +22,9 @@
 
 typedef struct {
     char *path;         /* owned; st_tensor.file points here */
-    const uint8_t *map; /* the whole file, PROT_READ, MAP_PRIVATE */
+    const uint8_t *map; /* the whole file, PROT_READ, MAP_PRIVATE (or a borrowed buffer) */
     size_t size;        /* bytes mapped (the file size, >= 8) */
+    bool borrowed;      /* map is the caller's buffer (st_open_buffer): not unmapped */
 } st_file;
 
 struct st_model {
@@ -313,6 +314,36 @@ static int st__build_index(st_model *m, char *err)
     return 0;
 }
 
+int st_open_buffer(const void *data, size_t size, const char *name, st_model **out, char *err)
+{
+    *out = NULL;
+    if (size < 8)
+        return pd_errf(err, PD_EFORMAT, "%s is truncated: %zu bytes, less than the 8-byte header "
+                       "length", name, size);
+    st_model *m = calloc(1, sizeof *m);
+    char *copy = strdup(name);
+    st_file *files = malloc(sizeof *files);
+    int rc;
+    if (!m || !copy || !files) {
+        free(m);
+        free(copy);
+        free(files);
+        return pd_errf(err, PD_ENOMEM, "out of memory opening %s", name);
+    }
+    files[0] = (st_file){.path = copy, .map = data, .size = size, .borrowed = true};
+    m->files = files;
+    m->n_files = m->cap_files = 1;
+    rc = st__parse(m, 0, err);
+    if (rc) goto fail;
+    rc = st__build_index(m, err);
+    if (rc) goto fail;
+    *out = m;
+    return 0;
+fail:
+    st_close(m);
+    return rc;
+}
+
 int st_open_file(const char *path, st_model **out, char *err)
 {
     *out = NULL;
@@ -430,7 +461,7 @@ void st_close(st_model *m)
     if (!m) return;
     for (int32_t i = 0; i < m->n_tensors; i++) free((char *)m->tensors[i].name);
     for (int32_t i = 0; i < m->n_files; i++) {
-        munmap((void *)m->files[i].map, m->files[i].size);
+        if (!m->files[i].borrowed) munmap((void *)m->files[i].map, m->files[i].size);
         free(m->files[i].path);
     }
     free(m->tensors);

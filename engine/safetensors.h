@@ -33,6 +33,13 @@ typedef struct st_model st_model; /* opaque */
 int st_open(const char *dir, st_model **out, char *err);
 /* Opens one .safetensors file. Same errors as st_open. */
 int st_open_file(const char *path, st_model **out, char *err);
+/* Parses a whole .safetensors file held in memory: size bytes at data (borrowed; must outlive
+ * the model, tensors point into it), the 8-byte little-endian header length, the JSON header
+ * and the data section. name stands for the file in messages and in st_tensor.file. Every
+ * tensor's dtype, shape and offsets are checked against the data section as st_open_file
+ * does (which maps the file and parses it with the same code). Same errors as st_open_file
+ * but PD_EIO. Close with st_close. */
+int st_open_buffer(const void *data, size_t size, const char *name, st_model **out, char *err);
 void st_close(st_model *m); /* NULL is a no-op */
 
 /* Returns the tensor called name, or NULL. Borrowed; valid until st_close. */

@@ -34,7 +34,8 @@ typedef struct tok_stream tok_stream;       /* opaque, one per decoding sequence
 
 /* Loads dir/tokenizer.json and, when present, dir/tokenizer_config.json. Returns 0 and a new
  * tokenizer in *out (free with tok_destroy); PD_EIO if tokenizer.json cannot be read,
- * PD_EFORMAT if it is malformed or truncated (err names the file and the position or key),
+ * PD_EFORMAT if it is malformed or truncated (err names the file and the position or key) or
+ * gives a token an id of 2^24 or more,
  * PD_EUNSUPPORTED if it uses a component listed above as unsupported (err names it),
  * PD_ENOMEM. On error *out is NULL. */
 int tok_load(const char *dir, tok_tokenizer **out, char *err);

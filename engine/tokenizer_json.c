@@ -166,6 +166,8 @@ static int walk_object(const char *s, size_t len, size_t *pos, member_fn visit, 
         i = skip_ws(s, len, i);
         if (i >= len || s[i] != ':') return syntax(s, i, "expected ':'", err);
         i = skip_ws(s, len, i + 1);
+        /* visitors look at the value's first byte before skipping it */
+        if (i >= len) return syntax(s, len, "unexpected end of input", err);
         if ((rc = visit(ctx, s + k + 1, i - k, &i, err))) return rc;
         i = skip_ws(s, len, i);
         if (i < len && s[i] == ',') {

@@ -25,12 +25,16 @@ typedef struct {
     int64_t max_id;
 } vocab_tmp;
 
+/* Ids at or above this are refused: the per-id tables are sized by the largest id, so one
+ * token with id 10^9 would cost gigabytes (the largest real vocabularies are near 2^18). */
+#define TOK_MAX_ID (1 << 24)
+
 static int vocab_add(void *ctx, const char *key, size_t len, int64_t id, char *err)
 {
     vocab_tmp *v = ctx;
-    if (id >= INT32_MAX / 2)
-        return ERR_FORMAT("model.vocab: bad id for token \"%.*s\"", (int)(len > 100 ? 100 : len),
-                          key);
+    if (id >= TOK_MAX_ID)
+        return ERR_FORMAT("model.vocab: id %lld of token \"%.*s\" is not below %d",
+                          (long long)id, (int)(len > 100 ? 100 : len), key, TOK_MAX_ID);
     if (v->arena.len + len >= UINT32_MAX / 2) return ERR_UNSUPPORTED("model.vocab: too large");
     if (v->n == v->cap) {
         size_t cap = v->cap ? v->cap * 2 : 1024;

@@ -41,6 +41,7 @@ struct ew {
     bool stop;
     user_map users;       /* engine thread only */
     ew_load load;         /* guarded by mu */
+    int64_t n_step_failures; /* guarded by mu */
 };
 
 static uint32_t um_slot(uint64_t k, uint32_t mask)
@@ -274,6 +275,7 @@ static void publish_load(ew *w)
     l.stats = *eng_stats_get(w->e);
     l.queued_prompt_tokens = eng_queued_prompt_tokens(w->e);
     pthread_mutex_lock(&w->mu);
+    l.n_step_failures = w->n_step_failures;
     w->load = l;
     pthread_mutex_unlock(&w->mu);
 }
@@ -308,11 +310,24 @@ static void *loop(void *arg)
         int rc = eng_step(w->e, &outs, &n, err);
         if (w->cb.on_step && st->steps > steps0)
             w->cb.on_step(w->cb.step_arg, now_s() - t0, (int32_t)(st->batch_seqs_sum - seqs0));
-        if (rc < 0) PD_LOGE("engine step failed: %s", err);
+        char fail_msg[PD_ERR_LEN + 32] = "";
+        if (rc < 0) {
+            PD_LOGE("engine step failed: %s", err);
+            snprintf(fail_msg, sizeof fail_msg, "the engine failed a step: %s", err);
+            pthread_mutex_lock(&w->mu);
+            w->n_step_failures++;
+            pthread_mutex_unlock(&w->mu);
+            if (w->cb.on_step_failed) w->cb.on_step_failed(w->cb.step_arg, err);
+        }
         for (int32_t i = 0; i < n; i++) {
             int32_t f = um_find(&w->users, outs[i].id);
             if (f < 0) continue;
             void *user = w->users.vals[f];
+            if (rc < 0 && outs[i].finish == SEQ_FINISH_ABORTED) {
+                /* Lost with the failed step: an error, not a cancellation. */
+                fail(w, outs[i].id, user, PD_EBACKEND, fail_msg);
+                continue;
+            }
             /* PREFILLED is terminal too: the blocks stay until ew_release, which finds the
              * request by id in the engine. */
             if (outs[i].finish != SEQ_FINISH_NONE) um_del(&w->users, outs[i].id);

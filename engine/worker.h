@@ -26,6 +26,11 @@ typedef struct {
      * (eng_step as a whole) and the number of sequences in its batch. Runs on the engine
      * thread; step_arg is passed through. */
     void (*on_step)(void *step_arg, double seconds, int32_t n_seqs);
+    /* Optional: a step failed (msg says why); the requests it carried get on_error with
+     * PD_EBACKEND (not a cancellation). A failed step usually means a broken device (a sticky
+     * CUDA error): services mark themselves unhealthy. Runs on the engine thread with
+     * step_arg. */
+    void (*on_step_failed)(void *step_arg, const char *msg);
     void *step_arg;
 } ew_callbacks;
 
@@ -36,6 +41,7 @@ typedef struct {
     int32_t n_free_blocks;
     int32_t n_blocks;
     int64_t queued_prompt_tokens; /* prompt tokens submitted but not yet computed */
+    int64_t n_step_failures;      /* engine steps that failed since start */
     eng_stats stats;
 } ew_load;
 

@@ -283,7 +283,49 @@ typedef struct pd_backend_ops {
     int (*graph_end)(void *ctx, void **graph);
     int (*graph_launch)(void *ctx, void *graph);
     void (*graph_destroy)(void *ctx, void *graph); /* NULL is a no-op */
+
+    /* ---- KV blocks device to device between processes (kvtransfer's device path) ----
+     * Optional, all or none (NULL = not offered, as on the CPU). The export / open pair maps
+     * one process's allocation into another's address space (CUDA IPC); the copy queue moves
+     * blocks into it on a stream of its own, ordered after an event recorded on the compute
+     * stream, so that no thread waits: the engine thread records, the transfer thread
+     * queues copies and polls their completion. Only event_record runs on the engine thread;
+     * the others may run on any one other thread (they touch nothing the ops above use). */
+    /* Exports the allocation p (the base of an alloc of this backend): writes
+     * PD_DEV_EXPORT_BYTES opaque bytes into export_bytes and the device's PCI bus id
+     * ("0000:3b:00.0", NUL-terminated) into bus_id[PD_BUS_ID_LEN]. Returns 0, PD_EINVAL,
+     * PD_EBACKEND. */
+    int (*dev_export)(void *ctx, void *p, void *export_bytes, char *bus_id);
+    /* Maps a peer's export for copies from this backend's device: finds the device by bus_id,
+     * checks that this device can reach it and enables peer access in both directions (a
+     * copy without it is staged by the driver at a tenth of the link rate), then opens the
+     * mapping. *base receives the peer allocation's base in this process. Returns 0,
+     * PD_EUNSUPPORTED (the device is not visible here, or not reachable peer to peer: use
+     * another path; err says which), PD_EBACKEND. */
+    int (*dev_open)(void *ctx, const void *export_bytes, const char *bus_id, void **base,
+                    char *err);
+    void (*dev_close)(void *ctx, void *base); /* NULL is a no-op */
+    /* Records an event on the compute stream after everything queued so far (engine thread).
+     * *ev is released with event_release, from any thread. Returns 0, PD_ENOMEM, PD_EBACKEND. */
+    int (*event_record)(void *ctx, void **ev);
+    /* 1 when the work before ev has completed, 0 while it runs, PD_EBACKEND. */
+    int (*event_query)(void *ctx, void *ev);
+    void (*event_release)(void *ctx, void *ev); /* NULL is a no-op */
+    /* A copy queue (its own stream) for one transfer thread. */
+    int (*copyq_create)(void *ctx, void **q);
+    void (*copyq_destroy)(void *ctx, void *q); /* waits for its copies; NULL is a no-op */
+    /* On q: waits for after (NULL: nothing), then for each of the n_regions regions r and
+     * each i < n copies block_bytes from src[r] + src_ids[i] * block_bytes to dst[r] +
+     * dst_ids[i] * block_bytes (dst may be a dev_open mapping), then records an event into
+     * *done (released with event_release). ids are host memory, copied before it returns.
+     * Returns 0, PD_EINVAL, PD_ENOMEM, PD_EBACKEND. */
+    int (*copyq_blocks)(void *ctx, void *q, void *after, void *const *dst,
+                        const void *const *src, int32_t n_regions, const int32_t *dst_ids,
+                        const int32_t *src_ids, int32_t n, size_t block_bytes, void **done);
 } pd_backend_ops;
+
+#define PD_DEV_EXPORT_BYTES 64 /* an export's opaque bytes (a cudaIpcMemHandle_t) */
+#define PD_BUS_ID_LEN 32       /* a PCI bus id with its NUL */
 
 typedef struct pd_backend {
     const pd_backend_ops *ops;

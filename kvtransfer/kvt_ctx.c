@@ -44,6 +44,7 @@ const char *kvt_path_name(kvt_path p)
     case KVT_PATH_AUTO: return "auto";
     case KVT_PATH_PUT: return "put";
     case KVT_PATH_AM: return "am";
+    case KVT_PATH_DEVICE: return "device";
     }
     return "?";
 }
@@ -157,6 +158,17 @@ void kvt__op_complete(kvt_ctx *ctx, kvt__op *op, ucs_status_t status)
         }
         break;
     }
+    case KVT_OP_DEVICE: {
+        kvt_send *s = op->send;
+        s->inflight--;
+        if (status == UCS_OK) {
+            s->t_last = kvt__now_ns();
+            s->bytes_done += op->bytes;
+        } else if (s->state < KVT_SEND_ENDING) {
+            kvt__send_fail(s, PD_EBACKEND, true, "device copy failed");
+        }
+        break;
+    }
     case KVT_OP_RECV: {
         kvt__resv *r = op->resv;
         r->inflight--;
@@ -244,6 +256,7 @@ static int dispatch_events(kvt_ctx *ctx)
             if (s->status == 0) ev.first_token = s->first_token;
             ev.bytes = s->bytes_done;
             ev.elapsed_ns = s->t_end - s->t_begin;
+            ev.path = s->path;
             snprintf(detail, sizeof detail, "%s", s->detail);
             if (s->status == 0) ctx->st.sends_done++, ctx->st.bytes_sent += s->bytes_done;
             else ctx->st.sends_failed++;
@@ -257,6 +270,7 @@ static int dispatch_events(kvt_ctx *ctx)
             ev.n_blocks = r->n;
             ev.bytes = r->bytes_expected;
             ev.elapsed_ns = r->t_start ? kvt__now_ns() - r->t_start : 0;
+            ev.path = (kvt_path)r->path;
             snprintf(detail, sizeof detail, "%s", r->detail);
             if (q->type == KVT_EV_RECV_DONE) {
                 ev.first_token = r->done.first_token;
@@ -307,6 +321,7 @@ int kvt_progress(kvt_ctx *ctx)
         n += kvt__peers_process(ctx);
         n += kvt__resvs_process(ctx);
         n += kvt__sends_pump(ctx);
+        if (!kvt__list_empty(&ctx->dev_ops)) n += kvt__dev_ops_poll(ctx);
         total += n;
         if (n == 0) break;
     }
@@ -327,8 +342,9 @@ int kvt_timeout_ms(const kvt_ctx *ctx)
 int kvt_arm(kvt_ctx *ctx)
 {
     if (!kvt__list_empty(&ctx->events) || !kvt__list_empty(&ctx->dirty_peers) ||
-        !kvt__list_empty(&ctx->dirty_resvs) || ctx->pump_more || ctx->n_prefault > 0)
-        return 1;
+        !kvt__list_empty(&ctx->dirty_resvs) || ctx->pump_more || ctx->n_prefault > 0 ||
+        !kvt__list_empty(&ctx->dev_ops))
+        return 1; /* (device copies complete without a wakeup: poll them) */
     if (ctx->p.spin_us > 0 && (ctx->st.sends_active > 0 || ctx->st.recvs_active > 0) &&
         kvt__now_ns() - ctx->last_activity < (int64_t)ctx->p.spin_us * 1000)
         return 1; /* poll a little longer: the next message is likely close */
@@ -480,6 +496,7 @@ int kvt_ctx_create(const kvt_params *p, kvt_ctx **out, char *err)
     snprintf(ctx->name, sizeof ctx->name, "%s", p->name ? p->name : "kvt");
     ctx->p.name = ctx->name;
     ctx->p.ucx_tls = ctx->p.ucx_net_devices = NULL;
+    ctx->p.secret_file = NULL;
     ctx->efd = -1;
     kvt__list_init(&ctx->pools);
     kvt__list_init(&ctx->targets);
@@ -489,6 +506,16 @@ int kvt_ctx_create(const kvt_params *p, kvt_ctx **out, char *err)
     kvt__list_init(&ctx->dirty_resvs);
     kvt__list_init(&ctx->events);
     kvt__list_init(&ctx->nacks);
+    kvt__list_init(&ctx->dev_ops);
+    if (p->device) {
+        if (!p->device->open || !p->device->close || !p->device->copy_layer ||
+            !p->device->poll || !p->device->release) {
+            free(ctx);
+            return pd_errf(err, PD_EINVAL, "kvt: kvt_params.device needs every function");
+        }
+        ctx->device = *p->device;
+    }
+    ctx->p.device = NULL; /* (copied into ctx->device) */
     ctx->id = random_u64();
     ctx->next_xfer_id = random_u64() >> 16;
     ctx->next_gen = (uint32_t)random_u64();
@@ -497,6 +524,13 @@ int kvt_ctx_create(const kvt_params *p, kvt_ctx **out, char *err)
 
     int rc = 0;
     ucp_config_t *cfg = NULL;
+    if (p->secret_file) {
+        if (!(ctx->secret = malloc(sizeof *ctx->secret))) {
+            rc = pd_errf(err, PD_ENOMEM, "kvt: out of memory");
+            goto fail;
+        }
+        if ((rc = kvt__secret_load(p->secret_file, ctx->secret, err)) < 0) goto fail;
+    }
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
     if (st != UCS_OK) {
         rc = pd_errf(err, PD_EUNAVAILABLE, "ucp_config_read: %s", ucs_status_string(st));
@@ -578,13 +612,17 @@ int kvt_ctx_create(const kvt_params *p, kvt_ctx **out, char *err)
     ctx->has_shm = has_shm;
     unsigned maj, min, rel;
     ucp_get_version(&maj, &min, &rel);
+    if (maj != 1 || min < 13 || min > 16)
+        PD_LOGW("kvt[%s]: UCX %u.%u: descriptor checks know the address and key formats of "
+                "1.13-1.16 only; descriptors in another format are refused", ctx->name, maj, min);
     PD_LOGI("kvt[%s]: UCX %u.%u.%u; transports: %s; memory: host%s; shm peer-failure handling "
-            "%s; data path %s; keepalive %s; address %zu B%s",
+            "%s; data path %s; keepalive %s; address %zu B%s; peers %s",
             ctx->name, maj, min, rel, res[0] ? res : "(none)",
             (ctx->mem_types & (1u << KVT_MEM_CUDA)) ? "+cuda" : " only (GPU KV is staged)",
             shm_eh ? "on" : "off", kvt_path_name(p->path),
             getenv("UCX_KEEPALIVE_INTERVAL") ? getenv("UCX_KEEPALIVE_INTERVAL") : "set by kvt",
-            ctx->addr_len, p->net_only ? " (network only)" : "");
+            ctx->addr_len, p->net_only ? " (network only)" : "",
+            ctx->secret ? "authenticated (shared secret)" : "not authenticated");
     if (has_shm && !shm_eh)
         PD_LOGW("kvt[%s]: shared memory cannot detect peer failure without "
                 "UCX_MM_ERROR_HANDLING=y; same-host peers will fall back to tcp", ctx->name);
@@ -599,6 +637,8 @@ fail_cfg:
 fail:
     if (ctx->worker) ucp_worker_destroy(ctx->worker);
     if (ctx->uctx) ucp_cleanup(ctx->uctx);
+    if (ctx->secret) kvt__secret_wipe(ctx->secret);
+    free(ctx->secret);
     free(ctx->addr);
     free(ctx);
     return rc;
@@ -616,10 +656,34 @@ void kvt__ops_release(kvt_ctx *ctx, const kvt_pool *only)
                 continue;
             void *req = op->req;
             op->req = NULL;
-            ucp_request_free(req); /* no callback comes for it any more */
+            if (op->kind == KVT_OP_DEVICE) { /* a copy that never ended: stop polling it */
+                kvt__list_del(&op->dev_link);
+                ctx->device.release(ctx->device.arg, req);
+            } else {
+                ucp_request_free(req); /* no callback comes for it any more */
+            }
             kvt__op_complete(ctx, op, UCS_ERR_CANCELED);
         }
     }
+}
+
+int kvt__dev_ops_poll(kvt_ctx *ctx)
+{
+    int n = 0;
+    kvt__list *it, *nx;
+    KVT_LIST_EACH_SAFE(it, nx, &ctx->dev_ops)
+    {
+        kvt__op *op = KVT_CONTAINER(it, kvt__op, dev_link);
+        int r = ctx->device.poll(ctx->device.arg, op->req);
+        if (r == 0) continue;
+        kvt__list_del(&op->dev_link);
+        ctx->device.release(ctx->device.arg, op->req);
+        op->req = NULL;
+        kvt__op_complete(ctx, op, r > 0 ? UCS_OK : UCS_ERR_IO_ERROR);
+        ctx->pump_more = true;
+        n++;
+    }
+    return n;
 }
 
 static bool draining(const kvt_ctx *ctx)
@@ -715,6 +779,8 @@ void kvt_ctx_destroy(kvt_ctx *ctx)
     ucp_cleanup(ctx->uctx);
     for (int i = 0; i < ctx->n_op_chunks; i++) free(ctx->op_chunks[i]);
     free(ctx->op_chunks);
+    if (ctx->secret) kvt__secret_wipe(ctx->secret);
+    free(ctx->secret);
     free(ctx->addr);
     free(ctx);
 }

@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <ucp/api/ucp.h>
 
+#include "kvtransfer/kvt_desc.h"
 #include "kvtransfer/kvtransfer.h"
 
 /* ---------------------------------------------------------------- intrusive lists */
@@ -49,18 +50,37 @@ enum {
     KVT_AM_COUNT = 7
 };
 
-#define KVT_WIRE_VERSION 1u
+#define KVT_WIRE_VERSION 2u /* 2: the handshake may authenticate (kept equal to KVT_DESC_VERSION) */
+
+/* The handshake. Without secrets: HELLO(1) -> HELLO_ACK(1), both ready. With a secret on
+ * both sides, each proves it knows it by a MAC over the other's random nonce:
+ * HELLO(1){nonce_s} -> HELLO_ACK(1){nonce_r, proof_r} -> HELLO(2){proof_s} -> HELLO_ACK(2),
+ * where proof_r = HMAC(secret, "accept" | nonce_s | nonce_r | ids | gen) and proof_s the same
+ * with "open" and the nonces swapped; the receiver takes no transfer before HELLO(2) verified
+ * and the sender sends none before HELLO_ACK(2). A side that has a secret refuses a peer that
+ * has none (or a wrong one) with status PD_EPERM. */
+#define KVT_HELLO_AUTH 1u /* flags: the side has a secret and authenticates */
 
 typedef struct {
     uint64_t src_ctx, dst_ctx; /* sender's and receiver's context ids */
     uint32_t gen;              /* connection generation, chosen by the sender */
     uint32_t version;          /* KVT_WIRE_VERSION */
+    uint32_t phase;            /* 1 = open (data: worker address), 2 = proof */
+    int32_t status;            /* phase 2: 0, or the sender refuses the receiver (PD_EPERM) */
+    uint32_t flags;            /* KVT_HELLO_AUTH */
+    uint32_t pad;
+    uint8_t nonce[KVT_MAC_LEN]; /* phase 1 with AUTH: the sender's challenge */
+    uint8_t proof[KVT_MAC_LEN]; /* phase 2: proof_s */
 } kvt__msg_hello;
 
 typedef struct {
     uint64_t src_ctx, dst_ctx; /* receiver's and sender's context ids */
     uint32_t gen;              /* echoed */
     int32_t status;            /* 0 or a PD_E* refusal */
+    uint32_t phase;            /* 1 = accepted (challenge), 2 = the sender's proof verified */
+    uint32_t flags;            /* KVT_HELLO_AUTH */
+    uint8_t nonce[KVT_MAC_LEN]; /* phase 1 with AUTH: the receiver's challenge */
+    uint8_t proof[KVT_MAC_LEN]; /* phase 1 with AUTH: proof_r */
 } kvt__msg_hello_ack;
 
 typedef struct {
@@ -111,7 +131,7 @@ typedef struct {
 
 /* ---------------------------------------------------------------- UCX operations */
 
-enum { KVT_OP_DATA = 1, KVT_OP_FLUSH, KVT_OP_CTRL, KVT_OP_RECV };
+enum { KVT_OP_DATA = 1, KVT_OP_FLUSH, KVT_OP_CTRL, KVT_OP_RECV, KVT_OP_DEVICE };
 
 #define KVT_MAX_IOV 64
 
@@ -126,7 +146,8 @@ typedef struct kvt__op {
     struct kvt_send *send;  /* DATA / FLUSH / sender control messages */
     struct kvt__resv *resv; /* RECV / receiver control messages */
     uint64_t bytes;
-    void *req; /* the UCX request while one is outstanding */
+    void *req; /* the UCX request while one is outstanding; KVT_OP_DEVICE: the copy's token */
+    kvt__list dev_link; /* KVT_OP_DEVICE: ctx->dev_ops while the copy runs */
     int stage; /* staging slot the data was gathered into, or -1 */
     union {
         kvt__msg_hello hello;
@@ -144,6 +165,8 @@ typedef struct kvt__op {
 typedef enum {
     KVT_PEER_CONNECTING = 1, /* sender: ep made, HELLO sent, waiting for HELLO_ACK */
     KVT_PEER_ACCEPTING,      /* receiver: HELLO seen, ep and HELLO_ACK still to do */
+    KVT_PEER_AUTH,           /* receiver: HELLO_ACK sent, waiting for the sender's proof (or
+                                refused: waiting for the sender to go, then failed) */
     KVT_PEER_READY,
     KVT_PEER_FAILED,  /* error seen; users being failed, ep still to close */
     KVT_PEER_CLOSING, /* ucp_ep_close_nbx in flight */
@@ -175,6 +198,14 @@ typedef struct kvt__peer {
     char tname[48];
     bool has_put_lane; /* the ep has a native RMA lane */
     bool same_host;    /* descriptor came from this host (boot id) */
+    /* Authentication (see kvt__msg_hello). */
+    uint32_t remote_flags;              /* KVT_HELLO_AUTH of the peer's first message */
+    uint8_t nonce_local[KVT_MAC_LEN];   /* our challenge */
+    uint8_t nonce_remote[KVT_MAC_LEN];  /* the peer's challenge */
+    bool proof_pending;  /* sender: HELLO(2) to send; receiver: HELLO_ACK(2) to send */
+    bool authed;         /* the peer proved it knows the secret */
+    int refused;         /* receiver: PD_EPERM sent to the peer; fail it at the deadline */
+    char refuse_detail[160];
 } kvt__peer;
 
 /* ---------------------------------------------------------------- pools */
@@ -202,6 +233,8 @@ struct kvt_pool {
     int src_refs;       /* targets using it as source */
     uint64_t cancelled[32]; /* recently cancelled request ids: a late START gets ECANCELED */
     int n_cancelled, cancel_next;
+    uint8_t *dev_export;    /* receiver: the device export put in the descriptor, or NULL */
+    size_t dev_export_len;
 };
 
 /* ---------------------------------------------------------------- receiver transfers */
@@ -265,6 +298,7 @@ struct kvt_target {
     uint8_t **lptr;        /* [2 * n_layers] shm: our mapping of each remote region (puts are
                               then plain copies, without a UCX request each); else NULL */
     bool put_native;
+    void *dev_remote;      /* device path: the receiver's export opened by device->open */
     bool cached;           /* in the ctx's cache, which then holds one of the refs */
     int refs;              /* the cache + caller opens + sends */
     int pf_region;         /* shm: next region whose page tables to populate (-1 = done) */
@@ -294,6 +328,8 @@ struct kvt_send {
     kvt__send_state state;
     int32_t n_layers;
     uint8_t *layer_ready; /* [n_layers] 0 = not yet, 1 = queued, 2 = posted */
+    void **layer_after;   /* [n_layers] device path: each layer's readiness handle (owned
+                             until its copies are queued), or NULL */
     int32_t *queue;       /* [n_layers] ready layers in signal order */
     int32_t q_head, q_tail;
     int32_t cur_layer, cur_kv, cur_pos; /* posting cursor; cur_layer -1 = none */
@@ -360,6 +396,9 @@ struct kvt_ctx {
     int n_stage_free;
     bool stage_failed;    /* allocation failed once: send iov */
     bool pump_more; /* the pump stopped with postable work and a free window */
+    kvt__secret *secret; /* the shared KV secret; NULL = peers are not authenticated */
+    kvt_device_ops device; /* the device path's copy engine (device.copy_layer NULL = none) */
+    kvt__list dev_ops;     /* KVT_OP_DEVICE ops whose copies run (polled by progress) */
 };
 
 /* ---------------------------------------------------------------- internal functions */
@@ -409,9 +448,6 @@ uint64_t kvt__meta_sum(uint64_t req_id, uint64_t pool_id, int32_t n_layers, size
 /* Hash of one layer's blocks (K in list order, then V) and of a whole request. */
 uint64_t kvt__layer_sum(const kvt_pool *pool, int32_t layer, int32_t n, const int32_t *ids);
 uint64_t kvt__data_sum(const uint64_t *layer_sums, int32_t n_layers);
-int kvt__desc_parse(const void *desc, size_t len, kvt_target *t, void ***rkey_blobs,
-                    size_t **rkey_lens, void **addr, size_t *addr_len, uint64_t *fp,
-                    char boot_id[40], char *err);
 
 /* kvt_recv.c */
 void kvt__resv_fail(kvt__resv *r, int status, bool tell_peer, const char *fmt, ...)
@@ -442,6 +478,8 @@ void kvt__target_unref(kvt_target *t);
 void kvt__target_uncache(kvt_target *t);
 /* Populates a slice of a new shm target's page tables. Returns 1 if it did some work. */
 int kvt__targets_prefault(kvt_ctx *ctx);
+/* Polls the device copies in flight and completes those that ended. Returns how many did. */
+int kvt__dev_ops_poll(kvt_ctx *ctx);
 ucs_status_t kvt__am_ack(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
                          const ucp_am_recv_param_t *param);
 

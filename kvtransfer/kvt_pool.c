@@ -1,6 +1,6 @@
 /* kvt_pool.c -- KV block pools: layout checks and fingerprints, memory registration (the
- * caller's regions or a UCX allocation), and the descriptor a receiver exports and a sender
- * parses. */
+ * caller's regions or a UCX allocation), and the descriptor a receiver exports (signed when
+ * the ctx has a secret; kvt_desc.c parses it on the sender). */
 #include "kvtransfer/kvt_impl.h"
 
 #include <stdio.h>
@@ -12,10 +12,6 @@
 #include "common/error.h"
 #include "common/log.h"
 
-#define KVT_DESC_MAGIC 0x4454564bu /* "KVTD" */
-#define KVT_DESC_ALLOCATED 1u
-#define KVT_DESC_CUDA 2u
-
 kvt_pool_params kvt_pool_default_params(void)
 {
     kvt_pool_params p;
@@ -26,30 +22,11 @@ kvt_pool_params kvt_pool_default_params(void)
     return p;
 }
 
-size_t kvt_layout_block_bytes(const kvt_layout *l)
-{
-    if (l->block_size <= 0 || l->n_kv_heads <= 0 || l->head_dim <= 0) return 0;
-    return (size_t)l->block_size * (size_t)l->n_kv_heads * (size_t)l->head_dim *
-           pd_dtype_size(l->dtype);
-}
+/* kvt_layout_block_bytes and kvt_layout_fingerprint live in kvt_desc.c (UCX-free). */
 
 static void le32(uint8_t *p, uint32_t v)
 {
     for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-
-uint64_t kvt_layout_fingerprint(const kvt_layout *l)
-{
-    uint8_t buf[64 + 20];
-    memset(buf, 0, sizeof buf);
-    size_t n = strnlen(l->model_id, sizeof l->model_id);
-    memcpy(buf, l->model_id, n < 64 ? n : 64);
-    le32(buf + 64, (uint32_t)l->dtype);
-    le32(buf + 68, (uint32_t)l->n_layers);
-    le32(buf + 72, (uint32_t)l->block_size);
-    le32(buf + 76, (uint32_t)l->n_kv_heads);
-    le32(buf + 80, (uint32_t)l->head_dim);
-    return XXH64(buf, sizeof buf, 0x6b7674);
 }
 
 uint64_t kvt__meta_sum(uint64_t req_id, uint64_t pool_id, int32_t n_layers, size_t bb,
@@ -192,6 +169,16 @@ int kvt_pool_create(kvt_ctx *ctx, const kvt_pool_params *p, kvt_pool **out, char
     pool->n_blocks = p->n_blocks;
     pool->bb = kvt_layout_block_bytes(&p->layout);
     pool->mem_type = p->mem_type;
+    if (p->device_export) {
+        if (p->device_export_len == 0 || p->device_export_len > KVT_DESC_MAX_DEVICE ||
+            !(pool->dev_export = malloc(p->device_export_len))) {
+            free(pool);
+            return pd_errf(err, PD_EINVAL, "kvt: device export of %zu bytes (1..%d)",
+                           p->device_export_len, KVT_DESC_MAX_DEVICE);
+        }
+        memcpy(pool->dev_export, p->device_export, p->device_export_len);
+        pool->dev_export_len = p->device_export_len;
+    }
     kvt__list_init(&pool->resvs);
     kvt__list_init(&pool->link);
     int nr = 2 * pool->n_layers;
@@ -249,6 +236,7 @@ fail:
     free(pool->base);
     free(pool->region_mh);
     free(pool->slot_busy);
+    free(pool->dev_export);
     free(pool);
     return rc;
 }
@@ -316,6 +304,7 @@ void kvt_pool_destroy(kvt_pool *pool)
     free(pool->base);
     free(pool->region_mh);
     free(pool->slot_busy);
+    free(pool->dev_export);
     free(pool);
 }
 
@@ -376,8 +365,10 @@ int kvt_pool_export(kvt_pool *pool, void **desc, size_t *len, char *err)
     wbuf b = {0};
     put_u32(&b, KVT_DESC_MAGIC);
     uint32_t flags = (pool->allocated ? KVT_DESC_ALLOCATED : 0) |
-                     (pool->mem_type == KVT_MEM_CUDA ? KVT_DESC_CUDA : 0);
-    put_u32(&b, KVT_WIRE_VERSION | flags << 16);
+                     (pool->mem_type == KVT_MEM_CUDA ? KVT_DESC_CUDA : 0) |
+                     (ctx->secret ? KVT_DESC_SIGNED : 0) |
+                     (pool->dev_export ? KVT_DESC_DEVICE : 0);
+    put_u32(&b, KVT_DESC_VERSION | flags << 16);
     put_u64(&b, ctx->id);
     put_u64(&b, pool->id);
     char boot[40] = {0};
@@ -411,6 +402,19 @@ int kvt_pool_export(kvt_pool *pool, void **desc, size_t *len, char *err)
         put_u64(&b, (uint64_t)(uintptr_t)pool->base[r]);
         put_u32(&b, (uint32_t)pool->region_mh[r]);
     }
+    if (pool->dev_export) {
+        put_u32(&b, (uint32_t)pool->dev_export_len);
+        put_bytes(&b, pool->dev_export, pool->dev_export_len);
+    }
+    if (!b.oom && ctx->secret) {
+        /* Signed: the prefill side verifies the MAC before it reads anything else. */
+        uint8_t mac[KVT_MAC_LEN];
+        if (kvt__desc_mac(ctx->secret, b.p, b.len, mac) < 0) {
+            free(b.p);
+            return pd_errf(err, PD_EIO, "kvt: HMAC-SHA256 of the descriptor failed");
+        }
+        put_bytes(&b, mac, sizeof mac);
+    }
     if (!b.oom) put_u64(&b, XXH64(b.p, b.len, 0));
     if (b.oom) {
         free(b.p);
@@ -418,101 +422,5 @@ int kvt_pool_export(kvt_pool *pool, void **desc, size_t *len, char *err)
     }
     *desc = b.p;
     *len = b.len;
-    return 0;
-}
-
-typedef struct {
-    const uint8_t *p;
-    size_t len, off;
-    bool bad;
-} rbuf;
-
-static const uint8_t *get_bytes(rbuf *b, size_t n)
-{
-    if (b->bad || b->len - b->off < n) {
-        b->bad = true;
-        return NULL;
-    }
-    const uint8_t *q = b->p + b->off;
-    b->off += n;
-    return q;
-}
-static uint32_t get_u32(rbuf *b)
-{
-    const uint8_t *q = get_bytes(b, 4);
-    if (!q) return 0;
-    return (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24;
-}
-static uint64_t get_u64(rbuf *b)
-{
-    uint64_t lo = get_u32(b);
-    return lo | (uint64_t)get_u32(b) << 32;
-}
-
-int kvt__desc_parse(const void *desc, size_t len, kvt_target *t, void ***rkey_blobs,
-                    size_t **rkey_lens, void **addr, size_t *addr_len, uint64_t *fp,
-                    char boot_id[40], char *err)
-{
-    rbuf b = {.p = desc, .len = len};
-    if (!desc || len < 16 || get_u32(&b) != KVT_DESC_MAGIC)
-        return pd_errf(err, PD_EFORMAT, "kvt: not a kvtransfer descriptor");
-    {
-        rbuf tail = {.p = desc, .len = len, .off = len - 8};
-        if (XXH64(desc, len - 8, 0) != get_u64(&tail))
-            return pd_errf(err, PD_EFORMAT, "kvt: descriptor is corrupt (checksum)");
-    }
-    uint32_t ver = get_u32(&b);
-    if ((ver & 0xffff) != KVT_WIRE_VERSION)
-        return pd_errf(err, PD_EFORMAT, "kvt: descriptor version %u, this build speaks %u",
-                       ver & 0xffff, KVT_WIRE_VERSION);
-    t->remote_allocated = ((ver >> 16) & KVT_DESC_ALLOCATED) != 0;
-    t->remote_cuda = ((ver >> 16) & KVT_DESC_CUDA) != 0;
-    t->remote_ctx = get_u64(&b);
-    t->pool_id = get_u64(&b);
-    const uint8_t *boot = get_bytes(&b, 40);
-    if (boot) {
-        memcpy(boot_id, boot, 40);
-        boot_id[39] = 0;
-    }
-    const uint8_t *mid = get_bytes(&b, sizeof t->layout.model_id);
-    if (mid) memcpy(t->layout.model_id, mid, sizeof t->layout.model_id);
-    t->layout.model_id[sizeof t->layout.model_id - 1] = 0;
-    t->layout.dtype = (pd_dtype)get_u32(&b);
-    t->layout.n_layers = (int32_t)get_u32(&b);
-    t->layout.block_size = (int32_t)get_u32(&b);
-    t->layout.n_kv_heads = (int32_t)get_u32(&b);
-    t->layout.head_dim = (int32_t)get_u32(&b);
-    *fp = get_u64(&b);
-    t->n_blocks = (int32_t)get_u32(&b);
-    t->bb = (size_t)get_u64(&b);
-    if (b.bad || check_layout(&t->layout, err) < 0 || t->n_blocks <= 0 ||
-        t->bb != kvt_layout_block_bytes(&t->layout) || *fp != kvt_layout_fingerprint(&t->layout))
-        return pd_errf(err, PD_EFORMAT, "kvt: descriptor has an inconsistent layout");
-    *addr_len = get_u32(&b);
-    *addr = (void *)get_bytes(&b, *addr_len);
-    uint32_t nrk = get_u32(&b);
-    if (b.bad || nrk == 0 || nrk > (uint32_t)(2 * t->layout.n_layers))
-        return pd_errf(err, PD_EFORMAT, "kvt: descriptor is truncated");
-    int nr = 2 * t->layout.n_layers;
-    *rkey_blobs = calloc(nrk, sizeof **rkey_blobs);
-    *rkey_lens = calloc(nrk, sizeof **rkey_lens);
-    t->raddr = calloc((size_t)nr, sizeof *t->raddr);
-    t->rkey_idx = calloc((size_t)nr, sizeof *t->rkey_idx);
-    t->rkeys = calloc(nrk, sizeof *t->rkeys);
-    if (!*rkey_blobs || !*rkey_lens || !t->raddr || !t->rkey_idx || !t->rkeys)
-        return pd_errf(err, PD_ENOMEM, "kvt: out of memory");
-    t->n_rkeys = (int)nrk;
-    for (uint32_t i = 0; i < nrk; i++) {
-        (*rkey_lens)[i] = get_u32(&b);
-        (*rkey_blobs)[i] = (void *)get_bytes(&b, (*rkey_lens)[i]);
-    }
-    for (int r = 0; r < nr; r++) {
-        t->raddr[r] = get_u64(&b);
-        uint32_t k = get_u32(&b);
-        t->rkey_idx[r] = (int)k;
-        if (k >= nrk) b.bad = true;
-    }
-    if (b.bad || b.off + 8 != len)
-        return pd_errf(err, PD_EFORMAT, "kvt: descriptor is truncated or has trailing bytes");
     return 0;
 }

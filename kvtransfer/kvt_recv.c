@@ -161,6 +161,15 @@ int kvt_recv_release(kvt_pool *pool, uint64_t req_id)
     return 0;
 }
 
+int kvt_recv_cancel(kvt_pool *pool, uint64_t req_id)
+{
+    kvt__resv *r = kvt__resv_find(pool, req_id);
+    if (!r) return PD_ENOTFOUND;
+    if (r->state == KVT_RESV_HELD) return PD_ESTATE;
+    if (r->state == KVT_RESV_ENDING) return 0; /* already failing: its event follows */
+    return kvt_recv_release(pool, req_id);
+}
+
 void kvt__resv_fail(kvt__resv *r, int status, bool tell_peer, const char *fmt, ...)
 {
     if (r->state == KVT_RESV_ENDING || r->state == KVT_RESV_HELD) return;
@@ -175,7 +184,9 @@ void kvt__resv_fail(kvt__resv *r, int status, bool tell_peer, const char *fmt, .
     r->ack_pending = tell_peer && r->peer && r->peer->state == KVT_PEER_READY;
     /* One-sided writes cannot be refused here: keep the slots until the sender confirms that
      * it stopped, so that they cannot be reused under its last writes. */
-    r->await_stop = r->ack_pending && was_started && r->path == KVT_PATH_PUT;
+    /* One-sided writes (put, device copies) can land until the sender says it stopped. */
+    r->await_stop = r->ack_pending && was_started &&
+                    (r->path == KVT_PATH_PUT || r->path == KVT_PATH_DEVICE);
     r->deadline = kvt__now_ns() + (int64_t)ctx->p.deadline_min_ms * 1000000ll;
     kvt__rescan(ctx);
     if (!ctx->destroying)
@@ -210,7 +221,9 @@ static kvt__peer *find_sender(kvt_ctx *ctx, uint64_t id, uint32_t gen)
 {
     for (kvt__list *it = ctx->peers.next; it != &ctx->peers; it = it->next) {
         kvt__peer *p = KVT_CONTAINER(it, kvt__peer, link);
-        if (p->remote_id == id && !p->initiator && p->gen == gen && p->state <= KVT_PEER_READY)
+        /* With a secret, only a peer that proved it knows it (READY) may start a transfer. */
+        if (p->remote_id == id && !p->initiator && p->gen == gen &&
+            (p->state == KVT_PEER_READY || (!ctx->secret && p->state < KVT_PEER_READY)))
             return p;
     }
     return NULL;
@@ -282,7 +295,11 @@ ucs_status_t kvt__am_start(void *arg, const void *hdr, size_t hlen, void *data, 
     r->path = h.path;
     r->t_start = kvt__now_ns();
     r->state = KVT_RESV_ACTIVE;
-    if (h.fingerprint != pool->fingerprint) {
+    if (h.path > KVT_PATH_DEVICE || h.path == KVT_PATH_AUTO ||
+        (h.path == KVT_PATH_DEVICE && !pool->dev_export)) {
+        kvt__resv_fail(r, PD_EINVAL, true, "sender's data path %u is not one this pool takes",
+                       h.path);
+    } else if (h.fingerprint != pool->fingerprint) {
         kvt__resv_fail(r, PD_EMISMATCH, true, "sender's KV layout (fingerprint %016llx) differs "
                        "from this pool's (%016llx)", (unsigned long long)h.fingerprint,
                        (unsigned long long)pool->fingerprint);
@@ -539,7 +556,7 @@ void kvt__resvs_deadlines(kvt_ctx *ctx, int64_t now, int64_t *next)
                                "%d ms", (unsigned long long)r->req_id, r->start_timeout_ms);
             } else if (r->state == KVT_RESV_ACTIVE || r->state == KVT_RESV_LANDING) {
                 char prog[96];
-                if (r->path == KVT_PATH_PUT)
+                if (r->path == KVT_PATH_PUT || r->path == KVT_PATH_DEVICE)
                     snprintf(prog, sizeof prog, "one-sided writes, DONE %s",
                              r->have_done ? "seen" : "not seen");
                 else

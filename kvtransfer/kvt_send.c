@@ -217,15 +217,19 @@ int kvt_send_begin(kvt_target *t, const kvt_send_params *p, kvt_send **out, char
     s->src = malloc(sizeof *s->src * (size_t)p->n_blocks);
     s->dst = malloc(sizeof *s->dst * (size_t)p->n_blocks);
     s->layer_ready = calloc((size_t)L, 1);
+    s->layer_after = calloc((size_t)L, sizeof *s->layer_after);
     s->queue = malloc(sizeof *s->queue * (size_t)L);
     s->layer_sum = p->checksum_data ? calloc((size_t)L, sizeof *s->layer_sum) : NULL;
-    if (!s->src || !s->dst || !s->layer_ready || !s->queue || (p->checksum_data && !s->layer_sum)) {
+    if (!s->src || !s->dst || !s->layer_ready || !s->layer_after || !s->queue ||
+        (p->checksum_data && !s->layer_sum)) {
         free(s->src), free(s->dst), free(s->layer_ready), free(s->queue), free(s->layer_sum);
+        free(s->layer_after);
         free(s);
         return pd_errf(err, PD_ENOMEM, "kvt: out of memory");
     }
-    if (p->checksum_data && src->mem_type != KVT_MEM_HOST) {
+    if (p->checksum_data && (src->mem_type != KVT_MEM_HOST || t->dev_remote)) {
         free(s->src), free(s->dst), free(s->layer_ready), free(s->queue), free(s->layer_sum);
+        free(s->layer_after);
         free(s);
         return pd_errf(err, PD_EUNSUPPORTED, "kvt: data checksums need host memory");
     }
@@ -263,9 +267,26 @@ static int pump_one(kvt_send *s, int budget, bool *freed);
 
 int kvt_send_layer_ready(kvt_send *s, int32_t layer)
 {
-    if (s->state >= KVT_SEND_ENDING) return PD_ESTATE;
-    if (layer < 0 || layer >= s->n_layers || s->layer_ready[layer] || s->finish_called)
-        return PD_EINVAL;
+    return kvt_send_layer_ready_after(s, layer, NULL);
+}
+
+/* Releases a layer's readiness handle (the device engine's). */
+static void release_after(kvt_send *s, int32_t layer)
+{
+    if (s->layer_after[layer]) {
+        s->ctx->device.release(s->ctx->device.arg, s->layer_after[layer]);
+        s->layer_after[layer] = NULL;
+    }
+}
+
+int kvt_send_layer_ready_after(kvt_send *s, int32_t layer, void *after)
+{
+    if (s->state >= KVT_SEND_ENDING || layer < 0 || layer >= s->n_layers ||
+        s->layer_ready[layer] || s->finish_called) {
+        if (after && s->ctx->device.release) s->ctx->device.release(s->ctx->device.arg, after);
+        return s->state >= KVT_SEND_ENDING ? PD_ESTATE : PD_EINVAL;
+    }
+    s->layer_after[layer] = after;
     s->layer_ready[layer] = 1;
     s->queue[s->q_tail++] = layer;
     if (s->checksum) s->layer_sum[layer] = kvt__layer_sum(s->t->src, layer, s->n, s->src);
@@ -322,11 +343,13 @@ void kvt__send_free(kvt_send *s)
         s->ev.kind = 0;
     }
     if (s->state != KVT_SEND_ENDED) s->ctx->st.sends_active--;
+    for (int32_t l = 0; l < s->n_layers; l++) release_after(s, l);
     kvt__peer_unref(s->peer);
     kvt__target_unref(s->t);
     free(s->src);
     free(s->dst);
     free(s->layer_ready);
+    free(s->layer_after);
     free(s->queue);
     free(s->layer_sum);
     free(s);
@@ -417,6 +440,44 @@ static void post_flush(kvt_send *s)
     else op->req = req;
 }
 
+/* The device path: every ready layer's copies queued at once with the device engine, after
+ * the layer's readiness handle (no window: they wait on the device, not here). Their
+ * completion is polled by kvt__dev_ops_poll. Returns how many layers it queued. */
+static int pump_device(kvt_send *s)
+{
+    kvt_ctx *ctx = s->ctx;
+    int n = 0;
+    while (s->state == KVT_SEND_ACTIVE && s->q_head < s->q_tail) {
+        int32_t layer = s->queue[s->q_head++];
+        kvt__op *op = kvt__op_get(ctx, KVT_OP_DEVICE);
+        if (!op) {
+            kvt__send_fail(s, PD_ENOMEM, true, "out of memory");
+            break;
+        }
+        void *token = NULL;
+        int rc = ctx->device.copy_layer(ctx->device.arg, s->t->dev_remote, layer, s->src, s->dst,
+                                        s->n, s->layer_after[layer], &token);
+        release_after(s, layer);
+        if (rc < 0) {
+            kvt__op_put(ctx, op);
+            kvt__send_fail(s, rc, true, "cannot queue the device copy of layer %d", layer);
+            break;
+        }
+        op->send = s;
+        op->req = token;
+        op->bytes = 2u * (uint64_t)s->n * s->t->src->bb;
+        s->bytes_posted += op->bytes;
+        if (s->inflight == 0) s->t_last = kvt__now_ns(), kvt__rescan(ctx);
+        ctx->ops_in_flight++;
+        s->inflight++;
+        kvt__list_add(&ctx->dev_ops, &op->dev_link);
+        s->layer_ready[layer] = 2;
+        s->n_posted_layers++;
+        n++;
+    }
+    return n;
+}
+
 /* Posts up to budget groups of s and moves it through its phases. Returns how many things
  * happened; *freed says that s ended as an orphan and is gone. */
 static int pump_one(kvt_send *s, int budget, bool *freed)
@@ -433,6 +494,7 @@ static int pump_one(kvt_send *s, int budget, bool *freed)
         if (rc < 0) kvt__send_fail(s, rc, false, "cannot send START");
         n++;
     }
+    if (s->path == KVT_PATH_DEVICE) n += pump_device(s);
     const kvt__path_ops *path = s->path == KVT_PATH_PUT ? &path_put : &path_am;
     bool direct = s->path == KVT_PATH_PUT && s->t->lptr;
     /* A process that was frozen must not resume writing past its deadline (the receiver may
@@ -443,7 +505,8 @@ static int pump_one(kvt_send *s, int budget, bool *freed)
         if (now >= s->deadline_total)
             kvt__send_fail(s, PD_ETIMEDOUT, true, "deadline passed with layers still to write");
     }
-    while (s->state == KVT_SEND_ACTIVE && budget > 0 && ctx->data_inflight < ctx->p.window) {
+    while (s->path != KVT_PATH_DEVICE && s->state == KVT_SEND_ACTIVE && budget > 0 &&
+           ctx->data_inflight < ctx->p.window) {
         if (s->cur_layer < 0 && s->q_head == s->q_tail) break;
         if (path->can_post && !path->can_post(s)) break; /* a completion frees resources */
         if (s->cur_layer < 0) {
@@ -569,7 +632,8 @@ int kvt__sends_peer_failed(kvt_ctx *ctx, kvt__peer *peer)
     for (kvt__list *it = ctx->sends.next; it != &ctx->sends; it = it->next) {
         kvt_send *s = KVT_CONTAINER(it, kvt_send, link);
         if (s->peer == peer && s->state < KVT_SEND_ENDING) {
-            kvt__send_fail(s, peer->status == PD_ETIMEDOUT || peer->status == PD_ECANCELED
+            kvt__send_fail(s, peer->status == PD_ETIMEDOUT || peer->status == PD_ECANCELED ||
+                                      peer->status == PD_EPERM
                                   ? peer->status : PD_EUNAVAILABLE,
                            false, "decode side: %s", peer->detail);
             n++;
@@ -586,8 +650,9 @@ void kvt__sends_deadlines(kvt_ctx *ctx, int64_t now, int64_t *next)
     {
         kvt_send *s = KVT_CONTAINER(it, kvt_send, link);
         if (s->state == KVT_SEND_WAIT_CONN || s->state == KVT_SEND_ENDED) continue;
-        /* Operations in flight must keep completing (a frozen or cut-off peer stalls them). */
-        if (s->inflight > 0) {
+        /* Operations in flight must keep completing (a frozen or cut-off peer stalls them).
+         * Device copies wait for our own compute, not for the peer: the deadline bounds them. */
+        if (s->inflight > 0 && s->path != KVT_PATH_DEVICE) {
             int64_t stall = s->t_last + kvt__budget_ns(ctx, s->peer, (uint64_t)window_bytes);
             if (now >= stall) {
                 kvt__peer_fail(s->peer, PD_ETIMEDOUT, "writes to %016llx made no progress for "

@@ -45,7 +45,34 @@ typedef enum {
     KVT_PATH_PUT,      /* RMA into the remote pool, then flush: on shm a copy into the mapped
                           segment, on RDMA ucp_put_nbx; emulated by UCX over tcp (slow) */
     KVT_PATH_AM,       /* active message per group of blocks, rendezvous zero-copy into slots */
+    KVT_PATH_DEVICE,   /* device to device through kvt_params.device (e.g. CUDA IPC over
+                          NVLink): the bytes go from the sender's device memory straight into
+                          the memory behind the receiver pool's device_export; UCX carries only
+                          the control messages */
 } kvt_path;
+
+/* The device path's copy engine, supplied by the sender (kvt_params.device). kvt keeps the
+ * protocol (START, DONE, ACK, ABORT, deadlines, peer failure); these move the bytes. Called on
+ * the ctx's thread only; none may block for long. */
+typedef struct {
+    /* Opens the receiver's export (the device_export bytes its pool was created with).
+     * Returns 0 with *remote, PD_EUNSUPPORTED when this process cannot reach that memory
+     * (kvt then uses the pool's host path, unless device_required; err says why), or another
+     * error. */
+    int (*open)(void *arg, const void *blob, size_t len, void **remote, char *err);
+    void (*close)(void *arg, void *remote);
+    /* Queues the copy of layer's K and V blocks src_ids[i] -> dst_ids[i] (i < n) into remote,
+     * ordered after `after` (the layer's readiness given to kvt_send_layer_ready_after; NULL
+     * = none). *token receives a handle for poll. Returns 0 or an error. */
+    int (*copy_layer)(void *arg, void *remote, int32_t layer, const int32_t *src_ids,
+                      const int32_t *dst_ids, int32_t n, void *after, void **token);
+    /* 1 when the copies behind token are complete (written at the receiver), 0 while they
+     * run, < 0 when they failed. */
+    int (*poll)(void *arg, void *token);
+    /* Releases a token or an `after` handle. */
+    void (*release)(void *arg, void *handle);
+    void *arg;
+} kvt_device_ops;
 
 /* The kind of transport a connection actually uses (for logs and metrics). */
 typedef enum {
@@ -81,6 +108,8 @@ typedef struct {
     int32_t first_token;  /* RECV_DONE / SEND_DONE: the first sampled token; else -1 */
     uint64_t bytes;       /* payload bytes moved (all layers, K and V) */
     int64_t elapsed_ns;   /* sender: begin -> ACK; receiver: START -> DONE */
+    kvt_path path;        /* the data path the transfer used (KVT_PATH_DEVICE: the bytes are
+                             in the memory behind the pool's device_export, not in the pool) */
     const char *detail;   /* human-readable cause ("" on success); valid during the callback */
 } kvt_event;
 
@@ -114,11 +143,20 @@ typedef struct {
                                    3x slower); default 32; 0 = send iov */
     int32_t keepalive_ms;       /* UCX keepalive interval when UCX_KEEPALIVE_INTERVAL is
                                    not set; default 1000; 0 = UCX default (20 s) */
+    const char *secret_file;    /* file holding the shared KV secret (16 to 4096 bytes, one
+                                   trailing newline ignored; read once, copied): descriptors
+                                   are signed (HMAC-SHA256) and both sides of a connection
+                                   prove they know it; a peer without it, or with another,
+                                   is refused with PD_EPERM. NULL = no authentication */
     int32_t spin_us;            /* while transfers are active, kvt_arm() reports work for
                                    this long after the last progress, so that a loop polls
                                    instead of sleeping between closely spaced messages (a
                                    wakeup costs tens of us); default 100; 0 = always sleep.
                                    Never spins when no transfer is active. */
+    const kvt_device_ops *device; /* sender: the device path's copy engine (copied); NULL =
+                                   no device path */
+    bool device_required;       /* sender: a target whose pool offers a device export this
+                                   ctx cannot open is an error, not a host-path fallback */
     bool net_only;              /* publish a network-only address (tcp even on one host) */
     bool no_shm_error_handling; /* do not turn on UCX_MM_ERROR_HANDLING (then shm cannot be
                                    used with peer failure detection and UCX picks tcp) */
@@ -128,7 +166,8 @@ kvt_params kvt_default_params(void);
 
 /* Creates the UCX context and worker, logs the UCX version, the transports found and the
  * memory types supported, and checks that shm is usable with peer failure detection. Returns
- * 0, PD_EINVAL (bad params), PD_EUNAVAILABLE (UCX init failed) or PD_ENOMEM. */
+ * 0, PD_EINVAL (bad params, or a secret file of the wrong size), PD_EIO (secret file
+ * unreadable), PD_EUNAVAILABLE (UCX init failed) or PD_ENOMEM. */
 int kvt_ctx_create(const kvt_params *p, kvt_ctx **out, char *err);
 /* Fails every transfer still active (no events are delivered any more), force-closes every
  * connection, waits for UCX to release every request, destroys every pool, target and send
@@ -164,6 +203,7 @@ typedef struct {
     int32_t ops_in_flight;               /* UCX requests not yet completed */
     int32_t peers_by_transport[5];       /* live connections per kvt_transport value */
     kvt_transport last_transport;        /* of the most recently established connection */
+    kvt_path last_path;                  /* sender: the data path of the newest target */
     char last_transport_name[64];        /* e.g. "sysv/memory" or "tcp/lo" */
 } kvt_stats;
 void kvt_ctx_stats(const kvt_ctx *ctx, kvt_stats *out);
@@ -192,6 +232,10 @@ typedef struct {
                                bytes]), borrowed: must outlive the pool; NULL = kvt allocates */
     void *const *v_base;    /* [n_layers] the same for V; NULL iff k_base is NULL */
     kvt_mem_type mem_type;  /* where the memory lives; CUDA only if kvt_ctx_mem_types() has it */
+    const void *device_export; /* receiver: opaque bytes a sender's kvt_device_ops.open maps
+                               (the device memory holding the same blocks, e.g. a CUDA IPC
+                               handle), put in the descriptor (copied); NULL = none */
+    size_t device_export_len;  /* 1 .. 1024 */
 } kvt_pool_params;
 
 kvt_pool_params kvt_pool_default_params(void);
@@ -218,7 +262,8 @@ bool kvt_pool_shm_backed(const kvt_pool *pool);
 
 /* Writes the descriptor of the pool (worker address, remote keys, region addresses, layout)
  * into a buffer the caller frees with free(); it is what the control plane carries to the
- * prefill side. Returns 0 or PD_ENOMEM. */
+ * prefill side. With kvt_params.secret_file it is signed (HMAC-SHA256). Returns 0, PD_ENOMEM
+ * or PD_EIO. */
 int kvt_pool_export(kvt_pool *pool, void **desc, size_t *len, char *err);
 
 /* ---------------------------------------------------------------- receiver (decode) */
@@ -246,6 +291,11 @@ const int32_t *kvt_recv_block_ids(const kvt_pool *pool, uint64_t req_id, int32_t
  * KVT_EV_RECV_FAILED (PD_ECANCELED) follows. After KVT_EV_RECV_DONE it just releases the
  * slots. Returns 0 or PD_ENOTFOUND. */
 int kvt_recv_release(kvt_pool *pool, uint64_t req_id);
+/* Cancels a reservation whose KVT_EV_RECV_DONE has not been delivered, so that exactly one
+ * KVT_EV_RECV_FAILED follows in every case: also when it is already failing on its own (then
+ * this is a no-op; kvt_recv_release would instead free it without an event). Returns 0 (the
+ * event follows), PD_ESTATE (RECV_DONE was delivered: release it), PD_ENOTFOUND. */
+int kvt_recv_cancel(kvt_pool *pool, uint64_t req_id);
 
 /* ---------------------------------------------------------------- sender (prefill) */
 
@@ -257,13 +307,20 @@ typedef struct {
     bool put_native;         /* a put is a real one-sided write (not AM emulation) */
     bool connected;          /* handshake finished */
     bool failed;             /* the connection failed; open the descriptor again */
+    bool device;             /* the receiver's device memory is mapped: transfers to this
+                                target take the device path (known at open, before the
+                                connection is ready) */
 } kvt_target_info;
 
 /* Opens (or returns the cached) target for a pool descriptor, with src (borrowed; a target
  * whose source pool is destroyed fails) as the source of every send to it. Connection and handshake run in
- * the background (sends queue until they finish). Refuses a layout that differs from src's
- * with PD_EMISMATCH and a message naming the fields, before anything is sent. Returns 0,
- * PD_EFORMAT (bad descriptor), PD_EMISMATCH, PD_EUNAVAILABLE (cannot reach the peer). */
+ * the background (sends queue until they finish). Every field of the descriptor, and the
+ * structure of the UCX address and keys in it, is checked before UCX sees any of it. Refuses a
+ * layout that differs from src's with PD_EMISMATCH and a message naming the fields, before
+ * anything is sent. Returns 0, PD_EFORMAT (malformed descriptor: err names the field),
+ * PD_EPERM (with a secret: unsigned or the MAC does not verify; without one: signed),
+ * PD_EMISMATCH, PD_EUNAVAILABLE (cannot reach the peer). A handshake that fails
+ * authentication later fails the target's sends with PD_EPERM. */
 int kvt_target_open(kvt_ctx *ctx, kvt_pool *src, const void *desc, size_t len,
                     kvt_target **out, char *err);
 /* Drops the caller's reference. The target (connection, remote keys, mapping) stays cached
@@ -293,6 +350,11 @@ int kvt_send_begin(kvt_target *t, const kvt_send_params *p, kvt_send **out, char
  * once, any order. Returns 0, PD_EINVAL, or PD_ESTATE (the transfer has already ended; its
  * event says why). */
 int kvt_send_layer_ready(kvt_send *s, int32_t layer);
+/* The same, with the layer's readiness as a device handle (an event recorded after the
+ * layer's KV store): on the device path its copies are queued after it without anyone
+ * waiting; on other paths it is released at once (the caller must then have waited). kvt
+ * takes ownership of after (released through kvt_params.device->release). */
+int kvt_send_layer_ready_after(kvt_send *s, int32_t layer, void *after);
 /* Every layer is ready and the first token is known: flush, send DONE, wait for the ACK.
  * Returns 0, PD_ESTATE (layers missing, or already finished or ended). */
 int kvt_send_finish(kvt_send *s, int32_t first_token);

@@ -14,6 +14,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <xxhash.h>
+
 #include "common/error.h"
 #include "common/log.h"
 #include "common/svc/svc.h"
@@ -38,6 +40,9 @@ typedef struct preq {
     bool prefilled;                /* the engine holds the blocks until ew_release */
     kvt_send *send;                /* kvt thread only */
     bool layered;                  /* the push began before the forward (layer by layer) */
+    bool device;                   /* engine thread: its layers go device to device (each
+                                      with an event), not through the host mirror */
+    uint64_t desc_hash;            /* of desc: the device-path cache's key */
     int begin_rc;                  /* kvt thread: kvt_send_begin's error, 0 if fine */
     char begin_err[PD_ERR_LEN];
     struct preq *next_in_map;
@@ -95,6 +100,42 @@ static preq *map_get(uint64_t id)
     if (r) atomic_fetch_add(&r->refs, 1);
     pthread_mutex_unlock(&g_map_mu);
     return r;
+}
+
+/* ---- which decode pools the device path reaches ----
+ * The engine thread must know, when a prompt's last step starts, whether each layer goes
+ * device to device (an event, no host copy) or through the host mirror (a copy that waits for
+ * the layer). The kvt thread learns it when it opens a pool's target; until then a pool is
+ * assumed host (always safe: the host copy synchronizes, so a device copy after it reads
+ * final KV). Keyed by the descriptor's hash; a small table, last writer wins. */
+
+#define DEVPATH_SLOTS 256
+static struct {
+    uint64_t key;
+    bool device;
+} g_devpath[DEVPATH_SLOTS];
+static pthread_mutex_t g_devpath_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void devpath_put(uint64_t key, bool device)
+{
+    pthread_mutex_lock(&g_devpath_mu);
+    g_devpath[key % DEVPATH_SLOTS].key = key;
+    g_devpath[key % DEVPATH_SLOTS].device = device;
+    pthread_mutex_unlock(&g_devpath_mu);
+}
+
+static bool devpath_get(uint64_t key)
+{
+    pthread_mutex_lock(&g_devpath_mu);
+    bool d = g_devpath[key % DEVPATH_SLOTS].key == key && g_devpath[key % DEVPATH_SLOTS].device;
+    pthread_mutex_unlock(&g_devpath_mu);
+    return d;
+}
+
+/* Releases a backend event (a device-path layer's readiness that was not handed on). */
+static void release_event(void *ev)
+{
+    if (ev) g.model.be->ops->event_release(g.model.be->ctx, ev);
 }
 
 static double now_s(void)
@@ -219,6 +260,16 @@ static void do_begin(kvt_ctx *ctx, void *arg)
         r->begin_rc = kvt_send_begin(t, &sp, &r->send, r->begin_err);
         if (r->begin_rc == 0) atomic_fetch_add(&r->refs, 1); /* the transfer's own reference */
     }
+    if (t) {
+        kvt_target_info ti;
+        kvt_target_info_get(t, &ti);
+        devpath_put(r->desc_hash, ti.device);
+        if (r->begin_rc == 0 && r->device && !ti.device) {
+            /* Its layers were not copied to the host mirror, and the target no longer goes
+             * device to device: it cannot be sent (its SEND_FAILED answers; a retry works). */
+            kvt_send_cancel(r->send);
+        }
+    }
     kvt_target_close(t);
     preq_unref(r);
     free(j);
@@ -226,8 +277,15 @@ static void do_begin(kvt_ctx *ctx, void *arg)
 
 typedef struct {
     int32_t layer, n;
-    uint64_t ids[];
+    uint64_t *ids;   /* [n] requests whose layer is ready */
+    void **after;    /* [n] device path: the layer's event (NULL: the host copy waited) */
 } layer_job;
+
+static void layer_job_free(layer_job *j)
+{
+    for (int32_t i = 0; i < j->n; i++) release_event(j->after[i]);
+    free(j);
+}
 
 static void do_layer(kvt_ctx *ctx, void *arg)
 {
@@ -235,15 +293,18 @@ static void do_layer(kvt_ctx *ctx, void *arg)
     layer_job *j = arg;
     for (int32_t i = 0; i < j->n; i++) {
         preq *r = map_get(j->ids[i]);
-        if (!r) continue;
-        if (r->send) kvt_send_layer_ready(r->send, j->layer); /* failures come as events */
-        preq_unref(r);
+        if (r && r->send) { /* failures come as events; kvt owns the event from here */
+            kvt_send_layer_ready_after(r->send, j->layer, j->after[i]);
+            j->after[i] = NULL;
+        }
+        if (r) preq_unref(r);
     }
-    free(j);
+    layer_job_free(j);
 }
 
 /* The engine's callbacks for the layered path (engine thread). */
 static uint64_t g_step_ids[4096];
+static bool g_step_dev[4096];  /* the request's layers go device to device */
 static int32_t g_step_n;
 /* Staging (GPU KV): the blocks of the step's layered requests, copied to the host mirror
  * layer by layer before kvtransfer reads them (engine thread). */
@@ -287,6 +348,7 @@ static void on_prompt_step(void *arg, const uint64_t *ids, const int32_t *const 
         j->n = n_blocks[i];
         memcpy(j->src, blocks[i], (size_t)n_blocks[i] * sizeof(int32_t));
         r->layered = true;
+        r->device = g.model.kvdev && devpath_get(r->desc_hash);
         if (svc_kvt_post(g.kvt, do_begin, j) < 0) {
             r->layered = false;
             free(j);
@@ -294,8 +356,9 @@ static void on_prompt_step(void *arg, const uint64_t *ids, const int32_t *const 
             continue;
         }
         if (g_step_n < (int32_t)(sizeof g_step_ids / sizeof g_step_ids[0])) {
+            g_step_dev[g_step_n] = r->device;
             g_step_ids[g_step_n++] = ids[i];
-            if (g.model.mirror) step_blocks_add(blocks[i], n_blocks[i]);
+            if (g.model.mirror && !r->device) step_blocks_add(blocks[i], n_blocks[i]);
         }
         PD_LOGD("request %llu: pushing KV layer by layer during its last prompt step",
                 (unsigned long long)ids[i]);
@@ -306,19 +369,32 @@ static void on_layer(void *arg, int32_t layer)
 {
     (void)arg;
     if (g_step_n == 0) return;
-    if (g.model.mirror) { /* the runner synchronized the layer: its KV is final on the device */
+    if (g.model.mirror && g_step_nb > 0) {
+        /* The host path: the copy is queued after the layer's KV store on the same stream
+         * and waits for it (it returns once the bytes are in the mirror). */
         char err[PD_ERR_LEN] = "KV staging: out of memory for the step's block list";
         if (g_step_oom || svc_kv_copy(&g.model, g_step_blocks, g_step_nb, layer, true, err) < 0) {
             PD_LOGE("%s", err);
             return; /* that layer is then missing: its transfers fail by their deadline */
         }
     }
-    layer_job *j = malloc(sizeof *j + (size_t)g_step_n * sizeof(uint64_t));
+    layer_job *j = calloc(1, sizeof *j + (size_t)g_step_n * (sizeof(uint64_t) + sizeof(void *)));
     if (!j) return; /* that layer is then missing: its transfer fails by its deadline */
     j->layer = layer;
     j->n = g_step_n;
+    j->ids = (uint64_t *)(j + 1);
+    j->after = (void **)(j->ids + g_step_n);
     memcpy(j->ids, g_step_ids, (size_t)g_step_n * sizeof(uint64_t));
-    if (svc_kvt_post(g.kvt, do_layer, j) < 0) free(j);
+    for (int32_t i = 0; i < g_step_n; i++) {
+        /* The device path: an event after the layer's store; the copy waits on the device,
+         * nothing waits here. */
+        if (g_step_dev[i] && g.model.be->ops->event_record(g.model.be->ctx, &j->after[i]) < 0) {
+            PD_LOGE("KV device path: cannot record layer %d's event", layer);
+            j->after[i] = NULL; /* its transfer then fails by its deadline */
+            j->ids[i] = 0;
+        }
+    }
+    if (svc_kvt_post(g.kvt, do_layer, j) < 0) layer_job_free(j);
 }
 
 /* After the forward: every layer was handed over; send DONE with the first token. Carries the
@@ -374,6 +450,7 @@ static void on_kvt_event(void *arg, const kvt_event *ev)
         PD_LOGD("request %llu: KV pushed (%llu bytes, %.2f ms)", (unsigned long long)r->id,
                 (unsigned long long)ev->bytes, ev->elapsed_ns / 1e6);
         svc_metrics_kv_transfer(g.metrics, (double)ev->elapsed_ns * 1e-9);
+        svc_metrics_kv_path(g.metrics, kvt_path_name(ev->path));
         answer(r, RPC_STATUS_OK, NULL);
     } else {
         char msg[PD_ERR_LEN];
@@ -505,6 +582,11 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
     char err[PD_ERR_LEN];
     eng_request er;
     memset(&er, 0, sizeof er);
+    if (atomic_load(&g.inst.failed)) { /* a broken engine takes no new work */
+        rpc_stream_finish(call, RPC_STATUS_UNAVAILABLE, "this instance's engine failed; it "
+                          "reports NOT_SERVING until restarted");
+        return;
+    }
     if (q->n_prompt_token_ids == 0) {
         rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "prompt_token_ids is empty");
         return;
@@ -544,11 +626,12 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
     }
     memcpy(r->desc, q->kv_target->kv_descriptor.data, q->kv_target->kv_descriptor.len);
     r->desc_len = q->kv_target->kv_descriptor.len;
+    r->desc_hash = XXH64(r->desc, r->desc_len, 0x6b76646576ull);
     for (size_t i = 0; i < q->kv_target->n_block_ids; i++)
         r->dst_ids[i] = q->kv_target->block_ids[i] > (uint32_t)INT32_MAX ? -1 : (int32_t)q->kv_target->block_ids[i];
     r->n_dst = (int32_t)q->kv_target->n_block_ids;
     r->reservation_id = q->kv_target->reservation_id;
-    atomic_init(&r->refs, 1);
+    atomic_init(&r->refs, 2); /* the engine's reference + this handler's */
     pthread_mutex_init(&r->mu, NULL);
     r->id = atomic_fetch_add(&g.next_id, 1);
     r->call = call;
@@ -566,9 +649,13 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
     if (rc < 0) {
         answer(r, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         preq_unref(r);
+        preq_unref(r);
         return;
     }
+    /* r is alive here (this handler's reference) even if the engine already answered: then
+     * no callback is armed (the call was finished). */
     rpc_call_set_cancel_cb(call, on_cancel, r);
+    preq_unref(r);
 }
 
 int main(int argc, char **argv)
@@ -579,7 +666,7 @@ int main(int argc, char **argv)
     svc_server_flags sf;
     svc_server_flags_init(&sf, "0.0.0.0:50071");
     int64_t metrics_port = -1;
-    pd_flag flags[32];
+    pd_flag flags[48];
     int n = 0;
     svc_model_flags_add(&mf, flags, &n);
     svc_server_flags_add(&sf, flags, &n, "prefill");
@@ -607,7 +694,10 @@ int main(int argc, char **argv)
         goto out;
     }
     eng_kv_listener kl = {on_prompt_step, on_layer, NULL};
-    ew_callbacks cb = {on_output, on_error, NULL, svc_metrics_on_step, g.metrics};
+    g.inst.metrics = g.metrics;
+    ew_callbacks cb = {.on_output = on_output, .on_error = on_error,
+                       .on_step = svc_instance_on_step,
+                       .on_step_failed = svc_instance_on_step_failed, .step_arg = &g.inst};
     if (svc_engine_start(&g.model, ENG_MODE_PREFILL, &kl, &cb, &g.worker, err) < 0 ||
         svc_kvt_start("prefill", on_kvt_event, NULL, &g.model, &g.kvt, &g.pool, err) < 0) {
         fprintf(stderr, "pdserve-prefill: %s\n", err);

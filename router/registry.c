@@ -1,8 +1,10 @@
-/* registry.c -- Instance discovery (getaddrinfo, periodic), load-report polling on a
- * background thread, and instance selection (see registry.h). */
+/* registry.c -- Instance discovery (getaddrinfo or an injected resolver, periodic, without
+ * the routing mutex), load-report polling on a background thread, and instance selection
+ * (see registry.h). */
 #include "router/registry.h"
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netdb.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -19,7 +21,9 @@
 
 struct rtr_instance {
     atomic_int refs;
-    char addr[128];               /* "ip:port" */
+    uint64_t id;                  /* unique in the registry, never reused (affinity keys) */
+    char addr[RTR_ADDR_LEN];      /* "ip:port" */
+    char name[RTR_ADDR_LEN];      /* the list entry it was resolved from ("host:port") */
     bool prefill;                 /* from the --prefill list */
     rpc_channel *ch;
     /* guarded by the registry mutex */
@@ -43,7 +47,10 @@ struct rtr_registry {
     rtr_instance *inst[MAX_INST];
     int n_inst;
     uint64_t aff_key[AFFINITY_SLOTS];
-    rtr_instance *aff_inst[AFFINITY_SLOTS]; /* weak: compared by pointer while present */
+    uint64_t aff_id[AFFINITY_SLOTS]; /* rtr_instance.id that last prefilled aff_key (an id,
+                                        not a pointer: the instance may be gone and freed) */
+    uint64_t last_id;             /* ids handed out (resolve only) */
+    atomic_llong resolve_failures; /* lookups that failed (their names kept their instances) */
     bool has_prefill;
 };
 
@@ -70,8 +77,55 @@ bool rtr_instance_colocated(const rtr_instance *i)
     return i->role == PDSERVE__INTERNAL__V1__ROLE__ROLE_COLOCATED;
 }
 
-/* Resolves every "host:port" of list into ip:port strings; calls add(addr) for each. */
-static void resolve_list(rtr_registry *r, const char *list, bool prefill, bool *seen)
+/* The default resolver: getaddrinfo (see rtr_resolve_fn). */
+static int resolve_getaddrinfo(void *arg, const char *host, const char *port,
+                               char (*out)[RTR_ADDR_LEN], int max, char *err)
+{
+    (void)arg;
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_socktype = SOCK_STREAM;
+    int rc = getaddrinfo(host, port, &hints, &res);
+    if (rc != 0)
+        return pd_errf(err, PD_ENOTFOUND, "%s", rc == EAI_SYSTEM ? strerror(errno) : gai_strerror(rc));
+    int n = 0;
+    for (struct addrinfo *a = res; a && n < max; a = a->ai_next) {
+        char ip[INET6_ADDRSTRLEN];
+        if (a->ai_family == AF_INET)
+            inet_ntop(AF_INET, &((struct sockaddr_in *)a->ai_addr)->sin_addr, ip, sizeof ip);
+        else if (a->ai_family == AF_INET6)
+            inet_ntop(AF_INET6, &((struct sockaddr_in6 *)a->ai_addr)->sin6_addr, ip, sizeof ip);
+        else
+            continue;
+        snprintf(out[n++], RTR_ADDR_LEN, a->ai_family == AF_INET6 ? "[%s]:%s" : "%s:%s", ip, port);
+    }
+    freeaddrinfo(res);
+    return n;
+}
+
+/* One address a lookup gave. */
+typedef struct {
+    char addr[RTR_ADDR_LEN];      /* "ip:port" */
+    char name[RTR_ADDR_LEN];      /* the list entry it came from ("host:port") */
+    char host[RTR_ADDR_LEN];      /* its host as written (no brackets): the TLS server name */
+    bool prefill;
+} found_addr;
+
+/* The outcome of one round of lookups (made without the registry mutex). */
+typedef struct {
+    found_addr a[MAX_INST];       /* addresses resolved, [n] */
+    int n;
+    struct {
+        char name[RTR_ADDR_LEN];
+        bool prefill;
+    } failed[MAX_INST];           /* list entries whose lookup failed, [n_failed] */
+    int n_failed;
+    char tmp[MAX_INST][RTR_ADDR_LEN]; /* the resolver's output */
+} lookup;
+
+/* Looks up every "host:port" of list with the resolver into L. No lock held: DNS may take
+ * seconds and must not stall routing. */
+static void resolve_list(rtr_registry *r, const char *list, bool prefill, lookup *L)
 {
     if (!list || !*list) return;
     char *copy = strdup(list);
@@ -79,6 +133,8 @@ static void resolve_list(rtr_registry *r, const char *list, bool prefill, bool *
     char *save = NULL;
     for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
         while (*tok == ' ') tok++;
+        char name[RTR_ADDR_LEN];
+        snprintf(name, sizeof name, "%s", tok);
         char *colon = strrchr(tok, ':');
         if (!colon || colon == tok) {
             PD_LOGW("instance address '%s' has no port; ignored", tok);
@@ -86,81 +142,119 @@ static void resolve_list(rtr_registry *r, const char *list, bool prefill, bool *
         }
         *colon = 0;
         const char *host = tok, *port = colon + 1;
-        char hostbuf[128];
+        char hostbuf[RTR_ADDR_LEN];
         if (host[0] == '[') { /* [v6]:port */
             snprintf(hostbuf, sizeof hostbuf, "%.*s", (int)strlen(host) - 2, host + 1);
             host = hostbuf;
         }
-        struct addrinfo hints, *res = NULL;
-        memset(&hints, 0, sizeof hints);
-        hints.ai_socktype = SOCK_STREAM;
-        int rc = getaddrinfo(host, port, &hints, &res);
-        if (rc != 0) {
-            PD_LOGW("cannot resolve %s: %s", host, gai_strerror(rc));
+        char err[PD_ERR_LEN] = "";
+        int n = r->p.resolve(r->p.resolve_arg, host, port, L->tmp, MAX_INST, err);
+        if (n < 0) {
+            /* Keep what this name resolved to last time: a DNS hiccup must not drop every
+             * instance behind it (the load reports still mark dead ones down). */
+            atomic_fetch_add(&r->resolve_failures, 1);
+            PD_LOGW("cannot resolve %s: %s; keeping its last known addresses", name, err);
+            if (L->n_failed < MAX_INST) {
+                snprintf(L->failed[L->n_failed].name, RTR_ADDR_LEN, "%s", name);
+                L->failed[L->n_failed++].prefill = prefill;
+            }
             continue;
         }
-        for (struct addrinfo *a = res; a; a = a->ai_next) {
-            char ip[INET6_ADDRSTRLEN], addr[128];
-            if (a->ai_family == AF_INET)
-                inet_ntop(AF_INET, &((struct sockaddr_in *)a->ai_addr)->sin_addr, ip, sizeof ip);
-            else if (a->ai_family == AF_INET6)
-                inet_ntop(AF_INET6, &((struct sockaddr_in6 *)a->ai_addr)->sin6_addr, ip, sizeof ip);
-            else
-                continue;
-            snprintf(addr, sizeof addr, a->ai_family == AF_INET6 ? "[%s]:%s" : "%s:%s", ip, port);
-            int k = -1;
-            for (int i = 0; i < r->n_inst; i++)
-                if (r->inst[i]->prefill == prefill && !strcmp(r->inst[i]->addr, addr)) k = i;
-            if (k >= 0) {
-                seen[k] = true;
-                continue;
-            }
-            if (r->n_inst == MAX_INST) continue;
-            rtr_instance *in = calloc(1, sizeof *in);
-            if (!in) continue;
-            atomic_init(&in->refs, 1);
-            atomic_init(&in->routed, 0);
-            atomic_init(&in->errors, 0);
-            snprintf(in->addr, sizeof in->addr, "%s", addr);
-            in->prefill = prefill;
-            in->present = true;
-            rpc_channel_params cp = rpc_channel_default_params();
-            cp.target = in->addr;
-            char err[PD_ERR_LEN];
-            if (rpc_channel_create(&cp, &in->ch, err) < 0) {
-                free(in);
-                continue;
-            }
-            PD_LOGI("%s instance %s added", prefill ? "prefill" : "decode", addr);
-            seen[r->n_inst] = true;
-            r->inst[r->n_inst++] = in;
+        for (int i = 0; i < n && L->n < MAX_INST; i++) {
+            bool dup = false;
+            for (int k = 0; k < L->n && !dup; k++)
+                dup = L->a[k].prefill == prefill && !strcmp(L->a[k].addr, L->tmp[i]);
+            if (dup) continue;
+            found_addr *a = &L->a[L->n++];
+            snprintf(a->addr, sizeof a->addr, "%s", L->tmp[i]);
+            snprintf(a->name, sizeof a->name, "%s", name);
+            snprintf(a->host, sizeof a->host, "%s", host);
+            a->prefill = prefill;
         }
-        freeaddrinfo(res);
     }
     free(copy);
 }
 
+/* A new instance for a (its channel connects lazily); NULL on failure (logged). */
+static rtr_instance *instance_new(rtr_registry *r, const found_addr *a)
+{
+    rtr_instance *in = calloc(1, sizeof *in);
+    if (!in) return NULL;
+    atomic_init(&in->refs, 1);
+    atomic_init(&in->routed, 0);
+    atomic_init(&in->errors, 0);
+    in->id = ++r->last_id; /* the poller thread (or create) only */
+    snprintf(in->addr, sizeof in->addr, "%s", a->addr);
+    snprintf(in->name, sizeof in->name, "%s", a->name);
+    in->prefill = a->prefill;
+    in->present = true;
+    rpc_channel_params cp = rpc_channel_default_params();
+    cp.target = in->addr;
+    cp.tls = r->p.tls;
+    if (cp.tls.ca_file && *cp.tls.ca_file && !(cp.tls.server_name && *cp.tls.server_name))
+        cp.tls.server_name = a->host; /* the name the certificate carries */
+    char err[PD_ERR_LEN];
+    if (rpc_channel_create(&cp, &in->ch, err) < 0) {
+        PD_LOGE("instance %s: %s", a->addr, err);
+        free(in);
+        return NULL;
+    }
+    return in;
+}
+
+/* Re-resolves the lists and updates the instances: the lookups run without the mutex, which
+ * is held only to edit the list (routing never waits for DNS). Addresses no longer resolved
+ * leave (calls in flight keep their references); a name whose lookup failed keeps its
+ * instances. Only one thread runs it at a time (create, then the poller), so the list changes
+ * nowhere else between the steps. */
 static void resolve(rtr_registry *r)
 {
-    bool seen[MAX_INST] = {false};
+    lookup *L = calloc(1, sizeof *L);
+    if (!L) return; /* keep everything as it is */
+    resolve_list(r, r->p.prefill, true, L);
+    resolve_list(r, r->p.decode, false, L);
+    bool known[MAX_INST] = {false}; /* L->a[k] is an instance already */
+    rtr_instance *gone[MAX_INST];
+    int n_gone = 0;
     pthread_mutex_lock(&r->mu);
-    int before = r->n_inst;
-    resolve_list(r, r->p.prefill, true, seen);
-    resolve_list(r, r->p.decode, false, seen);
-    /* Instances no longer resolved leave the registry (calls in flight keep theirs). */
     int j = 0;
     for (int i = 0; i < r->n_inst; i++) {
-        if (seen[i] || i >= before) {
-            r->inst[j++] = r->inst[i];
+        rtr_instance *in = r->inst[i];
+        bool keep = false;
+        for (int k = 0; k < L->n_failed && !keep; k++)
+            keep = L->failed[k].prefill == in->prefill && !strcmp(L->failed[k].name, in->name);
+        for (int k = 0; k < L->n; k++)
+            if (L->a[k].prefill == in->prefill && !strcmp(L->a[k].addr, in->addr))
+                keep = known[k] = true;
+        if (keep) {
+            r->inst[j++] = in;
         } else {
-            PD_LOGI("instance %s removed (no longer resolved)", r->inst[i]->addr);
-            for (int a = 0; a < AFFINITY_SLOTS; a++)
-                if (r->aff_inst[a] == r->inst[i]) r->aff_inst[a] = NULL;
-            rtr_instance_unref(r->inst[i]);
+            in->present = false;
+            gone[n_gone++] = in;
         }
     }
     r->n_inst = j;
     pthread_mutex_unlock(&r->mu);
+    for (int i = 0; i < n_gone; i++) { /* unref may destroy a channel: not under the mutex */
+        PD_LOGI("instance %s removed (no longer resolved)", gone[i]->addr);
+        rtr_instance_unref(gone[i]);
+    }
+    for (int k = 0; k < L->n; k++) {
+        if (known[k]) continue;
+        rtr_instance *in = instance_new(r, &L->a[k]);
+        if (!in) continue;
+        pthread_mutex_lock(&r->mu);
+        bool room = r->n_inst < MAX_INST;
+        if (room) r->inst[r->n_inst++] = in;
+        pthread_mutex_unlock(&r->mu);
+        if (room) {
+            PD_LOGI("%s instance %s added", in->prefill ? "prefill" : "decode", in->addr);
+        } else {
+            PD_LOGW("instance %s ignored: more than %d instances", in->addr, MAX_INST);
+            rtr_instance_unref(in);
+        }
+    }
+    free(L);
 }
 
 static void poll_one(rtr_registry *r, rtr_instance *in)
@@ -249,9 +343,25 @@ int rtr_registry_create(const rtr_registry_params *p, rtr_registry **out, char *
     rtr_registry *r = calloc(1, sizeof *r);
     if (!r) return pd_errf(err, PD_ENOMEM, "out of memory");
     r->p = *p;
+    if (!r->p.resolve) r->p.resolve = resolve_getaddrinfo;
+    atomic_init(&r->resolve_failures, 0);
     pthread_mutex_init(&r->mu, NULL);
     pthread_cond_init(&r->cv, NULL);
     r->has_prefill = p->prefill && *p->prefill;
+    const rpc_client_tls *t = &p->tls;
+    if ((t->ca_file && *t->ca_file) || (t->cert_file && *t->cert_file) ||
+        (t->key_file && *t->key_file)) { /* bad TLS settings: fail now, naming the file */
+        rpc_channel_params cp = rpc_channel_default_params();
+        cp.target = "localhost:0";
+        cp.tls = p->tls;
+        rpc_channel *probe = NULL;
+        int rc = rpc_channel_create(&cp, &probe, err);
+        rpc_channel_destroy(probe);
+        if (rc < 0) {
+            rtr_registry_destroy(r);
+            return rc;
+        }
+    }
     resolve(r);
     if (r->n_inst == 0 || !(p->decode && *p->decode)) {
         rtr_registry_destroy(r);
@@ -316,10 +426,13 @@ rtr_instance *rtr_pick_prefill(rtr_registry *r, const Pdserve__Internal__V1__KvL
                                uint64_t key, int32_t n_prompt, const rtr_instance *exclude)
 {
     pthread_mutex_lock(&r->mu);
-    rtr_instance *best = NULL;
+    rtr_instance *best = NULL, *aff = NULL;
     int64_t best_load = INT64_MAX;
+    size_t slot = (size_t)(key % AFFINITY_SLOTS);
+    uint64_t aff_id = key && r->aff_key[slot] == key ? r->aff_id[slot] : 0;
     for (int i = 0; i < r->n_inst; i++) {
         rtr_instance *in = r->inst[i];
+        if (aff_id && in->id == aff_id) aff = in; /* still registered */
         if (!in->prefill || !usable(in) || in == exclude) continue;
         if (layout && in->has_layout && !same_layout(layout, &in->layout)) continue;
         int64_t load = in->queued_tokens + in->local_tokens;
@@ -330,8 +443,7 @@ rtr_instance *rtr_pick_prefill(rtr_registry *r, const Pdserve__Internal__V1__KvL
     }
     /* Prefix affinity: the instance that computed this prefix last has it in its cache; take
      * it unless it is busier than the best by more than the work the cache saves. */
-    rtr_instance *aff = key ? r->aff_inst[key % AFFINITY_SLOTS] : NULL;
-    if (aff && r->aff_key[key % AFFINITY_SLOTS] == key && aff != best && aff != exclude && usable(aff) &&
+    if (aff && aff->prefill && aff != best && aff != exclude && usable(aff) &&
         (!layout || !aff->has_layout || same_layout(layout, &aff->layout)) &&
         aff->queued_tokens + aff->local_tokens <= best_load + n_prompt)
         best = aff;
@@ -342,14 +454,28 @@ rtr_instance *rtr_pick_prefill(rtr_registry *r, const Pdserve__Internal__V1__KvL
 
 void rtr_note_prefix(rtr_registry *r, uint64_t key, rtr_instance *inst)
 {
-    if (!key) return;
+    if (!key || !inst) return;
     pthread_mutex_lock(&r->mu);
     r->aff_key[key % AFFINITY_SLOTS] = key;
-    r->aff_inst[key % AFFINITY_SLOTS] = inst;
+    r->aff_id[key % AFFINITY_SLOTS] = inst->id;
     pthread_mutex_unlock(&r->mu);
 }
 
 bool rtr_has_prefill(rtr_registry *r) { return r->has_prefill; }
+
+int64_t rtr_registry_resolve_failures(rtr_registry *r) { return atomic_load(&r->resolve_failures); }
+
+rtr_registry_params rtr_registry_default_params(void)
+{
+    rtr_registry_params p;
+    memset(&p, 0, sizeof p);
+    p.prefill = "";
+    p.decode = "";
+    p.poll_ms = 500;
+    p.resolve_ms = 10000;
+    p.report_timeout_ms = 2000;
+    return p;
+}
 
 void rtr_instance_add_load(rtr_instance *i, int64_t blocks, int64_t tokens)
 {

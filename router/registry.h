@@ -14,13 +14,32 @@
 typedef struct rtr_registry rtr_registry;
 typedef struct rtr_instance rtr_instance; /* reference counted; valid while referenced */
 
+#define RTR_ADDR_LEN 128          /* "ip:port" and "host:port" strings, NUL included */
+
+/* Resolves host (a DNS name or a literal address, IPv6 without brackets) and port into at
+ * most max addresses written to out as "ip:port" ("[v6]:port"). Returns how many (>= 0), or a
+ * negative error with err (PD_ERR_LEN) saying why; the registry then keeps the addresses the
+ * name had. Runs on the registry's poller thread (and in rtr_registry_create) with no lock
+ * held; it may block (DNS). */
+typedef int (*rtr_resolve_fn)(void *arg, const char *host, const char *port,
+                              char (*out)[RTR_ADDR_LEN], int max, char *err);
+
 typedef struct {
     const char *prefill;          /* comma-separated host:port list (names re-resolved) */
     const char *decode;           /* the same for decode (or colocated) instances */
     int64_t poll_ms;              /* load report period */
     int64_t resolve_ms;           /* DNS re-resolution period */
     int64_t report_timeout_ms;    /* a load report slower than this marks the instance down */
+    rpc_client_tls tls;           /* TLS of the channels to instances (strings borrowed, must
+                                     outlive the registry); ca_file unset = plaintext. Without
+                                     server_name, each channel expects the host as written in
+                                     the list (the DNS name, not the address it resolved to) */
+    rtr_resolve_fn resolve;       /* NULL = getaddrinfo (tests inject a fake) */
+    void *resolve_arg;            /* passed to resolve; borrowed, must outlive the registry */
 } rtr_registry_params;
+
+/* Defaults: no instances, poll 500 ms, resolve 10 s, report timeout 2 s, getaddrinfo. */
+rtr_registry_params rtr_registry_default_params(void);
 
 int rtr_registry_create(const rtr_registry_params *p, rtr_registry **out, char *err);
 void rtr_registry_destroy(rtr_registry *r); /* NULL is a no-op */
@@ -33,7 +52,8 @@ rtr_instance *rtr_pick_decode(rtr_registry *r, const rtr_instance *exclude);
  * one that last served the same prefix key when it is not much busier; NULL when none. */
 rtr_instance *rtr_pick_prefill(rtr_registry *r, const Pdserve__Internal__V1__KvLayout *layout,
                                uint64_t prefix_key, int32_t n_prompt, const rtr_instance *exclude);
-/* Remembers that prefix_key was prefilled on inst. */
+/* Remembers that prefix_key was prefilled on inst (by its id: inst may leave the registry
+ * and be freed afterwards; the entry then matches nothing). inst NULL is a no-op. */
 void rtr_note_prefix(rtr_registry *r, uint64_t prefix_key, rtr_instance *inst);
 /* True when at least one prefill instance is configured (else decode computes prompts). */
 bool rtr_has_prefill(rtr_registry *r);
@@ -47,6 +67,9 @@ bool rtr_instance_colocated(const rtr_instance *i);
 void rtr_instance_add_load(rtr_instance *i, int64_t blocks, int64_t prompt_tokens);
 /* Counts a failed call (marks the instance down until its next good load report). */
 void rtr_instance_failed(rtr_instance *i);
+
+/* Lookups that failed since start (each kept the name's last known addresses). */
+int64_t rtr_registry_resolve_failures(rtr_registry *r);
 
 /* Instances known (for logs and metrics): prefill, decode, and how many are healthy. */
 void rtr_registry_counts(rtr_registry *r, int *n_prefill, int *n_decode, int *healthy);

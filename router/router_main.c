@@ -9,6 +9,12 @@
  * completion threads of two client calls; its mutex serializes them. It is freed when the
  * public call is finished and both client calls have ended.
  *
+ * Lock order: the public call's cancel callback (on_cancel) takes the request's mutex, and
+ * rpc_stream_finish waits for a running cancel callback; so the public call is never finished
+ * under the mutex. finish_locked only decides (marks the request finished, records the status)
+ * and rreq_unlock sends the status after releasing the mutex. Every path that may finish
+ * unlocks through rreq_unlock.
+ *
  * Metrics: the outcome, latencies (TTFT from arrival to the first token sent, TPOT as the
  * mean gap between later tokens, end to end) and token counts of every public call are
  * recorded once, where the call is finished (finish_locked, on_cancel, reject); the
@@ -24,6 +30,7 @@
 #include "common/error.h"
 #include "common/flags.h"
 #include "common/log.h"
+#include "common/random.h"
 #include "common/rpc/rpc.h"
 #include "common/svc/svc.h"
 #include "common/svc/svc_metrics.h"
@@ -34,6 +41,7 @@
 #include "pdserve/internal/v1/decode.pb-c.h"
 #include "pdserve/internal/v1/prefill.pb-c.h"
 #include "router/registry.h"
+#include "router/rtr_errors.h"
 
 typedef struct {
     mc_config cfg;
@@ -50,7 +58,7 @@ typedef struct {
     double slo_ttft_s, slo_tpot_s;   /* 0 = no objective */
     svc_metrics *metrics;
     pd_metric *m_ttft, *m_tpot, *m_e2e, *m_prompt, *m_completion, *m_slo, *m_in_flight;
-    pd_metric *m_retry_prefill, *m_retry_decode;
+    pd_metric *m_retry_prefill, *m_retry_decode, *m_dns_fail;
     pd_mfamily *m_success;           /* by finish_reason */
     pd_mfamily *m_inst[9];           /* per-instance families (collector) */
 } router;
@@ -61,7 +69,7 @@ typedef struct rreq {
     atomic_int refs;                 /* public call side + decode call + prefill call */
     pthread_mutex_t mu;
     rpc_call *call;                  /* the public call (our reference until finished) */
-    char request_id[128];
+    char request_id[129];            /* at most 128 bytes (validated), NUL-terminated */
     int32_t *prompt;
     int32_t n_prompt;
     Pdserve__V1__SamplingParams sampling;   /* normalized (seed filled) */
@@ -78,7 +86,10 @@ typedef struct rreq {
     int finish_reason;               /* FinishReason of an OK end */
     Pdserve__Internal__V1__KvTarget *kv; /* the reservation's target (copy, for retries) */
     bool first_sent;                 /* first token emitted to the client */
-    bool finished;                   /* public call finished */
+    bool finished;                   /* public call finished (or decided: see fin_pending) */
+    bool fin_pending;                /* finish_locked decided; rreq_unlock sends the status */
+    int fin_code;                    /* rpc_status_code to send */
+    char fin_msg[PD_ERR_LEN];        /* its details ("" = none) */
     uint32_t *held;                  /* decode tokens that arrived before the first token */
     size_t n_held, cap_held;
     int held_finish;                 /* finish reason that arrived with held tokens */
@@ -153,17 +164,47 @@ static void rreq_unref(rreq *r)
     atomic_fetch_sub(&g.pending, 1);
 }
 
-/* Finishes the public call (mu held). */
+/* Decides the end of the public call (mu held): accounts it, cancels the internal calls and
+ * records the status, which rreq_unlock sends once the mutex is released (see the lock order
+ * at the top). fmt is a printf format with one %s for detail. */
 static void finish_locked(rreq *r, rpc_status_code code, const char *fmt, const char *detail)
 {
     if (r->finished) return;
     r->finished = true;
     account_locked(r, code);
-    if (code == RPC_STATUS_OK) rpc_stream_finish(r->call, RPC_STATUS_OK, NULL);
-    else rpc_stream_finish(r->call, code, fmt, detail);
-    rpc_call_unref(r->call);
-    if (r->dcall) rpc_client_call_cancel(r->dcall);
+    r->fin_pending = true;
+    r->fin_code = (int)code;
+    r->fin_msg[0] = 0;
+    if (code != RPC_STATUS_OK && fmt) {
+        _Pragma("GCC diagnostic push")
+        _Pragma("GCC diagnostic ignored \"-Wformat-nonliteral\"")
+        if (snprintf(r->fin_msg, sizeof r->fin_msg, fmt, detail ? detail : "") < 0)
+            r->fin_msg[0] = 0; /* (longer details are cut) */
+        _Pragma("GCC diagnostic pop")
+    }
+    if (r->dcall) rpc_client_call_cancel(r->dcall); /* never blocks */
     if (r->pcall) rpc_client_call_cancel(r->pcall);
+}
+
+/* Releases r->mu and then sends a status that finish_locked decided, and drops the public
+ * call's reference. The caller holds a reference to r (the status is copied before the
+ * unlock, so r is not touched after it). */
+static void rreq_unlock(rreq *r)
+{
+    rpc_call *call = NULL;
+    int code = 0;
+    char msg[PD_ERR_LEN];
+    if (r->fin_pending) {
+        r->fin_pending = false;
+        call = r->call;
+        code = r->fin_code;
+        snprintf(msg, sizeof msg, "%s", r->fin_msg);
+    }
+    pthread_mutex_unlock(&r->mu);
+    if (!call) return;
+    if (code == RPC_STATUS_OK) rpc_stream_finish(call, RPC_STATUS_OK, NULL);
+    else rpc_stream_finish(call, (rpc_status_code)code, msg[0] ? "%s" : NULL, msg);
+    rpc_call_unref(call);
 }
 
 /* Emits tokens to the client (mu held): detokenize, stop strings, one GenerateResponse.
@@ -289,7 +330,7 @@ static void pre_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user
     if (r->n_held || r->held_finish)
         emit_locked(r, r->held, r->n_held, r->held_finish, r->have_held_usage ? &r->held_usage : NULL);
     r->n_held = 0;
-    pthread_mutex_unlock(&r->mu);
+    rreq_unlock(r);
     protobuf_c_message_free_unpacked(msg, NULL);
 }
 
@@ -314,11 +355,14 @@ static void pre_on_done(rpc_client_call *c, const rpc_status *st, void *user)
             rtr_instance_failed(r->pre);
         PD_LOGW("request %s: prefill on %s failed: %s: %s", r->request_id,
                 rtr_instance_addr(r->pre), rpc_status_name(st->code), st->details);
-        finish_locked(r, st->code == RPC_STATUS_INVALID_ARGUMENT || st->code == RPC_STATUS_CANCELLED
+        char pub[PD_ERR_LEN];
+        rtr_public_detail(st->code, st->details, "prefill", pub, sizeof pub);
+        finish_locked(r, st->code == RPC_STATUS_INVALID_ARGUMENT || st->code == RPC_STATUS_CANCELLED ||
+                                 st->code == RPC_STATUS_INTERNAL
                              ? (rpc_status_code)st->code : RPC_STATUS_UNAVAILABLE,
-                      "prefill failed: %s", st->details);
+                      "%s", pub);
     }
-    pthread_mutex_unlock(&r->mu);
+    rreq_unlock(r);
     rreq_unref(r);
 }
 
@@ -394,7 +438,7 @@ static void dec_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user
             }
         }
     }
-    pthread_mutex_unlock(&r->mu);
+    rreq_unlock(r);
     protobuf_c_message_free_unpacked(msg, NULL);
 }
 
@@ -417,8 +461,11 @@ static void dec_on_done(rpc_client_call *c, const rpc_status *st, void *user)
         rpc_client_call_release(r->dcall);
         r->dcall = NULL;
         pd_metric_add(g.m_retry_decode, 1);
-        if (!start_decode(r, prev))
-            finish_locked(r, (rpc_status_code)st->code, "%s", st->details);
+        if (!start_decode(r, prev)) {
+            char pub[PD_ERR_LEN];
+            rtr_public_detail(st->code, st->details, "decode", pub, sizeof pub);
+            finish_locked(r, (rpc_status_code)st->code, "%s", pub);
+        }
         rtr_instance_unref(prev);
     } else if (!r->finished && !(st->code == RPC_STATUS_OK && r->held_finish)) {
         if (st->code == RPC_STATUS_OK) {
@@ -427,10 +474,12 @@ static void dec_on_done(rpc_client_call *c, const rpc_status *st, void *user)
             if (st->code == RPC_STATUS_UNAVAILABLE) rtr_instance_failed(r->dec);
             PD_LOGW("request %s: decode on %s failed: %s: %s", r->request_id,
                     rtr_instance_addr(r->dec), rpc_status_name(st->code), st->details);
-            finish_locked(r, (rpc_status_code)st->code, "%s", st->details);
+            char pub[PD_ERR_LEN];
+            rtr_public_detail(st->code, st->details, "decode", pub, sizeof pub);
+            finish_locked(r, (rpc_status_code)st->code, "%s", pub);
         }
     }
-    pthread_mutex_unlock(&r->mu);
+    rreq_unlock(r);
     rreq_unref(r);
 }
 
@@ -476,7 +525,7 @@ static void on_cancel(rpc_call *call, void *user)
         if (r->dcall) rpc_client_call_cancel(r->dcall);
         if (r->pcall) rpc_client_call_cancel(r->pcall);
     }
-    pthread_mutex_unlock(&r->mu);
+    rreq_unlock(r);
 }
 
 static uint64_t prefix_key(const int32_t *ids, int32_t n)
@@ -502,6 +551,12 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
         reject(call, RPC_STATUS_INVALID_ARGUMENT, "give exactly one of prompt and prompt_token_ids");
         return;
     }
+    /* Strings arrive valid UTF-8 without NUL bytes (the rpc layer checks the wire). */
+    size_t id_len = q->request_id ? strlen(q->request_id) : 0;
+    if (id_len > 128) {
+        reject(call, RPC_STATUS_INVALID_ARGUMENT, "request_id: at most 128 bytes (got %zu)", id_len);
+        return;
+    }
     smp_params sp;
     seq_stopping ss;
     if (svc_sampling_from_proto(q->sampling, &sp, err) < 0 ||
@@ -514,12 +569,18 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
                           "strings (got %zu)", q->stopping->n_stop);
         return;
     }
-    if (q->stopping)
-        for (size_t i = 0; i < q->stopping->n_stop; i++)
-            if (!q->stopping->stop[i] || !q->stopping->stop[i][0]) {
-                reject(call, RPC_STATUS_INVALID_ARGUMENT, "stopping.stop[%zu] is empty", i);
-                return;
-            }
+    for (size_t i = 0; q->stopping && i < q->stopping->n_stop; i++) {
+        size_t len = q->stopping->stop[i] ? strlen(q->stopping->stop[i]) : 0;
+        if (len == 0) {
+            reject(call, RPC_STATUS_INVALID_ARGUMENT, "stopping.stop[%zu] is empty", i);
+            return;
+        }
+        if (len > 256) {
+            reject(call, RPC_STATUS_INVALID_ARGUMENT, "stopping.stop[%zu]: at most 256 bytes "
+                   "(got %zu)", i, len);
+            return;
+        }
+    }
     if (atomic_fetch_add(&g.pending, 1) >= g.max_pending) {
         atomic_fetch_sub(&g.pending, 1);
         reject(call, RPC_STATUS_RESOURCE_EXHAUSTED, "the router has %lld requests in "
@@ -577,7 +638,7 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
     /* Normalized parameters for both instances: an unset seed gets one here, so that prefill
      * and decode draw from the same per-request stream. */
     if (!sp.has_seed) {
-        sp.seed = ((uint64_t)rand() << 32) ^ (uint64_t)rand() ^ atomic_fetch_add(&g.next_id, 1);
+        sp.seed = pd_random_u64(); /* OS-seeded: differs across restarts and replicas */
         sp.has_seed = true;
     }
     svc_sampling_to_proto(&sp, &r->sampling);
@@ -604,7 +665,7 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
     pthread_mutex_lock(&r->mu);
     if (!start_decode(r, NULL))
         finish_locked(r, RPC_STATUS_UNAVAILABLE, "%s", "no decode instance is available");
-    pthread_mutex_unlock(&r->mu);
+    rreq_unlock(r);
     rpc_call_set_cancel_cb(call, on_cancel, r);
     rreq_unref(r); /* the handler's reference; the calls hold theirs */
 }
@@ -661,6 +722,7 @@ static void collect(pd_metrics *m, void *arg)
     (void)arg;
     pd_metric_set(g.m_in_flight, (double)atomic_load(&g.pending));
     if (!g.reg) return;
+    pd_metric_set(g.m_dns_fail, (double)rtr_registry_resolve_failures(g.reg));
     rtr_instance_info *v = calloc(256, sizeof *v);
     if (!v) return;
     int n = rtr_registry_snapshot(g.reg, v, 256);
@@ -709,6 +771,9 @@ static int metrics_setup(const char *listen, int64_t port, char *err)
                                             "internal calls retried on another instance", NULL, 0);
     g.m_retry_prefill = pd_mfamily_series(retries, "role=\"prefill\"");
     g.m_retry_decode = pd_mfamily_series(retries, "role=\"decode\"");
+    g.m_dns_fail = pd_metrics_counter(m, "pdserve_router_resolve_failures_total", NULL,
+                                      "failed DNS lookups of --prefill / --decode names (the "
+                                      "last good addresses stay in use)");
     static const struct {
         const char *name, *help;
         pd_metric_type t;
@@ -757,7 +822,16 @@ int main(int argc, char **argv)
         {"metrics-port", PD_FLAG_INT, &metrics_port, "Prometheus /metrics HTTP port on the --listen host (-1 = off, 0 = any free port)", -1, 65535},
         {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
     };
-    int prc = pd_flags_parse(flags, (int)(sizeof flags / sizeof flags[0]), argc, argv, "pdserve-router",
+    /* TLS: the public server's flags and the instance channels' (--internal-tls-*). */
+    rpc_server_tls_flags stls;
+    rpc_server_tls_flags_init(&stls);
+    rpc_client_tls itls = {0};
+    pd_flag all[sizeof flags / sizeof flags[0] + 8];
+    int n_all = 0;
+    for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) all[n_all++] = flags[i];
+    rpc_server_tls_flags_add(&stls, all, &n_all);
+    rpc_client_tls_flags_add(&itls, all, &n_all, true);
+    int prc = pd_flags_parse(all, n_all, argc, argv, "pdserve-router",
                              "The public entry of pdserve: the pdserve.v1.Generation gRPC API, "
                              "routed over prefill and decode instances.");
     if (prc != 0) {
@@ -810,7 +884,12 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-router: --decode host:port,... is required\n");
         goto out;
     }
-    rtr_registry_params rp = {prefill, decode, poll_ms, resolve_ms, 2000};
+    rtr_registry_params rp = rtr_registry_default_params();
+    rp.prefill = prefill;
+    rp.decode = decode;
+    rp.poll_ms = poll_ms;
+    rp.resolve_ms = resolve_ms;
+    rp.tls = itls;
     if (rtr_registry_create(&rp, &g.reg, err) < 0) {
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
@@ -821,6 +900,7 @@ int main(int argc, char **argv)
     sp.shutdown_grace_ms = (int)grace_ms;
     sp.health_drain_ms = (int)health_drain_ms;
     sp.stream_queue_max = 4096;
+    rpc_server_tls_flags_apply(&stls, &sp);
     if (rpc_server_create(&sp, &g.server, err) < 0 ||
         rpc_server_register(g.server, &pdserve__v1__generation__descriptor, "Generate",
                             RPC_SERVER_STREAMING, handle_generate, NULL, err) < 0 ||

@@ -458,6 +458,108 @@ static void test_mistral_window(void)
     CHECK_EQ_INT(c.sliding_window, 0);
 }
 
+/* ------------------------------------------------------------------ fuzz findings */
+
+/* Loads base_cfg() with several keys replaced: keys[i] gets the JSON text vals[i]. */
+static int load_with_n(const char *const *keys, const char *const *vals, int n, mc_config *c,
+                       char *err)
+{
+    json_t *o = base_cfg();
+    for (int i = 0; i < n; i++) {
+        json_error_t je;
+        json_t *v = json_loads(vals[i], JSON_DECODE_ANY, &je);
+        if (!v) {
+            fprintf(stderr, "bad test value %s: %s\n", vals[i], je.text);
+            abort();
+        }
+        json_object_set_new(o, keys[i], v);
+    }
+    return load_cfg(o, NULL, c, err);
+}
+
+/* Configs found by tests/fuzz/fuzz_config_json that used to load and then gave the engine NaN
+ * or infinite RoPE frequencies, or sizes whose parameter count overflows int64. */
+static void test_fuzz_regressions(void)
+{
+    /* yarn divides by log(rope_theta): theta 1 gave NaN frequencies */
+    EXPECT_FAIL(load_with_n((const char *[]){"rope_theta", "rope_scaling"},
+                            (const char *[]){"1.0", "{\"type\": \"yarn\", \"factor\": 4.0}"}, 2,
+                            &c_, e_),
+                PD_EFORMAT, "config.json", "rope_theta");
+    EXPECT_FAIL(load_with("rope_theta", "0.5", &c_, e_), PD_EFORMAT, "rope_theta");
+    /* llama3 divides by low_freq_factor */
+    EXPECT_FAIL(load_with("rope_scaling", "{\"rope_type\": \"llama3\", \"factor\": 8.0, "
+                          "\"low_freq_factor\": 0, \"high_freq_factor\": 4.0}", &c_, e_),
+                PD_EFORMAT, "low_freq_factor");
+    /* yarn takes the log of original_max_position_embeddings / beta */
+    EXPECT_FAIL(load_with("rope_scaling", "{\"type\": \"yarn\", \"factor\": 4.0, "
+                          "\"beta_fast\": 0}", &c_, e_),
+                PD_EFORMAT, "beta_fast");
+    EXPECT_FAIL(load_with("rope_scaling", "{\"type\": \"yarn\", \"factor\": 4.0, "
+                          "\"beta_slow\": -1}", &c_, e_),
+                PD_EFORMAT, "beta_slow");
+    EXPECT_FAIL(load_with("rope_scaling", "{\"type\": \"yarn\", \"factor\": 4.0, "
+                          "\"original_max_position_embeddings\": 0}", &c_, e_),
+                PD_EFORMAT, "original_max_position_embeddings");
+    /* a factor near 0 made every linear frequency infinite */
+    EXPECT_FAIL(load_with("rope_scaling", "{\"type\": \"linear\", \"factor\": 1e-300}", &c_, e_),
+                PD_EFORMAT, "factor");
+    EXPECT_FAIL(load_with("rope_scaling", "{\"type\": \"linear\", \"factor\": 0.5}", &c_, e_),
+                PD_EFORMAT, "factor");
+
+    /* Sizes whose products overflow: n_heads + 2 * n_kv_heads overflowed int in
+     * mc_param_count, and the parameter count int64. */
+    EXPECT_FAIL(load_with_n((const char *[]){"num_attention_heads", "num_key_value_heads",
+                                             "head_dim", "hidden_size"},
+                            (const char *[]){"2147483646", "1073741823", "2", "2147483646"}, 4,
+                            &c_, e_),
+                PD_EFORMAT, "config.json", "hidden_size");
+    EXPECT_FAIL(load_with_n((const char *[]){"num_attention_heads", "num_key_value_heads",
+                                             "head_dim"},
+                            (const char *[]){"1073741824", "1073741824", "2"}, 3, &c_, e_),
+                PD_EFORMAT, "num_attention_heads * head_dim");
+    EXPECT_FAIL(load_with("vocab_size", "2147483647", &c_, e_), PD_EFORMAT, "vocab_size");
+    EXPECT_FAIL(load_with("num_hidden_layers", "2147483647", &c_, e_), PD_EFORMAT,
+                "num_hidden_layers");
+    EXPECT_FAIL(load_with_n((const char *[]){"hidden_size", "intermediate_size",
+                                             "num_hidden_layers"},
+                            (const char *[]){"16777216", "16777216", "65536"}, 3, &c_, e_),
+                PD_EFORMAT, "parameters");
+
+    /* The largest real shapes still load (Llama-3.1-405B) and count right. */
+    mc_config c;
+    char err[PD_ERR_LEN];
+    int rc = load_with_n((const char *[]){"hidden_size", "intermediate_size", "num_hidden_layers",
+                                          "num_attention_heads", "num_key_value_heads",
+                                          "vocab_size"},
+                         (const char *[]){"16384", "53248", "126", "128", "8", "128256"}, 6, &c,
+                         err);
+    CHECK_MSG(rc == 0, "%s", err);
+    CHECK(mc_param_count(&c) > 400000000000LL && mc_param_count(&c) < 410000000000LL);
+
+    /* The in-memory entry points read what mc_load reads. */
+    mc_config from_file;
+    rc = load_cfg(base_cfg(), NULL, &from_file, err);
+    CHECK_MSG(rc == 0, "%s", err);
+    rc = mc_parse_json(k_base, strlen(k_base), &c, err);
+    CHECK_MSG(rc == 0, "%s", err);
+    CHECK_EQ_INT(c.hidden_size, from_file.hidden_size);
+    CHECK_EQ_INT(c.n_kv_heads, from_file.n_kv_heads);
+    CHECK_EQ_INT(c.dtype, from_file.dtype);
+    CHECK_NEAR(c.rms_eps, from_file.rms_eps, 0);
+    CHECK_EQ_INT(c.n_eos, 1);
+    const char *gen = "{\"eos_token_id\": [7, 8], \"bos_token_id\": 5}";
+    rc = mc_parse_generation_json(gen, strlen(gen), &c, err);
+    CHECK_MSG(rc == 0, "%s", err);
+    CHECK_EQ_INT(c.n_eos, 2);
+    CHECK_EQ_INT(c.eos_token_ids[1], 8);
+    CHECK_EQ_INT(c.bos_token_id, 5);
+    EXPECT_FAIL(mc_parse_json(k_base, strlen(k_base) - 1, &c_, e_), PD_EFORMAT, "config.json",
+                "malformed");
+    EXPECT_FAIL(mc_parse_generation_json("[1]", 3, &c_, e_), PD_EFORMAT,
+                "generation_config.json");
+}
+
 /* ------------------------------------------------------------------ RoPE frequencies */
 
 /* Independent transcription of transformers' _compute_llama3_parameters, in double. */
@@ -601,6 +703,7 @@ int main(void)
     test_rope_styles();
     test_bad_inputs();
     test_mistral_window();
+    test_fuzz_regressions();
     test_inv_freq();
     test_param_count();
 

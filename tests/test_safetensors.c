@@ -460,6 +460,46 @@ static int remove_entry(const char *path, const struct stat *sb, int flag, struc
     return remove(path);
 }
 
+/* st_open_buffer: the same checks on a file held in memory (the fuzz target's entry). */
+static void test_buffer(void)
+{
+    uint8_t data[44];
+    make_data(data);
+    size_t n_hdr = strlen(k_header), padded = (n_hdr + 7) & ~(size_t)7;
+    size_t total = 8 + padded + sizeof data;
+    uint8_t *buf = malloc(total);
+    CHECK(buf != NULL);
+    if (!buf) return;
+    for (int i = 0; i < 8; i++) buf[i] = (uint8_t)((uint64_t)padded >> (8 * i));
+    memcpy(buf + 8, k_header, n_hdr);
+    memset(buf + 8 + n_hdr, ' ', padded - n_hdr);
+    memcpy(buf + 8 + padded, data, sizeof data);
+
+    char err[PD_ERR_LEN] = "";
+    st_model *m = NULL;
+    int rc = st_open_buffer(buf, total, "mem.safetensors", &m, err);
+    CHECK_MSG(rc == 0, "st_open_buffer: %s", err);
+    CHECK_EQ_INT(st_count(m), 5);
+    const st_tensor *t = st_find(m, "w.f32");
+    check_shape(t, PD_DTYPE_F32, 2, (const int64_t[]){2, 3});
+    if (t) {
+        CHECK(t->data == buf + 8 + padded);
+        CHECK_STR_CONTAINS(t->file, "mem.safetensors");
+    }
+    st_close(m);
+
+    /* Cut anywhere before the end: an error naming the buffer, never a read past it. */
+    for (size_t cut = 0; cut < total; cut += 5) {
+        m = (st_model *)1;
+        err[0] = '\0';
+        rc = st_open_buffer(buf, cut, "mem.safetensors", &m, err);
+        CHECK_MSG(rc == PD_EFORMAT, "cut at %zu: %s (%s)", cut, pd_err_name(rc), err);
+        CHECK(m == NULL);
+        CHECK_STR_CONTAINS(err, "mem.safetensors");
+    }
+    free(buf);
+}
+
 int main(void)
 {
     snprintf(g_root, sizeof g_root, "/tmp/pd_test_safetensors_XXXXXX");
@@ -470,6 +510,7 @@ int main(void)
     test_valid();
     test_sharded();
     test_bad_files();
+    test_buffer();
     test_bad_dirs();
     test_shared_models();
     CHECK(nftw(g_root, remove_entry, 16, FTW_DEPTH | FTW_PHYS) == 0);

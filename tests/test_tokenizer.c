@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -654,6 +655,46 @@ static void expect_load_error(const char *json, int code, const char *needle)
     CHECK_STR_CONTAINS(err, needle);
 }
 
+/* Loads json from a copy that ends exactly at a page whose next page is unmapped, so that a
+ * read one byte past the end crashes even without ASan. */
+static int load_at_page_end(const char *json, char *err)
+{
+    size_t len = strlen(json), page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t span = (len + page - 1) / page * page;
+    char *map = mmap(NULL, span + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                     -1, 0);
+    CHECK(map != MAP_FAILED);
+    if (map == MAP_FAILED) return PD_ENOMEM;
+    CHECK(mprotect(map + span, page, PROT_NONE) == 0);
+    char *copy = map + span - len;
+    memcpy(copy, json, len);
+    tok_tokenizer *t = NULL;
+    int rc = tok_load_buffer(copy, len, NULL, 0, &t, err);
+    tok_destroy(t);
+    munmap(map, span + page);
+    return rc;
+}
+
+/* Found by tests/fuzz/fuzz_tokenizer_json: input ending right after a key's ':' made the
+ * locator read the byte past the buffer (the value's first byte). */
+static void test_truncated_after_key(void)
+{
+    static const char *const k_cut[] = {
+        "{\"model\":",
+        "{\"model\": ",
+        "{\"version\": \"1.0\", \"model\":\n",
+        "{\"model\": {\"vocab\":",
+        "{\"model\": {\"type\": \"BPE\", \"merges\": ",
+        "{\"added_tokens\":",
+    };
+    for (size_t i = 0; i < sizeof k_cut / sizeof k_cut[0]; i++) {
+        char err[PD_ERR_LEN] = "";
+        int rc = load_at_page_end(k_cut[i], err);
+        CHECK_MSG(rc == PD_EFORMAT, "%s: rc %d (%s)", k_cut[i], rc, err);
+        CHECK_STR_CONTAINS(err, "malformed JSON");
+    }
+}
+
 static void test_bad_json(void)
 {
     expect_load_error("{", PD_EFORMAT, "malformed JSON");
@@ -669,6 +710,14 @@ static void test_bad_json(void)
         PD_EFORMAT, "merges[0]");
     expect_load_error("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": -3}, \"merges\": []}}",
                       PD_EFORMAT, "bad id");
+    /* Found by tests/fuzz/fuzz_tokenizer_json: one large id sized the per-id tables by it
+     * (10^9 took 8 GB and seconds of filling); ids of 2^24 and above are refused. */
+    expect_load_error(
+        "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 16777216}, \"merges\": []}}",
+        PD_EFORMAT, "16777216");
+    expect_load_error(
+        "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 1000000000}, \"merges\": []}}",
+        PD_EFORMAT, "is not below");
 
     /* unsupported components are named */
     char *j;
@@ -807,6 +856,7 @@ int main(void)
     test_invalid_utf8();
     test_unknown_id();
     test_bad_json();
+    test_truncated_after_key();
     test_load_files();
     test_threads();
     return pd_test_result("test_tokenizer");

@@ -3,7 +3,9 @@
  * alone; decode-only reserve/admit through the worker; shutdown with live requests. */
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "engine/worker.h"
@@ -124,7 +126,7 @@ static void test_concurrent(void)
     eng *e;
     char err[PD_ERR_LEN];
     CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
-    ew_callbacks cb = {on_output, on_error, on_reserved, NULL, NULL};
+    ew_callbacks cb = {.on_output = on_output, .on_error = on_error, .on_reserved = on_reserved};
     CHECK(ew_create(e, &cb, &g_w) == 0);
     pthread_t th[N_THREADS + 1];
     for (int t = 0; t < N_THREADS; t++) pthread_create(&th[t], NULL, submitter, (void *)(intptr_t)t);
@@ -196,7 +198,7 @@ static void test_decode_and_shutdown(void)
     eng *e;
     char err[PD_ERR_LEN];
     CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
-    ew_callbacks cb = {on_output, on_error, on_reserved, NULL, NULL};
+    ew_callbacks cb = {.on_output = on_output, .on_error = on_error, .on_reserved = on_reserved};
     CHECK(ew_create(e, &cb, &g_w) == 0);
     item *a = &g_items[0], *b = &g_items[1], *c = &g_items[2];
     memset(a, 0, sizeof *a);
@@ -246,9 +248,77 @@ static void test_decode_and_shutdown(void)
     free(f.kv);
 }
 
+/* A forward that fails from the n-th call on, as a sticky device error does. */
+typedef struct {
+    fake f;
+    atomic_int calls, fail_from;
+} failing;
+
+static int failing_forward(void *ctx, const mr_batch *b, float *logits, char *err)
+{
+    failing *x = ctx;
+    if (atomic_fetch_add(&x->calls, 1) >= atomic_load(&x->fail_from))
+        return pd_errf(err, PD_EBACKEND, "device lost (test)");
+    return fake_forward(&x->f, b, logits, err);
+}
+
+static atomic_int g_step_failed;
+static char g_step_failed_msg[PD_ERR_LEN];
+
+static void on_step_failed(void *arg, const char *msg)
+{
+    (void)arg;
+    snprintf(g_step_failed_msg, sizeof g_step_failed_msg, "%s", msg);
+    atomic_fetch_add(&g_step_failed, 1);
+}
+
+/* A failed step: its requests end with on_error(PD_EBACKEND) (an error, not an abort), the
+ * failure hook runs and the load snapshot counts it; a request submitted later fails the same
+ * way (the device stays broken) and nothing hangs. */
+static void test_step_failure(void)
+{
+    mc_config cfg = fake_cfg();
+    failing x = {.f = {calloc(64 * 4, sizeof(int64_t)), 64 * 4, 0, 0}};
+    atomic_init(&x.calls, 0);
+    atomic_init(&x.fail_from, 3);
+    eng_params p = {ENG_MODE_COLOCATED, 64, 4, 256, 8, 0, false, true, false};
+    eng *e;
+    char err[PD_ERR_LEN];
+    CHECK(eng_create(&p, &cfg, (eng_executor){failing_forward, &x, NULL, NULL, NULL, NULL}, &e, err) == 0);
+    ew_callbacks cb = {.on_output = on_output, .on_error = on_error,
+                       .on_step_failed = on_step_failed, .step_arg = NULL};
+    ew *w;
+    CHECK(ew_create(e, &cb, &w) == 0);
+    memset(g_items, 0, 2 * sizeof g_items[0]);
+    for (int k = 0; k < 2; k++) {
+        item *it = &g_items[k];
+        for (int j = 0; j < 5; j++) it->prompt[j] = 3 + j + k;
+        it->rq.id = 900 + (uint64_t)k;
+        it->rq.prompt = it->prompt;
+        it->rq.n_prompt = 5;
+        it->rq.sampling = smp_default_params();
+        it->rq.stop.max_tokens = 50;
+        it->rq.stop.ignore_eos = true;
+        CHECK(ew_submit(w, &it->rq, it) == 0);
+        for (int t = 0; t < 2000 && !atomic_load(&it->terminal); t++) usleep(1000);
+        CHECK_EQ_INT(atomic_load(&it->terminal), 1);
+        CHECK(atomic_load(&it->errored));
+        CHECK(!atomic_load(&it->aborted));
+    }
+    CHECK(atomic_load(&g_step_failed) >= 2);
+    CHECK(strstr(g_step_failed_msg, "device lost") != NULL);
+    ew_load l;
+    ew_load_get(w, &l);
+    CHECK(l.n_step_failures >= 2);
+    CHECK_EQ_INT(l.n_running, 0);
+    ew_destroy(w);
+    free(x.f.kv);
+}
+
 int main(void)
 {
     test_concurrent();
     test_decode_and_shutdown();
+    test_step_failure();
     return pd_test_result("test_worker");
 }

@@ -279,7 +279,12 @@ int main(int argc, char **argv)
         {"plot-dir", PD_FLAG_STRING, &o.plot_dir, "write SVG plots here: slo_attainment_vs_rate, ttft_cdf, tpot_cdf", 1, 0},
         {"quiet", PD_FLAG_BOOL, &o.quiet, "no progress line (it is drawn only when stderr is a terminal)", 1, 0},
     };
-    int prc = pd_flags_parse(flags, (int)(sizeof flags / sizeof flags[0]), argc, argv, PROG,
+    rpc_client_tls tls = {0}; /* --tls-ca, --tls-cert, --tls-key, --tls-server-name */
+    pd_flag all[sizeof flags / sizeof flags[0] + 4];
+    int n_all = 0;
+    for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) all[n_all++] = flags[i];
+    rpc_client_tls_flags_add(&tls, all, &n_all, false);
+    int prc = pd_flags_parse(all, n_all, argc, argv, PROG,
                              "SLO-driven load generator and goodput finder for a pdserve router "
                              "(public Generation API). See docs/benchmarking.md.");
     if (prc != 0) return prc > 0 ? 0 : 2;
@@ -333,6 +338,7 @@ int main(int argc, char **argv)
     for (int i = 0; i < s.n_chans; i++) {
         rpc_channel_params cp = rpc_channel_default_params();
         cp.target = o.addr;
+        cp.tls = tls;
         if (rpc_channel_create(&cp, &s.chans[i], err) != 0) {
             fprintf(stderr, PROG ": --addr %s: %s\n", o.addr, err);
             status = 2;

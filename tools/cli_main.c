@@ -12,6 +12,8 @@
 #include "grpc/health/v1/health.pb-c.h"
 #include "pdserve/v1/generation.pb-c.h"
 
+static rpc_client_tls g_tls; /* --tls-ca, --tls-cert, --tls-key, --tls-server-name */
+
 static const char *finish_name(int f)
 {
     switch (f) {
@@ -29,6 +31,7 @@ static int cmd_info(const char *addr)
     char err[PD_ERR_LEN];
     rpc_channel_params cp = rpc_channel_default_params();
     cp.target = addr;
+    cp.tls = g_tls;
     rpc_channel *ch = NULL;
     if (rpc_channel_create(&cp, &ch, err) < 0) {
         fprintf(stderr, "pdserve-cli: %s\n", err);
@@ -56,6 +59,7 @@ static int cmd_health(const char *addr)
     char err[PD_ERR_LEN];
     rpc_channel_params cp = rpc_channel_default_params();
     cp.target = addr;
+    cp.tls = g_tls;
     rpc_channel *ch = NULL;
     if (rpc_channel_create(&cp, &ch, err) < 0) {
         fprintf(stderr, "pdserve-cli: %s\n", err);
@@ -110,8 +114,11 @@ int main(int argc0, char **argv0)
         {"timeout-ms", PD_FLAG_INT, &timeout_ms, "deadline of the call", 1, 86400000},
         {"json", PD_FLAG_BOOL, &json, "print one JSON object with ids, text, finish, usage", 1, 0},
     };
+    pd_flag all[sizeof flags / sizeof flags[0] + 4];
+    int nf = 0;
+    for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) all[nf++] = flags[i];
+    rpc_client_tls_flags_add(&g_tls, all, &nf, false);
     /* argv without the command; a bare argument (not a flag's value) is the prompt. */
-    const int nf = (int)(sizeof flags / sizeof flags[0]);
     char **argv = calloc((size_t)argc0 + 1, sizeof *argv);
     if (!argv) return 1;
     int argc = 0;
@@ -123,8 +130,8 @@ int main(int argc0, char **argv0)
             const char *eq = strchr(a, '=');
             size_t len = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
             for (int k = 0; k < nf && !eq; k++)
-                if (strlen(flags[k].name) == len && !strncmp(flags[k].name, a + 2, len) &&
-                    flags[k].type != PD_FLAG_BOOL && i + 1 < argc0)
+                if (strlen(all[k].name) == len && !strncmp(all[k].name, a + 2, len) &&
+                    all[k].type != PD_FLAG_BOOL && i + 1 < argc0)
                     argv[argc++] = argv0[++i];
         } else if (!prompt[0]) {
             prompt = a;
@@ -134,7 +141,7 @@ int main(int argc0, char **argv0)
             return 2;
         }
     }
-    int prc = pd_flags_parse(flags, nf, argc, argv, "pdserve-cli generate",
+    int prc = pd_flags_parse(all, nf, argc, argv, "pdserve-cli generate",
                              "Streams a completion from a pdserve router.");
     free(argv);
     if (prc != 0) return prc > 0 ? 0 : 2;
@@ -171,6 +178,7 @@ int main(int argc0, char **argv0)
     char err[PD_ERR_LEN];
     rpc_channel_params cp = rpc_channel_default_params();
     cp.target = addr;
+    cp.tls = g_tls;
     rpc_channel *ch = NULL;
     rpc_client_stream *s = NULL;
     int status = 1;

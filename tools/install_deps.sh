@@ -12,11 +12,14 @@ PKGS=(
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler  # gRPC services
   protobuf-compiler-grpc                           # grpc_python_plugin (test stubs)
   libucx-dev ucx-utils                             # KV transfer (+ ucx_perftest)
+  libssl-dev                                       # KV transfer: HMAC-SHA256 (libcrypto)
   libpcre2-dev libutf8proc-dev                     # tokenizer
   libmicrohttpd-dev                                # metrics endpoint
   python3 python3-grpcio python3-protobuf          # external test client
   python3-yaml python3-prometheus-client           # deploy manifests, /metrics parser (tests)
   iproute2                                         # network-namespace tests
+  clang libclang-rt-14-dev                         # fuzz targets (libFuzzer is in clang-rt)
+  openssl                                          # test certificates (TLS tests)
 )
 
 missing=()

@@ -7,15 +7,19 @@
 set -uo pipefail
 BIN=$(cd "$(dirname "$0")" && pwd)
 MODEL=${PDSERVE_MODEL:-}
-PORT=50051 N_PREFILL=1 N_DECODE=1 COLOCATED=0 EXTRA=()
+PORT=50051 N_PREFILL=1 N_DECODE=1 COLOCATED=0 EXTRA=() GPUS=
 usage() {
     cat <<USAGE
-usage: pdserve-up --model DIR [--port P] [--colocated] [--prefill N] [--decode M] [-- ARGS...]
+usage: pdserve-up --model DIR [--port P] [--colocated] [--prefill N] [--decode M]
+                  [--gpus LIST] [-- ARGS...]
 
 Starts pdserve on loopback: N prefill instances (default 1) and M decode instances (default
 1), or with --colocated M decode instances that also compute prompts, plus the router on
-port P (default 50051; 0 = any free port). ARGS after -- go to every instance (e.g.
---kv-cache-mb 512 --backend cpu). Ctrl-C or SIGTERM stops the stack.
+port P (default 50051; 0 = any free port). --gpus 0,1,... places the instances on those GPUs,
+one per GPU in turn (prefill instances first, then decode), each with --device N and every
+GPU visible, so that KV moves device to device between them (--kv-transport); each instance
+then sizes its pool from --gpu-memory-utilization unless ARGS size it. ARGS after -- go to
+every instance (e.g. --kv-cache-mb 512 --backend cpu). Ctrl-C or SIGTERM stops the stack.
 USAGE
 }
 while [ $# -gt 0 ]; do
@@ -25,6 +29,7 @@ while [ $# -gt 0 ]; do
         --prefill) N_PREFILL=$2; shift 2 ;;
         --decode) N_DECODE=$2; shift 2 ;;
         --colocated) COLOCATED=1; shift ;;
+        --gpus) GPUS=$2; shift 2 ;;
         -h|--help) usage; exit 0 ;;
         --) shift; EXTRA=("$@"); break ;;
         *) echo "pdserve-up: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
@@ -36,13 +41,28 @@ for n in "$N_PREFILL" "$N_DECODE" "$PORT"; do
     [[ $n =~ ^[0-9]+$ ]] || { echo "pdserve-up: '$n' is not a number" >&2; exit 2; }
 done
 if [ "$COLOCATED" = 1 ]; then N_PREFILL=0; fi
+IFS=, read -r -a GPU_LIST <<<"$GPUS"
+for d in "${GPU_LIST[@]}"; do
+    [[ $d =~ ^[0-9]+$ ]] || { echo "pdserve-up: --gpus: '$d' is not a GPU number" >&2; exit 2; }
+done
 # Several instances share this host (and its GPU): give each a fixed KV pool unless the caller
 # sized it (a GPU instance otherwise takes --gpu-memory-utilization 0.9 of the card, and its
-# pinned host mirror for KV transfer is as large as its pool).
-case " ${EXTRA[*]} " in
-    *" --kv-cache-mb"*|*" --gpu-memory-utilization"*) ;;
-    *) EXTRA=(--kv-cache-mb 256 "${EXTRA[@]}") ;;
-esac
+# pinned host mirror for KV transfer is as large as its pool). With --gpus each instance has
+# a GPU of its own (when there are as many as instances).
+if [ ${#GPU_LIST[@]} -eq 0 ] || [ ${#GPU_LIST[@]} -lt $((N_PREFILL + N_DECODE)) ]; then
+    case " ${EXTRA[*]} " in
+        *" --kv-cache-mb"*|*" --gpu-memory-utilization"*) ;;
+        *) EXTRA=(--kv-cache-mb 256 "${EXTRA[@]}") ;;
+    esac
+fi
+NEXT_GPU=0
+gpu_args() { # sets DEV to (--device N) for the next instance, or () without --gpus
+    DEV=()
+    if [ ${#GPU_LIST[@]} -gt 0 ]; then
+        DEV=(--device "${GPU_LIST[$((NEXT_GPU % ${#GPU_LIST[@]}))]}")
+        NEXT_GPU=$((NEXT_GPU + 1))
+    fi
+}
 [ "$N_DECODE" -ge 1 ] || { echo "pdserve-up: at least one decode instance" >&2; exit 2; }
 
 LOGS=${PDSERVE_LOG_DIR:-$(mktemp -d /tmp/pdserve-up.XXXXXX)}
@@ -78,13 +98,17 @@ start() {
 }
 PREFILLS="" DECODES=""
 for ((i=0; i<N_PREFILL; i++)); do
-    start pdserve-prefill "prefill-$i" --model "$MODEL" --listen 127.0.0.1:0 --instance-id "prefill-$i" "${EXTRA[@]}"
+    gpu_args
+    start pdserve-prefill "prefill-$i" --model "$MODEL" --listen 127.0.0.1:0 --instance-id "prefill-$i" "${DEV[@]}" "${EXTRA[@]}"
     PREFILLS+="${PREFILLS:+,}127.0.0.1:$PORT_OUT"
+    [ ${#DEV[@]} -gt 0 ] && echo "pdserve-up: prefill-$i on GPU ${DEV[1]}" >&2
 done
 for ((i=0; i<N_DECODE; i++)); do
     if [ "$COLOCATED" = 1 ]; then col=(--colocated); else col=(); fi
-    start pdserve-decode "decode-$i" --model "$MODEL" --listen 127.0.0.1:0 --instance-id "decode-$i" "${col[@]}" "${EXTRA[@]}"
+    gpu_args
+    start pdserve-decode "decode-$i" --model "$MODEL" --listen 127.0.0.1:0 --instance-id "decode-$i" "${col[@]}" "${DEV[@]}" "${EXTRA[@]}"
     DECODES+="${DECODES:+,}127.0.0.1:$PORT_OUT"
+    [ ${#DEV[@]} -gt 0 ] && echo "pdserve-up: decode-$i on GPU ${DEV[1]}" >&2
 done
 ARGS=(--model "$MODEL" --listen "127.0.0.1:$PORT" --decode "$DECODES")
 [ -n "$PREFILLS" ] && ARGS+=(--prefill "$PREFILLS")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # test.sh -- Sets up a fresh Debian machine and passes every test: installs dependencies,
-# builds pdserve normally (build/) and with ASan+UBSan (build-asan/), and runs CTest in both.
+# builds pdserve normally (build/) and with ASan+UBSan (build-asan/), and runs CTest in both;
+# then builds the fuzz targets with clang (build-fuzz/) and fuzzes each for a bounded time.
 # GPU tests (label "gpu") skip themselves where no GPU is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,4 +19,10 @@ cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DPD_SANITIZE=ON -DPD_WERROR=O
 cmake --build build-asan -j "$JOBS"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$JOBS"
+echo "== fuzz =="
+# libFuzzer targets (tests/fuzz): clang with ASan + UBSan, each fuzzes PD_FUZZ_SECONDS (20 s)
+# from its corpus in tests/fuzz/corpus; only the fuzz targets are built here.
+CC=clang cmake -S . -B build-fuzz -DPD_FUZZ=ON -DPD_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug >/dev/null
+cmake --build build-fuzz --target fuzz -j "$JOBS"
+ctest --test-dir build-fuzz -L fuzz --output-on-failure -j "$JOBS"
 echo "== all tests passed =="

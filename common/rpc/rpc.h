@@ -22,6 +22,7 @@
 #include <protobuf-c/protobuf-c.h>
 
 #include "common/error.h"
+#include "common/flags.h"
 
 /* gRPC status codes (the values are gRPC's). */
 typedef enum {
@@ -77,6 +78,25 @@ typedef void (*rpc_handler_fn)(rpc_call *call, const ProtobufCMessage *req, void
  * flag, queue an abort for the engine thread. */
 typedef void (*rpc_cancel_fn)(rpc_call *call, void *user);
 
+/* A server's TLS settings: PEM files, read when the server starts and read again when they
+ * change (checked by modification time, size and inode at each new connection, so that a
+ * Kubernetes Secret or cert-manager renewal takes effect without a restart; connections
+ * already open keep their certificate). A half-updated pair (a key that does not match the
+ * certificate, a file that does not parse) is not taken: the previous pair stays in use and a
+ * warning is logged, until the files are consistent again. */
+typedef struct {
+    const char *cert_file;          /* certificate chain (leaf first); NULL or "" = no TLS,
+                                       plaintext (then key_file and client_ca_file must be
+                                       unset too) */
+    const char *key_file;           /* the certificate's private key (PEM, unencrypted);
+                                       required with cert_file */
+    const char *client_ca_file;     /* CA certificates that client certificates must chain to;
+                                       NULL or "" = clients are not asked for certificates */
+    bool require_client_cert;       /* with client_ca_file: refuse clients without a valid
+                                       certificate (mutual TLS); false = verify one only if
+                                       the client sends it */
+} rpc_server_tls;
+
 typedef struct {
     const char *listen_addr;        /* "host:port"; port 0 picks a free one (rpc_server_port);
                                        default "0.0.0.0:50051" */
@@ -92,6 +112,11 @@ typedef struct {
                                        listener closes (probe period); default 0 */
     int shutdown_grace_ms;          /* shutdown: time in-flight calls get to finish before
                                        they are cancelled; default 5000 */
+    int handshake_timeout_ms;       /* a connection that has not finished its TLS and HTTP/2
+                                       handshake (client SETTINGS) this long after it was
+                                       accepted is closed, ms, >= 1; default 10000 (gRPC's own
+                                       default is 120 s) */
+    rpc_server_tls tls;             /* transport security; default off (plaintext) */
     bool reuse_port;                /* SO_REUSEPORT; default false, so that a second server
                                        on a busy port fails instead of sharing it */
 } rpc_server_params;
@@ -120,9 +145,11 @@ int rpc_server_register_path(rpc_server *s, const char *path, const char *servic
                              rpc_handler_fn handler, void *user, char *err);
 
 /* Binds the listen address, starts the worker threads and begins taking calls; health says
- * SERVING. Returns 0, PD_EIO (bind failed: address in use or invalid), PD_ESTATE (already
- * started), PD_EINVAL (gRPC refused a method path), PD_ENOMEM. On failure the server can
- * only be destroyed. */
+ * SERVING. With TLS the files are read and checked first (readable, PEM that parses, the key
+ * matches the certificate). Returns 0, PD_EIO (bind failed: address in use or invalid; a TLS
+ * file cannot be read), PD_EFORMAT (a TLS file is not what it should be; err names the file
+ * and the reason), PD_ESTATE (already started), PD_EINVAL (gRPC refused a method path),
+ * PD_ENOMEM. On failure the server can only be destroyed. */
 int rpc_server_start(rpc_server *s, char *err);
 
 /* The bound port (after rpc_server_start), or 0. */
@@ -148,6 +175,7 @@ int64_t rpc_server_live_calls(const rpc_server *s);
 
 /* Server counters since start, for tests and metrics. */
 typedef struct {
+    int64_t tls_reloads;            /* certificate pairs taken after the first (files changed) */
     int64_t calls_started;          /* calls delivered to a handler or refused */
     int64_t calls_cancelled;        /* calls cancelled before they finished */
     int64_t calls_unimplemented;    /* unknown methods answered UNIMPLEMENTED */
@@ -157,6 +185,18 @@ typedef struct {
 } rpc_server_stats;
 
 void rpc_server_stats_get(const rpc_server *s, rpc_server_stats *out);
+
+/* Checks the string fields of a message encoded as desc in buf[0, len) before it is decoded:
+ * every string (nested messages included, found through the field descriptors; unknown
+ * fields skipped) must be valid UTF-8 (RFC 3629: no overlong forms, surrogates or code points
+ * above U+10FFFF) and contain no NUL byte (protobuf-c hands strings out NUL-terminated, so a
+ * NUL would silently cut one). The server runs it on every request (rpc_validate.c).
+ * Returns 0; PD_EINVAL when a string is bad; PD_EFORMAT when the wire format is malformed
+ * (truncated varint or field, bad wire type, nesting deeper than 64). err (PD_ERR_LEN, may be
+ * NULL) names the field path, e.g. "stopping.stop[1]: not valid UTF-8 (at byte offset 3)" or
+ * "prompt: contains a NUL byte at offset 12". */
+int rpc_validate_strings(const ProtobufCMessageDescriptor *desc, const void *buf, size_t len,
+                         char *err);
 
 /* ---- server calls (all thread-safe) ---- */
 
@@ -183,7 +223,11 @@ int rpc_stream_send(rpc_call *c, const ProtobufCMessage *msg);
 /* Ends any call with a status, after the messages already queued (an OK unary call needs
  * rpc_call_reply instead). fmt (printf-style, may be NULL) gives status details; keep them
  * actionable. Returns 0, or PD_ESTATE when already finished or cancelled (nothing is sent).
- * After it returns the cancel callback is not running and will not run. */
+ * After it returns the cancel callback is not running and will not run (whatever it
+ * returned), so the callback's user data may be freed.
+ * Lock order: it waits for a cancel callback that runs on another thread, so never call it
+ * (nor rpc_call_reply, which waits the same way) while holding a lock that the call's cancel
+ * callback takes: finish after unlocking. */
 int rpc_stream_finish(rpc_call *c, rpc_status_code code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
@@ -198,7 +242,9 @@ int rpc_stream_pending(rpc_call *c);
 
 /* Sets the function run once if the call is cancelled before it finished; replaces any
  * earlier one; fn NULL removes it. If the call is already cancelled, fn runs now on the
- * calling thread. After it returns, a previously set callback is not running and will not
+ * calling thread. If the application already finished the call (rpc_stream_finish or
+ * rpc_call_reply, even one that returned PD_ESTATE on a cancelled call), nothing is set and
+ * fn never runs. After it returns, a previously set callback is not running and will not
  * run again. */
 void rpc_call_set_cancel_cb(rpc_call *c, rpc_cancel_fn fn, void *user);
 
@@ -217,6 +263,11 @@ const char *rpc_call_path(const rpc_call *c);
  * truncated to len - 1 bytes). Returns the value's full length (>= 0), or PD_ENOTFOUND. */
 int rpc_call_metadata(const rpc_call *c, const char *key, char *buf, size_t len);
 
+/* Copies the caller's host (the peer address without scheme and port: "10.0.0.5", "::1";
+ * a unix socket's path) into buf (NUL-terminated, truncated to len - 1 bytes), for per-caller
+ * limits and logs. Returns its full length (>= 0), or PD_ENOTFOUND. */
+int rpc_call_peer(const rpc_call *c, char *buf, size_t len);
+
 /* A number unique to the call within the process (for logs). */
 uint64_t rpc_call_id(const rpc_call *c);
 
@@ -228,11 +279,24 @@ typedef struct rpc_channel rpc_channel;         /* opaque; one HTTP/2 connection
 typedef struct rpc_client_call rpc_client_call; /* opaque; an asynchronous call */
 typedef struct rpc_client_stream rpc_client_stream; /* opaque; a blocking stream reader */
 
+/* A channel's TLS settings (PEM files, read when the channel is created). */
+typedef struct {
+    const char *ca_file;            /* CA certificates that verify the server; NULL or "" = no
+                                       TLS, plaintext (then the other fields must be unset) */
+    const char *cert_file;          /* client certificate chain for mutual TLS; NULL or "" =
+                                       none */
+    const char *key_file;           /* its private key; required with cert_file */
+    const char *server_name;        /* name the server's certificate must carry instead of the
+                                       target's host (tests, or a DNS name for an address);
+                                       NULL or "" = the target's host */
+} rpc_client_tls;
+
 typedef struct {
     const char *target;             /* "host:port" (or any gRPC target URI); required */
     int max_recv_msg_bytes;         /* largest response accepted, bytes; -1 = unlimited
                                        (default 64 MiB) */
     int max_send_msg_bytes;         /* largest request sent, bytes; -1 = unlimited (default) */
+    rpc_client_tls tls;             /* transport security; default off (plaintext) */
     bool wait_for_ready;            /* calls wait for the server instead of failing fast with
                                        UNAVAILABLE while it is unreachable; default false */
 } rpc_channel_params;
@@ -254,7 +318,10 @@ typedef struct {
     size_t n_md;
 } rpc_call_opts;
 
-/* Creates a channel (connects lazily). p is copied. Returns 0, PD_EINVAL, PD_ENOMEM. */
+/* Creates a channel (connects lazily). p is copied; with TLS its files are read and checked
+ * here. Returns 0, PD_EINVAL, PD_EIO (a TLS file cannot be read), PD_EFORMAT (a TLS file is
+ * not valid PEM of the right kind, or the key does not match the certificate; err names the
+ * file), PD_ENOMEM. */
 int rpc_channel_create(const rpc_channel_params *p, rpc_channel **out, char *err);
 
 /* Cancels the channel's asynchronous calls that are still running, waits for their on_done,
@@ -338,5 +405,30 @@ void rpc_client_call_release(rpc_client_call *c);
 
 /* Asynchronous calls of this channel that have not yet run on_done. */
 int64_t rpc_channel_live_calls(const rpc_channel *ch);
+
+/* ------------------------------------------------------------------------------------------
+ * TLS flags shared by the programs (each also PDSERVE_<NAME>, see common/flags.h)
+ * ---------------------------------------------------------------------------------------- */
+
+/* A server's: --tls-cert, --tls-key, --tls-client-ca (set: client certificates are required
+ * and verified against it, mutual TLS), --handshake-timeout-ms. */
+typedef struct {
+    const char *cert;               /* PEM certificate chain; "" = plaintext */
+    const char *key;                /* its private key */
+    const char *client_ca;          /* CA of the clients' certificates; "" = none asked */
+    int64_t handshake_timeout_ms;   /* see rpc_server_params; default 10000 */
+} rpc_server_tls_flags;
+
+void rpc_server_tls_flags_init(rpc_server_tls_flags *f);
+/* Appends the 4 flag entries at flags[*n]; f is borrowed and must outlive the parse. */
+void rpc_server_tls_flags_add(rpc_server_tls_flags *f, pd_flag *flags, int *n);
+/* Copies the parsed flags into p (its tls and handshake_timeout_ms; strings borrowed). */
+void rpc_server_tls_flags_apply(const rpc_server_tls_flags *f, rpc_server_params *p);
+
+/* A client's, into t (fields "" until set; borrowed, must outlive the parse): --tls-ca (set:
+ * TLS, verifying the server with it), --tls-cert and --tls-key (a client certificate, for
+ * servers that require one), --tls-server-name. With internal, the same names prefixed
+ * "internal-" (the router's channels to its instances). Appends 4 entries at flags[*n]. */
+void rpc_client_tls_flags_add(rpc_client_tls *t, pd_flag *flags, int *n, bool internal);
 
 #endif

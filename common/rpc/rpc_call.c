@@ -16,6 +16,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <grpc/support/alloc.h>
+
 #include "common/log.h"
 
 static atomic_ullong g_call_ids = 1;
@@ -232,16 +234,12 @@ void rpc__call_on_new(rpc_call *c, bool ok)
         atomic_fetch_add(&s->n_unimplemented, 1);
         call_finish_internal(c, RPC_STATUS_UNIMPLEMENTED, msg);
     } else {
-        int rc = rpc__decode(c->payload, c->m->req_desc, &c->req);
+        /* Strings are checked on the wire first (valid UTF-8, no NUL: rpc_validate.c). */
+        char msg[PD_ERR_LEN];
+        int rc = rpc__decode_request(c->payload, c->m, &c->req, msg);
         if (c->payload) grpc_byte_buffer_destroy(c->payload);
         c->payload = NULL;
         if (rc != 0) {
-            char msg[PD_ERR_LEN];
-            if (rc == PD_EINVAL)
-                snprintf(msg, sizeof msg, "%s: the request message is missing", c->m->path);
-            else
-                snprintf(msg, sizeof msg, "%s: the request is not a valid %s message",
-                         c->m->path, c->m->req_desc->name);
             atomic_fetch_add(&s->n_bad_request, 1);
             call_finish_internal(c, RPC_STATUS_INVALID_ARGUMENT, msg);
         } else {
@@ -335,7 +333,10 @@ static int call_enqueue(rpc_call *c, const ProtobufCMessage *msg, bool finish)
         if (finish) call_finish_locked(c, RPC_STATUS_OK, NULL);
         else call_kick_locked(c);
     }
-    if (finish) c->cancel_fn = NULL;
+    if (finish) {
+        c->cancel_fn = NULL;
+        c->app_finished = true;
+    }
     pthread_mutex_unlock(&c->mu);
     if (bb) grpc_byte_buffer_destroy(bb);
     return rc;
@@ -372,6 +373,7 @@ int rpc_stream_finish(rpc_call *c, rpc_status_code code, const char *fmt, ...)
     if (c->finish_queued || atomic_load(&c->cancelled)) rc = PD_ESTATE;
     else call_finish_locked(c, code, details);
     c->cancel_fn = NULL;
+    c->app_finished = true;
     pthread_mutex_unlock(&c->mu);
     return rc;
 }
@@ -421,7 +423,9 @@ void rpc_call_set_cancel_cb(rpc_call *c, rpc_cancel_fn fn, void *user)
 {
     pthread_mutex_lock(&c->mu);
     call_wait_cb_locked(c);
-    c->cancel_fn = c->finish_queued ? NULL : fn;
+    /* Once the application finished the call (even a call that was cancelled first, whose
+     * finish sent nothing) its user data may be gone: never arm a callback then. */
+    c->cancel_fn = (c->finish_queued || c->app_finished) ? NULL : fn;
     c->cancel_user = user;
     bool run_now = c->cancel_fn && atomic_load(&c->cancelled) && !c->cancel_fired;
     if (run_now) {
@@ -469,3 +473,22 @@ int rpc_call_metadata(const rpc_call *c, const char *key, char *buf, size_t len)
 }
 
 uint64_t rpc_call_id(const rpc_call *c) { return c->id; }
+
+int rpc_call_peer(const rpc_call *c, char *buf, size_t len)
+{
+    char *peer = c->call ? grpc_call_get_peer(c->call) : NULL;
+    if (!peer) return PD_ENOTFOUND;
+    /* "ipv4:10.0.0.5:51234", "ipv6:[::1]:51234", "unix:/path": drop the scheme and the port. */
+    const char *h = strchr(peer, ':');
+    h = h ? h + 1 : peer;
+    size_t n = strlen(h);
+    const char *colon = strrchr(h, ':');
+    if (strncmp(peer, "unix", 4) != 0 && colon) n = (size_t)(colon - h);
+    if (n > 0 && h[0] == '[' && h[n - 1] == ']') {
+        h++;
+        n -= 2;
+    }
+    if (len > 0) snprintf(buf, len, "%.*s", (int)n, h);
+    gpr_free(peer);
+    return (int)n;
+}

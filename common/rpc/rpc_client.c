@@ -37,15 +37,28 @@ int rpc_channel_create(const rpc_channel_params *p, rpc_channel **out, char *err
     pthread_cond_init(&ch->cv, NULL);
     rpc__global_init();
     grpc_init();
-    grpc_arg args[2];
+    memset(&ch->p.tls, 0, sizeof ch->p.tls); /* only needed at create, like target */
+    grpc_channel_credentials *creds = NULL;
+    int rc = rpc__tls_channel_creds(&p->tls, &creds, err);
+    if (rc != 0) {
+        rpc_channel_destroy(ch);
+        return rc;
+    }
+    grpc_arg args[3];
     args[0].type = GRPC_ARG_INTEGER;
     args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
     args[0].value.integer = p->max_recv_msg_bytes;
     args[1].type = GRPC_ARG_INTEGER;
     args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
     args[1].value.integer = p->max_send_msg_bytes;
-    grpc_channel_args cargs = {2, args};
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    size_t n_args = 2;
+    if (p->tls.server_name && *p->tls.server_name) {
+        args[2].type = GRPC_ARG_STRING;
+        args[2].key = GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
+        args[2].value.string = (char *)p->tls.server_name; /* copied by core */
+        n_args = 3;
+    }
+    grpc_channel_args cargs = {n_args, args};
     ch->ch = grpc_channel_create(p->target, creds, &cargs);
     grpc_channel_credentials_release(creds);
     if (!ch->ch) {

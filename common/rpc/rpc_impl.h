@@ -8,6 +8,7 @@
 
 #include <grpc/byte_buffer.h>
 #include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
 #include <grpc/support/time.h>
 
 #include "common/rpc/rpc.h"
@@ -35,9 +36,28 @@ typedef struct {
     void *handle;                               /* grpc_server_register_method's handle */
 } rpc__method;
 
+/* rpc_tls.c: a server's TLS files and the fetcher that reloads them. */
+typedef struct rpc__tls_server rpc__tls_server;
+/* Copies p's paths after checking that they go together; *out stays NULL without TLS.
+ * Reads no file. Returns 0, PD_EINVAL, PD_ENOMEM with err. */
+int rpc__tls_server_create(const rpc_server_tls *p, rpc__tls_server **out, char *err);
+/* Reads and checks the files and makes server credentials on a fetcher over t (caller
+ * releases *creds; t must outlive the grpc_server). Returns 0, PD_EIO, PD_EFORMAT, PD_ENOMEM
+ * with err naming the file. */
+int rpc__tls_server_creds(rpc__tls_server *t, grpc_server_credentials **creds, char *err);
+/* After grpc_server_destroy. NULL is a no-op. */
+void rpc__tls_server_free(rpc__tls_server *t);
+int64_t rpc__tls_server_reloads(const rpc__tls_server *t); /* 0 for NULL */
+/* Channel credentials for p: insecure without a CA file, else SSL with p's files (read and
+ * checked here). Caller releases *creds. Returns 0, PD_EINVAL, PD_EIO, PD_EFORMAT, PD_ENOMEM
+ * with err. */
+int rpc__tls_channel_creds(const rpc_client_tls *p, grpc_channel_credentials **creds,
+                           char *err);
+
 struct rpc_server {
     rpc_server_params p;
     char *listen_addr;                  /* owned copy of p.listen_addr */
+    rpc__tls_server *tls;               /* NULL without TLS; freed after the grpc_server */
     rpc__method **methods;              /* [n_methods], owned */
     int n_methods;
     char **services;                    /* [n_services] names the health check knows, owned */
@@ -95,6 +115,8 @@ struct rpc_call {
     rpc_cancel_fn cancel_fn;
     void *cancel_user;
     bool cancel_fired;
+    bool app_finished;                  /* the application finished the call (even if it was
+                                           cancelled first): no cancel callback any more */
     bool cb_running;
     pthread_t cb_thread;
 };
@@ -107,6 +129,12 @@ int rpc__encode(const ProtobufCMessage *msg, int max_bytes, grpc_byte_buffer **o
 /* Decodes bb (NULL: PD_EINVAL) as desc. Returns 0 or PD_EFORMAT (not a valid message). */
 int rpc__decode(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
                 ProtobufCMessage **out);
+/* rpc_validate.c: reads bb's bytes once, checks their strings (rpc_validate_strings) and
+ * decodes them as m's request type into *out (the caller frees it). Returns 0; PD_EINVAL (bb
+ * NULL, or a string that is not valid UTF-8 or holds a NUL) or PD_EFORMAT (not a valid
+ * message), with the status details for the client in msg (PD_ERR_LEN). */
+int rpc__decode_request(grpc_byte_buffer *bb, const rpc__method *m, ProtobufCMessage **out,
+                        char *msg);
 gpr_timespec rpc__deadline_from_ms(int64_t timeout_ms);
 void rpc__copy_slice(char *dst, size_t len, grpc_slice s);
 

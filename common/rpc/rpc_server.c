@@ -30,6 +30,7 @@ rpc_server_params rpc_server_default_params(void)
     p.requests_per_method = 8;
     p.health_drain_ms = 0;
     p.shutdown_grace_ms = 5000;
+    p.handshake_timeout_ms = 10000;
     p.reuse_port = false;
     return p;
 }
@@ -62,12 +63,24 @@ int rpc_server_create(const rpc_server_params *p, rpc_server **out, char *err)
         return pd_errf(err, PD_EINVAL, "rpc server: message size limits must be > 0 or -1");
     if (p->health_drain_ms < 0 || p->shutdown_grace_ms < 0 || p->max_concurrent_streams < 0)
         return pd_errf(err, PD_EINVAL, "rpc server: negative time or stream limit");
+    if (p->handshake_timeout_ms < 1)
+        return pd_errf(err, PD_EINVAL, "rpc server: handshake_timeout_ms %d < 1",
+                       p->handshake_timeout_ms);
+    rpc__tls_server *tls = NULL;
+    int trc = rpc__tls_server_create(&p->tls, &tls, err);
+    if (trc != 0) return trc;
 
     rpc_server *s = calloc(1, sizeof *s);
-    if (!s) return pd_errf(err, PD_ENOMEM, "rpc server: out of memory");
+    if (!s) {
+        rpc__tls_server_free(tls);
+        return pd_errf(err, PD_ENOMEM, "rpc server: out of memory");
+    }
     s->p = *p;
+    memset(&s->p.tls, 0, sizeof s->p.tls); /* the paths live in s->tls */
+    s->tls = tls;
     s->listen_addr = dup_str(p->listen_addr);
     if (!s->listen_addr) {
+        rpc__tls_server_free(tls);
         free(s);
         return pd_errf(err, PD_ENOMEM, "rpc server: out of memory");
     }
@@ -279,7 +292,7 @@ int rpc_server_start(rpc_server *s, char *err)
 {
     if (s->started) return pd_errf(err, PD_ESTATE, "rpc server: already started");
     int rc = 0;
-    grpc_arg args[4];
+    grpc_arg args[5];
     int n = 0;
     args[n].type = GRPC_ARG_INTEGER;
     args[n].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
@@ -290,6 +303,9 @@ int rpc_server_start(rpc_server *s, char *err)
     args[n].type = GRPC_ARG_INTEGER;
     args[n].key = GRPC_ARG_ALLOW_REUSEPORT;
     args[n++].value.integer = s->p.reuse_port ? 1 : 0;
+    args[n].type = GRPC_ARG_INTEGER;
+    args[n].key = GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS;
+    args[n++].value.integer = s->p.handshake_timeout_ms;
     if (s->p.max_concurrent_streams > 0) {
         args[n].type = GRPC_ARG_INTEGER;
         args[n].key = GRPC_ARG_MAX_CONCURRENT_STREAMS;
@@ -313,7 +329,13 @@ int rpc_server_start(rpc_server *s, char *err)
             goto fail;
         }
     }
-    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    grpc_server_credentials *creds = NULL;
+    if (s->tls) {
+        rc = rpc__tls_server_creds(s->tls, &creds, err);
+        if (rc != 0) goto fail;
+    } else {
+        creds = grpc_insecure_server_credentials_create();
+    }
     s->port = grpc_server_add_http2_port(s->server, s->listen_addr, creds);
     grpc_server_credentials_release(creds);
     if (s->port == 0) {
@@ -338,8 +360,8 @@ int rpc_server_start(rpc_server *s, char *err)
         rpc__server_post(s, NULL);
     }
     atomic_store(&s->serving, true);
-    PD_LOGI("rpc: listening on %s (port %d), %d worker threads, %d methods", s->listen_addr,
-            s->port, s->p.n_threads, s->n_methods);
+    PD_LOGI("rpc: listening on %s (port %d, %s), %d worker threads, %d methods", s->listen_addr,
+            s->port, s->tls ? "TLS" : "plaintext", s->p.n_threads, s->n_methods);
     return 0;
 
 fail:
@@ -369,6 +391,7 @@ void rpc_server_stats_get(const rpc_server *s, rpc_server_stats *out)
     out->calls_unimplemented = atomic_load(&m->n_unimplemented);
     out->calls_bad_request = atomic_load(&m->n_bad_request);
     out->msgs_sent = atomic_load(&m->n_msgs_sent);
+    out->tls_reloads = rpc__tls_server_reloads(m->tls);
     pthread_mutex_lock(&m->mu);
     out->live_calls_peak = m->live_peak;
     pthread_mutex_unlock(&m->mu);
@@ -465,6 +488,7 @@ void rpc_server_destroy(rpc_server *s)
     for (int i = 0; i < s->n_services; i++) free(s->services[i]);
     free(s->services);
     free(s->listen_addr);
+    rpc__tls_server_free(s->tls); /* the grpc_server (and its fetcher) is gone */
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);

@@ -4,13 +4,14 @@
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <xxhash.h>
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/svc/svc_metrics.h"
 
 int svc_sampling_from_proto(const Pdserve__V1__SamplingParams *m, smp_params *out, char *err)
 {
@@ -96,6 +97,7 @@ rpc_status_code svc_status_for(int e)
     case PD_ECANCELED: return RPC_STATUS_CANCELLED;
     case PD_EUNAVAILABLE: case PD_ESTATE: return RPC_STATUS_UNAVAILABLE;
     case PD_EMISMATCH: return RPC_STATUS_FAILED_PRECONDITION;
+    case PD_EPERM: return RPC_STATUS_PERMISSION_DENIED;
     default: return RPC_STATUS_INTERNAL;
     }
 }
@@ -144,28 +146,9 @@ void svc_model_flags_add(svc_model_flags *f, pd_flag *fl, int *n)
         {"no-chunked-prefill", PD_FLAG_BOOL, &f->no_chunked_prefill, "disable chunked prefill", 1, 0},
         {"max-graph-batch", PD_FLAG_INT, &f->max_graph_batch, "decode steps of up to this many sequences replay CUDA graphs captured at start (0 = none)", 0, 65536},
         {"enforce-eager", PD_FLAG_BOOL, &f->enforce_eager, "run every step op by op (no CUDA graphs; for debugging)", 1, 0},
+        {"device", PD_FLAG_INT, &f->device, "GPU ordinal for --backend cuda (instances that see every GPU can move KV device to device; see --kv-transport)", 0, 1023},
     };
     for (size_t i = 0; i < sizeof add / sizeof add[0]; i++) fl[(*n)++] = add[i];
-}
-
-static uint64_t fingerprint(const char *dir, const char *load_format, pd_dtype kv)
-{
-    char path[4096];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    XXH64_state_t *st = XXH64_createState();
-    XXH64_reset(st, 0x70d5e7e1);
-    FILE *f = fopen(path, "rb");
-    if (f) {
-        char buf[4096];
-        size_t n;
-        while ((n = fread(buf, 1, sizeof buf, f)) > 0) XXH64_update(st, buf, n);
-        fclose(f);
-    }
-    XXH64_update(st, load_format, strlen(load_format));
-    XXH64_update(st, &kv, sizeof kv);
-    uint64_t h = XXH64_digest(st);
-    XXH64_freeState(st);
-    return h;
 }
 
 int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *err)
@@ -179,6 +162,7 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
     if ((rc = mc_load(f->model, &m->cfg, err)) < 0) return rc;
     pd_backend_params bp = pd_backend_default_params();
     bp.n_threads = (int32_t)f->threads;
+    bp.device = (int32_t)f->device;
     /* "auto" picks cuda where present (pd_backend_create decides). GPU KV reaches kvtransfer
      * through a pinned host mirror (svc_kv_pool_create, svc_kv_copy). */
     const char *backend = f->backend;
@@ -212,7 +196,7 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
         while (start > 0 && base[start - 1] != '/') start--;
         snprintf(m->model_name, sizeof m->model_name, "%.*s", (int)(len - start), base + start);
     }
-    m->fingerprint = fingerprint(f->model, f->load_format, m->be->ops->act_dtype);
+    m->fingerprint = svc_model_fingerprint(f->model, f->load_format, m->be->ops->act_dtype);
     {
         void *kv_base;
         size_t kv_bytes;
@@ -312,8 +296,21 @@ int svc_kv_pool_create(kvt_ctx *ctx, svc_model *m, kvt_pool **out, char *err)
                        "memory (kv_blocks_copy), which the services need", o->name);
     m->mirror = calloc((size_t)(2 * L), sizeof *m->mirror);
     if (!m->mirror) return pd_errf(err, PD_ENOMEM, "out of memory");
+    /* The device path: the pool also names the device cache (a sender that can map it writes
+     * there; the mirror serves the others). */
+    void *dev = NULL;
+    size_t dev_len = 0;
+    if ((rc = svc_kv_device_export(m, &dev, &dev_len, err)) < 0) {
+        free(m->mirror);
+        m->mirror = NULL;
+        return rc;
+    }
+    pp.device_export = dev;
+    pp.device_export_len = dev_len;
     /* kvt allocates the mirror: on one host its shared memory takes one-sided puts. */
-    if ((rc = kvt_pool_create(ctx, &pp, out, err)) < 0) {
+    rc = kvt_pool_create(ctx, &pp, out, err);
+    free(dev);
+    if (rc < 0) {
         free(m->mirror);
         m->mirror = NULL;
         return rc;
@@ -381,6 +378,9 @@ void svc_server_flags_init(svc_server_flags *f, const char *default_listen)
     f->grpc_threads = 2;
     f->shutdown_grace_ms = 30000;
     f->health_drain_ms = 0;
+    f->kv_secret_file = "";
+    f->kv_transport = "auto";
+    rpc_server_tls_flags_init(&f->tls);
 }
 
 void svc_server_flags_add(svc_server_flags *f, pd_flag *fl, int *n, const char *role)
@@ -396,12 +396,20 @@ void svc_server_flags_add(svc_server_flags *f, pd_flag *fl, int *n, const char *
         {"shutdown-grace-ms", PD_FLAG_INT, &f->shutdown_grace_ms, "SIGTERM: time in-flight requests get to finish", 0, 3600000},
         {"health-drain-ms", PD_FLAG_INT, &f->health_drain_ms, "SIGTERM: time health says NOT_SERVING before the listener closes", 0, 600000},
         {"log-level", PD_FLAG_STRING, &f->log_level, "error, warn, info, debug", 1, 0},
+        {"kv-secret-file", PD_FLAG_STRING, &f->kv_secret_file, "file with the shared secret that authenticates KV transfers between prefill and decode (same file on both; empty = unauthenticated)", 1, 0},
+        {"kv-transport", PD_FLAG_STRING, &f->kv_transport, "KV data path between GPU instances: auto (device to device where the peer's GPU is reachable, else host memory), device (required: a transfer that cannot go device to device fails), host", 1, 0},
     };
     for (size_t i = 0; i < sizeof add / sizeof add[0]; i++) fl[(*n)++] = add[i];
+    rpc_server_tls_flags_add(&f->tls, fl, n);
 }
+
+static const char *g_kv_secret_file; /* --kv-secret-file, for svc_kvt_start */
+const char *svc__kv_transport = "auto"; /* --kv-transport, for svc_kvdev.c */
 
 void svc_server_flags_apply(svc_server_flags *f)
 {
+    g_kv_secret_file = f->kv_secret_file && f->kv_secret_file[0] ? f->kv_secret_file : NULL;
+    if (f->kv_transport) svc__kv_transport = f->kv_transport;
     pd_log_level lv;
     if (pd_log_parse_level(f->log_level, &lv) == 0) pd_log_set_level(lv);
     if (f->port >= 0) {
@@ -449,8 +457,30 @@ static void load_report(rpc_call *call, const ProtobufCMessage *req, void *user)
     r.running_seqs = (uint32_t)l.n_running;
     r.waiting_seqs = (uint32_t)l.n_waiting;
     r.queued_prefill_tokens = (uint64_t)l.queued_prompt_tokens;
-    r.draining = inst->draining != 0;
+    /* Reservations wait for their KV: they are queued work the router must see. */
+    int64_t nres = atomic_load(&inst->reservations);
+    r.waiting_seqs = (uint32_t)(l.n_waiting + (nres > 0 ? nres : 0));
+    int64_t rb = atomic_load(&inst->reserved_blocks);
+    r.reserved_blocks = (uint32_t)(rb > 0 ? rb : 0);
+    r.failed = atomic_load(&inst->failed) != 0;
+    r.draining = inst->draining != 0 || r.failed; /* routers that predate `failed` stop too */
     rpc_call_reply(call, &r.base);
+}
+
+void svc_instance_on_step(void *arg, double seconds, int32_t n_seqs)
+{
+    svc_instance *inst = arg;
+    if (inst->metrics) svc_metrics_on_step(inst->metrics, seconds, n_seqs);
+}
+
+void svc_instance_on_step_failed(void *arg, const char *msg)
+{
+    svc_instance *inst = arg;
+    if (atomic_exchange(&inst->failed, 1) == 0)
+        PD_LOGE("%s: the engine failed a step (%s): reporting NOT_SERVING from now on; "
+                "restart the instance", inst->instance_id[0] ? inst->instance_id : "instance", msg);
+    rpc_server *s = atomic_load(&inst->server);
+    if (s) rpc_server_set_serving(s, false);
 }
 
 int svc_instance_register(rpc_server *s, svc_instance *inst, char *err)
@@ -461,12 +491,60 @@ int svc_instance_register(rpc_server *s, svc_instance *inst, char *err)
 
 /* ---- an instance's engine thread and KV-transfer thread ---- */
 
+/* Fault injection for tests (PDSERVE_FAULT_FAIL_STEPS_AFTER=N): the executor runs N forwards,
+ * then fails every later one as a sticky device error would. One per process. */
+static struct {
+    eng_executor real;
+    atomic_llong left;
+} g_fault;
+
+static bool fault_fires(char *err)
+{
+    if (atomic_fetch_sub(&g_fault.left, 1) > 0) return false;
+    atomic_store(&g_fault.left, 0);
+    pd_errf(err, PD_EBACKEND, "injected device failure (PDSERVE_FAULT_FAIL_STEPS_AFTER)");
+    return true;
+}
+
+static int fault_forward(void *ctx, const mr_batch *b, float *logits, char *err)
+{
+    if (fault_fires(err)) return PD_EBACKEND;
+    return g_fault.real.forward(ctx, b, logits, err);
+}
+
+static int fault_forward_sample(void *ctx, const mr_batch *b, const mr_sampling *smp, char *err)
+{
+    if (fault_fires(err)) return PD_EBACKEND;
+    return g_fault.real.forward_sample(ctx, b, smp, err);
+}
+
+static int fault_launch(void *ctx, const mr_batch *b, const mr_sampling *smp, bool ids_from_last,
+                        char *err)
+{
+    if (fault_fires(err)) return PD_EBACKEND;
+    return g_fault.real.launch(ctx, b, smp, ids_from_last, err);
+}
+
+static eng_executor maybe_faulty(eng_executor x)
+{
+    const char *v = getenv("PDSERVE_FAULT_FAIL_STEPS_AFTER");
+    if (!v || !*v) return x;
+    g_fault.real = x;
+    atomic_store(&g_fault.left, atoll(v));
+    PD_LOGW("PDSERVE_FAULT_FAIL_STEPS_AFTER=%s: every forward after the first %s fails (testing)",
+            v, v);
+    x.forward = fault_forward;
+    if (x.forward_sample) x.forward_sample = fault_forward_sample;
+    if (x.launch) x.launch = fault_launch;
+    return x;
+}
+
 int svc_engine_start(svc_model *m, eng_mode mode, const eng_kv_listener *kl,
                      const ew_callbacks *cb, ew **worker, char *err)
 {
     eng *e = NULL;
     m->ep.mode = mode;
-    int rc = eng_create(&m->ep, &m->cfg, eng_executor_runner(m->runner), &e, err);
+    int rc = eng_create(&m->ep, &m->cfg, maybe_faulty(eng_executor_runner(m->runner)), &e, err);
     if (rc < 0) return rc;
     if (kl) eng_set_kv_listener(e, kl);
     if ((rc = ew_create(e, cb, worker)) < 0) {
@@ -504,6 +582,15 @@ int svc_kvt_start(const char *name, kvt_event_fn on_event, void *arg, svc_model 
     kp.name = name;
     kp.on_event = on_event;
     kp.on_event_arg = arg;
+    kp.secret_file = g_kv_secret_file;
+    if (strcmp(svc__kv_transport, "auto") && strcmp(svc__kv_transport, "device") &&
+        strcmp(svc__kv_transport, "host"))
+        return pd_errf(err, PD_EINVAL, "--kv-transport %s: give auto, device or host",
+                       svc__kv_transport);
+    if (!strcmp(svc__kv_transport, "device") && !svc_kv_device_on(m))
+        return pd_errf(err, PD_EUNSUPPORTED, "--kv-transport device: the %s backend cannot move "
+                       "KV device to device", m->be->ops->name);
+    svc_kv_device_params(m, &kp);
     char e2[PD_ERR_LEN];
     int rc = svc_kvt_create(&kp, kvt, e2);
     if (rc < 0) return pd_errf(err, rc, "kvtransfer: %s", e2);
@@ -522,4 +609,5 @@ void svc_kvt_stop(svc_kvt *kvt, svc_model *m, kvt_pool **pool)
         svc_kvt_call(kvt, pool_teardown, &b);
     }
     svc_kvt_destroy(kvt);
+    svc_kv_device_free(m);
 }

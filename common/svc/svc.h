@@ -53,6 +53,8 @@ typedef struct {
     bool no_chunked_prefill;
     int64_t max_graph_batch;    /* decode steps up to this batch replay CUDA graphs; 0 = eager */
     bool enforce_eager;         /* same as max_graph_batch 0 */
+    int64_t device;             /* GPU ordinal (cuda); with every GPU visible, the KV can go
+                                 * device to device between instances (--kv-transport) */
 } svc_model_flags;
 
 /* Defaults, and the flag table entries (appended at flags[*n], at most 16). */
@@ -73,7 +75,17 @@ typedef struct {
     void **mirror;
     size_t mirror_block_bytes;
     int32_t n_mirror_pinned;    /* regions registered with the backend (pinned) */
+    void *kvdev;                /* the device path's sender state (svc_kvdev.c), or NULL */
 } svc_model;
+
+/* The model fingerprint that KvLayout carries (prefill and decode must agree before KV moves):
+ * a hash of dir's config.json, load_format, kv_dtype and, unless load_format is "dummy"
+ * (whose weights are the same seeded values everywhere), the weights' identity read without a
+ * full pass: model.safetensors.index.json when present and, for every *.safetensors file in
+ * dir, its name, size, header and 32 chunks of 4 KiB spread over its data. Two fine-tunes of
+ * one architecture differ; the same files under another directory give the same value.
+ * (svc_fingerprint.c) */
+uint64_t svc_model_fingerprint(const char *dir, const char *load_format, pd_dtype kv_dtype);
 
 /* Loads backend, weights and runner; fills ep for mode. Returns 0 or an error with err. */
 int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *out, char *err);
@@ -119,13 +131,17 @@ typedef struct {
     int64_t shutdown_grace_ms;  /* SIGTERM: time in-flight requests get */
     int64_t health_drain_ms;    /* SIGTERM: NOT_SERVING time before the listener closes */
     char listen_buf[64];        /* holds the address made from port */
+    rpc_server_tls_flags tls;   /* --tls-cert, --tls-key, --tls-client-ca, handshake timeout */
+    const char *kv_secret_file; /* shared secret of the internal KV (UCX) port; "" = none */
+    const char *kv_transport;   /* auto | device | host: the KV's data path between GPUs */
 } svc_server_flags;
 
 /* Defaults (default_listen e.g. "0.0.0.0:50061"), and the flag table entries (appended at
- * flags[*n], 8 of them). role names the instance in --instance-id's help. */
+ * flags[*n], 14 of them). role names the instance in --instance-id's help. */
 void svc_server_flags_init(svc_server_flags *f, const char *default_listen);
 void svc_server_flags_add(svc_server_flags *f, pd_flag *flags, int *n, const char *role);
-/* After parsing: applies --log-level and turns --port into the listen address. */
+/* After parsing: applies --log-level, turns --port into the listen address, and keeps
+ * --kv-secret-file for svc_kvt_start. */
 void svc_server_flags_apply(svc_server_flags *f);
 
 /* ---- lifecycle ---- */
@@ -141,17 +157,33 @@ int svc_wait_signal(void);
 #include "engine/worker.h"
 #include "pdserve/internal/v1/instance.pb-c.h"
 
+#include <stdatomic.h>
+
 typedef struct {
     char instance_id[128];
     Pdserve__Internal__V1__Role role;
     const svc_model *model;   /* borrowed */
     ew *worker;               /* borrowed; must outlive the server */
     volatile int draining;    /* set on SIGTERM */
+    void *metrics;            /* svc_metrics (borrowed, may be NULL): step times go there */
+    _Atomic(rpc_server *) server; /* set by svc_serve once started (health) */
+    atomic_int failed;        /* the engine failed a step: health NOT_SERVING from then on,
+                                 load reports say failed (the router stops routing here) */
+    atomic_int_fast64_t reserved_blocks; /* decode: blocks of reservations waiting for KV */
+    atomic_int_fast64_t reservations;    /* decode: those reservations */
 } svc_instance;
 
 /* Registers /pdserve.internal.v1.Instance/LoadReport answering from inst (borrowed; must
  * outlive the server). Returns 0 or an rpc_server_register error. */
 int svc_instance_register(rpc_server *s, svc_instance *inst, char *err);
+
+/* ew_callbacks.on_step with step_arg = the svc_instance: step time and batch size to its
+ * metrics. */
+void svc_instance_on_step(void *inst, double seconds, int32_t n_seqs);
+/* ew_callbacks.on_step_failed with step_arg = the svc_instance: marks the instance failed
+ * (sticky): health reports NOT_SERVING for every service name, so that Kubernetes' probes
+ * restart it, and load reports say failed, so that routers stop sending work here. */
+void svc_instance_on_step_failed(void *inst, const char *msg);
 
 /* ---- an instance's engine thread and KV-transfer thread ---- */
 
@@ -168,5 +200,23 @@ int svc_kvt_start(const char *name, kvt_event_fn on_event, void *arg, svc_model 
 /* Destroys *pool on the kvt thread (then NULL), then the thread; after the engine thread
  * stopped. kvt NULL is a no-op. */
 void svc_kvt_stop(svc_kvt *kvt, svc_model *m, kvt_pool **pool);
+
+/* ---- the KV's device path (common/svc/svc_kvdev.c) ----
+ * With a backend that offers the dev_* / copyq ops (CUDA) and --kv-transport auto or device,
+ * the decode pool carries an export of the device KV cache (CUDA IPC), and a prefill instance
+ * that can map it writes each layer's blocks straight into the reserved device blocks, on a
+ * copy stream ordered after the layer's event: no host copy, no wait on the engine thread.
+ * Otherwise (CPU, other host, no peer access, --kv-transport host) the host pool moves it. */
+
+/* Whether the device path is on for m (backend ops present and --kv-transport not host). */
+bool svc_kv_device_on(const svc_model *m);
+/* Fills kvt_params.device (sender side, on the kvt thread: the copy queue is made at first
+ * use) and device_required (--kv-transport device). Nothing when the path is off. */
+void svc_kv_device_params(svc_model *m, kvt_params *kp);
+/* The decode pool's device export for kvt_pool_params (malloc'ed; caller frees), or NULL
+ * when the path is off. Returns 0 or an error with err. */
+int svc_kv_device_export(const svc_model *m, void **blob, size_t *len, char *err);
+/* Releases what svc_kv_device_params made (after the kvt ctx is destroyed). */
+void svc_kv_device_free(svc_model *m);
 
 #endif

@@ -119,6 +119,9 @@ static void *loop(void *arg)
     pthread_cond_broadcast(&k->cv);
     pthread_mutex_unlock(&k->mu);
     if (rc < 0) return NULL;
+    if (!k->p.secret_file)
+        PD_LOGW("kvtransfer: the internal KV port is not authenticated (no --kv-secret-file): "
+                "any process that reaches it can open transfers");
     for (;;) {
         run_jobs(k);
         pthread_mutex_lock(&k->mu);

@@ -34,7 +34,7 @@ struct svc_metrics {
     pd_metric *queue_time, *step_time, *batch, *kv_time;
     /* sampled */
     pd_metric *draining_g, *running, *waiting, *kv_used, *kv_free, *kv_cap, *kv_usage, *queued;
-    pd_metric *steps, *prompt_tok, *gen_tok, *preempt, *model_s, *hit, *query, *hit_ratio;
+    pd_metric *steps, *step_fail, *prompt_tok, *gen_tok, *preempt, *model_s, *hit, *query, *hit_ratio;
     pd_metric *kv_bytes, *kv_ok, *kv_fail, *kv_active;
     pd_mfamily *kv_peers, *kv_info;
     pd_metric *calls, *calls_cancelled, *calls_live;
@@ -74,6 +74,7 @@ static void collect(pd_metrics *m, void *arg)
         pd_metric_set(sm->queued, (double)l.queued_prompt_tokens);
         const eng_stats *st = &l.stats;
         pd_metric_set(sm->steps, (double)st->steps);
+        pd_metric_set(sm->step_fail, (double)l.n_step_failures);
         pd_metric_set(sm->prompt_tok, (double)st->prompt_tokens_computed);
         pd_metric_set(sm->gen_tok, (double)st->decode_tokens);
         pd_metric_set(sm->preempt, (double)st->preemptions);
@@ -100,6 +101,7 @@ static void collect(pd_metrics *m, void *arg)
             char l[192] = "";
             pd_metrics_label(l, sizeof l, "transport", kvt_transport_name(ks.last_transport));
             pd_metrics_label(l, sizeof l, "resource", ks.last_transport_name);
+            if (send) pd_metrics_label(l, sizeof l, "path", kvt_path_name(ks.last_path));
             pd_mfamily_hide_all(sm->kv_info);
             pd_metric_set(pd_mfamily_series(sm->kv_info, l), 1);
         }
@@ -165,6 +167,9 @@ int svc_metrics_create(const svc_metrics_params *p, svc_metrics **out, char *err
         sm->queued = pd_metrics_gauge(m, "pdserve_prefill_queued_tokens", NULL,
                                       "prompt tokens submitted and not computed yet");
         sm->steps = pd_metrics_counter(m, "pdserve_engine_steps_total", NULL, "engine steps that ran a forward");
+        sm->step_fail = pd_metrics_counter(m, "pdserve_engine_step_failures_total", NULL,
+                                           "engine steps that failed (the instance then reports "
+                                           "NOT_SERVING: a failed step usually means a broken device)");
         sm->step_time = pd_metrics_histogram(m, "pdserve_engine_step_duration_seconds", NULL,
                                              "wall time of one engine step (schedule, forward, sample)",
                                              pd_metrics_step_buckets, pd_metrics_n_step_buckets);
@@ -291,4 +296,14 @@ void svc_metrics_on_step(void *arg, double seconds, int32_t n_seqs)
     if (!sm) return;
     pd_metric_observe(sm->step_time, seconds);
     pd_metric_observe(sm->batch, n_seqs);
+}
+
+void svc_metrics_kv_path(svc_metrics *sm, const char *path)
+{
+    if (!sm || !sm->dir[0]) return;
+    char l[64] = "";
+    pd_metrics_label(l, sizeof l, "path", path);
+    pd_metric_add(pd_metrics_counter(sm->reg, "pdserve_kv_transfers_by_path_total", l,
+                                     "KV transfers finished, by data path (device: device to "
+                                     "device; put, am: through host memory)"), 1);
 }

@@ -59,6 +59,9 @@ void svc_metrics_request(svc_metrics *sm, int rpc_code);
 void svc_metrics_queue_time(svc_metrics *sm, double seconds);
 /* Observes one finished KV transfer's duration (kvt_event elapsed_ns) in seconds. */
 void svc_metrics_kv_transfer(svc_metrics *sm, double seconds);
+/* Counts one finished KV transfer by its data path ("device", "put", "am") in
+ * pdserve_kv_transfers_by_path_total{path}. */
+void svc_metrics_kv_path(svc_metrics *sm, const char *path);
 /* ew_callbacks.on_step (step_arg = the svc_metrics): engine step time and batch size. */
 void svc_metrics_on_step(void *sm, double seconds, int32_t n_seqs);
 

@@ -15,6 +15,7 @@ int svc_serve(const svc_serve_params *p, svc_instance *inst, svc_metrics *sm, sv
     sp.n_threads = (int)sf->grpc_threads;
     sp.shutdown_grace_ms = (int)sf->shutdown_grace_ms;
     sp.health_drain_ms = (int)sf->health_drain_ms;
+    rpc_server_tls_flags_apply(&sf->tls, &sp);
     if (p->stream_queue_max > 0) sp.stream_queue_max = p->stream_queue_max;
     int rc;
     if ((rc = rpc_server_create(&sp, server, err)) < 0 ||
@@ -30,6 +31,8 @@ int svc_serve(const svc_serve_params *p, svc_instance *inst, svc_metrics *sm, sv
     PD_LOGI("pdserve-%s %s listening on port %d%s%s%s", p->role, inst->instance_id,
             rpc_server_port(*server), p->mode ? " (" : "", p->mode ? p->mode : "",
             p->mode ? ")" : "");
+    atomic_store(&inst->server, *server);
+    if (atomic_load(&inst->failed)) rpc_server_set_serving(*server, false); /* failed before */
     printf("PORT %d\n", rpc_server_port(*server));
     fflush(stdout);
     svc_metrics_watch(sm, *server, inst->worker, kvt, &inst->draining);

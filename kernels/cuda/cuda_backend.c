@@ -45,6 +45,15 @@ static const pd_backend_ops k_cuda_ops = {
     .graph_end = pd_cuda__graph_end,
     .graph_launch = pd_cuda__graph_launch,
     .graph_destroy = pd_cuda__graph_destroy,
+    .dev_export = pd_cuda__dev_export,
+    .dev_open = pd_cuda__dev_open,
+    .dev_close = pd_cuda__dev_close,
+    .event_record = pd_cuda__event_record,
+    .event_query = pd_cuda__event_query,
+    .event_release = pd_cuda__event_release,
+    .copyq_create = pd_cuda__copyq_create,
+    .copyq_destroy = pd_cuda__copyq_destroy,
+    .copyq_blocks = pd_cuda__copyq_blocks,
 };
 
 int pd_backend_cuda_create(const pd_backend_params *p, pd_backend **out, char *err)

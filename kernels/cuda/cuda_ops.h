@@ -75,6 +75,19 @@ int pd_cuda__graph_begin(void *ctx);
 int pd_cuda__graph_end(void *ctx, void **graph);
 int pd_cuda__graph_launch(void *ctx, void *graph);
 void pd_cuda__graph_destroy(void *ctx, void *graph);
+/* cuda_ipc.cu: KV blocks device to device between processes. */
+int pd_cuda__dev_export(void *ctx, void *p, void *export_bytes, char *bus_id);
+int pd_cuda__dev_open(void *ctx, const void *export_bytes, const char *bus_id, void **base,
+                      char *err);
+void pd_cuda__dev_close(void *ctx, void *base);
+int pd_cuda__event_record(void *ctx, void **ev);
+int pd_cuda__event_query(void *ctx, void *ev);
+void pd_cuda__event_release(void *ctx, void *ev);
+int pd_cuda__copyq_create(void *ctx, void **q);
+void pd_cuda__copyq_destroy(void *ctx, void *q);
+int pd_cuda__copyq_blocks(void *ctx, void *q, void *after, void *const *dst,
+                          const void *const *src, int32_t n_regions, const int32_t *dst_ids,
+                          const int32_t *src_ids, int32_t n, size_t block_bytes, void **done);
 /* cuda_sample.cu: the sample op; its per-context buffers are freed with the context. */
 int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab, const pd_sample_row *rows,
                     const pd_penalty_tok *pen, int32_t n_pen, int32_t *tokens, float *logprobs);

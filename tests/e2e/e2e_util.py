@@ -19,7 +19,8 @@ def setup(proto_dir):
     subprocess.check_call(["protoc", "-I" + proto_dir, "--python_out=" + tmp, "--grpc_python_out=" + tmp,
                            "--plugin=protoc-gen-grpc_python=" + plugin,
                            "pdserve/v1/generation.proto", "pdserve/internal/v1/kv.proto",
-                           "pdserve/internal/v1/instance.proto", "grpc/health/v1/health.proto"], cwd=proto_dir)
+                           "pdserve/internal/v1/instance.proto", "pdserve/internal/v1/decode.proto",
+                           "pdserve/internal/v1/prefill.proto", "grpc/health/v1/health.proto"], cwd=proto_dir)
     sys.path.insert(0, tmp)
     from pdserve.v1 import generation_pb2 as pb, generation_pb2_grpc as pbg
     from pdserve.internal.v1 import instance_pb2 as ipb, instance_pb2_grpc as ipbg
@@ -119,3 +120,80 @@ class Scrape:
 
     def series(self, name):
         return [(dict(l), v) for (n, l), v in self.samples.items() if n == name]
+
+class Harness:
+    """What the end-to-end tests of a stack share: argv (BIN_DIR SHARED_DIR PROTO_DIR), the
+    stories260k model (skip without it), the compiled protos, the started processes, and the
+    check / finish reporting. h.pb, h.pbg, h.ipb, h.ipbg, h.hpb are the generated modules."""
+    def __init__(self, argv, log_level="info"):
+        self.bin, self.shared, self.proto = argv[1], argv[2], argv[3]
+        self.model = os.path.join(self.shared, "models", "stories260k")
+        if not os.path.isdir(self.model):
+            skip("no shared data")
+        self.tmp, self.pb, self.pbg, self.ipb, self.ipbg, self.hpb = setup(self.proto)
+        self.env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PDSERVE_LOG_LEVEL=log_level)
+        self.procs, self.failures = [], 0
+
+    def check(self, cond, what):
+        print(("ok   " if cond else "FAIL ") + what, flush=True)
+        if not cond:
+            self.failures += 1
+
+    def start(self, name, *args, tag=None, env=None):
+        """Starts a service with /metrics (pass --metrics-port 0 in args)."""
+        p = start(self.bin, self.tmp, name, list(args), env or self.env, tag=tag, want_metrics=True)
+        self.procs.append(p)
+        return p
+
+    def load(self, p):
+        import grpc
+        with grpc.insecure_channel("127.0.0.1:%d" % p.port) as ch:
+            return self.ipbg.InstanceStub(ch).LoadReport(self.ipb.LoadReportRequest(), timeout=5)
+
+    def health(self, p):
+        import grpc
+        with grpc.insecure_channel("127.0.0.1:%d" % p.port) as ch:
+            h = ch.unary_unary("/grpc.health.v1.Health/Check",
+                               request_serializer=self.hpb.HealthCheckRequest.SerializeToString,
+                               response_deserializer=self.hpb.HealthCheckResponse.FromString)
+            return h(self.hpb.HealthCheckRequest(service=""), timeout=2).status
+
+    def stop(self, ps=None):
+        """SIGTERM, then each must exit 0 (under ASan a leak or memory error makes it not)."""
+        ps = self.procs if ps is None else ps
+        for p in ps:
+            if p.p.poll() is None:
+                p.p.terminate()
+        for p in ps:
+            try:
+                rc = p.p.wait(timeout=60)
+            except Exception:
+                p.p.kill()
+                rc = "hung"
+            self.check(rc == 0, "%s exits 0 after SIGTERM (got %s)" % (os.path.basename(p.log), rc))
+
+    def kill_all(self):
+        for p in self.procs:
+            if p.p.poll() is None:
+                p.p.kill()
+                p.p.wait()
+
+    def finish(self):
+        print("%d failures" % self.failures)
+        sys.exit(1 if self.failures else 0)
+
+def wait_until(cond, seconds):
+    """Polls cond (exceptions count as False) until it holds or seconds pass."""
+    import time
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        try:
+            if cond():
+                return True
+        except Exception:
+            pass
+        time.sleep(0.05)
+    try:
+        return cond()
+    except Exception:
+        return False

@@ -42,6 +42,28 @@ def series_name(q):
 ADAPTER_PODS = {series_name(r["seriesQuery"]) for r in adapter.get("rules", [])}
 ADAPTER_EXT = {r["name"]["as"] for r in adapter.get("externalRules", [])}
 
+CLI_FLAGS = set(re.findall(r"^  (--[a-z-]+)", subprocess.run([os.path.join(BIN, "pdserve-cli"), "generate", "--help"],
+                                                            capture_output=True, text=True).stdout, re.M))
+
+def probe_port(p, pd, c):
+    """The gRPC port a probe checks: a gRPC probe (plaintext only: Kubernetes' gRPC probes
+    cannot speak TLS), or with TLS an exec of pdserve-cli health --addr 127.0.0.1:PORT whose
+    TLS flags exist and whose files the container mounts; None otherwise."""
+    if "grpc" in p:
+        return None if pd.get("PDSERVE_TLS_CERT") else p["grpc"].get("port")
+    cmd = p.get("exec", {}).get("command", [])
+    if not pd.get("PDSERVE_TLS_CERT") or cmd[:2] != ["/usr/local/bin/pdserve-cli", "health"] or "--addr" not in cmd:
+        return None
+    flags = [a for a in cmd[2:] if a.startswith("--")]
+    vals = dict(zip(cmd[2::2], cmd[3::2]))
+    mounts = [m["mountPath"].rstrip("/") + "/" for m in c.get("volumeMounts", [])]
+    files = [vals[f] for f in ("--tls-ca", "--tls-cert", "--tls-key") if f in vals]
+    if not set(flags) <= CLI_FLAGS or "--tls-ca" not in vals or not all(any(f.startswith(m) for m in mounts) for f in files):
+        return None
+    if pd.get("PDSERVE_TLS_CLIENT_CA") and "--tls-cert" not in vals:
+        return None  # mutual TLS: the probe needs a client certificate
+    return int(vals["--addr"].rsplit(":", 1)[1])
+
 def check_set(docs, what):
     kinds = {(d.get("apiVersion"), d.get("kind")) for d in docs}
     check(kinds <= KINDS, "%s: %d documents of known kinds %s" % (what, len(docs), sorted(k for _, k in kinds - KINDS) or ""))
@@ -80,8 +102,14 @@ def check_set(docs, what):
         check(ports.get("grpc") == listen_port and ports.get("metrics") == int(pd.get("PDSERVE_METRICS_PORT", -1)),
               "%s %s: ports grpc %s = --listen, metrics %s = --metrics-port" % (what, n, ports.get("grpc"), ports.get("metrics")))
         probes = [c.get(k) for k in ("startupProbe", "readinessProbe", "livenessProbe")]
-        check(all(p and p.get("grpc", {}).get("port") == ports.get("grpc") for p in probes),
-              "%s %s: startup, readiness and liveness probes are gRPC health checks on %s" % (what, n, ports.get("grpc")))
+        check(all(p and probe_port(p, pd, c) == ports.get("grpc") for p in probes),
+              "%s %s: startup, readiness and liveness probes are gRPC health checks on %s%s" % (
+                  what, n, ports.get("grpc"), " (pdserve-cli over TLS)" if pd.get("PDSERVE_TLS_CERT") else ""))
+        tls_files = [v for k, v in pd.items() if k.startswith(("PDSERVE_TLS_", "PDSERVE_INTERNAL_TLS_")) and k != "PDSERVE_TLS_SERVER_NAME"]
+        secret_mounts = {m["mountPath"] for m in c.get("volumeMounts", []) for vol in tpl["spec"].get("volumes", [])
+                         if vol["name"] == m["name"] and "secret" in vol}
+        check(all(any(f.startswith(m.rstrip("/") + "/") for m in secret_mounts) for f in tls_files),
+              "%s %s: TLS files %s are on mounted Secrets" % (what, n, tls_files or "(none)"))
         drain_s = (int(pd.get("PDSERVE_HEALTH_DRAIN_MS", 0)) + int(pd.get("PDSERVE_SHUTDOWN_GRACE_MS", 30000))) / 1000
         tgp = tpl["spec"].get("terminationGracePeriodSeconds", 30)
         check(tgp >= drain_s + 5, "%s %s: terminationGracePeriodSeconds %d >= drain %.0f s + 5" % (what, n, tgp, drain_s))
@@ -167,6 +195,26 @@ else:
     env = du.container_env(rendered, du.find(rendered, "Deployment", "pdserve-router")["spec"]["template"]["spec"]["containers"][0])
     check(env.get("PDSERVE_SLO_TTFT_MS") == "500" and env.get("PDSERVE_PREFILL") == "pdserve-prefill:50071",
           "overlay: the SLO patch merged into the router's env")
+
+# The TLS overlay: TLS on the public port, mutual TLS inside, one Secret per pool.
+tls_dir = os.path.join(DEPLOY, "k8s", "overlays", "tls")
+tls_files = [f for f in os.listdir(tls_dir) if f.endswith(".yaml")]
+check(all(list(yaml.safe_load_all(open(os.path.join(tls_dir, f)))) for f in tls_files),
+      "tls overlay: %d files parse" % len(tls_files))
+rendered = du.render_overlay(tls_dir)
+if rendered is None:
+    print("kubectl not installed: the tls overlay is not rendered (its files parsed only)")
+else:
+    check_set(rendered, "tls overlay")
+    envs = {n: du.container_env(rendered, du.find(rendered, "Deployment", n)["spec"]["template"]["spec"]["containers"][0])
+            for n in ROLES}
+    check(all(envs[n].get("PDSERVE_TLS_CLIENT_CA") for n in ("pdserve-prefill", "pdserve-decode")) and
+          all(envs["pdserve-router"].get("PDSERVE_INTERNAL_TLS_" + k) for k in ("CA", "CERT", "KEY")) and
+          envs["pdserve-router"].get("PDSERVE_TLS_CERT") and not envs["pdserve-router"].get("PDSERVE_TLS_CLIENT_CA"),
+          "tls overlay: public TLS on the router, mutual TLS between the router and both pools")
+    base_env = {n: du.container_env(base, du.find(base, "Deployment", n)["spec"]["template"]["spec"]["containers"][0]) for n in ROLES}
+    check(not any(k.startswith(("PDSERVE_TLS", "PDSERVE_INTERNAL_TLS")) for e in base_env.values() for k in e),
+          "base: no TLS (plaintext, as before)")
 
 df = open(os.path.join(DEPLOY, "Dockerfile")).read()
 check(re.search(r"^FROM nvidia/cuda:\S+-devel\S* AS build$", df, re.M) and re.search(r"^FROM nvidia/cuda:\S+-runtime", df, re.M)

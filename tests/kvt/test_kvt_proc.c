@@ -9,6 +9,14 @@
  *   cancel-recv     the receiver cancels mid-transfer; blocks freed; the next transfer works
  *   cancel-send     the sender cancels mid-transfer; likewise
  *   mismatch        the sender's KV layout differs: refused before any byte moves
+ *   auth-xfer       both sides have the same KV secret: transfers as xfer
+ *   auth-diff       the secrets differ: the sender refuses the descriptor (PD_EPERM)
+ *   auth-none-send  only the receiver has a secret: likewise
+ *   auth-none-recv  only the sender has one: likewise
+ *   auth-forged     the secrets differ and the sender re-signs the descriptor with its own:
+ *                   the handshake fails on both sides, the queued send fails with PD_EPERM
+ *   auth-forged-none  a sender without a secret strips the signature: the receiver refuses
+ *                   it in the handshake, the send fails with PD_EPERM
  *   netns           sender and receiver in two network namespaces joined by a veth pair:
  *                   transfers succeed, then `ip link set down` is caught by the deadlines
  * The transport comes from the environment (UCX_TLS ...). Exit 0 = pass, 77 = skipped. */
@@ -22,7 +30,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include "kvt_test.h"
+#include "kvtransfer/kvt_desc.h"
 
 enum { M_DESC = 1, M_REQ, M_QUIT, M_MID, M_CANCEL, M_REFUSED, M_SENDER_DONE };
 enum { X_DONE = 0, X_FAIL_PEER, X_CANCELED, X_TIMEDOUT };
@@ -47,6 +58,45 @@ static kt_events g_ev;
 static int g_rep = -1; /* child -> parent */
 
 static bool scn(const char *s) { return strcmp(g_scn, s) == 0; }
+static char g_sec1[64], g_sec2[64];               /* two different secret files */
+static const char *g_sec_recv, *g_sec_send;       /* each side's, NULL = none */
+
+/* Scenarios in which the sender must refuse the descriptor itself. */
+static bool refused_at_open(void)
+{
+    return scn("auth-diff") || scn("auth-none-send") || scn("auth-none-recv");
+}
+static bool forged(void) { return scn("auth-forged") || scn("auth-forged-none"); }
+
+static void wr_le(uint8_t *p, uint64_t v, int n)
+{
+    for (int i = 0; i < n; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* What an attacker holding another secret (or none) does with a descriptor it intercepted:
+ * signs it with its own secret (or strips the signature) and fixes the checksum. */
+static void *resign(const uint8_t *d, size_t *len, const char *secret_file)
+{
+    uint32_t ver = (uint32_t)d[4] | (uint32_t)d[5] << 8 | (uint32_t)d[6] << 16 |
+                   (uint32_t)d[7] << 24;
+    size_t body = *len - 8 - ((ver >> 16 & KVT_DESC_SIGNED) ? KVT_MAC_LEN : 0);
+    uint8_t *out = malloc(body + KVT_MAC_LEN + 8);
+    memcpy(out, d, body);
+    ver &= ~((uint32_t)KVT_DESC_SIGNED << 16);
+    if (secret_file) ver |= (uint32_t)KVT_DESC_SIGNED << 16;
+    wr_le(out + 4, ver, 4);
+    if (secret_file) {
+        kvt__secret sec;
+        char err[PD_ERR_LEN];
+        KT_OK(kvt__secret_load(secret_file, &sec, err), err);
+        KT_OK(kvt__desc_mac(&sec, out, body, out + body), "mac");
+        kvt__secret_wipe(&sec);
+        body += KVT_MAC_LEN;
+    }
+    wr_le(out + body, XXH64(out, body, 0), 8);
+    *len = body + 8;
+    return out;
+}
 
 static bool status_ok(int32_t expect, int status)
 {
@@ -72,6 +122,7 @@ typedef struct {
 static int sender_main(int ctl)
 {
     kvt_params p = kt_params("prefill", &g_ev);
+    p.secret_file = g_sec_send;
     kvt_ctx *ctx;
     char err[PD_ERR_LEN];
     KT_OK(kvt_ctx_create(&p, &ctx, err), err);
@@ -89,8 +140,51 @@ static int sender_main(int ctl)
     KT_EQ(kvh_recv(ctl, &type, &msg, &len, 20000), 0);
     KT_EQ(type, M_DESC);
     kvt_target *t;
+    if (forged()) {
+        void *f = resign(msg, &len, g_sec_send);
+        free(msg);
+        msg = f;
+    }
     int rc = kvt_target_open(ctx, src, msg, len, &t, err);
     free(msg);
+    if (refused_at_open()) {
+        KT_EQ(rc, PD_EPERM);
+        fprintf(stderr, "sender refused the descriptor: %s\n", err);
+        kvh_send(ctl, M_REFUSED, NULL, 0);
+        kvt_ctx_destroy(ctx);
+        return 0;
+    }
+    if (forged()) {
+        /* The descriptor passes here; the receiver's handshake must not. A send queued on
+         * the connection fails with PD_EPERM and releases everything. */
+        KT_OK(rc, err);
+        int32_t id0 = 0;
+        kvt_send_params sp = kvt_send_default_params();
+        sp.req_id = 1;
+        sp.n_blocks = 1;
+        sp.src_ids = sp.dst_ids = &id0;
+        kvt_send *s;
+        KT_OK(kvt_send_begin(t, &sp, &s, err), err);
+        double until = kvh_ms() + 15000;
+        while (g_ev.n == 0 && kvh_ms() < until) kvh_loop(ctx, -1, 10);
+        KT_EQ(g_ev.n, 1);
+        KT_EQ(g_ev.ev[0].type, KVT_EV_SEND_FAILED);
+        KT_EQ(g_ev.ev[0].status, PD_EPERM);
+        fprintf(stderr, "sender: send failed: %s\n", g_ev.ev[0].detail);
+        kvt_stats st;
+        kvt_ctx_stats(ctx, &st);
+        KT_EQ(st.ops_in_flight, 0);
+        KT_EQ(st.sends_active, 0);
+        KT_EQ(st.peers, 0);
+        kvt_target_info info;
+        kvt_target_info_get(t, &info);
+        KT_CHECK(info.failed && !info.connected);
+        kvt_send_destroy(s);
+        kvt_target_close(t);
+        kvh_send(ctl, M_REFUSED, NULL, 0);
+        kvt_ctx_destroy(ctx);
+        return 0;
+    }
     if (scn("mismatch")) {
         KT_EQ(rc, PD_EMISMATCH);
         fprintf(stderr, "sender refused: %s\n", err);
@@ -295,6 +389,7 @@ typedef struct {
 static int receiver_main(int ctl)
 {
     kvt_params p = kt_params("decode", &g_ev);
+    p.secret_file = g_sec_recv;
     char err[PD_ERR_LEN];
     rstate rs = {.ctl = ctl, .rnd = 777};
     KT_OK(kvt_ctx_create(&p, &rs.ctx, err), err);
@@ -330,9 +425,34 @@ static int receiver_main(int ctl)
         kvt_ctx_destroy(rs.ctx);
         return 0;
     }
-    if (scn("xfer") || scn("netns")) {
+    if (refused_at_open() || forged()) {
+        /* A reservation waits for a sender that is refused; no connection ever becomes ready
+         * here, and releasing the reservation frees every block. */
+        kvt_recv_params rp = kvt_recv_default_params();
+        rp.req_id = 1;
+        rp.n_blocks = 16;
+        KT_OK(kvt_recv_expect(rs.pool, &rp, err), err);
+        double end = kvh_ms() + 20000;
+        while (!kvh_loop(rs.ctx, ctl, 20) && kvh_ms() < end) {}
+        KT_EQ(kvh_recv(ctl, &type, &msg, &len, 0), 0);
+        KT_EQ(type, M_REFUSED);
+        for (int i = 0; i < 10; i++) kvh_loop(rs.ctx, -1, 10);
+        kvt_stats st;
+        kvt_ctx_stats(rs.ctx, &st);
+        KT_EQ(st.peers, 0);
+        KT_EQ(kvt_recv_release(rs.pool, 1), 0);
+        kvt_event *ev = next_event(&rs, 5000);
+        KT_EQ(ev->type, KVT_EV_RECV_FAILED);
+        KT_EQ(ev->status, PD_ECANCELED);
+        KT_EQ(kvt_pool_n_free(rs.pool), 256);
+        KT_EQ(kvt_pool_n_reservations(rs.pool), 0);
+        kvt_ctx_destroy(rs.ctx);
+        return 0;
+    }
+    if (scn("xfer") || scn("netns") || scn("auth-xfer")) {
         /* Many requests, up to 8 at a time, slots chosen both ways, half with checksums. */
-        int total = scn("xfer") ? 96 : 6, posted = 0, finished = 0, live = 0;
+        int total = scn("xfer") ? 96 : scn("auth-xfer") ? 24 : 6, posted = 0, finished = 0,
+            live = 0;
         kt_sent sent[64];
         while (finished < total) {
             while (live < 12 && posted < total) {
@@ -515,6 +635,22 @@ int main(int argc, char **argv)
     }
     g_scn = argv[1];
     setenv("UCX_LOG_FILE", "stderr", 0);
+    if (!strncmp(g_scn, "auth-", 5)) {
+        /* Two secrets, written before the fork; removed at the end. */
+        const char *val[2] = {"kvt-test-secret-one-0123456789abcdef\n",
+                              "kvt-test-secret-two-fedcba9876543210\n"};
+        char *name[2] = {g_sec1, g_sec2};
+        for (int i = 0; i < 2; i++) {
+            snprintf(name[i], 64, "/tmp/kvt_secret%d_XXXXXX", i + 1);
+            int fd = mkstemp(name[i]);
+            if (fd < 0 || write(fd, val[i], strlen(val[i])) != (ssize_t)strlen(val[i]))
+                KT_FAIL("cannot write %s", name[i]);
+            close(fd);
+        }
+        g_sec_recv = scn("auth-none-recv") ? NULL : g_sec1;
+        g_sec_send = scn("auth-xfer") ? g_sec1
+                   : scn("auth-none-send") || scn("auth-forged-none") ? NULL : g_sec2;
+    }
     if (scn("netns")) {
         atexit(netns_remove);
         int rc = netns_setup();
@@ -588,6 +724,7 @@ int main(int argc, char **argv)
     usleep(100000);
     KT_EQ(kvh_shm_leftovers(pids, 2, g_devshm), 0);
     free(g_devshm);
+    if (g_sec1[0]) unlink(g_sec1), unlink(g_sec2);
     fprintf(stderr, "test_kvt_proc %s: passed\n", g_scn);
     return 0;
 }

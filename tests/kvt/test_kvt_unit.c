@@ -338,6 +338,270 @@ static void test_loopback(bool user_mem)
         for (int i = 0; i < 4; i++) free(uk[i]), free(uv[i]);
 }
 
+/* ---- the device path with a fake device engine ----
+ * "Device memory" is plain memory of this process: the receiver's device pool is an array of
+ * 2 L regions, its export the array's address; the sender's is another array. A copy queued
+ * by copy_layer runs only once its `after` handle is ready (as a CUDA copy waits for its
+ * event) and then lands after a few polls (as a copy on a stream finishes later). */
+typedef struct {
+    int ready_after;   /* polls until an `after` handle is ready */
+    int pending;       /* copies queued and not landed */
+    int live_handles;  /* tokens and `after` handles not yet released */
+    int opens, closes;
+    int fail_open;     /* open answers PD_EUNSUPPORTED */
+    int gate_closed;   /* `after` handles stay unready (a layer still computing) */
+    uint8_t *src;      /* [2 L][n_src][bb] */
+    size_t bb;
+    int32_t n_src, n_dst;
+} fake_dev;
+
+typedef struct {
+    int kind;          /* 1 = after, 2 = token */
+    int polls;         /* after: polls left until ready */
+    struct fdev_token *next;
+} fdev_after;
+
+typedef struct fdev_token {
+    int kind;
+    fdev_after *after;
+    int polls;         /* polls left after `after` is ready */
+    uint8_t *dst;
+    int32_t layer, n;
+    int32_t *src_ids, *dst_ids;
+} fdev_token;
+
+static fake_dev g_fd;
+
+static int fdev_open(void *arg, const void *blob, size_t len, void **remote, char *err)
+{
+    fake_dev *f = arg;
+    if (f->fail_open) return pd_errf(err, PD_EUNSUPPORTED, "fake: no peer access");
+    if (len != sizeof(void *)) return pd_errf(err, PD_EINVAL, "fake: bad export");
+    memcpy(remote, blob, sizeof(void *));
+    f->opens++;
+    return 0;
+}
+
+static void fdev_close(void *arg, void *remote)
+{
+    (void)remote;
+    ((fake_dev *)arg)->closes++;
+}
+
+static int fdev_copy(void *arg, void *remote, int32_t layer, const int32_t *src_ids,
+                     const int32_t *dst_ids, int32_t n, void *after, void **token)
+{
+    fake_dev *f = arg;
+    fdev_token *t = calloc(1, sizeof *t);
+    t->kind = 2;
+    t->polls = 3;
+    t->dst = remote;
+    t->layer = layer;
+    t->n = n;
+    t->src_ids = malloc((size_t)n * sizeof(int32_t));
+    t->dst_ids = malloc((size_t)n * sizeof(int32_t));
+    memcpy(t->src_ids, src_ids, (size_t)n * sizeof(int32_t));
+    memcpy(t->dst_ids, dst_ids, (size_t)n * sizeof(int32_t));
+    if (after) { /* the token waits on it: keep it alive (the caller releases its handle) */
+        fdev_after *a = after;
+        KT_EQ(a->kind, 1);
+        t->after = calloc(1, sizeof *t->after);
+        *t->after = *a;
+    }
+    f->pending++;
+    f->live_handles++;
+    *token = t;
+    return 0;
+}
+
+static int fdev_poll(void *arg, void *tok)
+{
+    fake_dev *f = arg;
+    fdev_token *t = tok;
+    if (t->after && (t->after->polls > 0 || f->gate_closed)) {
+        if (t->after->polls > 0) t->after->polls--;
+        return 0;
+    }
+    if (t->polls-- > 0) return 0;
+    if (t->n >= 0) { /* lands now */
+        for (int kv = 0; kv < 2; kv++) {
+            int r = 2 * t->layer + kv;
+            for (int32_t i = 0; i < t->n; i++)
+                memcpy(t->dst + ((size_t)r * f->n_dst + (size_t)t->dst_ids[i]) * f->bb,
+                       f->src + ((size_t)r * f->n_src + (size_t)t->src_ids[i]) * f->bb, f->bb);
+        }
+        t->n = -1;
+        f->pending--;
+    }
+    return 1;
+}
+
+static void fdev_release(void *arg, void *h)
+{
+    fake_dev *f = arg;
+    int kind = *(int *)h;
+    if (kind == 2) {
+        fdev_token *t = h;
+        if (t->n >= 0) f->pending--; /* released unlanded: kvt gave up on it */
+        free(t->after);
+        free(t->src_ids);
+        free(t->dst_ids);
+    }
+    free(h);
+    f->live_handles--;
+}
+
+static fdev_after *fdev_after_new(int polls)
+{
+    fdev_after *a = calloc(1, sizeof *a);
+    a->kind = 1;
+    a->polls = polls;
+    g_fd.live_handles++;
+    return a;
+}
+
+/* Device path end to end in one process: START / DONE over UCX, the bytes through the device
+ * engine into the receiver's device memory (the kvt pool stays untouched), RECV_DONE naming
+ * the path; a receiver's cancel while copies wait for their layer: RECV_FAILED only after the
+ * sender's last copy landed; an engine that cannot open the export: the host path, or an
+ * error with device_required; every handle released. */
+static void test_device_path(void)
+{
+    char err[PD_ERR_LEN];
+    ev_a.n = ev_b.n = 0;
+    kvt_layout l = kt_layout();
+    const int32_t n_dst = 40, n_src = 24;
+    memset(&g_fd, 0, sizeof g_fd);
+    g_fd.bb = kvt_layout_block_bytes(&l);
+    g_fd.n_src = n_src;
+    g_fd.n_dst = n_dst;
+    g_fd.src = malloc(2 * (size_t)l.n_layers * n_src * g_fd.bb);
+    uint8_t *dev = calloc(2 * (size_t)l.n_layers * n_dst, g_fd.bb);
+    for (int32_t layer = 0; layer < l.n_layers; layer++)
+        for (int kv = 0; kv < 2; kv++)
+            for (int32_t b = 0; b < n_src; b++)
+                kvh_fill(g_fd.src + ((size_t)(2 * layer + kv) * n_src + (size_t)b) * g_fd.bb,
+                         g_fd.bb, 9, layer, kv, b);
+    kvt_device_ops ops = {fdev_open, fdev_close, fdev_copy, fdev_poll, fdev_release, &g_fd};
+    kvt_params pa = kt_params("recv", &ev_a), pb = kt_params("send", &ev_b);
+    pb.device = &ops;
+    kvt_ctx *a, *b;
+    KT_OK(kvt_ctx_create(&pa, &a, err), err);
+    KT_OK(kvt_ctx_create(&pb, &b, err), err);
+    kvt_pool_params pp = kvt_pool_default_params();
+    pp.layout = l;
+    pp.n_blocks = n_dst;
+    pp.device_export = &dev;
+    pp.device_export_len = sizeof dev;
+    kvt_pool *dst;
+    KT_OK(kvt_pool_create(a, &pp, &dst, err), err);
+    kvt_pool *src = make_pool(b, l, n_src);
+    void *desc;
+    size_t len;
+    KT_OK(kvt_pool_export(dst, &desc, &len, err), err);
+    kvt_target *t;
+    KT_OK(kvt_target_open(b, src, desc, len, &t, err), err);
+    KT_EQ(g_fd.opens, 1);
+    pump2(a, b, 20);
+    kvt_target_info ti;
+    kvt_target_info_get(t, &ti);
+    KT_EQ(ti.path, KVT_PATH_DEVICE);
+    int32_t srcs[24], dsts[40];
+    kvh_permute(dsts, n_dst, 31);
+    kvh_permute(srcs, n_src, 32);
+    /* 1. A whole transfer; layers signalled in reverse order, each ready a few polls later. */
+    const int32_t n = 9;
+    kvt_recv_params rp = kvt_recv_default_params();
+    rp.req_id = 500;
+    rp.n_blocks = n;
+    rp.block_ids = dsts;
+    KT_OK(kvt_recv_expect(dst, &rp, err), err);
+    kvt_send_params sp = kvt_send_default_params();
+    sp.req_id = 500;
+    sp.n_blocks = n;
+    sp.src_ids = srcs;
+    sp.dst_ids = dsts;
+    kvt_send *s;
+    KT_OK(kvt_send_begin(t, &sp, &s, err), err);
+    for (int32_t layer = l.n_layers - 1; layer >= 0; layer--)
+        KT_EQ(kvt_send_layer_ready_after(s, layer, fdev_after_new(5)), 0);
+    KT_EQ(kvt_send_finish(s, 42), 0);
+    pump_until(a, b, 1, 1);
+    KT_EQ(ev_a.ev[0].type, KVT_EV_RECV_DONE);
+    KT_EQ(ev_a.ev[0].path, KVT_PATH_DEVICE);
+    KT_EQ(ev_a.ev[0].first_token, 42);
+    KT_EQ(ev_b.ev[0].type, KVT_EV_SEND_DONE);
+    KT_EQ(g_fd.pending, 0);
+    for (int32_t layer = 0; layer < l.n_layers; layer++)
+        for (int kv = 0; kv < 2; kv++)
+            for (int32_t i = 0; i < n; i++) {
+                long off = kvh_check(dev + ((size_t)(2 * layer + kv) * n_dst + (size_t)dsts[i]) * g_fd.bb,
+                                     g_fd.bb, 9, layer, kv, srcs[i]);
+                if (off >= 0) KT_FAIL("device path: layer %d kv %d block %d byte %ld", layer, kv, i, off);
+            }
+    const uint8_t *host = kvt_pool_region(dst, 0, 0);
+    KT_EQ(host[(size_t)dsts[0] * g_fd.bb], 0); /* the host pool was not written */
+    KT_EQ(kvt_recv_release(dst, 500), 0);
+    kvt_send_destroy(s);
+    /* 2. The receiver cancels while the copies wait for their layers: its slots come back
+     *    (RECV_FAILED) only after the sender's last copy landed. */
+    rp.req_id = 501;
+    KT_OK(kvt_recv_expect(dst, &rp, err), err);
+    sp.req_id = 501;
+    KT_OK(kvt_send_begin(t, &sp, &s, err), err);
+    g_fd.gate_closed = 1;
+    for (int32_t layer = 0; layer < l.n_layers; layer++)
+        KT_EQ(kvt_send_layer_ready_after(s, layer, fdev_after_new(2)), 0);
+    pump2(a, b, 5);
+    KT_EQ(g_fd.pending, l.n_layers);
+    KT_EQ(kvt_recv_cancel(dst, 501), 0);
+    int na = ev_a.n, nb = ev_b.n;
+    pump2(a, b, 50); /* the sender hears of it, but its copies cannot land yet */
+    KT_EQ(ev_a.n, na);
+    KT_EQ(g_fd.pending, l.n_layers);
+    g_fd.gate_closed = 0; /* the layers are computed */
+    double end = kvh_ms() + 10000;
+    while (ev_a.n == na && kvh_ms() < end) {
+        kvt_progress(a);
+        kvt_progress(b);
+        if (ev_a.n > na) KT_EQ(g_fd.pending, 0); /* no copy in flight when the slots come back */
+    }
+    KT_EQ(ev_a.ev[na].type, KVT_EV_RECV_FAILED);
+    KT_EQ(ev_a.ev[na].status, PD_ECANCELED);
+    pump_until(a, b, na + 1, nb + 1);
+    KT_EQ(ev_b.ev[nb].type, KVT_EV_SEND_FAILED);
+    kvt_send_destroy(s);
+    KT_EQ(kvt_pool_n_free(dst), n_dst);
+    kvt_target_close(t);
+    /* 3. An engine that cannot open the export: the host path, or an error when required. */
+    g_fd.fail_open = 1;
+    kvt_target *t2;
+    kvt_ctx *c;
+    kvt_params pc = kt_params("send2", &ev_b);
+    pc.device = &ops;
+    KT_OK(kvt_ctx_create(&pc, &c, err), err);
+    kvt_pool *src2 = make_pool(c, l, n_src);
+    KT_OK(kvt_target_open(c, src2, desc, len, &t2, err), err);
+    for (int i = 0; i < 200; i++) kvt_progress(a), kvt_progress(c);
+    kvt_target_info_get(t2, &ti);
+    KT_CHECK(ti.path != KVT_PATH_DEVICE);
+    kvt_target_close(t2);
+    kvt_ctx_destroy(c);
+    pc.device_required = true;
+    KT_OK(kvt_ctx_create(&pc, &c, err), err);
+    src2 = make_pool(c, l, n_src);
+    KT_EQ(kvt_target_open(c, src2, desc, len, &t2, err), PD_EUNSUPPORTED);
+    KT_CHECK(strstr(err, "required") != NULL);
+    kvt_ctx_destroy(c);
+    free(desc);
+    kvt_ctx_destroy(b);
+    kvt_ctx_destroy(a);
+    KT_EQ(g_fd.live_handles, 0);
+    KT_EQ(g_fd.opens, g_fd.closes);
+    free(g_fd.src);
+    free(dev);
+}
+
 int main(void)
 {
     setenv("UCX_LOG_FILE", "stderr", 0);
@@ -346,6 +610,7 @@ int main(void)
     test_reservations();
     test_loopback(false);
     test_loopback(true);
+    test_device_path();
     fprintf(stderr, "test_kvt_unit: all passed\n");
     return 0;
 }

@@ -242,6 +242,41 @@ class Common(unittest.TestCase):
         self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
         self.wait_idle(calls_bad_request=before.calls_bad_request + 4)
 
+    def test_invalid_strings(self):
+        """Strings are checked on the wire before decoding: invalid UTF-8 and NUL bytes are
+        INVALID_ARGUMENT naming the field (grpcio refuses to build such str fields, so the
+        bytes are made by hand and sent raw)."""
+        before = self.wait_idle()
+        # TokenizeRequest{text = "a\0b"}: protobuf-c would hand the handler "a".
+        with self.assertRaises(grpc.RpcError) as cm:
+            raw_unary(self.ch, "/pdserve.v1.Generation/Tokenize")(b"\x0a\x03a\x00b", timeout=10)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertEqual(cm.exception.details(), "text: contains a NUL byte at offset 1")
+        # TokenizeRequest{text = "\xed\xa0\x80"} (an encoded surrogate).
+        with self.assertRaises(grpc.RpcError) as cm:
+            raw_unary(self.ch, "/pdserve.v1.Generation/Tokenize")(b"\x0a\x03\xed\xa0\x80",
+                                                                  timeout=10)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("text: not valid UTF-8", cm.exception.details())
+        # GenerateRequest{request_id "id", prompt "hi", stopping{stop ["ok", "\xc3("]}}: a
+        # nested repeated string, on a streaming method.
+        stopping = b"\x1a\x02ok" + b"\x1a\x02\xc3("
+        req = b"\x0a\x02id" + b"\x12\x02hi" + b"\x2a" + bytes([len(stopping)]) + stopping
+        gen = self.ch.unary_stream("/pdserve.v1.Generation/Generate",
+                                   request_serializer=lambda b: b,
+                                   response_deserializer=pb.GenerateResponse.FromString)
+        with self.assertRaises(grpc.RpcError) as cm:
+            list(gen(req, timeout=10))
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertEqual(cm.exception.details(),
+                         "stopping.stop[1]: not valid UTF-8 (at byte offset 0)")
+        # The same request with valid strings goes through.
+        stopping = b"\x1a\x02ok" + b"\x1a\x02\xc3\xa9"
+        req = b"\x0a\x02id" + b"\x12\x02hi" + b"\x2a" + bytes([len(stopping)]) + stopping
+        out = list(gen(req, timeout=10))
+        self.assertEqual([r.request_id for r in out[:1]], ["id"])
+        self.wait_idle(calls_bad_request=before.calls_bad_request + 3)
+
     def test_oversized_message(self):
         with self.assertRaises(grpc.RpcError) as cm:
             self.stub.Tokenize(pb.TokenizeRequest(text="a" * (5 << 20)), timeout=30)

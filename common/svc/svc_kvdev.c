@@ -1,0 +1,220 @@
+/* svc_kvdev.c -- kvtransfer's device path over the backend's dev_* / copyq ops (see svc.h):
+ * the decode side's export of its device KV cache, and the prefill side's copy engine
+ * (kvt_device_ops) that maps an export and copies each layer's K and V blocks into it on a
+ * copy stream, ordered after the layer's event.
+ *
+ * Export format (little-endian, checked field by field before the backend sees a byte):
+ *   u32 magic "PDKX" | u32 version 1 | u8 handle[PD_DEV_EXPORT_BYTES] | char bus_id[32]
+ *   | u64 allocation bytes | u64 block bytes | u32 n_blocks | u32 n_layers
+ *   | n_layers x (u64 K offset | u64 V offset) from the allocation's base. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/svc/svc.h"
+
+#define KX_MAGIC 0x584b4450u /* "PDKX" */
+#define KX_VERSION 1u
+#define KX_HEAD (8 + PD_DEV_EXPORT_BYTES + PD_BUS_ID_LEN + 8 + 8 + 4 + 4)
+
+/* Bytes of one block of one region (K or V of a layer). */
+static size_t block_bytes(const svc_model *m)
+{
+    kvt_layout l;
+    svc_kv_layout(m, &l);
+    return kvt_layout_block_bytes(&l);
+}
+
+extern const char *svc__kv_transport;
+
+typedef struct {
+    svc_model *m;
+    void *copyq;     /* made on the kvt thread at first use */
+    kvt_device_ops ops;
+} kvdev;
+
+typedef struct {
+    void *base;      /* the peer's allocation, mapped here */
+    int32_t n_layers;
+    uint64_t *off;   /* [2 n_layers] region offsets from base */
+} kvdev_remote;
+
+static uint64_t rd64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
+static uint32_t rd32(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+static void wr64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static void wr32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+bool svc_kv_device_on(const svc_model *m)
+{
+    const pd_backend_ops *o = m->be->ops;
+    return o->dev_export && o->dev_open && o->dev_close && o->event_record && o->event_query &&
+           o->event_release && o->copyq_create && o->copyq_destroy && o->copyq_blocks &&
+           strcmp(svc__kv_transport, "host") != 0;
+}
+
+int svc_kv_device_export(const svc_model *m, void **blob, size_t *len, char *err)
+{
+    *blob = NULL;
+    *len = 0;
+    if (!svc_kv_device_on(m)) return 0;
+    const int32_t L = m->cfg.n_layers;
+    void *base;
+    size_t bytes;
+    mr_kv_pool(m->runner, &base, &bytes);
+    uint8_t *b = calloc(1, KX_HEAD + (size_t)L * 16);
+    if (!b) return pd_errf(err, PD_ENOMEM, "out of memory");
+    char bus[PD_BUS_ID_LEN] = "";
+    int rc = m->be->ops->dev_export(m->be->ctx, base, b + 8, bus);
+    if (rc < 0) {
+        free(b);
+        return pd_errf(err, rc, "cannot export the KV cache for device-to-device transfer");
+    }
+    wr32(b, KX_MAGIC);
+    wr32(b + 4, KX_VERSION);
+    memcpy(b + 8 + PD_DEV_EXPORT_BYTES, bus, PD_BUS_ID_LEN);
+    uint8_t *q = b + 8 + PD_DEV_EXPORT_BYTES + PD_BUS_ID_LEN;
+    wr64(q, bytes);
+    wr64(q + 8, (uint64_t)block_bytes(m));
+    wr32(q + 16, (uint32_t)mr_n_blocks(m->runner));
+    wr32(q + 20, (uint32_t)L);
+    for (int32_t l = 0; l < L; l++) {
+        void *k, *v;
+        mr_kv_cache(m->runner, l, &k, &v);
+        wr64(b + KX_HEAD + (size_t)l * 16, (uint64_t)((uint8_t *)k - (uint8_t *)base));
+        wr64(b + KX_HEAD + (size_t)l * 16 + 8, (uint64_t)((uint8_t *)v - (uint8_t *)base));
+    }
+    PD_LOGI("KV device path: the KV cache (%.1f MiB on GPU %s) is exported for device-to-device "
+            "transfer", (double)bytes / 1048576.0, bus);
+    *blob = b;
+    *len = KX_HEAD + (size_t)L * 16;
+    return 0;
+}
+
+/* ---- the sender's engine (kvt thread) ---- */
+
+static int kx_open(void *arg, const void *blobv, size_t len, void **remote, char *err)
+{
+    kvdev *d = arg;
+    svc_model *m = d->m;
+    const uint8_t *b = blobv;
+    const int32_t L = m->cfg.n_layers;
+    const uint64_t bb = (uint64_t)block_bytes(m);
+    if (len < KX_HEAD || rd32(b) != KX_MAGIC || rd32(b + 4) != KX_VERSION)
+        return pd_errf(err, PD_EFORMAT, "not a device export of this version");
+    const uint8_t *q = b + 8 + PD_DEV_EXPORT_BYTES + PD_BUS_ID_LEN;
+    uint64_t bytes = rd64(q), xbb = rd64(q + 8);
+    uint32_t nb = rd32(q + 16), nl = rd32(q + 20);
+    if (nl != (uint32_t)L || len != KX_HEAD + (size_t)L * 16 || xbb != bb || nb == 0)
+        return pd_errf(err, PD_EFORMAT, "device export of %u layers, %llu-byte blocks does not "
+                       "match this model (%d layers, %llu-byte blocks)", nl,
+                       (unsigned long long)xbb, L, (unsigned long long)bb);
+    char bus[PD_BUS_ID_LEN];
+    memcpy(bus, b + 8 + PD_DEV_EXPORT_BYTES, PD_BUS_ID_LEN);
+    if (!memchr(bus, 0, PD_BUS_ID_LEN)) return pd_errf(err, PD_EFORMAT, "bad bus id");
+    kvdev_remote *r = calloc(1, sizeof *r);
+    uint64_t *off = calloc((size_t)(2 * L), sizeof *off);
+    if (!r || !off) {
+        free(r);
+        free(off);
+        return pd_errf(err, PD_ENOMEM, "out of memory");
+    }
+    const uint64_t region = bb * nb;
+    for (int32_t i = 0; i < 2 * L; i++) {
+        off[i] = rd64(b + KX_HEAD + (size_t)i * 8);
+        if (off[i] > bytes || bytes - off[i] < region) {
+            free(r);
+            free(off);
+            return pd_errf(err, PD_EFORMAT, "device export: region %d outside the allocation", i);
+        }
+    }
+    int rc = m->be->ops->dev_open(m->be->ctx, b + 8, bus, &r->base, err);
+    if (rc < 0) {
+        free(r);
+        free(off);
+        return rc;
+    }
+    r->n_layers = L;
+    r->off = off;
+    PD_LOGI("KV device path: mapped the decode KV cache on GPU %s (%.1f MiB)", bus,
+            (double)bytes / 1048576.0);
+    *remote = r;
+    return 0;
+}
+
+static void kx_close(void *arg, void *remote)
+{
+    kvdev *d = arg;
+    kvdev_remote *r = remote;
+    if (!r) return;
+    d->m->be->ops->dev_close(d->m->be->ctx, r->base);
+    free(r->off);
+    free(r);
+}
+
+static int kx_copy(void *arg, void *remote, int32_t layer, const int32_t *src_ids,
+                   const int32_t *dst_ids, int32_t n, void *after, void **token)
+{
+    kvdev *d = arg;
+    kvdev_remote *r = remote;
+    svc_model *m = d->m;
+    const pd_backend_ops *o = m->be->ops;
+    if (layer < 0 || layer >= r->n_layers) return PD_EINVAL;
+    if (!d->copyq) {
+        int rc = o->copyq_create(m->be->ctx, &d->copyq);
+        if (rc < 0) return rc;
+    }
+    void *k, *v;
+    mr_kv_cache(m->runner, layer, &k, &v);
+    void *dst[2] = {(uint8_t *)r->base + r->off[2 * layer], (uint8_t *)r->base + r->off[2 * layer + 1]};
+    const void *src[2] = {k, v};
+    return o->copyq_blocks(m->be->ctx, d->copyq, after, dst, src, 2, dst_ids, src_ids, n,
+                           block_bytes(m), token);
+}
+
+static int kx_poll(void *arg, void *token)
+{
+    kvdev *d = arg;
+    return d->m->be->ops->event_query(d->m->be->ctx, token);
+}
+
+static void kx_release(void *arg, void *h)
+{
+    kvdev *d = arg;
+    d->m->be->ops->event_release(d->m->be->ctx, h);
+}
+
+void svc_kv_device_params(svc_model *m, kvt_params *kp)
+{
+    if (!svc_kv_device_on(m)) return;
+    kvdev *d = m->kvdev;
+    if (!d) {
+        d = calloc(1, sizeof *d);
+        if (!d) return; /* then the host path */
+        d->m = m;
+        d->ops = (kvt_device_ops){kx_open, kx_close, kx_copy, kx_poll, kx_release, d};
+        m->kvdev = d;
+    }
+    kp->device = &d->ops;
+    kp->device_required = !strcmp(svc__kv_transport, "device");
+}
+
+void svc_kv_device_free(svc_model *m)
+{
+    kvdev *d = m->kvdev;
+    if (!d) return;
+    if (d->copyq) m->be->ops->copyq_destroy(m->be->ctx, d->copyq);
+    free(d);
+    m->kvdev = NULL;
+}
