@@ -516,6 +516,29 @@ int rtr_registry_snapshot(rtr_registry *r, rtr_instance_info *out, int max)
     return n;
 }
 
+void rtr_instance_backlog(rtr_registry *r, const rtr_instance *i, int64_t *queued_tokens,
+                          int64_t *waiting)
+{
+    pthread_mutex_lock(&r->mu);
+    *queued_tokens = i->queued_tokens + i->local_tokens;
+    *waiting = i->waiting;
+    pthread_mutex_unlock(&r->mu);
+}
+
+int64_t rtr_prefill_backlog_min(rtr_registry *r)
+{
+    pthread_mutex_lock(&r->mu);
+    int64_t best = INT64_MAX;
+    for (int i = 0; i < r->n_inst; i++) {
+        const rtr_instance *in = r->inst[i];
+        if (!in->prefill || !usable(in)) continue;
+        int64_t load = in->queued_tokens + in->local_tokens;
+        if (load < best) best = load;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return best;
+}
+
 void rtr_registry_counts(rtr_registry *r, int *n_prefill, int *n_decode, int *healthy)
 {
     pthread_mutex_lock(&r->mu);

@@ -19,6 +19,9 @@
 #             colocated (one colocated instance per GPU), same seed, workload and SLO, 120
 #             requests a probe: A: input U[256,2048], output U[64,256], TTFT <= 300 ms, TPOT
 #             <= 15 ms; B: input U[1024,3072], output U[64,256], TTFT <= 1000 ms, TPOT <= 10 ms
+#   policy    conditional disaggregation: workload A disaggregated with
+#             PDSERVE_PREFILL_BUSY_TOKENS=$BUSY_TOKENS (4096), and 64-token prompts computed
+#             remotely vs on the decode instance (TTFT, TPOT at 2 req/s)
 # Modes (arguments): any of the step names; none = all. Exit 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -133,14 +136,17 @@ if has ttft; then
         down
     fi
 fi
-goodput() { # goodput WORKLOAD: both deployments' goodput searches
+goodput() { # goodput WORKLOAD [DEPLOYMENTS...]: goodput searches (default: disagg colocated)
     local wl=$1 in slo rate
+    shift
+    local deps=("$@")
+    [ ${#deps[@]} -gt 0 ] || deps=(disagg colocated)
     case $wl in
         A) in=256:2048 slo=(--slo-ttft-ms 300 --slo-tpot-ms 15) rate=24 ;;
         B) in=1024:3072 slo=(--slo-ttft-ms 1000 --slo-tpot-ms 10) rate=8 ;;
     esac
     local COMMON=(--load-format dummy --backend cuda --kv-cache-mb 16384 --metrics-port 0)
-    for dep in disagg colocated; do
+    for dep in "${deps[@]}"; do
         local args=(--model tools/shapes/llama3-8b --gpus 0,1)
         [ $dep = colocated ] && args+=(--colocated --decode 2)
         if up "gp$wl-$dep" "${args[@]}" -- "${COMMON[@]}"; then
@@ -159,5 +165,21 @@ goodput() { # goodput WORKLOAD: both deployments' goodput searches
 }
 has goodputA && [ -n "$MODES" ] && goodput A
 has goodputB && [ -n "$MODES" ] && goodput B
+if has policy && [ -n "$MODES" ]; then
+    # Conditional disaggregation (issue #28): workload A with the router computing prompts on
+    # the decode instance while the prefill backlog is deep; then short prompts (64 tokens in,
+    # 64 out, 2 per second) computed remotely and locally.
+    PDSERVE_PREFILL_BUSY_TOKENS=${BUSY_TOKENS:-4096} goodput A disagg
+    for pol in remote local; do
+        if PDSERVE_PREFILL_POLICY=$pol up "short-$pol" --model tools/shapes/llama3-8b --gpus 0,1 -- \
+            --load-format dummy --backend cuda --kv-cache-mb 16384 --metrics-port 0; then
+            env -u LD_LIBRARY_PATH LD_LIBRARY_PATH="$LD_LIBRARY_PATH" "$G/bin/pdserve-bench" \
+                --addr "$ADDR" --rate 2 --num-requests 40 --warmup-requests 4 --input-len 64 \
+                --output-len 64 --arrival constant >"$OUT/short-$pol.log" 2>&1
+            grep -E 'TTFT \(ms\)|TPOT \(ms\)' "$OUT/short-$pol.log" | sed "s|^|short $pol: |"
+            down
+        fi
+    done
+fi
 echo "== gpu_kv: exit $rc"
 exit $rc

@@ -23,7 +23,7 @@ cleanup() {
     rm -rf "$TMP"
 }
 trap cleanup EXIT
-export PDSERVE_LOG_LEVEL=warn UCX_WARN_UNUSED_ENV_VARS=n
+export PDSERVE_LOG_LEVEL=warn UCX_WARN_UNUSED_ENV_VARS=n PDSERVE_PREFILL_POLICY=remote
 fails=0
 ok() { echo "ok   $*"; }
 fail() { echo "FAIL $*"; fails=$((fails + 1)); }

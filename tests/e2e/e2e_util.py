@@ -131,7 +131,10 @@ class Harness:
         if not os.path.isdir(self.model):
             skip("no shared data")
         self.tmp, self.pb, self.pbg, self.ipb, self.ipbg, self.hpb = setup(self.proto)
-        self.env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PDSERVE_LOG_LEVEL=log_level)
+        # Routers send every prompt to a prefill instance (the transfer path under test), even
+        # short ones, which --prefill-policy auto would compute on the decode instance.
+        self.env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PDSERVE_LOG_LEVEL=log_level,
+                        PDSERVE_PREFILL_POLICY="remote")
         self.procs, self.failures = [], 0
 
     def check(self, cond, what):

@@ -30,7 +30,7 @@ P = "pdk%d" % os.getpid()
 REPLICAS = {"pdserve-router": 1, "pdserve-prefill": 2, "pdserve-decode": 2}
 OVERRIDE = {"PDSERVE_MODEL": MODEL, "PDSERVE_BACKEND": "cpu", "PDSERVE_KV_CACHE_MB": "32",
             "PDSERVE_HEALTH_DRAIN_MS": "300", "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0",
-            "UCX_WARN_UNUSED_ENV_VARS": "n"}
+            "UCX_WARN_UNUSED_ENV_VARS": "n", "PDSERVE_PREFILL_POLICY": "remote"}
 failures = 0
 nss, procs = [], {}
 TMP = None

@@ -38,7 +38,7 @@ for n in "${NODES[@]}"; do
     ip -n "$P-hub" link set "h$P$n" master br0
     ip -n "$P-hub" link set "h$P$n" up
 done
-export UCX_TLS=tcp UCX_NET_DEVICES=eth0 UCX_WARN_UNUSED_ENV_VARS=n PDSERVE_LOG_LEVEL=warn
+export UCX_TLS=tcp UCX_NET_DEVICES=eth0 UCX_WARN_UNUSED_ENV_VARS=n PDSERVE_PREFILL_POLICY=remote PDSERVE_LOG_LEVEL=warn
 
 # start NODE NAME ARGS...: runs NAME inside the node's namespace; waits for "PORT n".
 start() {

@@ -29,7 +29,8 @@ import importlib.util
 _spec = importlib.util.spec_from_file_location("pd_health_pb2", os.path.join(TMP, "grpc/health/v1/health_pb2.py"))
 hpb = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(hpb)  # "grpc.health" would clash with grpcio
 
-ENV = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PDSERVE_LOG_LEVEL="warn")
+ENV = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PDSERVE_LOG_LEVEL="warn",
+           PDSERVE_PREFILL_POLICY="remote")  # the transfer path even for short prompts
 procs = []
 failures = 0
 

@@ -34,7 +34,8 @@ if not packages_ok():
         last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "no output"
         e2e_util.skip("npm ci of @grpc/grpc-js and @grpc/proto-loader failed (offline?): " + last)
 
-ENV = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PDSERVE_LOG_LEVEL="warn")
+ENV = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PDSERVE_LOG_LEVEL="warn",
+           PDSERVE_PREFILL_POLICY="remote")  # the transfer path even for short prompts
 failures = 0
 
 def check(cond, what):

@@ -23,7 +23,8 @@ if not os.path.isdir(MODEL):
 TMP, pb, pbg, ipb, ipbg, hpb = U.setup(PROTO)
 import grpc
 
-ENV = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PDSERVE_LOG_LEVEL="warn")
+ENV = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PDSERVE_LOG_LEVEL="warn",
+           PDSERVE_PREFILL_POLICY="remote")  # the transfer path even for short prompts
 procs, failures = [], 0
 
 

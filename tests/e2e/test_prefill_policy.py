@@ -1,0 +1,86 @@
+#!/usr/bin/python3
+"""test_prefill_policy.py -- Conditional disaggregation in the router (issue #28): one prefill
+and one decode instance, and routers with each policy in front of them (grpcio client):
+  - --prefill-policy auto with --local-prefill-max-tokens 8: prompts of up to 8 tokens are
+    computed on the decode instance (the prefill instance never sees them), longer ones on the
+    prefill instance; the router's pdserve_router_prefill_decisions_total says where and why;
+  - --prefill-policy local / remote force either way;
+  - --prefill-busy-tokens: with the load poll stopped, the prompt tokens routed to the prefill
+    instance pile up as its backlog, and once it passes the threshold (and the decode
+    instance's own backlog is small) prompts go to the decode instance ("prefill_busy");
+  - greedy tokens are the same whichever instance computed the prompt.
+
+usage: test_prefill_policy.py BIN_DIR SHARED_DIR PROTO_DIR"""
+import os, sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e_util as eu
+
+H = eu.Harness(sys.argv)
+pb, pbg, check = H.pb, H.pbg, H.check
+import grpc
+
+def decisions(router):
+    s = eu.Scrape(router.mport)
+    return {(l.get("where"), l.get("why")): v for l, v in s.series("pdserve_router_prefill_decisions_total")}
+
+def prefill_calls(pre):
+    return eu.Scrape(pre.mport).get("pdserve_requests_total")
+
+def gen(router, ids, n=12):
+    stub = pbg.GenerationStub(grpc.insecure_channel("127.0.0.1:%d" % router.port))
+    got, _, fin, _ = eu.generate(pb, stub, timeout=30, prompt_token_ids=ids,
+                                 sampling=pb.SamplingParams(temperature=0),
+                                 stopping=pb.StoppingCriteria(max_tokens=n, ignore_eos=True))
+    return got
+
+try:
+    common = ["--model", H.model, "--listen", "127.0.0.1:0", "--metrics-port", "0"]
+    dec = H.start("pdserve-decode", *common, tag="decode")
+    pre = H.start("pdserve-prefill", *common, tag="prefill")
+    inst = ["--prefill", "127.0.0.1:%d" % pre.port, "--decode", "127.0.0.1:%d" % dec.port]
+    auto = H.start("pdserve-router", *common, *inst, "--prefill-policy", "auto",
+                   "--local-prefill-max-tokens", "8", tag="router-auto")
+    local = H.start("pdserve-router", *common, *inst, "--prefill-policy", "local", tag="router-local")
+    remote = H.start("pdserve-router", *common, *inst, "--prefill-policy", "remote", tag="router-remote")
+    busy = H.start("pdserve-router", *common, *inst, "--prefill-policy", "auto",
+                   "--local-prefill-max-tokens", "0", "--prefill-busy-tokens", "200",
+                   "--load-poll-ms", "600000", tag="router-busy")
+
+    short = [1, 300, 301, 302, 303]
+    long_ = [1] + [(17 * i) % 400 + 5 for i in range(40)]
+    # auto: short local, long remote
+    p0 = prefill_calls(pre)
+    a_short, a_long = gen(auto, short), gen(auto, long_)
+    p1 = prefill_calls(pre)
+    d = decisions(auto)
+    check(d.get(("local", "short")) == 1 and d.get(("remote", "default")) == 1,
+          "auto: the 5-token prompt local (short), the 41-token one remote (%s)" % d)
+    check(p1 - p0 == 1, "auto: the prefill instance computed one prompt (%g)" % (p1 - p0))
+    # forced
+    l_short, l_long = gen(local, short), gen(local, long_)
+    p2 = prefill_calls(pre)
+    check(p2 == p1 and decisions(local).get(("local", "forced")) == 2,
+          "local: both prompts on the decode instance, none on the prefill instance")
+    r_short, r_long = gen(remote, short), gen(remote, long_)
+    p3 = prefill_calls(pre)
+    check(p3 - p2 == 2 and decisions(remote).get(("remote", "forced")) == 2,
+          "remote: both prompts on the prefill instance")
+    check(a_short == l_short == r_short and len(a_short) == 12,
+          "the short prompt's greedy tokens agree wherever it was computed (%s)" % a_short)
+    check(a_long == l_long == r_long and len(a_long) == 12,
+          "the long prompt's greedy tokens agree wherever it was computed")
+    # busy: 50-token prompts; the prefill backlog the router counts grows by 50 a request
+    p = [1] + [(29 * i) % 450 + 7 for i in range(49)]
+    outs = [gen(busy, p, 4) for _ in range(10)]
+    d = decisions(busy)
+    print("busy decisions: %s" % d)
+    check(d.get(("remote", "default"), 0) >= 4, "busy: the first prompts go to the prefill instance")
+    check(d.get(("local", "prefill_busy"), 0) >= 1,
+          "busy: once its backlog passes --prefill-busy-tokens, prompts go to the decode instance")
+    check(all(o == outs[0] for o in outs), "busy: the same tokens either way")
+    check(all(q.p.poll() is None for q in H.procs), "no process died")
+    H.stop()
+finally:
+    H.kill_all()
+H.finish()
