@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# test_plan.sh -- pdserve-plan end to end on the CPU (issue #28): two "GPUs" (the CPU backend
+# ignores --device), the 1P1D split and 2 colocated instances of stories260k, each started with
+# pdserve-up and searched with pdserve-bench --find-goodput (small and bounded); the table must
+# have both rows with a goodput, a recommendation and its Kubernetes replica counts, and
+# plan.json / plan.svg must be written and well formed.
+# usage: test_plan.sh BIN_DIR SHARED_DIR
+set -uo pipefail
+BIN=$1 SHARED=$2
+MODEL=$SHARED/models/stories260k
+[ -d "$MODEL" ] || { echo "no shared data: skip"; exit 77; }
+OUT=$(mktemp -d /tmp/pdserve-plan-test.XXXXXX)
+trap 'rm -rf "$OUT"' EXIT
+export UCX_WARN_UNUSED_ENV_VARS=n PDSERVE_LOG_LEVEL=warn
+fail=0
+check() { if eval "$1"; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
+timeout 240 "$BIN/pdserve-plan" --model "$MODEL" --gpus 0,1 --out "$OUT/plan" \
+    --instance-args "--backend cpu --threads 1 --kv-cache-mb 32" \
+    --bench-args "--input-len 16:32 --output-len 8:16 --rate 10 --num-requests 24 --warmup-requests 2 --slo-ttft-ms 500 --slo-tpot-ms 50 --max-probes 3 --goodput-tolerance 0.3 --seed 1" \
+    >"$OUT/stdout" 2>"$OUT/stderr"
+rc=$?
+cat "$OUT/stdout"
+check "[ $rc -eq 0 ]" "pdserve-plan exits 0 (got $rc)"
+check "grep -Eq '^1P1D +(>=)?[0-9.]+ req/s' '$OUT/stdout'" "the 1P1D row has a goodput"
+check "grep -Eq '^colocated-x2 +(>=)?[0-9.]+ req/s' '$OUT/stdout'" "the colocated x2 row has a goodput"
+check "grep -q '^deploy: ' '$OUT/stdout'" "a recommendation"
+check "grep -Eq '^kubernetes: ' '$OUT/stdout'" "its Kubernetes replica counts"
+check "python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d[\"gpus\"]==2 and len(d[\"deployments\"])==2 and d[\"best\"]' '$OUT/plan/plan.json'" "plan.json is well formed"
+check "python3 -c 'import sys, xml.dom.minidom as m; m.parse(sys.argv[1])' '$OUT/plan/plan.svg'" "plan.svg is well-formed XML"
+check "[ -f '$OUT/plan/1P1D/result.json' ] && [ -f '$OUT/plan/colocated-x2/result.json' ]" "each search's JSON is kept"
+[ $fail -eq 0 ] || tail -20 "$OUT/stderr"
+exit $fail
