@@ -22,6 +22,7 @@
 #   policy    conditional disaggregation: workload A disaggregated with
 #             PDSERVE_PREFILL_BUSY_TOKENS=$BUSY_TOKENS (4096), and 64-token prompts computed
 #             remotely vs on the decode instance (TTFT, TPOT at 2 req/s)
+#   plan      pdserve-plan over every GPU of the host (PLAN_WORKLOAD B or A)
 # Modes (arguments): any of the step names; none = all. Exit 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -180,6 +181,19 @@ if has policy && [ -n "$MODES" ]; then
             down
         fi
     done
+fi
+if has plan && [ -n "$MODES" ]; then
+    # The placement planner on every GPU of the host, workload B (or PLAN_WORKLOAD=A).
+    NG=$(nvidia-smi -L | wc -l)
+    GL=$(seq -s, 0 $((NG - 1)))
+    case ${PLAN_WORKLOAD:-B} in
+        A) WL="--input-len 256:2048 --slo-ttft-ms 300 --slo-tpot-ms 15 --rate 24" ;;
+        B) WL="--input-len 1024:3072 --slo-ttft-ms 1000 --slo-tpot-ms 10 --rate 16" ;;
+    esac
+    "$G/bin/pdserve-plan" --model tools/shapes/llama3-8b --gpus "$GL" --out "$OUT/plan" \
+        --instance-args "--load-format dummy --backend cuda --kv-cache-mb 16384 --metrics-port 0" \
+        --bench-args "$WL --output-len 64:256 --num-requests 120 --warmup-requests 10 --seed 1 --slo-attainment 0.9 --goodput-tolerance 0.1 --max-probes ${PLAN_PROBES:-5}" \
+        2>&1 | grep -v '^$'
 fi
 echo "== gpu_kv: exit $rc"
 exit $rc

@@ -30,7 +30,7 @@ cmake --build "$B" -j "$(nproc)" --target $BINS
 rm -rf "$G"
 mkdir -p "$G/bin" "$G/lib" "$G/shared/models" "$G/shared/testdata"
 for b in $BINS; do cp "$B/bin/$b" "$G/bin/"; done
-cp "$B/bin/pdserve-up" "$G/bin/"
+cp "$B/bin/pdserve-up" "$B/bin/pdserve-plan" "$G/bin/"
 
 # Every library ldd resolves, except glibc, the GCC runtime, cuBLAS and UCX (the GPU machine has
 # newer ones of the first two, CUDA 13.0 with cuBLAS under /usr/local/cuda (cuBLASLt is 540
