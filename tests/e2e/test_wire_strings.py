@@ -16,29 +16,13 @@ import os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_util as U
 
-BIN, SHARED, PROTO = sys.argv[1], sys.argv[2], sys.argv[3]
-MODEL = os.path.join(SHARED, "models", "stories260k")
-if not os.path.isdir(MODEL):
-    U.skip("no shared data")
-TMP, pb, pbg, ipb, ipbg, hpb = U.setup(PROTO)
+H = U.Harness(sys.argv, log_level="warn")
+MODEL, pb, pbg, check = H.model, H.pb, H.pbg, H.check
 import grpc
-
-ENV = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", PDSERVE_LOG_LEVEL="warn",
-           PDSERVE_PREFILL_POLICY="remote")  # the transfer path even for short prompts
-procs, failures = [], 0
-
-
-def check(cond, what):
-    global failures
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        failures += 1
 
 
 def start(name, *args, tag=None):
-    p = U.start(BIN, TMP, name, list(args), ENV, tag=tag)
-    procs.append(p)
-    return p
+    return H.start(name, *args, "--metrics-port", "0", tag=tag)
 
 
 def varint(v):
@@ -155,10 +139,5 @@ try:
     check(sample(stub3) != first_r2b, "the first unseeded request differs between fresh replicas")
     check(sample(stub3, seed=7) == sample(stub2b, seed=7), "a seeded request is identical after a restart")
 finally:
-    for p in procs:
-        if p.p.poll() is None:
-            p.p.kill()
-            p.p.wait()
-
-print("%d failure(s)" % failures)
-sys.exit(1 if failures else 0)
+    H.kill_all()
+H.finish()
