@@ -451,6 +451,7 @@ static void on_kvt_event(void *arg, const kvt_event *ev)
                 (unsigned long long)ev->bytes, ev->elapsed_ns / 1e6);
         svc_metrics_kv_transfer(g.metrics, (double)ev->elapsed_ns * 1e-9);
         svc_metrics_kv_path(g.metrics, kvt_path_name(ev->path));
+        if (r->t_prefilled > 0) svc_metrics_kv_tail(g.metrics, now_s() - r->t_prefilled);
         answer(r, RPC_STATUS_OK, NULL);
     } else {
         char msg[PD_ERR_LEN];

@@ -31,7 +31,7 @@ struct svc_metrics {
     void *user_arg;
     /* pushed from the services */
     pd_metric *requests[N_OUTCOMES];
-    pd_metric *queue_time, *step_time, *batch, *kv_time;
+    pd_metric *queue_time, *step_time, *batch, *kv_time, *kv_tail;
     /* sampled */
     pd_metric *draining_g, *running, *waiting, *kv_used, *kv_free, *kv_cap, *kv_usage, *queued;
     pd_metric *steps, *step_fail, *prompt_tok, *gen_tok, *preempt, *model_s, *hit, *query, *hit_ratio;
@@ -204,6 +204,13 @@ int svc_metrics_create(const svc_metrics_params *p, svc_metrics **out, char *err
                                            "duration of one finished KV transfer (send: begin to "
                                            "acknowledgement; recv: first byte to done)",
                                            pd_metrics_step_buckets, pd_metrics_n_step_buckets);
+        if (!strcmp(sm->dir, "send"))
+            sm->kv_tail = pd_metrics_histogram(m, "pdserve_kv_transfer_exposed_tail_seconds", NULL,
+                                               "the part of a KV transfer that does not overlap "
+                                               "the prompt's computation: from the forward that "
+                                               "completed the prompt to the decode side's "
+                                               "acknowledgement that every block landed",
+                                               pd_metrics_step_buckets, pd_metrics_n_step_buckets);
         sm->kv_active = pd_metrics_gauge(m, "pdserve_kv_transfers_active", d,
                                          "KV transfers in progress (recv: reservations)");
         sm->kv_peers = pd_metrics_family(m, PD_METRIC_GAUGE, "pdserve_kv_transfer_peers",
@@ -306,4 +313,9 @@ void svc_metrics_kv_path(svc_metrics *sm, const char *path)
     pd_metric_add(pd_metrics_counter(sm->reg, "pdserve_kv_transfers_by_path_total", l,
                                      "KV transfers finished, by data path (device: device to "
                                      "device; put, am: through host memory)"), 1);
+}
+
+void svc_metrics_kv_tail(svc_metrics *sm, double seconds)
+{
+    if (sm) pd_metric_observe(sm->kv_tail, seconds);
 }

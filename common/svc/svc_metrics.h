@@ -59,6 +59,9 @@ void svc_metrics_request(svc_metrics *sm, int rpc_code);
 void svc_metrics_queue_time(svc_metrics *sm, double seconds);
 /* Observes one finished KV transfer's duration (kvt_event elapsed_ns) in seconds. */
 void svc_metrics_kv_transfer(svc_metrics *sm, double seconds);
+/* Observes one transfer's exposed tail in seconds (send side: the prompt's last forward done
+ * to the decode side's acknowledgement). */
+void svc_metrics_kv_tail(svc_metrics *sm, double seconds);
 /* Counts one finished KV transfer by its data path ("device", "put", "am") in
  * pdserve_kv_transfers_by_path_total{path}. */
 void svc_metrics_kv_path(svc_metrics *sm, const char *path);

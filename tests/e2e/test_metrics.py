@@ -152,8 +152,11 @@ try:
     check(d(a_p, b_p, "pdserve_kv_transfers_total", direction="send") == N + N2 and
           d(a_d, b_d, "pdserve_kv_transfers_total", direction="recv") == N + N2 and
           d(a_p, b_p, "pdserve_kv_transfer_failures_total") == 0 and
-          d(a_d, b_d, "pdserve_kv_transfer_duration_seconds_count") == N + N2,
-          "KV transfers: %d on each side, none failed, durations observed" % (N + N2))
+          d(a_d, b_d, "pdserve_kv_transfer_duration_seconds_count") == N + N2 and
+          d(a_p, b_p, "pdserve_kv_transfer_exposed_tail_seconds_count") == N + N2 and
+          d(a_p, b_p, "pdserve_kv_transfers_by_path_total") == N + N2,
+          "KV transfers: %d on each side, none failed, durations, exposed tails and paths "
+          "observed" % (N + N2))
     info = a_d.series("pdserve_kv_transport_info")
     check(len(info) == 1 and info[0][0]["transport"] in ("shm", "tcp", "self", "rdma") and
           a_p.get("pdserve_kv_transfer_peers") >= 1, "KV transport exported: %s" % info)
