@@ -11,7 +11,7 @@ PORT=50051 N_PREFILL=1 N_DECODE=1 COLOCATED=0 EXTRA=() GPUS=
 usage() {
     cat <<USAGE
 usage: pdserve-up --model DIR [--port P] [--colocated] [--prefill N] [--decode M]
-                  [--gpus LIST] [-- ARGS...]
+                  [--gpus LIST] [--router-args "ARGS"] [-- ARGS...]
 
 Starts pdserve on loopback: N prefill instances (default 1) and M decode instances (default
 1), or with --colocated M decode instances that also compute prompts, plus the router on
@@ -19,7 +19,10 @@ port P (default 50051; 0 = any free port). --gpus 0,1,... places the instances o
 one per GPU in turn (prefill instances first, then decode), each with --device N and every
 GPU visible, so that KV moves device to device between them (--kv-transport); each instance
 then sizes its pool from --gpu-memory-utilization unless ARGS size it. ARGS after -- go to
-every instance (e.g. --kv-cache-mb 512 --backend cpu). Ctrl-C or SIGTERM stops the stack.
+every instance (e.g. --kv-cache-mb 512 --backend cpu); --router-args to the router (e.g.
+"--metrics-port 0 --slo-ttft-ms 300"). Prints where the router listens ("ROUTER host:port")
+and, for each process started with --metrics-port, where its /metrics is. Ctrl-C or SIGTERM
+stops the stack (exit 0); a process that fails to start or dies stops it too (exit 1).
 USAGE
 }
 while [ $# -gt 0 ]; do
@@ -30,6 +33,7 @@ while [ $# -gt 0 ]; do
         --decode) N_DECODE=$2; shift 2 ;;
         --colocated) COLOCATED=1; shift ;;
         --gpus) GPUS=$2; shift 2 ;;
+        --router-args) ROUTER_ARGS=$2; shift 2 ;;
         -h|--help) usage; exit 0 ;;
         --) shift; EXTRA=("$@"); break ;;
         *) echo "pdserve-up: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
@@ -70,14 +74,14 @@ mkdir -p "$LOGS"
 export UCX_WARN_UNUSED_ENV_VARS=${UCX_WARN_UNUSED_ENV_VARS:-n}
 PIDS=()
 stopping=0
-stop() {
+stop() { # stop [EXIT CODE]: stops every process, router first; exits with the code (0)
     [ $stopping = 1 ] && return
     stopping=1
     echo "pdserve-up: stopping (router first, then instances)" >&2
     for ((i=${#PIDS[@]}-1; i>=0; i--)); do kill -TERM "${PIDS[$i]}" 2>/dev/null; wait "${PIDS[$i]}" 2>/dev/null; done
-    exit 0
+    exit "${1:-0}"
 }
-trap stop INT TERM
+trap 'stop 0' INT TERM
 
 # start NAME LOG ARGS...: runs NAME in the background, sets PORT_OUT from its "PORT n" line.
 start() {
@@ -94,7 +98,7 @@ start() {
     done
     echo "pdserve-up: $log did not start; its log ($LOGS/$log.log):" >&2
     tail -20 "$LOGS/$log.log" >&2
-    stop
+    stop 1
 }
 PREFILLS="" DECODES=""
 for ((i=0; i<N_PREFILL; i++)); do
@@ -112,6 +116,8 @@ for ((i=0; i<N_DECODE; i++)); do
 done
 ARGS=(--model "$MODEL" --listen "127.0.0.1:$PORT" --decode "$DECODES")
 [ -n "$PREFILLS" ] && ARGS+=(--prefill "$PREFILLS")
+# shellcheck disable=SC2206
+[ -n "$ROUTER_ARGS" ] && ARGS+=($ROUTER_ARGS)
 start pdserve-router router "${ARGS[@]}"
 ROUTER=$PORT_OUT
 for _ in $(seq 100); do
@@ -120,10 +126,18 @@ for _ in $(seq 100); do
 done
 echo "pdserve-up: router listening on 127.0.0.1:$ROUTER (prefill: ${PREFILLS:-none}; decode: $DECODES${COLOCATED:+}; logs in $LOGS)"
 echo "ROUTER 127.0.0.1:$ROUTER"
+# Where each process serves /metrics (those started with --metrics-port print it after PORT).
+sleep 0.2
+MLINE=""
+for f in "$LOGS"/*.out; do
+    m=$(awk '/^METRICS_PORT /{print $2; exit}' "$f" 2>/dev/null)
+    [ -n "$m" ] && MLINE+="${MLINE:+, }$(basename "$f" .out) 127.0.0.1:$m"
+done
+[ -n "$MLINE" ] && echo "METRICS $MLINE"
 # Wait until a signal, or until any process dies.
 while [ $stopping = 0 ]; do
     for p in "${PIDS[@]}"; do
-        if ! kill -0 "$p" 2>/dev/null; then echo "pdserve-up: a process exited (pid $p); see $LOGS" >&2; stop; fi
+        if ! kill -0 "$p" 2>/dev/null; then echo "pdserve-up: a process exited (pid $p); see $LOGS" >&2; stop 1; fi
     done
     sleep 1 & wait $!
 done

@@ -45,11 +45,29 @@ static char *dup_str(const char *s)
     return d;
 }
 
+/* Whether a listen address names a port gRPC will bind as written: "host:port" with port
+ * 0..65535 (an IPv6 host in brackets), or "unix:path". gRPC itself takes "localhost" as port
+ * 443 and an out-of-range port as "any free port". */
+static bool listen_addr_ok(const char *a)
+{
+    if (!strncmp(a, "unix:", 5)) return a[5] != 0;
+    const char *c = strrchr(a, ':');
+    if (!c || c == a) return false;
+    if (strchr(a, ':') != c && !(a[0] == '[' && c > a && c[-1] == ']')) return false;
+    size_t n = strlen(c + 1);
+    if (n == 0 || n > 5 || strspn(c + 1, "0123456789") != n) return false;
+    return atol(c + 1) <= 65535;
+}
+
 int rpc_server_create(const rpc_server_params *p, rpc_server **out, char *err)
 {
     *out = NULL;
     if (!p->listen_addr || !*p->listen_addr)
         return pd_errf(err, PD_EINVAL, "rpc server: listen_addr is empty");
+    if (!listen_addr_ok(p->listen_addr))
+        return pd_errf(err, PD_EINVAL, "rpc server: listen address '%s' needs host:port with a "
+                       "port in 0..65535 (0 = any free port; IPv6 as [::1]:port)",
+                       p->listen_addr);
     if (p->n_threads < 1 || p->n_threads > 256)
         return pd_errf(err, PD_EINVAL, "rpc server: n_threads %d not in [1, 256]", p->n_threads);
     if (p->stream_queue_max < 1)

@@ -253,6 +253,23 @@ static void test_params(void)
     p.n_threads = 0;
     CHECK_EQ_INT(rpc_server_create(&p, &s, err), PD_EINVAL);
     CHECK_STR_CONTAINS(err, "n_threads");
+    /* Listen addresses gRPC would bind other than written (issue #30): refused. */
+    const char *bad[] = {"localhost", "127.0.0.1:99999", "127.0.0.1:", "::1:50", "host:5x",
+                         ":50051", "127.0.0.1:123456"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        p = rpc_server_default_params();
+        p.listen_addr = bad[i];
+        CHECK_EQ_INT(rpc_server_create(&p, &s, err), PD_EINVAL);
+        CHECK_STR_CONTAINS(err, "host:port");
+    }
+    const char *good[] = {"[::1]:0", "0.0.0.0:50051", "localhost:0"};
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        p = rpc_server_default_params();
+        p.listen_addr = good[i];
+        CHECK_EQ_INT(rpc_server_create(&p, &s, err), 0);
+        rpc_server_destroy(s);
+        s = NULL;
+    }
     p = rpc_server_default_params();
     p.listen_addr = "127.0.0.1:0";
     CHECK_EQ_INT(rpc_server_create(&p, &s, err), 0);
