@@ -7,7 +7,7 @@
 set -uo pipefail
 BIN=$(cd "$(dirname "$0")" && pwd)
 MODEL=${PDSERVE_MODEL:-}
-PORT=50051 N_PREFILL=1 N_DECODE=1 COLOCATED=0 EXTRA=() GPUS=
+PORT=50051 N_PREFILL=1 N_DECODE=1 COLOCATED=0 EXTRA=() GPUS="" ROUTER_ARGS=""
 usage() {
     cat <<USAGE
 usage: pdserve-up --model DIR [--port P] [--colocated] [--prefill N] [--decode M]
