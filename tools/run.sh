@@ -15,7 +15,10 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build -j "$(nproc)" --target pdserve-prefill pdserve-decode pdserve-router pdserve-cli
 
 LOG=$(mktemp)
-./build/bin/pdserve-up --model "$MODEL" --port 0 >"$LOG" 2>&1 &
+# --prefill-policy remote: the prefill instance computes the prompt and ships its KV even for
+# this short prompt (the router's default computes prompts of up to 64 tokens on the decode
+# instance, which is faster but would leave the KV path idle here).
+./build/bin/pdserve-up --model "$MODEL" --port 0 --router-args "--prefill-policy remote" >"$LOG" 2>&1 &
 UP=$!
 trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null; rm -f "$LOG"' EXIT
 for _ in $(seq 600); do
