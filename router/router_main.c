@@ -96,6 +96,7 @@ typedef struct rreq {
     int fin_code;                    /* rpc_status_code to send */
     char fin_msg[PD_ERR_LEN];        /* its details ("" = none) */
     uint32_t *held;                  /* decode tokens that arrived before the first token */
+    float *held_lp;                  /* their logprobs ([cap_held]; when asked) */
     size_t n_held, cap_held;
     int held_finish;                 /* finish reason that arrived with held tokens */
     Pdserve__V1__Usage held_usage;
@@ -164,6 +165,7 @@ static void rreq_unref(rreq *r)
     stopstr_destroy(r->stops);
     free(r->prompt);
     free(r->held);
+    free(r->held_lp);
     pthread_mutex_destroy(&r->mu);
     free(r);
     atomic_fetch_sub(&g.pending, 1);
@@ -214,7 +216,10 @@ static void rreq_unlock(rreq *r)
 
 /* Emits tokens to the client (mu held): detokenize, stop strings, one GenerateResponse.
  * finish is a FinishReason (0 = not final); usage is for the final message. */
-static void emit_locked(rreq *r, const uint32_t *ids, size_t n, int finish, const Pdserve__V1__Usage *usage_in)
+/* lps (may be NULL): the log-probability of each token as the instance's sampler computed it,
+ * sent when the request asked for logprobs. */
+static void emit_locked(rreq *r, const uint32_t *ids, const float *lps, size_t n, int finish,
+                        const Pdserve__V1__Usage *usage_in)
 {
     if (r->finished) return;
     char *text = NULL;
@@ -289,11 +294,28 @@ static void emit_locked(rreq *r, const uint32_t *ids, size_t n, int finish, cons
         if (usage_in && r->local_prefill) usage.cached_prompt_tokens = usage_in->cached_prompt_tokens;
         m.usage = &usage;
     }
+    Pdserve__V1__TokenLogprob *lp = NULL, **lpp = NULL;
+    if (r->logprobs > 0 && lps && n_keep > 0) {
+        lp = calloc(n_keep, sizeof *lp);
+        lpp = calloc(n_keep, sizeof *lpp);
+        if (lp && lpp) {
+            for (size_t i = 0; i < n_keep; i++) {
+                pdserve__v1__token_logprob__init(&lp[i]);
+                lp[i].token_id = ids[i];
+                lp[i].logprob = lps[i];
+                lpp[i] = &lp[i];
+            }
+            m.n_logprobs = n_keep;
+            m.logprobs = lpp;
+        }
+    }
     if (n_keep > 0 || tlen > 0 || finish) {
         int rc = rpc_stream_send(r->call, &m.base);
         if (rc == PD_ENOSPC) finish_locked(r, RPC_STATUS_RESOURCE_EXHAUSTED, "%s", "the client reads too slowly");
     }
     free(text);
+    free(lp);
+    free(lpp);
     if (finish) finish_locked(r, RPC_STATUS_OK, NULL, NULL);
 }
 
@@ -330,10 +352,12 @@ static void pre_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user
     r->cached_tokens = p->cached_prompt_tokens;
     r->first_sent = true;
     uint32_t first = p->first_token_id;
-    emit_locked(r, &first, 1, 0, NULL);
+    float first_lp = p->first_logprob ? p->first_logprob->logprob : 0.0f;
+    emit_locked(r, &first, p->first_logprob ? &first_lp : NULL, 1, 0, NULL);
     /* Decode tokens that overtook the prefill answer. */
     if (r->n_held || r->held_finish)
-        emit_locked(r, r->held, r->n_held, r->held_finish, r->have_held_usage ? &r->held_usage : NULL);
+        emit_locked(r, r->held, r->held_lp, r->n_held, r->held_finish,
+                    r->have_held_usage ? &r->held_usage : NULL);
     r->n_held = 0;
     rreq_unlock(r);
     protobuf_c_message_free_unpacked(msg, NULL);
@@ -422,26 +446,33 @@ static void dec_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user
         }
     } else if (d->kind_case == PDSERVE__INTERNAL__V1__DECODE_RESPONSE__KIND_TOKENS && d->tokens) {
         const Pdserve__Internal__V1__TokenBurst *b = d->tokens;
+        float *lps = NULL; /* the burst's logprobs, one per token when asked */
+        if (b->n_logprobs == b->n_token_ids && b->n_token_ids > 0 &&
+            (lps = malloc(b->n_token_ids * sizeof *lps)))
+            for (size_t i = 0; i < b->n_token_ids; i++) lps[i] = b->logprobs[i]->logprob;
         if (r->first_sent || r->local_prefill) {
             r->first_sent = true;
-            emit_locked(r, b->token_ids, b->n_token_ids, b->finish_reason, b->usage);
+            emit_locked(r, b->token_ids, lps, b->n_token_ids, b->finish_reason, b->usage);
         } else { /* hold until the prefill answer with the first token */
             if (r->n_held + b->n_token_ids > r->cap_held) {
                 size_t cap = (r->n_held + b->n_token_ids) * 2 + 8;
                 uint32_t *nh = realloc(r->held, cap * sizeof *nh);
-                if (nh) {
-                    r->held = nh;
-                    r->cap_held = cap;
-                }
+                if (nh) r->held = nh;
+                float *nl = nh ? realloc(r->held_lp, cap * sizeof *nl) : NULL;
+                if (nl) r->held_lp = nl;
+                if (nh && nl) r->cap_held = cap;
             }
-            for (size_t i = 0; i < b->n_token_ids && r->n_held < r->cap_held; i++)
+            for (size_t i = 0; i < b->n_token_ids && r->n_held < r->cap_held; i++) {
+                r->held_lp[r->n_held] = lps ? lps[i] : 0.0f;
                 r->held[r->n_held++] = b->token_ids[i];
+            }
             if (b->finish_reason) r->held_finish = b->finish_reason;
             if (b->usage) {
                 r->held_usage = *b->usage;
                 r->have_held_usage = true;
             }
         }
+        free(lps);
     }
     rreq_unlock(r);
     protobuf_c_message_free_unpacked(msg, NULL);
@@ -615,6 +646,10 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
     if (svc_sampling_from_proto(q->sampling, &sp, err) < 0 ||
         svc_stopping_from_proto(q->stopping, 1, &ss, err) < 0) {
         reject(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
+        return;
+    }
+    if (q->logprobs > 20) {
+        reject(call, RPC_STATUS_INVALID_ARGUMENT, "logprobs: at most 20 (got %u)", q->logprobs);
         return;
     }
     if (q->stopping && q->stopping->n_stop > 16) {
