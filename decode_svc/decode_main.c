@@ -440,11 +440,7 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
     char err[PD_ERR_LEN];
     eng_request er;
     memset(&er, 0, sizeof er);
-    if (atomic_load(&g.inst.failed)) { /* a broken engine takes no new work */
-        rpc_stream_finish(call, RPC_STATUS_UNAVAILABLE, "this instance's engine failed; it "
-                          "reports NOT_SERVING until restarted");
-        return;
-    }
+    if (svc_instance_refuse_failed(&g.inst, call)) return;
     if (q->n_prompt_token_ids == 0) {
         rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "prompt_token_ids is empty");
         return;

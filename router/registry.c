@@ -516,13 +516,12 @@ int rtr_registry_snapshot(rtr_registry *r, rtr_instance_info *out, int max)
     return n;
 }
 
-void rtr_instance_backlog(rtr_registry *r, const rtr_instance *i, int64_t *queued_tokens,
-                          int64_t *waiting)
+int64_t rtr_instance_backlog(rtr_registry *r, const rtr_instance *i)
 {
     pthread_mutex_lock(&r->mu);
-    *queued_tokens = i->queued_tokens + i->local_tokens;
-    *waiting = i->waiting;
+    int64_t q = i->queued_tokens + i->local_tokens;
     pthread_mutex_unlock(&r->mu);
+    return q;
 }
 
 int64_t rtr_prefill_backlog_min(rtr_registry *r)

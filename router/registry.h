@@ -88,10 +88,8 @@ typedef struct {
 /* Copies the state of at most max instances into out; returns how many were copied. */
 int rtr_registry_snapshot(rtr_registry *r, rtr_instance_info *out, int max);
 
-/* Prompt tokens queued at i (its last report plus what was routed to it since), and its
- * waiting sequences. */
-void rtr_instance_backlog(rtr_registry *r, const rtr_instance *i, int64_t *queued_tokens,
-                          int64_t *waiting);
+/* Prompt tokens queued at i: its last report plus what was routed to it since. */
+int64_t rtr_instance_backlog(rtr_registry *r, const rtr_instance *i);
 /* The smallest prompt-token backlog of the usable prefill instances (INT64_MAX: none). */
 int64_t rtr_prefill_backlog_min(rtr_registry *r);
 

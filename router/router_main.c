@@ -172,23 +172,16 @@ static void rreq_unref(rreq *r)
 }
 
 /* Decides the end of the public call (mu held): accounts it, cancels the internal calls and
- * records the status, which rreq_unlock sends once the mutex is released (see the lock order
- * at the top). fmt is a printf format with one %s for detail. */
-static void finish_locked(rreq *r, rpc_status_code code, const char *fmt, const char *detail)
+ * records the status and its details (may be NULL), which rreq_unlock sends once the mutex is
+ * released (see the lock order at the top). */
+static void finish_locked(rreq *r, rpc_status_code code, const char *detail)
 {
     if (r->finished) return;
     r->finished = true;
     account_locked(r, code);
     r->fin_pending = true;
     r->fin_code = (int)code;
-    r->fin_msg[0] = 0;
-    if (code != RPC_STATUS_OK && fmt) {
-        _Pragma("GCC diagnostic push")
-        _Pragma("GCC diagnostic ignored \"-Wformat-nonliteral\"")
-        if (snprintf(r->fin_msg, sizeof r->fin_msg, fmt, detail ? detail : "") < 0)
-            r->fin_msg[0] = 0; /* (longer details are cut) */
-        _Pragma("GCC diagnostic pop")
-    }
+    snprintf(r->fin_msg, sizeof r->fin_msg, "%s", code != RPC_STATUS_OK && detail ? detail : "");
     if (r->dcall) rpc_client_call_cancel(r->dcall); /* never blocks */
     if (r->pcall) rpc_client_call_cancel(r->pcall);
 }
@@ -311,12 +304,12 @@ static void emit_locked(rreq *r, const uint32_t *ids, const float *lps, size_t n
     }
     if (n_keep > 0 || tlen > 0 || finish) {
         int rc = rpc_stream_send(r->call, &m.base);
-        if (rc == PD_ENOSPC) finish_locked(r, RPC_STATUS_RESOURCE_EXHAUSTED, "%s", "the client reads too slowly");
+        if (rc == PD_ENOSPC) finish_locked(r, RPC_STATUS_RESOURCE_EXHAUSTED, "the client reads too slowly");
     }
     free(text);
     free(lp);
     free(lpp);
-    if (finish) finish_locked(r, RPC_STATUS_OK, NULL, NULL);
+    if (finish) finish_locked(r, RPC_STATUS_OK, NULL);
 }
 
 /* Starts an internal call of r (mu held) on inst: the call holds a reference to r; on failure
@@ -333,7 +326,7 @@ static bool start_internal_call(rreq *r, rtr_instance *inst, const char *path,
         atomic_fetch_sub(&r->refs, 1);
         char detail[PD_ERR_LEN + 32];
         snprintf(detail, sizeof detail, "cannot call %s: %.400s", what, err);
-        finish_locked(r, RPC_STATUS_INTERNAL, "%s", detail);
+        finish_locked(r, RPC_STATUS_INTERNAL, detail);
         return false;
     }
     return true;
@@ -389,7 +382,7 @@ static void pre_on_done(rpc_client_call *c, const rpc_status *st, void *user)
         finish_locked(r, st->code == RPC_STATUS_INVALID_ARGUMENT || st->code == RPC_STATUS_CANCELLED ||
                                  st->code == RPC_STATUS_INTERNAL
                              ? (rpc_status_code)st->code : RPC_STATUS_UNAVAILABLE,
-                      "%s", pub);
+                      pub);
     }
     rreq_unlock(r);
     rreq_unref(r);
@@ -399,7 +392,7 @@ static void start_prefill(rreq *r, const Pdserve__Internal__V1__KvTarget *kv, co
 {
     rtr_instance *p = rtr_pick_prefill(g.reg, kv->layout, r->prefix_key, r->n_prompt, exclude);
     if (!p) {
-        finish_locked(r, RPC_STATUS_UNAVAILABLE, "%s", "no prefill instance can serve this model now");
+        finish_locked(r, RPC_STATUS_UNAVAILABLE, "no prefill instance can serve this model now");
         return;
     }
     rtr_instance_unref(r->pre);
@@ -500,19 +493,19 @@ static void dec_on_done(rpc_client_call *c, const rpc_status *st, void *user)
         if (!start_decode(r, prev)) {
             char pub[PD_ERR_LEN];
             rtr_public_detail(st->code, st->details, "decode", pub, sizeof pub);
-            finish_locked(r, (rpc_status_code)st->code, "%s", pub);
+            finish_locked(r, (rpc_status_code)st->code, pub);
         }
         rtr_instance_unref(prev);
     } else if (!r->finished && !(st->code == RPC_STATUS_OK && r->held_finish)) {
         if (st->code == RPC_STATUS_OK) {
-            finish_locked(r, RPC_STATUS_INTERNAL, "%s", "the decode stream ended without a finish reason");
+            finish_locked(r, RPC_STATUS_INTERNAL, "the decode stream ended without a finish reason");
         } else {
             if (st->code == RPC_STATUS_UNAVAILABLE) rtr_instance_failed(r->dec);
             PD_LOGW("request %s: decode on %s failed: %s: %s", r->request_id,
                     rtr_instance_addr(r->dec), rpc_status_name(st->code), st->details);
             char pub[PD_ERR_LEN];
             rtr_public_detail(st->code, st->details, "decode", pub, sizeof pub);
-            finish_locked(r, (rpc_status_code)st->code, "%s", pub);
+            finish_locked(r, (rpc_status_code)st->code, pub);
         }
     }
     rreq_unlock(r);
@@ -546,9 +539,8 @@ static bool prefill_local(const rreq *r, const rtr_instance *d, const char **why
         return true;
     }
     if (g.prefill_busy_tokens > 0) {
-        int64_t backlog = rtr_prefill_backlog_min(g.reg), dq, dw;
-        rtr_instance_backlog(g.reg, d, &dq, &dw);
-        (void)dw; /* (waiting counts reservations that wait for prefill: not d's backlog) */
+        const int64_t backlog = rtr_prefill_backlog_min(g.reg);
+        const int64_t dq = rtr_instance_backlog(g.reg, d);
         if (backlog != INT64_MAX && backlog >= g.prefill_busy_tokens &&
             dq + r->n_prompt <= backlog / 4) {
             *why = "prefill_busy";
@@ -752,7 +744,7 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
     rpc_call_ref(call);
     pthread_mutex_lock(&r->mu);
     if (!start_decode(r, NULL))
-        finish_locked(r, RPC_STATUS_UNAVAILABLE, "%s", "no decode instance is available");
+        finish_locked(r, RPC_STATUS_UNAVAILABLE, "no decode instance is available");
     rreq_unlock(r);
     rpc_call_set_cancel_cb(call, on_cancel, r);
     rreq_unref(r); /* the handler's reference; the calls hold theirs */

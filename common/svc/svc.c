@@ -467,6 +467,14 @@ static void load_report(rpc_call *call, const ProtobufCMessage *req, void *user)
     rpc_call_reply(call, &r.base);
 }
 
+bool svc_instance_refuse_failed(svc_instance *inst, rpc_call *call)
+{
+    if (!atomic_load(&inst->failed)) return false;
+    rpc_stream_finish(call, RPC_STATUS_UNAVAILABLE, "this instance's engine failed; it reports "
+                      "NOT_SERVING until restarted");
+    return true;
+}
+
 void svc_instance_on_step(void *arg, double seconds, int32_t n_seqs)
 {
     svc_instance *inst = arg;

@@ -177,6 +177,10 @@ typedef struct {
  * outlive the server). Returns 0 or an rpc_server_register error. */
 int svc_instance_register(rpc_server *s, svc_instance *inst, char *err);
 
+/* When inst's engine failed, finishes call with UNAVAILABLE (a broken engine takes no new
+ * work; the router retries elsewhere) and returns true; else false. For a handler's start. */
+bool svc_instance_refuse_failed(svc_instance *inst, rpc_call *call);
+
 /* ew_callbacks.on_step with step_arg = the svc_instance: step time and batch size to its
  * metrics. */
 void svc_instance_on_step(void *inst, double seconds, int32_t n_seqs);
