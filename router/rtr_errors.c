@@ -60,7 +60,7 @@ void rtr_public_detail(int code, const char *internal_detail, const char *what, 
         break;
     case RPC_STATUS_PERMISSION_DENIED:
     case RPC_STATUS_UNAUTHENTICATED:
-        fmt = "the router could not authenticate to the %s instance (logged)";
+        fmt = "authentication failed between the %s instance and its peer (TLS or the KV secret; logged)";
         break;
     default: /* INTERNAL, UNKNOWN, DATA_LOSS, and codes an instance does not send */
         /* A failed engine step (svc: the instance then reports NOT_SERVING): say so, the
