@@ -74,8 +74,10 @@ try:
                  "--prefill", "127.0.0.1:%d,127.0.0.1:%d" % (pbad.port, pgood.port),
                  "--decode", "127.0.0.1:%d" % dec.port, "--load-poll-ms", "100", tag="router-disagg")
     scenario("prefill", pbad, [pgood, dec], rtr2)
-    check(eu.Scrape(dec.mport).get("pdserve_kv_cache_used_blocks") == 0,
-          "prefill: every decode KV block is free afterwards")
+    check(eu.wait_until(lambda: eu.Scrape(dec.mport).get("pdserve_kv_cache_used_blocks") == 0 and
+                        eu.Scrape(pbad.mport).get("pdserve_kv_transfers_active", direction="send") == 0, 5),
+          "prefill: every decode KV block is free afterwards, and no transfer of the failed "
+          "prefill instance lingers")
     H.stop()
 finally:
     H.kill_all()
