@@ -534,9 +534,6 @@ static void on_error(void *user, int code, const char *msg)
 {
     preq *r = user;
     answer(r, svc_status_for(code), msg);
-    /* A push that began layer by layer (a failed step) is cancelled, as for an abort, so that
-     * neither side holds its blocks until the transfer's deadline; the answer above stands. */
-    if (r->layered && svc_kvt_post(g.kvt, do_abort_push, r) == 0) return;
     preq_unref(r);
 }
 
