@@ -42,8 +42,6 @@ typedef struct dreq {
     /* Reservation limits (guarded by g.resv_mu): */
     int32_t resv_blocks;        /* blocks counted against the limits; 0 = none held */
     int resv_caller;            /* its slot in g.callers */
-    int32_t *blocks;            /* reserved block ids (staging: copied to the device at admit) */
-    int32_t n_blocks;
     uint32_t *pend;             /* tokens not yet sent (the stream queue was full) */
     float *pend_lp;
     size_t n_pend, cap_pend;
@@ -150,7 +148,6 @@ static void dreq_unref(dreq *r)
     resv_put(r);
     rpc_call_unref(r->call);
     pthread_mutex_destroy(&r->mu);
-    free(r->blocks);
     free(r->pend);
     free(r->pend_lp);
     free(r);
@@ -335,15 +332,6 @@ static void do_expect(kvt_ctx *ctx, void *arg)
     free(j);
 }
 
-/* Engine thread, before the admission: the landed blocks, mirror -> device. r is alive: the
- * worker runs this only while the request is live (the engine's reference). */
-static int copy_in(void *arg, eng *e, char *err)
-{
-    (void)e;
-    dreq *r = arg;
-    return svc_kv_copy(&g.model, r->blocks, r->n_blocks, -1, false, err);
-}
-
 static void on_kvt_event(void *arg, const kvt_event *ev)
 {
     (void)arg;
@@ -355,12 +343,10 @@ static void on_kvt_event(void *arg, const kvt_event *ev)
         PD_LOGD("request %llu: KV landed (%llu bytes in %.2f ms)", (unsigned long long)r->id,
                 (unsigned long long)ev->bytes, ev->elapsed_ns / 1e6);
         svc_metrics_kv_transfer(g.metrics, (double)ev->elapsed_ns * 1e-9);
-        /* Staging: the KV landed in the host mirror; the engine thread copies it to the
-         * device right before the admission. The device path wrote the device cache itself:
-         * nothing to copy, the sequence just joins the batch. */
+        /* Every byte is in the engine's own cache (device to device, the staging ring's
+         * copies completed, or CPU memory): the sequence just joins the batch, nothing is
+         * copied or waited for on the engine thread. */
         if (r->cancelled) ew_abort(g.worker, r->id);
-        else if (g.model.mirror && ev->path != KVT_PATH_DEVICE)
-            ew_admit_ex(g.worker, r->id, ev->first_token, copy_in, r);
         else ew_admit(g.worker, r->id, ev->first_token);
         svc_metrics_kv_path(g.metrics, kvt_path_name(ev->path));
         kvt_recv_release(g.pool, r->id);
@@ -394,15 +380,6 @@ static void on_reserved(void *user, const int32_t *ids, int32_t n)
 {
     dreq *r = user;
     expect_job *j = malloc(sizeof *j + (size_t)n * sizeof(int32_t));
-    if (j && g.model.mirror) {
-        r->blocks = malloc((size_t)n * sizeof *r->blocks);
-        if (r->blocks) memcpy(r->blocks, ids, (size_t)n * sizeof *r->blocks);
-        else {
-            free(j);
-            j = NULL;
-        }
-        r->n_blocks = n;
-    }
     if (!j) {
         ew_abort(g.worker, r->id); /* nothing in kvt yet: the engine may free the blocks */
         return;

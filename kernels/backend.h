@@ -285,7 +285,9 @@ typedef struct pd_backend_ops {
     void (*graph_destroy)(void *ctx, void *graph); /* NULL is a no-op */
 
     /* ---- KV blocks device to device between processes (kvtransfer's device path) ----
-     * Optional, all or none (NULL = not offered, as on the CPU). The export / open pair maps
+     * Optional. The event_* and copyq_* ops: all or none (the CPU offers them, done at once,
+     * for tests of the staged path); dev_export / dev_open / dev_close: all or none, and only
+     * with the former (NULL = not offered, as on the CPU). The export / open pair maps
      * one process's allocation into another's address space (CUDA IPC); the copy queue moves
      * blocks into it on a stream of its own, ordered after an event recorded on the compute
      * stream, so that no thread waits: the engine thread records, the transfer thread
@@ -316,7 +318,8 @@ typedef struct pd_backend_ops {
     void (*copyq_destroy)(void *ctx, void *q); /* waits for its copies; NULL is a no-op */
     /* On q: waits for after (NULL: nothing), then for each of the n_regions regions r and
      * each i < n copies block_bytes from src[r] + src_ids[i] * block_bytes to dst[r] +
-     * dst_ids[i] * block_bytes (dst may be a dev_open mapping), then records an event into
+     * dst_ids[i] * block_bytes (dst may be a dev_open mapping, and either side may be
+     * host memory pinned with host_register: the staged path's ring), then records an event into
      * *done (released with event_release). ids are host memory, copied before it returns.
      * Returns 0, PD_EINVAL, PD_ENOMEM, PD_EBACKEND. */
     int (*copyq_blocks)(void *ctx, void *q, void *after, void *const *dst,

@@ -123,10 +123,14 @@ kvt__op *kvt__op_get(kvt_ctx *ctx, int kind)
     op->send = NULL;
     op->resv = NULL;
     op->bytes = 0;
+    op->ring = NULL;
+    op->phase = 0;
     op->req = NULL;
     op->stage = -1;
     return op;
 }
+
+char kvt__req_owned;
 
 void kvt__op_put(kvt_ctx *ctx, kvt__op *op)
 {
@@ -146,7 +150,9 @@ void kvt__op_complete(kvt_ctx *ctx, kvt__op *op, ucs_status_t status)
         kvt_send *s = op->send;
         s->inflight--;
         if (op->kind == KVT_OP_DATA) ctx->data_inflight--;
-        if (op->stage >= 0) ctx->stage_free[ctx->n_stage_free++] = op->stage;
+        if (op->stage >= 0 && op->ring) kvt__ring_put(op->ring, op->stage);
+        else if (op->stage >= 0) ctx->stage_free[ctx->n_stage_free++] = op->stage;
+        op->stage = -1;
         if (status == UCS_OK) {
             s->t_last = kvt__now_ns();
             if (op->kind == KVT_OP_DATA) s->bytes_done += op->bytes;
@@ -172,6 +178,7 @@ void kvt__op_complete(kvt_ctx *ctx, kvt__op *op, ucs_status_t status)
     case KVT_OP_RECV: {
         kvt__resv *r = op->resv;
         r->inflight--;
+        if (op->stage >= 0) kvt__ring_put(op->ring, op->stage), op->stage = -1;
         if (status == UCS_OK) r->bytes_landed += op->bytes;
         else if (r->state < KVT_RESV_ENDING)
             kvt__resv_fail(r, kvt__pd_status(status), true, "block receive failed: %s",
@@ -343,7 +350,7 @@ int kvt_arm(kvt_ctx *ctx)
 {
     if (!kvt__list_empty(&ctx->events) || !kvt__list_empty(&ctx->dirty_peers) ||
         !kvt__list_empty(&ctx->dirty_resvs) || ctx->pump_more || ctx->n_prefault > 0 ||
-        !kvt__list_empty(&ctx->dev_ops))
+        !kvt__list_empty(&ctx->dev_ops) || ctx->n_pending > 0)
         return 1; /* (device copies complete without a wakeup: poll them) */
     if (ctx->p.spin_us > 0 && (ctx->st.sends_active > 0 || ctx->st.recvs_active > 0) &&
         kvt__now_ns() - ctx->last_activity < (int64_t)ctx->p.spin_us * 1000)
@@ -508,8 +515,12 @@ int kvt_ctx_create(const kvt_params *p, kvt_ctx **out, char *err)
     kvt__list_init(&ctx->nacks);
     kvt__list_init(&ctx->dev_ops);
     if (p->device) {
-        if (!p->device->open || !p->device->close || !p->device->copy_layer ||
-            !p->device->poll || !p->device->release) {
+        const kvt_device_ops *d = p->device;
+        bool path = d->open && d->close && d->copy_layer, none = !d->open && !d->close &&
+                                                                 !d->copy_layer;
+        bool stage = d->stage_out && d->stage_in, no_stage = !d->stage_out && !d->stage_in;
+        if (!(path || none) || !(stage || no_stage) || (none && no_stage) || !d->poll ||
+            !d->release || (!d->host_pin) != (!d->host_unpin)) {
             free(ctx);
             return pd_errf(err, PD_EINVAL, "kvt: kvt_params.device needs every function");
         }
@@ -656,7 +667,7 @@ void kvt__ops_release(kvt_ctx *ctx, const kvt_pool *only)
                 continue;
             void *req = op->req;
             op->req = NULL;
-            if (op->kind == KVT_OP_DEVICE) { /* a copy that never ended: stop polling it */
+            if (op->kind == KVT_OP_DEVICE || op->phase) { /* a copy that never ended */
                 kvt__list_del(&op->dev_link);
                 ctx->device.release(ctx->device.arg, req);
             } else {
@@ -679,7 +690,9 @@ int kvt__dev_ops_poll(kvt_ctx *ctx)
         kvt__list_del(&op->dev_link);
         ctx->device.release(ctx->device.arg, op->req);
         op->req = NULL;
-        kvt__op_complete(ctx, op, r > 0 ? UCS_OK : UCS_ERR_IO_ERROR);
+        op->phase = 0;
+        if (op->kind == KVT_OP_DATA) kvt__staged_send_post(ctx, op, r > 0); /* gathered */
+        else kvt__op_complete(ctx, op, r > 0 ? UCS_OK : UCS_ERR_IO_ERROR);
         ctx->pump_more = true;
         n++;
     }

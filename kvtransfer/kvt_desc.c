@@ -480,7 +480,13 @@ static int desc_parse(const void *buf, size_t len, const kvt__secret *secret, kv
     /* Remote keys. */
     int32_t nr = 2 * (int32_t)nl;
     uint32_t nrk = rd_u32(&b);
-    if (b.bad || nrk == 0 || nrk > (uint32_t)nr || ((flags & KVT_DESC_ALLOCATED) && nrk != 1))
+    if (flags & KVT_DESC_STAGED) {
+        /* Device blocks behind a ring: nothing to put into, so no keys and no regions. */
+        if (b.bad || nrk != 0 || (flags & (KVT_DESC_ALLOCATED | KVT_DESC_CUDA)))
+            return D_BAD("a staged pool with %u remote keys or flags %#x", nrk, flags);
+        nr = 0;
+    } else if (b.bad || nrk == 0 || nrk > (uint32_t)nr ||
+               ((flags & KVT_DESC_ALLOCATED) && nrk != 1))
         return D_BAD("%u remote keys for %d regions%s", nrk, nr,
                      (flags & KVT_DESC_ALLOCATED) ? " of one allocation" : "");
     /* Each key needs at least 4 + 9 bytes and each region 12: check before allocating. */
@@ -488,10 +494,11 @@ static int desc_parse(const void *buf, size_t len, const kvt__secret *secret, kv
         return D_BAD("%u remote keys and %d regions cannot fit in %zu bytes", nrk, nr,
                      b.len - b.off);
     out->n_rkeys = (int32_t)nrk;
-    out->rkey_off = calloc(nrk, sizeof *out->rkey_off);
-    out->rkey_len = calloc(nrk, sizeof *out->rkey_len);
-    span *sp = calloc((size_t)nr, sizeof *sp);
-    bool *used = calloc(nrk, sizeof *used);
+    /* (at least one element each: a staged pool has none, and calloc(0) may be NULL) */
+    out->rkey_off = calloc(nrk + 1, sizeof *out->rkey_off);
+    out->rkey_len = calloc(nrk + 1, sizeof *out->rkey_len);
+    span *sp = calloc((size_t)nr + 1, sizeof *sp);
+    bool *used = calloc(nrk + 1, sizeof *used);
     if (!out->rkey_off || !out->rkey_len || !sp || !used) {
         rc = pd_errf(err, PD_ENOMEM, "kvt: out of memory");
         goto done;

@@ -17,7 +17,7 @@
  *   | char model_id[64] | u32 dtype, n_layers, block_size, n_kv_heads, head_dim | u64 layout
  *   fingerprint | u32 n_blocks | u64 block bytes | u32 address length | address
  *   | u32 n_rkeys | n_rkeys x (u32 length | packed rkey) | 2 n_layers x (u64 region base
- *   | u32 rkey index) | [u32 length | device export, if KVT_DESC_DEVICE]
+ *   | u32 rkey index) (both absent, n_rkeys 0, if KVT_DESC_STAGED) | [u32 length | device export, if KVT_DESC_DEVICE]
  *   | [32-byte HMAC-SHA256 of everything before it, if KVT_DESC_SIGNED]
  *   | u64 xxh64 of everything before it. */
 #define KVT_DESC_MAGIC 0x4454564bu /* "KVTD" */
@@ -26,7 +26,10 @@
 #define KVT_DESC_CUDA 2u           /* flag: the pool is device memory */
 #define KVT_DESC_SIGNED 4u         /* flag: a MAC precedes the checksum */
 #define KVT_DESC_DEVICE 8u         /* flag: a device export follows the region table */
-#define KVT_DESC_FLAGS_KNOWN (KVT_DESC_ALLOCATED | KVT_DESC_CUDA | KVT_DESC_SIGNED | KVT_DESC_DEVICE)
+#define KVT_DESC_STAGED 16u        /* flag: device blocks behind a host ring: no remote keys, no
+                                      region table (n_rkeys 0); data only by active messages */
+#define KVT_DESC_FLAGS_KNOWN (KVT_DESC_ALLOCATED | KVT_DESC_CUDA | KVT_DESC_SIGNED | \
+                              KVT_DESC_DEVICE | KVT_DESC_STAGED)
 #define KVT_DESC_MAX_DEVICE 1024   /* bytes of a device export */
 
 #define KVT_DESC_MAX_ADDR 8192     /* bytes of a worker address (38-79 B seen; many NICs more) */

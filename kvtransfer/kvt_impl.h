@@ -149,6 +149,8 @@ typedef struct kvt__op {
     void *req; /* the UCX request while one is outstanding; KVT_OP_DEVICE: the copy's token */
     kvt__list dev_link; /* KVT_OP_DEVICE: ctx->dev_ops while the copy runs */
     int stage; /* staging slot the data was gathered into, or -1 */
+    struct kvt_pool *ring; /* the staged pool whose ring slot `stage` is (NULL: ctx's slots) */
+    int phase; /* staged DATA / RECV op: 1 = its device copy runs (in ctx->dev_ops) */
     union {
         kvt__msg_hello hello;
         kvt__msg_hello_ack hello_ack;
@@ -235,7 +237,29 @@ struct kvt_pool {
     int n_cancelled, cancel_next;
     uint8_t *dev_export;    /* receiver: the device export put in the descriptor, or NULL */
     size_t dev_export_len;
+    /* Staged pools: the blocks are device memory; data moves through a ring of host slots. */
+    bool staged;
+    uint8_t *ring;          /* [ring_n][ring_slot] page-aligned host memory */
+    size_t ring_slot;       /* bytes per slot (ring_blocks blocks) */
+    int32_t ring_n, ring_blocks;
+    int32_t *ring_free;     /* stack of free slots */
+    int32_t ring_n_free;
+    ucp_mem_h ring_mh;
+    bool ring_pinned;
+    kvt__list pending;      /* kvt__pending: received blocks waiting for a free slot */
 };
+
+/* A staged pool's incoming block message that found no free ring slot: its data (a
+ * rendezvous descriptor, or eager data UCX keeps) is received when a slot frees. Counts in
+ * its reservation's inflight. */
+typedef struct {
+    kvt__list link; /* pool->pending */
+    struct kvt__resv *resv;
+    kvt__msg_block hdr;
+    void *data;
+    size_t len;
+    bool rndv;
+} kvt__pending;
 
 /* ---------------------------------------------------------------- receiver transfers */
 
@@ -294,6 +318,7 @@ struct kvt_target {
     int n_rkeys;
     bool remote_allocated; /* the remote pool is UCX-allocated (shm keys present) */
     bool remote_cuda;      /* the remote pool is device memory (AM data must use rndv) */
+    bool remote_staged;    /* the remote pool is staged (AM only, rndv, ring-sized messages) */
     kvt_path path;         /* decided at connect */
     uint8_t **lptr;        /* [2 * n_layers] shm: our mapping of each remote region (puts are
                               then plain copies, without a UCX request each); else NULL */
@@ -398,7 +423,9 @@ struct kvt_ctx {
     bool pump_more; /* the pump stopped with postable work and a free window */
     kvt__secret *secret; /* the shared KV secret; NULL = peers are not authenticated */
     kvt_device_ops device; /* the device path's copy engine (device.copy_layer NULL = none) */
-    kvt__list dev_ops;     /* KVT_OP_DEVICE ops whose copies run (polled by progress) */
+    kvt__list dev_ops;     /* device copies that run (polled by progress): KVT_OP_DEVICE,
+                              and staged DATA / RECV ops in phase 1 */
+    int32_t n_pending;     /* kvt__pending entries of every pool */
 };
 
 /* ---------------------------------------------------------------- internal functions */
@@ -480,6 +507,27 @@ void kvt__target_uncache(kvt_target *t);
 int kvt__targets_prefault(kvt_ctx *ctx);
 /* Polls the device copies in flight and completes those that ended. Returns how many did. */
 int kvt__dev_ops_poll(kvt_ctx *ctx);
+/* A data path's post returns this as its request when it took charge of the op itself. */
+extern char kvt__req_owned;
+#define KVT_REQ_OWNED ((void *)&kvt__req_owned)
+/* Staged pools' rings (kvt_pool.c): a free slot or -1; a slot back. */
+int32_t kvt__ring_get(kvt_pool *pool);
+void kvt__ring_put(kvt_pool *pool, int32_t slot);
+static inline uint8_t *kvt__ring_ptr(const kvt_pool *pool, int32_t slot)
+{
+    return pool->ring + (size_t)slot * pool->ring_slot;
+}
+/* A staged send's gather into its ring slot finished (ok) or failed: post the message, or
+ * complete the op with an error (kvt_send.c). */
+void kvt__staged_send_post(kvt_ctx *ctx, kvt__op *op, bool ok);
+/* A staged receive's data is in its ring slot (status from UCX): queue the scatter into the
+ * device blocks, or complete the op with the error (kvt_recv.c). */
+void kvt__staged_recv_landed(kvt_ctx *ctx, kvt__op *op, ucs_status_t status);
+/* Starts the pending block messages of staged pools that a free slot can take, and releases
+ * those of reservations that ended (kvt_recv.c). Returns how many it handled. */
+int kvt__pending_process(kvt_ctx *ctx);
+/* Releases every pending message of pool (teardown). */
+void kvt__pending_drop_all(kvt_pool *pool);
 ucs_status_t kvt__am_ack(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
                          const ucp_am_recv_param_t *param);
 

@@ -713,11 +713,19 @@ void kvt__target_decide_path(kvt_target *t)
             native = true;
         }
     }
+    /* A staged pool on either side has no memory a put could reach. */
+    bool staged = t->remote_staged || t->src->staged;
+    if (staged) native = false;
     t->put_native = native;
     t->path = ctx->p.path != KVT_PATH_AUTO ? ctx->p.path
               : t->dev_remote                ? KVT_PATH_DEVICE
               : native                       ? KVT_PATH_PUT
                                              : KVT_PATH_AM;
+    if (staged && t->path == KVT_PATH_PUT) {
+        PD_LOGW("kvt[%s]: pool %016llx: puts are impossible with a staged pool; using active "
+                "messages", ctx->name, (unsigned long long)t->pool_id);
+        t->path = KVT_PATH_AM;
+    }
     ctx->st.last_path = t->path;
     if (t->path == KVT_PATH_DEVICE) {
         PD_LOGI("kvt[%s]: target pool %016llx at %016llx: device path (device to device), "
@@ -748,11 +756,12 @@ void kvt__target_decide_path(kvt_target *t)
         }
         if (t->lptr) t->pf_region = 0, t->pf_off = 0, t->pf_t0 = kvt__now_ns(), ctx->n_prefault++;
     }
-    PD_LOGI("kvt[%s]: target pool %016llx at %016llx: %s over %s, put %s", ctx->name,
+    PD_LOGI("kvt[%s]: target pool %016llx at %016llx: %s over %s, put %s%s", ctx->name,
             (unsigned long long)t->pool_id, (unsigned long long)t->remote_ctx,
             kvt_path_name(t->path), peer->tname,
             t->lptr ? "native (direct copy into the mapped segment)"
-                    : native ? "native (one-sided)" : "emulated");
+            : staged ? "impossible" : native ? "native (one-sided)" : "emulated",
+            staged ? ", staged through host rings" : "");
     if (t->path == KVT_PATH_PUT && !native)
         PD_LOGW("kvt[%s]: puts to pool %016llx over %s are emulated with active messages "
                 "(slower, and the decode CPU copies); the AM path is faster here", ctx->name,
@@ -863,9 +872,10 @@ int kvt_target_open(kvt_ctx *ctx, kvt_pool *src, const void *desc, size_t len,
     t->layout = d.layout;
     t->n_blocks = d.n_blocks;
     int nr = d.n_regions;
-    t->raddr = calloc((size_t)nr, sizeof *t->raddr);
-    t->rkey_idx = calloc((size_t)nr, sizeof *t->rkey_idx);
-    t->rkeys = calloc((size_t)d.n_rkeys, sizeof *t->rkeys);
+    t->remote_staged = (d.flags & KVT_DESC_STAGED) != 0;
+    t->raddr = calloc((size_t)nr + 1, sizeof *t->raddr); /* (staged: none) */
+    t->rkey_idx = calloc((size_t)nr + 1, sizeof *t->rkey_idx);
+    t->rkeys = calloc((size_t)d.n_rkeys + 1, sizeof *t->rkeys);
     t->desc = malloc(len);
     if (!t->raddr || !t->rkey_idx || !t->rkeys || !t->desc)
         rc = pd_errf(err, PD_ENOMEM, "kvt: out of memory");

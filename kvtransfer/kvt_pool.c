@@ -146,6 +146,70 @@ static int check_layout(const kvt_layout *l, char *err)
     return 0;
 }
 
+int32_t kvt_stage_slot_blocks(size_t block_bytes)
+{
+    size_t n = block_bytes ? (size_t)(1u << 20) / block_bytes : 1;
+    return n < 1 ? 1 : n > KVT_MAX_IOV ? KVT_MAX_IOV : (int32_t)n;
+}
+
+int32_t kvt__ring_get(kvt_pool *pool)
+{
+    return pool->ring_n_free > 0 ? pool->ring_free[--pool->ring_n_free] : -1;
+}
+
+void kvt__ring_put(kvt_pool *pool, int32_t slot)
+{
+    PD_ASSERT(slot >= 0 && slot < pool->ring_n && pool->ring_n_free < pool->ring_n,
+              "kvt: ring slot returned twice");
+    pool->ring_free[pool->ring_n_free++] = slot;
+}
+
+void kvt_pool_ring(const kvt_pool *pool, int32_t *n_slots, int32_t *n_free)
+{
+    if (n_slots) *n_slots = pool->staged ? pool->ring_n : 0;
+    if (n_free) *n_free = pool->staged ? pool->ring_n_free : 0;
+}
+
+/* A staged pool's ring: page-aligned host memory, pinned by the device engine when it can,
+ * registered with UCX (rendezvous data lands in it and leaves from it zero-copy). */
+static int ring_create(kvt_pool *pool, size_t bytes, char *err)
+{
+    kvt_ctx *ctx = pool->ctx;
+    pool->ring_blocks = kvt_stage_slot_blocks(pool->bb);
+    pool->ring_slot = (size_t)pool->ring_blocks * pool->bb;
+    size_t n = (bytes ? bytes : (size_t)256 << 20) / pool->ring_slot;
+    if (n < 4) n = 4;
+    if (n > 1u << 20) return pd_errf(err, PD_EINVAL, "kvt: staging ring of %zu slots", n);
+    pool->ring_n = (int32_t)n;
+    size_t len = n * pool->ring_slot;
+    pool->ring_free = malloc(sizeof *pool->ring_free * n);
+    if (!pool->ring_free || posix_memalign((void **)&pool->ring, 4096, len) != 0) {
+        pool->ring = NULL;
+        return pd_errf(err, PD_ENOMEM, "kvt: cannot allocate a staging ring of %.1f MiB",
+                       (double)len / 1048576.0);
+    }
+    memset(pool->ring, 0, len);
+    for (size_t i = 0; i < n; i++) pool->ring_free[i] = (int32_t)(n - 1 - i);
+    pool->ring_n_free = (int32_t)n;
+    if (ctx->device.host_pin) {
+        if (ctx->device.host_pin(ctx->device.arg, pool->ring, len) == 0) pool->ring_pinned = true;
+        else PD_LOGW("kvt[%s]: cannot pin the staging ring; device copies go through pageable "
+                     "memory", ctx->name);
+    }
+    int rc = map_mem(pool, pool->ring, len, false, &pool->ring_mh, err);
+    if (rc < 0) pool->ring_mh = NULL;
+    return rc;
+}
+
+static void ring_destroy(kvt_pool *pool)
+{
+    kvt_ctx *ctx = pool->ctx;
+    if (pool->ring_mh) ucp_mem_unmap(ctx->uctx, pool->ring_mh);
+    if (pool->ring_pinned) ctx->device.host_unpin(ctx->device.arg, pool->ring);
+    free(pool->ring);
+    free(pool->ring_free);
+}
+
 int kvt_pool_create(kvt_ctx *ctx, const kvt_pool_params *p, kvt_pool **out, char *err)
 {
     *out = NULL;
@@ -154,6 +218,11 @@ int kvt_pool_create(kvt_ctx *ctx, const kvt_pool_params *p, kvt_pool **out, char
     if (p->n_blocks <= 0 || (!p->k_base) != (!p->v_base))
         return pd_errf(err, PD_EINVAL, "kvt: pool needs n_blocks > 0 and both or neither of "
                        "k_base / v_base");
+    if (p->staged && (p->k_base || p->mem_type != KVT_MEM_HOST))
+        return pd_errf(err, PD_EINVAL, "kvt: a staged pool has no regions of its own");
+    if (p->staged && (!ctx->device.stage_out || !ctx->device.stage_in))
+        return pd_errf(err, PD_EINVAL, "kvt: a staged pool needs kvt_params.device with "
+                       "stage_out and stage_in");
     if (p->mem_type == KVT_MEM_CUDA && !(ctx->mem_types & (1u << KVT_MEM_CUDA)))
         return pd_errf(err, PD_EUNSUPPORTED, "kvt: this UCX cannot access CUDA memory; hand in "
                        "pinned host staging buffers instead");
@@ -181,6 +250,8 @@ int kvt_pool_create(kvt_ctx *ctx, const kvt_pool_params *p, kvt_pool **out, char
     }
     kvt__list_init(&pool->resvs);
     kvt__list_init(&pool->link);
+    kvt__list_init(&pool->pending);
+    pool->staged = p->staged;
     int nr = 2 * pool->n_layers;
     pool->base = calloc((size_t)nr, sizeof *pool->base);
     pool->region_mh = calloc((size_t)nr, sizeof *pool->region_mh);
@@ -191,6 +262,18 @@ int kvt_pool_create(kvt_ctx *ctx, const kvt_pool_params *p, kvt_pool **out, char
     }
     pool->n_free = pool->n_blocks;
     size_t rlen = (size_t)pool->n_blocks * pool->bb;
+    if (p->staged) {
+        if ((rc = ring_create(pool, p->stage_ring_bytes, err)) < 0) goto fail;
+        kvt__list_add(&ctx->pools, &pool->link);
+        PD_LOGI("kvt[%s]: pool %016llx: %d layers x %d blocks x %zu B (K and V) in device "
+                "memory, staged through a ring of %d x %.2f MiB %shost slots (%.1f MiB)",
+                ctx->name, (unsigned long long)pool->id, pool->n_layers, pool->n_blocks,
+                pool->bb, pool->ring_n, (double)pool->ring_slot / 1048576.0,
+                pool->ring_pinned ? "pinned " : "",
+                (double)pool->ring_slot * pool->ring_n / 1048576.0);
+        *out = pool;
+        return 0;
+    }
     if (p->k_base) {
         for (int l = 0; l < pool->n_layers; l++) {
             pool->base[2 * l] = p->k_base[l];
@@ -232,6 +315,7 @@ int kvt_pool_create(kvt_ctx *ctx, const kvt_pool_params *p, kvt_pool **out, char
     return 0;
 fail:
     for (int i = 0; i < pool->n_mh; i++) ucp_mem_unmap(ctx->uctx, pool->mh[i]);
+    if (pool->staged) ring_destroy(pool);
     free(pool->mh);
     free(pool->base);
     free(pool->region_mh);
@@ -287,6 +371,7 @@ void kvt_pool_destroy(kvt_pool *pool)
             kvt_progress(ctx);
         }
     }
+    kvt__pending_drop_all(pool);
     while (!kvt__list_empty(&pool->resvs))
         kvt__resv_free(KVT_CONTAINER(pool->resvs.next, kvt__resv, link));
     KVT_LIST_EACH_SAFE(it, nx, &ctx->targets)
@@ -300,6 +385,7 @@ void kvt_pool_destroy(kvt_pool *pool)
     }
     kvt__list_del(&pool->link);
     for (int i = 0; i < pool->n_mh; i++) ucp_mem_unmap(ctx->uctx, pool->mh[i]);
+    if (pool->staged) ring_destroy(pool);
     free(pool->mh);
     free(pool->base);
     free(pool->region_mh);
@@ -310,7 +396,7 @@ void kvt_pool_destroy(kvt_pool *pool)
 
 void *kvt_pool_region(const kvt_pool *pool, int32_t layer, int kv)
 {
-    if (layer < 0 || layer >= pool->n_layers || kv < 0 || kv > 1) return NULL;
+    if (pool->staged || layer < 0 || layer >= pool->n_layers || kv < 0 || kv > 1) return NULL;
     return pool->base[2 * layer + kv];
 }
 int32_t kvt_pool_n_blocks(const kvt_pool *pool) { return pool->n_blocks; }
@@ -367,7 +453,8 @@ int kvt_pool_export(kvt_pool *pool, void **desc, size_t *len, char *err)
     uint32_t flags = (pool->allocated ? KVT_DESC_ALLOCATED : 0) |
                      (pool->mem_type == KVT_MEM_CUDA ? KVT_DESC_CUDA : 0) |
                      (ctx->secret ? KVT_DESC_SIGNED : 0) |
-                     (pool->dev_export ? KVT_DESC_DEVICE : 0);
+                     (pool->dev_export ? KVT_DESC_DEVICE : 0) |
+                     (pool->staged ? KVT_DESC_STAGED : 0);
     put_u32(&b, KVT_DESC_VERSION | flags << 16);
     put_u64(&b, ctx->id);
     put_u64(&b, pool->id);
@@ -398,7 +485,7 @@ int kvt_pool_export(kvt_pool *pool, void **desc, size_t *len, char *err)
         put_bytes(&b, rk, rkl);
         ucp_rkey_buffer_release(rk);
     }
-    for (int r = 0; r < 2 * pool->n_layers; r++) {
+    for (int r = 0; !pool->staged && r < 2 * pool->n_layers; r++) { /* staged: no regions */
         put_u64(&b, (uint64_t)(uintptr_t)pool->base[r]);
         put_u32(&b, (uint32_t)pool->region_mh[r]);
     }

@@ -296,7 +296,8 @@ ucs_status_t kvt__am_start(void *arg, const void *hdr, size_t hlen, void *data, 
     r->t_start = kvt__now_ns();
     r->state = KVT_RESV_ACTIVE;
     if (h.path > KVT_PATH_DEVICE || h.path == KVT_PATH_AUTO ||
-        (h.path == KVT_PATH_DEVICE && !pool->dev_export)) {
+        (h.path == KVT_PATH_DEVICE && !pool->dev_export) ||
+        (h.path == KVT_PATH_PUT && pool->staged)) {
         kvt__resv_fail(r, PD_EINVAL, true, "sender's data path %u is not one this pool takes",
                        h.path);
     } else if (h.fingerprint != pool->fingerprint) {
@@ -337,6 +338,143 @@ static void recv_cb(void *request, ucs_status_t status, size_t length, void *use
     ucp_request_free(request);
 }
 
+/* ---- staged pools: block messages land in a ring slot, then a device copy scatters them */
+
+static void staged_recv_cb(void *request, ucs_status_t status, size_t length, void *user_data)
+{
+    kvt__op *op = user_data;
+    (void)length;
+    op->req = NULL;
+    ucp_request_free(request);
+    kvt__staged_recv_landed(op->ctx, op, status);
+}
+
+void kvt__staged_recv_landed(kvt_ctx *ctx, kvt__op *op, ucs_status_t status)
+{
+    kvt__resv *r = op->resv;
+    if (status != UCS_OK || (r->state != KVT_RESV_ACTIVE && r->state != KVT_RESV_LANDING)) {
+        /* Failed, or the reservation ended: its device blocks get no more writes. */
+        kvt__op_complete(ctx, op, status != UCS_OK ? status : UCS_ERR_CANCELED);
+        return;
+    }
+    const kvt__msg_block *h = &op->hdr.block;
+    void *token = NULL;
+    int rc = ctx->device.stage_in(ctx->device.arg, h->layer, h->kv, r->ids + h->first, h->n,
+                                  kvt__ring_ptr(op->ring, op->stage), &token);
+    if (rc < 0 || !token) {
+        kvt__op_complete(ctx, op, rc < 0 ? UCS_ERR_IO_ERROR : UCS_OK);
+        return;
+    }
+    op->phase = 1; /* dev_ops poll completes it once the blocks are written */
+    op->req = token;
+    kvt__list_add(&ctx->dev_ops, &op->dev_link);
+}
+
+/* Receives one block message of r into a free ring slot (the caller checked there is one):
+ * rendezvous data zero-copy, eager data by a copy. */
+static void staged_start(kvt_ctx *ctx, kvt__resv *r, const kvt__msg_block *h, void *data,
+                         size_t len, bool rndv)
+{
+    kvt_pool *pool = r->pool;
+    kvt__op *op = kvt__op_get(ctx, KVT_OP_RECV);
+    if (!op) {
+        kvt__resv_fail(r, PD_ENOMEM, true, "out of memory receiving blocks");
+        if (rndv) ucp_am_data_release(ctx->worker, data);
+        return;
+    }
+    op->resv = r;
+    op->bytes = len;
+    op->ring = pool;
+    op->stage = kvt__ring_get(pool);
+    op->hdr.block = *h;
+    ctx->ops_in_flight++;
+    r->inflight++;
+    uint8_t *slot = kvt__ring_ptr(pool, op->stage);
+    if (!rndv) {
+        memcpy(slot, data, len);
+        kvt__staged_recv_landed(ctx, op, UCS_OK);
+        return;
+    }
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_MEMH,
+        .cb.recv_am = staged_recv_cb,
+        .user_data = op,
+        .memh = pool->ring_mh,
+    };
+    void *req = ucp_am_recv_data_nbx(ctx->worker, data, slot, len, &prm);
+    if (req == NULL) kvt__staged_recv_landed(ctx, op, UCS_OK);
+    else if (UCS_PTR_IS_ERR(req)) kvt__staged_recv_landed(ctx, op, UCS_PTR_STATUS(req));
+    else op->req = req;
+}
+
+/* A staged pool's block message: into a free slot now, or kept (UCS_INPROGRESS) until one
+ * frees, in arrival order. */
+static ucs_status_t staged_block(kvt_ctx *ctx, kvt__resv *r, const kvt__msg_block *h,
+                                 void *data, size_t len, const ucp_am_recv_param_t *param)
+{
+    kvt_pool *pool = r->pool;
+    bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+    bool keep = rndv || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA);
+    if (pool->ring_n_free > 0 && kvt__list_empty(&pool->pending)) {
+        staged_start(ctx, r, h, data, len, rndv);
+        return UCS_OK;
+    }
+    kvt__pending *p = keep ? malloc(sizeof *p) : NULL;
+    if (!p) {
+        kvt__resv_fail(r, keep ? PD_ENOMEM : PD_EFORMAT, true, keep
+                       ? "out of memory queueing a block message" : "an eager block message "
+                       "arrived with the staging ring full (senders must use rendezvous)");
+        return rndv ? UCS_ERR_NO_MEMORY : UCS_OK;
+    }
+    *p = (kvt__pending){.resv = r, .hdr = *h, .data = data, .len = len, .rndv = rndv};
+    kvt__list_add(&pool->pending, &p->link);
+    ctx->n_pending++;
+    r->inflight++;
+    return UCS_INPROGRESS;
+}
+
+static void pending_free(kvt_ctx *ctx, kvt__pending *p)
+{
+    kvt__list_del(&p->link);
+    ctx->n_pending--;
+    p->resv->inflight--;
+    mark_dirty(p->resv);
+    free(p);
+}
+
+int kvt__pending_process(kvt_ctx *ctx)
+{
+    if (ctx->n_pending == 0) return 0;
+    int n = 0;
+    for (kvt__list *pi = ctx->pools.next; pi != &ctx->pools; pi = pi->next) {
+        kvt_pool *pool = KVT_CONTAINER(pi, kvt_pool, link);
+        kvt__list *it, *nx;
+        KVT_LIST_EACH_SAFE(it, nx, &pool->pending)
+        {
+            kvt__pending *p = KVT_CONTAINER(it, kvt__pending, link);
+            kvt__resv *r = p->resv;
+            bool live = r->state == KVT_RESV_ACTIVE || r->state == KVT_RESV_LANDING;
+            if (live && pool->ring_n_free == 0) continue; /* (an ended one behind may go) */
+            if (live) staged_start(ctx, r, &p->hdr, p->data, p->len, p->rndv);
+            if (!live || !p->rndv) ucp_am_data_release(ctx->worker, p->data);
+            pending_free(ctx, p);
+            n++;
+        }
+    }
+    return n;
+}
+
+void kvt__pending_drop_all(kvt_pool *pool)
+{
+    kvt_ctx *ctx = pool->ctx;
+    while (!kvt__list_empty(&pool->pending)) {
+        kvt__pending *p = KVT_CONTAINER(pool->pending.next, kvt__pending, link);
+        ucp_am_data_release(ctx->worker, p->data);
+        pending_free(ctx, p);
+    }
+}
+
 ucs_status_t kvt__am_block(void *arg, const void *hdr, size_t hlen, void *data, size_t len,
                            const ucp_am_recv_param_t *param)
 {
@@ -356,6 +494,14 @@ ucs_status_t kvt__am_block(void *arg, const void *hdr, size_t hlen, void *data, 
         kvt__resv_fail(r, PD_EFORMAT, true, "malformed block message (layer %d, blocks %d+%d, "
                        "%zu B)", h.layer, h.first, h.n, len);
         return refuse == UCS_OK ? UCS_OK : UCS_ERR_INVALID_PARAM;
+    }
+    if (pool->staged) {
+        if (h.n > pool->ring_blocks) {
+            kvt__resv_fail(r, PD_EFORMAT, true, "block message of %d blocks; a staging slot "
+                           "holds %d", h.n, pool->ring_blocks);
+            return refuse == UCS_OK ? UCS_OK : UCS_ERR_INVALID_PARAM;
+        }
+        return staged_block(ctx, r, &h, data, len, param);
     }
     uint8_t *base = pool->base[2 * h.layer + h.kv];
     const int32_t *ids = r->ids + h.first;
@@ -484,6 +630,11 @@ static void try_complete(kvt__resv *r)
                        "block list %s)", d->n_blocks, r->n, d->meta_sum == meta ? "same" : "differs");
         return;
     }
+    if ((d->flags & 1u) && pool->staged) {
+        kvt__resv_fail(r, PD_EUNSUPPORTED, true, "data checksums need host memory; this pool "
+                       "is staged");
+        return;
+    }
     if (d->flags & 1u) {
         uint64_t *sums = malloc(sizeof *sums * (size_t)pool->n_layers);
         if (!sums) {
@@ -508,7 +659,7 @@ static void try_complete(kvt__resv *r)
 
 int kvt__resvs_process(kvt_ctx *ctx)
 {
-    int n = 0;
+    int n = kvt__pending_process(ctx);
     while (!kvt__list_empty(&ctx->nacks)) {
         kvt__nack *k = KVT_CONTAINER(ctx->nacks.next, kvt__nack, link);
         kvt__list_del(&k->link);

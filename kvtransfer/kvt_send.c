@@ -130,7 +130,8 @@ static int32_t am_post(kvt_send *s, kvt__op *op, int32_t layer, int kv, int32_t 
     kvt_ctx *ctx = s->ctx;
     size_t bb = src->bb, am_max = (size_t)ctx->p.am_max_kib * 1024;
     int32_t n = 1;
-    while (pos + n < s->n && n < KVT_MAX_IOV && (size_t)(n + 1) * bb <= am_max) n++;
+    int32_t max_n = t->remote_staged ? kvt_stage_slot_blocks(bb) : KVT_MAX_IOV;
+    while (pos + n < s->n && n < max_n && (size_t)(n + 1) * bb <= am_max) n++;
     int r = 2 * layer + kv;
     int niov = 0;
     for (int32_t i = 0; i < n; i++) {
@@ -148,7 +149,7 @@ static int32_t am_post(kvt_send *s, kvt__op *op, int32_t layer, int kv, int32_t 
                                      .first = pos, .n = n};
     op->bytes = (size_t)n * bb;
     ucp_request_param_t prm = data_param(s, op);
-    if (t->remote_cuda) {
+    if (t->remote_cuda || t->remote_staged) {
         prm.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
         prm.flags = UCP_AM_SEND_FLAG_RNDV;
     }
@@ -181,8 +182,75 @@ static int32_t am_post(kvt_send *s, kvt__op *op, int32_t layer, int kv, int32_t 
     return n;
 }
 
+/* A staged source pool: a group (up to a ring slot of consecutive positions) is gathered from
+ * the device into a free slot of the pool's ring, on the copy stream after the layer's
+ * readiness (the first group of a layer waits for it; the stream orders the rest); the op
+ * waits in ctx->dev_ops until the copy completed, then kvt__staged_send_post sends the slot. */
+static bool staged_can_post(kvt_send *s)
+{
+    return s->t->src->ring_n_free > 0;
+}
+
+static int32_t staged_post(kvt_send *s, kvt__op *op, int32_t layer, int kv, int32_t pos,
+                           void **req)
+{
+    kvt_target *t = s->t;
+    kvt_pool *src = t->src;
+    kvt_ctx *ctx = s->ctx;
+    int32_t n = s->n - pos < src->ring_blocks ? s->n - pos : src->ring_blocks;
+    op->hdr.block = (kvt__msg_block){.req_id = s->req_id, .xfer_id = s->xfer_id,
+                                     .pool_id = t->pool_id, .layer = layer, .kv = kv,
+                                     .first = pos, .n = n};
+    op->bytes = (size_t)n * src->bb;
+    op->stage = kvt__ring_get(src);
+    op->ring = src;
+    void *after = kv == 0 && pos == 0 ? s->layer_after[layer] : NULL;
+    void *token = NULL;
+    int rc = ctx->device.stage_out(ctx->device.arg, layer, kv, s->src + pos, n, after,
+                                   kvt__ring_ptr(src, op->stage), &token);
+    if (after) {
+        ctx->device.release(ctx->device.arg, after);
+        s->layer_after[layer] = NULL;
+    }
+    if (rc < 0) {
+        *req = UCS_STATUS_PTR(UCS_ERR_IO_ERROR);
+        return n;
+    }
+    *req = KVT_REQ_OWNED;
+    if (!token) { /* the copy completed at once */
+        kvt__staged_send_post(ctx, op, true);
+        return n;
+    }
+    op->phase = 1;
+    op->req = token; /* the copy's token until it completes */
+    kvt__list_add(&ctx->dev_ops, &op->dev_link);
+    return n;
+}
+
+void kvt__staged_send_post(kvt_ctx *ctx, kvt__op *op, bool ok)
+{
+    kvt_send *s = op->send;
+    op->phase = 0;
+    op->req = NULL;
+    if (!ok || s->state >= KVT_SEND_ENDING) {
+        /* A failed copy fails the send; after a failure nothing more is sent. */
+        kvt__op_complete(ctx, op, ok ? UCS_ERR_CANCELED : UCS_ERR_IO_ERROR);
+        return;
+    }
+    ucp_request_param_t prm = data_param(s, op);
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMH;
+    prm.flags = UCP_AM_SEND_FLAG_RNDV; /* the receiver picks where it lands */
+    prm.memh = op->ring->ring_mh;
+    void *req = ucp_am_send_nbx(s->peer->ep, KVT_AM_BLOCK, &op->hdr.block, sizeof op->hdr.block,
+                                kvt__ring_ptr(op->ring, op->stage), op->bytes, &prm);
+    if (req == NULL) kvt__op_complete(ctx, op, UCS_OK);
+    else if (UCS_PTR_IS_ERR(req)) kvt__op_complete(ctx, op, UCS_PTR_STATUS(req));
+    else op->req = req;
+}
+
 static const kvt__path_ops path_put = {"put", put_post, NULL};
 static const kvt__path_ops path_am = {"am", am_post, am_can_post};
+static const kvt__path_ops path_staged = {"staged", staged_post, staged_can_post};
 
 /* ---------------------------------------------------------------- begin / signals / end */
 
@@ -227,7 +295,8 @@ int kvt_send_begin(kvt_target *t, const kvt_send_params *p, kvt_send **out, char
         free(s);
         return pd_errf(err, PD_ENOMEM, "kvt: out of memory");
     }
-    if (p->checksum_data && (src->mem_type != KVT_MEM_HOST || t->dev_remote)) {
+    if (p->checksum_data &&
+        (src->mem_type != KVT_MEM_HOST || t->dev_remote || src->staged || t->remote_staged)) {
         free(s->src), free(s->dst), free(s->layer_ready), free(s->queue), free(s->layer_sum);
         free(s->layer_after);
         free(s);
@@ -495,7 +564,9 @@ static int pump_one(kvt_send *s, int budget, bool *freed)
         n++;
     }
     if (s->path == KVT_PATH_DEVICE) n += pump_device(s);
-    const kvt__path_ops *path = s->path == KVT_PATH_PUT ? &path_put : &path_am;
+    const kvt__path_ops *path = s->path == KVT_PATH_PUT ? &path_put
+                                : s->t->src->staged    ? &path_staged
+                                                       : &path_am;
     bool direct = s->path == KVT_PATH_PUT && s->t->lptr;
     /* A process that was frozen must not resume writing past its deadline (the receiver may
      * have reused the slots); checked once per turn of at most budget groups. */
@@ -539,7 +610,9 @@ static int pump_one(kvt_send *s, int budget, bool *freed)
             void *req = NULL;
             took = path->post(s, op, s->cur_layer, s->cur_kv, s->cur_pos, &req);
             s->bytes_posted += op->bytes;
-            if (req == NULL) kvt__op_complete(ctx, op, UCS_OK);
+            if (req == KVT_REQ_OWNED) {
+                /* the path completes it */
+            } else if (req == NULL) kvt__op_complete(ctx, op, UCS_OK);
             else if (UCS_PTR_IS_ERR(req)) kvt__op_complete(ctx, op, UCS_PTR_STATUS(req));
             else op->req = req;
         }

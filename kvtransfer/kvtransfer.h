@@ -51,9 +51,11 @@ typedef enum {
                           the control messages */
 } kvt_path;
 
-/* The device path's copy engine, supplied by the sender (kvt_params.device). kvt keeps the
- * protocol (START, DONE, ACK, ABORT, deadlines, peer failure); these move the bytes. Called on
- * the ctx's thread only; none may block for long. */
+/* The device copy engine (kvt_params.device): the sender's device path (open, close,
+ * copy_layer; all or none) and, on either side, the copies of staged pools (stage_out,
+ * stage_in). kvt keeps the protocol (START, DONE, ACK, ABORT, deadlines, peer failure); these
+ * move the bytes. poll and release are required. Called on the ctx's thread only; none may
+ * block for long. */
 typedef struct {
     /* Opens the receiver's export (the device_export bytes its pool was created with).
      * Returns 0 with *remote, PD_EUNSUPPORTED when this process cannot reach that memory
@@ -72,6 +74,18 @@ typedef struct {
     /* Releases a token or an `after` handle. */
     void (*release)(void *arg, void *handle);
     void *arg;
+    /* Staged pools (kvt_pool_params.staged: the pool's blocks are this process's device
+     * memory, which kvt moves through the pool's ring of host slots). Queued on the same copy
+     * stream as copy_layer, in call order. stage_out: gathers layer's K (kv 0) or V (kv 1)
+     * blocks ids[0..n) into host (contiguous, n block sizes), after `after` (NULL = none;
+     * not consumed). stage_in: scatters host into the blocks ids[0..n) of layer's K or V.
+     * *token as for copy_layer. host_pin / host_unpin (optional): page-lock the ring. */
+    int (*stage_out)(void *arg, int32_t layer, int kv, const int32_t *ids, int32_t n,
+                     void *after, void *host, void **token);
+    int (*stage_in)(void *arg, int32_t layer, int kv, const int32_t *ids, int32_t n,
+                    const void *host, void **token);
+    int (*host_pin)(void *arg, void *p, size_t bytes);
+    void (*host_unpin)(void *arg, void *p);
 } kvt_device_ops;
 
 /* The kind of transport a connection actually uses (for logs and metrics). */
@@ -153,8 +167,8 @@ typedef struct {
                                    instead of sleeping between closely spaced messages (a
                                    wakeup costs tens of us); default 100; 0 = always sleep.
                                    Never spins when no transfer is active. */
-    const kvt_device_ops *device; /* sender: the device path's copy engine (copied); NULL =
-                                   no device path */
+    const kvt_device_ops *device; /* the device copy engine (copied): the sender's device
+                                   path, and the copies of staged pools; NULL = neither */
     bool device_required;       /* sender: a target whose pool offers a device export this
                                    ctx cannot open is an error, not a host-path fallback */
     bool net_only;              /* publish a network-only address (tcp even on one host) */
@@ -236,6 +250,14 @@ typedef struct {
                                (the device memory holding the same blocks, e.g. a CUDA IPC
                                handle), put in the descriptor (copied); NULL = none */
     size_t device_export_len;  /* 1 .. 1024 */
+    bool staged;            /* the blocks are this process's device memory (no k_base /
+                               v_base): kvt moves them through a ring of pinned host slots
+                               with kvt_params.device's stage_out / stage_in (which the ctx
+                               must have), pipelined with the network; never a host copy of
+                               the whole pool. Remote puts into it are impossible: peers use
+                               active messages (or the device path) */
+    size_t stage_ring_bytes;   /* staged: bytes of the ring; 0 = 256 MiB. At least 4 slots
+                                  of kvt_stage_slot_blocks() blocks are made */
 } kvt_pool_params;
 
 kvt_pool_params kvt_pool_default_params(void);
@@ -248,7 +270,8 @@ int kvt_pool_create(kvt_ctx *ctx, const kvt_pool_params *p, kvt_pool **out, char
  * allocated it). NULL is a no-op. */
 void kvt_pool_destroy(kvt_pool *pool);
 
-/* Base of the [n_blocks][block_bytes] region of (layer, kv) with kv 0 = K, 1 = V. */
+/* Base of the [n_blocks][block_bytes] region of (layer, kv) with kv 0 = K, 1 = V (NULL for a
+ * staged pool: its blocks are device memory). */
 void *kvt_pool_region(const kvt_pool *pool, int32_t layer, int kv);
 int32_t kvt_pool_n_blocks(const kvt_pool *pool);
 size_t kvt_pool_block_bytes(const kvt_pool *pool);
@@ -259,6 +282,11 @@ int32_t kvt_pool_n_free(const kvt_pool *pool);
 int32_t kvt_pool_n_reservations(const kvt_pool *pool);
 /* Whether a remote put into this pool is a real one-sided write on shm (UCX allocated it). */
 bool kvt_pool_shm_backed(const kvt_pool *pool);
+/* Blocks one staging slot holds (one message of a staged transfer) for a block size: 1 MiB
+ * worth, at least 1, at most 64. Both sides derive it from the layout. */
+int32_t kvt_stage_slot_blocks(size_t block_bytes);
+/* Staged pools: the ring's slots, and how many are free now (0 and 0 for other pools). */
+void kvt_pool_ring(const kvt_pool *pool, int32_t *n_slots, int32_t *n_free);
 
 /* Writes the descriptor of the pool (worker address, remote keys, region addresses, layout)
  * into a buffer the caller frees with free(); it is what the control plane carries to the

@@ -14,7 +14,6 @@
 #include <string.h>
 #include <time.h>
 
-#include <xxhash.h>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -40,9 +39,6 @@ typedef struct preq {
     bool prefilled;                /* the engine holds the blocks until ew_release */
     kvt_send *send;                /* kvt thread only */
     bool layered;                  /* the push began before the forward (layer by layer) */
-    bool device;                   /* engine thread: its layers go device to device (each
-                                      with an event), not through the host mirror */
-    uint64_t desc_hash;            /* of desc: the device-path cache's key */
     int begin_rc;                  /* kvt thread: kvt_send_begin's error, 0 if fine */
     char begin_err[PD_ERR_LEN];
     struct preq *next_in_map;
@@ -102,37 +98,7 @@ static preq *map_get(uint64_t id)
     return r;
 }
 
-/* ---- which decode pools the device path reaches ----
- * The engine thread must know, when a prompt's last step starts, whether each layer goes
- * device to device (an event, no host copy) or through the host mirror (a copy that waits for
- * the layer). The kvt thread learns it when it opens a pool's target; until then a pool is
- * assumed host (always safe: the host copy synchronizes, so a device copy after it reads
- * final KV). Keyed by the descriptor's hash; a small table, last writer wins. */
-
-#define DEVPATH_SLOTS 256
-static struct {
-    uint64_t key;
-    bool device;
-} g_devpath[DEVPATH_SLOTS];
-static pthread_mutex_t g_devpath_mu = PTHREAD_MUTEX_INITIALIZER;
-
-static void devpath_put(uint64_t key, bool device)
-{
-    pthread_mutex_lock(&g_devpath_mu);
-    g_devpath[key % DEVPATH_SLOTS].key = key;
-    g_devpath[key % DEVPATH_SLOTS].device = device;
-    pthread_mutex_unlock(&g_devpath_mu);
-}
-
-static bool devpath_get(uint64_t key)
-{
-    pthread_mutex_lock(&g_devpath_mu);
-    bool d = g_devpath[key % DEVPATH_SLOTS].key == key && g_devpath[key % DEVPATH_SLOTS].device;
-    pthread_mutex_unlock(&g_devpath_mu);
-    return d;
-}
-
-/* Releases a backend event (a device-path layer's readiness that was not handed on). */
+/* Releases a backend event (a layer's readiness that was not handed on). */
 static void release_event(void *ev)
 {
     if (ev) g.model.be->ops->event_release(g.model.be->ctx, ev);
@@ -260,16 +226,6 @@ static void do_begin(kvt_ctx *ctx, void *arg)
         r->begin_rc = kvt_send_begin(t, &sp, &r->send, r->begin_err);
         if (r->begin_rc == 0) atomic_fetch_add(&r->refs, 1); /* the transfer's own reference */
     }
-    if (t) {
-        kvt_target_info ti;
-        kvt_target_info_get(t, &ti);
-        devpath_put(r->desc_hash, ti.device);
-        if (r->begin_rc == 0 && r->device && !ti.device) {
-            /* Its layers were not copied to the host mirror, and the target no longer goes
-             * device to device: it cannot be sent (its SEND_FAILED answers; a retry works). */
-            kvt_send_cancel(r->send);
-        }
-    }
     kvt_target_close(t);
     preq_unref(r);
     free(j);
@@ -278,7 +234,7 @@ static void do_begin(kvt_ctx *ctx, void *arg)
 typedef struct {
     int32_t layer, n;
     uint64_t *ids;   /* [n] requests whose layer is ready */
-    void **after;    /* [n] device path: the layer's event (NULL: the host copy waited) */
+    void **after;    /* [n] the layer's event (staged KV: the copies wait on it), or NULL */
 } layer_job;
 
 static void layer_job_free(layer_job *j)
@@ -304,38 +260,14 @@ static void do_layer(kvt_ctx *ctx, void *arg)
 
 /* The engine's callbacks for the layered path (engine thread). */
 static uint64_t g_step_ids[4096];
-static bool g_step_dev[4096];  /* the request's layers go device to device */
 static int32_t g_step_n;
-/* Staging (GPU KV): the blocks of the step's layered requests, copied to the host mirror
- * layer by layer before kvtransfer reads them (engine thread). */
-static int32_t *g_step_blocks;
-static int32_t g_step_nb, g_step_cap;
-static bool g_step_oom; /* a block list could not be kept: this step's layers are not sent */
-
-static void step_blocks_add(const int32_t *ids, int32_t n)
-{
-    if (g_step_nb + n > g_step_cap) {
-        int32_t cap = g_step_cap ? g_step_cap : 256;
-        while (cap < g_step_nb + n) cap *= 2;
-        int32_t *p = realloc(g_step_blocks, (size_t)cap * sizeof *p);
-        if (!p) {
-            g_step_oom = true; /* the layers then miss: the transfers fail by their deadline */
-            return;
-        }
-        g_step_blocks = p;
-        g_step_cap = cap;
-    }
-    memcpy(g_step_blocks + g_step_nb, ids, (size_t)n * sizeof *ids);
-    g_step_nb += n;
-}
+static bool g_staged; /* the KV is device memory: each layer's readiness is an event */
 
 static void on_prompt_step(void *arg, const uint64_t *ids, const int32_t *const *blocks,
                            const int32_t *n_blocks, int32_t n)
 {
     (void)arg;
     g_step_n = 0;
-    g_step_nb = 0;
-    g_step_oom = false;
     for (int32_t i = 0; i < n; i++) {
         preq *r = map_get(ids[i]);
         if (!r) continue;
@@ -348,18 +280,14 @@ static void on_prompt_step(void *arg, const uint64_t *ids, const int32_t *const 
         j->n = n_blocks[i];
         memcpy(j->src, blocks[i], (size_t)n_blocks[i] * sizeof(int32_t));
         r->layered = true;
-        r->device = g.model.kvdev && devpath_get(r->desc_hash);
         if (svc_kvt_post(g.kvt, do_begin, j) < 0) {
             r->layered = false;
             free(j);
             preq_unref(r);
             continue;
         }
-        if (g_step_n < (int32_t)(sizeof g_step_ids / sizeof g_step_ids[0])) {
-            g_step_dev[g_step_n] = r->device;
+        if (g_step_n < (int32_t)(sizeof g_step_ids / sizeof g_step_ids[0]))
             g_step_ids[g_step_n++] = ids[i];
-            if (g.model.mirror && !r->device) step_blocks_add(blocks[i], n_blocks[i]);
-        }
         PD_LOGD("request %llu: pushing KV layer by layer during its last prompt step",
                 (unsigned long long)ids[i]);
     }
@@ -369,15 +297,6 @@ static void on_layer(void *arg, int32_t layer)
 {
     (void)arg;
     if (g_step_n == 0) return;
-    if (g.model.mirror && g_step_nb > 0) {
-        /* The host path: the copy is queued after the layer's KV store on the same stream
-         * and waits for it (it returns once the bytes are in the mirror). */
-        char err[PD_ERR_LEN] = "KV staging: out of memory for the step's block list";
-        if (g_step_oom || svc_kv_copy(&g.model, g_step_blocks, g_step_nb, layer, true, err) < 0) {
-            PD_LOGE("%s", err);
-            return; /* that layer is then missing: its transfers fail by their deadline */
-        }
-    }
     layer_job *j = calloc(1, sizeof *j + (size_t)g_step_n * (sizeof(uint64_t) + sizeof(void *)));
     if (!j) return; /* that layer is then missing: its transfer fails by its deadline */
     j->layer = layer;
@@ -386,10 +305,10 @@ static void on_layer(void *arg, int32_t layer)
     j->after = (void **)(j->ids + g_step_n);
     memcpy(j->ids, g_step_ids, (size_t)g_step_n * sizeof(uint64_t));
     for (int32_t i = 0; i < g_step_n; i++) {
-        /* The device path: an event after the layer's store; the copy waits on the device,
-         * nothing waits here. */
-        if (g_step_dev[i] && g.model.be->ops->event_record(g.model.be->ctx, &j->after[i]) < 0) {
-            PD_LOGE("KV device path: cannot record layer %d's event", layer);
+        /* GPU KV (device path or the staging ring): an event after the layer's store; the
+         * copies wait on the device, nothing waits here. (CPU KV is final when this runs.) */
+        if (g_staged && g.model.be->ops->event_record(g.model.be->ctx, &j->after[i]) < 0) {
+            PD_LOGE("KV transfer: cannot record layer %d's event", layer);
             j->after[i] = NULL; /* its transfer then fails by its deadline */
             j->ids[i] = 0;
         }
@@ -507,14 +426,6 @@ static void on_output(void *user, const eng_output *o)
         preq_unref(r);
         return;
     }
-    char cerr[PD_ERR_LEN];
-    if (svc_kv_copy(&g.model, o->block_ids, o->n_blocks, -1, true, cerr) < 0) { /* staging */
-        free(j);
-        ew_release(g.worker, r->id);
-        answer(r, RPC_STATUS_INTERNAL, cerr);
-        preq_unref(r);
-        return;
-    }
     pthread_mutex_lock(&r->mu);
     r->prefilled = true;
     pthread_mutex_unlock(&r->mu);
@@ -623,7 +534,6 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
     }
     memcpy(r->desc, q->kv_target->kv_descriptor.data, q->kv_target->kv_descriptor.len);
     r->desc_len = q->kv_target->kv_descriptor.len;
-    r->desc_hash = XXH64(r->desc, r->desc_len, 0x6b76646576ull);
     for (size_t i = 0; i < q->kv_target->n_block_ids; i++)
         r->dst_ids[i] = q->kv_target->block_ids[i] > (uint32_t)INT32_MAX ? -1 : (int32_t)q->kv_target->block_ids[i];
     r->n_dst = (int32_t)q->kv_target->n_block_ids;
@@ -690,6 +600,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-prefill: %s\n", err);
         goto out;
     }
+    g_staged = svc_kv_staged(&g.model);
     eng_kv_listener kl = {on_prompt_step, on_layer, NULL};
     g.inst.metrics = g.metrics;
     ew_callbacks cb = {.on_output = on_output, .on_error = on_error,
@@ -717,7 +628,6 @@ out:
     svc_kvt_stop(g.kvt, &g.model, &g.pool);
     svc_metrics_destroy(g.metrics); /* after the engine thread (its step hook) */
     svc_model_close(&g.model);
-    free(g_step_blocks);
     pd_flags_free();
     return status;
 }

@@ -9,7 +9,9 @@
  *
  * --bench (on the GPU machine): the Llama-3-8B pattern (32 layers, K and V, 32 KiB blocks, a
  * 2048-token prompt = 128 scattered blocks a region) moved layer by layer, next to the same
- * bytes as one contiguous copy per region (the peer-copy floor) in the same run. */
+ * bytes as one contiguous copy per region (the peer-copy floor) in the same run.
+ *
+ * Both modes then check the staged path's copies (staged_copies, below). */
 #include <spawn.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -166,6 +168,132 @@ static int child(const char *hex, const char *bus, const shape *s, bool bench)
 
 /* ---- the decode side ---- */
 
+/* ---- the staged path's copies: device blocks <-> pinned host slots (one process) ----
+ * A gather of scattered blocks of one region into a contiguous registered host slot, and a
+ * scatter back into other blocks, with the kernel and with PDSERVE_KV_COPY=memcpy; every byte
+ * checked. With bench: the Llama-3-8B pattern (64 regions x 128 scattered 32 KiB blocks)
+ * gathered through a ring of 1 MiB slots, next to one contiguous device -> host copy of the
+ * same bytes (the PCIe floor) and the same for the scatter, same run. */
+static void staged_copies(pd_backend *b, bool bench)
+{
+    const pd_backend_ops *o = b->ops;
+    const size_t bb = bench ? 32768 : 4096;
+    const int32_t nb = bench ? 2048 : 256, regions = bench ? 64 : 2, per = bench ? 128 : 100;
+    const int32_t slot_blocks = (int32_t)((1u << 20) / bb) > 64 ? 64 : (int32_t)((1u << 20) / bb);
+    const size_t slot = (size_t)slot_blocks * bb, n_slots = bench ? 64 : 4;
+    const size_t words = (size_t)regions * nb * bb / 4;
+    void *dev = NULL;
+    CHECK(o->alloc(b->ctx, PD_DTYPE_I32, words, &dev) == 0);
+    uint32_t *h = malloc(words * 4);
+    CHECK(h != NULL);
+    for (int32_t r = 0; r < regions; r++)
+        for (int32_t k = 0; k < nb; k++)
+            for (size_t w = 0; w < bb / 4; w++) h[((size_t)r * nb + k) * (bb / 4) + w] = pattern(r, k, w);
+    CHECK(o->upload(b->ctx, dev, PD_DTYPE_I32, 0, h, PD_DTYPE_I32, words) == 0);
+    CHECK(o->sync(b->ctx) == 0);
+    uint8_t *ring = NULL;
+    CHECK(posix_memalign((void **)&ring, 4096, slot * n_slots) == 0);
+    memset(ring, 0, slot * n_slots);
+    CHECK(o->host_register(b->ctx, ring, slot * n_slots) == 0);
+    int32_t iota[64], ids[2048], back[2048];
+    for (int32_t i = 0; i < 64; i++) iota[i] = i;
+    for (int32_t i = 0; i < per; i++) ids[i] = (int32_t)(((int64_t)i * 37 + 11) % nb);
+    for (int32_t i = 0; i < per; i++) back[i] = (int32_t)(((int64_t)i * 53 + 7) % nb);
+    for (int mode = 0; mode < 2; mode++) {
+        setenv("PDSERVE_KV_COPY", mode ? "memcpy" : "kernel", 1);
+        void *q = NULL;
+        CHECK(o->copyq_create(b->ctx, &q) == 0);
+        if (!bench) {
+            /* Gather region 1's blocks ids[] into the slots, slot by slot; check the bytes. */
+            int64_t bad = 0;
+            for (int32_t i0 = 0; i0 < per; i0 += slot_blocks) {
+                int32_t n = per - i0 < slot_blocks ? per - i0 : slot_blocks;
+                uint8_t *hs = ring + (size_t)((i0 / slot_blocks) % (int32_t)n_slots) * slot;
+                void *dst = hs;
+                const void *src = (char *)dev + (size_t)nb * bb;
+                void *ev = NULL;
+                CHECK(o->copyq_blocks(b->ctx, q, NULL, &dst, &src, 1, iota, ids + i0, n, bb, &ev) == 0);
+                CHECK(wait_event(b, ev) == 0);
+                o->event_release(b->ctx, ev);
+                for (int32_t i = 0; i < n; i++)
+                    for (size_t w = 0; w < bb / 4; w++)
+                        bad += ((uint32_t *)(hs + (size_t)i * bb))[w] != pattern(1, ids[i0 + i], w);
+                /* ... and scatter the slot into region 0's blocks back[]. */
+                void *d0 = dev;
+                const void *s0 = hs;
+                CHECK(o->copyq_blocks(b->ctx, q, NULL, &d0, &s0, 1, back + i0, iota, n, bb, &ev) == 0);
+                CHECK(wait_event(b, ev) == 0);
+                o->event_release(b->ctx, ev);
+            }
+            CHECK_EQ_INT(bad, 0);
+            CHECK(o->download_f32 != NULL);
+            uint32_t *g = malloc(words * 4);
+            CHECK(g != NULL);
+            int32_t all[256];
+            for (int32_t i = 0; i < nb; i++) all[i] = i;
+            CHECK(o->kv_blocks_copy(b->ctx, dev, all, nb, bb, g, true) == 0);
+            int32_t src_of[256];
+            for (int32_t i = 0; i < nb; i++) src_of[i] = -1;
+            for (int32_t i = 0; i < per; i++) src_of[back[i]] = ids[i];
+            for (int32_t k = 0; k < nb; k++)
+                for (size_t w = 0; w < bb / 4; w++)
+                    bad += g[(size_t)k * (bb / 4) + w] !=
+                           (src_of[k] < 0 ? pattern(0, k, w) : pattern(1, src_of[k], w));
+            CHECK_EQ_INT(bad, 0);
+            free(g);
+            /* Restore region 0 for the next mode. */
+            CHECK(o->upload(b->ctx, dev, PD_DTYPE_I32, 0, h, PD_DTYPE_I32, (size_t)nb * bb / 4) == 0);
+            CHECK(o->sync(b->ctx) == 0);
+        } else {
+            /* Every region's 128 blocks through the ring, slot after slot (a slot is reused
+             * only after its copy completed, as kvt does). */
+            void **evs = calloc(n_slots, sizeof *evs);
+            for (int dir = 0; dir < 2; dir++) {
+                double t0 = now_s();
+                size_t k = 0;
+                for (int32_t r = 0; r < regions; r++)
+                    for (int32_t i0 = 0; i0 < per; i0 += slot_blocks, k++) {
+                        size_t si = k % n_slots;
+                        if (evs[si]) CHECK(wait_event(b, evs[si]) == 0), o->event_release(b->ctx, evs[si]);
+                        int32_t n = per - i0 < slot_blocks ? per - i0 : slot_blocks;
+                        void *reg = (char *)dev + (size_t)r * nb * bb, *hs = ring + si * slot;
+                        void *d = dir ? reg : hs;
+                        const void *sr = dir ? hs : reg;
+                        CHECK(o->copyq_blocks(b->ctx, q, NULL, &d, &sr, 1, dir ? ids + i0 : iota,
+                                              dir ? iota : ids + i0, n, bb, &evs[si]) == 0);
+                    }
+                for (size_t si = 0; si < n_slots; si++)
+                    if (evs[si]) CHECK(wait_event(b, evs[si]) == 0), o->event_release(b->ctx, evs[si]), evs[si] = NULL;
+                double t = now_s() - t0;
+                /* The floor: the same bytes as one contiguous copy (pinned host). */
+                const size_t bytes = (size_t)regions * per * bb;
+                uint8_t *big = NULL;
+                CHECK(posix_memalign((void **)&big, 4096, bytes) == 0);
+                CHECK(o->host_register(b->ctx, big, bytes) == 0);
+                int32_t one = 0;
+                CHECK(o->kv_blocks_copy(b->ctx, dev, &one, 1, bytes, big, !dir) == 0); /* warm */
+                double f0 = now_s();
+                CHECK(o->kv_blocks_copy(b->ctx, dev, &one, 1, bytes, big, !dir) == 0);
+                double f = now_s() - f0;
+                o->host_unregister(b->ctx, big);
+                free(big);
+                printf("BENCH staged %s (%s): %.1f MiB in %.3f ms = %.1f GB/s; one contiguous "
+                       "copy of the same bytes: %.1f GB/s; ratio %.3f\n",
+                       dir ? "scatter host->device" : "gather device->host",
+                       mode ? "memcpy" : "kernel", bytes / 1048576.0, t * 1e3, bytes / t / 1e9,
+                       bytes / f / 1e9, f / t);
+            }
+            free(evs);
+        }
+        o->copyq_destroy(b->ctx, q);
+    }
+    unsetenv("PDSERVE_KV_COPY");
+    o->host_unregister(b->ctx, ring);
+    free(ring);
+    free(h);
+    o->free(b->ctx, dev);
+}
+
 int main(int argc, char **argv)
 {
     shape s = {64, 2, 4096};
@@ -235,6 +363,7 @@ int main(int argc, char **argv)
     }
     free(h);
     b->ops->free(b->ctx, pool);
+    staged_copies(b, bench);
     pd_backend_destroy(b);
     return pd_test_result("test_cuda_ipc");
 }

@@ -164,7 +164,7 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
     bp.n_threads = (int32_t)f->threads;
     bp.device = (int32_t)f->device;
     /* "auto" picks cuda where present (pd_backend_create decides). GPU KV reaches kvtransfer
-     * through a pinned host mirror (svc_kv_pool_create, svc_kv_copy). */
+     * device to device or through a ring of pinned host slots (svc_kv_pool_create). */
     const char *backend = f->backend;
     if ((rc = pd_backend_create(backend, &bp, &m->be, err)) < 0) goto fail;
     if ((rc = pd_model_load(&m->cfg, f->model, fmt, 1234, m->be, &m->model, err)) < 0) goto fail;
@@ -214,7 +214,6 @@ fail:
 
 void svc_model_close(svc_model *m)
 {
-    free(m->mirror);
     mr_destroy(m->runner);
     pd_model_destroy(m->model);
     pd_backend_destroy(m->be);
@@ -259,10 +258,12 @@ const char *svc_kv_dtype_name(int d)
     }
 }
 
+static int64_t g_kv_staging_mb = 256; /* --kv-staging-mb (svc_server_flags_apply) */
+
 bool svc_kv_staged(const svc_model *m)
 {
-    /* PDSERVE_KV_STAGING=1 takes the staging path on the CPU too (tests: it runs the GPU's
-     * copies with memcpy). */
+    /* PDSERVE_KV_STAGING=1 takes the staging path on the CPU too (tests: the backend's copy
+     * queue is then a memcpy). */
     const char *force = getenv("PDSERVE_KV_STAGING");
     return strcmp(m->be->ops->name, "cpu") != 0 || (force && !strcmp(force, "1"));
 }
@@ -275,7 +276,6 @@ int svc_kv_pool_create(kvt_ctx *ctx, svc_model *m, kvt_pool **out, char *err)
     pp.n_blocks = mr_n_blocks(m->runner);
     pp.mem_type = KVT_MEM_HOST;
     int32_t L = m->cfg.n_layers;
-    const pd_backend_ops *o = m->be->ops;
     int rc;
     if (!svc_kv_staged(m)) {
         void **k = calloc((size_t)L, sizeof *k), **v = calloc((size_t)L, sizeof *v);
@@ -291,80 +291,27 @@ int svc_kv_pool_create(kvt_ctx *ctx, svc_model *m, kvt_pool **out, char *err)
         free(v);
         return rc;
     }
-    if (!o->kv_blocks_copy)
-        return pd_errf(err, PD_EUNSUPPORTED, "the %s backend cannot copy KV blocks to host "
-                       "memory (kv_blocks_copy), which the services need", o->name);
-    m->mirror = calloc((size_t)(2 * L), sizeof *m->mirror);
-    if (!m->mirror) return pd_errf(err, PD_ENOMEM, "out of memory");
-    /* The device path: the pool also names the device cache (a sender that can map it writes
-     * there; the mirror serves the others). */
+    if (!svc_kv_stage_ops(m) || !m->kvdev)
+        return pd_errf(err, PD_EUNSUPPORTED, "the %s backend has no copy queue (event_* and "
+                       "copyq_* ops), which moving its KV needs", m->be->ops->name);
+    /* Staged: the device cache itself, reached through a bounded ring of pinned host slots
+     * (and, for a sender that can map it, the device export: device to device). */
+    pp.staged = true;
+    pp.stage_ring_bytes = (size_t)g_kv_staging_mb << 20;
     void *dev = NULL;
     size_t dev_len = 0;
-    if ((rc = svc_kv_device_export(m, &dev, &dev_len, err)) < 0) {
-        free(m->mirror);
-        m->mirror = NULL;
-        return rc;
-    }
+    if ((rc = svc_kv_device_export(m, &dev, &dev_len, err)) < 0) return rc;
     pp.device_export = dev;
     pp.device_export_len = dev_len;
-    /* kvt allocates the mirror: on one host its shared memory takes one-sided puts. */
     rc = kvt_pool_create(ctx, &pp, out, err);
     free(dev);
-    if (rc < 0) {
-        free(m->mirror);
-        m->mirror = NULL;
-        return rc;
-    }
-    m->mirror_block_bytes = kvt_pool_block_bytes(*out);
-    size_t region = (size_t)pp.n_blocks * m->mirror_block_bytes;
-    for (int32_t r = 0; r < 2 * L; r++) m->mirror[r] = kvt_pool_region(*out, r / 2, r % 2);
-    m->n_mirror_pinned = 0;
-    if (o->host_register) {
-        for (int32_t r = 0; r < 2 * L; r++) {
-            if (o->host_register(m->be->ctx, m->mirror[r], region) < 0) {
-                PD_LOGW("KV staging: cannot pin the host mirror (region %d of %d); KV copies go "
-                        "through pageable memory", r, 2 * L);
-                break;
-            }
-            m->n_mirror_pinned++;
-        }
-    }
-    PD_LOGI("KV staging: %s KV cache mirrored in %.1f MiB of %shost memory for kvtransfer",
-            o->name, (double)region * 2 * L / (1 << 20),
-            m->n_mirror_pinned == 2 * L ? "pinned " : "");
-    return 0;
+    return rc;
 }
 
 void svc_kv_pool_destroy(svc_model *m, kvt_pool *pool)
 {
-    if (!pool) return;
-    if (m->mirror && m->be->ops->host_unregister)
-        for (int32_t r = 0; r < m->n_mirror_pinned; r++)
-            m->be->ops->host_unregister(m->be->ctx, m->mirror[r]);
-    m->n_mirror_pinned = 0;
+    (void)m;
     kvt_pool_destroy(pool);
-    free(m->mirror);
-    m->mirror = NULL;
-}
-
-int svc_kv_copy(const svc_model *m, const int32_t *ids, int32_t n, int32_t layer, bool to_host,
-                char *err)
-{
-    if (!m->mirror || n == 0) return 0;
-    const pd_backend_ops *o = m->be->ops;
-    int32_t l0 = layer < 0 ? 0 : layer, l1 = layer < 0 ? m->cfg.n_layers : layer + 1;
-    for (int32_t l = l0; l < l1; l++) {
-        void *kv[2];
-        mr_kv_cache(m->runner, l, &kv[0], &kv[1]);
-        for (int h = 0; h < 2; h++) {
-            int rc = o->kv_blocks_copy(m->be->ctx, kv[h], ids, n, m->mirror_block_bytes,
-                                       m->mirror[2 * l + h], to_host);
-            if (rc < 0)
-                return pd_errf(err, rc, "KV staging: copying %d blocks of layer %d %s %s host "
-                               "memory failed", n, l, h ? "V" : "K", to_host ? "to" : "from");
-        }
-    }
-    return 0;
 }
 
 void svc_server_flags_init(svc_server_flags *f, const char *default_listen)
@@ -380,6 +327,7 @@ void svc_server_flags_init(svc_server_flags *f, const char *default_listen)
     f->health_drain_ms = 0;
     f->kv_secret_file = "";
     f->kv_transport = "auto";
+    f->kv_staging_mb = 256;
     rpc_server_tls_flags_init(&f->tls);
 }
 
@@ -398,6 +346,7 @@ void svc_server_flags_add(svc_server_flags *f, pd_flag *fl, int *n, const char *
         {"log-level", PD_FLAG_STRING, &f->log_level, "error, warn, info, debug", 1, 0},
         {"kv-secret-file", PD_FLAG_STRING, &f->kv_secret_file, "file with the shared secret that authenticates KV transfers between prefill and decode (same file on both; empty = unauthenticated)", 1, 0},
         {"kv-transport", PD_FLAG_STRING, &f->kv_transport, "KV data path between GPU instances: auto (device to device where the peer's GPU is reachable, else host memory), device (required: a transfer that cannot go device to device fails), host", 1, 0},
+        {"kv-staging-mb", PD_FLAG_INT, &f->kv_staging_mb, "host memory (MiB, pinned) through which GPU KV moves when it cannot go device to device: a ring of 1 MiB slots pipelined with the network, never a copy of the whole KV cache", 4, 1 << 20},
     };
     for (size_t i = 0; i < sizeof add / sizeof add[0]; i++) fl[(*n)++] = add[i];
     rpc_server_tls_flags_add(&f->tls, fl, n);
@@ -410,6 +359,7 @@ void svc_server_flags_apply(svc_server_flags *f)
 {
     g_kv_secret_file = f->kv_secret_file && f->kv_secret_file[0] ? f->kv_secret_file : NULL;
     if (f->kv_transport) svc__kv_transport = f->kv_transport;
+    if (f->kv_staging_mb > 0) g_kv_staging_mb = f->kv_staging_mb;
     pd_log_level lv;
     if (pd_log_parse_level(f->log_level, &lv) == 0) pd_log_set_level(lv);
     if (f->port >= 0) {

@@ -69,12 +69,6 @@ typedef struct {
     eng_params ep;
     char model_name[128];
     uint64_t fingerprint;       /* of config + weights identity (KV compatibility) */
-    /* Staging (backend KV not in host memory): the host mirror kvtransfer moves, set by
-     * svc_kv_pool_create. mirror[2 l] / mirror[2 l + 1]: layer l's K / V region
-     * ([n_blocks][mirror_block_bytes]); NULL when the cache itself is the pool (CPU). */
-    void **mirror;
-    size_t mirror_block_bytes;
-    int32_t n_mirror_pinned;    /* regions registered with the backend (pinned) */
     void *kvdev;                /* the device path's sender state (svc_kvdev.c), or NULL */
 } svc_model;
 
@@ -101,23 +95,18 @@ const char *svc_kv_dtype_name(int proto_dtype);
 /* ---- the KV pool that kvtransfer moves ---- */
 
 /* Whether the KV cache lives outside host memory (the backend is not "cpu"): kvtransfer then
- * moves a pinned host mirror of the cache and the services copy blocks between the two
- * (svc_kv_copy); on the CPU the cache itself is registered (zero copy). The environment
- * variable PDSERVE_KV_STAGING=1 forces the staging path on the CPU (for tests). */
+ * moves the device cache itself, device to device where the peer can map it, else through a
+ * bounded ring of pinned host slots (--kv-staging-mb) with the backend's copy queue; on the
+ * CPU the cache itself is registered (zero copy). The environment variable
+ * PDSERVE_KV_STAGING=1 forces the staged path on the CPU (for tests). */
 bool svc_kv_staged(const svc_model *m);
-/* kvt thread (during setup, before the engine runs): creates the kvtransfer pool of m's KV:
- * the engine's cache itself (CPU), or when staged a kvt-allocated host mirror of the same
- * layout, pinned with the backend (a failure to pin is logged; copies then go unpinned) and
- * recorded in m->mirror. Returns 0 or an error with err. */
+/* kvt thread (during setup, before the engine runs; after svc_kv_device_params): creates
+ * the kvtransfer pool of m's KV: the engine's cache itself (CPU), or when staged a staged
+ * pool over the device cache (kvt_pool_params.staged) with its device export. Returns 0 or
+ * an error with err. */
 int svc_kv_pool_create(kvt_ctx *ctx, svc_model *m, kvt_pool **out, char *err);
-/* kvt thread: unpins the mirror and destroys the pool (the engine thread must be stopped).
- * pool NULL is a no-op. */
+/* kvt thread: destroys the pool (the engine thread must be stopped). NULL is a no-op. */
 void svc_kv_pool_destroy(svc_model *m, kvt_pool *pool);
-/* Engine thread (nothing else may run on the backend): copies blocks ids of layer `layer`
- * (every layer when layer < 0), K and V, from the cache to the mirror (to_host) or back.
- * A no-op returning 0 when not staged. Returns 0 or an error with err. */
-int svc_kv_copy(const svc_model *m, const int32_t *ids, int32_t n, int32_t layer, bool to_host,
-                char *err);
 
 /* ---- server flags shared by prefill and decode ---- */
 
@@ -134,6 +123,7 @@ typedef struct {
     rpc_server_tls_flags tls;   /* --tls-cert, --tls-key, --tls-client-ca, handshake timeout */
     const char *kv_secret_file; /* shared secret of the internal KV (UCX) port; "" = none */
     const char *kv_transport;   /* auto | device | host: the KV's data path between GPUs */
+    int64_t kv_staging_mb;      /* the staged path's ring of pinned host slots */
 } svc_server_flags;
 
 /* Defaults (default_listen e.g. "0.0.0.0:50061"), and the flag table entries (appended at
@@ -212,10 +202,13 @@ void svc_kvt_stop(svc_kvt *kvt, svc_model *m, kvt_pool **pool);
  * copy stream ordered after the layer's event: no host copy, no wait on the engine thread.
  * Otherwise (CPU, other host, no peer access, --kv-transport host) the host pool moves it. */
 
+/* Whether the backend has the copy queue (event_* and copyq_* ops) staged pools need. */
+bool svc_kv_stage_ops(const svc_model *m);
 /* Whether the device path is on for m (backend ops present and --kv-transport not host). */
 bool svc_kv_device_on(const svc_model *m);
-/* Fills kvt_params.device (sender side, on the kvt thread: the copy queue is made at first
- * use) and device_required (--kv-transport device). Nothing when the path is off. */
+/* Fills kvt_params.device (the copy queue is made on the kvt thread at first use): the device
+ * path (sender) when it is on, the staged pool's copies when staged; and device_required
+ * (--kv-transport device). Nothing when neither applies. */
 void svc_kv_device_params(svc_model *m, kvt_params *kp);
 /* The decode pool's device export for kvt_pool_params (malloc'ed; caller frees), or NULL
  * when the path is off. Returns 0 or an error with err. */

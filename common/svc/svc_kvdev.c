@@ -56,11 +56,17 @@ static void wr32(uint8_t *p, uint32_t v)
     for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
 
+bool svc_kv_stage_ops(const svc_model *m)
+{
+    const pd_backend_ops *o = m->be->ops;
+    return o->event_record && o->event_query && o->event_release && o->copyq_create &&
+           o->copyq_destroy && o->copyq_blocks;
+}
+
 bool svc_kv_device_on(const svc_model *m)
 {
     const pd_backend_ops *o = m->be->ops;
-    return o->dev_export && o->dev_open && o->dev_close && o->event_record && o->event_query &&
-           o->event_release && o->copyq_create && o->copyq_destroy && o->copyq_blocks &&
+    return svc_kv_stage_ops(m) && o->dev_export && o->dev_open && o->dev_close &&
            strcmp(svc__kv_transport, "host") != 0;
 }
 
@@ -163,6 +169,12 @@ static void kx_close(void *arg, void *remote)
     free(r);
 }
 
+/* The copy queue (made on the kvt thread at first use). */
+static int kx_queue(kvdev *d)
+{
+    return d->copyq ? 0 : d->m->be->ops->copyq_create(d->m->be->ctx, &d->copyq);
+}
+
 static int kx_copy(void *arg, void *remote, int32_t layer, const int32_t *src_ids,
                    const int32_t *dst_ids, int32_t n, void *after, void **token)
 {
@@ -171,16 +183,62 @@ static int kx_copy(void *arg, void *remote, int32_t layer, const int32_t *src_id
     svc_model *m = d->m;
     const pd_backend_ops *o = m->be->ops;
     if (layer < 0 || layer >= r->n_layers) return PD_EINVAL;
-    if (!d->copyq) {
-        int rc = o->copyq_create(m->be->ctx, &d->copyq);
-        if (rc < 0) return rc;
-    }
+    int rc = kx_queue(d);
+    if (rc < 0) return rc;
     void *k, *v;
     mr_kv_cache(m->runner, layer, &k, &v);
     void *dst[2] = {(uint8_t *)r->base + r->off[2 * layer], (uint8_t *)r->base + r->off[2 * layer + 1]};
     const void *src[2] = {k, v};
     return o->copyq_blocks(m->be->ctx, d->copyq, after, dst, src, 2, dst_ids, src_ids, n,
                            block_bytes(m), token);
+}
+
+/* Staged pools: a run of blocks of one region between the KV cache and a contiguous host
+ * slot (positions 0..n-1 of the slot), on the same copy queue. */
+static const int32_t g_iota[64] = {
+    0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+    22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43,
+    44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
+
+static int kx_stage(kvdev *d, int32_t layer, int kv, const int32_t *ids, int32_t n, void *after,
+                    void *host, bool out, void **token)
+{
+    svc_model *m = d->m;
+    if (layer < 0 || layer >= m->cfg.n_layers || kv < 0 || kv > 1 || n < 1 || n > 64)
+        return PD_EINVAL;
+    int rc = kx_queue(d);
+    if (rc < 0) return rc;
+    void *cache[2];
+    mr_kv_cache(m->runner, layer, &cache[0], &cache[1]);
+    void *dst = out ? host : cache[kv];
+    const void *src = out ? cache[kv] : host;
+    return m->be->ops->copyq_blocks(m->be->ctx, d->copyq, after, &dst, &src, 1,
+                                    out ? g_iota : ids, out ? ids : g_iota, n, block_bytes(m),
+                                    token);
+}
+
+static int kx_stage_out(void *arg, int32_t layer, int kv, const int32_t *ids, int32_t n,
+                        void *after, void *host, void **token)
+{
+    return kx_stage(arg, layer, kv, ids, n, after, host, true, token);
+}
+
+static int kx_stage_in(void *arg, int32_t layer, int kv, const int32_t *ids, int32_t n,
+                       const void *host, void **token)
+{
+    return kx_stage(arg, layer, kv, ids, n, NULL, (void *)host, false, token);
+}
+
+static int kx_pin(void *arg, void *p, size_t bytes)
+{
+    kvdev *d = arg;
+    return d->m->be->ops->host_register(d->m->be->ctx, p, bytes);
+}
+
+static void kx_unpin(void *arg, void *p)
+{
+    kvdev *d = arg;
+    d->m->be->ops->host_unregister(d->m->be->ctx, p);
 }
 
 static int kx_poll(void *arg, void *token)
@@ -197,13 +255,18 @@ static void kx_release(void *arg, void *h)
 
 void svc_kv_device_params(svc_model *m, kvt_params *kp)
 {
-    if (!svc_kv_device_on(m)) return;
+    bool path = svc_kv_device_on(m), staged = svc_kv_staged(m) && svc_kv_stage_ops(m);
+    if (!path && !staged) return;
     kvdev *d = m->kvdev;
     if (!d) {
         d = calloc(1, sizeof *d);
-        if (!d) return; /* then the host path */
+        if (!d) return; /* (svc_kv_pool_create then fails: a staged pool needs the ops) */
         d->m = m;
-        d->ops = (kvt_device_ops){kx_open, kx_close, kx_copy, kx_poll, kx_release, d};
+        d->ops = (kvt_device_ops){.poll = kx_poll, .release = kx_release, .arg = d};
+        if (path) d->ops.open = kx_open, d->ops.close = kx_close, d->ops.copy_layer = kx_copy;
+        if (staged) d->ops.stage_out = kx_stage_out, d->ops.stage_in = kx_stage_in;
+        if (m->be->ops->host_register && m->be->ops->host_unregister)
+            d->ops.host_pin = kx_pin, d->ops.host_unpin = kx_unpin;
         m->kvdev = d;
     }
     kp->device = &d->ops;

@@ -310,6 +310,60 @@ static int cpu_host_unregister(void *ctx, void *p)
     return 0;
 }
 
+/* The copy queue and events (staged KV transfer, PDSERVE_KV_STAGING=1 in tests): every op
+ * of this backend completes before it returns, so a copy is a memcpy done at once and every
+ * event has already happened (one static handle stands for all of them). */
+static char g_cpu_done;
+
+static int cpu_event_record(void *ctx, void **ev)
+{
+    (void)ctx;
+    *ev = &g_cpu_done;
+    return 0;
+}
+
+static int cpu_event_query(void *ctx, void *ev)
+{
+    (void)ctx;
+    return ev == &g_cpu_done ? 1 : PD_EINVAL;
+}
+
+static void cpu_event_release(void *ctx, void *ev)
+{
+    (void)ctx;
+    (void)ev;
+}
+
+static int cpu_copyq_create(void *ctx, void **q)
+{
+    (void)ctx;
+    *q = &g_cpu_done;
+    return 0;
+}
+
+static void cpu_copyq_destroy(void *ctx, void *q)
+{
+    (void)ctx;
+    (void)q;
+}
+
+static int cpu_copyq_blocks(void *ctx, void *q, void *after, void *const *dst,
+                            const void *const *src, int32_t n_regions, const int32_t *dst_ids,
+                            const int32_t *src_ids, int32_t n, size_t block_bytes, void **done)
+{
+    (void)ctx;
+    (void)after;
+    if (!q || !done || n < 0 || n_regions < 1 || block_bytes == 0) return PD_EINVAL;
+    for (int32_t r = 0; r < n_regions; r++)
+        for (int32_t i = 0; i < n; i++) {
+            if (dst_ids[i] < 0 || src_ids[i] < 0) return PD_EINVAL;
+            memcpy((char *)dst[r] + (size_t)dst_ids[i] * block_bytes,
+                   (const char *)src[r] + (size_t)src_ids[i] * block_bytes, block_bytes);
+        }
+    *done = &g_cpu_done;
+    return 0;
+}
+
 static const pd_backend_ops k_cpu_ops = {
     .name = "cpu",
     .act_dtype = PD_DTYPE_F32,
@@ -335,6 +389,12 @@ static const pd_backend_ops k_cpu_ops = {
     .kv_blocks_copy = cpu_kv_copy,
     .host_register = cpu_host_register,
     .host_unregister = cpu_host_unregister,
+    .event_record = cpu_event_record,
+    .event_query = cpu_event_query,
+    .event_release = cpu_event_release,
+    .copyq_create = cpu_copyq_create,
+    .copyq_destroy = cpu_copyq_destroy,
+    .copyq_blocks = cpu_copyq_blocks,
 };
 
 int pd_backend_cpu_create(const pd_backend_params *p, pd_backend **out, char *err)

@@ -195,7 +195,7 @@ static int copy_runs(pd_copyq *q, void *const *dst, const void *const *src, int3
             while (j < n && dst_ids[j] == dst_ids[j - 1] + 1 && src_ids[j] == src_ids[j - 1] + 1) j++;
             PD_CUDA_CHECK(cudaMemcpyAsync((char *)dst[r] + (size_t)dst_ids[i] * bb,
                                           (const char *)src[r] + (size_t)src_ids[i] * bb,
-                                          (size_t)(j - i) * bb, cudaMemcpyDeviceToDevice,
+                                          (size_t)(j - i) * bb, cudaMemcpyDefault,
                                           q->stream));
             i = j;
         }

@@ -87,7 +87,9 @@ extern "C" int pd_cuda__host_register(void *ctx, void *p, size_t bytes)
 {
     (void)pd_cuda__ctx(ctx); /* makes the context's device current */
     if (!p || bytes == 0) return PD_EINVAL;
-    PD_CUDA_CHECK(cudaHostRegister(p, bytes, cudaHostRegisterPortable));
+    /* Mapped: the copy queue's kernel reads and writes a registered range (the staged KV
+     * path's ring) through the same pointer (unified addressing). */
+    PD_CUDA_CHECK(cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
     return 0;
 }
 

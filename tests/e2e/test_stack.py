@@ -43,7 +43,7 @@ def check(cond, what):
         print("FAIL " + what)
 
 def start(name, *args):
-    log = open(os.path.join(TMP, name + ".log"), "w")
+    log = open(os.path.join(TMP, "%s-%d.log" % (name, len(procs))), "w")
     p = subprocess.Popen([os.path.join(BIN, name)] + list(args), stdout=subprocess.PIPE,
                          stderr=log, env=ENV, text=True)
     line = p.stdout.readline()
@@ -77,6 +77,8 @@ def status_of(fn):
 try:
     golden = json.load(open(os.path.join(MODEL, "golden.json")))["cases"]
     common = ["--model", MODEL, "--listen", "127.0.0.1:0", "--kv-cache-mb", "64"]
+    if os.environ.get("PDSERVE_KV_STAGING") == "1":
+        common += ["--log-level", "info"]
     pre, pport = start("pdserve-prefill", *common)
     pre2, pport2 = start("pdserve-prefill", *common)
     dec, dport = start("pdserve-decode", *common)
@@ -131,6 +133,14 @@ try:
                 print("   want ", c["greedy_ids"][:12], repr(c["greedy_text"][:80]))
             check(usage is not None and usage.prompt_tokens == len(c["prompt_ids"]) and
                   usage.completion_tokens == len(ids), "%s usage counts" % name)
+
+    if os.environ.get("PDSERVE_KV_STAGING") == "1":
+        # The staged path (the GPU's, forced on the CPU): the decode pool is the engine's
+        # cache behind a bounded ring of host slots, never a host copy of the whole cache.
+        dlog = "".join(open(os.path.join(TMP, f)).read() for f in os.listdir(TMP)
+                       if f.startswith("pdserve-decode-") or f.startswith("pdserve-prefill-"))
+        check("staged through a ring of" in dlog and "mirror" not in dlog,
+              "staged KV: the decode pool moves through a bounded ring (--kv-staging-mb)")
 
     # The golden tiny models (HF transformers references): disaggregated == colocated ==
     # pdserve-generate, and == the reference up to the first small top-1/top-2 margin.

@@ -482,7 +482,8 @@ static void test_device_path(void)
             for (int32_t b = 0; b < n_src; b++)
                 kvh_fill(g_fd.src + ((size_t)(2 * layer + kv) * n_src + (size_t)b) * g_fd.bb,
                          g_fd.bb, 9, layer, kv, b);
-    kvt_device_ops ops = {fdev_open, fdev_close, fdev_copy, fdev_poll, fdev_release, &g_fd};
+    kvt_device_ops ops = {.open = fdev_open, .close = fdev_close, .copy_layer = fdev_copy,
+                          .poll = fdev_poll, .release = fdev_release, .arg = &g_fd};
     kvt_params pa = kt_params("recv", &ev_a), pb = kt_params("send", &ev_b);
     pb.device = &ops;
     kvt_ctx *a, *b;
@@ -602,6 +603,294 @@ static void test_device_path(void)
     free(dev);
 }
 
+/* ---- staged pools: "device" memory behind a ring of host slots ----
+ * A fake copy engine per context: its device memory is a plain array [2 L][n_blocks][bb];
+ * stage_out / stage_in copy only when their token is polled complete (after `delay` polls,
+ * never while the gate is closed), so that kvt must keep a ring slot until the copy that uses
+ * it completed and until the message sent from it was fetched. */
+typedef struct {
+    uint8_t *dev;
+    int32_t n_blocks;
+    size_t bb;
+    int delay, gate_closed;
+    int pending, live, pins;
+    int stage_outs, stage_ins;
+} fake_stage;
+
+typedef struct {
+    int kind; /* 3 */
+    fake_stage *fs;
+    int32_t layer, kv, n, ids[64];
+    uint8_t *host;
+    bool out, done;
+    int polls;
+} fstage_token;
+
+static int fstage_mk(fake_stage *fs, int32_t layer, int kv, const int32_t *ids, int32_t n,
+                     const void *host, bool out, void **token)
+{
+    KT_CHECK(n >= 1 && n <= 64);
+    fstage_token *t = calloc(1, sizeof *t);
+    *t = (fstage_token){.kind = 3, .fs = fs, .layer = layer, .kv = kv, .n = n,
+                        .host = (uint8_t *)host, .out = out, .polls = fs->delay};
+    memcpy(t->ids, ids, (size_t)n * sizeof *ids);
+    fs->pending++;
+    fs->live++;
+    if (out) fs->stage_outs++;
+    else fs->stage_ins++;
+    *token = t;
+    return 0;
+}
+
+static int fstage_out(void *arg, int32_t layer, int kv, const int32_t *ids, int32_t n,
+                      void *after, void *host, void **token)
+{
+    (void)after;
+    return fstage_mk(arg, layer, kv, ids, n, host, true, token);
+}
+
+static int fstage_in(void *arg, int32_t layer, int kv, const int32_t *ids, int32_t n,
+                     const void *host, void **token)
+{
+    return fstage_mk(arg, layer, kv, ids, n, host, false, token);
+}
+
+static int fstage_poll(void *arg, void *tok)
+{
+    fake_stage *fs = arg;
+    fstage_token *t = tok;
+    if (t->done) return 1;
+    if (fs->gate_closed || t->polls-- > 0) return 0;
+    for (int32_t i = 0; i < t->n; i++) {
+        uint8_t *d = fs->dev + ((size_t)(2 * t->layer + t->kv) * fs->n_blocks + (size_t)t->ids[i]) * fs->bb;
+        if (t->out) memcpy(t->host + (size_t)i * fs->bb, d, fs->bb);
+        else memcpy(d, t->host + (size_t)i * fs->bb, fs->bb);
+    }
+    t->done = true;
+    fs->pending--;
+    return 1;
+}
+
+static void fstage_release(void *arg, void *h)
+{
+    fake_stage *fs = arg;
+    fstage_token *t = h;
+    if (t->kind == 3 && !t->done) fs->pending--; /* released unfinished: kvt gave up on it */
+    if (t->kind == 3) fs->live--;
+    free(h);
+}
+
+static int fstage_pin(void *arg, void *p, size_t bytes)
+{
+    (void)p, (void)bytes;
+    ((fake_stage *)arg)->pins++;
+    return 0;
+}
+
+static void fstage_unpin(void *arg, void *p)
+{
+    (void)p;
+    ((fake_stage *)arg)->pins--;
+}
+
+static kvt_pool *staged_pool(kvt_ctx *ctx, kvt_layout l, int32_t n_blocks, size_t ring_bytes)
+{
+    kvt_pool_params pp = kvt_pool_default_params();
+    pp.layout = l;
+    pp.n_blocks = n_blocks;
+    pp.staged = true;
+    pp.stage_ring_bytes = ring_bytes;
+    kvt_pool *pool;
+    char err[PD_ERR_LEN];
+    KT_OK(kvt_pool_create(ctx, &pp, &pool, err), err);
+    KT_CHECK(kvt_pool_region(pool, 0, 0) == NULL);
+    return pool;
+}
+
+static void staged_check(const fake_stage *dst, const int32_t *dsts, int32_t n, int seed,
+                         const int32_t *srcs, int32_t layers, const char *what)
+{
+    for (int32_t layer = 0; layer < layers; layer++)
+        for (int kv = 0; kv < 2; kv++)
+            for (int32_t i = 0; i < n; i++) {
+                long off = kvh_check(dst->dev + ((size_t)(2 * layer + kv) * dst->n_blocks +
+                                                 (size_t)dsts[i]) * dst->bb,
+                                     dst->bb, seed, layer, kv, srcs[i]);
+                if (off >= 0) KT_FAIL("%s: layer %d kv %d block %d byte %ld", what, layer, kv, i, off);
+            }
+}
+
+/* Staged pools on both sides (GPU to GPU through host memory): a request larger than both
+ * rings (wrap-around; the receiver's ring smaller, so block messages wait for a slot) lands
+ * byte for byte with slow copies on both sides; every slot comes back; a receiver's cancel
+ * while its scatters cannot finish: RECV_FAILED only once none runs, the sender ends, the
+ * rings are whole again; a sender's cancel mid-ring; puts refused; every handle released. */
+static void test_staged_ring(void)
+{
+    char err[PD_ERR_LEN];
+    ev_a.n = ev_b.n = 0;
+    kvt_layout l = kt_layout();
+    const int32_t nb = 400;
+    size_t bb = kvt_layout_block_bytes(&l);
+    int32_t slot_blocks = kvt_stage_slot_blocks(bb);
+    KT_EQ(slot_blocks, 64); /* 4 KiB blocks: 64 a slot (the cap) */
+    KT_EQ(kvt_stage_slot_blocks(4u << 20), 1);
+    KT_EQ(kvt_stage_slot_blocks(64u << 10), 16);
+    fake_stage fa = {.n_blocks = nb, .bb = bb, .delay = 3}, fb = {.n_blocks = nb, .bb = bb, .delay = 2};
+    fa.dev = calloc(2 * (size_t)l.n_layers * nb, bb);
+    fb.dev = malloc(2 * (size_t)l.n_layers * nb * bb);
+    for (int32_t layer = 0; layer < l.n_layers; layer++)
+        for (int kv = 0; kv < 2; kv++)
+            for (int32_t b = 0; b < nb; b++)
+                kvh_fill(fb.dev + ((size_t)(2 * layer + kv) * nb + (size_t)b) * bb, bb, 17, layer,
+                         kv, b);
+    kvt_device_ops oa = {.poll = fstage_poll, .release = fstage_release, .stage_out = fstage_out,
+                         .stage_in = fstage_in, .host_pin = fstage_pin, .host_unpin = fstage_unpin,
+                         .arg = &fa};
+    kvt_device_ops ob = oa;
+    ob.arg = &fb;
+    kvt_params pa = kt_params("recv", &ev_a), pb = kt_params("send", &ev_b);
+    pa.device = &oa;
+    pb.device = &ob;
+    kvt_ctx *a, *b;
+    KT_OK(kvt_ctx_create(&pa, &a, err), err);
+    KT_OK(kvt_ctx_create(&pb, &b, err), err);
+    /* A staged pool needs the copy engine. */
+    kvt_params pc = kt_params("plain", &ev_b);
+    kvt_ctx *c;
+    KT_OK(kvt_ctx_create(&pc, &c, err), err);
+    kvt_pool_params pp = kvt_pool_default_params();
+    pp.layout = l;
+    pp.n_blocks = nb;
+    pp.staged = true;
+    kvt_pool *bad;
+    KT_EQ(kvt_pool_create(c, &pp, &bad, err), PD_EINVAL);
+    kvt_ctx_destroy(c);
+    kvt_pool *dst = staged_pool(a, l, nb, 1);        /* the minimum: 4 slots */
+    kvt_pool *src = staged_pool(b, l, nb, 6 * bb * 64); /* 6 slots */
+    int32_t rs, rf;
+    kvt_pool_ring(dst, &rs, &rf);
+    KT_EQ(rs, 4);
+    KT_EQ(rf, 4);
+    kvt_pool_ring(src, &rs, &rf);
+    KT_EQ(rs, 6);
+    KT_EQ(fa.pins, 1);
+    void *desc;
+    size_t len;
+    KT_OK(kvt_pool_export(dst, &desc, &len, err), err);
+    kvt_target *t;
+    KT_OK(kvt_target_open(b, src, desc, len, &t, err), err);
+    pump2(a, b, 20);
+    kvt_target_info ti;
+    kvt_target_info_get(t, &ti);
+    KT_EQ(ti.path, KVT_PATH_AM); /* no put into (or out of) device memory */
+    static int32_t srcs[400], dsts[400];
+    kvh_permute(srcs, nb, 41);
+    kvh_permute(dsts, nb, 42);
+    /* 1. 150 blocks x 4 layers x K, V: 24 messages of up to 64 blocks through 6 and 4 slots. */
+    const int32_t n = 150;
+    kvt_recv_params rp = kvt_recv_default_params();
+    rp.req_id = 700;
+    rp.n_blocks = n;
+    rp.block_ids = dsts;
+    KT_OK(kvt_recv_expect(dst, &rp, err), err);
+    kvt_send_params sp = kvt_send_default_params();
+    sp.req_id = 700;
+    sp.n_blocks = n;
+    sp.src_ids = srcs;
+    sp.dst_ids = dsts;
+    sp.checksum_data = true; /* not with staged memory */
+    kvt_send *s;
+    KT_EQ(kvt_send_begin(t, &sp, &s, err), PD_EUNSUPPORTED);
+    sp.checksum_data = false;
+    KT_OK(kvt_send_begin(t, &sp, &s, err), err);
+    for (int32_t layer = 0; layer < l.n_layers; layer++) KT_EQ(kvt_send_layer_ready(s, layer), 0);
+    KT_EQ(kvt_send_finish(s, 7), 0);
+    pump_until(a, b, 1, 1);
+    KT_EQ(ev_a.ev[0].type, KVT_EV_RECV_DONE);
+    KT_EQ(ev_a.ev[0].path, KVT_PATH_AM);
+    KT_EQ(ev_a.ev[0].first_token, 7);
+    KT_EQ(ev_b.ev[0].type, KVT_EV_SEND_DONE);
+    KT_EQ(fb.stage_outs, 24);
+    KT_EQ(fa.stage_ins, 24);
+    KT_EQ(fa.pending, 0);
+    staged_check(&fa, dsts, n, 17, srcs, l.n_layers, "staged ring");
+    kvt_pool_ring(dst, &rs, &rf);
+    KT_EQ(rf, rs);
+    kvt_pool_ring(src, &rs, &rf);
+    KT_EQ(rf, rs);
+    KT_EQ(kvt_recv_release(dst, 700), 0);
+    kvt_send_destroy(s);
+    /* 2. The receiver cancels while its scatters cannot finish (and more messages wait for a
+     *    slot): RECV_FAILED only when no copy into its blocks runs any more. */
+    rp.req_id = 701;
+    KT_OK(kvt_recv_expect(dst, &rp, err), err);
+    sp.req_id = 701;
+    KT_OK(kvt_send_begin(t, &sp, &s, err), err);
+    fa.gate_closed = 1;
+    for (int32_t layer = 0; layer < l.n_layers; layer++) KT_EQ(kvt_send_layer_ready(s, layer), 0);
+    pump2(a, b, 100);
+    KT_CHECK(fa.pending > 0);
+    kvt_pool_ring(dst, &rs, &rf);
+    KT_EQ(rf, 0); /* every slot holds a landed message */
+    KT_EQ(kvt_recv_cancel(dst, 701), 0);
+    int na = ev_a.n, nbv = ev_b.n;
+    pump2(a, b, 100);
+    KT_EQ(ev_a.n, na); /* scatters still run: the blocks stay reserved */
+    fa.gate_closed = 0;
+    double end = kvh_ms() + 10000;
+    while (ev_a.n == na && kvh_ms() < end) {
+        kvt_progress(a);
+        kvt_progress(b);
+        if (ev_a.n > na) KT_EQ(fa.pending, 0);
+    }
+    KT_EQ(ev_a.ev[na].type, KVT_EV_RECV_FAILED);
+    KT_EQ(ev_a.ev[na].status, PD_ECANCELED);
+    pump_until(a, b, na + 1, nbv + 1);
+    KT_EQ(ev_b.ev[nbv].type, KVT_EV_SEND_FAILED);
+    kvt_send_destroy(s);
+    pump2(a, b, 50);
+    kvt_pool_ring(dst, &rs, &rf);
+    KT_EQ(rf, rs);
+    kvt_pool_ring(src, &rs, &rf);
+    KT_EQ(rf, rs);
+    KT_EQ(kvt_pool_n_free(dst), nb);
+    /* 3. The sender cancels mid-ring (its gathers held back): both sides end, rings whole. */
+    rp.req_id = 702;
+    KT_OK(kvt_recv_expect(dst, &rp, err), err);
+    sp.req_id = 702;
+    KT_OK(kvt_send_begin(t, &sp, &s, err), err);
+    fb.gate_closed = 1;
+    for (int32_t layer = 0; layer < l.n_layers; layer++) KT_EQ(kvt_send_layer_ready(s, layer), 0);
+    pump2(a, b, 50);
+    KT_CHECK(fb.pending > 0);
+    na = ev_a.n, nbv = ev_b.n;
+    kvt_send_cancel(s);
+    pump2(a, b, 50);
+    KT_EQ(ev_b.n, nbv); /* its gathers still run */
+    fb.gate_closed = 0;
+    pump_until(a, b, na + 1, nbv + 1);
+    KT_EQ(ev_b.ev[nbv].type, KVT_EV_SEND_FAILED);
+    KT_EQ(ev_b.ev[nbv].status, PD_ECANCELED);
+    KT_EQ(ev_a.ev[na].type, KVT_EV_RECV_FAILED);
+    kvt_send_destroy(s);
+    pump2(a, b, 50);
+    kvt_pool_ring(src, &rs, &rf);
+    KT_EQ(rf, rs);
+    KT_EQ(kvt_pool_n_free(dst), nb);
+    KT_EQ(fb.pending, 0);
+    kvt_target_close(t);
+    free(desc);
+    kvt_ctx_destroy(b);
+    kvt_ctx_destroy(a);
+    KT_EQ(fa.live, 0);
+    KT_EQ(fb.live, 0);
+    KT_EQ(fa.pins, 0);
+    KT_EQ(fb.pins, 0);
+    free(fa.dev);
+    free(fb.dev);
+}
+
 int main(void)
 {
     setenv("UCX_LOG_FILE", "stderr", 0);
@@ -611,6 +900,7 @@ int main(void)
     test_loopback(false);
     test_loopback(true);
     test_device_path();
+    test_staged_ring();
     fprintf(stderr, "test_kvt_unit: all passed\n");
     return 0;
 }
