@@ -254,7 +254,10 @@ static void staged_copies(pd_backend *b, bool bench)
                 for (int32_t r = 0; r < regions; r++)
                     for (int32_t i0 = 0; i0 < per; i0 += slot_blocks, k++) {
                         size_t si = k % n_slots;
-                        if (evs[si]) CHECK(wait_event(b, evs[si]) == 0), o->event_release(b->ctx, evs[si]);
+                        if (evs[si]) {
+                            CHECK(wait_event(b, evs[si]) == 0);
+                            o->event_release(b->ctx, evs[si]);
+                        }
                         int32_t n = per - i0 < slot_blocks ? per - i0 : slot_blocks;
                         void *reg = (char *)dev + (size_t)r * nb * bb, *hs = ring + si * slot;
                         void *d = dir ? reg : hs;
@@ -263,7 +266,11 @@ static void staged_copies(pd_backend *b, bool bench)
                                               dir ? iota : ids + i0, n, bb, &evs[si]) == 0);
                     }
                 for (size_t si = 0; si < n_slots; si++)
-                    if (evs[si]) CHECK(wait_event(b, evs[si]) == 0), o->event_release(b->ctx, evs[si]), evs[si] = NULL;
+                    if (evs[si]) {
+                        CHECK(wait_event(b, evs[si]) == 0);
+                        o->event_release(b->ctx, evs[si]);
+                        evs[si] = NULL;
+                    }
                 double t = now_s() - t0;
                 /* The floor: the same bytes as one contiguous copy (pinned host). */
                 const size_t bytes = (size_t)regions * per * bb;
