@@ -388,6 +388,13 @@ void kvt_ctx_stats(const kvt_ctx *ctx, kvt_stats *out)
         if (p->state == KVT_PEER_READY) n++;
     }
     out->peers = n;
+    for (const kvt__list *it = ctx->pools.next; it != &ctx->pools; it = it->next) {
+        const kvt_pool *pool = KVT_CONTAINER(it, kvt_pool, link);
+        if (!pool->staged) continue;
+        out->ring_slots += pool->ring_n;
+        out->ring_free += pool->ring_n_free;
+    }
+    out->ring_waiting = ctx->n_pending;
     memcpy(out->peers_by_transport, ctx->peers_by_transport, sizeof out->peers_by_transport);
 }
 

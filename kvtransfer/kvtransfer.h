@@ -213,6 +213,8 @@ typedef struct {
     uint64_t recvs_done, recvs_failed;   /* terminal receiver transfers */
     uint64_t bytes_sent, bytes_received; /* payload bytes of finished transfers */
     int32_t sends_active, recvs_active;  /* transfers in progress (receivers: reservations) */
+    int32_t ring_slots, ring_free;       /* staged pools' ring slots, and how many are free */
+    int32_t ring_waiting;                /* block messages waiting for a free ring slot */
     int32_t peers;                       /* live connections */
     int32_t ops_in_flight;               /* UCX requests not yet completed */
     int32_t peers_by_transport[5];       /* live connections per kvt_transport value */

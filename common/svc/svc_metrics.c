@@ -35,7 +35,7 @@ struct svc_metrics {
     /* sampled */
     pd_metric *draining_g, *running, *waiting, *kv_used, *kv_free, *kv_cap, *kv_usage, *queued;
     pd_metric *steps, *step_fail, *prompt_tok, *gen_tok, *preempt, *model_s, *hit, *query, *hit_ratio;
-    pd_metric *kv_bytes, *kv_ok, *kv_fail, *kv_active;
+    pd_metric *kv_bytes, *kv_ok, *kv_fail, *kv_active, *kv_ring, *kv_ring_used, *kv_ring_wait;
     pd_mfamily *kv_peers, *kv_info;
     pd_metric *calls, *calls_cancelled, *calls_live;
 };
@@ -92,6 +92,9 @@ static void collect(pd_metrics *m, void *arg)
         pd_metric_set(sm->kv_ok, (double)(send ? ks.sends_done : ks.recvs_done));
         pd_metric_set(sm->kv_fail, (double)(send ? ks.sends_failed : ks.recvs_failed));
         pd_metric_set(sm->kv_active, send ? ks.sends_active : ks.recvs_active);
+        pd_metric_set(sm->kv_ring, ks.ring_slots);
+        pd_metric_set(sm->kv_ring_used, ks.ring_slots - ks.ring_free);
+        pd_metric_set(sm->kv_ring_wait, ks.ring_waiting);
         for (int t = 0; t < 5; t++) {
             char l[64] = "";
             pd_metrics_label(l, sizeof l, "transport", kvt_transport_name((kvt_transport)t));
@@ -213,6 +216,14 @@ int svc_metrics_create(const svc_metrics_params *p, svc_metrics **out, char *err
                                                pd_metrics_step_buckets, pd_metrics_n_step_buckets);
         sm->kv_active = pd_metrics_gauge(m, "pdserve_kv_transfers_active", d,
                                          "KV transfers in progress (recv: reservations)");
+        sm->kv_ring = pd_metrics_gauge(m, "pdserve_kv_staging_slots", NULL,
+                                       "slots of the staged KV path's ring of pinned host memory "
+                                       "(--kv-staging-mb; 0 when the KV is host memory)");
+        sm->kv_ring_used = pd_metrics_gauge(m, "pdserve_kv_staging_slots_in_use", NULL,
+                                            "staging ring slots holding KV in flight");
+        sm->kv_ring_wait = pd_metrics_gauge(m, "pdserve_kv_staging_waiting", NULL,
+                                            "incoming KV messages waiting for a free staging slot "
+                                            "(persistently > 0: raise --kv-staging-mb)");
         sm->kv_peers = pd_metrics_family(m, PD_METRIC_GAUGE, "pdserve_kv_transfer_peers",
                                          "live kvtransfer connections by UCX transport kind", NULL, 0);
         sm->kv_info = pd_metrics_family(m, PD_METRIC_GAUGE, "pdserve_kv_transport_info",
