@@ -269,7 +269,8 @@ static void on_error(void *user, int code, const char *msg)
 
 typedef struct {
     dreq *r;
-    int32_t n;
+    int32_t n;        /* the prompt's blocks */
+    int32_t n_cached; /* of them, leading blocks shared from the prefix cache (not written) */
     int32_t ids[];
 } expect_job;
 
@@ -288,8 +289,8 @@ static void do_expect(kvt_ctx *ctx, void *arg)
     }
     kvt_recv_params p = kvt_recv_default_params();
     p.req_id = r->id;
-    p.n_blocks = j->n;
-    p.block_ids = j->ids;
+    p.n_blocks = j->n - j->n_cached; /* only the blocks after the cached prefix are written */
+    p.block_ids = j->ids + j->n_cached;
     p.user = r;
     p.start_timeout_ms = g.resv_timeout_ms > 0 ? (int32_t)g.resv_timeout_ms : -1;
     int rc = kvt_recv_expect(g.pool, &p, err);
@@ -317,6 +318,7 @@ static void do_expect(kvt_ctx *ctx, void *arg)
     t.block_ids = ids;
     t.decode_instance_id = g.inst.instance_id;
     t.reservation_id = r->id;
+    t.cached_blocks = (uint32_t)j->n_cached;
     t.layout = &layout;
     Pdserve__Internal__V1__DecodeReservation res = PDSERVE__INTERNAL__V1__DECODE_RESERVATION__INIT;
     res.kv_target = &t;
@@ -376,7 +378,7 @@ static void do_cancel(kvt_ctx *ctx, void *arg)
 
 /* ---- handlers ---- */
 
-static void on_reserved(void *user, const int32_t *ids, int32_t n)
+static void on_reserved(void *user, const int32_t *ids, int32_t n, int32_t n_cached)
 {
     dreq *r = user;
     expect_job *j = malloc(sizeof *j + (size_t)n * sizeof(int32_t));
@@ -386,6 +388,7 @@ static void on_reserved(void *user, const int32_t *ids, int32_t n)
     }
     j->r = r;
     j->n = n;
+    j->n_cached = n_cached;
     memcpy(j->ids, ids, (size_t)n * sizeof(int32_t));
     atomic_fetch_add(&r->refs, 1); /* kvtransfer's reference */
     if (svc_kvt_post(g.kvt, do_expect, j) < 0) {

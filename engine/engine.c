@@ -449,7 +449,7 @@ int eng_release(eng *e, uint64_t id)
 }
 
 int eng_reserve(eng *e, const eng_request *r, const int32_t **block_ids, int32_t *n_blocks,
-                char *err)
+                int32_t *n_cached_blocks, char *err)
 {
     if (e->p.mode == ENG_MODE_PREFILL)
         return pd_errf(err, PD_ESTATE, "a prefill-only engine does not take reservations");
@@ -457,8 +457,11 @@ int eng_reserve(eng *e, const eng_request *r, const int32_t **block_ids, int32_t
     if (rc < 0) return rc;
     pd_seq *s;
     if ((rc = seq_new(e, r, &s, err)) < 0) return rc;
-    s->skip_prefix_cache = true; /* its blocks will be overwritten from outside */
-    if (bm_allocate(e->blocks, s, r->n_prompt + 1) < 0) {
+    /* The cached full blocks of the prompt's prefix are shared (bm_allocate matches at most
+     * (n_prompt - 1) / block_size of them, so the last block always comes from outside); the
+     * others will be overwritten from outside. */
+    int cached = bm_allocate(e->blocks, s, r->n_prompt + 1);
+    if (cached < 0) {
         map_del(&e->map, s->id);
         seq_free(s);
         return pd_errf(err, PD_ENOSPC, "no free KV blocks for %d tokens now", r->n_prompt + 1);
@@ -467,6 +470,9 @@ int eng_reserve(eng *e, const eng_request *r, const int32_t **block_ids, int32_t
     note_peak_blocks(e);
     *block_ids = s->block_table;
     *n_blocks = (r->n_prompt + e->p.block_size - 1) / e->p.block_size;
+    *n_cached_blocks = cached / e->p.block_size;
+    e->st.reserved_prompt_tokens += r->n_prompt;
+    e->st.reserved_cached_tokens += cached;
     return 0;
 }
 

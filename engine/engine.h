@@ -97,6 +97,9 @@ typedef struct {
     int64_t decode_tokens;          /* tokens run as single-token decode steps */
     int64_t cached_tokens;          /* prompt tokens served by the prefix cache */
     int64_t admitted_prompt_tokens; /* prompt tokens of admitted sequences */
+    int64_t reserved_prompt_tokens; /* decode: prompt tokens of reservations */
+    int64_t reserved_cached_tokens; /* decode: of those, shared from the prefix cache (their KV
+                                       was not transferred) */
     int64_t preemptions;
     int64_t batch_seqs_sum;         /* sum over steps of sequences in the step */
     int32_t peak_blocks_used;
@@ -154,10 +157,13 @@ int eng_release(eng *e, uint64_t id);
 
 /* Decode (and colocated) modes, phase 1: checks r as eng_add_request does and reserves blocks for its prompt
  * (plus the first token). *block_ids (borrowed; valid until eng_admit / eng_abort) receives
- * the blocks into which the prompt's KV must be written. Returns 0, PD_ENOSPC (no room now;
- * try later or elsewhere) or a validation error. */
+ * the prompt's blocks in position order. With the prefix cache on, the leading full blocks
+ * of the prompt that are cached are shared (decode-side prefix reuse): *n_cached_blocks of
+ * them, always fewer than *n_blocks, hold their KV already and must not be written; the KV
+ * of the others must be written from outside. Returns 0, PD_ENOSPC (no room now; try later
+ * or elsewhere) or a validation error. */
 int eng_reserve(eng *e, const eng_request *r, const int32_t **block_ids, int32_t *n_blocks,
-                char *err);
+                int32_t *n_cached_blocks, char *err);
 /* Decode-only, phase 2: the prompt's KV is in the reserved blocks and first_token was sampled
  * by the prefill side; the sequence joins the running batch. Returns 0, PD_ENOTFOUND, or
  * PD_EINVAL (token out of range). If the first token already ends the request, it finishes at

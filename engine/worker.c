@@ -229,10 +229,10 @@ static void apply(ew *w, cmd *c)
             if (rc < 0) fail(w, c->id, c->user, rc, err);
         } else {
             const int32_t *blocks;
-            int32_t nb;
-            rc = eng_reserve(w->e, &c->req, &blocks, &nb, err);
+            int32_t nb, nc;
+            rc = eng_reserve(w->e, &c->req, &blocks, &nb, &nc, err);
             if (rc < 0) fail(w, c->id, c->user, rc, err);
-            else if (w->cb.on_reserved) w->cb.on_reserved(c->user, blocks, nb);
+            else if (w->cb.on_reserved) w->cb.on_reserved(c->user, blocks, nb, nc);
         }
         break;
     case CMD_ADMIT:

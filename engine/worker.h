@@ -19,9 +19,11 @@ typedef struct {
     /* A request was refused (validation, no room) or failed; code is a PD_E* error and msg a
      * human-readable reason. Terminal. Runs on the engine thread. */
     void (*on_error)(void *user, int code, const char *msg);
-    /* Decode-only: blocks were reserved for a request (ew_reserve). block_ids is borrowed for
-     * the call. Not terminal. Runs on the engine thread. */
-    void (*on_reserved)(void *user, const int32_t *block_ids, int32_t n_blocks);
+    /* Decode-only: blocks were reserved for a request (ew_reserve): the prompt's blocks in
+     * position order, the first n_cached of them shared from the prefix cache (their KV is
+     * there: nothing may write them). block_ids is borrowed for the call. Not terminal. Runs
+     * on the engine thread. */
+    void (*on_reserved)(void *user, const int32_t *block_ids, int32_t n_blocks, int32_t n_cached);
     /* Optional (metrics): after every step that ran a forward, with its wall time in seconds
      * (eng_step as a whole) and the number of sequences in its batch. Runs on the engine
      * thread; step_arg is passed through. */

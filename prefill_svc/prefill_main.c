@@ -34,6 +34,8 @@ typedef struct preq {
     size_t desc_len;
     int32_t *dst_ids;              /* decode block ids (copy) */
     int32_t n_dst;
+    int32_t n_skip;                /* leading blocks the decode side holds (its prefix cache):
+                                      not sent */
     pthread_mutex_t mu;
     bool answered;
     bool prefilled;                /* the engine holds the blocks until ew_release */
@@ -175,9 +177,9 @@ static void do_push(kvt_ctx *ctx, void *arg)
     if (rc == 0) {
         kvt_send_params sp = kvt_send_default_params();
         sp.req_id = r->reservation_id;
-        sp.n_blocks = j->n;
-        sp.src_ids = j->src;
-        sp.dst_ids = r->dst_ids;
+        sp.n_blocks = j->n - r->n_skip; /* the decode side has the cached prefix */
+        sp.src_ids = j->src + r->n_skip;
+        sp.dst_ids = r->dst_ids + r->n_skip;
         sp.user = r;
         rc = kvt_send_begin(t, &sp, &r->send, err);
         kvt_target_close(t);
@@ -219,9 +221,9 @@ static void do_begin(kvt_ctx *ctx, void *arg)
     if (r->begin_rc == 0) {
         kvt_send_params sp = kvt_send_default_params();
         sp.req_id = r->reservation_id;
-        sp.n_blocks = j->n;
-        sp.src_ids = j->src;
-        sp.dst_ids = r->dst_ids;
+        sp.n_blocks = j->n - r->n_skip; /* the decode side has the cached prefix */
+        sp.src_ids = j->src + r->n_skip;
+        sp.dst_ids = r->dst_ids + r->n_skip;
         sp.user = r;
         r->begin_rc = kvt_send_begin(t, &sp, &r->send, r->begin_err);
         if (r->begin_rc == 0) atomic_fetch_add(&r->refs, 1); /* the transfer's own reference */
@@ -503,6 +505,12 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
         rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "kv_target (descriptor and block ids) is required");
         return;
     }
+    if (q->kv_target->cached_blocks >= q->kv_target->n_block_ids) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "kv_target.cached_blocks (%u) must "
+                          "be less than its %zu block ids", q->kv_target->cached_blocks,
+                          q->kv_target->n_block_ids);
+        return;
+    }
     if (!layout_matches(q->kv_target->layout, err, sizeof err)) {
         rpc_stream_finish(call, RPC_STATUS_FAILED_PRECONDITION, "%s", err);
         return;
@@ -537,6 +545,7 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
     for (size_t i = 0; i < q->kv_target->n_block_ids; i++)
         r->dst_ids[i] = q->kv_target->block_ids[i] > (uint32_t)INT32_MAX ? -1 : (int32_t)q->kv_target->block_ids[i];
     r->n_dst = (int32_t)q->kv_target->n_block_ids;
+    r->n_skip = (int32_t)q->kv_target->cached_blocks;
     r->reservation_id = q->kv_target->reservation_id;
     atomic_init(&r->refs, 2); /* the engine's reference + this handler's */
     pthread_mutex_init(&r->mu, NULL);

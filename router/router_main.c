@@ -60,6 +60,9 @@ typedef struct {
     int64_t local_max_tokens;        /* auto: prompts this short prefill on the decode side */
     int64_t prefill_busy_tokens;     /* auto: prefill backlog from which the decode side
                                         prefills when its own backlog is far smaller */
+    int64_t prefill_queue_tokens;    /* reserve late: prompt tokens admitted per prefill
+                                        instance (0 = no gate) */
+    pd_metric *m_gate_waiting, *m_gate_admitted, *m_gate_wait;
     pd_mfamily *m_where;             /* prefill decisions by where and why */
     svc_metrics *metrics;
     pd_metric *m_ttft, *m_tpot, *m_e2e, *m_prompt, *m_completion, *m_slo, *m_in_flight;
@@ -105,6 +108,13 @@ typedef struct rreq {
     uint32_t completion;             /* tokens emitted */
     tok_stream *detok;
     stopstr *stops;
+    bool where_counted;              /* the prefill decision went into the metric */
+    bool gate_passed;                /* admitted by the prefill gate (mu) */
+    /* The prefill gate's (under g_gate.mu): */
+    struct rreq *gate_next, *gate_prev;
+    bool gate_queued;                /* in the waiting list (holding a reference) */
+    int64_t gate_tokens;             /* prompt tokens counted as admitted */
+    double t_gate;                   /* when it began to wait */
 } rreq;
 
 static double now_s(void)
@@ -115,6 +125,133 @@ static double now_s(void)
 }
 
 /* Records a finished public call (mu held; exactly once per request). */
+/* ---- reserve late: the prefill gate ----
+ * A request whose prompt goes to a prefill instance reserves its decode blocks only once the
+ * prefill pool has room for it: at most --prefill-queue-tokens prompt tokens per prefill
+ * instance are admitted (reserved on decode and sent to prefill) and not yet prefilled; the
+ * others wait here, in arrival order, holding nothing on any instance. So a prefill backlog
+ * cannot strand decode memory, and a request cancelled or past its deadline while it waits
+ * costs nothing. A dispatcher thread admits waiting requests as prefills complete.
+ *
+ * Lock order: a request's mutex, then g_gate.mu (start_decode and on_cancel take the gate's
+ * mutex with the request's held); the dispatcher never holds g_gate.mu while it takes a
+ * request's mutex. Admitted tokens are released when the Prefill call ends (or the request
+ * is freed first). */
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    rreq *head, *tail;
+    int64_t n_waiting, admitted;
+    bool stop, started;
+    pthread_t th;
+} g_gate = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static int64_t gate_budget(void)
+{
+    int np = 0, nd = 0, nh = 0;
+    rtr_registry_counts(g.reg, &np, &nd, &nh);
+    return g.prefill_queue_tokens * (np > 0 ? np : 1);
+}
+
+/* r->mu held. Admits r (true) or queues it (false; the queue takes a reference). */
+static bool gate_admit(rreq *r)
+{
+    pthread_mutex_lock(&g_gate.mu);
+    bool ok = !g_gate.head && g_gate.admitted < gate_budget();
+    if (ok) {
+        g_gate.admitted += r->n_prompt;
+        r->gate_tokens = r->n_prompt;
+    } else {
+        atomic_fetch_add(&r->refs, 1);
+        r->gate_queued = true;
+        r->t_gate = now_s();
+        r->gate_next = NULL;
+        r->gate_prev = g_gate.tail;
+        if (g_gate.tail) g_gate.tail->gate_next = r;
+        else g_gate.head = r;
+        g_gate.tail = r;
+        g_gate.n_waiting++;
+    }
+    pthread_mutex_unlock(&g_gate.mu);
+    return ok;
+}
+
+static void gate_unlink_locked(rreq *r)
+{
+    if (r->gate_prev) r->gate_prev->gate_next = r->gate_next;
+    else g_gate.head = r->gate_next;
+    if (r->gate_next) r->gate_next->gate_prev = r->gate_prev;
+    else g_gate.tail = r->gate_prev;
+    r->gate_next = r->gate_prev = NULL;
+    r->gate_queued = false;
+    g_gate.n_waiting--;
+}
+
+/* Removes r from the waiting list (r->mu held). Returns true when it was there: the caller
+ * then drops the list's reference, after unlocking. */
+static bool gate_withdraw(rreq *r)
+{
+    pthread_mutex_lock(&g_gate.mu);
+    bool was = r->gate_queued;
+    if (was) gate_unlink_locked(r);
+    pthread_mutex_unlock(&g_gate.mu);
+    return was;
+}
+
+/* Releases r's admitted tokens (idempotent; any lock state). */
+static void gate_release(rreq *r)
+{
+    pthread_mutex_lock(&g_gate.mu);
+    if (r->gate_tokens) {
+        g_gate.admitted -= r->gate_tokens;
+        r->gate_tokens = 0;
+        pthread_cond_signal(&g_gate.cv);
+    }
+    pthread_mutex_unlock(&g_gate.mu);
+}
+
+static bool start_decode(rreq *r, const rtr_instance *exclude);
+static void rreq_unref(rreq *r);
+static void rreq_unlock(rreq *r);
+static void finish_locked(rreq *r, rpc_status_code code, const char *detail);
+
+static void *gate_loop(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&g_gate.mu);
+    while (!g_gate.stop) {
+        if (g_gate.head && g_gate.admitted < gate_budget()) {
+            rreq *r = g_gate.head;
+            gate_unlink_locked(r);
+            g_gate.admitted += r->n_prompt;
+            r->gate_tokens = r->n_prompt;
+            double waited = now_s() - r->t_gate;
+            pthread_mutex_unlock(&g_gate.mu);
+            pd_metric_observe(g.m_gate_wait, waited);
+            pthread_mutex_lock(&r->mu);
+            if (!r->finished) {
+                r->gate_passed = true;
+                if (!start_decode(r, NULL))
+                    finish_locked(r, RPC_STATUS_UNAVAILABLE, "no decode instance is available");
+            }
+            bool done = r->finished && !r->pcall;
+            rreq_unlock(r);
+            if (done) gate_release(r); /* ended while it waited: nothing was admitted */
+            rreq_unref(r);             /* the list's reference */
+            pthread_mutex_lock(&g_gate.mu);
+            continue;
+        }
+        /* Woken by a release; the timeout covers instances coming back (the budget grows). */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 20 * 1000000;
+        if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
+        pthread_cond_timedwait(&g_gate.cv, &g_gate.mu, &ts);
+    }
+    pthread_mutex_unlock(&g_gate.mu);
+    return NULL;
+}
+
 static void account_locked(rreq *r, int code)
 {
     svc_metrics_request(g.metrics, code);
@@ -156,6 +293,7 @@ static void reject(rpc_call *call, rpc_status_code code, const char *fmt, ...)
 static void rreq_unref(rreq *r)
 {
     if (atomic_fetch_sub(&r->refs, 1) != 1) return;
+    gate_release(r);
     rtr_instance_unref(r->dec);
     rtr_instance_unref(r->pre);
     rpc_client_call_release(r->dcall);
@@ -360,6 +498,7 @@ static void pre_on_done(rpc_client_call *c, const rpc_status *st, void *user)
 {
     (void)c;
     rreq *r = user;
+    bool retried = false;
     pthread_mutex_lock(&r->mu);
     if (st->code == RPC_STATUS_UNAVAILABLE && !r->finished && !r->first_sent && r->kv &&
         r->prefill_tries < 3) {
@@ -372,6 +511,7 @@ static void pre_on_done(rpc_client_call *c, const rpc_status *st, void *user)
         rpc_client_call_release(r->pcall);
         r->pcall = NULL;
         start_prefill(r, r->kv, r->pre);
+        retried = true;
     } else if (st->code != RPC_STATUS_OK && !r->finished) {
         if (st->code == RPC_STATUS_UNAVAILABLE || st->code == RPC_STATUS_DEADLINE_EXCEEDED)
             rtr_instance_failed(r->pre);
@@ -385,6 +525,7 @@ static void pre_on_done(rpc_client_call *c, const rpc_status *st, void *user)
                       pub);
     }
     rreq_unlock(r);
+    if (!retried) gate_release(r); /* the prompt is no longer the prefill pool's */
     rreq_unref(r);
 }
 
@@ -558,12 +699,21 @@ static bool start_decode(rreq *r, const rtr_instance *exclude)
 {
     rtr_instance *d = rtr_pick_decode(g.reg, exclude);
     if (!d) return false;
+    const char *why;
+    r->local_prefill = prefill_local(r, d, &why);
+    if (!r->local_prefill && g.prefill_queue_tokens > 0 && !r->gate_passed) {
+        if (!gate_admit(r)) { /* waits for the prefill pool, holding nothing */
+            rtr_instance_unref(d);
+            return true;
+        }
+        r->gate_passed = true;
+    }
+    if (r->local_prefill) gate_release(r); /* (admitted earlier, now computed on d) */
     rtr_instance_unref(r->dec);
     r->dec = d;
     r->decode_tries++;
-    const char *why;
-    r->local_prefill = prefill_local(r, d, &why);
-    if (r->decode_tries == 1) {
+    if (!r->where_counted) {
+        r->where_counted = true;
         char l[96] = "";
         pd_metrics_label(l, sizeof l, "where", r->local_prefill ? "local" : "remote");
         pd_metrics_label(l, sizeof l, "why", why);
@@ -593,6 +743,7 @@ static void on_cancel(rpc_call *call, void *user)
     (void)call;
     rreq *r = user;
     pthread_mutex_lock(&r->mu);
+    bool waited = false;
     if (!r->finished) {
         r->finished = true;
         account_locked(r, rpc_call_remaining_ms(call) <= 0 ? RPC_STATUS_DEADLINE_EXCEEDED
@@ -600,8 +751,10 @@ static void on_cancel(rpc_call *call, void *user)
         rpc_call_unref(r->call);
         if (r->dcall) rpc_client_call_cancel(r->dcall);
         if (r->pcall) rpc_client_call_cancel(r->pcall);
+        waited = gate_withdraw(r); /* cancelled while waiting for the prefill pool */
     }
     rreq_unlock(r);
+    if (waited) rreq_unref(r); /* the waiting list's reference */
 }
 
 static uint64_t prefix_key(const int32_t *ids, int32_t n)
@@ -801,6 +954,10 @@ static void collect(pd_metrics *m, void *arg)
     (void)m;
     (void)arg;
     pd_metric_set(g.m_in_flight, (double)atomic_load(&g.pending));
+    pthread_mutex_lock(&g_gate.mu);
+    pd_metric_set(g.m_gate_waiting, (double)g_gate.n_waiting);
+    pd_metric_set(g.m_gate_admitted, (double)g_gate.admitted);
+    pthread_mutex_unlock(&g_gate.mu);
     if (!g.reg) return;
     pd_metric_set(g.m_dns_fail, (double)rtr_registry_resolve_failures(g.reg));
     rtr_instance_info *v = calloc(256, sizeof *v);
@@ -854,6 +1011,15 @@ static int metrics_setup(const char *listen, int64_t port, char *err)
     g.m_where = pd_metrics_family(m, PD_METRIC_COUNTER, "pdserve_router_prefill_decisions_total",
                                   "where prompts were computed: local (on the decode instance) or "
                                   "remote (a prefill instance), and why", NULL, 0);
+    g.m_gate_waiting = pd_metrics_gauge(m, "pdserve_router_prefill_waiting_requests", NULL,
+                                        "requests waiting for room in the prefill pool before "
+                                        "they reserve decode blocks (--prefill-queue-tokens)");
+    g.m_gate_admitted = pd_metrics_gauge(m, "pdserve_router_prefill_admitted_tokens", NULL,
+                                         "prompt tokens admitted to the prefill pool and not "
+                                         "yet prefilled");
+    g.m_gate_wait = pd_metrics_histogram(m, "pdserve_router_prefill_wait_seconds", NULL,
+                                         "time a request waited for room in the prefill pool",
+                                         pd_metrics_latency_buckets, pd_metrics_n_latency_buckets);
     g.m_dns_fail = pd_metrics_counter(m, "pdserve_router_resolve_failures_total", NULL,
                                       "failed DNS lookups of --prefill / --decode names (the "
                                       "last good addresses stay in use)");
@@ -890,7 +1056,7 @@ int main(int argc, char **argv)
      * prompt computed on the decode instance answers 0.9 ms sooner and no TPOT moved; with
      * 4096 busy tokens workload A's goodput went from 22.5 to 39 req/s and B's from 18 to 12
      * (both above colocated: 27 and 8). */
-    int64_t local_max_tokens = 64, prefill_busy_tokens = 4096;
+    int64_t local_max_tokens = 64, prefill_busy_tokens = 4096, prefill_queue_tokens = 16384;
     pd_flag flags[] = {
         {"model", PD_FLAG_STRING, &model, "model directory (tokenizer.json, config.json)", 1, 0},
         {"model-name", PD_FLAG_STRING, &model_name, "name served in GetModelInfo (default: directory name)", 1, 0},
@@ -911,6 +1077,7 @@ int main(int argc, char **argv)
         {"prefill-policy", PD_FLAG_STRING, &prefill_policy, "where prompts are computed with prefill instances present: auto (by --local-prefill-max-tokens and --prefill-busy-tokens), remote (always a prefill instance), local (always the decode instance)", 1, 0},
         {"local-prefill-max-tokens", PD_FLAG_INT, &local_max_tokens, "auto: prompts of at most this many tokens are computed on the decode instance (0 = none)", 0, 1 << 24},
         {"prefill-busy-tokens", PD_FLAG_INT, &prefill_busy_tokens, "auto: when every prefill instance has this many prompt tokens queued and the decode instance at most a quarter of that (this prompt included), the prompt is computed on the decode instance (0 = never)", 0, 1ll << 40},
+        {"prefill-queue-tokens", PD_FLAG_INT, &prefill_queue_tokens, "reserve late: prompt tokens per prefill instance that may be admitted (decode blocks reserved, sent to prefill) and not yet prefilled; later requests wait in the router holding nothing (0 = admit at once)", 0, 1ll << 40},
         {"metrics-port", PD_FLAG_INT, &metrics_port, "Prometheus /metrics HTTP port on the --listen host (-1 = off, 0 = any free port)", -1, 65535},
         {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
     };
@@ -953,6 +1120,7 @@ int main(int argc, char **argv)
     }
     g.local_max_tokens = local_max_tokens;
     g.prefill_busy_tokens = prefill_busy_tokens;
+    g.prefill_queue_tokens = prefill_queue_tokens;
     g.slo_tpot_s = slo_tpot_ms / 1000.0;
     atomic_init(&g.pending, 0);
     atomic_init(&g.next_id, 1);
@@ -1015,6 +1183,13 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
     }
+    if (g.prefill_queue_tokens > 0) {
+        if (pthread_create(&g_gate.th, NULL, gate_loop, NULL) != 0) {
+            fprintf(stderr, "pdserve-router: cannot start the prefill gate's thread\n");
+            goto out;
+        }
+        g_gate.started = true;
+    }
     int np, nd, nh;
     rtr_registry_counts(g.reg, &np, &nd, &nh);
     PD_LOGI("pdserve-router serving %s on port %d: %d prefill, %d decode instances (%d up)%s",
@@ -1035,6 +1210,13 @@ int main(int argc, char **argv)
     status = 0;
 out:
     svc_metrics_stop(g.metrics); /* before its sources go */
+    if (g_gate.started) { /* after the drain: every waiting call was admitted or cancelled */
+        pthread_mutex_lock(&g_gate.mu);
+        g_gate.stop = true;
+        pthread_cond_signal(&g_gate.cv);
+        pthread_mutex_unlock(&g_gate.mu);
+        pthread_join(g_gate.th, NULL);
+    }
     rpc_server_destroy(g.server);
     rtr_registry_destroy(g.reg); /* after the server: requests reference instances */
     svc_metrics_destroy(g.metrics); /* after the last request was accounted */

@@ -223,9 +223,12 @@ static void test_modes(void)
     memset(f.kv, 0, 64 * 4 * sizeof(int64_t));
     CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
     const int32_t *blocks;
-    int32_t nb;
-    CHECK(eng_reserve(e, &rq, &blocks, &nb, err) == 0);
+    int32_t nb, nc;
+    CHECK(eng_reserve(e, &rq, &blocks, &nb, &nc, err) == 0);
     CHECK_EQ_INT(nb, 3);
+    CHECK_EQ_INT(nc, 0); /* nothing cached yet */
+    int32_t first_blocks[3];
+    memcpy(first_blocks, blocks, sizeof first_blocks);
     for (int32_t i = 0; i < 10; i++) f.kv[blocks[i / 4] * 4 + i % 4] = ((int64_t)i << 16 | prompt[i]) + 1;
     CHECK_EQ_INT(eng_admit(e, 99, prefill_tok, err), PD_ENOTFOUND);
     CHECK_EQ_INT(eng_admit(e, 7, V + 5, err), PD_EINVAL);
@@ -243,16 +246,40 @@ static void test_modes(void)
     CHECK_EQ_INT(n, n_ref);
     CHECK(memcmp(got, ref, (size_t)n_ref * 4) == 0);
     CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
+    /* Decode-side prefix reuse: the same prompt again shares its 2 cached full blocks (not the
+     * last, partial one); only block 2 is written from outside, and the tokens are the same. */
+    rq.id = 8;
+    CHECK(eng_reserve(e, &rq, &blocks, &nb, &nc, err) == 0);
+    CHECK_EQ_INT(nb, 3);
+    CHECK_EQ_INT(nc, 2);
+    CHECK_EQ_INT(blocks[0], first_blocks[0]);
+    CHECK_EQ_INT(blocks[1], first_blocks[1]);
+    CHECK_EQ_INT(eng_stats_get(e)->reserved_cached_tokens, 8);
+    for (int32_t i = 8; i < 10; i++) f.kv[blocks[i / 4] * 4 + i % 4] = ((int64_t)i << 16 | prompt[i]) + 1;
+    CHECK(eng_admit(e, 8, prefill_tok, err) == 0);
+    n = 1;
+    while (eng_has_work(e)) {
+        CHECK(eng_step(e, &o, &k, err) == 0);
+        for (int32_t j = 0; j < k; j++) if (o[j].token >= 0) got[n++] = o[j].token;
+        CHECK(eng_check(e) == 0);
+    }
+    CHECK_EQ_INT(n, n_ref);
+    CHECK(memcmp(got, ref, (size_t)n_ref * 4) == 0);
+    rq.id = 7;
     /* Reserve then abort frees at once; a pool that is too full says ENOSPC. */
-    CHECK(eng_reserve(e, &rq, &blocks, &nb, err) == 0);
+    CHECK(eng_reserve(e, &rq, &blocks, &nb, &nc, err) == 0);
     CHECK(bm_n_used(eng_block_manager(e)) > 0);
     CHECK_EQ_INT(eng_abort(e, 7), 0);
     CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
     int ok = 0, rc = 0;
+    int32_t other[10];
+    memcpy(other, prompt, sizeof other);
+    rq.prompt = other; /* a prompt of its own each: nothing shared */
     for (uint64_t id = 100; id < 200 && rc == 0; id++) {
         rq.id = id;
+        other[0] = (int32_t)id % V;
         const int32_t *bl;
-        rc = eng_reserve(e, &rq, &bl, &nb, err);
+        rc = eng_reserve(e, &rq, &bl, &nb, &nc, err);
         if (rc == 0) ok++;
     }
     CHECK_EQ_INT(rc, PD_ENOSPC);

@@ -50,9 +50,10 @@ static void on_error(void *user, int code, const char *msg)
     atomic_store(&it->errored, 1);
 }
 
-static void on_reserved(void *user, const int32_t *ids, int32_t n)
+static void on_reserved(void *user, const int32_t *ids, int32_t n, int32_t n_cached)
 {
     item *it = user;
+    (void)n_cached;
     for (int32_t i = 0; i < n && i < 16; i++) it->reserved_blocks[i] = ids[i];
     atomic_store(&it->n_reserved, n);
 }

@@ -23,13 +23,55 @@
 #             PDSERVE_PREFILL_BUSY_TOKENS=$BUSY_TOKENS (4096), and 64-token prompts computed
 #             remotely vs on the decode instance (TTFT, TPOT at 2 req/s)
 #   plan      pdserve-plan over every GPU of the host (PLAN_WORKLOAD B or A)
-# Modes (arguments): any of the step names; none = all. Exit 0 when every step passed.
+#   kill      faults mid-transfer (tools/gpu_faults.py kill): stories260k on --gpus 0,1, device
+#             path, every prompt through prefill (--prefill-policy remote); 16 closed-loop
+#             clients (pdserve-bench), then kill -9 of the prefill process while a transfer is in
+#             flight on it (its pdserve_kv_transfers_active{direction="send"} polled): the decode
+#             instance must survive, stay SERVING and come back to rest (KV blocks in use back to
+#             the pre-load value, no transfer, reservation, sequence or request left) within 10 s;
+#             requests that ended before the kill all OK, none hangs (none DEADLINE_EXCEEDED, each
+#             in flight at the kill ended within 10 s), those started after it OK or UNAVAILABLE
+#             within 5 s; then the same with kill -9 of the decode process mid-receive (recv
+#             transfers in flight), the prefill instance surviving. Lines "== kill-prefill:" and
+#             "== kill-decode:"; logs in $OUT/kill/ and $OUT/up-kill-*/
+#   storm     a cancel storm during transfers (tools/gpu_faults.py storm), same stack: for
+#             STORM_S (20) s, pdserve-bench runs with deadlines of 2 ms to 1 s, pdserve-bench runs
+#             interrupted (SIGINT cancels every call) or killed at random times, pdserve-cli calls
+#             with random deadlines or killed at random times; then every client ended in time,
+#             every process is alive and SERVING, a request through the router succeeds, and
+#             every process is at rest (KV blocks in use on both sides back to 0, nothing in
+#             flight) within 10 s; logs in $OUT/storm/
+#   itl       decode ITL with and without transfers landing (tools/gpu_faults.py itl): Llama-3-8B
+#             shape (dummy, --kv-cache-mb 16384) on --gpus 0,1, device path, every prompt through
+#             prefill; A: 32 streams of 128 tokens in, 512 out, started at once, alone; B: the
+#             same with 4 req/s of 2048-token prompts (1 token out) whose KV lands on the same
+#             decode instance; ITL_ROUNDS (3) rounds A, B alternately; PASS when the median ITL
+#             p99 of B is within 10% of A's; logs in $OUT/itl/
+# Modes (arguments): any of the step names; none = all up to stack and ttft (kill, storm, itl,
+# goodput*, policy and plan only when named). Exit 0 when every step passed.
+# PD_KV_CPU=DIR: no GPU: the binaries of build folder DIR (e.g. build-dev), stories260k on the
+# CPU for kill, storm and itl (itl shrunk: ITL_* knobs), KV through the host; a check of the
+# scripts' logic on a development machine, e.g. PD_KV_CPU=build-dev tools/gpu_kv.sh kill storm.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-. tools/gpu_env.sh
+cd "$(dirname "$0")/.." || exit 2
+if [ -n "${PD_KV_CPU:-}" ]; then
+    G=$(cd "$PD_KV_CPU" && pwd)
+    OUT=${OUT:-/tmp/pd-kv-cpu}
+    mkdir -p "$OUT"
+    export PDSERVE_SHARED=${PDSERVE_SHARED:-$(cd .. && pwd)/shared}
+    export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
+else
+    . tools/gpu_env.sh
+fi
 rc=0
 has() { [ -z "$MODES" ] && return 0; case " $MODES " in *" $1 "*) return 0 ;; esac; return 1; }
 MODES="$*"
+if [ -n "${PD_KV_CPU:-}" ]; then
+    [ -n "$MODES" ] || MODES="kill storm itl"
+    for m in $MODES; do
+        case $m in kill|storm|itl) ;; *) echo "PD_KV_CPU: only kill, storm and itl run on the CPU"; exit 2 ;; esac
+    done
+fi
 export UCX_WARN_UNUSED_ENV_VARS=n
 
 if has topo; then
@@ -50,32 +92,89 @@ if has ipcbench; then
     [ $r -eq 0 ] || rc=1
 fi
 
+# Stacks: up starts pdserve-up in a session (process group) of its own, so that down, and the
+# EXIT trap whatever happened (a failed step, Ctrl-C), can end all of it: pdserve-up first (it
+# stops its processes, router first), then, after DOWN_S (90) s, whatever is left of its group
+# by SIGKILL.
+UPS=() # pdserve-up pids not stopped yet
+running() { # running PID: alive and not a zombie
+    local s
+    s=$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null) || return 1
+    [ -n "$s" ] && [ "$s" != Z ] && [ "$s" != X ]
+}
+pgid() { cut -d' ' -f5 "/proc/$1/stat" 2>/dev/null; } # pgid PID: its process group
+stop_up() { # stop_up PID [S]: stops that pdserve-up and its process group; 1 when it took SIGKILL
+    local u=$1 lim=${2:-${DOWN_S:-90}} pg i r=0
+    pg=$(pgid "$u")
+    kill -TERM "$u" 2>/dev/null
+    kill -CONT "$u" 2>/dev/null # stopped by the kill mode
+    for ((i = 0; i < lim * 10; i++)); do running "$u" || break; sleep 0.1; done
+    if running "$u"; then
+        echo "== pdserve-up (pid $u) did not stop its processes in $lim s (one hangs in its" \
+             "drain? see its logs); SIGKILL to its group"
+        r=1
+    fi
+    # Only a group of its own (never this script's).
+    if [ -n "$pg" ] && [ "$pg" = "$u" ] && [ "$pg" != "$(pgid $$)" ]; then
+        kill -KILL -- "-$pg" 2>/dev/null
+    fi
+    wait "$u" 2>/dev/null
+    local keep=() p
+    for p in "${UPS[@]}"; do [ "$p" = "$u" ] || keep+=("$p"); done
+    UPS=("${keep[@]}")
+    return $r
+}
+# shellcheck disable=SC2317 # (run by the trap)
+cleanup() {
+    local p
+    if [ -n "${FPID:-}" ] && running "$FPID"; then
+        kill -TERM "$FPID" 2>/dev/null
+        wait "$FPID" 2>/dev/null
+    fi
+    for p in "${UPS[@]}"; do stop_up "$p"; done
+}
+trap cleanup EXIT
+trap 'echo "== gpu_kv: interrupted"; exit 130' INT TERM
+SETSID=$(command -v setsid || true)
+
 # up NAME ARGS...: starts pdserve-up with ARGS in the background; sets ADDR and UP (its pid).
 up() {
     local name=$1
     shift
     local logs="$OUT/up-$name"
+    rm -rf "$logs"
     mkdir -p "$logs"
-    PDSERVE_LOG_DIR="$logs" "$G/bin/pdserve-up" --port 0 "$@" >"$logs/up.out" 2>"$logs/up.err" &
+    # Without job control a background job is no group leader, so setsid makes the session
+    # without forking: $! is pdserve-up's pid and its group's id.
+    PDSERVE_LOG_DIR="$logs" $SETSID "$G/bin/pdserve-up" --port 0 "$@" >"$logs/up.out" 2>"$logs/up.err" &
     UP=$!
+    UPS+=("$UP")
     ADDR=""
     for _ in $(seq 1800); do
         grep -q '^ROUTER ' "$logs/up.out" 2>/dev/null && break
-        kill -0 "$UP" 2>/dev/null || break
+        running "$UP" || break
         sleep 0.1
     done
     ADDR=$(awk '/^ROUTER /{print $2; exit}' "$logs/up.out")
     if [ -z "$ADDR" ]; then
         echo "== $name: the stack did not start"
         tail -n 20 "$logs"/*.log "$logs/up.err" 2>/dev/null
+        stop_up "$UP"
         rc=1
         return 1
     fi
     grep -hE 'device path|KV staging|on GPU|target pool' "$logs"/*.log "$logs/up.err" 2>/dev/null | head -8
+    return 0
 }
-down() {
-    kill -TERM "$UP" 2>/dev/null
-    wait "$UP" 2>/dev/null
+down() { # down [S]: stops the stack of the last up (SIGKILL after S s)
+    stop_up "$UP" "$@"
+}
+fault_down() { # fault_down NAME: down, bounded (a drain that hangs after a fault fails NAME)
+    # An instance drains for its grace period (30 s) at most, the router too.
+    if ! down "${FAULT_DOWN_S:-75}"; then
+        echo "== $1: FAIL (the stack did not shut down within ${FAULT_DOWN_S:-75} s of SIGTERM)"
+        rc=1
+    fi
 }
 paths() { # paths LOGDIR: the instances' KV transfer counts by path
     for f in "$1"/*.out; do
@@ -194,6 +293,76 @@ if has plan && [ -n "$MODES" ]; then
         --instance-args "--load-format dummy --backend cuda --kv-cache-mb 16384 --metrics-port 0" \
         --bench-args "$WL --output-len 64:256 --num-requests 120 --warmup-requests 10 --seed 1 --slo-attainment 0.9 --goodput-tolerance 0.1 --max-probes ${PLAN_PROBES:-5}" \
         2>&1 | grep -v '^$'
+fi
+# Issue #27's faults and interference (tools/gpu_faults.py; python3 without the packed
+# libraries, the binaries it runs with them).
+# It runs in the background so that a signal reaches this script's trap at once (bash runs a
+# trap only after the foreground job), which ends it (SIGTERM: it ends its clients) before
+# the stacks.
+FPID=""
+faults() { # faults SCENARIO ARGS...: the helper against the stack of the last up; its status
+    env -u LD_LIBRARY_PATH PD_LIBS="$LD_LIBRARY_PATH" python3 tools/gpu_faults.py "$@" \
+        --bin "$G/bin" --up "$UP" &
+    FPID=$!
+    wait "$FPID"
+    local r=$?
+    FPID=""
+    return $r
+}
+if [ -n "${PD_KV_CPU:-}" ]; then
+    FAULT_DEV=() FAULT_INST=(--backend cpu --threads 1)
+else
+    FAULT_DEV=(--gpus "0,1") FAULT_INST=(--backend cuda --kv-transport device)
+fi
+fault_stack() { # fault_stack NAME: stories260k disaggregated, every prompt through prefill
+    up "$1" --model "$PDSERVE_SHARED/models/stories260k" "${FAULT_DEV[@]}" \
+        --router-args "--prefill-policy remote --metrics-port 0" -- "${FAULT_INST[@]}" \
+        --kv-cache-mb 256 --metrics-port 0
+}
+if has kill && [ -n "$MODES" ]; then
+    for victim in prefill decode; do
+        if fault_stack "kill-$victim"; then
+            # pdserve-up stops the whole stack when one of its processes dies: its watch loop
+            # is stopped (SIGSTOP) until down (SIGTERM, SIGCONT).
+            kill -STOP "$UP"
+            faults kill --victim "$victim" --logs "$OUT/up-kill-$victim" --out "$OUT/kill" \
+                --concurrency "${KILL_CLIENTS:-16}" --duration-s "${KILL_LOAD_S:-6}" \
+                --log "$OUT/kill-$victim.log" || rc=1
+            fault_down "kill-$victim"
+        fi
+    done
+fi
+if has storm && [ -n "$MODES" ]; then
+    if fault_stack storm; then
+        faults storm --logs "$OUT/up-storm" --out "$OUT/storm" --duration-s "${STORM_S:-20}" \
+            --cli-workers "${STORM_CLI:-4}" --interrupters "${STORM_INT:-2}" \
+            --log "$OUT/storm.log" || rc=1
+        fault_down storm
+    fi
+fi
+if has itl && [ -n "$MODES" ]; then
+    if [ -n "${PD_KV_CPU:-}" ]; then # the logic only, on stories260k (512 positions)
+        ITL_MODEL=$PDSERVE_SHARED/models/stories260k
+        ITL_INST=(--backend cpu --threads 1 --kv-cache-mb 256 --metrics-port 0)
+        ITL_SHAPE=(--streams "${ITL_STREAMS:-4}" --prompt-len 32 --output-len "${ITL_OUT:-128}"
+                   --bg-prompt-len 256 --bg-rate "${ITL_BG_RATE:-2}" --bg-output-len "${ITL_BG_OUT:-1}"
+                   --rounds "${ITL_ROUNDS:-1}"
+                   --max-ratio "${ITL_MAX_RATIO:-1.10}")
+    else
+        ITL_MODEL=tools/shapes/llama3-8b
+        ITL_INST=(--load-format dummy --backend cuda --kv-cache-mb 16384 --metrics-port 0
+                  --kv-transport device)
+        ITL_SHAPE=(--streams "${ITL_STREAMS:-32}" --prompt-len 128 --output-len "${ITL_OUT:-512}"
+                   --bg-prompt-len 2048 --bg-rate "${ITL_BG_RATE:-4}" --bg-output-len "${ITL_BG_OUT:-1}"
+                   --rounds "${ITL_ROUNDS:-3}"
+                   --max-ratio "${ITL_MAX_RATIO:-1.10}")
+    fi
+    if up itl --model "$ITL_MODEL" "${FAULT_DEV[@]}" \
+        --router-args "--prefill-policy remote --metrics-port 0" -- "${ITL_INST[@]}"; then
+        faults itl --logs "$OUT/up-itl" --out "$OUT/itl" "${ITL_SHAPE[@]}" --log "$OUT/itl.log" || rc=1
+        [ -n "${PD_KV_CPU:-}" ] || paths "$OUT/up-itl"
+        down
+    fi
 fi
 echo "== gpu_kv: exit $rc"
 exit $rc

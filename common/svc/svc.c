@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -450,14 +451,22 @@ int svc_instance_register(rpc_server *s, svc_instance *inst, char *err)
 /* ---- an instance's engine thread and KV-transfer thread ---- */
 
 /* Fault injection for tests (PDSERVE_FAULT_FAIL_STEPS_AFTER=N): the executor runs N forwards,
- * then fails every later one as a sticky device error would. One per process. */
+ * then fails every later one as a sticky device error would. PDSERVE_FAULT_STEP_DELAY_MS=M:
+ * every forward takes M ms longer (a slow instance: backlogs on the CPU). One per process. */
 static struct {
     eng_executor real;
     atomic_llong left;
+    bool failing;
+    long delay_ms;
 } g_fault;
 
 static bool fault_fires(char *err)
 {
+    if (g_fault.delay_ms > 0) {
+        struct timespec ts = {g_fault.delay_ms / 1000, (g_fault.delay_ms % 1000) * 1000000};
+        nanosleep(&ts, NULL);
+    }
+    if (!g_fault.failing) return false;
     if (atomic_fetch_sub(&g_fault.left, 1) > 0) return false;
     atomic_store(&g_fault.left, 0);
     pd_errf(err, PD_EBACKEND, "injected device failure (PDSERVE_FAULT_FAIL_STEPS_AFTER)");
@@ -486,11 +495,19 @@ static int fault_launch(void *ctx, const mr_batch *b, const mr_sampling *smp, bo
 static eng_executor maybe_faulty(eng_executor x)
 {
     const char *v = getenv("PDSERVE_FAULT_FAIL_STEPS_AFTER");
-    if (!v || !*v) return x;
+    const char *d = getenv("PDSERVE_FAULT_STEP_DELAY_MS");
+    g_fault.failing = v && *v;
+    g_fault.delay_ms = d && *d ? atol(d) : 0;
+    if (!g_fault.failing && g_fault.delay_ms <= 0) return x;
     g_fault.real = x;
-    atomic_store(&g_fault.left, atoll(v));
-    PD_LOGW("PDSERVE_FAULT_FAIL_STEPS_AFTER=%s: every forward after the first %s fails (testing)",
-            v, v);
+    if (g_fault.failing) {
+        atomic_store(&g_fault.left, atoll(v));
+        PD_LOGW("PDSERVE_FAULT_FAIL_STEPS_AFTER=%s: every forward after the first %s fails "
+                "(testing)", v, v);
+    }
+    if (g_fault.delay_ms > 0)
+        PD_LOGW("PDSERVE_FAULT_STEP_DELAY_MS=%ld: every forward takes that much longer (testing)",
+                g_fault.delay_ms);
     x.forward = fault_forward;
     if (x.forward_sample) x.forward_sample = fault_forward_sample;
     if (x.launch) x.launch = fault_launch;

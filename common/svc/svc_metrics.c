@@ -35,6 +35,7 @@ struct svc_metrics {
     /* sampled */
     pd_metric *draining_g, *running, *waiting, *kv_used, *kv_free, *kv_cap, *kv_usage, *queued;
     pd_metric *steps, *step_fail, *prompt_tok, *gen_tok, *preempt, *model_s, *hit, *query, *hit_ratio;
+    pd_metric *reuse, *reuse_query;
     pd_metric *kv_bytes, *kv_ok, *kv_fail, *kv_active, *kv_ring, *kv_ring_used, *kv_ring_wait;
     pd_mfamily *kv_peers, *kv_info;
     pd_metric *calls, *calls_cancelled, *calls_live;
@@ -81,6 +82,10 @@ static void collect(pd_metrics *m, void *arg)
         pd_metric_set(sm->model_s, st->model_s);
         pd_metric_set(sm->hit, (double)st->cached_tokens);
         pd_metric_set(sm->query, (double)st->admitted_prompt_tokens);
+        if (sm->reuse) {
+            pd_metric_set(sm->reuse, (double)st->reserved_cached_tokens);
+            pd_metric_set(sm->reuse_query, (double)st->reserved_prompt_tokens);
+        }
         pd_metric_set(sm->hit_ratio, st->admitted_prompt_tokens
                                          ? (double)st->cached_tokens / (double)st->admitted_prompt_tokens
                                          : 0);
@@ -194,6 +199,14 @@ int svc_metrics_create(const svc_metrics_params *p, svc_metrics **out, char *err
         sm->hit_ratio = pd_metrics_gauge(m, "pdserve_prefix_cache_hit_ratio", NULL,
                                          "hit tokens / query tokens since start (use rate() of the "
                                          "counters for a window)");
+        if (!strcmp(sm->dir, "recv")) {
+            sm->reuse = pd_metrics_counter(m, "pdserve_kv_prefix_reused_tokens_total", NULL,
+                                           "prompt tokens of KV reservations whose KV the decode "
+                                           "instance already held (its prefix cache): not "
+                                           "transferred");
+            sm->reuse_query = pd_metrics_counter(m, "pdserve_kv_reserved_prompt_tokens_total",
+                                                 NULL, "prompt tokens of KV reservations");
+        }
     }
     if (sm->dir[0]) {
         char d[32] = "";

@@ -145,10 +145,16 @@ try:
     check(d(a_p, b_p, "pdserve_requests_total", outcome="ok") == N + N2 and
           d(a_d, b_d, "pdserve_requests_total", outcome="ok") == N + N2,
           "prefill and decode: requests_total{ok} +%d" % (N + N2))
-    want_bytes = sum((r[3].prompt_tokens + 15) // 16 for r in allr) * KV_BLOCK_BYTES
+    # Decode-side prefix reuse: blocks the decode instance already held do not move.
+    reused = d(a_d, b_d, "pdserve_kv_prefix_reused_tokens_total")
+    check(reused % 16 == 0 and
+          d(a_d, b_d, "pdserve_kv_reserved_prompt_tokens_total") == sum(r[3].prompt_tokens for r in allr),
+          "decode: reserved prompt tokens counted, %d reused (whole blocks)" % reused)
+    want_bytes = (sum((r[3].prompt_tokens + 15) // 16 for r in allr) - reused // 16) * KV_BLOCK_BYTES
     sb = d(a_p, b_p, "pdserve_kv_transfer_bytes_total", direction="send")
     rb = d(a_d, b_d, "pdserve_kv_transfer_bytes_total", direction="recv")
-    check(sb == rb == want_bytes, "KV bytes sent %d == received %d == blocks x %d B" % (sb, rb, KV_BLOCK_BYTES))
+    check(sb == rb == want_bytes, "KV bytes sent %d == received %d == (blocks - reused blocks) x "
+          "%d B" % (sb, rb, KV_BLOCK_BYTES))
     check(d(a_p, b_p, "pdserve_kv_transfers_total", direction="send") == N + N2 and
           d(a_d, b_d, "pdserve_kv_transfers_total", direction="recv") == N + N2 and
           d(a_p, b_p, "pdserve_kv_transfer_failures_total") == 0 and
