@@ -685,6 +685,28 @@ void kvt__ops_release(kvt_ctx *ctx, const kvt_pool *only)
     }
 }
 
+void kvt__ops_release_peer(kvt_ctx *ctx, const kvt__peer *peer)
+{
+    int n = 0;
+    for (int c = 0; c < ctx->n_op_chunks; c++) {
+        kvt__op *ops = ctx->op_chunks[c];
+        for (int i = 0; i < KVT_OP_CHUNK; i++) {
+            kvt__op *op = &ops[i];
+            if (!op->kind || !op->req || op->kind == KVT_OP_DEVICE || op->phase) continue;
+            if (op->peer != peer && !(op->kind == KVT_OP_RECV && op->resv && op->resv->peer == peer))
+                continue;
+            void *req = op->req;
+            op->req = NULL;
+            ucp_request_free(req); /* no callback comes for it any more */
+            kvt__op_complete(ctx, op, UCS_ERR_CANCELED);
+            n++;
+        }
+    }
+    if (n > 0)
+        PD_LOGW("kvt[%s]: %d operations with %016llx did not end when its connection closed; "
+                "released", ctx->name, n, (unsigned long long)peer->remote_id);
+}
+
 int kvt__dev_ops_poll(kvt_ctx *ctx)
 {
     int n = 0;

@@ -450,6 +450,10 @@ int kvt__pd_status(ucs_status_t s);
 /* Releases every outstanding UCX request (of pool's transfers only, if pool is not NULL) and
  * completes its op as cancelled: the last resort when a peer does not let them finish. */
 void kvt__ops_release(kvt_ctx *ctx, const kvt_pool *pool);
+/* Releases the UCX requests still outstanding with peer after its endpoint closed (UCX 1.13
+ * leaves a rendezvous send to a dead shm peer pending through a forced close) and completes
+ * their ops with UCS_ERR_CANCELED, so that the transfers they belong to can end. */
+void kvt__ops_release_peer(kvt_ctx *ctx, const struct kvt__peer *peer);
 
 /* kvt_peer.c */
 kvt__peer *kvt__peer_find(kvt_ctx *ctx, uint64_t remote_id);

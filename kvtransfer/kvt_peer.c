@@ -565,6 +565,19 @@ static void peer_close(kvt__peer *peer)
     kvt__rescan(ctx);
 }
 
+/* Whether receives of a reservation bound to peer are outstanding. */
+static bool peer_has_recvs(kvt_ctx *ctx, const kvt__peer *peer)
+{
+    for (kvt__list *pi = ctx->pools.next; pi != &ctx->pools; pi = pi->next) {
+        kvt_pool *pool = KVT_CONTAINER(pi, kvt_pool, link);
+        for (kvt__list *it = pool->resvs.next; it != &pool->resvs; it = it->next) {
+            const kvt__resv *r = KVT_CONTAINER(it, kvt__resv, link);
+            if (r->peer == peer && r->inflight > 0) return true;
+        }
+    }
+    return false;
+}
+
 int kvt__peers_process(kvt_ctx *ctx)
 {
     int n = 0;
@@ -597,6 +610,8 @@ int kvt__peers_process(kvt_ctx *ctx)
             }
             peer_close(peer);
         }
+        if (peer->state == KVT_PEER_CLOSED && (peer->inflight > 0 || peer_has_recvs(ctx, peer)))
+            kvt__ops_release_peer(ctx, peer); /* the endpoint is gone: nothing ends them now */
         if (peer->state == KVT_PEER_CLOSED && peer->refs == 0 && peer->inflight == 0)
             peer_free(peer);
     }
