@@ -187,8 +187,9 @@ print(urllib.request.urlopen("http://127.0.0.1:%s/metrics" % sys.argv[1], timeou
 
 if has stack; then
     M="$PDSERVE_SHARED/models/stories260k"
-    if up stack --model "$M" --gpus 0,1 -- --backend cuda --kv-cache-mb 256 --kv-transport device \
-        --metrics-port 0; then
+    # Every prompt through prefill (the router computes short ones on decode by default).
+    if up stack --model "$M" --gpus 0,1 --router-args "--prefill-policy remote" -- --backend cuda \
+        --kv-cache-mb 256 --kv-transport device --metrics-port 0; then
         env -u LD_LIBRARY_PATH PD_LIBS="$LD_LIBRARY_PATH" python3 - "$G/bin/pdserve-cli" "$ADDR" \
             "$M/golden.json" <<'PY'
 import json, os, subprocess, sys
