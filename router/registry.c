@@ -35,6 +35,7 @@ struct rtr_instance {
     bool has_layout;
     int64_t free_blocks, total_blocks, running, waiting, queued_tokens;
     int64_t local_blocks, local_tokens; /* routed since the last report */
+    double tpot_ewma;             /* seconds; mean TPOT of the requests it decoded (0 = none) */
     atomic_llong routed, errors;  /* metrics */
 };
 
@@ -522,6 +523,21 @@ int64_t rtr_instance_backlog(rtr_registry *r, const rtr_instance *i)
     int64_t q = i->queued_tokens + i->local_tokens;
     pthread_mutex_unlock(&r->mu);
     return q;
+}
+
+void rtr_instance_note_tpot(rtr_registry *r, rtr_instance *i, double tpot)
+{
+    pthread_mutex_lock(&r->mu);
+    i->tpot_ewma = i->tpot_ewma > 0 ? 0.8 * i->tpot_ewma + 0.2 * tpot : tpot;
+    pthread_mutex_unlock(&r->mu);
+}
+
+double rtr_instance_tpot(rtr_registry *r, const rtr_instance *i)
+{
+    pthread_mutex_lock(&r->mu);
+    double t = i->tpot_ewma;
+    pthread_mutex_unlock(&r->mu);
+    return t;
 }
 
 int64_t rtr_prefill_backlog_min(rtr_registry *r)

@@ -92,5 +92,9 @@ int rtr_registry_snapshot(rtr_registry *r, rtr_instance_info *out, int max);
 int64_t rtr_instance_backlog(rtr_registry *r, const rtr_instance *i);
 /* The smallest prompt-token backlog of the usable prefill instances (INT64_MAX: none). */
 int64_t rtr_prefill_backlog_min(rtr_registry *r);
+/* The TPOT (seconds) of a request that i decoded, into i's moving average (weight 0.2). */
+void rtr_instance_note_tpot(rtr_registry *r, rtr_instance *i, double tpot);
+/* i's moving average of TPOT in seconds (0 = no request finished on it yet). */
+double rtr_instance_tpot(rtr_registry *r, const rtr_instance *i);
 
 #endif

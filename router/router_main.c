@@ -62,6 +62,8 @@ typedef struct {
                                         prefills when its own backlog is far smaller */
     int64_t prefill_queue_tokens;    /* reserve late: prompt tokens admitted per prefill
                                         instance (0 = no gate) */
+    double busy_tpot_fraction;       /* auto: the busy rule only while the decode instance's
+                                        TPOT is below this fraction of --slo-tpot-ms */
     pd_metric *m_gate_waiting, *m_gate_admitted, *m_gate_wait;
     pd_mfamily *m_where;             /* prefill decisions by where and why */
     svc_metrics *metrics;
@@ -270,6 +272,7 @@ static void account_locked(rreq *r, int code)
     if (r->completion >= 2) {
         tpot = (r->t_last - r->t_first) / (double)(r->completion - 1);
         pd_metric_observe(g.m_tpot, tpot);
+        if (r->dec) rtr_instance_note_tpot(g.reg, r->dec, tpot);
     }
     if ((g.slo_ttft_s <= 0 || ttft <= g.slo_ttft_s) && (g.slo_tpot_s <= 0 || tpot <= g.slo_tpot_s))
         pd_metric_add(g.m_slo, 1);
@@ -682,10 +685,18 @@ static bool prefill_local(const rreq *r, const rtr_instance *d, const char **why
     if (g.prefill_busy_tokens > 0) {
         const int64_t backlog = rtr_prefill_backlog_min(g.reg);
         const int64_t dq = rtr_instance_backlog(g.reg, d);
+        /* A prompt computed on d stalls the sequences d decodes: not when their TPOT is
+         * already near the objective. */
+        const bool tpot_room = g.slo_tpot_s <= 0 ||
+                               rtr_instance_tpot(g.reg, d) < g.busy_tpot_fraction * g.slo_tpot_s;
         if (backlog != INT64_MAX && backlog >= g.prefill_busy_tokens &&
             dq + r->n_prompt <= backlog / 4) {
-            *why = "prefill_busy";
-            return true;
+            if (tpot_room) {
+                *why = "prefill_busy";
+                return true;
+            }
+            *why = "tpot_bound";
+            return false;
         }
     }
     *why = "default";
@@ -1057,6 +1068,7 @@ int main(int argc, char **argv)
      * 4096 busy tokens workload A's goodput went from 22.5 to 39 req/s and B's from 18 to 12
      * (both above colocated: 27 and 8). */
     int64_t local_max_tokens = 64, prefill_busy_tokens = 4096, prefill_queue_tokens = 16384;
+    double busy_tpot_fraction = 0.8;
     pd_flag flags[] = {
         {"model", PD_FLAG_STRING, &model, "model directory (tokenizer.json, config.json)", 1, 0},
         {"model-name", PD_FLAG_STRING, &model_name, "name served in GetModelInfo (default: directory name)", 1, 0},
@@ -1077,6 +1089,7 @@ int main(int argc, char **argv)
         {"prefill-policy", PD_FLAG_STRING, &prefill_policy, "where prompts are computed with prefill instances present: auto (by --local-prefill-max-tokens and --prefill-busy-tokens), remote (always a prefill instance), local (always the decode instance)", 1, 0},
         {"local-prefill-max-tokens", PD_FLAG_INT, &local_max_tokens, "auto: prompts of at most this many tokens are computed on the decode instance (0 = none)", 0, 1 << 24},
         {"prefill-busy-tokens", PD_FLAG_INT, &prefill_busy_tokens, "auto: when every prefill instance has this many prompt tokens queued and the decode instance at most a quarter of that (this prompt included), the prompt is computed on the decode instance (0 = never)", 0, 1ll << 40},
+        {"prefill-busy-tpot-fraction", PD_FLAG_DOUBLE, &busy_tpot_fraction, "auto, with --slo-tpot-ms: the --prefill-busy-tokens rule computes a prompt on a decode instance only while the TPOT of the requests it decoded (a moving average) is below this fraction of the objective", 0, 10},
         {"prefill-queue-tokens", PD_FLAG_INT, &prefill_queue_tokens, "reserve late: prompt tokens per prefill instance that may be admitted (decode blocks reserved, sent to prefill) and not yet prefilled; later requests wait in the router holding nothing (0 = admit at once)", 0, 1ll << 40},
         {"metrics-port", PD_FLAG_INT, &metrics_port, "Prometheus /metrics HTTP port on the --listen host (-1 = off, 0 = any free port)", -1, 65535},
         {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
@@ -1121,6 +1134,7 @@ int main(int argc, char **argv)
     g.local_max_tokens = local_max_tokens;
     g.prefill_busy_tokens = prefill_busy_tokens;
     g.prefill_queue_tokens = prefill_queue_tokens;
+    g.busy_tpot_fraction = busy_tpot_fraction;
     g.slo_tpot_s = slo_tpot_ms / 1000.0;
     atomic_init(&g.pending, 0);
     atomic_init(&g.next_id, 1);

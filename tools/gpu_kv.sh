@@ -248,7 +248,8 @@ goodput() { # goodput WORKLOAD [DEPLOYMENTS...]: goodput searches (default: disa
     esac
     local COMMON=(--load-format dummy --backend cuda --kv-cache-mb 16384 --metrics-port 0)
     for dep in "${deps[@]}"; do
-        local args=(--model tools/shapes/llama3-8b --gpus 0,1)
+        # The router knows the objectives (goodput metric; the busy rule's TPOT bound).
+        local args=(--model tools/shapes/llama3-8b --gpus 0,1 --router-args "${slo[*]}")
         [ $dep = colocated ] && args+=(--colocated --decode 2)
         if up "gp$wl-$dep" "${args[@]}" -- "${COMMON[@]}"; then
             mkdir -p "$OUT/gp$wl-$dep"
@@ -264,8 +265,11 @@ goodput() { # goodput WORKLOAD [DEPLOYMENTS...]: goodput searches (default: disa
         fi
     done
 }
-has goodputA && [ -n "$MODES" ] && goodput A
-has goodputB && [ -n "$MODES" ] && goodput B
+# GOODPUT_DEPS="disagg" (or "colocated") runs one deployment only.
+# shellcheck disable=SC2086
+has goodputA && [ -n "$MODES" ] && goodput A ${GOODPUT_DEPS:-}
+# shellcheck disable=SC2086
+has goodputB && [ -n "$MODES" ] && goodput B ${GOODPUT_DEPS:-}
 if has policy && [ -n "$MODES" ]; then
     # Conditional disaggregation (issue #28): workload A with the router computing prompts on
     # the decode instance while the prefill backlog is deep; then short prompts (64 tokens in,

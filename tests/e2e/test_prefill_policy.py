@@ -8,6 +8,8 @@ and one decode instance, and routers with each policy in front of them (grpcio c
   - --prefill-busy-tokens: with the load poll stopped, the prompt tokens routed to the prefill
     instance pile up as its backlog, and once it passes the threshold (and the decode
     instance's own backlog is small) prompts go to the decode instance ("prefill_busy");
+    with --slo-tpot-ms and a decode instance whose TPOT is over the bound
+    (--prefill-busy-tpot-fraction of it) they stay remote ("tpot_bound");
   - greedy tokens are the same whichever instance computed the prompt.
 
 usage: test_prefill_policy.py BIN_DIR SHARED_DIR PROTO_DIR"""
@@ -46,6 +48,10 @@ try:
     busy = H.start("pdserve-router", *common, *inst, "--prefill-policy", "auto",
                    "--local-prefill-max-tokens", "0", "--prefill-busy-tokens", "200",
                    "--load-poll-ms", "600000", tag="router-busy")
+    # The same with a TPOT objective the decode instance cannot meet: no prompt goes there.
+    busy_tpot = H.start("pdserve-router", *common, *inst, "--prefill-policy", "auto",
+                        "--local-prefill-max-tokens", "0", "--prefill-busy-tokens", "200",
+                        "--load-poll-ms", "600000", "--slo-tpot-ms", "0.001", tag="router-busy-tpot")
 
     short = [1, 300, 301, 302, 303]
     long_ = [1] + [(17 * i) % 400 + 5 for i in range(40)]
@@ -79,6 +85,13 @@ try:
     check(d.get(("local", "prefill_busy"), 0) >= 1,
           "busy: once its backlog passes --prefill-busy-tokens, prompts go to the decode instance")
     check(all(o == outs[0] for o in outs), "busy: the same tokens either way")
+    outs_t = [gen(busy_tpot, p, 4) for _ in range(10)]
+    d = decisions(busy_tpot)
+    print("busy with a TPOT objective: %s" % d)
+    check(d.get(("local", "prefill_busy"), 0) == 0 and d.get(("remote", "tpot_bound"), 0) >= 1,
+          "busy with --slo-tpot-ms: the decode instance's TPOT is over the bound, so prompts stay "
+          "remote (tpot_bound)")
+    check(outs_t == outs, "busy with a TPOT objective: the same tokens")
     check(all(q.p.poll() is None for q in H.procs), "no process died")
     H.stop()
 finally:
