@@ -581,6 +581,23 @@ static int pump_one(kvt_send *s, int budget, bool *freed)
         if (s->cur_layer < 0 && s->q_head == s->q_tail) break;
         if (path->can_post && !path->can_post(s)) break; /* a completion frees resources */
         if (s->cur_layer < 0) {
+            int32_t next = s->queue[s->q_head];
+            void *after = s->layer_after[next];
+            if (after && !s->t->src->staged) {
+                /* UCX reads the source itself (put, AM; a CUDA pool): the layer's KV must be
+                 * final first. Polled, never waited for; the staged path orders its copies
+                 * after the event on the copy stream instead. */
+                int ready = ctx->device.poll(ctx->device.arg, after);
+                if (ready == 0) {
+                    ctx->pump_more = true;
+                    break;
+                }
+                release_after(s, next);
+                if (ready < 0) {
+                    kvt__send_fail(s, PD_EBACKEND, true, "layer %d's readiness failed", next);
+                    break;
+                }
+            }
             s->cur_layer = s->queue[s->q_head++];
             s->cur_kv = 0;
             s->cur_pos = 0;

@@ -295,17 +295,46 @@ int svc_kv_pool_create(kvt_ctx *ctx, svc_model *m, kvt_pool **out, char *err)
     if (!svc_kv_stage_ops(m) || !m->kvdev)
         return pd_errf(err, PD_EUNSUPPORTED, "the %s backend has no copy queue (event_* and "
                        "copyq_* ops), which moving its KV needs", m->be->ops->name);
-    /* Staged: the device cache itself, reached through a bounded ring of pinned host slots
-     * (and, for a sender that can map it, the device export: device to device). */
-    pp.staged = true;
-    pp.stage_ring_bytes = (size_t)g_kv_staging_mb << 20;
+    /* A UCX that moves CUDA memory itself (cuda_ipc, gdr_copy, RDMA with GPUDirect: the
+     * cross-host GPU path) registers the device cache as the pool; otherwise the device cache
+     * is staged, reached through a bounded ring of pinned host slots. Either way a sender
+     * that can map the device export goes device to device. PDSERVE_KV_UCX_CUDA=0 keeps the
+     * ring where UCX has CUDA support. */
+    const char *uc = getenv("PDSERVE_KV_UCX_CUDA");
+    bool ucx_cuda = (kvt_ctx_mem_types(ctx) & (1u << KVT_MEM_CUDA)) && strcmp(m->be->ops->name, "cpu") &&
+                    !(uc && !strcmp(uc, "0"));
+    void **k = NULL, **v = NULL;
+    if (ucx_cuda) {
+        k = calloc((size_t)L, sizeof *k);
+        v = calloc((size_t)L, sizeof *v);
+        if (!k || !v) {
+            free(k);
+            free(v);
+            return pd_errf(err, PD_ENOMEM, "out of memory");
+        }
+        for (int32_t l = 0; l < L; l++) mr_kv_cache(m->runner, l, &k[l], &v[l]);
+        pp.k_base = k;
+        pp.v_base = v;
+        pp.mem_type = KVT_MEM_CUDA;
+        PD_LOGI("KV transfer: UCX moves CUDA memory here: the device KV cache is registered "
+                "with UCX (no staging ring)");
+    } else {
+        pp.staged = true;
+        pp.stage_ring_bytes = (size_t)g_kv_staging_mb << 20;
+    }
     void *dev = NULL;
     size_t dev_len = 0;
-    if ((rc = svc_kv_device_export(m, &dev, &dev_len, err)) < 0) return rc;
+    if ((rc = svc_kv_device_export(m, &dev, &dev_len, err)) < 0) {
+        free(k);
+        free(v);
+        return rc;
+    }
     pp.device_export = dev;
     pp.device_export_len = dev_len;
     rc = kvt_pool_create(ctx, &pp, out, err);
     free(dev);
+    free(k);
+    free(v);
     return rc;
 }
 

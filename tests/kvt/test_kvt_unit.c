@@ -417,6 +417,12 @@ static int fdev_copy(void *arg, void *remote, int32_t layer, const int32_t *src_
 static int fdev_poll(void *arg, void *tok)
 {
     fake_dev *f = arg;
+    if (*(int *)tok == 1) { /* a layer's readiness polled itself (a path UCX reads from) */
+        fdev_after *a = tok;
+        if (f->gate_closed) return 0;
+        if (a->polls > 0) return a->polls--, 0;
+        return 1;
+    }
     fdev_token *t = tok;
     if (t->after && (t->after->polls > 0 || f->gate_closed)) {
         if (t->after->polls > 0) t->after->polls--;
@@ -586,6 +592,46 @@ static void test_device_path(void)
     for (int i = 0; i < 200; i++) kvt_progress(a), kvt_progress(c);
     kvt_target_info_get(t2, &ti);
     KT_CHECK(ti.path != KVT_PATH_DEVICE);
+    /* On that path UCX reads the source itself: a layer goes only once its readiness is
+     * complete (polled, as for a CUDA pool registered with UCX). */
+    {
+        uint8_t *sk[8], *sv[8];
+        for (int32_t layer = 0; layer < l.n_layers; layer++) {
+            sk[layer] = kvt_pool_region(src2, layer, 0);
+            sv[layer] = kvt_pool_region(src2, layer, 1);
+            for (int32_t b2 = 0; b2 < n_src; b2++) {
+                kvh_fill(sk[layer] + (size_t)b2 * g_fd.bb, g_fd.bb, 23, layer, 0, b2);
+                kvh_fill(sv[layer] + (size_t)b2 * g_fd.bb, g_fd.bb, 23, layer, 1, b2);
+            }
+        }
+        rp.req_id = 503;
+        KT_OK(kvt_recv_expect(dst, &rp, err), err);
+        sp.req_id = 503;
+        kvt_send *s3;
+        KT_OK(kvt_send_begin(t2, &sp, &s3, err), err);
+        g_fd.gate_closed = 1;
+        for (int32_t layer = 0; layer < l.n_layers; layer++)
+            KT_EQ(kvt_send_layer_ready_after(s3, layer, fdev_after_new(3)), 0);
+        KT_EQ(kvt_send_finish(s3, 5), 0);
+        int na3 = ev_a.n, nb3 = ev_b.n;
+        for (int i = 0; i < 300; i++) kvt_progress(a), kvt_progress(c);
+        KT_EQ(ev_a.n, na3); /* nothing may move before the layers are ready */
+        KT_EQ(ev_b.n, nb3);
+        g_fd.gate_closed = 0;
+        double end3 = kvh_ms() + 10000;
+        while ((ev_a.n == na3 || ev_b.n == nb3) && kvh_ms() < end3) kvt_progress(a), kvt_progress(c);
+        KT_EQ(ev_a.ev[na3].type, KVT_EV_RECV_DONE);
+        KT_EQ(ev_b.ev[nb3].type, KVT_EV_SEND_DONE);
+        for (int32_t layer = 0; layer < l.n_layers; layer++)
+            for (int kv = 0; kv < 2; kv++)
+                for (int32_t i = 0; i < n; i++) {
+                    const uint8_t *reg = kvt_pool_region(dst, layer, kv);
+                    long off = kvh_check(reg + (size_t)dsts[i] * g_fd.bb, g_fd.bb, 23, layer, kv, srcs[i]);
+                    if (off >= 0) KT_FAIL("gated host path: layer %d kv %d block %d byte %ld", layer, kv, i, off);
+                }
+        KT_EQ(kvt_recv_release(dst, 503), 0);
+        kvt_send_destroy(s3);
+    }
     kvt_target_close(t2);
     kvt_ctx_destroy(c);
     pc.device_required = true;
