@@ -19,6 +19,9 @@
 #             colocated (one colocated instance per GPU), same seed, workload and SLO, 120
 #             requests a probe: A: input U[256,2048], output U[64,256], TTFT <= 300 ms, TPOT
 #             <= 15 ms; B: input U[1024,3072], output U[64,256], TTFT <= 1000 ms, TPOT <= 10 ms
+#   goodputS  the same search for a shared-prefix workload (8 prefixes of 1024 tokens, then
+#             256 - 1024 tokens each, out U[64,256], TTFT <= 300 ms, TPOT <= 15 ms): prefix
+#             caches on both sides and decode-side prefix reuse; prints the caches' counters
 #   policy    conditional disaggregation: workload A disaggregated with
 #             PDSERVE_PREFILL_BUSY_TOKENS=$BUSY_TOKENS (4096), and 64-token prompts computed
 #             remotely vs on the decode instance (TTFT, TPOT at 2 req/s)
@@ -242,9 +245,14 @@ goodput() { # goodput WORKLOAD [DEPLOYMENTS...]: goodput searches (default: disa
     shift
     local deps=("$@")
     [ ${#deps[@]} -gt 0 ] || deps=(disagg colocated)
+    local wlargs=()
     case $wl in
         A) in=256:2048 slo=(--slo-ttft-ms 300 --slo-tpot-ms 15) rate=24 ;;
         B) in=1024:3072 slo=(--slo-ttft-ms 1000 --slo-tpot-ms 10) rate=8 ;;
+        # S: shared prefixes (8 system prompts of 1024 tokens, then 256 - 1024 of their own):
+        # prefix caches on both sides, decode-side prefix reuse.
+        S) in=256:1024 slo=(--slo-ttft-ms 300 --slo-tpot-ms 15) rate=24
+           wlargs=(--workload shared-prefix --prefix-groups 8 --prefix-len 1024) ;;
     esac
     local COMMON=(--load-format dummy --backend cuda --kv-cache-mb 16384 --metrics-port 0)
     for dep in "${deps[@]}"; do
@@ -254,13 +262,20 @@ goodput() { # goodput WORKLOAD [DEPLOYMENTS...]: goodput searches (default: disa
         if up "gp$wl-$dep" "${args[@]}" -- "${COMMON[@]}"; then
             mkdir -p "$OUT/gp$wl-$dep"
             env -u LD_LIBRARY_PATH LD_LIBRARY_PATH="$LD_LIBRARY_PATH" "$G/bin/pdserve-bench" \
-                --addr "$ADDR" --input-len "$in" --output-len 64:256 --rate "$rate" \
+                --addr "$ADDR" --input-len "$in" --output-len 64:256 --rate "$rate" "${wlargs[@]}" \
                 --num-requests 120 --warmup-requests 10 --seed 1 --find-goodput "${slo[@]}" \
                 --slo-attainment 0.9 --goodput-tolerance 0.1 --max-probes ${GOODPUT_PROBES:-6} \
                 --json "$OUT/gp$wl-$dep/result.json" >"$OUT/gp$wl-$dep.log" 2>&1
             grep -E 'req/s.*(PASS|fail)|^goodput|TTFT \(ms\)|TPOT \(ms\)' "$OUT/gp$wl-$dep.log" |
                 sed "s|^|$wl $dep: |"
             paths "$OUT/up-gp$wl-$dep"
+            for f in "$OUT/up-gp$wl-$dep"/*.out; do # prefix caches and decode-side reuse
+                p=$(awk '/^METRICS_PORT /{print $2; exit}' "$f")
+                [ -n "$p" ] && env -u LD_LIBRARY_PATH python3 -c 'import sys, urllib.request
+print(urllib.request.urlopen("http://127.0.0.1:%s/metrics" % sys.argv[1], timeout=5).read().decode())' "$p" |
+                    grep -E '^pdserve_(prefix_cache_hit_ratio|kv_prefix_reused_tokens_total|kv_reserved_prompt_tokens_total|kv_transfer_bytes_total)' |
+                    sed "s|^|$wl $dep $(basename "$f" .out): |"
+            done
             down
         fi
     done
@@ -270,6 +285,8 @@ goodput() { # goodput WORKLOAD [DEPLOYMENTS...]: goodput searches (default: disa
 has goodputA && [ -n "$MODES" ] && goodput A ${GOODPUT_DEPS:-}
 # shellcheck disable=SC2086
 has goodputB && [ -n "$MODES" ] && goodput B ${GOODPUT_DEPS:-}
+# shellcheck disable=SC2086
+has goodputS && [ -n "$MODES" ] && goodput S ${GOODPUT_DEPS:-}
 if has policy && [ -n "$MODES" ]; then
     # Conditional disaggregation (issue #28): workload A with the router computing prompts on
     # the decode instance while the prefill backlog is deep; then short prompts (64 tokens in,
