@@ -1,4 +1,5 @@
-/* svc.c -- Conversions, status mapping, model setup and signals for the services. */
+/* svc.c -- Model setup, the KV pool, server flags, LoadReport, the engine and kvt threads of
+ * the instances (the conversions and signals the router shares are in svc_proto.c). */
 #include "common/svc/svc.h"
 
 #include <math.h>
@@ -13,106 +14,6 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/svc/svc_metrics.h"
-
-int svc_sampling_from_proto(const Pdserve__V1__SamplingParams *m, smp_params *out, char *err)
-{
-    *out = smp_default_params();
-    if (m) {
-        if (m->temperature_set_case == PDSERVE__V1__SAMPLING_PARAMS__TEMPERATURE_SET_TEMPERATURE)
-            out->temperature = m->temperature;
-        if (m->top_p_set_case == PDSERVE__V1__SAMPLING_PARAMS__TOP_P_SET_TOP_P) out->top_p = m->top_p;
-        out->top_k = m->top_k;
-        out->min_p = m->min_p;
-        if (m->repetition_penalty_set_case ==
-            PDSERVE__V1__SAMPLING_PARAMS__REPETITION_PENALTY_SET_REPETITION_PENALTY)
-            out->repetition_penalty = m->repetition_penalty;
-        out->presence_penalty = m->presence_penalty;
-        out->frequency_penalty = m->frequency_penalty;
-        if (m->seed_set_case == PDSERVE__V1__SAMPLING_PARAMS__SEED_SET_SEED) {
-            out->seed = m->seed;
-            out->has_seed = true;
-        }
-    }
-    char e2[PD_ERR_LEN];
-    if (smp_validate(out, e2) < 0) return pd_errf(err, PD_EINVAL, "sampling: %s", e2);
-    return 0;
-}
-
-void svc_sampling_to_proto(const smp_params *p, Pdserve__V1__SamplingParams *m)
-{
-    pdserve__v1__sampling_params__init(m);
-    m->temperature_set_case = PDSERVE__V1__SAMPLING_PARAMS__TEMPERATURE_SET_TEMPERATURE;
-    m->temperature = p->temperature;
-    m->top_p_set_case = PDSERVE__V1__SAMPLING_PARAMS__TOP_P_SET_TOP_P;
-    m->top_p = p->top_p;
-    m->top_k = p->top_k;
-    m->min_p = p->min_p;
-    m->repetition_penalty_set_case = PDSERVE__V1__SAMPLING_PARAMS__REPETITION_PENALTY_SET_REPETITION_PENALTY;
-    m->repetition_penalty = p->repetition_penalty;
-    m->presence_penalty = p->presence_penalty;
-    m->frequency_penalty = p->frequency_penalty;
-    if (p->has_seed) {
-        m->seed_set_case = PDSERVE__V1__SAMPLING_PARAMS__SEED_SET_SEED;
-        m->seed = p->seed;
-    }
-}
-
-int svc_stopping_from_proto(const Pdserve__V1__StoppingCriteria *m, int32_t default_max_tokens,
-                            seq_stopping *out, char *err)
-{
-    memset(out, 0, sizeof *out);
-    out->max_tokens = default_max_tokens;
-    if (!m) return 0;
-    if (m->max_tokens_set_case == PDSERVE__V1__STOPPING_CRITERIA__MAX_TOKENS_SET_MAX_TOKENS) {
-        if (m->max_tokens == 0 || m->max_tokens > (uint32_t)INT32_MAX)
-            return pd_errf(err, PD_EINVAL, "stopping.max_tokens must be >= 1 (got %u)", m->max_tokens);
-        out->max_tokens = (int32_t)m->max_tokens;
-    }
-    if (m->min_tokens > (uint32_t)out->max_tokens)
-        return pd_errf(err, PD_EINVAL, "stopping.min_tokens (%u) exceeds max_tokens (%d)",
-                       m->min_tokens, out->max_tokens);
-    out->min_tokens = (int32_t)m->min_tokens;
-    const size_t cap = sizeof out->stop_ids / sizeof out->stop_ids[0];
-    if (m->n_stop_token_ids > cap)
-        return pd_errf(err, PD_EINVAL, "stopping.stop_token_ids: at most %zu ids (got %zu)", cap,
-                       m->n_stop_token_ids);
-    for (size_t i = 0; i < m->n_stop_token_ids; i++) {
-        if (m->stop_token_ids[i] > (uint32_t)INT32_MAX)
-            return pd_errf(err, PD_EINVAL, "stopping.stop_token_ids[%zu] is out of range", i);
-        out->stop_ids[i] = (int32_t)m->stop_token_ids[i];
-    }
-    out->n_stop_ids = (int32_t)m->n_stop_token_ids;
-    out->ignore_eos = m->ignore_eos;
-    return 0;
-}
-
-rpc_status_code svc_status_for(int e)
-{
-    switch (e) {
-    case PD_OK: return RPC_STATUS_OK;
-    case PD_EINVAL: case PD_EFORMAT: case PD_ERANGE: return RPC_STATUS_INVALID_ARGUMENT;
-    case PD_ENOSPC: case PD_ENOMEM: return RPC_STATUS_RESOURCE_EXHAUSTED;
-    case PD_ENOTFOUND: return RPC_STATUS_NOT_FOUND;
-    case PD_EUNSUPPORTED: return RPC_STATUS_UNIMPLEMENTED;
-    case PD_ETIMEDOUT: return RPC_STATUS_DEADLINE_EXCEEDED;
-    case PD_ECANCELED: return RPC_STATUS_CANCELLED;
-    case PD_EUNAVAILABLE: case PD_ESTATE: return RPC_STATUS_UNAVAILABLE;
-    case PD_EMISMATCH: return RPC_STATUS_FAILED_PRECONDITION;
-    case PD_EPERM: return RPC_STATUS_PERMISSION_DENIED;
-    default: return RPC_STATUS_INTERNAL;
-    }
-}
-
-Pdserve__V1__FinishReason svc_finish_reason(seq_finish f)
-{
-    switch (f) {
-    case SEQ_FINISH_LENGTH: return PDSERVE__V1__FINISH_REASON__FINISH_REASON_LENGTH;
-    case SEQ_FINISH_EOS: return PDSERVE__V1__FINISH_REASON__FINISH_REASON_EOS;
-    case SEQ_FINISH_STOP: return PDSERVE__V1__FINISH_REASON__FINISH_REASON_STOP;
-    case SEQ_FINISH_ABORTED: return PDSERVE__V1__FINISH_REASON__FINISH_REASON_CANCELLED;
-    default: return PDSERVE__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED;
-    }
-}
 
 void svc_model_flags_init(svc_model_flags *f)
 {
@@ -396,27 +297,6 @@ void svc_server_flags_apply(svc_server_flags *f)
         snprintf(f->listen_buf, sizeof f->listen_buf, "0.0.0.0:%lld", (long long)f->port);
         f->listen = f->listen_buf;
     }
-}
-
-void svc_block_signals(void)
-{
-    sigset_t s;
-    sigemptyset(&s);
-    sigaddset(&s, SIGINT);
-    sigaddset(&s, SIGTERM);
-    sigaddset(&s, SIGPIPE);
-    pthread_sigmask(SIG_BLOCK, &s, NULL);
-}
-
-int svc_wait_signal(void)
-{
-    sigset_t s;
-    sigemptyset(&s);
-    sigaddset(&s, SIGINT);
-    sigaddset(&s, SIGTERM);
-    int sig = 0;
-    sigwait(&s, &sig);
-    return sig;
 }
 
 static void load_report(rpc_call *call, const ProtobufCMessage *req, void *user)

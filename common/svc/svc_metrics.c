@@ -2,6 +2,7 @@
  * svc_metrics.h). Counters that the engine or kvtransfer keep themselves are copied into
  * the registry at each scrape, so that nothing is counted twice. */
 #include "common/svc/svc_metrics.h"
+#include "common/svc/svc_metrics_impl.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,31 +16,7 @@
 #define PD_VERSION "unknown"
 #endif
 
-#define N_OUTCOMES 17 /* gRPC status codes 0..16 */
 
-struct svc_metrics {
-    svc_metrics_params p;
-    char role[32], dir[8], host[128];
-    pd_metrics *reg;
-    svc_http *http;
-    /* sources (borrowed) */
-    rpc_server *server;
-    ew *worker;
-    svc_kvt *kvt;
-    const volatile int *draining;
-    pd_metrics_collect_fn user_fn;
-    void *user_arg;
-    /* pushed from the services */
-    pd_metric *requests[N_OUTCOMES];
-    pd_metric *queue_time, *step_time, *batch, *kv_time, *kv_tail;
-    /* sampled */
-    pd_metric *draining_g, *running, *waiting, *kv_used, *kv_free, *kv_cap, *kv_usage, *queued;
-    pd_metric *steps, *step_fail, *prompt_tok, *gen_tok, *preempt, *model_s, *hit, *query, *hit_ratio;
-    pd_metric *reuse, *reuse_query;
-    pd_metric *kv_bytes, *kv_ok, *kv_fail, *kv_active, *kv_ring, *kv_ring_used, *kv_ring_wait;
-    pd_mfamily *kv_peers, *kv_info;
-    pd_metric *calls, *calls_cancelled, *calls_live;
-};
 
 void svc_metrics_flag_add(int64_t *port, pd_flag *flags, int *n)
 {
@@ -63,57 +40,7 @@ static void collect(pd_metrics *m, void *arg)
 {
     svc_metrics *sm = arg;
     if (sm->draining) pd_metric_set(sm->draining_g, *sm->draining ? 1 : 0);
-    if (sm->worker) {
-        ew_load l;
-        ew_load_get(sm->worker, &l);
-        pd_metric_set(sm->running, l.n_running);
-        pd_metric_set(sm->waiting, l.n_waiting);
-        pd_metric_set(sm->kv_used, l.n_blocks - l.n_free_blocks);
-        pd_metric_set(sm->kv_free, l.n_free_blocks);
-        pd_metric_set(sm->kv_cap, l.n_blocks);
-        pd_metric_set(sm->kv_usage, l.n_blocks ? (double)(l.n_blocks - l.n_free_blocks) / l.n_blocks : 0);
-        pd_metric_set(sm->queued, (double)l.queued_prompt_tokens);
-        const eng_stats *st = &l.stats;
-        pd_metric_set(sm->steps, (double)st->steps);
-        pd_metric_set(sm->step_fail, (double)l.n_step_failures);
-        pd_metric_set(sm->prompt_tok, (double)st->prompt_tokens_computed);
-        pd_metric_set(sm->gen_tok, (double)st->decode_tokens);
-        pd_metric_set(sm->preempt, (double)st->preemptions);
-        pd_metric_set(sm->model_s, st->model_s);
-        pd_metric_set(sm->hit, (double)st->cached_tokens);
-        pd_metric_set(sm->query, (double)st->admitted_prompt_tokens);
-        if (sm->reuse) {
-            pd_metric_set(sm->reuse, (double)st->reserved_cached_tokens);
-            pd_metric_set(sm->reuse_query, (double)st->reserved_prompt_tokens);
-        }
-        pd_metric_set(sm->hit_ratio, st->admitted_prompt_tokens
-                                         ? (double)st->cached_tokens / (double)st->admitted_prompt_tokens
-                                         : 0);
-    }
-    kvt_stats ks;
-    if (sm->kvt && sm->dir[0] && svc_kvt_stats(sm->kvt, &ks) == 0) {
-        bool send = !strcmp(sm->dir, "send");
-        pd_metric_set(sm->kv_bytes, (double)(send ? ks.bytes_sent : ks.bytes_received));
-        pd_metric_set(sm->kv_ok, (double)(send ? ks.sends_done : ks.recvs_done));
-        pd_metric_set(sm->kv_fail, (double)(send ? ks.sends_failed : ks.recvs_failed));
-        pd_metric_set(sm->kv_active, send ? ks.sends_active : ks.recvs_active);
-        pd_metric_set(sm->kv_ring, ks.ring_slots);
-        pd_metric_set(sm->kv_ring_used, ks.ring_slots - ks.ring_free);
-        pd_metric_set(sm->kv_ring_wait, ks.ring_waiting);
-        for (int t = 0; t < 5; t++) {
-            char l[64] = "";
-            pd_metrics_label(l, sizeof l, "transport", kvt_transport_name((kvt_transport)t));
-            pd_metric_set(pd_mfamily_series(sm->kv_peers, l), ks.peers_by_transport[t]);
-        }
-        if (ks.last_transport != KVT_TRANSPORT_UNKNOWN) {
-            char l[192] = "";
-            pd_metrics_label(l, sizeof l, "transport", kvt_transport_name(ks.last_transport));
-            pd_metrics_label(l, sizeof l, "resource", ks.last_transport_name);
-            if (send) pd_metrics_label(l, sizeof l, "path", kvt_path_name(ks.last_path));
-            pd_mfamily_hide_all(sm->kv_info);
-            pd_metric_set(pd_mfamily_series(sm->kv_info, l), 1);
-        }
-    }
+    if (sm->inst_collect) sm->inst_collect(sm);
     if (sm->server) {
         rpc_server_stats rs;
         rpc_server_stats_get(sm->server, &rs);
@@ -254,12 +181,9 @@ int svc_metrics_create(const svc_metrics_params *p, svc_metrics **out, char *err
 
 pd_metrics *svc_metrics_registry(svc_metrics *sm) { return sm->reg; }
 
-void svc_metrics_watch(svc_metrics *sm, rpc_server *server, ew *worker, svc_kvt *kvt,
-                       const volatile int *draining)
+void svc_metrics_watch_server(svc_metrics *sm, rpc_server *server, const volatile int *draining)
 {
     sm->server = server;
-    sm->worker = worker;
-    sm->kvt = kvt;
     sm->draining = draining;
 }
 

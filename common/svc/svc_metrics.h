@@ -38,6 +38,9 @@ pd_metrics *svc_metrics_registry(svc_metrics *sm);
  * svc_metrics_stop). draining reads 1 once the service drains. Before svc_metrics_start. */
 void svc_metrics_watch(svc_metrics *sm, rpc_server *server, ew *worker, svc_kvt *kvt,
                        const volatile int *draining);
+/* The same for a service without an engine (the router): only the server and draining;
+ * part of the core that does not link the engine or kvtransfer. */
+void svc_metrics_watch_server(svc_metrics *sm, rpc_server *server, const volatile int *draining);
 /* A service's own collector, run at each scrape after the common ones (fn NULL: none). */
 void svc_metrics_set_collector(svc_metrics *sm, pd_metrics_collect_fn fn, void *arg);
 
