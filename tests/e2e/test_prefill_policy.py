@@ -44,7 +44,8 @@ try:
     auto = H.start("pdserve-router", *common, *inst, "--prefill-policy", "auto",
                    "--local-prefill-max-tokens", "8", tag="router-auto")
     local = H.start("pdserve-router", *common, *inst, "--prefill-policy", "local", tag="router-local")
-    remote = H.start("pdserve-router", *common, *inst, "--prefill-policy", "remote", tag="router-remote")
+    remote = H.start("pdserve-router", *common, *inst, "--prefill-policy", "remote",
+                     "--default-max-tokens", "9", tag="router-remote")
     busy = H.start("pdserve-router", *common, *inst, "--prefill-policy", "auto",
                    "--local-prefill-max-tokens", "0", "--prefill-busy-tokens", "200",
                    "--load-poll-ms", "600000", tag="router-busy")
@@ -92,6 +93,12 @@ try:
           "busy with --slo-tpot-ms: the decode instance's TPOT is over the bound, so prompts stay "
           "remote (tpot_bound)")
     check(outs_t == outs, "busy with a TPOT objective: the same tokens")
+    # max_tokens unset: the router's --default-max-tokens (docs/api.md).
+    stub = pbg.GenerationStub(grpc.insecure_channel("127.0.0.1:%d" % remote.port))
+    got, _, fin, usage = eu.generate(pb, stub, timeout=30, prompt_token_ids=long_,
+                                     stopping=pb.StoppingCriteria(ignore_eos=True))
+    check(len(got) == 9 and usage.completion_tokens == 9,
+          "max_tokens unset: --default-max-tokens 9 applies (%d tokens)" % len(got))
     check(all(q.p.poll() is None for q in H.procs), "no process died")
     H.stop()
 finally:
