@@ -42,6 +42,7 @@
 #include "pdserve/internal/v1/prefill.pb-c.h"
 #include "router/registry.h"
 #include "router/rtr_errors.h"
+#include "router/rtr_http.h"
 
 typedef struct {
     mc_config cfg;
@@ -987,6 +988,43 @@ static void collect(pd_metrics *m, void *arg)
     free(v);
 }
 
+/* --http-listen: the OpenAI-compatible HTTP front, a loopback client of this server
+ * (router/rtr_http.h). /health asks whether a decode instance can serve. */
+static int http_decode_up(void *user)
+{
+    (void)user;
+    rtr_instance *d = rtr_pick_decode(g.reg, NULL);
+    rtr_instance_unref(d);
+    return d != NULL;
+}
+
+static int http_setup(const char *http_listen, const char *listen, const char *model,
+                      bool tls, rtr_http **out, char *err)
+{
+    rtr_http_params hp = rtr_http_default_params();
+    char target[300];
+    if (tls)
+        return pd_errf(err, PD_EINVAL, "--http-listen serves plain HTTP through the gRPC port, "
+                       "which --tls-cert makes TLS-only: put a TLS proxy in front of the HTTP "
+                       "port instead, or leave --http-listen unset");
+    if (rtr_http_loopback_target(listen, rpc_server_port(g.server), target, sizeof target) < 0)
+        return pd_errf(err, PD_EINVAL, "--listen %s: cannot tell a loopback address", listen);
+    hp.listen = http_listen;
+    hp.grpc_target = target;
+    hp.model_name = g.model_name;
+    hp.model_dir = model;
+    hp.tok = g.tok;
+    hp.max_model_len = g.cfg.max_position;
+    hp.timeout_ms = g.call_timeout_ms;
+    hp.instances_up = http_decode_up;
+    hp.metrics = svc_metrics_registry(g.metrics);
+    int rc = rtr_http_start(&hp, out, err);
+    if (rc < 0) return rc;
+    printf("HTTP_PORT %d\n", rtr_http_port(*out));
+    fflush(stdout);
+    return 0;
+}
+
 static int metrics_setup(const char *listen, int64_t port, char *err)
 {
     svc_metrics_params mp = {"router", NULL, listen, port};
@@ -1062,7 +1100,7 @@ int main(int argc, char **argv)
     int64_t grace_ms = 30000, health_drain_ms = 0, timeout_ms = 600000, port = -1;
     int64_t metrics_port = -1;
     double slo_ttft_ms = 0, slo_tpot_ms = 0;
-    const char *prefill_policy = "auto";
+    const char *prefill_policy = "auto", *http_listen = "";
     /* Defaults from the measurements in docs/perf.md (2 x H100, Llama-3-8B shape): a 64-token
      * prompt computed on the decode instance answers 0.9 ms sooner and no TPOT moved; with
      * 4096 busy tokens workload A's goodput went from 22.5 to 39 req/s and B's from 18 to 12
@@ -1091,6 +1129,7 @@ int main(int argc, char **argv)
         {"prefill-busy-tokens", PD_FLAG_INT, &prefill_busy_tokens, "auto: when every prefill instance has this many prompt tokens queued and the decode instance at most a quarter of that (this prompt included), the prompt is computed on the decode instance (0 = never)", 0, 1ll << 40},
         {"prefill-busy-tpot-fraction", PD_FLAG_DOUBLE, &busy_tpot_fraction, "auto, with --slo-tpot-ms: the --prefill-busy-tokens rule computes a prompt on a decode instance only while the TPOT of the requests it decoded (a moving average) is below this fraction of the objective", 0, 10},
         {"prefill-queue-tokens", PD_FLAG_INT, &prefill_queue_tokens, "reserve late: prompt tokens per prefill instance that may be admitted (decode blocks reserved, sent to prefill) and not yet prefilled; later requests wait in the router holding nothing (0 = admit at once)", 0, 1ll << 40},
+        {"http-listen", PD_FLAG_STRING, &http_listen, "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on host:port (port 0 = any free port, printed as HTTP_PORT; unset = off)", 1, 0},
         {"metrics-port", PD_FLAG_INT, &metrics_port, "Prometheus /metrics HTTP port on the --listen host (-1 = off, 0 = any free port)", -1, 65535},
         {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
     };
@@ -1118,6 +1157,7 @@ int main(int argc, char **argv)
         listen = listen_buf;
     }
     int status = 1;
+    rtr_http *http = NULL;
     g.default_max_tokens = max_tokens;
     g.max_pending = max_pending;
     g.call_timeout_ms = timeout_ms;
@@ -1216,9 +1256,14 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
     }
+    if (http_listen[0] && http_setup(http_listen, listen, model, stls.cert[0] != 0, &http, err) < 0) {
+        fprintf(stderr, "pdserve-router: %s\n", err);
+        goto out;
+    }
     int sig = svc_wait_signal();
     PD_LOGI("signal %d: draining (grace %lld ms)", sig, (long long)grace_ms);
     g.draining = 1;
+    rtr_http_drain(http); /* new HTTP requests: 503 */
     int cancelled = rpc_server_shutdown(g.server);
     PD_LOGI("drained; %d calls cancelled", cancelled);
     status = 0;
@@ -1231,6 +1276,7 @@ out:
         pthread_mutex_unlock(&g_gate.mu);
         pthread_join(g_gate.th, NULL);
     }
+    rtr_http_stop(http); /* after the drain: its calls ended */
     rpc_server_destroy(g.server);
     rtr_registry_destroy(g.reg); /* after the server: requests reference instances */
     svc_metrics_destroy(g.metrics); /* after the last request was accounted */

@@ -1,0 +1,70 @@
+/* rtr_http.h -- The router's OpenAI-compatible HTTP front (--http-listen): POST /v1/completions,
+ * POST /v1/chat/completions (JSON or server-sent events), GET /v1/models, GET /health.
+ * Each generation is a call of the router's own public Generate RPC over a loopback gRPC
+ * channel, so validation, routing, stop strings and detokenization are the gRPC path's.
+ * libmicrohttpd serves it with one thread per connection (which blocks while it waits for
+ * tokens); a client that goes away cancels its calls. docs/api.md describes the endpoints. */
+#ifndef PD_ROUTER_RTR_HTTP_H
+#define PD_ROUTER_RTR_HTTP_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/metrics.h"
+#include "engine/tokenizer.h"
+
+typedef struct rtr_http rtr_http; /* opaque */
+
+typedef struct {
+    const char *listen;           /* "host:port" to serve HTTP on (port 0 = any free port;
+                                     "[v6]:port" for IPv6); required */
+    const char *grpc_target;      /* the router's public gRPC address as a client reaches it
+                                     over loopback ("127.0.0.1:50051"); required */
+    const char *model_name;       /* the served name (responses' model, /v1/models); copied */
+    const char *model_dir;        /* where the chat template is read from (tokenizer_config.json,
+                                     chat_template.jinja); NULL = no chat; copied */
+    const tok_tokenizer *tok;     /* the router's tokenizer (chat prompts, logprob token
+                                     strings); borrowed, must outlive rtr_http_stop; NULL =
+                                     none (token ids only) */
+    int32_t max_model_len;        /* shown in /v1/models */
+    int64_t timeout_ms;           /* deadline of a request's Generate calls, ms, >= 1 (a
+                                     shorter X-Stainless-Timeout header wins) */
+    int64_t max_body_bytes;       /* largest request body, bytes (larger: 413); default 4 MiB */
+    int max_connections;          /* open connections (each has a thread); default 256 */
+    int max_choices;              /* prompts x n per request, at most; default 16 */
+    /* Optional: the number of decode instances that are up (/health says 503 at 0). */
+    int (*instances_up)(void *user);
+    void *user;                   /* passed to instances_up; borrowed */
+    pd_metrics *metrics;          /* registry for pdserve_http_* families; borrowed, NULL =
+                                     none */
+} rtr_http_params;
+
+rtr_http_params rtr_http_default_params(void);
+
+/* Loads the chat template (when the model has one), opens the loopback channel and starts
+ * serving. p is copied. Returns 0, PD_EINVAL (bad listen address or params), PD_EIO (cannot
+ * bind: address in use), PD_ENOMEM; err (PD_ERR_LEN) says why. */
+int rtr_http_start(const rtr_http_params *p, rtr_http **out, char *err);
+
+/* The bound port. */
+int rtr_http_port(const rtr_http *h);
+
+/* From now on new generation requests and /health answer 503 (the router drains); requests
+ * in progress go on. Thread-safe. */
+void rtr_http_drain(rtr_http *h);
+
+/* Closes every connection (their calls are cancelled), waits for the connection threads and
+ * the calls, and frees everything. Call it after the gRPC server has drained. NULL is a
+ * no-op. */
+void rtr_http_stop(rtr_http *h);
+
+/* Parses "host:port" ("[v6]:port", ":port" = every address) into host (without brackets;
+ * "" for every address) and port. Returns 0 or PD_EINVAL. */
+int rtr_http_split_hostport(const char *s, char *host, size_t host_len, int *port);
+
+/* The address that reaches, over loopback, a gRPC server listening on grpc_listen
+ * ("0.0.0.0:50051", "[::]:0", "10.0.0.5:7000") with bound port: "127.0.0.1:PORT", "[::1]:PORT"
+ * or the listen host itself. Returns 0 or PD_EINVAL. */
+int rtr_http_loopback_target(const char *grpc_listen, int port, char *out, size_t len);
+
+#endif

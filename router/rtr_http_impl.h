@@ -1,0 +1,165 @@
+/* rtr_http_impl.h -- Internals shared by rtr_http.c (the HTTP server, one request's calls and
+ * events) and rtr_openai.c (OpenAI request parsing and response JSON). Not for use outside
+ * router/. */
+#ifndef PD_ROUTER_RTR_HTTP_IMPL_H
+#define PD_ROUTER_RTR_HTTP_IMPL_H
+
+#include <jansson.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/error.h"
+#include "common/rpc/rpc.h"
+#include "engine/tokenizer.h"
+#include "pdserve/v1/generation.pb-c.h"
+
+#ifdef PD_HAVE_CHAT_TEMPLATE
+#include "engine/chat_template.h"
+#else
+typedef struct chat_template chat_template; /* no chat template module in this build */
+#endif
+
+enum { OAI_COMPLETIONS = 1, OAI_CHAT = 2 };
+
+/* What the parser and the formatters read about the served model. */
+typedef struct {
+    char model_name[256];
+    const tok_tokenizer *tok;       /* borrowed; NULL = none */
+    chat_template *tmpl;            /* owned by rtr_http; NULL = none (tmpl_err says why) */
+    char tmpl_err[PD_ERR_LEN];      /* why there is no template ("" = the model has none) */
+    bool tmpl_missing;              /* the model has no chat template (400, not 500) */
+    int max_choices;
+    int32_t max_model_len;
+    int64_t created;                /* start time (Unix seconds), /v1/models */
+} oai_ctx;
+
+/* A request error in OpenAI's shape: {"error": {message, type, param, code}}. */
+typedef struct {
+    int status;                     /* HTTP status */
+    char message[PD_ERR_LEN];
+    char param[64];                 /* "" = null */
+    const char *code;               /* NULL = null */
+} oai_err;
+
+/* A parsed generation request: the settings the responses need and the inputs of its
+ * Generate calls (valid until oai_job_free_inputs). */
+typedef struct {
+    int kind;                       /* OAI_COMPLETIONS or OAI_CHAT */
+    bool stream, include_usage;
+    int n;                          /* choices per prompt, >= 1 */
+    int n_prompts;                  /* >= 1 */
+    int logprobs;                   /* -1 = none; completions: logprobs; chat: top_logprobs */
+    /* Inputs: */
+    json_t *root;                   /* the parsed body (owns the strings below) */
+    const char **texts;             /* [n_prompts]: text prompt (tokenized by the router) or
+                                       NULL for token ids */
+    uint32_t **ids;                 /* [n_prompts]: token ids (owned) or NULL */
+    size_t *n_ids;                  /* [n_prompts] */
+    Pdserve__V1__SamplingParams sampling;   /* seed_set as the request said */
+    Pdserve__V1__StoppingCriteria stopping; /* stop / stop_token_ids point into the arrays */
+    char **stop;                    /* [stopping.n_stop], borrowed from root */
+    uint32_t *stop_ids;             /* owned */
+    uint32_t req_logprobs;          /* GenerateRequest.logprobs */
+} oai_job;
+
+/* One choice (one Generate call) of a request. */
+typedef struct oai_choice {
+    struct hreq *r;                 /* back pointer (the call's user data) */
+    int index;
+    rpc_client_call *call;          /* handle, released when the request is freed */
+    /* Connection thread only: */
+    bool done;                      /* its call ended (status processed) */
+    int finish;                     /* FinishReason of its last message, 0 until then */
+    uint32_t prompt_tokens, completion_tokens, cached_tokens;
+    bool role_sent;                 /* chat stream: the first delta (role) went out */
+    char *text;                     /* not streamed: the completion so far */
+    size_t text_len, text_cap;
+    json_t *lp;                     /* not streamed: logprobs so far (NULL = none asked) */
+    size_t text_offset;             /* completions logprobs: offset of the next token */
+    tok_stream *lp_stream;          /* logprobs: the tokens' text pieces (NULL until asked) */
+} oai_choice;
+
+/* An event from a call's completion thread: a response (msg) or the end (msg NULL). */
+typedef struct oai_event {
+    struct oai_event *next;
+    int choice;
+    ProtobufCMessage *msg;          /* owned; NULL = the call ended with code / detail */
+    int code;
+    char detail[PD_ERR_LEN];
+} oai_event;
+
+/* One HTTP request (MHD's per-request state). Freed when the last reference goes: MHD's (the
+ * request-completed callback), a streamed response's and one per call not yet ended. */
+typedef struct hreq {
+    atomic_int refs;
+    struct rtr_http *h;
+    const oai_ctx *ctx;
+    pthread_mutex_t mu;             /* guards the event list, n_live and gone */
+    pthread_cond_t cv;              /* signalled when an event arrives */
+    oai_event *head, *tail;
+    int n_live;                     /* calls whose on_done has not run */
+    bool gone;                      /* the request ended (client gone, stop): drop events */
+    /* Connection thread only: */
+    struct MHD_Connection *conn;
+    int endpoint;                   /* EP_* of rtr_http.c */
+    char *body;
+    size_t body_len, body_cap;
+    bool too_large;
+    oai_job job;
+    char id[48];                    /* cmpl-... / chatcmpl-... */
+    int64_t created;
+    int n_choices, n_done;
+    oai_choice *choices;
+    bool failed;                    /* a choice failed: err holds the first error */
+    oai_err err;
+    bool headers_sent;              /* a streamed response was queued (errors become events) */
+    bool sse_closed;                /* [DONE] appended */
+    char *out;                      /* streamed bytes not yet handed to MHD */
+    size_t out_len, out_off, out_cap;
+    bool oom;
+    double t_checked;               /* when the socket was last looked at (monotonic s) */
+} hreq;
+
+/* ---- rtr_openai.c ---- */
+
+/* Parses body (len bytes) as a request of kind. Returns 0 with job filled (free with
+ * oai_job_free, also after an error), or an HTTP status with e filled. */
+int oai_parse(const oai_ctx *ctx, int kind, const char *body, size_t len, oai_job *job,
+              oai_err *e);
+/* Fills q (initialized here) for choice i: prompt i / n, sampling copied into *s with seed +
+ * i % n when seeded. q borrows from job and s. */
+void oai_job_request(const oai_job *job, int i, Pdserve__V1__GenerateRequest *q,
+                     Pdserve__V1__SamplingParams *s);
+/* Frees the inputs (once every call started); the settings stay. */
+void oai_job_free_inputs(oai_job *job);
+void oai_job_free(oai_job *job);
+
+/* Applies one response of choice ci: streamed, appends a chunk to r->out; else accumulates. */
+void oai_apply(hreq *r, int ci, const Pdserve__V1__GenerateResponse *m);
+/* Fills e for a call that ended with code and detail (code OK with no finish reason, or a
+ * finish reason of CANCELLED / ERROR, count as errors too). Returns true when it is one. */
+bool oai_call_error(const oai_choice *c, int code, const char *detail, oai_err *e);
+/* Streamed: appends an error event for r->err. */
+void oai_stream_error(hreq *r);
+/* Streamed: appends the usage chunk (when asked) and "data: [DONE]". */
+void oai_stream_end(hreq *r);
+/* Not streamed: the response body (caller frees with free), NULL when out of memory. */
+char *oai_final_body(const hreq *r);
+
+/* {"error": ...} for e (caller frees with free; NULL when out of memory). */
+char *oai_error_body(const oai_err *e);
+/* Fills e; type follows status. Returns e->status. */
+int oai_errf(oai_err *e, int status, const char *param, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+/* The HTTP status for a gRPC status code. */
+int oai_http_status(int rpc_code);
+/* /v1/models (id NULL) or /v1/models/{id}; NULL when out of memory or (with id) unknown. */
+char *oai_models_body(const oai_ctx *ctx, const char *id);
+
+/* Appends len bytes to r->out (sets r->oom on failure). */
+void hreq_out(hreq *r, const char *s, size_t len);
+
+#endif

@@ -1,0 +1,335 @@
+#!/usr/bin/python3
+"""test_openai_http.py -- The router's OpenAI-compatible HTTP API (--http-listen, issue #30):
+decode + prefill + router on stories260k, driven by the official `openai` npm package
+(tests/e2e/node/openai_client.js; npm ci of tests/e2e/node the first time) and by raw HTTP:
+
+  - completions, plain and streamed: the greedy text, finish reason and usage equal the gRPC
+    Generate result for the same prompt (text and token-id prompts); n=2 gives the choices of
+    seeds seed and seed+1; stop strings; max_tokens; logprobs (the chosen token's, equal to
+    gRPC's); /v1/models; type errors, unknown model, unsupported fields in OpenAI's error shape
+  - chat: 400 (stories260k has no chat template), or 501 in a build without chat templates
+  - raw: SSE framing (data: lines, blank-line separated, data: [DONE] last), bad JSON, 404,
+    405 with Allow, 413 (Content-Length and a chunked upload), /health, /metrics families
+  - a client that hangs up mid-stream or while waiting for a plain answer: its calls are
+    cancelled (router in flight back to 0, decode's KV blocks free); X-Stainless-Timeout as the
+    deadline (504); RESOURCE_EXHAUSTED as 429; no decode instance as 503 (health too);
+    PDSERVE_HTTP_LISTEN; draining answers 503; every process exits 0 after SIGTERM (leak-free
+    under ASan)
+
+Without node, npm or the npm registry the openai-package part skips (the rest still runs) and
+the test says so. usage: test_openai_http.py BIN_DIR SHARED_DIR PROTO_DIR"""
+import http.client, json, os, shutil, signal, socket, subprocess, sys, time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import e2e_util as eu
+
+H = eu.Harness(sys.argv, log_level="warn")
+pb, pbg, check = H.pb, H.pbg, H.check
+import grpc
+
+NODE_DIR = os.path.join(HERE, "node")
+PROMPT = "Once upon a time"
+
+
+def node_ready():
+    """Returns (node path, None) or (None, why not)."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node or not npm:
+        return None, "node or npm missing (Debian: apt-get install nodejs npm)"
+    ok = lambda: subprocess.run([node, "-e", "require('openai')"], cwd=NODE_DIR, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT).returncode == 0
+    if not ok():
+        r = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--ignore-scripts"], cwd=NODE_DIR,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+        if r.returncode != 0 or not ok():
+            last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "no output"
+            return None, "npm ci of the openai package failed (offline?): " + last
+    return node, None
+
+
+def start_router(*args, env=None, tag="router"):
+    p = H.start("pdserve-router", *args, tag=tag, env=env)
+    line = p.p.stdout.readline()
+    if not line.startswith("HTTP_PORT "):
+        raise SystemExit("router printed no HTTP_PORT: %r %s" % (line, open(p.log).read()[-2000:]))
+    p.hport = int(line.split()[1])
+    return p
+
+
+def request(port, method, path, body=None, headers=None, timeout=60):
+    """Returns (status, headers dict (lowercase), body text)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    data = body if isinstance(body, (bytes, type(None))) else (body if isinstance(body, str) else json.dumps(body))
+    h = {"Content-Type": "application/json"}
+    h.update(headers or {})
+    c.request(method, path, body=data, headers=h)
+    r = c.getresponse()
+    text = r.read().decode()
+    hdrs = {k.lower(): v for k, v in r.getheaders()}
+    c.close()
+    return r.status, hdrs, text
+
+
+def is_error_shape(text, status_type=None):
+    try:
+        e = json.loads(text)["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return set(e) == {"message", "type", "param", "code"} and isinstance(e["message"], str) and \
+        (status_type is None or e["type"] == status_type)
+
+
+def grpc_gen(router, **kw):
+    stub = pbg.GenerationStub(grpc.insecure_channel("127.0.0.1:%d" % router.port))
+    ids, text, fin, usage, lps = [], "", 0, None, []
+    for r in stub.Generate(pb.GenerateRequest(**kw), timeout=60):
+        ids += list(r.token_ids)
+        text += r.text
+        lps += [lp.logprob for lp in r.logprobs]
+        if r.finish_reason:
+            fin, usage = r.finish_reason, r.usage
+    return {"ids": ids, "text": text, "finish": {1: "length", 2: "stop", 3: "stop"}.get(fin),
+            "usage": usage, "lps": lps}
+
+
+def sampling(temperature=0.0, seed=None):
+    return pb.SamplingParams(temperature=temperature, seed=seed) if seed is not None else \
+        pb.SamplingParams(temperature=temperature)
+
+
+def quiet(router, dec):
+    s, d = eu.Scrape(router.mport), eu.Scrape(dec.mport)
+    return (s.get("pdserve_requests_in_flight") == 0 and s.get("pdserve_http_requests_in_flight") == 0
+            and d.get("pdserve_kv_cache_used_blocks") == 0 and d.get("pdserve_sequences_running") == 0)
+
+
+def raw_stream_then_hang_up(port, body, first_event):
+    """POSTs body on a raw socket; with first_event reads until the first SSE event, else
+    waits 0.3 s; then closes the socket. Returns what was read."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    data = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    got = b""
+    if first_event:
+        while b"data: " not in got:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    else:
+        time.sleep(0.3)
+    s.close()
+    return got.decode(errors="replace")
+
+
+try:
+    common = ["--model", H.model, "--listen", "127.0.0.1:0", "--metrics-port", "0"]
+    # A decode step of 10 ms more: long generations last long enough to hang up in.
+    dec = H.start("pdserve-decode", *common, tag="decode", env=dict(H.env, PDSERVE_FAULT_STEP_DELAY_MS="10"))
+    pre = H.start("pdserve-prefill", *common, tag="prefill")
+    inst = ["--prefill", "127.0.0.1:%d" % pre.port, "--decode", "127.0.0.1:%d" % dec.port]
+    router = start_router(*common, *inst, "--http-listen", "127.0.0.1:0")
+    eu.wait_until(lambda: request(router.hport, "GET", "/health")[0] == 200, 10)
+    name = os.path.basename(H.model)
+    stub = pbg.GenerationStub(grpc.insecure_channel("127.0.0.1:%d" % router.port))
+    prompt_ids = list(stub.Tokenize(pb.TokenizeRequest(text=PROMPT, add_special_tokens=True)).token_ids)
+
+    # ---- the openai npm package ----
+    node, why = node_ready()
+    if not node:
+        print("openai package part skipped: " + why)
+    else:
+        r = subprocess.run([node, os.path.join(NODE_DIR, "openai_client.js"),
+                            "http://127.0.0.1:%d/v1" % router.hport, name, PROMPT, json.dumps(prompt_ids)],
+                           cwd=NODE_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+        try:
+            o = json.loads(r.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            o = {"crash": "exit %d: %s %s" % (r.returncode, r.stdout[-2000:], r.stderr[-2000:])}
+        check("crash" not in o, "the openai client ran (%s)" % o.get("crash", "ok"))
+        o.pop("crash", None)
+        ok = lambda k: o.get(k, {}).get("ok") and o[k]["value"]
+        err = lambda k: (o.get(k) or {}).get("error") or {}
+        g = grpc_gen(router, prompt=PROMPT, sampling=sampling(),
+                     stopping=pb.StoppingCriteria(max_tokens=24), logprobs=1)
+        check(ok("models") == [name], "models.list() -> [%s] (%s)" % (name, o.get("models")))
+        check((ok("model") or {}).get("id") == name, "models.retrieve(%s)" % name)
+        v = ok("plain") or {}
+        c0 = (v.get("choices") or [{}])[0]
+        check(c0.get("text") == g["text"] and c0.get("finish_reason") == g["finish"],
+              "completions: the greedy text equals gRPC Generate's (%r / %r)" % (c0.get("text"), g["text"]))
+        u = v.get("usage") or {}
+        check(u.get("prompt_tokens") == g["usage"].prompt_tokens and u.get("completion_tokens") == len(g["ids"])
+              and u.get("total_tokens") == u.get("prompt_tokens", 0) + u.get("completion_tokens", 0),
+              "completions: usage %s" % u)
+        check(v.get("id", "").startswith("cmpl-") and v.get("object") == "text_completion" and
+              v.get("model") == name and isinstance(v.get("created"), int), "completions: id, object, model, created")
+        v = ok("stream") or {}
+        check(v.get("text", {}).get("0") == g["text"] and v.get("finish", {}).get("0") == g["finish"],
+              "streamed: the same text in %s chunks" % v.get("chunks"))
+        check(len(v.get("ids", [])) == 1 and v.get("objects") == ["text_completion"] and
+              (v.get("usage") or {}).get("completion_tokens") == len(g["ids"]),
+              "streamed: one id, include_usage's final usage chunk (%s)" % v.get("usage"))
+        want = [grpc_gen(router, prompt=PROMPT, sampling=sampling(1.0, seed),
+                         stopping=pb.StoppingCriteria(max_tokens=12))["text"] for seed in (7, 8)]
+        v = ok("n2") or {}
+        got = [c.get("text") for c in sorted(v.get("choices", []), key=lambda c: c["index"])]
+        check(got == want and (v.get("usage") or {}).get("prompt_tokens") == len(prompt_ids),
+              "n=2: choices 0 and 1 are the generations of seed 7 and 8 (%r)" % got)
+        v = ok("n2_stream") or {}
+        check([v.get("text", {}).get(k) for k in ("0", "1")] == want, "n=2 streamed: the same two texts")
+        gs = grpc_gen(router, prompt=PROMPT, sampling=sampling(),
+                      stopping=pb.StoppingCriteria(max_tokens=24, stop=["Lily", "zzz"]))
+        c0 = ((ok("stop") or {}).get("choices") or [{}])[0]
+        check(c0.get("text") == gs["text"] and c0.get("finish_reason") == "stop" and "Lily" not in gs["text"],
+              "stop strings: %r, finish_reason stop" % c0.get("text"))
+        v = ok("stop_stream") or {}
+        check(v.get("text", {}).get("0") == gs["text"] and v.get("finish", {}).get("0") == "stop",
+              "stop string streamed (stop as a string)")
+        v = ok("max3") or {}
+        check((v.get("usage") or {}).get("completion_tokens") == 3 and v["choices"][0]["finish_reason"] == "length",
+              "max_tokens 3: 3 tokens, finish_reason length")
+        c0 = ((ok("logprobs") or {}).get("choices") or [{}])[0]
+        lp = c0.get("logprobs") or {}
+        check(len(lp.get("token_logprobs", [])) == len(g["ids"]) and "".join(lp.get("tokens", [])) == c0.get("text")
+              and all(abs(a - b) < 1e-4 for a, b in zip(lp.get("token_logprobs", []), g["lps"]))
+              and len(lp.get("text_offset", [])) == len(g["ids"]) and len(lp.get("top_logprobs", [])) == len(g["ids"]),
+              "logprobs: one per token, the tokens spell the text, values equal gRPC's")
+        v = ok("logprobs_stream") or {}
+        check(len((v.get("logprobs") or {}).get("0", {}).get("token_logprobs", [])) == len(g["ids"]),
+              "logprobs 0 streamed: the chosen token's logprob in the chunks")
+        c0 = ((ok("token_prompt") or {}).get("choices") or [{}])[0]
+        check(c0.get("text") == g["text"], "a token-id prompt gives the same text")
+        e = err("bad_type")
+        check(e.get("status") == 400 and e.get("param") == "max_tokens" and e.get("type") == "invalid_request_error"
+              and e.get("class") == "BadRequestError", "max_tokens as a string: 400 naming the param (%s)" % e)
+        e = err("bad_temp")
+        check(e.get("status") == 400 and "temperature" in e.get("message", ""), "temperature -1: 400 (%s)" % e.get("message"))
+        e = err("bad_model")
+        check(e.get("status") == 404 and e.get("code") == "model_not_found" and e.get("class") == "NotFoundError",
+              "an unknown model: 404 model_not_found")
+        e = err("too_long")
+        check(e.get("status") == 400 and "maximum length" in e.get("message", ""), "max_tokens over the model length: 400")
+        e = err("echo")
+        check(e.get("status") == 400 and e.get("param") == "echo", "echo: 400 (not supported)")
+        e, es = err("chat"), err("chat_stream")
+        chat_built = os.path.exists(os.path.join(HERE, "..", "..", "engine", "chat_template.h"))
+        if chat_built:
+            check(e.get("status") == 400 and e.get("code") == "chat_template_missing" and es.get("status") == 400,
+                  "chat on a model without a chat template: 400 (%s)" % e.get("message"))
+        else:
+            check(e.get("status") == 501 and es.get("status") == 501, "chat in a build without chat templates: 501")
+
+    # ---- raw HTTP ----
+    st, hd, body = request(router.hport, "POST", "/v1/completions",
+                           {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}})
+    events = body.split("\n\n")
+    check(st == 200 and hd.get("content-type") == "text/event-stream" and hd.get("transfer-encoding") == "chunked",
+          "SSE: 200, text/event-stream, chunked")
+    check(events[-1] == "" and events[-2] == "data: [DONE]" and all(e.startswith("data: ") for e in events[:-1]),
+          "SSE: every event a 'data: ' line ended by a blank line, [DONE] last")
+    chunks = [json.loads(e[6:]) for e in events[:-2]]
+    check(chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8 and
+          all(c["usage"] is None for c in chunks[:-1] if "usage" in c), "SSE: the usage chunk last")
+    st, hd, body = request(router.hport, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+    check(st == 200 and hd.get("content-type") == "application/json" and len(json.loads(body)["choices"]) == 1,
+          "plain: 200 application/json")
+    st, _, body = request(router.hport, "POST", "/v1/completions", '{"prompt": "x", ')
+    check(st == 400 and is_error_shape(body, "invalid_request_error"), "bad JSON: 400 in OpenAI's error shape")
+    st, _, body = request(router.hport, "POST", "/v1/completions", {"prompt": 5})
+    check(st == 400 and json.loads(body)["error"]["param"] == "prompt", "prompt 5: 400 param prompt")
+    st, _, body = request(router.hport, "POST", "/v1/completions", {"prompt": "x", "stream": "yes"})
+    check(st == 400 and json.loads(body)["error"]["param"] == "stream", "stream 'yes': 400 param stream")
+    st, _, body = request(router.hport, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "user": "u",
+                                                                    "some_future_field": [1, 2]})
+    check(st == 200, "unknown fields and user are ignored")
+    st, _, body = request(router.hport, "GET", "/v2/nothing")
+    check(st == 404 and is_error_shape(body), "unknown path: 404")
+    st, hd, body = request(router.hport, "GET", "/v1/completions")
+    check(st == 405 and hd.get("allow") == "POST" and is_error_shape(body), "GET /v1/completions: 405, Allow: POST")
+    st, hd, _ = request(router.hport, "POST", "/v1/models", {})
+    check(st == 405 and "GET" in hd.get("allow", ""), "POST /v1/models: 405")
+    s = socket.create_connection(("127.0.0.1", router.hport), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5000000\r\n\r\n")
+    resp = s.recv(65536).decode(errors="replace")
+    s.close()
+    check(resp.startswith("HTTP/1.1 413"), "Content-Length over 4 MiB: 413 before the body is read")
+    s = socket.create_connection(("127.0.0.1", router.hport), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    piece = b"%x\r\n%s\r\n" % (65536, b"a" * 65536)
+    try:
+        for _ in range(80):  # 5 MiB
+            s.sendall(piece)
+        s.sendall(b"0\r\n\r\n")
+    except OSError:
+        pass
+    resp = s.recv(65536).decode(errors="replace")
+    s.close()
+    check(resp.startswith("HTTP/1.1 413"), "a chunked body over 4 MiB: 413")
+    st, _, body = request(router.hport, "GET", "/health")
+    check(st == 200 and json.loads(body) == {"status": "ok"}, "/health: 200")
+    m = eu.Scrape(router.mport)
+    check(m.get("pdserve_http_requests_total", endpoint="/v1/completions", code="200") >= 3 and
+          m.get("pdserve_http_requests_total", code="413") == 2, "/metrics: pdserve_http_requests_total by endpoint and code")
+
+    # ---- hanging up cancels ----
+    m0 = eu.Scrape(router.mport).get("pdserve_requests_total", outcome="cancelled")
+    got = raw_stream_then_hang_up(router.hport, {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+                                                 "stream": True}, True)
+    t0 = time.time()
+    check("data: " in got, "a stream began (the first event arrived)")
+    check(eu.wait_until(lambda: quiet(router, dec), 3), "hang-up mid-stream: in flight 0, decode's blocks free "
+          "in %.2f s (the generation needed 4 s)" % (time.time() - t0))
+    raw_stream_then_hang_up(router.hport, {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}, False)
+    t0 = time.time()
+    check(eu.wait_until(lambda: quiet(router, dec), 3), "hang-up while waiting for a plain answer: the same (%.2f s)"
+          % (time.time() - t0))
+    check(eu.wait_until(lambda: eu.Scrape(router.mport).get("pdserve_requests_total", outcome="cancelled") == m0 + 2, 3),
+          "both counted as cancelled calls")
+    t0 = time.time()
+    st, _, body = request(router.hport, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True},
+                          headers={"X-Stainless-Timeout": "1"})
+    check(st == 504 and is_error_shape(body, "timeout_error") and time.time() - t0 < 3,
+          "X-Stainless-Timeout: 1 -> 504 after %.2f s" % (time.time() - t0))
+    check(eu.wait_until(lambda: quiet(router, dec), 3), "after the deadline: nothing left in flight")
+
+    # ---- a router with --max-pending 1 (429) and one with no live instance (503) ----
+    env = dict(H.env, PDSERVE_HTTP_LISTEN="127.0.0.1:0")
+    busy = start_router(*common, *inst, "--max-pending", "1", env=env, tag="router-busy")
+    eu.wait_until(lambda: request(busy.hport, "GET", "/health")[0] == 200, 10)
+    slow = socket.create_connection(("127.0.0.1", busy.hport), timeout=10)
+    data = json.dumps({"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True}).encode()
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    got = b""
+    while b"data: " not in got:
+        chunk = slow.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+    check(b"data: " in got, "a stream holds the busy router's one slot")
+    st, _, body = request(busy.hport, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    check(st == 429 and is_error_shape(body, "rate_limit_error") and json.loads(body)["error"]["code"] == "rate_limit_exceeded",
+          "RESOURCE_EXHAUSTED (--max-pending 1, PDSERVE_HTTP_LISTEN): 429 (%s)" % body[:160])
+    slow.close()
+    dead = start_router(*common, "--decode", "127.0.0.1:1", "--http-listen", "127.0.0.1:0", tag="router-dead")
+    st, _, body = request(dead.hport, "GET", "/health")
+    check(st == 503 and is_error_shape(body), "no decode instance: /health 503")
+    st, _, body = request(dead.hport, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    check(st == 503 and is_error_shape(body, "server_error"), "no decode instance: 503 (%s)" % body[:120])
+    check(eu.wait_until(lambda: quiet(busy, dec), 3), "the busy router is quiet again")
+
+    # ---- draining: 503 for new requests while the gRPC side still drains ----
+    drain = start_router(*common, *inst, "--http-listen", "127.0.0.1:0", "--health-drain-ms", "1500", tag="router-drain")
+    eu.wait_until(lambda: request(drain.hport, "GET", "/health")[0] == 200, 10)
+    drain.p.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    st, _, _ = request(drain.hport, "GET", "/health")
+    st2, _, body = request(drain.hport, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    check(st == 503 and st2 == 503 and is_error_shape(body), "draining: /health and new requests 503")
+    H.stop()
+finally:
+    H.kill_all()
+H.finish()
