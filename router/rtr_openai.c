@@ -50,7 +50,8 @@ char *oai_error_body(const oai_err *e)
     snprintf(msg, sizeof msg, "%s", e->message);
     utf8_trim(msg);
     json_t *err = json_object();
-    json_object_set_new(err, "message", json_string(msg) ? json_string(msg) : json_string("error"));
+    json_t *m = json_string(msg);
+    json_object_set_new(err, "message", m ? m : json_string("error"));
     json_object_set_new(err, "type", json_string(err_type(e->status)));
     json_object_set_new(err, "param", e->param[0] ? json_string(e->param) : json_null());
     json_object_set_new(err, "code", e->code ? json_string(e->code) : json_null());

@@ -329,6 +329,7 @@ try:
     st, _, _ = request(drain.hport, "GET", "/health")
     st2, _, body = request(drain.hport, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
     check(st == 503 and st2 == 503 and is_error_shape(body), "draining: /health and new requests 503")
+    drain.p.wait(timeout=60)  # one SIGTERM only (H.stop signals what still runs)
     H.stop()
 finally:
     H.kill_all()

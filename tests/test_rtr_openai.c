@@ -1,0 +1,353 @@
+/* test_rtr_openai.c -- The OpenAI request parser and response formatter of the router's HTTP
+ * front (router/rtr_openai.c): every field onto GenerateRequest (n's seeds, logprobs, chat's
+ * max_completion_tokens), prompt forms, wrong types and unsupported features as 400 naming the
+ * field, unknown model 404; chat messages (content parts, roles) and, where the chat template
+ * module is built, the rendered conversation tokenized without added special tokens (Qwen3,
+ * Llama-3 tokenizers); response bodies, stream chunks, usage and error shapes. */
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "router/rtr_http_impl.h"
+#include "tests/test_util.h"
+
+static oai_ctx ctx;
+
+/* Parses body; returns the status (0 = ok); e and job for inspection (caller frees job). */
+static int parse(int kind, const char *body, oai_job *job, oai_err *e)
+{
+    memset(e, 0, sizeof *e);
+    return oai_parse(&ctx, kind, body, strlen(body), job, e);
+}
+
+static void expect_error(int kind, const char *body, int status, const char *param)
+{
+    oai_job job;
+    oai_err e;
+    int rc = parse(kind, body, &job, &e);
+    CHECK_MSG(rc == status && e.status == status, "%s: got %d (%s), want %d", body, rc, e.message, status);
+    if (param) CHECK_MSG(!strcmp(e.param, param), "%s: param '%s', want '%s'", body, e.param, param);
+    CHECK_MSG(e.message[0], "%s: no message", body);
+    oai_job_free(&job);
+}
+
+static void test_completions(void)
+{
+    oai_job job;
+    oai_err e;
+    int rc = parse(OAI_COMPLETIONS, "{\"model\":\"m\",\"prompt\":\"hi\",\"max_tokens\":5,\"temperature\":0.5,"
+                   "\"top_p\":0.9,\"seed\":42,\"n\":3,\"stop\":\"x\",\"logprobs\":2,\"presence_penalty\":0.5,"
+                   "\"frequency_penalty\":-0.5,\"user\":\"u\",\"future_field\":{\"a\":1},\"top_k\":4,"
+                   "\"ignore_eos\":true,\"min_tokens\":2,\"stop_token_ids\":[7,8],\"echo\":false,"
+                   "\"best_of\":3,\"logit_bias\":{},\"suffix\":null}", &job, &e);
+    CHECK_MSG(rc == 0, "%s", e.message);
+    CHECK_EQ_INT(job.n, 3);
+    CHECK_EQ_INT(job.n_prompts, 1);
+    CHECK_EQ_INT(job.logprobs, 2);
+    CHECK(!job.stream);
+    Pdserve__V1__GenerateRequest q;
+    Pdserve__V1__SamplingParams s;
+    oai_job_request(&job, 2, &q, &s);
+    CHECK(q.prompt && !strcmp(q.prompt, "hi") && q.n_prompt_token_ids == 0);
+    CHECK_EQ_INT(q.logprobs, 2);
+    CHECK(s.seed_set_case == PDSERVE__V1__SAMPLING_PARAMS__SEED_SET_SEED);
+    CHECK_EQ_INT(s.seed, 44); /* seed + choice */
+    CHECK_NEAR(s.temperature, 0.5, 1e-6);
+    CHECK_NEAR(s.top_p, 0.9, 1e-6);
+    CHECK_NEAR(s.presence_penalty, 0.5, 1e-6);
+    CHECK_NEAR(s.frequency_penalty, -0.5, 1e-6);
+    CHECK_EQ_INT(s.top_k, 4);
+    CHECK(q.stopping->max_tokens_set_case && q.stopping->max_tokens == 5);
+    CHECK(q.stopping->n_stop == 1 && !strcmp(q.stopping->stop[0], "x"));
+    CHECK(q.stopping->n_stop_token_ids == 2 && q.stopping->stop_token_ids[1] == 8);
+    CHECK(q.stopping->ignore_eos && q.stopping->min_tokens == 2);
+    oai_job_request(&job, 0, &q, &s);
+    CHECK_EQ_INT(s.seed, 42);
+    oai_job_free(&job);
+
+    /* Defaults: nothing set means the server's defaults (no seed, no max_tokens). */
+    rc = parse(OAI_COMPLETIONS, "{\"prompt\":\"hi\",\"temperature\":null,\"stream\":true,"
+               "\"stream_options\":{\"include_usage\":true}}", &job, &e);
+    CHECK_MSG(rc == 0, "%s", e.message);
+    oai_job_request(&job, 0, &q, &s);
+    CHECK(!s.seed_set_case && !s.temperature_set_case && !q.stopping->max_tokens_set_case);
+    CHECK(job.stream && job.include_usage && job.logprobs == -1 && q.logprobs == 0);
+    oai_job_free(&job);
+    /* logprobs 0: the chosen token's logprob only (the router sends it for logprobs >= 1). */
+    rc = parse(OAI_COMPLETIONS, "{\"prompt\":\"hi\",\"logprobs\":0}", &job, &e);
+    oai_job_request(&job, 0, &q, &s);
+    CHECK(rc == 0 && job.logprobs == 0 && q.logprobs == 1);
+    oai_job_free(&job);
+
+    /* Prompt forms. */
+    rc = parse(OAI_COMPLETIONS, "{\"prompt\":[1,2,3]}", &job, &e);
+    oai_job_request(&job, 0, &q, &s);
+    CHECK(rc == 0 && job.n_prompts == 1 && !q.prompt[0] && q.n_prompt_token_ids == 3 && q.prompt_token_ids[2] == 3);
+    oai_job_free(&job);
+    rc = parse(OAI_COMPLETIONS, "{\"prompt\":[\"a\",\"b\"],\"n\":2}", &job, &e);
+    CHECK(rc == 0 && job.n_prompts == 2);
+    oai_job_request(&job, 3, &q, &s);
+    CHECK(q.prompt && !strcmp(q.prompt, "b") && !s.seed_set_case);
+    oai_job_free(&job);
+    rc = parse(OAI_COMPLETIONS, "{\"prompt\":[[1],[2,3]]}", &job, &e);
+    oai_job_request(&job, 1, &q, &s);
+    CHECK(rc == 0 && job.n_prompts == 2 && q.n_prompt_token_ids == 2 && q.prompt_token_ids[0] == 2);
+    oai_job_free(&job);
+    rc = parse(OAI_COMPLETIONS, "{\"prompt\":[\"only\"]}", &job, &e);
+    CHECK(rc == 0 && job.n_prompts == 1);
+    oai_job_free(&job);
+
+    /* Errors. */
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"max_tokens\":\"5\"}", 400, "max_tokens");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"max_tokens\":1.5}", 400, "max_tokens");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"max_tokens\":0}", 400, "max_tokens");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"max_tokens\":-3}", 400, "max_tokens");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"temperature\":\"hot\"}", 400, "temperature");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"top_p\":[1]}", 400, "top_p");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"seed\":1.5}", 400, "seed");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":0}", 400, "n");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"n\":17}", 400, "n");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":[\"a\",\"b\"],\"n\":9}", 400, "n");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":[\"a\",1]}", 400, "prompt");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":[]}", 400, "prompt");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"\"}", 400, "prompt");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":[-1]}", 400, "prompt");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":[[]]}", 400, "prompt");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":{}}", 400, "prompt");
+    expect_error(OAI_COMPLETIONS, "{}", 400, "prompt");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"model\":\"other\"}", 404, "model");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"model\":5}", 400, "model");
+    expect_error(OAI_COMPLETIONS, "[1]", 400, NULL);
+    expect_error(OAI_COMPLETIONS, "nul", 400, NULL);
+    expect_error(OAI_COMPLETIONS, "", 400, NULL);
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"prompt\":\"y\"}", 400, NULL);
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"a\\u0000b\"}", 400, NULL);
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stream_options\":{\"include_usage\":true}}", 400, "stream_options");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stream\":true,\"stream_options\":{\"include_usage\":1}}", 400, "include_usage");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stream\":\"yes\"}", 400, "stream");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stop\":[1]}", 400, "stop");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stop\":5}", 400, "stop");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"stop_token_ids\":[-1]}", 400, "stop_token_ids");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logprobs\":true}", 400, "logprobs");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logprobs\":21}", 400, "logprobs");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"echo\":true}", 400, "echo");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"best_of\":2}", 400, "best_of");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"logit_bias\":{\"1\":2}}", 400, "logit_bias");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"suffix\":\"end\"}", 400, "suffix");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"ignore_eos\":1}", 400, "ignore_eos");
+}
+
+static const char *CHAT_OK = "{\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},"
+                             "{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"Hello\"},"
+                             "{\"type\":\"text\",\"text\":\"there\"}]},{\"role\":\"assistant\",\"content\":null},"
+                             "{\"role\":\"user\",\"content\":\"Again\"}],\"max_tokens\":5,"
+                             "\"max_completion_tokens\":7,\"logprobs\":true,\"top_logprobs\":3}";
+
+static void test_chat_errors(void)
+{
+    expect_error(OAI_CHAT, "{\"messages\":[]}", 400, "messages");
+    expect_error(OAI_CHAT, "{\"messages\":\"hi\"}", 400, "messages");
+    expect_error(OAI_CHAT, "{}", 400, "messages");
+    expect_error(OAI_CHAT, "{\"messages\":[5]}", 400, "messages[0]");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"content\":\"x\"}]}", 400, "messages[0].role");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":5}]}", 400, "messages[0].content");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\"}]}", 400, "messages[0].content");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\"}]}]}", 400,
+                 "messages[0].content");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":2}", 400, "top_logprobs");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":2}", 400, "logprobs");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{}]}", 400, "tools");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tool_choice\":\"auto\"}", 400, "tool_choice");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":"
+                 "{\"type\":\"json_object\"}}", 400, "response_format");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":\"7\"}", 400,
+                 "max_completion_tokens");
+#ifdef PD_HAVE_CHAT_TEMPLATE
+    /* A model without a template: 400 saying so. */
+    ctx.tmpl = NULL;
+    ctx.tmpl_missing = true;
+    expect_error(OAI_CHAT, CHAT_OK, 400, "messages");
+#else
+    expect_error(OAI_CHAT, CHAT_OK, 501, NULL);
+#endif
+}
+
+#ifdef PD_HAVE_CHAT_TEMPLATE
+/* The conversation rendered by dir's template and tokenized without added special tokens:
+ * the ids decode (specials kept) to the rendered text, and open with want_first. */
+static void test_chat_render(const char *dir, const char *want_in_text, const char *want_first)
+{
+    char err[PD_ERR_LEN];
+    tok_tokenizer *tok = NULL;
+    chat_template *t = NULL;
+    if (tok_load(dir, &tok, err) < 0 || chat_template_load(dir, &t, err) < 0) {
+        fprintf(stderr, "%s: %s (skipped)\n", dir, err);
+        tok_destroy(tok);
+        return;
+    }
+    ctx.tok = tok;
+    ctx.tmpl = t;
+    oai_job job;
+    oai_err e;
+    int rc = parse(OAI_CHAT, CHAT_OK, &job, &e);
+    CHECK_MSG(rc == 0, "%s: %s", dir, e.message);
+    if (rc == 0) {
+        Pdserve__V1__GenerateRequest q;
+        Pdserve__V1__SamplingParams s;
+        oai_job_request(&job, 0, &q, &s);
+        CHECK(!q.prompt[0] && q.n_prompt_token_ids > 0);
+        CHECK_EQ_INT(q.stopping->max_tokens, 7); /* max_completion_tokens wins */
+        CHECK_EQ_INT(job.logprobs, 3);
+        char *text = NULL;
+        CHECK(tok_decode(tok, (const int32_t *)q.prompt_token_ids, (int32_t)q.n_prompt_token_ids, false,
+                         &text, NULL, err) == 0);
+        CHECK_STR_CONTAINS(text, want_in_text);
+        CHECK_MSG(text && !strncmp(text, want_first, strlen(want_first)), "%s: %s", dir, text);
+        /* One BOS at most: the template writes it, the tokenizer adds none. */
+        int32_t bos = tok_bos_id(tok);
+        int n_bos = 0;
+        for (size_t i = 0; i < q.n_prompt_token_ids; i++) n_bos += bos >= 0 && q.prompt_token_ids[i] == (uint32_t)bos;
+        CHECK_MSG(n_bos <= 1, "%s: %d BOS tokens", dir, n_bos);
+        free(text);
+    }
+    oai_job_free(&job);
+    chat_template_destroy(t);
+    tok_destroy(tok);
+    ctx.tok = NULL;
+    ctx.tmpl = NULL;
+}
+#endif
+
+/* A fake response message of one token. */
+static void apply(hreq *r, int ci, uint32_t id, const char *text, float lp, int finish)
+{
+    Pdserve__V1__GenerateResponse m = PDSERVE__V1__GENERATE_RESPONSE__INIT;
+    Pdserve__V1__TokenLogprob l = PDSERVE__V1__TOKEN_LOGPROB__INIT, *lpp = &l;
+    Pdserve__V1__Usage u = PDSERVE__V1__USAGE__INIT;
+    m.n_token_ids = 1;
+    m.token_ids = &id;
+    m.text = (char *)text;
+    l.token_id = id;
+    l.logprob = lp;
+    m.n_logprobs = 1;
+    m.logprobs = &lpp;
+    if (finish) {
+        m.finish_reason = (Pdserve__V1__FinishReason)finish;
+        u.prompt_tokens = 4;
+        u.completion_tokens = 2;
+        u.cached_prompt_tokens = 1;
+        m.usage = &u;
+    }
+    oai_apply(r, ci, &m);
+}
+
+static void test_responses(void)
+{
+    static hreq r; /* zeroed; hreq_out grows r.out */
+    oai_choice ch[2];
+    memset(ch, 0, sizeof ch);
+    r.ctx = &ctx;
+    r.choices = ch;
+    r.n_choices = 2;
+    r.job.kind = OAI_COMPLETIONS;
+    r.job.n = 2;
+    r.job.logprobs = 0;
+    snprintf(r.id, sizeof r.id, "cmpl-test");
+    r.created = 1234;
+    apply(&r, 0, 5, "Hel", -0.5f, 0);
+    apply(&r, 0, 6, "lo", -INFINITY, PDSERVE__V1__FINISH_REASON__FINISH_REASON_EOS);
+    apply(&r, 1, 7, "x", -0.25f, PDSERVE__V1__FINISH_REASON__FINISH_REASON_LENGTH);
+    char *body = oai_final_body(&r);
+    json_error_t je;
+    json_t *o = json_loads(body, 0, &je);
+    CHECK_MSG(o != NULL, "%s", body);
+    CHECK(!strcmp(json_string_value(json_object_get(o, "object")), "text_completion"));
+    CHECK(json_integer_value(json_object_get(o, "created")) == 1234);
+    json_t *c0 = json_array_get(json_object_get(o, "choices"), 0), *c1 = json_array_get(json_object_get(o, "choices"), 1);
+    CHECK(!strcmp(json_string_value(json_object_get(c0, "text")), "Hello"));
+    CHECK(!strcmp(json_string_value(json_object_get(c0, "finish_reason")), "stop"));
+    CHECK(!strcmp(json_string_value(json_object_get(c1, "finish_reason")), "length"));
+    json_t *lp = json_object_get(c0, "logprobs");
+    CHECK(json_array_size(json_object_get(lp, "tokens")) == 2);
+    CHECK_NEAR(json_real_value(json_array_get(json_object_get(lp, "token_logprobs"), 1)), -9999.0, 1e-9); /* -inf */
+    CHECK(json_integer_value(json_array_get(json_object_get(lp, "text_offset"), 1)) ==
+          (json_int_t)json_string_length(json_array_get(json_object_get(lp, "tokens"), 0)));
+    json_t *u = json_object_get(o, "usage");
+    /* n = 2 choices of one prompt: its 4 prompt tokens count once. */
+    CHECK_EQ_INT(json_integer_value(json_object_get(u, "prompt_tokens")), 4);
+    CHECK_EQ_INT(json_integer_value(json_object_get(u, "completion_tokens")), 4);
+    CHECK_EQ_INT(json_integer_value(json_object_get(u, "total_tokens")), 8);
+    json_decref(o);
+    free(body);
+    for (int i = 0; i < 2; i++) {
+        free(ch[i].text);
+        json_decref(ch[i].lp);
+        tok_stream_destroy(ch[i].lp_stream);
+    }
+
+    /* Streamed chat: the role first, then content deltas, the finish in the last chunk. */
+    memset(ch, 0, sizeof ch);
+    r.n_choices = 1;
+    r.job.n = 1;
+    r.job.kind = OAI_CHAT;
+    r.job.stream = true;
+    r.job.include_usage = true;
+    r.job.logprobs = -1;
+    apply(&r, 0, 5, "Hi", -0.1f, 0);
+    apply(&r, 0, 6, "", -0.1f, PDSERVE__V1__FINISH_REASON__FINISH_REASON_LENGTH);
+    oai_stream_end(&r);
+    hreq_out(&r, "", 1);
+    const char *s = r.out;
+    CHECK_STR_CONTAINS(s, "data: {\"id\":\"cmpl-test\",\"object\":\"chat.completion.chunk\"");
+    CHECK_STR_CONTAINS(s, "\"delta\":{\"role\":\"assistant\",\"content\":\"\"}");
+    CHECK_STR_CONTAINS(s, "\"delta\":{\"content\":\"Hi\"},\"logprobs\":null,\"finish_reason\":null");
+    CHECK_STR_CONTAINS(s, "\"delta\":{},\"logprobs\":null,\"finish_reason\":\"length\"");
+    CHECK_STR_CONTAINS(s, "\"choices\":[],\"usage\":{");
+    size_t n = strlen(s);
+    CHECK_MSG(n > 16 && !strcmp(s + n - 16, "\n\ndata: [DONE]\n\n"), "%s", s);
+    free(r.out);
+    for (int i = 0; i < 1; i++) tok_stream_destroy(ch[i].lp_stream);
+
+    /* Error shape and status mapping. */
+    oai_err e;
+    oai_errf(&e, 429, NULL, "rate_limit_exceeded", "busy \xc3");
+    char *eb = oai_error_body(&e);
+    o = json_loads(eb, 0, &je);
+    json_t *err = json_object_get(o, "error");
+    CHECK_MSG(o && json_object_size(err) == 4, "%s", eb);
+    CHECK(!strcmp(json_string_value(json_object_get(err, "type")), "rate_limit_error"));
+    CHECK(json_is_null(json_object_get(err, "param")));
+    CHECK(!strcmp(json_string_value(json_object_get(err, "message")), "busy ")); /* cut UTF-8 */
+    json_decref(o);
+    free(eb);
+    CHECK_EQ_INT(oai_http_status(RPC_STATUS_INVALID_ARGUMENT), 400);
+    CHECK_EQ_INT(oai_http_status(RPC_STATUS_RESOURCE_EXHAUSTED), 429);
+    CHECK_EQ_INT(oai_http_status(RPC_STATUS_UNAVAILABLE), 503);
+    CHECK_EQ_INT(oai_http_status(RPC_STATUS_DEADLINE_EXCEEDED), 504);
+    CHECK_EQ_INT(oai_http_status(RPC_STATUS_INTERNAL), 500);
+    char *mb = oai_models_body(&ctx, NULL);
+    CHECK_STR_CONTAINS(mb, "\"data\":[{\"id\":\"m\",\"object\":\"model\"");
+    free(mb);
+    CHECK(oai_models_body(&ctx, "nope") == NULL);
+}
+
+int main(void)
+{
+    snprintf(ctx.model_name, sizeof ctx.model_name, "m");
+    ctx.max_choices = 16;
+    ctx.max_model_len = 512;
+    test_completions();
+    test_chat_errors();
+#ifdef PD_HAVE_CHAT_TEMPLATE
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s/testdata/tokenizers/qwen3", pd_test_shared_dir());
+    test_chat_render(dir, "<|im_start|>user\nHello\nthere<|im_end|>\n", "<|im_start|>system\nBe brief.");
+    snprintf(dir, sizeof dir, "%s/testdata/tokenizers/llama3", pd_test_shared_dir());
+    test_chat_render(dir, "<|start_header_id|>user<|end_header_id|>\n\nAgain<|eot_id|>", "<|begin_of_text|>");
+#else
+    fprintf(stderr, "test_rtr_openai: no chat template module in this build: rendering not tested\n");
+#endif
+    test_responses();
+    return pd_test_result("test_rtr_openai");
+}
