@@ -147,7 +147,9 @@ static void cb_message(rpc_client_call *call, ProtobufCMessage *msg, void *user)
         e = NULL;
         msg = NULL;
     } else if (!e) {
-        rpc_client_call_cancel(call); /* out of memory: the call's end reports it */
+        r->ev_oom = true;
+        pthread_cond_signal(&r->cv);
+        rpc_client_call_cancel(call);
     }
     pthread_mutex_unlock(&r->mu);
     free(e);
@@ -169,7 +171,7 @@ static void cb_done(rpc_client_call *call, const rpc_status *st, void *user)
         push_event(r, e);
         e = NULL;
     } else if (!e) {
-        r->oom = true;
+        r->ev_oom = true;
         pthread_cond_signal(&r->cv);
     }
     pthread_mutex_unlock(&r->mu);
@@ -212,7 +214,7 @@ static void process_events(hreq *r)
     pthread_mutex_lock(&r->mu);
     oai_event *e = r->head;
     r->head = r->tail = NULL;
-    bool oom = r->oom;
+    bool oom = r->ev_oom;
     int live = r->n_live;
     pthread_mutex_unlock(&r->mu);
     while (e) {
@@ -250,7 +252,7 @@ static double now_s(void)
 static int wait_events(hreq *r)
 {
     pthread_mutex_lock(&r->mu);
-    while (!r->head && !r->oom && r->n_live > 0 && !atomic_load(&r->h->stopping)) {
+    while (!r->head && !r->ev_oom && r->n_live > 0 && !atomic_load(&r->h->stopping)) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
         ts.tv_nsec += 100 * 1000000;

@@ -97,11 +97,12 @@ typedef struct hreq {
     atomic_int refs;
     struct rtr_http *h;
     const oai_ctx *ctx;
-    pthread_mutex_t mu;             /* guards the event list, n_live and gone */
+    pthread_mutex_t mu;             /* guards the event list, n_live, gone and ev_oom */
     pthread_cond_t cv;              /* signalled when an event arrives */
     oai_event *head, *tail;
     int n_live;                     /* calls whose on_done has not run */
     bool gone;                      /* the request ended (client gone, stop): drop events */
+    bool ev_oom;                    /* a callback could not queue an event */
     /* Connection thread only: */
     struct MHD_Connection *conn;
     int endpoint;                   /* EP_* of rtr_http.c */
@@ -119,7 +120,7 @@ typedef struct hreq {
     bool sse_closed;                /* [DONE] appended */
     char *out;                      /* streamed bytes not yet handed to MHD */
     size_t out_len, out_off, out_cap;
-    bool oom;
+    bool oom;                       /* out of memory while formatting */
     double t_checked;               /* when the socket was last looked at (monotonic s) */
 } hreq;
 
