@@ -7,7 +7,11 @@ decode + prefill + router on stories260k, driven by the official `openai` npm pa
     Generate result for the same prompt (text and token-id prompts); n=2 gives the choices of
     seeds seed and seed+1; stop strings; max_tokens; logprobs (the chosen token's, equal to
     gRPC's); /v1/models; type errors, unknown model, unsupported fields in OpenAI's error shape
-  - chat: 400 (stories260k has no chat template), or 501 in a build without chat templates
+  - chat: 400 on stories260k (no chat template); a copy of its model directory with an HF-style
+    template in tokenizer_config.json (checked against jinja2 where installed): the reply equals
+    gRPC Generate of the rendered text tokenized without added special tokens (one BOS), plain,
+    streamed (role first), n=2, logprobs, stop strings; the template's raise_exception is a 400.
+    A build without the chat template module answers 501, and only that is checked
   - raw: SSE framing (data: lines, blank-line separated, data: [DONE] last), bad JSON, 404,
     405 with Allow, 413 (Content-Length and a chunked upload), /health, /metrics families
   - a client that hangs up mid-stream or while waiting for a plain answer: its calls are
@@ -46,6 +50,28 @@ def node_ready():
             last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "no output"
             return None, "npm ci of the openai package failed (offline?): " + last
     return node, None
+
+
+# A chat template in the style of HF's (bos_token, raise_exception), on stories260k's weights.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}[SYS] {{ m['content'] }}\n"
+                 "{% elif m['role'] == 'user' %}[USER] {{ m['content'] }}\n{% elif m['role'] == 'assistant' %}"
+                 "[BOT] {{ m['content'] }}{{ eos_token }}\n{% else %}{{ raise_exception('unknown role ' + m['role']) }}"
+                 "{% endif %}{% endfor %}{% if add_generation_prompt %}[BOT]{% endif %}")
+CHAT_MESSAGES = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Tell me about a cat."}]
+
+
+def render_reference(messages):
+    """The template's text as HF renders it (jinja2 when installed; the same by hand)."""
+    by_hand = "<s>[SYS] You tell stories.\n[USER] Tell me about a cat.\n[BOT]"
+    try:
+        import jinja2.sandbox
+    except ImportError:
+        return by_hand
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    text = env.from_string(CHAT_TEMPLATE).render(messages=messages, bos_token="<s>", eos_token="</s>",
+                                                 add_generation_prompt=True)
+    check(text == by_hand, "jinja2 renders the test template as expected")
+    return text
 
 
 def start_router(*args, env=None, tag="router"):
@@ -136,13 +162,37 @@ try:
     stub = pbg.GenerationStub(grpc.insecure_channel("127.0.0.1:%d" % router.port))
     prompt_ids = list(stub.Tokenize(pb.TokenizeRequest(text=PROMPT, add_special_tokens=True)).token_ids)
 
+    # ---- chat: a model directory with a chat template (stories260k's weights) ----
+    st, _, body = request(router.hport, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    chat_built = st != 501
+    chat = chat_ref = None
+    if not chat_built:
+        print("chat: this build has no chat template module (501): only that is checked")
+    else:
+        cdir = os.path.join(H.tmp, "chat-model")
+        os.makedirs(cdir)
+        for f in ("config.json", "generation_config.json", "tokenizer.json"):
+            shutil.copy(os.path.join(H.model, f), cdir)
+        tc = json.load(open(os.path.join(H.model, "tokenizer_config.json")))
+        tc["chat_template"] = CHAT_TEMPLATE
+        json.dump(tc, open(os.path.join(cdir, "tokenizer_config.json"), "w"))
+        chat = start_router(*common, *inst, "--model", cdir, "--http-listen", "127.0.0.1:0", tag="router-chat")
+        eu.wait_until(lambda: request(chat.hport, "GET", "/health")[0] == 200, 10)
+        text = render_reference(CHAT_MESSAGES)
+        cstub = pbg.GenerationStub(grpc.insecure_channel("127.0.0.1:%d" % chat.port))
+        ids = list(cstub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=False)).token_ids)
+        check(ids[:1] == [1] and ids[1:2] != [1], "the reference conversation has one BOS (%s...)" % ids[:4])
+        chat_ref = {"ids": ids, "greedy": grpc_gen(chat, prompt_token_ids=ids, sampling=sampling(),
+                                                   stopping=pb.StoppingCriteria(max_tokens=16), logprobs=1)}
+
     # ---- the openai npm package ----
     node, why = node_ready()
     if not node:
         print("openai package part skipped: " + why)
     else:
+        extra = ["http://127.0.0.1:%d/v1" % chat.hport, "chat-model"] if chat else []
         r = subprocess.run([node, os.path.join(NODE_DIR, "openai_client.js"),
-                            "http://127.0.0.1:%d/v1" % router.hport, name, PROMPT, json.dumps(prompt_ids)],
+                            "http://127.0.0.1:%d/v1" % router.hport, name, PROMPT, json.dumps(prompt_ids)] + extra,
                            cwd=NODE_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
         try:
             o = json.loads(r.stdout.strip().splitlines()[-1])
@@ -215,12 +265,51 @@ try:
         e = err("echo")
         check(e.get("status") == 400 and e.get("param") == "echo", "echo: 400 (not supported)")
         e, es = err("chat"), err("chat_stream")
-        chat_built = os.path.exists(os.path.join(HERE, "..", "..", "engine", "chat_template.h"))
         if chat_built:
             check(e.get("status") == 400 and e.get("code") == "chat_template_missing" and es.get("status") == 400,
                   "chat on a model without a chat template: 400 (%s)" % e.get("message"))
         else:
             check(e.get("status") == 501 and es.get("status") == 501, "chat in a build without chat templates: 501")
+
+        if chat:
+            g = chat_ref["greedy"]
+            v = ok("chat_plain") or {}
+            c0 = (v.get("choices") or [{}])[0]
+            check((c0.get("message") or {}).get("content") == g["text"] and c0["message"].get("role") == "assistant"
+                  and c0.get("finish_reason") == g["finish"],
+                  "chat: the reply equals gRPC Generate of the template's text (%r)" % g["text"])
+            check(v.get("id", "").startswith("chatcmpl-") and v.get("object") == "chat.completion" and
+                  (v.get("usage") or {}).get("prompt_tokens") == len(chat_ref["ids"]),
+                  "chat: id, object, and usage.prompt_tokens = the rendered prompt's tokens (no BOS added)")
+            v = ok("chat_stream2") or {}
+            check(v.get("text", {}).get("0") == g["text"] and v.get("roles", {}).get("0") == "assistant" and
+                  v.get("objects") == ["chat.completion.chunk"] and (v.get("usage") or {}).get("completion_tokens") == len(g["ids"]),
+                  "chat streamed: role first, the same reply, the usage chunk")
+            want = [grpc_gen(chat, prompt_token_ids=chat_ref["ids"], sampling=sampling(1.0, seed),
+                             stopping=pb.StoppingCriteria(max_tokens=10))["text"] for seed in (7, 8)]
+            got = [c["message"]["content"] for c in sorted((ok("chat_n2") or {}).get("choices", []), key=lambda c: c["index"])]
+            check(got == want, "chat n=2: the generations of seed 7 and 8")
+            c0 = ((ok("chat_logprobs") or {}).get("choices") or [{}])[0]
+            content = (c0.get("logprobs") or {}).get("content") or []
+            check(len(content) == len(g["ids"]) and "".join(t["token"] for t in content) == (c0.get("message") or {}).get("content")
+                  and all(abs(t["logprob"] - b) < 1e-4 for t, b in zip(content, g["lps"]))
+                  and all(len(t["top_logprobs"]) == 1 and t["top_logprobs"][0]["token"] == t["token"] for t in content)
+                  and all(bytes(t["bytes"]).decode() == t["token"] for t in content),
+                  "chat logprobs: one per token, gRPC's values, top_logprobs the chosen token only")
+            gs = grpc_gen(chat, prompt_token_ids=chat_ref["ids"], sampling=sampling(),
+                          stopping=pb.StoppingCriteria(max_tokens=16, stop=["big"]))
+            c0 = ((ok("chat_stop") or {}).get("choices") or [{}])[0]
+            check((c0.get("message") or {}).get("content") == gs["text"] and c0.get("finish_reason") == gs["finish"] == "stop",
+                  "chat stop string (%r, %s)" % (gs["text"], gs["finish"]))
+            e = err("chat_bad_role")
+            check(e.get("status") == 400 and e.get("param") == "messages[0].role", "chat: a role that is not a string: 400")
+
+    if chat:
+        st, _, body = request(chat.hport, "POST", "/v1/chat/completions",
+                              {"messages": [{"role": "tool", "content": "x"}]})
+        check(st == 400 and "unknown role tool" in body, "the template's raise_exception: 400 with its message (%s)" % body[:200])
+        st, _, body = request(chat.hport, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+        check(st == 200, "completions on the chat model too")
 
     # ---- raw HTTP ----
     st, hd, body = request(router.hport, "POST", "/v1/completions",

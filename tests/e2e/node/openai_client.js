@@ -1,12 +1,13 @@
 // openai_client.js -- the router's OpenAI-compatible HTTP API driven by the official `openai`
 // npm package (a client nobody here wrote), as docs/api.md shows it. Runs a fixed set of
 // requests and prints one JSON object with what came back; test_openai_http.py checks it.
-//   node openai_client.js BASE_URL MODEL PROMPT PROMPT_IDS_JSON
-// BASE_URL is "http://127.0.0.1:PORT/v1"; PROMPT_IDS_JSON the prompt's token ids ("[1, ...]").
+//   node openai_client.js BASE_URL MODEL PROMPT PROMPT_IDS_JSON [CHAT_BASE_URL CHAT_MODEL]
+// BASE_URL is "http://127.0.0.1:PORT/v1"; PROMPT_IDS_JSON the prompt's token ids ("[1, ...]");
+// CHAT_BASE_URL / CHAT_MODEL a router whose model has a chat template (chat requests there).
 'use strict';
 const OpenAI = require('openai');
 
-const [baseURL, model, prompt, idsJson] = process.argv.slice(2);
+const [baseURL, model, prompt, idsJson, chatURL, chatModel] = process.argv.slice(2);
 // maxRetries 0: the SDK retries 429 and 5xx by itself, which would hide what the server said.
 const client = new OpenAI({ baseURL, apiKey: 'unused', maxRetries: 0, timeout: 60000 });
 
@@ -87,6 +88,22 @@ async function main() {
     { model, messages: [{ role: 'user', content: 'Hello' }], max_completion_tokens: 8 }));
   r.chat_stream = await attempt(async () => drain(await client.chat.completions.create(
     { model, messages: [{ role: 'user', content: 'Hello' }], max_tokens: 8, stream: true }), true));
+  if (chatURL) {
+    const chat = new OpenAI({ baseURL: chatURL, apiKey: 'unused', maxRetries: 0, timeout: 60000 });
+    const messages = [{ role: 'system', content: 'You tell stories.' },
+                      { role: 'user', content: 'Tell me about a cat.' }];
+    const greedyChat = { model: chatModel, messages, max_completion_tokens: 16, temperature: 0 };
+    r.chat_plain = await attempt(() => chat.chat.completions.create(greedyChat));
+    r.chat_stream2 = await attempt(async () => drain(await chat.chat.completions.create(
+      { ...greedyChat, stream: true, stream_options: { include_usage: true } }), true));
+    r.chat_n2 = await attempt(() => chat.chat.completions.create(
+      { model: chatModel, messages, max_tokens: 10, temperature: 1.0, n: 2, seed: 7 }));
+    r.chat_logprobs = await attempt(() => chat.chat.completions.create(
+      { ...greedyChat, logprobs: true, top_logprobs: 2 }));
+    r.chat_stop = await attempt(() => chat.chat.completions.create({ ...greedyChat, stop: ['big'] }));
+    r.chat_bad_role = await attempt(() => chat.chat.completions.create(
+      { model: chatModel, messages: [{ role: 5, content: 'x' }] }));
+  }
   console.log(JSON.stringify(r));
 }
 
