@@ -20,8 +20,9 @@ one per GPU in turn (prefill instances first, then decode), each with --device N
 GPU visible, so that KV moves device to device between them (--kv-transport); each instance
 then sizes its pool from --gpu-memory-utilization unless ARGS size it. ARGS after -- go to
 every instance (e.g. --kv-cache-mb 512 --backend cpu); --router-args to the router (e.g.
-"--metrics-port 0 --slo-ttft-ms 300"). Prints where the router listens ("ROUTER host:port")
-and, for each process started with --metrics-port, where its /metrics is. Ctrl-C or SIGTERM
+"--metrics-port 0 --http-listen 127.0.0.1:8000"). Prints where the router listens ("ROUTER
+host:port"), for each process started with --metrics-port where its /metrics is, and with
+--http-listen the OpenAI-compatible base URL ("HTTP http://..."). Ctrl-C or SIGTERM
 stops the stack (exit 0); a process that fails to start or dies stops it too (exit 1).
 USAGE
 }
@@ -134,6 +135,12 @@ for f in "$LOGS"/*.out; do
     [ -n "$m" ] && MLINE+="${MLINE:+, }$(basename "$f" .out) 127.0.0.1:$m"
 done
 [ -n "$MLINE" ] && echo "METRICS $MLINE"
+# The OpenAI-compatible HTTP API, when --router-args has --http-listen (printed after PORT).
+if [[ " $ROUTER_ARGS " == *" --http-listen"* || -n "${PDSERVE_HTTP_LISTEN:-}" ]]; then
+    for _ in $(seq 50); do grep -q '^HTTP_PORT ' "$LOGS/router.out" 2>/dev/null && break; sleep 0.1; done
+fi
+HP=$(awk '/^HTTP_PORT /{print $2; exit}' "$LOGS/router.out" 2>/dev/null)
+[ -n "$HP" ] && echo "HTTP http://127.0.0.1:$HP/v1 (OpenAI-compatible)"
 # Wait until a signal, or until any process dies.
 while [ $stopping = 0 ]; do
     for p in "${PIDS[@]}"; do
