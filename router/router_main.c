@@ -1251,7 +1251,7 @@ int main(int argc, char **argv)
             np ? "" : "; decode instances compute prompts (no prefill instances)");
     printf("PORT %d\n", rpc_server_port(g.server));
     fflush(stdout);
-    svc_metrics_watch(g.metrics, g.server, NULL, NULL, &g.draining);
+    svc_metrics_watch_server(g.metrics, g.server, &g.draining);
     if (svc_metrics_start(g.metrics, err) < 0) {
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
