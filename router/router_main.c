@@ -42,6 +42,9 @@
 #include "pdserve/internal/v1/prefill.pb-c.h"
 #include "router/registry.h"
 #include "router/rtr_errors.h"
+#ifdef PD_HAVE_CHAT_TEMPLATE
+#include "engine/chat_template.h"
+#endif
 #include "router/rtr_http.h"
 
 typedef struct {
@@ -50,6 +53,8 @@ typedef struct {
     char model_name[128];
     rtr_registry *reg;
     rpc_server *server;
+    void *chat;                      /* chat_template * (GenerateRequest.messages), or NULL */
+    char chat_err[PD_ERR_LEN];       /* why there is none */
     int64_t default_max_tokens;
     int64_t max_pending;
     int64_t call_timeout_ms;
@@ -781,6 +786,30 @@ static uint64_t prefix_key(const int32_t *ids, int32_t n)
     return h;
 }
 
+/* GenerateRequest.messages: rendered with the model's chat template (with the assistant
+ * turn's opening) and tokenized without added special tokens (the template writes them). */
+static int render_chat(const Pdserve__V1__GenerateRequest *q, int32_t **ids, int32_t *n, char *err)
+{
+#ifdef PD_HAVE_CHAT_TEMPLATE
+    chat_message *m = calloc(q->n_messages, sizeof *m);
+    if (!m) return pd_errf(err, PD_ENOMEM, "out of memory");
+    for (size_t i = 0; i < q->n_messages; i++) {
+        m[i].role = q->messages[i]->role;
+        m[i].content = q->messages[i]->content;
+    }
+    char *text = NULL, e2[PD_ERR_LEN];
+    int rc = chat_template_render(g.chat, m, (int)q->n_messages, true, &text, e2);
+    free(m);
+    if (rc < 0) return pd_errf(err, PD_EINVAL, "messages: %s", e2);
+    rc = tok_encode(g.tok, text, strlen(text), false, ids, n, err);
+    free(text);
+    return rc;
+#else
+    (void)q, (void)ids, (void)n;
+    return pd_errf(err, PD_EUNSUPPORTED, "messages: this build has no chat templates");
+#endif
+}
+
 static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *user)
 {
     (void)user;
@@ -788,8 +817,23 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
     char err[PD_ERR_LEN];
     double t_arrival = now_s();
     bool has_text = q->prompt && q->prompt[0], has_ids = q->n_prompt_token_ids > 0;
-    if (has_text == has_ids) {
-        reject(call, RPC_STATUS_INVALID_ARGUMENT, "give exactly one of prompt and prompt_token_ids");
+    bool has_chat = q->n_messages > 0;
+    if (has_text + has_ids + has_chat != 1) {
+        reject(call, RPC_STATUS_INVALID_ARGUMENT, "give exactly one of prompt, prompt_token_ids "
+               "and messages");
+        return;
+    }
+    if (has_chat && q->n_messages > 1024) {
+        reject(call, RPC_STATUS_INVALID_ARGUMENT, "messages: at most 1024 (got %zu)", q->n_messages);
+        return;
+    }
+    for (size_t i = 0; has_chat && i < q->n_messages; i++)
+        if (!q->messages[i] || !q->messages[i]->role || !q->messages[i]->role[0]) {
+            reject(call, RPC_STATUS_INVALID_ARGUMENT, "messages[%zu].role is empty", i);
+            return;
+        }
+    if (has_chat && !g.chat) {
+        reject(call, RPC_STATUS_FAILED_PRECONDITION, "messages: %s", g.chat_err);
         return;
     }
     /* Strings arrive valid UTF-8 without NUL bytes (the rpc layer checks the wire). */
@@ -845,8 +889,12 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
     else snprintf(r->request_id, sizeof r->request_id, "req-%llu", (unsigned long long)atomic_fetch_add(&g.next_id, 1));
     int rc = 0;
     const char *bad = NULL;
-    if (has_text && !g.tok) {
+    if ((has_text || has_chat) && !g.tok) {
         bad = "this model has no tokenizer; send prompt_token_ids";
+    } else if (has_chat) {
+        rc = render_chat(q, &r->prompt, &r->n_prompt, err);
+        if (rc < 0) bad = err;
+        else if (r->n_prompt == 0) bad = "the conversation renders to no tokens";
     } else if (has_text) {
         rc = tok_encode(g.tok, q->prompt, strlen(q->prompt), true, &r->prompt, &r->n_prompt, err);
         if (rc < 0) bad = err;
@@ -1199,6 +1247,21 @@ int main(int argc, char **argv)
         PD_LOGW("%s has no tokenizer.json: only prompt_token_ids are accepted and responses "
                 "carry token ids without text", model);
     }
+#ifdef PD_HAVE_CHAT_TEMPLATE
+    {
+        chat_template *ct = NULL;
+        char cerr[PD_ERR_LEN];
+        int crc = chat_template_load(model, &ct, cerr);
+        if (crc == 0) {
+            g.chat = ct;
+        } else {
+            snprintf(g.chat_err, sizeof g.chat_err, "%s", cerr);
+            if (crc != PD_ENOTFOUND) PD_LOGW("the chat template cannot be used: %s", cerr);
+        }
+    }
+#else
+    snprintf(g.chat_err, sizeof g.chat_err, "this build has no chat templates");
+#endif
     if (model_name[0]) {
         snprintf(g.model_name, sizeof g.model_name, "%s", model_name);
     } else {
@@ -1281,6 +1344,9 @@ out:
     rtr_registry_destroy(g.reg); /* after the server: requests reference instances */
     svc_metrics_destroy(g.metrics); /* after the last request was accounted */
     tok_destroy(g.tok);
+#ifdef PD_HAVE_CHAT_TEMPLATE
+    chat_template_destroy(g.chat);
+#endif
     pd_flags_free();
     return status;
 }
