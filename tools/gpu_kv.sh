@@ -265,7 +265,8 @@ goodput() { # goodput WORKLOAD [DEPLOYMENTS...]: goodput searches (default: disa
                 --addr "$ADDR" --input-len "$in" --output-len 64:256 --rate "$rate" "${wlargs[@]}" \
                 --num-requests 120 --warmup-requests 10 --seed 1 --find-goodput "${slo[@]}" \
                 --slo-attainment 0.9 --goodput-tolerance 0.1 --max-probes ${GOODPUT_PROBES:-6} \
-                --json "$OUT/gp$wl-$dep/result.json" >"$OUT/gp$wl-$dep.log" 2>&1
+                --json "$OUT/gp$wl-$dep/result.json" --plot-dir "$OUT/gp$wl-$dep/plots" \
+                >"$OUT/gp$wl-$dep.log" 2>&1
             grep -E 'req/s.*(PASS|fail)|^goodput|TTFT \(ms\)|TPOT \(ms\)' "$OUT/gp$wl-$dep.log" |
                 sed "s|^|$wl $dep: |"
             paths "$OUT/up-gp$wl-$dep"
