@@ -1046,8 +1046,8 @@ static int http_decode_up(void *user)
     return d != NULL;
 }
 
-static int http_setup(const char *http_listen, const char *listen, const char *model,
-                      bool tls, rtr_http **out, char *err)
+static int http_setup(const char *http_listen, const char *listen, bool tls, rtr_http **out,
+                      char *err)
 {
     rtr_http_params hp = rtr_http_default_params();
     char target[300];
@@ -1060,7 +1060,6 @@ static int http_setup(const char *http_listen, const char *listen, const char *m
     hp.listen = http_listen;
     hp.grpc_target = target;
     hp.model_name = g.model_name;
-    hp.model_dir = model;
     hp.tok = g.tok;
     hp.max_model_len = g.cfg.max_position;
     hp.timeout_ms = g.call_timeout_ms;
@@ -1319,7 +1318,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
     }
-    if (http_listen[0] && http_setup(http_listen, listen, model, stls.cert[0] != 0, &http, err) < 0) {
+    if (http_listen[0] && http_setup(http_listen, listen, stls.cert[0] != 0, &http, err) < 0) {
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
     }

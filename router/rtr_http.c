@@ -227,7 +227,7 @@ static void process_events(hreq *r)
             c->done = true;
             r->n_done++;
             oai_err err;
-            if (oai_call_error(c, e->code, e->detail, &err)) fail(r, &err);
+            if (oai_call_error(r, c, e->code, e->detail, &err)) fail(r, &err);
         }
         free(e);
         e = next;
@@ -566,28 +566,6 @@ int rtr_http_loopback_target(const char *grpc_listen, int port, char *out, size_
     return n > 0 && (size_t)n < len ? 0 : PD_EINVAL;
 }
 
-static void load_template(rtr_http *h, const char *dir)
-{
-#ifdef PD_HAVE_CHAT_TEMPLATE
-    char err[PD_ERR_LEN] = "";
-    if (!dir) {
-        h->ctx.tmpl_missing = true;
-        return;
-    }
-    int rc = chat_template_load(dir, &h->ctx.tmpl, err);
-    if (rc == PD_ENOTFOUND) {
-        h->ctx.tmpl_missing = true;
-        PD_LOGI("http: %s has no chat template: /v1/chat/completions answers 400", dir);
-    } else if (rc < 0) {
-        snprintf(h->ctx.tmpl_err, sizeof h->ctx.tmpl_err, "%s", err);
-        PD_LOGW("http: the chat template of %s cannot be used: %s", dir, err);
-    }
-#else
-    (void)h;
-    (void)dir;
-#endif
-}
-
 int rtr_http_start(const rtr_http_params *p, rtr_http **out, char *err)
 {
     *out = NULL;
@@ -633,7 +611,6 @@ int rtr_http_start(const rtr_http_params *p, rtr_http **out, char *err)
         h->m_live = pd_metrics_gauge(p->metrics, "pdserve_http_requests_in_flight", NULL,
                                      "OpenAI-compatible HTTP requests being served");
     }
-    load_template(h, p->model_dir);
     rpc_channel_params cp = rpc_channel_default_params();
     cp.target = p->grpc_target;
     int rc = rpc_channel_create(&cp, &h->ch, err);
@@ -675,8 +652,5 @@ void rtr_http_stop(rtr_http *h)
     atomic_store(&h->stopping, 1);
     if (h->d) MHD_stop_daemon(h->d); /* every request completed: their calls are cancelled */
     rpc_channel_destroy(h->ch);      /* waits for the calls' on_done: the last requests go */
-#ifdef PD_HAVE_CHAT_TEMPLATE
-    chat_template_destroy(h->ctx.tmpl);
-#endif
     free(h);
 }

@@ -1,7 +1,8 @@
 /* rtr_http.h -- The router's OpenAI-compatible HTTP front (--http-listen): POST /v1/completions,
  * POST /v1/chat/completions (JSON or server-sent events), GET /v1/models, GET /health.
  * Each generation is a call of the router's own public Generate RPC over a loopback gRPC
- * channel, so validation, routing, stop strings and detokenization are the gRPC path's.
+ * channel, so validation, chat templates, routing, stop strings and detokenization are the
+ * gRPC path's.
  * libmicrohttpd serves it with one thread per connection (which blocks while it waits for
  * tokens); a client that goes away cancels its calls. docs/api.md describes the endpoints. */
 #ifndef PD_ROUTER_RTR_HTTP_H
@@ -21,11 +22,8 @@ typedef struct {
     const char *grpc_target;      /* the router's public gRPC address as a client reaches it
                                      over loopback ("127.0.0.1:50051"); required */
     const char *model_name;       /* the served name (responses' model, /v1/models); copied */
-    const char *model_dir;        /* where the chat template is read from (tokenizer_config.json,
-                                     chat_template.jinja); NULL = no chat; copied */
-    const tok_tokenizer *tok;     /* the router's tokenizer (chat prompts, logprob token
-                                     strings); borrowed, must outlive rtr_http_stop; NULL =
-                                     none (token ids only) */
+    const tok_tokenizer *tok;     /* the router's tokenizer (the text of logprobs' tokens);
+                                     borrowed, must outlive rtr_http_stop; NULL = none */
     int32_t max_model_len;        /* shown in /v1/models */
     int64_t timeout_ms;           /* deadline of a request's Generate calls, ms, >= 1 (a
                                      shorter X-Stainless-Timeout header wins) */
@@ -41,8 +39,7 @@ typedef struct {
 
 rtr_http_params rtr_http_default_params(void);
 
-/* Loads the chat template (when the model has one), opens the loopback channel and starts
- * serving. p is copied. Returns 0, PD_EINVAL (bad listen address or params), PD_EIO (cannot
+/* Opens the loopback channel and starts serving. p is copied. Returns 0, PD_EINVAL (bad listen address or params), PD_EIO (cannot
  * bind: address in use), PD_ENOMEM; err (PD_ERR_LEN) says why. */
 int rtr_http_start(const rtr_http_params *p, rtr_http **out, char *err);
 

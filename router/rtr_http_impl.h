@@ -16,21 +16,12 @@
 #include "engine/tokenizer.h"
 #include "pdserve/v1/generation.pb-c.h"
 
-#ifdef PD_HAVE_CHAT_TEMPLATE
-#include "engine/chat_template.h"
-#else
-typedef struct chat_template chat_template; /* no chat template module in this build */
-#endif
-
 enum { OAI_COMPLETIONS = 1, OAI_CHAT = 2 };
 
 /* What the parser and the formatters read about the served model. */
 typedef struct {
     char model_name[256];
     const tok_tokenizer *tok;       /* borrowed; NULL = none */
-    chat_template *tmpl;            /* owned by rtr_http; NULL = none (tmpl_err says why) */
-    char tmpl_err[PD_ERR_LEN];      /* why there is no template ("" = the model has none) */
-    bool tmpl_missing;              /* the model has no chat template (400, not 500) */
     int max_choices;
     int32_t max_model_len;
     int64_t created;                /* start time (Unix seconds), /v1/models */
@@ -55,7 +46,7 @@ typedef struct {
     /* Inputs: */
     json_t *root;                   /* the parsed body (owns the strings below) */
     const char **texts;             /* [n_prompts]: text prompt (tokenized by the router) or
-                                       NULL for token ids */
+                                       NULL for token ids or messages */
     uint32_t **ids;                 /* [n_prompts]: token ids (owned) or NULL */
     size_t *n_ids;                  /* [n_prompts] */
     Pdserve__V1__SamplingParams sampling;   /* seed_set as the request said */
@@ -63,6 +54,10 @@ typedef struct {
     char **stop;                    /* [stopping.n_stop], borrowed from root */
     uint32_t *stop_ids;             /* owned */
     uint32_t req_logprobs;          /* GenerateRequest.logprobs */
+    Pdserve__V1__ChatMessage *msgs; /* [n_msgs] chat: the conversation (roles borrowed from
+                                       root, contents owned) */
+    Pdserve__V1__ChatMessage **msgp;/* [n_msgs] pointers into msgs */
+    size_t n_msgs;
 } oai_job;
 
 /* One choice (one Generate call) of a request. */
@@ -140,9 +135,10 @@ void oai_job_free(oai_job *job);
 
 /* Applies one response of choice ci: streamed, appends a chunk to r->out; else accumulates. */
 void oai_apply(hreq *r, int ci, const Pdserve__V1__GenerateResponse *m);
-/* Fills e for a call that ended with code and detail (code OK with no finish reason, or a
- * finish reason of CANCELLED / ERROR, count as errors too). Returns true when it is one. */
-bool oai_call_error(const oai_choice *c, int code, const char *detail, oai_err *e);
+/* Fills e for a call of r that ended with code and detail (code OK with no finish reason, or
+ * a finish reason of CANCELLED / ERROR, count as errors too; FAILED_PRECONDITION of a chat
+ * request means the model has no chat template). Returns true when it is one. */
+bool oai_call_error(const hreq *r, const oai_choice *c, int code, const char *detail, oai_err *e);
 /* Streamed: appends an error event for r->err. */
 void oai_stream_error(hreq *r);
 /* Streamed: appends the usage chunk (when asked) and "data: [DONE]". */

@@ -163,6 +163,10 @@ void oai_job_free_inputs(oai_job *job)
     free(job->texts);
     free(job->stop);
     free(job->stop_ids);
+    for (size_t i = 0; i < job->n_msgs; i++)
+        if (job->msgs[i].content != protobuf_c_empty_string) free(job->msgs[i].content);
+    free(job->msgs);
+    free(job->msgp);
     json_decref(job->root);
     job->ids = NULL;
     job->n_ids = NULL;
@@ -170,6 +174,9 @@ void oai_job_free_inputs(oai_job *job)
     job->stop = NULL;
     job->stop_ids = NULL;
     job->root = NULL;
+    job->msgs = NULL;
+    job->msgp = NULL;
+    job->n_msgs = 0;
 }
 
 void oai_job_free(oai_job *job) { oai_job_free_inputs(job); }
@@ -285,79 +292,45 @@ static int message_text(const json_t *m, size_t i, const char *role, char **out,
     return 0;
 }
 
-/* messages -> the chat template's text -> token ids without special tokens added (the
- * template writes BOS and the turn markers itself). */
-static int parse_messages(const oai_ctx *ctx, oai_job *job, const json_t *root, oai_err *e)
+/* messages -> GenerateRequest.messages: the router renders them with the model's chat
+ * template and tokenizes the text without added special tokens, as for a gRPC client. */
+static int parse_messages(oai_job *job, const json_t *root, oai_err *e)
 {
     json_t *msgs = opt(root, "messages");
     if (!msgs) return oai_errf(e, 400, "messages", NULL, "'messages' is required");
     if (!json_is_array(msgs)) return type_err(e, "messages", "an array", msgs);
     size_t n = json_array_size(msgs);
     if (n == 0) return oai_errf(e, 400, "messages", NULL, "'messages' must not be empty");
-    if (n > 4096) return oai_errf(e, 400, "messages", NULL, "at most 4096 messages");
-    char **texts = calloc(n, sizeof *texts);
-    if (!texts) return oai_errf(e, 500, NULL, NULL, "out of memory");
-    int rc = 0;
-    for (size_t i = 0; i < n && !rc; i++) {
+    if (n > 1024) return oai_errf(e, 400, "messages", NULL, "at most 1024 messages (got %zu)", n);
+    job->msgs = calloc(n, sizeof *job->msgs);
+    job->msgp = calloc(n, sizeof *job->msgp);
+    if (!job->msgs || !job->msgp) return oai_errf(e, 500, NULL, NULL, "out of memory");
+    for (size_t i = 0; i < n; i++) {
         json_t *m = json_array_get(msgs, i), *role = json_object_get(m, "role");
         char param[64];
         snprintf(param, sizeof param, "messages[%zu]", i);
-        if (!json_is_object(m)) rc = type_err(e, param, "an object", m);
-        else if (!json_is_string(role)) {
-            snprintf(param, sizeof param, "messages[%zu].role", i);
-            rc = role ? type_err(e, param, "a string", role)
-                      : oai_errf(e, 400, param, NULL, "'%s' is required", param);
-        } else {
-            rc = message_text(m, i, json_string_value(role), &texts[i], e);
+        if (!json_is_object(m)) return type_err(e, param, "an object", m);
+        snprintf(param, sizeof param, "messages[%zu].role", i);
+        if (!role) return oai_errf(e, 400, param, NULL, "'%s' is required", param);
+        if (!json_is_string(role) || !json_string_length(role))
+            return type_err(e, param, "a non-empty string", role);
+        pdserve__v1__chat_message__init(&job->msgs[i]);
+        job->msgp[i] = &job->msgs[i];
+        job->n_msgs = i + 1; /* (contents so far are freed with the job) */
+        job->msgs[i].role = (char *)json_string_value(role);
+        char *text = NULL;
+        if (message_text(m, i, json_string_value(role), &text, e)) {
+            job->msgs[i].content = text;
+            return e->status;
         }
+        job->msgs[i].content = text;
     }
-#ifdef PD_HAVE_CHAT_TEMPLATE
-    if (!rc && !ctx->tmpl) {
-        rc = ctx->tmpl_missing
-                 ? oai_errf(e, 400, "messages", "chat_template_missing",
-                            "the model %s has no chat template (no chat_template in its "
-                            "tokenizer_config.json); use /v1/completions with a prompt",
-                            ctx->model_name)
-                 : oai_errf(e, 500, NULL, NULL, "the chat template could not be loaded: %s",
-                            ctx->tmpl_err);
-    }
-    if (!rc && !ctx->tok)
-        rc = oai_errf(e, 400, "messages", NULL, "the model %s has no tokenizer; chat needs one",
-                      ctx->model_name);
-    char *prompt = NULL;
-    if (!rc) {
-        chat_message *cm = calloc(n, sizeof *cm);
-        if (!cm) rc = oai_errf(e, 500, NULL, NULL, "out of memory");
-        for (size_t i = 0; !rc && i < n; i++) {
-            cm[i].role = json_string_value(json_object_get(json_array_get(msgs, i), "role"));
-            cm[i].content = texts[i];
-        }
-        char terr[PD_ERR_LEN] = "";
-        if (!rc && chat_template_render(ctx->tmpl, cm, (int)n, true, &prompt, terr) < 0)
-            rc = oai_errf(e, 400, "messages", NULL, "the chat template failed: %s", terr);
-        free(cm);
-    }
-    if (!rc && alloc_prompts(job, 1, e)) rc = e->status;
-    if (!rc) {
-        int32_t *ids = NULL, n_ids = 0;
-        char terr[PD_ERR_LEN] = "";
-        if (tok_encode(ctx->tok, prompt, strlen(prompt), false, &ids, &n_ids, terr) < 0)
-            rc = oai_errf(e, 400, "messages", NULL, "%s", terr);
-        else if (n_ids == 0)
-            rc = oai_errf(e, 400, "messages", NULL, "the conversation encodes to no tokens");
-        job->ids[0] = (uint32_t *)ids; /* int32 ids in [0, 2^24): the same bits */
-        job->n_ids[0] = (size_t)n_ids;
-    }
-    free(prompt);
+#ifndef PD_HAVE_CHAT_TEMPLATE
+    return oai_errf(e, 501, NULL, "not_implemented", "chat completions are not available in this "
+                    "build of pdserve-router (no chat template module); use /v1/completions");
 #else
-    if (!rc)
-        rc = oai_errf(e, 501, NULL, "not_implemented", "chat completions are not available in this "
-                      "build of pdserve-router (no chat template module); use /v1/completions");
-    (void)ctx;
+    return alloc_prompts(job, 1, e);
 #endif
-    for (size_t i = 0; i < n; i++) free(texts[i]);
-    free(texts);
-    return rc;
 }
 
 /* stop: a string or a list of strings; stop_token_ids (vLLM's): a list of ids. */
@@ -513,7 +486,7 @@ int oai_parse(const oai_ctx *ctx, int kind, const char *body, size_t len, oai_jo
     if (has) job->n = (int)i;
     if (refuse_unsupported(root, kind, job->n, e)) return e->status;
     if (parse_sampling(job, root, kind, e)) return e->status;
-    if (kind == OAI_CHAT ? parse_messages(ctx, job, root, e) : parse_prompt(job, root, e)) return e->status;
+    if (kind == OAI_CHAT ? parse_messages(job, root, e) : parse_prompt(job, root, e)) return e->status;
     if ((int64_t)job->n_prompts * job->n > ctx->max_choices)
         return oai_errf(e, 400, "n", NULL, "%d prompts x n = %d choices: at most %d per request",
                         job->n_prompts, job->n_prompts * job->n, ctx->max_choices);
@@ -525,7 +498,10 @@ void oai_job_request(const oai_job *job, int i, Pdserve__V1__GenerateRequest *q,
 {
     pdserve__v1__generate_request__init(q);
     int p = i / job->n;
-    if (job->texts[p]) {
+    if (job->n_msgs) {
+        q->n_messages = job->n_msgs;
+        q->messages = job->msgp;
+    } else if (job->texts[p]) {
         q->prompt = (char *)job->texts[p];
     } else {
         q->n_prompt_token_ids = job->n_ids[p];
@@ -719,8 +695,14 @@ void oai_apply(hreq *r, int ci, const Pdserve__V1__GenerateResponse *m)
     emit_event(r, o);
 }
 
-bool oai_call_error(const oai_choice *c, int code, const char *detail, oai_err *e)
+bool oai_call_error(const hreq *r, const oai_choice *c, int code, const char *detail, oai_err *e)
 {
+    if (code == RPC_STATUS_FAILED_PRECONDITION && r->job.kind == OAI_CHAT) {
+        oai_errf(e, 400, "messages", "chat_template_missing", "the model %s cannot do chat (%s); "
+                 "use /v1/completions with a prompt", r->ctx->model_name,
+                 detail && detail[0] ? detail : "no chat template");
+        return true;
+    }
     if (code != RPC_STATUS_OK) {
         oai_errf(e, oai_http_status(code), NULL,
                  code == RPC_STATUS_RESOURCE_EXHAUSTED ? "rate_limit_exceeded" : NULL, "%s",

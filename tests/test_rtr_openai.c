@@ -1,9 +1,9 @@
 /* test_rtr_openai.c -- The OpenAI request parser and response formatter of the router's HTTP
  * front (router/rtr_openai.c): every field onto GenerateRequest (n's seeds, logprobs, chat's
  * max_completion_tokens), prompt forms, wrong types and unsupported features as 400 naming the
- * field, unknown model 404; chat messages (content parts, roles) and, where the chat template
- * module is built, the rendered conversation tokenized without added special tokens (Qwen3,
- * Llama-3 tokenizers); response bodies, stream chunks, usage and error shapes. */
+ * field, unknown model 404; chat messages (content parts, roles) onto GenerateRequest.messages
+ * (501 in a build without chat templates), FAILED_PRECONDITION as a missing template; response
+ * bodies, stream chunks, usage and error shapes, statuses. */
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -151,6 +151,7 @@ static void test_chat_errors(void)
     expect_error(OAI_CHAT, "{}", 400, "messages");
     expect_error(OAI_CHAT, "{\"messages\":[5]}", 400, "messages[0]");
     expect_error(OAI_CHAT, "{\"messages\":[{\"content\":\"x\"}]}", 400, "messages[0].role");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"\",\"content\":\"x\"}]}", 400, "messages[0].role");
     expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":5}]}", 400, "messages[0].content");
     expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\"}]}", 400, "messages[0].content");
     expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\"}]}]}", 400,
@@ -163,61 +164,44 @@ static void test_chat_errors(void)
                  "{\"type\":\"json_object\"}}", 400, "response_format");
     expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":\"7\"}", 400,
                  "max_completion_tokens");
-#ifdef PD_HAVE_CHAT_TEMPLATE
-    /* A model without a template: 400 saying so. */
-    ctx.tmpl = NULL;
-    ctx.tmpl_missing = true;
-    expect_error(OAI_CHAT, CHAT_OK, 400, "messages");
-#else
-    expect_error(OAI_CHAT, CHAT_OK, 501, NULL);
-#endif
-}
-
-#ifdef PD_HAVE_CHAT_TEMPLATE
-/* The conversation rendered by dir's template and tokenized without added special tokens:
- * the ids decode (specials kept) to the rendered text, and open with want_first. */
-static void test_chat_render(const char *dir, const char *want_in_text, const char *want_first)
-{
-    char err[PD_ERR_LEN];
-    tok_tokenizer *tok = NULL;
-    chat_template *t = NULL;
-    if (tok_load(dir, &tok, err) < 0 || chat_template_load(dir, &t, err) < 0) {
-        fprintf(stderr, "%s: %s (skipped)\n", dir, err);
-        tok_destroy(tok);
-        return;
-    }
-    ctx.tok = tok;
-    ctx.tmpl = t;
     oai_job job;
     oai_err e;
     int rc = parse(OAI_CHAT, CHAT_OK, &job, &e);
-    CHECK_MSG(rc == 0, "%s: %s", dir, e.message);
+#ifdef PD_HAVE_CHAT_TEMPLATE
+    /* The conversation goes to the router as GenerateRequest.messages (it renders them). */
+    CHECK_MSG(rc == 0, "%s", e.message);
     if (rc == 0) {
         Pdserve__V1__GenerateRequest q;
         Pdserve__V1__SamplingParams s;
         oai_job_request(&job, 0, &q, &s);
-        CHECK(!q.prompt[0] && q.n_prompt_token_ids > 0);
+        CHECK(!q.prompt[0] && q.n_prompt_token_ids == 0 && q.n_messages == 4);
+        CHECK(!strcmp(q.messages[0]->role, "system") && !strcmp(q.messages[0]->content, "Be brief."));
+        CHECK_MSG(!strcmp(q.messages[1]->content, "Hello\nthere"), "%s", q.messages[1]->content);
+        CHECK(!strcmp(q.messages[2]->role, "assistant") && !strcmp(q.messages[2]->content, ""));
+        CHECK(!strcmp(q.messages[3]->content, "Again"));
         CHECK_EQ_INT(q.stopping->max_tokens, 7); /* max_completion_tokens wins */
         CHECK_EQ_INT(job.logprobs, 3);
-        char *text = NULL;
-        CHECK(tok_decode(tok, (const int32_t *)q.prompt_token_ids, (int32_t)q.n_prompt_token_ids, false,
-                         &text, NULL, err) == 0);
-        CHECK_STR_CONTAINS(text, want_in_text);
-        CHECK_MSG(text && !strncmp(text, want_first, strlen(want_first)), "%s: %s", dir, text);
-        /* One BOS at most: the template writes it, the tokenizer adds none. */
-        int32_t bos = tok_bos_id(tok);
-        int n_bos = 0;
-        for (size_t i = 0; i < q.n_prompt_token_ids; i++) n_bos += bos >= 0 && q.prompt_token_ids[i] == (uint32_t)bos;
-        CHECK_MSG(n_bos <= 1, "%s: %d BOS tokens", dir, n_bos);
-        free(text);
+        CHECK_EQ_INT(q.logprobs, 3);
     }
-    oai_job_free(&job);
-    chat_template_destroy(t);
-    tok_destroy(tok);
-    ctx.tok = NULL;
-    ctx.tmpl = NULL;
-}
+#else
+    CHECK_MSG(rc == 501 && !strcmp(e.code ? e.code : "", "not_implemented"), "%d %s", rc, e.message);
 #endif
+    oai_job_free(&job);
+    /* The router's FAILED_PRECONDITION for a chat request: the model has no template. */
+    static hreq r;
+    oai_choice c;
+    memset(&c, 0, sizeof c);
+    r.ctx = &ctx;
+    r.job.kind = OAI_CHAT;
+    CHECK(oai_call_error(&r, &c, RPC_STATUS_FAILED_PRECONDITION, "no chat_template", &e));
+    CHECK_MSG(e.status == 400 && e.code && !strcmp(e.code, "chat_template_missing"), "%d %s", e.status, e.message);
+    CHECK_STR_CONTAINS(e.message, "no chat_template");
+    r.job.kind = OAI_COMPLETIONS;
+    CHECK(oai_call_error(&r, &c, RPC_STATUS_FAILED_PRECONDITION, "x", &e) && e.status == 400 && !e.code);
+    CHECK(oai_call_error(&r, &c, RPC_STATUS_OK, "", &e) && e.status == 500); /* no finish reason */
+    c.finish = PDSERVE__V1__FINISH_REASON__FINISH_REASON_EOS;
+    CHECK(!oai_call_error(&r, &c, RPC_STATUS_OK, "", &e));
+}
 
 /* A fake response message of one token. */
 static void apply(hreq *r, int ci, uint32_t id, const char *text, float lp, int finish)
@@ -339,15 +323,6 @@ int main(void)
     ctx.max_model_len = 512;
     test_completions();
     test_chat_errors();
-#ifdef PD_HAVE_CHAT_TEMPLATE
-    char dir[1024];
-    snprintf(dir, sizeof dir, "%s/testdata/tokenizers/qwen3", pd_test_shared_dir());
-    test_chat_render(dir, "<|im_start|>user\nHello\nthere<|im_end|>\n", "<|im_start|>system\nBe brief.");
-    snprintf(dir, sizeof dir, "%s/testdata/tokenizers/llama3", pd_test_shared_dir());
-    test_chat_render(dir, "<|start_header_id|>user<|end_header_id|>\n\nAgain<|eot_id|>", "<|begin_of_text|>");
-#else
-    fprintf(stderr, "test_rtr_openai: no chat template module in this build: rendering not tested\n");
-#endif
     test_responses();
     return pd_test_result("test_rtr_openai");
 }
