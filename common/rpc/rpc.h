@@ -1,6 +1,7 @@
 /* rpc.h -- pdserve's gRPC layer on the gRPC C core (grpc/grpc.h) with protobuf-c messages:
- * a server with registered unary and server-streaming handlers and the standard health
- * service, and client helpers (blocking and callback-based) for the same two call shapes.
+ * a server with registered unary, server-streaming and bidirectional-streaming handlers, the
+ * standard health service, and client helpers (blocking and
+ * callback-based) for the same call shapes (bidi: blocking only).
  *
  * Server model. Worker threads poll one completion queue. When a call arrives its request is
  * decoded and the method's handler runs on a worker thread with a borrowed reference to the
@@ -57,6 +58,9 @@ typedef struct {
 typedef enum {
     RPC_UNARY = 0,                  /* one request, one response */
     RPC_SERVER_STREAMING = 1,       /* one request, zero or more responses */
+    RPC_BIDI_STREAMING = 2,         /* a stream of requests and a stream of responses, both
+                                       open at once (the handler runs per request; see
+                                       rpc_handler_fn) */
 } rpc_method_kind;
 
 /* ------------------------------------------------------------------------------------------
@@ -70,7 +74,28 @@ typedef struct rpc_call rpc_call;     /* opaque; one server-side call, reference
  * decoded. call is borrowed for the duration of the handler (take a reference with
  * rpc_call_ref to keep it); req belongs to the call and stays valid while the call is
  * referenced. The handler must not block for long: it shares the worker threads with every
- * other call. */
+ * other call.
+ *
+ * Bidirectional-streaming methods (RPC_BIDI_STREAMING) differ. The call arrives before any
+ * request, and the handler runs once per request message, in order and never two at once for
+ * one call; req is borrowed for that run only (copy what must outlive it). The next request
+ * is read once the run returned and the call's outbound queue has room for a message, so a
+ * client that sends faster than it reads is held back by HTTP/2 flow control instead of being
+ * refused (a run that sends more than one response may still meet PD_ENOSPC). When the client
+ * half-closes (sends no more), the handler runs once more with req NULL; it then finishes the
+ * call with rpc_stream_finish, or takes a reference and finishes it later from another thread
+ * (a call unfinished and unreferenced when that run returns is finished with INTERNAL).
+ * Responses go out with rpc_stream_send, from a run or from any thread that holds a
+ * reference; the call may be finished at any time (at once in the first run, if the method
+ * answers a prefix of the stream), and then later requests are dropped unread. Between two
+ * runs the layer keeps the call alive: no reference is needed just to wait for the next
+ * request. The handler never runs for a call that is finished or cancelled, and once
+ * rpc_stream_finish returned on any thread no run is in progress (it waits for one on another
+ * thread; see its lock-order rule). A cancelled call (client cancel, deadline, shutdown) gets
+ * no run with req NULL: its cancel callback says so. A request message that does not decode
+ * (or holds a bad string: rpc_validate_strings) ends the call with INVALID_ARGUMENT as a
+ * server-side cancel: rpc_call_is_cancelled turns true and the cancel callback runs.
+ * rpc_call_set_data keeps per-call state between runs. */
 typedef void (*rpc_handler_fn)(rpc_call *call, const ProtobufCMessage *req, void *user);
 
 /* Runs once when a call is cancelled before it finished (client cancel or disconnect,
@@ -212,22 +237,23 @@ void rpc_call_unref(rpc_call *c);
  * larger than max_send_msg_bytes), PD_ENOMEM. */
 int rpc_call_reply(rpc_call *c, const ProtobufCMessage *resp);
 
-/* Server-streaming calls: queues msg (serialized here; the caller keeps ownership) behind the
- * messages already queued; it goes out when the one before it was accepted by the transport.
- * Never blocks. Returns 0; PD_ENOSPC when stream_queue_max messages are already queued
- * (nothing was queued: wait with rpc_stream_wait_writable, or coalesce and retry later);
- * PD_ESTATE when the call is finished or cancelled (stop producing) or is not a
- * server-streaming call; PD_EINVAL (msg NULL or larger than max_send_msg_bytes), PD_ENOMEM. */
+/* Server-streaming and bidi calls: queues msg (serialized here; the caller keeps ownership)
+ * behind the messages already queued; it goes out when the one before it was accepted by the
+ * transport. Never blocks. Returns 0; PD_ENOSPC when stream_queue_max messages are already
+ * queued (nothing was queued: wait with rpc_stream_wait_writable, or coalesce and retry
+ * later); PD_ESTATE when the call is finished or cancelled (stop producing) or is a unary
+ * call; PD_EINVAL (msg NULL or larger than max_send_msg_bytes), PD_ENOMEM. */
 int rpc_stream_send(rpc_call *c, const ProtobufCMessage *msg);
 
 /* Ends any call with a status, after the messages already queued (an OK unary call needs
  * rpc_call_reply instead). fmt (printf-style, may be NULL) gives status details; keep them
  * actionable. Returns 0, or PD_ESTATE when already finished or cancelled (nothing is sent).
  * After it returns the cancel callback is not running and will not run (whatever it
- * returned), so the callback's user data may be freed.
- * Lock order: it waits for a cancel callback that runs on another thread, so never call it
- * (nor rpc_call_reply, which waits the same way) while holding a lock that the call's cancel
- * callback takes: finish after unlocking. */
+ * returned), so the callback's user data may be freed; nor is a bidi call's handler (unless
+ * called from the handler itself, or from the cancel callback).
+ * Lock order: it waits for a cancel callback (and a bidi handler run) on another thread, so
+ * never call it (nor rpc_call_reply, which waits the same way) while holding a lock that the
+ * call's cancel callback or bidi handler takes: finish after unlocking. */
 int rpc_stream_finish(rpc_call *c, rpc_status_code code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
@@ -251,6 +277,15 @@ void rpc_call_set_cancel_cb(rpc_call *c, rpc_cancel_fn fn, void *user);
 /* True once the call was cancelled (client cancel or disconnect, deadline, shutdown): stop
  * working on it. Cheap (one atomic load). */
 bool rpc_call_is_cancelled(const rpc_call *c);
+
+/* Attaches per-call application data (a bidi call's state between handler runs). free_fn
+ * (may be NULL) takes ownership of data: it runs once when the call is freed (every reference
+ * dropped, no handler or callback of the call running), on the thread that dropped the last
+ * reference or a server worker. Setting again replaces data and free_fn without running the
+ * old free_fn. */
+void rpc_call_set_data(rpc_call *c, void *data, void (*free_fn)(void *));
+/* The data set with rpc_call_set_data, or NULL. */
+void *rpc_call_data(const rpc_call *c);
 
 /* Milliseconds until the client's deadline (may be <= 0 once passed), or INT64_MAX when the
  * client set none. */
@@ -355,6 +390,27 @@ int rpc_client_stream_open_opts(rpc_channel *ch, const char *path, const Protobu
                                 const ProtobufCMessageDescriptor *resp_desc,
                                 const rpc_call_opts *opts, rpc_client_stream **out, char *err);
 
+/* Opens a bidirectional-streaming call of path with opts' deadline and metadata (opts may be
+ * NULL); nothing is sent yet. Write requests with rpc_client_stream_send, end them with
+ * rpc_client_stream_close_send, read responses with rpc_client_stream_next; one thread may
+ * write while another reads (cancel from any). The rest of the rpc_client_stream functions
+ * apply. Returns 0, PD_EINVAL (bad arguments or metadata), PD_ENOMEM. */
+int rpc_client_bidi_open(rpc_channel *ch, const char *path,
+                         const ProtobufCMessageDescriptor *resp_desc, const rpc_call_opts *opts,
+                         rpc_client_stream **out, char *err);
+
+/* Bidi calls: sends msg (serialized here; the caller keeps ownership) and blocks until the
+ * transport took it (HTTP/2 flow control: until the server reads enough). Returns 0;
+ * PD_ESTATE when the call ended (its status says why) or the sending side is closed, or the
+ * stream is not a bidi call; PD_EINVAL (msg NULL or larger than max_send_msg_bytes),
+ * PD_ENOMEM. */
+int rpc_client_stream_send(rpc_client_stream *s, const ProtobufCMessage *msg);
+
+/* Bidi calls: half-closes (the server's handler sees the end of the requests). Blocks until
+ * the transport took it. Idempotent. Returns 0, or PD_ESTATE when the call already ended or
+ * the stream is not a bidi call. */
+int rpc_client_stream_close_send(rpc_client_stream *s);
+
 /* Blocks for the next response. Returns 1 with *msg set (caller frees with
  * protobuf_c_message_free_unpacked), or 0 at the end of the stream (*msg NULL; the status
  * says whether it ended well: rpc_client_stream_status). */
@@ -365,8 +421,9 @@ int rpc_client_stream_next(rpc_client_stream *s, ProtobufCMessage **msg);
  * after rpc_client_stream_close. */
 void rpc_client_stream_cancel(rpc_client_stream *s);
 
-/* Waits for the call's final status (reads and discards the rest of the stream if needed).
- * Returns st->code. */
+/* Waits for the call's final status (reads and discards the rest of the stream if needed;
+ * a bidi call whose requests are not closed waits for the server to end it). Returns
+ * st->code. */
 int rpc_client_stream_status(rpc_client_stream *s, rpc_status *st);
 
 /* Cancels the call unless it ended, waits for it, frees everything. NULL is a no-op. */

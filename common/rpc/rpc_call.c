@@ -7,7 +7,16 @@
  * client cancel, deadline or server cancel), decode the request and run the handler. Replies
  * go through a ring of serialized messages: one SEND batch at a time (initial metadata rides
  * with the first, the status with the last). A call is freed when its reference count drops to
- * 0: holders (the dispatch, the application) plus core batches in flight. */
+ * 0: holders (the dispatch, the application) plus core batches in flight.
+ *
+ * Bidi calls (RPC_BIDI_STREAMING) arrive without a request: we post one RECV_MESSAGE at a time
+ * and run the handler for each message that arrives, then post the next one once the handler
+ * returned and the outbound queue has room (else rpc__call_on_send posts it when a send
+ * completes); a NULL message (the client half-closed) runs the handler once more with req
+ * NULL. The dispatch holder stays with the call as the "reader" until then, so that a call
+ * between two requests is not taken for dropped. Reading stops for good when the call is
+ * finished or cancelled; a handler never starts after that, and rpc_stream_finish waits for
+ * one that runs on another thread. */
 #include "common/rpc/rpc_impl.h"
 
 #include <stdarg.h>
@@ -26,7 +35,7 @@ rpc_call *rpc__call_alloc(rpc_server *s, const rpc__method *m)
 {
     rpc_call *c = calloc(1, sizeof *c);
     if (!c) return NULL;
-    c->q_cap = (m && m->kind == RPC_SERVER_STREAMING) ? s->p.stream_queue_max : 1;
+    c->q_cap = (m && m->kind != RPC_UNARY) ? s->p.stream_queue_max : 1;
     c->q = calloc((size_t)c->q_cap, sizeof *c->q);
     if (!c->q) {
         free(c);
@@ -38,6 +47,7 @@ rpc_call *rpc__call_alloc(rpc_server *s, const rpc__method *m)
     c->tag_new = (rpc__tag){RPC__TAG_NEW, c};
     c->tag_close = (rpc__tag){RPC__TAG_CLOSE, c};
     c->tag_send = (rpc__tag){RPC__TAG_SEND, c};
+    c->tag_recv = (rpc__tag){RPC__TAG_RECV, c};
     c->status_details = grpc_empty_slice();
     grpc_metadata_array_init(&c->md);
     if (!m) grpc_call_details_init(&c->details);
@@ -54,6 +64,8 @@ static void call_free_mem(rpc_call *c)
     if (!c->m) grpc_call_details_destroy(&c->details);
     if (c->payload) grpc_byte_buffer_destroy(c->payload);
     if (c->req) protobuf_c_message_free_unpacked(c->req, NULL);
+    if (c->recv_bb) grpc_byte_buffer_destroy(c->recv_bb);
+    if (c->data_free) c->data_free(c->data);
     for (int i = 0; i < c->q_len; i++)
         grpc_byte_buffer_destroy(c->q[(c->q_head + i) % c->q_cap]);
     if (c->inflight) grpc_byte_buffer_destroy(c->inflight);
@@ -135,6 +147,17 @@ static void call_kick_locked(rpc_call *c)
     start_batch_or_die(c, ops, n, &c->tag_send);
 }
 
+/* Posts a bidi call's next RECV_MESSAGE (one at a time). Caller holds c->mu. */
+static void call_post_recv_locked(rpc_call *c)
+{
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_MESSAGE;
+    op.data.recv_message.recv_message = &c->recv_bb;
+    c->refs++;
+    start_batch_or_die(c, &op, 1, &c->tag_recv);
+}
+
 /* Marks the call cancelled and drops its queue. Returns true when this is news that the
  * application must hear (it had not finished the call). Caller holds c->mu. */
 static bool call_mark_cancelled_locked(rpc_call *c)
@@ -176,6 +199,21 @@ static void call_wait_cb_locked(rpc_call *c)
 {
     while (c->cb_running && !pthread_equal(c->cb_thread, pthread_self()))
         pthread_cond_wait(&c->cv, &c->mu);
+}
+
+/* Waits, before the call is finished, until neither its cancel callback nor (bidi) its
+ * handler runs on another thread: nothing of the application's runs for a finished call. The
+ * cancel callback's own thread waits for neither (a handler may be waiting for that callback
+ * in rpc_call_set_cancel_cb). Caller holds c->mu. */
+static void call_wait_finish_locked(rpc_call *c)
+{
+    for (;;) {
+        bool in_cb = c->cb_running && pthread_equal(c->cb_thread, pthread_self());
+        bool wait_cb = c->cb_running && !in_cb;
+        bool wait_h = c->h_running && !in_cb && !pthread_equal(c->h_thread, pthread_self());
+        if (!wait_cb && !wait_h) return;
+        pthread_cond_wait(&c->cv, &c->mu);
+    }
 }
 
 /* Queues the final status (caller holds c->mu; the call is not finished). */
@@ -225,6 +263,13 @@ void rpc__call_on_new(rpc_call *c, bool ok)
     op.data.recv_close_on_server.cancelled = &c->close_cancelled;
     pthread_mutex_lock(&c->mu);
     start_batch_or_die(c, &op, 1, &c->tag_close);
+    if (c->m && c->m->kind == RPC_BIDI_STREAMING) {
+        /* No request yet: read the first one; the dispatch holder stays as the reader. */
+        c->reading = true;
+        call_post_recv_locked(c);
+        pthread_mutex_unlock(&c->mu);
+        return;
+    }
     pthread_mutex_unlock(&c->mu);
 
     if (!c->m) {
@@ -279,10 +324,83 @@ void rpc__call_on_send(rpc_call *c, bool ok)
      * instead of waking once per message. */
     if (c->n_writers_waiting > 0 && (c->q_len <= c->q_cap / 2 || c->status_sent || !ok))
         pthread_cond_broadcast(&c->cv);
+    /* A bidi call whose reading waits for room: read on, or stop reading for good. */
+    bool drop_reader = false;
+    if (c->recv_paused) {
+        if (!ok || c->finish_queued || atomic_load(&c->cancelled)) {
+            c->recv_paused = false;
+            c->reading = false;
+            drop_reader = true;
+        } else if (c->q_len < c->q_cap) {
+            c->recv_paused = false;
+            call_post_recv_locked(c);
+        }
+    }
     pthread_mutex_unlock(&c->mu);
     if (bb) grpc_byte_buffer_destroy(bb);
     if (news) call_fire_cancel(c);
-    call_release(c, 1);
+    call_release(c, 1);                  /* the SEND batch; the reader holder keeps c */
+    if (drop_reader) rpc_call_unref(c);
+}
+
+void rpc__call_on_recv(rpc_call *c, bool ok)
+{
+    grpc_byte_buffer *bb = c->recv_bb;
+    c->recv_bb = NULL;
+    /* No message is the half-close only when the stream did not fail (a client cancel ends
+     * the pending read with ok and no message too). */
+    if (ok && !bb && grpc_call_failed_before_recv_message(c->call)) ok = false;
+    bool got_msg = ok && bb;             /* else: the half-close (ok) or a broken stream */
+    ProtobufCMessage *req = NULL;
+    char msg[PD_ERR_LEN] = "";
+    int drc = got_msg ? rpc__decode_request(bb, c->m, &req, msg) : 0;
+    if (bb) grpc_byte_buffer_destroy(bb);
+
+    pthread_mutex_lock(&c->mu);
+    bool news = false, run = false, bad = false;
+    if (!ok) { /* client cancel or reset, deadline, shutdown, a request over the size limit */
+        if (!c->finish_queued) news = call_mark_cancelled_locked(c);
+    } else if (c->finish_queued || c->app_finished || atomic_load(&c->cancelled)) {
+        /* finished or cancelled meanwhile: the message is dropped, no handler runs */
+    } else if (drc != 0) {
+        bad = true; /* ends the call as a server-side cancel with INVALID_ARGUMENT */
+        news = call_mark_cancelled_locked(c);
+    } else {
+        run = true;
+        c->h_running = true;
+        c->h_thread = pthread_self();
+    }
+    pthread_mutex_unlock(&c->mu);
+
+    if (bad) {
+        atomic_fetch_add(&c->srv->n_bad_request, 1);
+        PD_LOGD("rpc: call %llu: %s", (unsigned long long)c->id, msg);
+        grpc_call_cancel_with_status(c->call, GRPC_STATUS_INVALID_ARGUMENT, msg, NULL);
+    }
+    if (news) call_fire_cancel(c);
+    if (run) c->m->handler(c, req, c->m->user); /* req NULL: the client half-closed */
+    if (req) protobuf_c_message_free_unpacked(req, NULL);
+
+    pthread_mutex_lock(&c->mu);
+    if (run) {
+        c->h_running = false;
+        pthread_cond_broadcast(&c->cv);
+    }
+    bool drop_reader = false;
+    if (run && got_msg && !c->finish_queued && !atomic_load(&c->cancelled)) {
+        if (c->q_len < c->q_cap) {
+            call_post_recv_locked(c);
+        } else { /* a send is in flight (the queue is not empty): its completion reads on */
+            PD_ASSERT(c->send_inflight, "rpc: bidi call paused with no send in flight");
+            c->recv_paused = true;
+        }
+    } else {
+        c->reading = false;
+        drop_reader = true;
+    }
+    pthread_mutex_unlock(&c->mu);
+    call_release(c, 1);                  /* the RECV batch; the reader holder keeps c */
+    if (drop_reader) rpc_call_unref(c);  /* unfinished and unreferenced: INTERNAL */
 }
 
 /* ---- public, thread-safe ---- */
@@ -321,7 +439,7 @@ static int call_enqueue(rpc_call *c, const ProtobufCMessage *msg, bool finish)
     int rc = rpc__encode(msg, c->srv->p.max_send_msg_bytes, &bb);
     if (rc != 0) return rc;
     pthread_mutex_lock(&c->mu);
-    if (finish) call_wait_cb_locked(c);
+    if (finish) call_wait_finish_locked(c);
     if (c->finish_queued || atomic_load(&c->cancelled)) {
         rc = PD_ESTATE;
     } else if (c->q_len >= c->q_cap) {
@@ -350,7 +468,7 @@ int rpc_call_reply(rpc_call *c, const ProtobufCMessage *resp)
 
 int rpc_stream_send(rpc_call *c, const ProtobufCMessage *msg)
 {
-    if (!c->m || c->m->kind != RPC_SERVER_STREAMING) return PD_ESTATE;
+    if (!c->m || c->m->kind == RPC_UNARY) return PD_ESTATE;
     return call_enqueue(c, msg, false);
 }
 
@@ -368,7 +486,7 @@ int rpc_stream_finish(rpc_call *c, rpc_status_code code, const char *fmt, ...)
         snprintf(details, sizeof details, "the server finished a unary call without a reply");
     }
     pthread_mutex_lock(&c->mu);
-    call_wait_cb_locked(c);
+    call_wait_finish_locked(c);
     int rc = 0;
     if (c->finish_queued || atomic_load(&c->cancelled)) rc = PD_ESTATE;
     else call_finish_locked(c, code, details);
@@ -444,6 +562,23 @@ void rpc_call_set_cancel_cb(rpc_call *c, rpc_cancel_fn fn, void *user)
 }
 
 bool rpc_call_is_cancelled(const rpc_call *c) { return atomic_load(&c->cancelled); }
+
+void rpc_call_set_data(rpc_call *c, void *data, void (*free_fn)(void *))
+{
+    pthread_mutex_lock(&c->mu);
+    c->data = data;
+    c->data_free = free_fn;
+    pthread_mutex_unlock(&c->mu);
+}
+
+void *rpc_call_data(const rpc_call *c)
+{
+    rpc_call *m = (rpc_call *)c;
+    pthread_mutex_lock(&m->mu);
+    void *d = m->data;
+    pthread_mutex_unlock(&m->mu);
+    return d;
+}
 
 int64_t rpc_call_remaining_ms(const rpc_call *c)
 {

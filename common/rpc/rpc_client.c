@@ -1,5 +1,5 @@
-/* rpc_client.c -- Client side of the gRPC layer: channels, blocking unary calls and blocking
- * server-stream readers. Each blocking call or stream has its own pluck completion queue, so
+/* rpc_client.c -- Client side of the gRPC layer: channels, blocking unary calls, blocking
+ * server-stream readers and blocking bidi streams. Each blocking call or stream has its own pluck completion queue, so
  * any number of threads can use one channel at once (core allows only a few pluckers per
  * queue). The callback-based calls are in rpc_client_async.c. */
 #include "common/rpc/rpc_client_impl.h"
@@ -280,7 +280,8 @@ struct rpc_client_stream {
     const char *error_string;
     bool start_done, status_done, eos;
     bool bad_response;
-    char tag_start, tag_status, tag_msg; /* distinct addresses used as tags */
+    bool bidi, send_closed;             /* bidi: requests go through rpc_client_stream_send */
+    char tag_start, tag_status, tag_msg, tag_send; /* distinct addresses used as tags */
 };
 
 int rpc_client_stream_open(rpc_channel *ch, const char *path, const ProtobufCMessage *req,
@@ -330,9 +331,86 @@ int rpc_client_stream_open_opts(rpc_channel *ch, const char *path, const Protobu
     return 0;
 }
 
-static void stream_pluck(rpc_client_stream *s, void *tag)
+static bool stream_pluck(rpc_client_stream *s, void *tag)
 {
-    grpc_completion_queue_pluck(s->cq, tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    return grpc_completion_queue_pluck(s->cq, tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL)
+               .success != 0;
+}
+
+int rpc_client_bidi_open(rpc_channel *ch, const char *path,
+                         const ProtobufCMessageDescriptor *resp_desc, const rpc_call_opts *opts,
+                         rpc_client_stream **out, char *err)
+{
+    *out = NULL;
+    if (!ch || !path || !resp_desc) return pd_errf(err, PD_EINVAL, "rpc bidi: bad arguments");
+    rpc_client_stream *s = calloc(1, sizeof *s);
+    if (!s) return pd_errf(err, PD_ENOMEM, "rpc bidi: out of memory");
+    int rc = rpc__md_build(opts, &s->md, err);
+    if (rc != 0) {
+        free(s);
+        return rc;
+    }
+    s->ch = ch;
+    s->desc = resp_desc;
+    s->bidi = true;
+    s->details = grpc_empty_slice();
+    s->status = GRPC_STATUS_UNKNOWN;
+    grpc_metadata_array_init(&s->init_md);
+    grpc_metadata_array_init(&s->trail_md);
+    s->cq = grpc_completion_queue_create_for_pluck(NULL);
+    s->call = rpc__channel_new_call(ch, s->cq, path, opts);
+
+    grpc_op ops[2];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].flags = ch->p.wait_for_ready ? GRPC_INITIAL_METADATA_WAIT_FOR_READY : 0;
+    ops[0].data.send_initial_metadata.count = s->md.n;
+    ops[0].data.send_initial_metadata.metadata = s->md.md;
+    ops[1].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[1].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
+    grpc_call_error e = grpc_call_start_batch(s->call, ops, 2, &s->tag_start, NULL);
+    PD_ASSERT(e == GRPC_CALL_OK, "rpc bidi: grpc_call_start_batch failed");
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[0].data.recv_status_on_client.trailing_metadata = &s->trail_md;
+    ops[0].data.recv_status_on_client.status = &s->status;
+    ops[0].data.recv_status_on_client.status_details = &s->details;
+    ops[0].data.recv_status_on_client.error_string = &s->error_string;
+    e = grpc_call_start_batch(s->call, ops, 1, &s->tag_status, NULL);
+    PD_ASSERT(e == GRPC_CALL_OK, "rpc bidi: grpc_call_start_batch failed");
+    *out = s;
+    return 0;
+}
+
+int rpc_client_stream_send(rpc_client_stream *s, const ProtobufCMessage *msg)
+{
+    if (!msg) return PD_EINVAL;
+    if (!s->bidi || s->send_closed) return PD_ESTATE; /* a call that ended fails the batch */
+    grpc_byte_buffer *bb = NULL;
+    int rc = rpc__encode(msg, s->ch->p.max_send_msg_bytes, &bb);
+    if (rc != 0) return rc;
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_MESSAGE;
+    op.data.send_message.send_message = bb;
+    grpc_call_error e = grpc_call_start_batch(s->call, &op, 1, &s->tag_send, NULL);
+    PD_ASSERT(e == GRPC_CALL_OK, "rpc bidi: grpc_call_start_batch failed");
+    bool ok = stream_pluck(s, &s->tag_send);
+    grpc_byte_buffer_destroy(bb);
+    return ok ? 0 : PD_ESTATE;
+}
+
+int rpc_client_stream_close_send(rpc_client_stream *s)
+{
+    if (!s->bidi) return PD_ESTATE;
+    if (s->send_closed) return 0;
+    s->send_closed = true;
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    grpc_call_error e = grpc_call_start_batch(s->call, &op, 1, &s->tag_send, NULL);
+    PD_ASSERT(e == GRPC_CALL_OK, "rpc bidi: grpc_call_start_batch failed");
+    return stream_pluck(s, &s->tag_send) ? 0 : PD_ESTATE;
 }
 
 int rpc_client_stream_next(rpc_client_stream *s, ProtobufCMessage **msg)
@@ -397,7 +475,7 @@ void rpc_client_stream_close(rpc_client_stream *s)
     grpc_call_unref(s->call);
     destroy_pluck_cq(s->cq);
     if (s->recv_bb) grpc_byte_buffer_destroy(s->recv_bb);
-    grpc_byte_buffer_destroy(s->send_bb);
+    if (s->send_bb) grpc_byte_buffer_destroy(s->send_bb);
     rpc__md_free(&s->md);
     grpc_metadata_array_destroy(&s->init_md);
     grpc_metadata_array_destroy(&s->trail_md);

@@ -18,12 +18,13 @@ typedef enum {
     RPC__TAG_NEW = 0,   /* a requested call arrived (or the request died at shutdown) */
     RPC__TAG_CLOSE,     /* RECV_CLOSE_ON_SERVER completed: the call is over, maybe cancelled */
     RPC__TAG_SEND,      /* the outbound batch in flight completed */
+    RPC__TAG_RECV,      /* a bidi call's RECV_MESSAGE completed (a request, or the half-close) */
     RPC__TAG_SHUTDOWN,  /* grpc_server_shutdown_and_notify completed */
 } rpc__tag_kind;
 
 typedef struct {
     rpc__tag_kind kind;
-    void *obj;          /* rpc_call (NEW, CLOSE, SEND) or rpc_server (SHUTDOWN) */
+    void *obj;          /* rpc_call (NEW, CLOSE, SEND, RECV) or rpc_server (SHUTDOWN) */
 } rpc__tag;
 
 /* A registered method. */
@@ -90,12 +91,14 @@ struct rpc_call {
     grpc_call *call;
     gpr_timespec deadline;              /* GPR_CLOCK_MONOTONIC, or infinite */
     grpc_metadata_array md;
-    grpc_byte_buffer *payload;          /* registered calls: the request, may be NULL */
+    grpc_byte_buffer *payload;          /* unary and server-streaming calls: the request, may
+                                           be NULL; bidi calls read theirs into recv_bb */
     grpc_call_details details;          /* unknown-method calls: the path */
     char *path;                         /* unknown-method calls: owned copy of the path */
-    ProtobufCMessage *req;              /* decoded request, freed with the call */
+    ProtobufCMessage *req;              /* decoded request, freed with the call (not bidi) */
+    grpc_byte_buffer *recv_bb;          /* bidi: RECV_MESSAGE's out-parameter */
 
-    rpc__tag tag_new, tag_close, tag_send;
+    rpc__tag tag_new, tag_close, tag_send, tag_recv;
     int close_cancelled;                /* RECV_CLOSE_ON_SERVER's out-parameter */
 
     pthread_mutex_t mu;                 /* guards everything below */
@@ -119,6 +122,18 @@ struct rpc_call {
                                            cancelled first): no cancel callback any more */
     bool cb_running;
     pthread_t cb_thread;
+
+    /* Bidi calls. The layer holds one holder reference (the dispatch's) as the "reader" from
+     * the call's arrival until the handler's half-close run returned, or the reading stopped
+     * (cancelled, finished, a bad request). */
+    bool reading;                       /* the reader holder is held */
+    bool recv_paused;                   /* the next RECV_MESSAGE waits for room in the queue
+                                           (posted by rpc__call_on_send) */
+    bool h_running;                     /* the handler runs (on h_thread) */
+    pthread_t h_thread;
+
+    void *data;                         /* rpc_call_set_data */
+    void (*data_free)(void *);
 };
 
 /* rpc_common.c */
@@ -142,6 +157,7 @@ void rpc__copy_slice(char *dst, size_t len, grpc_slice s);
 void rpc__call_on_new(rpc_call *c, bool ok);
 void rpc__call_on_close(rpc_call *c, bool ok);
 void rpc__call_on_send(rpc_call *c, bool ok);
+void rpc__call_on_recv(rpc_call *c, bool ok);
 rpc_call *rpc__call_alloc(rpc_server *s, const rpc__method *m);
 void rpc__call_free_unused(rpc_call *c);
 

@@ -142,7 +142,7 @@ int rpc_server_register_path(rpc_server *s, const char *path, const char *servic
 {
     if (s->started) return pd_errf(err, PD_ESTATE, "rpc server: register %s after start", path);
     if (!path || path[0] != '/' || !request || !handler ||
-        (kind != RPC_UNARY && kind != RPC_SERVER_STREAMING))
+        (kind != RPC_UNARY && kind != RPC_SERVER_STREAMING && kind != RPC_BIDI_STREAMING))
         return pd_errf(err, PD_EINVAL, "rpc server: bad method registration (%s)",
                        path ? path : "NULL");
     for (int i = 0; i < s->n_methods; i++)
@@ -219,9 +219,10 @@ void rpc__server_post(rpc_server *s, const rpc__method *m)
         return;
     }
     grpc_call_error e;
-    if (m)
-        e = grpc_server_request_registered_call(s->server, m->handle, &c->call, &c->deadline,
-                                                &c->md, &c->payload, s->cq, s->cq, &c->tag_new);
+    if (m) /* bidi calls arrive without a request: they read theirs (rpc__call_on_recv) */
+        e = grpc_server_request_registered_call(
+            s->server, m->handle, &c->call, &c->deadline, &c->md,
+            m->kind == RPC_BIDI_STREAMING ? NULL : &c->payload, s->cq, s->cq, &c->tag_new);
     else
         e = grpc_server_request_call(s->server, &c->call, &c->details, &c->md, s->cq, s->cq,
                                      &c->tag_new);
@@ -274,6 +275,7 @@ static void *worker_main(void *arg)
         case RPC__TAG_NEW: rpc__call_on_new(t->obj, ev.success != 0); break;
         case RPC__TAG_CLOSE: rpc__call_on_close(t->obj, ev.success != 0); break;
         case RPC__TAG_SEND: rpc__call_on_send(t->obj, ev.success != 0); break;
+        case RPC__TAG_RECV: rpc__call_on_recv(t->obj, ev.success != 0); break;
         case RPC__TAG_SHUTDOWN:
             pthread_mutex_lock(&s->mu);
             s->shutdown_tag_done = true;
@@ -340,8 +342,10 @@ int rpc_server_start(rpc_server *s, char *err)
     grpc_server_register_completion_queue(s->server, s->cq, NULL);
     for (int i = 0; i < s->n_methods; i++) {
         rpc__method *m = s->methods[i];
-        m->handle = grpc_server_register_method(s->server, m->path, NULL,
-                                                GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
+        grpc_server_register_method_payload_handling ph =
+            m->kind == RPC_BIDI_STREAMING ? GRPC_SRM_PAYLOAD_NONE
+                                          : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER;
+        m->handle = grpc_server_register_method(s->server, m->path, NULL, ph, 0);
         if (!m->handle) {
             rc = pd_errf(err, PD_EINVAL, "rpc server: grpc refused method %s", m->path);
             goto fail;

@@ -1,14 +1,16 @@
 #!/usr/bin/python3
 """test_rpc_grpcio.py -- Python grpcio (a client nobody here wrote) against
 pdserve-rpc-testserver: unary and streaming calls, cancellation, deadlines, unknown methods,
-empty and malformed payloads, oversized messages, 1,000 concurrent streams, health, and shutdown
-under load. The server runs as a subprocess (ASan build in CI); every server must exit 0 with no
+empty and malformed payloads, oversized messages, 1,000 concurrent streams, health, shutdown
+under load, and bidirectional streams (the test service's Echo: order, half-close, cancel,
+deadline, bad messages, concurrency, shutdown with one open). The server runs as a subprocess (ASan build in CI); every server must exit 0 with no
 live call and no sanitizer report.
 
 usage: test_rpc_grpcio.py --server PATH --stubs DIR   (exit 77 = skipped: no grpcio)
 """
 import argparse
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -85,6 +87,21 @@ def stats_fn(ch):
     return ch.unary_unary("/pdserve.rpctest.v1.RpcTest/Stats",
                           request_serializer=rpctest_pb2.StatsRequest.SerializeToString,
                           response_deserializer=rpctest_pb2.StatsResponse.FromString)
+
+
+def echo_fn(ch):
+    return ch.stream_stream("/pdserve.rpctest.v1.RpcTest/Echo",
+                            request_serializer=rpctest_pb2.EchoRequest.SerializeToString,
+                            response_deserializer=rpctest_pb2.EchoResponse.FromString)
+
+
+def queue_iter(q):
+    """Request iterator fed by q; None ends it (the client half-closes)."""
+    while True:
+        item = q.get()
+        if item is None:
+            return
+        yield item
 
 
 def health_fn(ch):
@@ -322,6 +339,87 @@ class Common(unittest.TestCase):
         st = self.wait_idle()
         self.assertGreaterEqual(st.live_calls_peak, n)
 
+    def test_bidi_echo(self):
+        echo = echo_fn(self.ch)
+        reqs = [rpctest_pb2.EchoRequest(text="m%d" % i, pad_bytes=i * 1000) for i in range(20)]
+        call = echo(iter(reqs), timeout=10)
+        self.assertEqual([(r.text, r.seq, len(r.pad)) for r in call],
+                         [("m%d" % i, i, i * 1000) for i in range(20)])
+        self.assertEqual(call.code(), grpc.StatusCode.OK)
+        self.assertEqual(call.details(), "echoed 20")
+        # Interleaved: each request goes out only after the answer to the one before.
+        q = queue.Queue()
+        call = echo(queue_iter(q), timeout=10)
+        for i in range(5):
+            q.put(rpctest_pb2.EchoRequest(text="i%d" % i))
+            r = next(call)
+            self.assertEqual((r.text, r.seq), ("i%d" % i, i))
+        q.put(None)
+        self.assertEqual(list(call), [])
+        self.assertEqual(call.details(), "echoed 5")
+        # No request at all.
+        call = echo(iter([]), timeout=10)
+        self.assertEqual(list(call), [])
+        self.assertEqual(call.details(), "echoed 0")
+        self.wait_idle()
+
+    def test_bidi_cancel_and_deadline(self):
+        before = self.wait_idle()
+        echo = echo_fn(self.ch)
+        q = queue.Queue()
+        call = echo(queue_iter(q), timeout=30)
+        for i in range(2):
+            q.put(rpctest_pb2.EchoRequest(text="c"))
+            self.assertEqual(next(call).seq, i)
+        call.cancel()
+        with self.assertRaises(grpc.RpcError) as cm:
+            next(call)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.CANCELLED)
+        q.put(None)
+        q = queue.Queue()
+        call = echo(queue_iter(q), timeout=0.3)
+        q.put(rpctest_pb2.EchoRequest(text="d"))
+        self.assertEqual(next(call).text, "d")
+        with self.assertRaises(grpc.RpcError) as cm:
+            next(call)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        q.put(None)
+        self.wait_idle(calls_cancelled=before.calls_cancelled + 2,
+                       cancel_callbacks=before.cancel_callbacks + 2)
+
+    def test_bidi_bad_message(self):
+        before = self.wait_idle()
+        raw = self.ch.stream_stream("/pdserve.rpctest.v1.RpcTest/Echo")  # bytes in and out
+        # EchoRequest{text "a"}, then field 1 as a varint; then a string that is not UTF-8.
+        for reqs, n_ok, why in (([b"\x0a\x01a", b"\x08\x01"], 1,
+                                 "not a valid pdserve.rpctest.v1.EchoRequest"),
+                                ([b"\x0a\x01\xff"], 0, "text: not valid UTF-8")):
+            call = raw(iter(reqs), timeout=10)
+            got = []
+            with self.assertRaises(grpc.RpcError) as cm:
+                for r in call:
+                    got.append(r)
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn(why, cm.exception.details())
+            self.assertEqual(len(got), n_ok)
+        # A request over --max-recv-bytes (4 MiB) mid-stream.
+        call = echo_fn(self.ch)(iter([rpctest_pb2.EchoRequest(text="a"),
+                                      rpctest_pb2.EchoRequest(text="b" * (5 << 20))]), timeout=30)
+        with self.assertRaises(grpc.RpcError) as cm:
+            list(call)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.wait_idle(calls_bad_request=before.calls_bad_request + 2)
+
+    def test_bidi_concurrent(self):
+        echo = echo_fn(self.ch)
+        n = 200
+        calls = [echo(iter([rpctest_pb2.EchoRequest(text="%d.%d" % (i, k)) for k in range(10)]),
+                      timeout=60) for i in range(n)]
+        for i, call in enumerate(calls):
+            self.assertEqual([r.text for r in call], ["%d.%d" % (i, k) for k in range(10)])
+            self.assertEqual(call.details(), "echoed 10")
+        self.wait_idle()
+
 
 class Shutdown(unittest.TestCase):
     """Servers of their own, stopped while busy."""
@@ -383,6 +481,25 @@ class Shutdown(unittest.TestCase):
         self.assertLess(elapsed, 10)
         n_cancelled = int(re.search(r"cancelled_at_shutdown=(\d+)", err).group(1))
         self.assertTrue(40 <= n_cancelled <= 45, err[-2000:])
+
+    def test_shutdown_bidi_open(self):
+        srv = Server("--grace-ms", "300")
+        ch = grpc.insecure_channel(srv.target)
+        q = queue.Queue()
+        try:
+            call = echo_fn(ch)(queue_iter(q), timeout=60)
+            q.put(rpctest_pb2.EchoRequest(text="open"))
+            self.assertEqual(next(call).text, "open")
+            srv.proc.send_signal(signal.SIGTERM)
+            with self.assertRaises(grpc.RpcError) as cm:
+                next(call)
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        finally:
+            q.put(None)
+            rc, err = srv.stop()
+            ch.close()
+        check_clean_exit(self, rc, err)
+        self.assertIn("cancelled_at_shutdown=1", err)
 
     def test_idle_shutdown_and_port_reuse(self):
         a = Server()

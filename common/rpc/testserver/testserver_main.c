@@ -3,7 +3,8 @@
  * prompt's token ids back one per message (or max_tokens counter tokens when set), Tokenize
  * returns the prompt's bytes as ids, GetModelInfo fixed values. Streams (and delayed unary
  * replies) are produced by a worker thread, as an engine thread would, which exercises the
- * cross-thread send path, backpressure and cancellation.
+ * cross-thread send path, backpressure and cancellation. The test service's RpcTest.Echo
+ * (bidirectional) answers every request at once and ends OK at the half-close.
  *
  * Per-call knobs (request metadata): "x-delay-ms" (delay between stream messages, or before a
  * Tokenize reply); "x-barrier" N (a stream starts only once N calls are held by the worker,
@@ -351,6 +352,34 @@ static void on_model_info(rpc_call *call, const ProtobufCMessage *req, void *use
     rpc_call_reply(call, &r.base);
 }
 
+/* RpcTest.Echo (bidirectional): one response per request with its index in the call; the
+ * count lives in the call's data; the half-close finishes with "echoed N". */
+static void on_echo(rpc_call *call, const ProtobufCMessage *req, void *user)
+{
+    uint64_t *seq = rpc_call_data(call);
+    if (!seq) {
+        if (!(seq = calloc(1, sizeof *seq))) {
+            rpc_stream_finish(call, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+            return;
+        }
+        rpc_call_set_data(call, seq, free);
+        rpc_call_set_cancel_cb(call, on_cancel, user); /* counts cancel_callbacks */
+    }
+    if (!req) {
+        rpc_stream_finish(call, RPC_STATUS_OK, "echoed %" PRIu64, *seq);
+        return;
+    }
+    const Pdserve__Rpctest__V1__EchoRequest *r = (const void *)req;
+    static uint8_t pad[65536];
+    Pdserve__Rpctest__V1__EchoResponse resp = PDSERVE__RPCTEST__V1__ECHO_RESPONSE__INIT;
+    resp.text = r->text;
+    resp.seq = (*seq)++;
+    resp.pad.len = r->pad_bytes < sizeof pad ? r->pad_bytes : sizeof pad;
+    resp.pad.data = pad;
+    if (rpc_stream_send(call, &resp.base) == PD_ENOSPC) /* cannot happen: one per request */
+        rpc_stream_finish(call, RPC_STATUS_RESOURCE_EXHAUSTED, "response queue full");
+}
+
 static void on_stats(rpc_call *call, const ProtobufCMessage *req, void *user)
 {
     backend *b = user;
@@ -442,6 +471,9 @@ int main(int argc, char **argv)
     if (rc == 0)
         rc = rpc_server_register(srv, &pdserve__rpctest__v1__rpc_test__descriptor, "Stats",
                                  RPC_UNARY, on_stats, &b, err);
+    if (rc == 0)
+        rc = rpc_server_register(srv, &pdserve__rpctest__v1__rpc_test__descriptor, "Echo",
+                                 RPC_BIDI_STREAMING, on_echo, &b, err);
     b.srv = srv;
     if (rc == 0 && pthread_create(&b.thread, NULL, worker_main, &b) != 0)
         rc = pd_errf(err, PD_ENOMEM, "cannot start the worker thread");
