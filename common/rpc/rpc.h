@@ -1,6 +1,6 @@
 /* rpc.h -- pdserve's gRPC layer on the gRPC C core (grpc/grpc.h) with protobuf-c messages:
  * a server with registered unary, server-streaming and bidirectional-streaming handlers, the
- * standard health service, and client helpers (blocking and
+ * standard health service and server reflection, and client helpers (blocking and
  * callback-based) for the same call shapes (bidi: blocking only).
  *
  * Server model. Worker threads poll one completion queue. When a call arrives its request is
@@ -179,6 +179,25 @@ int rpc_server_start(rpc_server *s, char *err);
 
 /* The bound port (after rpc_server_start), or 0. */
 int rpc_server_port(const rpc_server *s);
+
+/* Serves gRPC server reflection: grpc.reflection.v1.ServerReflection and
+ * grpc.reflection.v1alpha.ServerReflection (most tools still call v1alpha), bidi method
+ * ServerReflectionInfo, from descriptor_set: len bytes of a serialized
+ * google.protobuf.FileDescriptorSet holding every file to describe and the files they import
+ * (protoc --descriptor_set_out=F --include_imports), copied here. file_by_filename and
+ * file_containing_symbol (messages, fields, oneofs, enums, enum values, services, methods,
+ * extensions) answer the file and the files it imports, each once, the file first;
+ * file_containing_extension and all_extension_numbers_of_type answer from the extensions the
+ * set defines (a known message type without any: an empty list); list_services answers the
+ * services registered on the server (health and reflection included), whether or not the
+ * set describes them. Unknown names get an error_response NOT_FOUND, a request that asks
+ * nothing INVALID_ARGUMENT; each request of a stream gets one response, in order, and the
+ * call ends OK when the client half-closes. Before rpc_server_start only. Returns 0;
+ * PD_EFORMAT (the bytes are not a FileDescriptorSet, a file imports one that is not in it,
+ * a file or a symbol is there twice; err says which); PD_EINVAL (a reflection path is
+ * registered already); PD_ESTATE (started, or reflection added already); PD_ENOMEM (then
+ * the server can only be destroyed). */
+int rpc_server_add_reflection(rpc_server *s, const void *descriptor_set, size_t len, char *err);
 
 /* Sets what grpc.health.v1.Health/Check answers for "" and every registered service:
  * SERVING (true) or NOT_SERVING (false). Unknown service names get NOT_FOUND. Thread-safe. */

@@ -55,14 +55,40 @@ int64_t rpc__tls_server_reloads(const rpc__tls_server *t); /* 0 for NULL */
 int rpc__tls_channel_creds(const rpc_client_tls *p, grpc_channel_credentials **creds,
                            char *err);
 
+/* rpc_descriptors.c: an index over a serialized FileDescriptorSet (server reflection). */
+typedef struct rpc__fds rpc__fds;
+/* Copies set[0, len) and indexes its files and symbols. Returns 0; PD_EFORMAT (malformed wire
+ * format, a file or a definition without a name, a file there twice, an import missing from
+ * the set, a symbol defined twice; err says which), PD_ENOMEM. */
+int rpc__fds_create(const void *set, size_t len, rpc__fds **out, char *err);
+void rpc__fds_free(rpc__fds *f); /* NULL is a no-op */
+int rpc__fds_n_files(const rpc__fds *f);
+/* File i's serialized FileDescriptorProto (borrowed from f; *len bytes) and name. */
+const uint8_t *rpc__fds_file(const rpc__fds *f, int file, const char **name, size_t *len);
+/* The index of the file named name, or -1. */
+int rpc__fds_find_file(const rpc__fds *f, const char *name);
+/* The index of the file that defines the fully-qualified symbol name (a leading dot is
+ * ignored): message, field, oneof, enum, enum value ("pkg.VALUE"), service, method,
+ * extension; or -1. *is_message (may be NULL) says whether it is a message type. */
+int rpc__fds_find_symbol(const rpc__fds *f, const char *name, bool *is_message);
+/* The index of the file that defines extension number of message extendee, or -1. */
+int rpc__fds_find_extension(const rpc__fds *f, const char *extendee, int32_t number);
+/* Writes the numbers of extendee's extensions to out[0, max); returns how many there are. */
+int rpc__fds_extension_numbers(const rpc__fds *f, const char *extendee, int32_t *out, int max);
+/* Writes file and, depth first, every file it imports directly or not into order (room for
+ * rpc__fds_n_files), each once, file first. Returns their number, or PD_ENOMEM. */
+int rpc__fds_closure(const rpc__fds *f, int file, int *order);
+
 struct rpc_server {
     rpc_server_params p;
     char *listen_addr;                  /* owned copy of p.listen_addr */
     rpc__tls_server *tls;               /* NULL without TLS; freed after the grpc_server */
     rpc__method **methods;              /* [n_methods], owned */
     int n_methods;
-    char **services;                    /* [n_services] names the health check knows, owned */
+    char **services;                    /* [n_services] names the health check knows, owned;
+                                           also what reflection lists */
     int n_services;
+    rpc__fds *reflection;               /* rpc_server_add_reflection's index, or NULL */
 
     grpc_server *server;                /* NULL until started and after shutdown */
     grpc_completion_queue *cq;          /* shared by every worker */

@@ -509,6 +509,7 @@ void rpc_server_destroy(rpc_server *s)
     free(s->methods);
     for (int i = 0; i < s->n_services; i++) free(s->services[i]);
     free(s->services);
+    rpc__fds_free(s->reflection);
     free(s->listen_addr);
     rpc__tls_server_free(s->tls); /* the grpc_server (and its fetcher) is gone */
     pthread_mutex_destroy(&s->mu);
