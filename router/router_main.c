@@ -40,6 +40,7 @@
 #include "engine/tokenizer.h"
 #include "pdserve/internal/v1/decode.pb-c.h"
 #include "pdserve/internal/v1/prefill.pb-c.h"
+#include "pdserve/public_descriptors.h"
 #include "router/registry.h"
 #include "router/rtr_errors.h"
 #ifdef PD_HAVE_CHAT_TEMPLATE
@@ -1295,6 +1296,8 @@ int main(int argc, char **argv)
                             RPC_UNARY, handle_tokenize, NULL, err) < 0 ||
         rpc_server_register(g.server, &pdserve__v1__generation__descriptor, "GetModelInfo",
                             RPC_UNARY, handle_model_info, NULL, err) < 0 ||
+        rpc_server_add_reflection(g.server, pd_public_descriptor_set,
+                                  pd_public_descriptor_set_len, err) < 0 ||
         rpc_server_start(g.server, err) < 0) {
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
