@@ -55,7 +55,6 @@ typedef struct {
     rtr_registry *reg;
     rpc_server *server;
     void *chat;                      /* chat_template * (GenerateRequest.messages), or NULL */
-    char chat_err[PD_ERR_LEN];       /* why there is none */
     int64_t default_max_tokens;
     int64_t max_pending;
     int64_t call_timeout_ms;
@@ -833,8 +832,13 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
             reject(call, RPC_STATUS_INVALID_ARGUMENT, "messages[%zu].role is empty", i);
             return;
         }
-    if (has_chat && !g.chat) {
-        reject(call, RPC_STATUS_FAILED_PRECONDITION, "messages: %s", g.chat_err);
+    if (has_chat && !g.chat) { /* (the reason, with server paths, is in the router's log) */
+#ifdef PD_HAVE_CHAT_TEMPLATE
+        reject(call, RPC_STATUS_FAILED_PRECONDITION, "messages: the served model has no usable "
+               "chat template (tokenizer_config.json chat_template)");
+#else
+        reject(call, RPC_STATUS_FAILED_PRECONDITION, "messages: this build has no chat templates");
+#endif
         return;
     }
     /* Strings arrive valid UTF-8 without NUL bytes (the rpc layer checks the wire). */
@@ -1255,12 +1259,10 @@ int main(int argc, char **argv)
         if (crc == 0) {
             g.chat = ct;
         } else {
-            snprintf(g.chat_err, sizeof g.chat_err, "%s", cerr);
             if (crc != PD_ENOTFOUND) PD_LOGW("the chat template cannot be used: %s", cerr);
+            else PD_LOGI("%s: GenerateRequest.messages is refused", cerr);
         }
     }
-#else
-    snprintf(g.chat_err, sizeof g.chat_err, "this build has no chat templates");
 #endif
     if (model_name[0]) {
         snprintf(g.model_name, sizeof g.model_name, "%s", model_name);

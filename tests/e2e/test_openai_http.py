@@ -184,6 +184,25 @@ try:
         check(ids[:1] == [1] and ids[1:2] != [1], "the reference conversation has one BOS (%s...)" % ids[:4])
         chat_ref = {"ids": ids, "greedy": grpc_gen(chat, prompt_token_ids=ids, sampling=sampling(),
                                                    stopping=pb.StoppingCriteria(max_tokens=16), logprobs=1)}
+        # gRPC clients chat through GenerateRequest.messages: the same prompt, the same tokens.
+        gm = grpc_gen(chat, messages=[pb.ChatMessage(role=m["role"], content=m["content"])
+                                      for m in CHAT_MESSAGES],
+                      sampling=sampling(), stopping=pb.StoppingCriteria(max_tokens=16), logprobs=1)
+        check(gm["ids"] == chat_ref["greedy"]["ids"] and gm["usage"].prompt_tokens == len(ids),
+              "gRPC messages: rendered and tokenized as the reference (%d prompt tokens), the "
+              "same greedy tokens" % gm["usage"].prompt_tokens)
+        try:
+            grpc_gen(chat, messages=[pb.ChatMessage(role="tool", content="x")])
+            check(False, "gRPC messages: raise_exception in the template is refused")
+        except grpc.RpcError as e:
+            check(e.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown role" in e.details(),
+                  "gRPC messages: raise_exception -> INVALID_ARGUMENT (%s)" % e.details())
+        try:
+            grpc_gen(router, messages=[pb.ChatMessage(role="user", content="x")])
+            check(False, "gRPC messages without a template are refused")
+        except grpc.RpcError as e:
+            check(e.code() == grpc.StatusCode.FAILED_PRECONDITION,
+                  "gRPC messages on a model without a chat template: FAILED_PRECONDITION (%s)" % e.details())
 
     # ---- the openai npm package ----
     node, why = node_ready()
