@@ -81,7 +81,7 @@ static int config_template(const json_t *cfg, const char *path, const char **src
     const json_t *ct = json_object_get(cfg, "chat_template");
     if (!ct || json_is_null(ct))
         return pd_errf(err, PD_ENOTFOUND, "%s has no chat_template: the model ships no chat "
-                                          "template (send a prompt instead of messages)", path);
+                                          "template", path);
     if (json_is_string(ct)) {
         *src = json_string_value(ct);
         return 0;

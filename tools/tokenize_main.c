@@ -1,5 +1,6 @@
 /* tokenize_main.c -- pdserve-tokenize: encode text to ids or decode ids to text with a
- * HuggingFace tokenizer.json, printing JSON; plus a single-thread encode benchmark. */
+ * HuggingFace tokenizer.json, printing JSON; render a conversation with the model's chat
+ * template and encode it; plus a single-thread encode benchmark. */
 #include <errno.h>
 #include <getopt.h>
 #include <limits.h>
@@ -8,7 +9,10 @@
 #include <string.h>
 #include <time.h>
 
+#include <jansson.h>
+
 #include "common/error.h"
+#include "engine/chat_template.h"
 #include "engine/tokenizer.h"
 
 static void usage(FILE *f)
@@ -16,6 +20,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: pdserve-tokenize --tokenizer DIR (--text STR | --text-file FILE) [options]\n"
             "       pdserve-tokenize --tokenizer DIR --decode 1,2,3 [--skip-special-tokens]\n"
+            "       pdserve-tokenize --tokenizer DIR --chat FILE.json [--add-generation-prompt]\n"
             "       pdserve-tokenize --tokenizer DIR --bench FILE [--repeat N]\n"
             "\n"
             "Encodes text to token ids ({\"ids\": [...]}) or decodes ids to text ({\"text\": "
@@ -28,6 +33,12 @@ static void usage(FILE *f)
             "  --add-special-tokens     apply the post-processor template (e.g. a leading BOS)\n"
             "  --decode LIST            comma-separated ids to decode\n"
             "  --skip-special-tokens    leave special tokens out of the decoded text\n"
+            "  --chat FILE.json         render {\"messages\": [{\"role\": ..., \"content\": ...}, ...]}\n"
+            "                           (- = stdin) with DIR's chat template as HF's\n"
+            "                           apply_chat_template does, and encode the text without\n"
+            "                           added special tokens: {\"text\": \"...\", \"ids\": [...]}\n"
+            "                           (--plain: the text only)\n"
+            "  --add-generation-prompt  end the rendered chat with the assistant's turn opener\n"
             "  --json                   JSON output (the default)\n"
             "  --plain                  plain output: ids as 1,2,3 or the raw decoded text\n"
             "  --bench FILE             encode FILE's paragraphs (split at blank lines) on one\n"
@@ -44,7 +55,7 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static void json_string(FILE *f, const char *s, size_t len)
+static void put_json_string(FILE *f, const char *s, size_t len)
 {
     fputc('"', f);
     for (size_t i = 0; i < len; i++) {
@@ -187,7 +198,7 @@ static int bench(const tok_tokenizer *t, const char *dir, const char *path, int 
     }
     tok_scratch_destroy(scratch);
     printf("{\"tokenizer\": ");
-    json_string(stdout, dir, strlen(dir));
+    put_json_string(stdout, dir, strlen(dir));
     printf(", \"scratch\": %s, \"bytes\": %zu, \"docs\": %zu, \"tokens\": %lld, \"ids_fnv1a\": %u, "
            "\"passes\": %d, \"best_s\": %.4f, \"mb_per_s\": %.2f, \"mean_mb_per_s\": %.2f, "
            "\"load_ms\": %.1f}\n",
@@ -195,6 +206,76 @@ static int bench(const tok_tokenizer *t, const char *dir, const char *path, int 
            (double)len / 1e6 / best, (double)len * repeat / 1e6 / total, load_ms);
     free(data);
     return 0;
+}
+
+/* Renders the conversation of path (or stdin for "-") with dir's chat template and prints
+ * the text and its ids. Returns the exit status. */
+static int chat(const tok_tokenizer *t, const char *dir, const char *path, bool agp, bool plain)
+{
+    char err[PD_ERR_LEN] = "";
+    json_error_t je;
+    json_t *doc = strcmp(path, "-") ? json_load_file(path, JSON_DECODE_INT_AS_REAL, &je)
+                                    : json_loadf(stdin, JSON_DECODE_INT_AS_REAL, &je);
+    if (!doc) {
+        fprintf(stderr, "pdserve-tokenize: --chat %s: %s (line %d column %d)\n", path, je.text,
+                je.line, je.column);
+        return 1;
+    }
+    json_t *list = json_is_array(doc) ? doc : json_object_get(doc, "messages");
+    if (!json_is_array(list)) {
+        fprintf(stderr, "pdserve-tokenize: --chat %s: expected {\"messages\": [...]}\n", path);
+        json_decref(doc);
+        return 1;
+    }
+    size_t n = json_array_size(list);
+    chat_message *m = calloc(n ? n : 1, sizeof *m);
+    int status = 0;
+    for (size_t i = 0; m && i < n && !status; i++) {
+        json_t *e = json_array_get(list, i), *role = json_object_get(e, "role");
+        json_t *content = json_object_get(e, "content");
+        if (!json_is_string(role) || (content && !json_is_string(content) && !json_is_null(content))) {
+            fprintf(stderr, "pdserve-tokenize: --chat %s: message %zu needs a string \"role\" and "
+                            "a string or null \"content\"\n", path, i);
+            status = 1;
+            break;
+        }
+        m[i].role = json_string_value(role);
+        m[i].content = content ? json_string_value(content) : NULL;
+    }
+    chat_template *ct = NULL;
+    char *text = NULL;
+    int32_t *ids = NULL, n_ids = 0;
+    int rc;
+    if (!m) {
+        fprintf(stderr, "pdserve-tokenize: out of memory\n");
+        status = 1;
+    } else if (!status && (rc = chat_template_load(dir, &ct, err))) {
+        fprintf(stderr, "pdserve-tokenize: %s (%s)\n", err, pd_err_name(rc));
+        status = 1;
+    } else if (!status && (rc = chat_template_render(ct, m, (int)n, agp, &text, err))) {
+        fprintf(stderr, "pdserve-tokenize: the chat template failed: %s (%s)\n", err,
+                pd_err_name(rc));
+        status = 1;
+    } else if (!status && (rc = tok_encode(t, text, strlen(text), false, &ids, &n_ids, err))) {
+        fprintf(stderr, "pdserve-tokenize: %s (%s)\n", err, pd_err_name(rc));
+        status = 1;
+    } else if (!status) {
+        if (plain) {
+            fputs(text, stdout);
+        } else {
+            printf("{\"text\": ");
+            put_json_string(stdout, text, strlen(text));
+            printf(", \"ids\": [");
+            for (int32_t i = 0; i < n_ids; i++) printf(i ? ", %d" : "%d", ids[i]);
+            printf("]}\n");
+        }
+    }
+    free(ids);
+    free(text);
+    chat_template_destroy(ct);
+    free(m);
+    json_decref(doc);
+    return status;
 }
 
 int main(int argc, char **argv)
@@ -211,11 +292,15 @@ int main(int argc, char **argv)
         {"bench", required_argument, 0, 'b'},
         {"repeat", required_argument, 0, 'r'},
         {"no-scratch", no_argument, 0, 'n'},
+        {"chat", required_argument, 0, 'c'},
+        {"add-generation-prompt", no_argument, 0, 'g'},
         {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0},
     };
-    const char *dir = NULL, *text = NULL, *text_file = NULL, *decode = NULL, *bench_file = NULL;
-    bool add_special = false, skip_special = false, plain = false, use_scratch = true;
+    const char *dir = NULL, *text = NULL, *text_file = NULL, *decode = NULL, *bench_file = NULL,
+               *chat_file = NULL;
+    bool add_special = false, skip_special = false, plain = false, use_scratch = true,
+         add_gen = false;
     int repeat = 3, c;
     while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
         switch (c) {
@@ -229,6 +314,8 @@ int main(int argc, char **argv)
         case 'p': plain = true; break;
         case 'b': bench_file = optarg; break;
         case 'n': use_scratch = false; break;
+        case 'c': chat_file = optarg; break;
+        case 'g': add_gen = true; break;
         case 'r':
             repeat = atoi(optarg);
             if (repeat < 1) {
@@ -244,10 +331,15 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-tokenize: unexpected argument \"%s\"\n", argv[optind]);
         return 2;
     }
-    int modes = (text != NULL) + (text_file != NULL) + (decode != NULL) + (bench_file != NULL);
+    int modes = (text != NULL) + (text_file != NULL) + (decode != NULL) + (bench_file != NULL) +
+                (chat_file != NULL);
     if (!dir || modes != 1) {
         fprintf(stderr, "pdserve-tokenize: need --tokenizer DIR and exactly one of --text, "
-                        "--text-file, --decode, --bench (see --help)\n");
+                        "--text-file, --decode, --chat, --bench (see --help)\n");
+        return 2;
+    }
+    if (add_gen && !chat_file) {
+        fprintf(stderr, "pdserve-tokenize: --add-generation-prompt goes with --chat\n");
         return 2;
     }
     char err[PD_ERR_LEN] = "";
@@ -262,6 +354,8 @@ int main(int argc, char **argv)
     int status = 0;
     if (bench_file) {
         status = bench(t, dir, bench_file, repeat, load_ms, use_scratch);
+    } else if (chat_file) {
+        status = chat(t, dir, chat_file, add_gen, plain);
     } else if (decode) {
         int32_t *ids, n;
         char *out;
@@ -278,7 +372,7 @@ int main(int argc, char **argv)
                 fputc('\n', stdout);
             } else {
                 printf("{\"text\": ");
-                json_string(stdout, out, len);
+                put_json_string(stdout, out, len);
                 printf("}\n");
             }
             free(out);
