@@ -345,8 +345,10 @@ void rpc__call_on_send(rpc_call *c, bool ok)
 
 void rpc__call_on_recv(rpc_call *c, bool ok)
 {
+    pthread_mutex_lock(&c->mu); /* orders this read after the post on another worker */
     grpc_byte_buffer *bb = c->recv_bb;
     c->recv_bb = NULL;
+    pthread_mutex_unlock(&c->mu);
     /* No message is the half-close only when the stream did not fail (a client cancel ends
      * the pending read with ok and no message too). */
     if (ok && !bb && grpc_call_failed_before_recv_message(c->call)) ok = false;

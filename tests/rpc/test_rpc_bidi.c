@@ -86,9 +86,10 @@ static void *holder_main(void *arg)
         CHECK_EQ_INT(rpc_stream_finish(h->call, RPC_STATUS_OK, NULL), PD_ESTATE);
     } else {
         sleep_ms(h->mode == 0 ? 30 : 20);
-        int rc = rpc_stream_finish(h->call, RPC_STATUS_OK, "%s %llu",
-                                   h->mode == 0 ? "deferred" : "finished by a thread",
-                                   (unsigned long long)h->st->seq);
+        int rc = h->mode == 0 /* after the half-close: no run touches seq any more */
+                     ? rpc_stream_finish(h->call, RPC_STATUS_OK, "deferred %llu",
+                                         (unsigned long long)h->st->seq)
+                     : rpc_stream_finish(h->call, RPC_STATUS_OK, "finished by a thread");
         atomic_store(&h->st->finished, true); /* no run may start from here on */
         CHECK_EQ_INT(rc, 0);
     }
