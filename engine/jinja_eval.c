@@ -952,6 +952,7 @@ int jinja__eval(jx *x, const jnode *n, jv *out)
     jinja__decref(x, a);
     jinja__decref(x, b);
     x->rdepth--;
+    if (rc) *out = jv_undef(NULL); /* whatever a failed callee left there is not ours */
     return rc;
 }
 

@@ -17,7 +17,10 @@ typedef int (*test_fn)(jx *x, jv in, const jargs *a, bool *out);
 
 static int list_out(jx *x, int rc, jv *out)
 {
-    if (rc && out->t == JV_LIST) jinja__decref(x, *out);
+    if (rc && out->t == JV_LIST) {
+        jinja__decref(x, *out);
+        *out = jv_undef(NULL);
+    }
     return rc;
 }
 
@@ -513,7 +516,7 @@ static int f_format(jx *x, jv in, const jargs *a, jv *o)
 {
     if (a->npos && a->nkw)
         return jinja__fail(x, PD_EINVAL, "can't handle positional and keyword arguments at the same time");
-    jv s, args;
+    jv s, args = jv_none();
     int rc = jinja__to_str(x, in, &s);
     if (rc) return rc;
     if (a->nkw) {
@@ -687,13 +690,15 @@ static int f_map(jx *x, jv in, const jargs *a, jv *o)
     int rc = jinja__list_new(x, JL_GEN, 0, o);
     if (rc || !jinja__truthy(in)) return rc;
     jv attr = jv_undef(jinja__missing), dflt = jv_undef(jinja__missing);
-    if (!a->npos) {
-        for (int k = 0; k < a->nkw; k++) {
+    if (!a->npos) { /* map(attribute=..., default=...); else map('filter', args...) */
+        for (int k = 0; k < a->nkw; k++)
             if (!strcmp(a->kwn[k]->s, "attribute")) attr = a->kwv[k];
-            else if (!strcmp(a->kwn[k]->s, "default")) dflt = a->kwv[k];
-            else rc = jinja__fail(x, PD_EINVAL, "Unexpected keyword argument '%s'", a->kwn[k]->s);
+        if (JARG_MISSING(attr)) rc = jinja__fail(x, PD_EINVAL, "map requires a filter argument");
+        for (int k = 0; k < a->nkw && !rc; k++) {
+            if (!strcmp(a->kwn[k]->s, "default")) dflt = a->kwv[k];
+            else if (strcmp(a->kwn[k]->s, "attribute"))
+                rc = jinja__fail(x, PD_EINVAL, "Unexpected keyword argument '%s'", a->kwn[k]->s);
         }
-        if (!rc && JARG_MISSING(attr)) rc = jinja__fail(x, PD_EINVAL, "map requires a filter argument");
     }
     jlist *l = NULL;
     if (!rc) rc = jinja__iter_list(x, in, &l);

@@ -117,13 +117,15 @@ int jinja__str_strip(jx *x, const jstr *s, const jstr *chars, int mode, jv *out)
             if (!in_chars(chars, jinja__u8_next(s->s, b, &j))) break;
             a = j;
         }
-    if (mode & 2) {
-        size_t end = a;
-        for (size_t i = a; i < b;) {
-            if (!in_chars(chars, jinja__u8_next(s->s, b, &i))) end = i;
+    if (mode & 2)
+        while (b > a) { /* back over the last code point */
+            size_t st = b - 1;
+            while (st > a && ((unsigned char)s->s[st] & 0xC0) == 0x80) st--;
+            size_t j = st;
+            uint32_t cp = jinja__u8_next(s->s, b, &j);
+            if (j != b || !in_chars(chars, cp)) break; /* (a stray byte ends the strip too) */
+            b = st;
         }
-        b = end;
-    }
     if (a == 0 && b == s->len) {
         *out = (jv){.t = JV_STR};
         out->u.s = (jstr *)s;
@@ -980,7 +982,7 @@ static int fmt_one(jx *x, jbuf *b, char conv, const char *flags, int width, int 
     if (conv == 'c') {
         char u[4];
         if (v.t == JV_STR && v.u.s->ncp == 1) return jinja__buf_put(x, b, v.u.s->s, v.u.s->len);
-        if (v.t != JV_INT || v.u.i < 0 || v.u.i > 0x10FFFF)
+        if (v.t != JV_INT || v.u.i < 0 || v.u.i > 0x10FFFF || (v.u.i >= 0xD800 && v.u.i <= 0xDFFF))
             return jinja__fail(x, PD_EINVAL, "%%c requires an int or a single character");
         return jinja__buf_put(x, b, u, jinja__u8_put(u, (uint32_t)v.u.i));
     }

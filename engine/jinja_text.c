@@ -2,6 +2,7 @@
  * interpreter: strings are indexed, sliced and measured in code points as Python does, and
  * strip/split/upper/lower follow Python's definitions (case mappings from utf8proc: the simple
  * one-to-one mappings, so 'ß'.upper() stays 'ß' where Python gives 'SS'). */
+#include <string.h>
 #include <utf8proc.h>
 
 #include "engine/jinja_impl.h"
@@ -55,8 +56,17 @@ size_t jinja__u8_put(char *dst, uint32_t cp)
 
 size_t jinja__u8_count(const char *s, size_t len)
 {
-    size_t n = 0;
-    for (size_t i = 0; i < len; i++) n += ((unsigned char)s[i] & 0xC0) != 0x80;
+    size_t n = 0, i = 0;
+    for (; i + 8 <= len; i += 8) { /* eight ASCII bytes at a time */
+        uint64_t w;
+        memcpy(&w, s + i, 8);
+        if (!(w & 0x8080808080808080ull)) {
+            n += 8;
+            continue;
+        }
+        for (size_t k = i; k < i + 8; k++) n += ((unsigned char)s[k] & 0xC0) != 0x80;
+    }
+    for (; i < len; i++) n += ((unsigned char)s[i] & 0xC0) != 0x80;
     return n;
 }
 
@@ -64,6 +74,14 @@ bool jinja__u8_valid(const char *s, size_t len, size_t *bad)
 {
     utf8proc_ssize_t i = 0;
     while ((size_t)i < len) {
+        if ((size_t)i + 8 <= len) { /* eight ASCII bytes at a time */
+            uint64_t w;
+            memcpy(&w, s + i, 8);
+            if (!(w & 0x8080808080808080ull)) {
+                i += 8;
+                continue;
+            }
+        }
         utf8proc_int32_t cp;
         utf8proc_ssize_t n = utf8proc_iterate((const utf8proc_uint8_t *)s + i,
                                               (utf8proc_ssize_t)(len - (size_t)i), &cp);

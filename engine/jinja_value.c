@@ -91,6 +91,7 @@ static uint16_t depth_of(jv v)
 
 int jinja__str_new(jx *x, const char *s, size_t len, jv *out)
 {
+    *out = jv_undef(NULL);
     if (jinja__charge(x, 1 + len / 256)) return PD_EINVAL;
     if (len > x->max_out)
         return jinja__fail(x, PD_EINVAL, "a string of the template is larger than %zu bytes",
@@ -116,6 +117,7 @@ int jinja__str_from_buf(jx *x, jbuf *b, jv *out)
 
 int jinja__list_new(jx *x, uint8_t kind, size_t cap, jv *out)
 {
+    *out = jv_undef(NULL);
     jlist *l = jinja__alloc(x, sizeof *l);
     if (!l) return PD_EINVAL;
     memset(l, 0, sizeof *l);
@@ -161,6 +163,7 @@ int jinja__list_push(jx *x, jlist *l, jv v)
 
 int jinja__dict_new(jx *x, jv *out, bool ns)
 {
+    *out = jv_undef(NULL);
     jdict *d = jinja__alloc(x, sizeof *d);
     if (!d) return PD_EINVAL;
     memset(d, 0, sizeof *d);
@@ -260,6 +263,7 @@ int jinja__dict_set(jx *x, jdict *d, jv k, jv v)
 
 int jinja__func_new(jx *x, uint8_t kind, int id, const jnode *node, jv *out)
 {
+    *out = jv_undef(NULL);
     jfunc *f = jinja__alloc(x, sizeof *f);
     if (!f) return PD_EINVAL;
     memset(f, 0, sizeof *f);
@@ -837,11 +841,8 @@ int jinja__from_json(jx *x, const json_t *j, jv *out, int depth)
     case JSON_INTEGER: *out = jv_int((int64_t)json_integer_value(j)); return 0;
     case JSON_REAL: *out = jv_float(json_real_value(j)); return 0;
     case JSON_STRING: {
-        const char *s = json_string_value(j);
-        size_t len = json_string_length(j);
-        if (!jinja__u8_valid(s, len, NULL))
-            return jinja__fail(x, PD_EINVAL, "a variable's string is not valid UTF-8");
-        return jinja__str_new(x, s, len, out);
+        /* jansson holds valid UTF-8 only: json_string() and its parser refuse anything else */
+        return jinja__str_new(x, json_string_value(j), json_string_length(j), out);
     }
     case JSON_ARRAY: {
         if ((rc = jinja__list_new(x, JL_LIST, json_array_size(j), out))) return rc;

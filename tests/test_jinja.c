@@ -227,6 +227,10 @@ static void test_limits(void)
     CHECK_STR_CONTAINS(err, "nested too deeply");
     free(src);
 
+    /* a filter that fails inside a chain (fuzz_jinja found the chain freeing its input twice) */
+    CHECK_FAIL("{{ messages|selectattr('role','equalto','user')|map(attributa='content')|join(',') }}",
+               "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}", NULL, PD_EINVAL,
+               "map requires a filter argument");
     /* a big but legitimate render works under the default limits */
     char *out;
     CHECK(render_str("{% for i in range(20000) %}{{ '%05d,' % i }}{% endfor %}", NULL, NULL, true,
