@@ -1160,10 +1160,12 @@ static int exec_stmt(jx *x, const jnode *n)
         jinja__decref(x, v);
         return rc;
     case N_IF:
-        if ((rc = jinja__eval(x, n->a, &v))) return rc;
-        bool t = jinja__truthy(v);
-        jinja__decref(x, v);
-        if (t) return exec_body(x, n->c);
+        for (int i = 0; i + 1 < n->n_kids; i += 2) {
+            if ((rc = jinja__eval(x, n->kids[i], &v))) return rc;
+            bool t = jinja__truthy(v);
+            jinja__decref(x, v);
+            if (t) return exec_body(x, n->kids[i + 1]);
+        }
         return n->d ? exec_body(x, n->d) : 0;
     case N_FOR: return exec_for(x, n);
     case N_SET: return exec_set(x, n);

@@ -133,7 +133,7 @@ typedef enum {
     N_BODY,    /* kids: statements */
     N_DATA,    /* str: text to output */
     N_PRINT,   /* a: expression to output */
-    N_IF,      /* a: test, c: body, d: else body (N_BODY) or NULL */
+    N_IF,      /* kids: test, body, test, body, ... (if, elif, ...); d: else body or NULL */
     N_FOR,     /* names: targets (op 1 = tuple), a: iterable, b: filter or NULL, c: body, d: else */
     N_SET,     /* op: SET_*; names: targets; str: attribute (SET_NS); a: value, or NULL with
                   c: body and b: filter chain (or NULL) for the block form */
@@ -187,6 +187,7 @@ enum { JID_UNSUPPORTED = -2, JID_UNKNOWN = -3 };
 typedef struct jnode {
     uint8_t kind; /* jnode_kind */
     uint8_t op;
+    uint16_t depth; /* expressions: 1 + the deepest child's depth (bounded at parse time) */
     int32_t line;
     int32_t id;
     int32_t n_kids, n_names;

@@ -11,7 +11,8 @@
 #include "common/error.h"
 #include "engine/jinja_lex.h"
 
-enum { MAX_NEST = 100 }; /* nesting of expressions and of statements */
+enum { MAX_NEST = 100 };        /* parser recursion: nested expressions, nested statements */
+enum { MAX_EXPR_DEPTH = 300 };  /* depth of one expression's tree (a+b+c+... grows it too) */
 
 typedef struct jp {
     jinja_template *t;
@@ -202,6 +203,28 @@ static const jstr **names_array(jp *p, const jstr **tmp, int n)
     return v;
 }
 
+static int depth_of(const jnode *n) { return n ? n->depth : 0; }
+
+/* Records n's depth once its children are set; refuses expressions deeper than
+ * MAX_EXPR_DEPTH, so that nothing walking the tree recursively can exhaust the stack. */
+static jnode *seal(jp *p, jnode *n)
+{
+    if (!n) return NULL;
+    int d = depth_of(n->a);
+    if (depth_of(n->b) > d) d = depth_of(n->b);
+    if (depth_of(n->c) > d) d = depth_of(n->c);
+    if (depth_of(n->d) > d) d = depth_of(n->d);
+    for (int i = 0; i < n->n_kids; i++)
+        if (depth_of(n->kids[i]) > d) d = depth_of(n->kids[i]);
+    if (n->kw)
+        for (int i = 0; i < n->n_names; i++)
+            if (depth_of(n->kw[i]) > d) d = depth_of(n->kw[i]);
+    if (d + 1 > MAX_EXPR_DEPTH)
+        return failf(p, cur(p), "expression nested too deeply (over %d levels)", MAX_EXPR_DEPTH);
+    n->depth = (uint16_t)(d + 1);
+    return n;
+}
+
 static bool enter(jp *p)
 {
     if (++p->depth > MAX_NEST) {
@@ -256,7 +279,7 @@ static jnode *parse_condexpr(jp *p)
         n->a = e2;
         n->b = e1;
         n->c = e3;
-        e1 = n;
+        if (!(e1 = seal(p, n))) return NULL;
         at = cur(p);
     }
     p->depth--;
@@ -278,7 +301,7 @@ static jnode *parse_expression(jp *p, bool with_condexpr)
         if (!r || !n) return NULL;
         n->a = left;
         n->b = r;
-        left = n;
+        if (!(left = seal(p, n))) return NULL;
     }
     return left;
 }
@@ -293,7 +316,7 @@ static jnode *parse_and(jp *p)
         if (!r || !n) return NULL;
         n->a = left;
         n->b = r;
-        left = n;
+        if (!(left = seal(p, n))) return NULL;
     }
     return left;
 }
@@ -326,7 +349,7 @@ static jnode *parse_compare(jp *p)
         if (!o || !r) return NULL;
         o->op = (uint8_t)op;
         o->a = r;
-        if (!push(p, &ops, o)) return NULL;
+        if (!seal(p, o) || !push(p, &ops, o)) return NULL;
     }
     if (!ops.n) return expr;
     jnode *n = mk(p, N_COMPARE, at);
@@ -334,7 +357,7 @@ static jnode *parse_compare(jp *p)
     n->a = expr;
     n->kids = ops.v;
     n->n_kids = ops.n;
-    return n;
+    return seal(p, n);
 }
 
 static jnode *parse_not(jp *p)
@@ -347,7 +370,7 @@ static jnode *parse_not(jp *p)
         p->depth--;
         if (!n || !a) return NULL;
         n->a = a;
-        return n;
+        return seal(p, n);
     }
     return parse_compare(p);
 }
@@ -360,7 +383,7 @@ static jnode *binop(jp *p, const jtok *at, int op, jnode *a, jnode *b)
     n->op = (uint8_t)op;
     n->a = a;
     n->b = b;
-    return n;
+    return seal(p, n);
 }
 
 static jnode *parse_pow(jp *p)
@@ -404,7 +427,7 @@ static jnode *parse_concat(jp *p)
     if (!n) return NULL;
     n->kids = args.v;
     n->n_kids = args.n;
-    return n;
+    return seal(p, n);
 }
 
 static jnode *parse_math1(jp *p)
@@ -474,7 +497,7 @@ static jnode *parse_call(jp *p, jnode *callee)
     if (!n) return NULL;
     n->a = callee;
     if (!parse_call_args(p, n)) return NULL;
-    return n;
+    return seal(p, n);
 }
 
 /* a dotted name after '|' or 'is' */
@@ -525,7 +548,7 @@ static jnode *parse_filter(jp *p, jnode *n, bool start_inline)
         f->id = jinja__filter_id(name, len);
         f->op = p->soft;
         if (tok_op(cur(p), JOP_LPAREN) && !parse_call_args(p, f)) return NULL;
-        n = f;
+        if (!(n = seal(p, f))) return NULL;
     }
     return n;
 }
@@ -563,11 +586,12 @@ static jnode *parse_test(jp *p, jnode *n)
         t->kids = kids;
         t->n_kids = 1;
     }
+    if (!seal(p, t)) return NULL;
     if (!negated) return t;
     jnode *no = mk(p, N_NOT, at);
     if (!no) return NULL;
     no->a = t;
-    return no;
+    return seal(p, no);
 }
 
 static jnode *parse_filter_expr(jp *p, jnode *n)
@@ -592,6 +616,7 @@ static jnode *parse_unary(jp *p, bool with_filter)
         jnode *a = parse_unary(p, false);
         if (!n || !a) return NULL;
         n->a = a;
+        if (!seal(p, n)) return NULL;
     } else {
         n = parse_primary(p);
     }
@@ -629,7 +654,7 @@ static jnode *parse_list_like(jp *p, int kind, int close)
     if (!n) return NULL;
     n->kids = items.v;
     n->n_kids = items.n;
-    return n;
+    return seal(p, n);
 }
 
 static jnode *parse_primary(jp *p)
@@ -725,7 +750,7 @@ static jnode *parse_tuple(jp *p, bool simplified, bool with_condexpr, const char
     if (!n) return NULL;
     n->kids = args.v;
     n->n_kids = args.n;
-    return n;
+    return seal(p, n);
 }
 
 static jnode *parse_subscribed(jp *p)
@@ -752,7 +777,7 @@ static jnode *parse_subscribed(jp *p)
     n->a = args[0];
     n->b = args[1];
     n->c = args[2];
-    return n;
+    return seal(p, n);
 }
 
 static jnode *parse_postfix(jp *p, jnode *n)
@@ -767,13 +792,13 @@ static jnode *parse_postfix(jp *p, jnode *n)
                 jnode *g = mk(p, N_GETATTR, t);
                 if (!g || !(g->str = intern(p, a->s, a->len))) return oom(p);
                 g->a = n;
-                n = g;
+                if (!(n = seal(p, g))) return NULL;
             } else if (a->type == TK_INT) {
                 jnode *g = mk(p, N_GETITEM, t), *k = mk_const(p, a, jv_int(a->i));
                 if (!g || !k) return NULL;
                 g->a = n;
                 g->b = k;
-                n = g;
+                if (!(n = seal(p, g))) return NULL;
             } else {
                 return failf(p, a, "expected name or number");
             }
@@ -796,9 +821,9 @@ static jnode *parse_postfix(jp *p, jnode *n)
                 if (!tu) return NULL;
                 tu->kids = args.v;
                 tu->n_kids = args.n;
-                g->b = tu;
+                if (!(g->b = seal(p, tu))) return NULL;
             }
-            n = g;
+            if (!(n = seal(p, g))) return NULL;
         } else if (tok_op(t, JOP_LPAREN)) {
             n = parse_call(p, n);
         } else {
@@ -908,31 +933,26 @@ static jnode *parse_if(jp *p, const jtok *at)
     static const char *const ends2[] = {"endif", NULL};
     bool soft = p->soft;
     p->soft = true;
-    jnode *top = mk(p, N_IF, at), *node = top;
+    jnode *n = mk(p, N_IF, at);
+    nvec branches = {0}; /* test, body, test, body, ... (elif chains stay flat) */
+    if (!n) return NULL;
     for (;;) {
-        if (!node || !(node->a = parse_tuple(p, false, false, NULL, false))) return NULL;
-        if (!(node->c = parse_statements(p, ends))) return NULL;
+        jnode *test = parse_tuple(p, false, false, NULL, false), *body;
+        if (!test || !push(p, &branches, test)) return NULL;
+        if (!(body = parse_statements(p, ends)) || !push(p, &branches, body)) return NULL;
         const jtok *t = cur(p);
         adv(p);
-        if (tok_name(t, "elif")) {
-            jnode *e = mk(p, N_IF, t), *body = mk(p, N_BODY, t);
-            jnode **kids = jinja__arena_alloc(&p->t->arena, sizeof *kids);
-            if (!e || !body || !kids) return oom(p);
-            kids[0] = e;
-            body->kids = kids;
-            body->n_kids = 1;
-            node->d = body;
-            node = e;
-            continue;
-        }
+        if (tok_name(t, "elif")) continue;
         if (tok_name(t, "else")) {
-            if (!(node->d = parse_statements(p, ends2))) return NULL;
+            if (!(n->d = parse_statements(p, ends2))) return NULL;
             adv(p);
         }
         break;
     }
+    n->kids = branches.v;
+    n->n_kids = branches.n;
     p->soft = soft;
-    return top;
+    return n;
 }
 
 static jnode *parse_set(jp *p, const jtok *at)

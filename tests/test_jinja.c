@@ -226,13 +226,41 @@ static void test_limits(void)
     CHECK_EQ_INT(jinja_parse(src, strlen(src), NULL, &t, err), PD_EFORMAT);
     CHECK_STR_CONTAINS(err, "nested too deeply");
     free(src);
+    /* long chains deepen the tree without deepening the parser: 1+1+...+1, x|trim|trim... */
+    const char *chains[] = {"1+", "x.", "x|trim or ", "'a'~"};
+    for (int c = 0; c < 4; c++) {
+        size_t k = strlen(chains[c]);
+        char *s = malloc(k * 100000 + 16), *q = s;
+        q += sprintf(q, "{{ ");
+        for (int i = 0; i < 100000; i++) q += sprintf(q, "%s", chains[c]);
+        sprintf(q, "%s }}", c == 1 ? "y" : "1");
+        int rc = jinja_parse(s, strlen(s), NULL, &t, err);
+        if (c < 3) { /* ... while ~ is one flat node */
+            CHECK_EQ_INT(rc, PD_EFORMAT);
+            CHECK_STR_CONTAINS(err, "expression nested too deeply");
+        } else {
+            char *o = NULL;
+            CHECK(rc == 0 && jinja_render(t, NULL, NULL, &o, NULL, err) == 0 && strlen(o) == 100001);
+            free(o);
+            if (!rc) jinja_destroy(t);
+        }
+        free(s);
+    }
+    /* while a long elif chain is flat: fine */
+    char *s = malloc(40 * 20000 + 64), *q = s;
+    q += sprintf(q, "{%% if x == 0 %%}zero");
+    for (int i = 1; i < 20000; i++) q += sprintf(q, "{%% elif x == %d %%}%d", i, i);
+    sprintf(q, "{%% else %%}big{%% endif %%}");
+    char *out;
+    CHECK(render_str(s, "{\"x\": 19999}", NULL, true, &out, err) == 0 && !strcmp(out, "19999"));
+    free(out);
+    free(s);
 
     /* a filter that fails inside a chain (fuzz_jinja found the chain freeing its input twice) */
     CHECK_FAIL("{{ messages|selectattr('role','equalto','user')|map(attributa='content')|join(',') }}",
                "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}", NULL, PD_EINVAL,
                "map requires a filter argument");
     /* a big but legitimate render works under the default limits */
-    char *out;
     CHECK(render_str("{% for i in range(20000) %}{{ '%05d,' % i }}{% endfor %}", NULL, NULL, true,
                      &out, err) == 0 && strlen(out) == 120000);
     free(out);
