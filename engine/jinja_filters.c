@@ -346,11 +346,7 @@ static int f_escape(jx *x, jv in, const jargs *a, jv *o)
     }
     if (!rc) rc = jinja__buf_put(x, &b, t->s + run, t->len - run);
     jinja__decref(x, s);
-    if (rc) {
-        jinja__buf_free(x, &b);
-        return rc;
-    }
-    return jinja__str_from_buf(x, &b, o);
+    return jinja__buf_result(x, &b, rc, o);
 }
 
 static int f_first(jx *x, jv in, const jargs *a, jv *o)
@@ -581,11 +577,7 @@ static int f_indent(jx *x, jv in, const jargs *a, jv *o)
     }
     jinja__decref(x, lines);
     jinja__buf_free(x, &ind);
-    if (rc) {
-        jinja__buf_free(x, &b);
-        return rc;
-    }
-    return jinja__str_from_buf(x, &b, o);
+    return jinja__buf_result(x, &b, rc, o);
 }
 
 static int f_items(jx *x, jv in, const jargs *a, jv *o)
@@ -625,11 +617,7 @@ static int f_join(jx *x, jv in, const jargs *a, jv *o)
         }
     }
     release_list(x, l);
-    if (rc) {
-        jinja__buf_free(x, &b);
-        return rc;
-    }
-    return jinja__str_from_buf(x, &b, o);
+    return jinja__buf_result(x, &b, rc, o);
 }
 
 static int f_list(jx *x, jv in, const jargs *a, jv *o)
@@ -1073,11 +1061,7 @@ static int f_tojson(jx *x, jv in, const jargs *a, jv *o)
     jbuf b = {0};
     rc = jinja__put_json(x, &b, in, arg_true(v[0]), indent, indent_str, item_sep, key_sep,
                          arg_true(v[3]), 0);
-    if (rc) {
-        jinja__buf_free(x, &b);
-        return rc;
-    }
-    return jinja__str_from_buf(x, &b, o);
+    return jinja__buf_result(x, &b, rc, o);
 }
 
 static int f_trim(jx *x, jv in, const jargs *a, jv *o)

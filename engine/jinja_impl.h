@@ -268,6 +268,9 @@ const char *jinja__type_name(jv v); /* Python's: 'str', 'int', 'NoneType', ... *
 
 int jinja__str_new(jx *x, const char *s, size_t len, jv *out);
 int jinja__str_from_buf(jx *x, jbuf *b, jv *out); /* frees b's memory */
+/* rc == 0: jinja__str_from_buf(b) into *out; else frees b and returns rc (the end of a
+ * builder that may have failed). */
+int jinja__buf_result(jx *x, jbuf *b, int rc, jv *out);
 int jinja__list_new(jx *x, uint8_t kind, size_t cap, jv *out);
 int jinja__list_push(jx *x, jlist *l, jv v); /* takes v (also on error) */
 int jinja__dict_new(jx *x, jv *out, bool ns);

@@ -115,6 +115,15 @@ int jinja__str_from_buf(jx *x, jbuf *b, jv *out)
     return rc;
 }
 
+int jinja__buf_result(jx *x, jbuf *b, int rc, jv *out)
+{
+    if (rc) {
+        jinja__buf_free(x, b);
+        return rc;
+    }
+    return jinja__str_from_buf(x, b, out);
+}
+
 int jinja__list_new(jx *x, uint8_t kind, size_t cap, jv *out)
 {
     *out = jv_undef(NULL);

@@ -284,6 +284,20 @@ struct rpc_client_stream {
     char tag_start, tag_status, tag_msg, tag_send; /* distinct addresses used as tags */
 };
 
+/* Posts the stream's RECV_STATUS_ON_CLIENT (completes at tag_status with the final status). */
+static void post_recv_status(rpc_client_stream *s)
+{
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    op.data.recv_status_on_client.trailing_metadata = &s->trail_md;
+    op.data.recv_status_on_client.status = &s->status;
+    op.data.recv_status_on_client.status_details = &s->details;
+    op.data.recv_status_on_client.error_string = &s->error_string;
+    grpc_call_error e = grpc_call_start_batch(s->call, &op, 1, &s->tag_status, NULL);
+    PD_ASSERT(e == GRPC_CALL_OK, "rpc stream: grpc_call_start_batch failed");
+}
+
 int rpc_client_stream_open(rpc_channel *ch, const char *path, const ProtobufCMessage *req,
                            const ProtobufCMessageDescriptor *resp_desc, int64_t timeout_ms,
                            rpc_client_stream **out, char *err)
@@ -319,14 +333,7 @@ int rpc_client_stream_open_opts(rpc_channel *ch, const char *path, const Protobu
     rpc__request_ops(ch, &s->md, s->send_bb, &s->init_md, ops);
     grpc_call_error e = grpc_call_start_batch(s->call, ops, 4, &s->tag_start, NULL);
     PD_ASSERT(e == GRPC_CALL_OK, "rpc stream: grpc_call_start_batch failed");
-    memset(ops, 0, sizeof ops);
-    ops[0].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-    ops[0].data.recv_status_on_client.trailing_metadata = &s->trail_md;
-    ops[0].data.recv_status_on_client.status = &s->status;
-    ops[0].data.recv_status_on_client.status_details = &s->details;
-    ops[0].data.recv_status_on_client.error_string = &s->error_string;
-    e = grpc_call_start_batch(s->call, ops, 1, &s->tag_status, NULL);
-    PD_ASSERT(e == GRPC_CALL_OK, "rpc stream: grpc_call_start_batch failed");
+    post_recv_status(s);
     *out = s;
     return 0;
 }
@@ -370,14 +377,7 @@ int rpc_client_bidi_open(rpc_channel *ch, const char *path,
     ops[1].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
     grpc_call_error e = grpc_call_start_batch(s->call, ops, 2, &s->tag_start, NULL);
     PD_ASSERT(e == GRPC_CALL_OK, "rpc bidi: grpc_call_start_batch failed");
-    memset(ops, 0, sizeof ops);
-    ops[0].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-    ops[0].data.recv_status_on_client.trailing_metadata = &s->trail_md;
-    ops[0].data.recv_status_on_client.status = &s->status;
-    ops[0].data.recv_status_on_client.status_details = &s->details;
-    ops[0].data.recv_status_on_client.error_string = &s->error_string;
-    e = grpc_call_start_batch(s->call, ops, 1, &s->tag_status, NULL);
-    PD_ASSERT(e == GRPC_CALL_OK, "rpc bidi: grpc_call_start_batch failed");
+    post_recv_status(s);
     *out = s;
     return 0;
 }
