@@ -318,6 +318,12 @@ def scenario_kill(a, stack):
     base = baseline(stack, [survivor])
     log("%s: before the load: %s" % (name, desc))
 
+    def router_ok():
+        try:
+            return stack.scrape(router).get("pdserve_request_success_total")
+        except Exception:  # noqa: BLE001
+            return -1
+    ok0 = router_ok()  # (the warm-up request counts there)
     csv, js = os.path.join(a.out, name + ".csv"), os.path.join(a.out, name + ".json")
     t_launch = time.monotonic()
     bench = spawn(stack.bench("--addr", stack.addr(router), "--arrival", "closed", "--concurrency",
@@ -326,10 +332,16 @@ def scenario_kill(a, stack):
                               str(a.timeout_ms), "--seed", "7", "--quiet", "--csv", csv, "--json", js),
                   stdout=open(os.path.join(a.out, name + "-bench.log"), "w"), stderr=subprocess.STDOUT)
     time.sleep(a.warm_s)
+    # A slow build (ASan on two busy cores) may take longer for its first answers: wait
+    # (bounded by half the load) until the router has finished one, so that the check of the
+    # requests that ended before the kill has something to check.
+    t_wait = t_launch + max(a.warm_s, a.duration_s / 2.0)
+    while time.monotonic() < t_wait and ok0 >= 0 and router_ok() <= ok0:
+        time.sleep(0.1)
     # Kill while a transfer is in flight on the victim (polled), else at the latest 1 s before
     # the load ends.
     seen, polls = 0.0, 0
-    t_end = t_launch + max(a.warm_s + 0.5, a.duration_s - 1.0)
+    t_end = max(time.monotonic() + 0.5, t_launch + a.duration_s - 1.0)
     vport = stack.procs[victim]["mport"]
     while time.monotonic() < t_end:
         try:

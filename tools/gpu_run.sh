@@ -10,7 +10,7 @@
 #   profile   per-kernel GPU times of Qwen3-0.6B decode steps (ncu, batch 1)
 #   sanitize  the CUDA tests again under compute-sanitizer memcheck
 #   services  the serving stack on the GPU: pdserve-up on stories260k with --backend cuda, once
-#             disaggregated (1 prefill + 1 decode, KV through the pinned host mirrors) and once
+#             disaggregated (1 prefill + 1 decode on one GPU, KV through the staging rings) and once
 #             colocated; a greedy completion streamed by pdserve-cli must match the golden
 #             story (the first 64 tokens; bf16 may drift later) and TTFT / TPOT are timed
 #             (client side, process start included); logs in $OUT/services-*/
@@ -112,7 +112,7 @@ if has services; then
         mkdir -p "$logs"
         echo "== services $name: pdserve-up $* -- --backend cuda"
         # --kv-cache-mb: both instances share the GPU (the default sizes each pool from 0.9 of
-        # the device's memory) and each mirrors its pool in host memory.
+        # the device's memory).
         PDSERVE_LOG_DIR="$logs" "$G/bin/pdserve-up" --model "$M" --port 0 "$@" -- --backend cuda \
             --kv-cache-mb 256 \
             >"$logs/up.out" 2>"$logs/up.err" &

@@ -51,8 +51,7 @@ for d in "${GPU_LIST[@]}"; do
     [[ $d =~ ^[0-9]+$ ]] || { echo "pdserve-up: --gpus: '$d' is not a GPU number" >&2; exit 2; }
 done
 # Several instances share this host (and its GPU): give each a fixed KV pool unless the caller
-# sized it (a GPU instance otherwise takes --gpu-memory-utilization 0.9 of the card, and its
-# pinned host mirror for KV transfer is as large as its pool). With --gpus each instance has
+# sized it (a GPU instance otherwise takes --gpu-memory-utilization 0.9 of the card). With --gpus each instance has
 # a GPU of its own (when there are as many as instances).
 if [ ${#GPU_LIST[@]} -eq 0 ] || [ ${#GPU_LIST[@]} -lt $((N_PREFILL + N_DECODE)) ]; then
     case " ${EXTRA[*]} " in
