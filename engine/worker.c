@@ -42,6 +42,8 @@ struct ew {
     user_map users;       /* engine thread only */
     ew_load load;         /* guarded by mu */
     int64_t n_step_failures; /* guarded by mu */
+    double pf_tok, pf_sec; /* engine thread only: decayed sums of the prompt tokens and the
+                              seconds of steps that computed prompt tokens */
 };
 
 static uint32_t um_slot(uint64_t k, uint32_t mask)
@@ -265,6 +267,16 @@ static void apply(ew *w, cmd *c)
     }
 }
 
+/* The prefill rate the load report carries: a step that computed at least 64 prompt tokens
+ * adds them and its seconds to sums that decay by 0.9 a step (a token-weighted moving
+ * average over roughly the last ten such steps; shorter steps are mostly fixed overhead). */
+static void note_prefill_rate(ew *w, int64_t tokens, double seconds)
+{
+    if (tokens < 64 || seconds <= 0) return;
+    w->pf_tok = 0.9 * w->pf_tok + (double)tokens;
+    w->pf_sec = 0.9 * w->pf_sec + seconds;
+}
+
 static void publish_load(ew *w)
 {
     ew_load l;
@@ -274,6 +286,7 @@ static void publish_load(ew *w)
     l.n_blocks = bm_n_blocks(eng_block_manager(w->e));
     l.stats = *eng_stats_get(w->e);
     l.queued_prompt_tokens = eng_queued_prompt_tokens(w->e);
+    l.prefill_tok_per_s = w->pf_sec > 0 ? w->pf_tok / w->pf_sec : 0.0;
     pthread_mutex_lock(&w->mu);
     l.n_step_failures = w->n_step_failures;
     w->load = l;
@@ -305,11 +318,13 @@ static void *loop(void *arg)
         const eng_output *outs;
         int32_t n = 0;
         const eng_stats *st = eng_stats_get(w->e);
-        int64_t steps0 = st->steps, seqs0 = st->batch_seqs_sum;
-        double t0 = w->cb.on_step ? now_s() : 0.0;
+        int64_t steps0 = st->steps, seqs0 = st->batch_seqs_sum, ptok0 = st->prompt_tokens_computed;
+        double t0 = now_s();
         int rc = eng_step(w->e, &outs, &n, err);
+        double dt = now_s() - t0;
         if (w->cb.on_step && st->steps > steps0)
-            w->cb.on_step(w->cb.step_arg, now_s() - t0, (int32_t)(st->batch_seqs_sum - seqs0));
+            w->cb.on_step(w->cb.step_arg, dt, (int32_t)(st->batch_seqs_sum - seqs0));
+        note_prefill_rate(w, st->prompt_tokens_computed - ptok0, dt);
         char fail_msg[PD_ERR_LEN + 32] = "";
         if (rc < 0) {
             PD_LOGE("engine step failed: %s", err);

@@ -44,6 +44,9 @@ typedef struct {
     int32_t n_blocks;
     int64_t queued_prompt_tokens; /* prompt tokens submitted but not yet computed */
     int64_t n_step_failures;      /* engine steps that failed since start */
+    double prefill_tok_per_s;     /* prompt tokens per second of recent steps that computed
+                                     at least 64 of them (token-weighted moving average;
+                                     0 = none yet) */
     eng_stats stats;
 } ew_load;
 

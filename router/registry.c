@@ -36,6 +36,7 @@ struct rtr_instance {
     int64_t free_blocks, total_blocks, running, waiting, queued_tokens;
     int64_t local_blocks, local_tokens; /* routed since the last report */
     double tpot_ewma;             /* seconds; mean TPOT of the requests it decoded (0 = none) */
+    double prefill_rate;          /* prompt tokens/s it reported (0 = not measured yet) */
     atomic_llong routed, errors;  /* metrics */
 };
 
@@ -278,6 +279,7 @@ static void poll_one(rtr_registry *r, rtr_instance *in)
         in->running = l->running_seqs;
         in->waiting = l->waiting_seqs;
         in->queued_tokens = (int64_t)l->queued_prefill_tokens;
+        in->prefill_rate = l->prefill_tokens_per_second > 0 ? l->prefill_tokens_per_second : 0;
         in->local_blocks = in->local_tokens = 0;
         if (l->kv_layout) {
             in->layout = *l->kv_layout;
@@ -512,6 +514,7 @@ int rtr_registry_snapshot(rtr_registry *r, rtr_instance_info *out, int max)
         o->queued_tokens = in->queued_tokens;
         o->routed = atomic_load(&in->routed);
         o->errors = atomic_load(&in->errors);
+        o->prefill_rate = in->prefill_rate;
     }
     pthread_mutex_unlock(&r->mu);
     return n;
@@ -549,6 +552,24 @@ int64_t rtr_prefill_backlog_min(rtr_registry *r)
         if (!in->prefill || !usable(in)) continue;
         int64_t load = in->queued_tokens + in->local_tokens;
         if (load < best) best = load;
+    }
+    pthread_mutex_unlock(&r->mu);
+    return best;
+}
+
+double rtr_prefill_wait_min(rtr_registry *r, int64_t extra_tokens)
+{
+    pthread_mutex_lock(&r->mu);
+    double best = -1.0;
+    for (int i = 0; i < r->n_inst; i++) {
+        const rtr_instance *in = r->inst[i];
+        if (!in->prefill || !usable(in)) continue;
+        if (!(in->prefill_rate > 0)) { /* one without a measured rate: no estimate */
+            best = -1.0;
+            break;
+        }
+        double w = (double)(in->queued_tokens + in->local_tokens + extra_tokens) / in->prefill_rate;
+        if (best < 0 || w < best) best = w;
     }
     pthread_mutex_unlock(&r->mu);
     return best;

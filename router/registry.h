@@ -83,6 +83,7 @@ typedef struct {
     int64_t free_blocks, total_blocks, running, waiting, queued_tokens; /* last report */
     int64_t routed;               /* requests (and retries) routed to it */
     int64_t errors;               /* failed calls and failed load reports */
+    double prefill_rate;          /* prompt tokens/s in its last report (0 = none yet) */
 } rtr_instance_info;
 
 /* Copies the state of at most max instances into out; returns how many were copied. */
@@ -92,6 +93,11 @@ int rtr_registry_snapshot(rtr_registry *r, rtr_instance_info *out, int max);
 int64_t rtr_instance_backlog(rtr_registry *r, const rtr_instance *i);
 /* The smallest prompt-token backlog of the usable prefill instances (INT64_MAX: none). */
 int64_t rtr_prefill_backlog_min(rtr_registry *r);
+/* The shortest time a prompt sent now would wait at a usable prefill instance: over those
+ * instances, (its backlog as in rtr_prefill_backlog_min + extra_tokens) / the prefill rate
+ * it reported, in seconds. -1 when there is none, or when one has not reported a rate yet
+ * (a fresh instance, or one that predates the field): the caller falls back to tokens. */
+double rtr_prefill_wait_min(rtr_registry *r, int64_t extra_tokens);
 /* The TPOT (seconds) of a request that i decoded, into i's moving average (weight 0.2). */
 void rtr_instance_note_tpot(rtr_registry *r, rtr_instance *i, double tpot);
 /* i's moving average of TPOT in seconds (0 = no request finished on it yet). */

@@ -70,13 +70,16 @@ typedef struct {
                                         instance (0 = no gate) */
     double busy_tpot_fraction;       /* auto: the busy rule only while the decode instance's
                                         TPOT is below this fraction of --slo-tpot-ms */
+    double busy_ttft_fraction;       /* auto, with --slo-ttft-ms: the prefill pool is busy when
+                                        a prompt would wait there this fraction of the TTFT
+                                        objective (0: --prefill-busy-tokens decides) */
     pd_metric *m_gate_waiting, *m_gate_admitted, *m_gate_wait;
     pd_mfamily *m_where;             /* prefill decisions by where and why */
     svc_metrics *metrics;
     pd_metric *m_ttft, *m_tpot, *m_e2e, *m_prompt, *m_completion, *m_slo, *m_in_flight;
     pd_metric *m_retry_prefill, *m_retry_decode, *m_dns_fail;
     pd_mfamily *m_success;           /* by finish_reason */
-    pd_mfamily *m_inst[9];           /* per-instance families (collector) */
+    pd_mfamily *m_inst[10];           /* per-instance families (collector) */
 } router;
 
 static router g;
@@ -150,6 +153,7 @@ static struct {
     pthread_cond_t cv;
     rreq *head, *tail;
     int64_t n_waiting, admitted;
+    int64_t waiting_tokens;          /* prompt tokens of the waiting requests */
     bool stop, started;
     pthread_t th;
 } g_gate = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
@@ -179,6 +183,7 @@ static bool gate_admit(rreq *r)
         else g_gate.head = r;
         g_gate.tail = r;
         g_gate.n_waiting++;
+        g_gate.waiting_tokens += r->n_prompt;
     }
     pthread_mutex_unlock(&g_gate.mu);
     return ok;
@@ -193,6 +198,7 @@ static void gate_unlink_locked(rreq *r)
     r->gate_next = r->gate_prev = NULL;
     r->gate_queued = false;
     g_gate.n_waiting--;
+    g_gate.waiting_tokens -= r->n_prompt;
 }
 
 /* Removes r from the waiting list (r->mu held). Returns true when it was there: the caller
@@ -666,14 +672,41 @@ static void dec_on_done(rpc_client_call *c, const rpc_status *st, void *user)
 
 enum { PREFILL_AUTO = 0, PREFILL_REMOTE, PREFILL_LOCAL };
 
+/* Whether the prefill pool is busy, for the busy rule: with --slo-ttft-ms and
+ * --prefill-busy-ttft-fraction, when a prompt sent now would wait at least that fraction of
+ * the objective at every prefill instance (its backlog, plus its share of the requests
+ * waiting at the gate, over the prefill rate it reported); else (no objective, or an
+ * instance that has not measured its rate yet) when every prefill instance has at least
+ * --prefill-busy-tokens queued. *backlog: the smallest backlog in tokens, with the gate's
+ * share (INT64_MAX: no prefill instance). Takes g_gate.mu, then the registry's, one at a
+ * time. */
+static bool prefill_busy(int64_t *backlog)
+{
+    pthread_mutex_lock(&g_gate.mu);
+    int64_t waiting = g_gate.waiting_tokens;
+    pthread_mutex_unlock(&g_gate.mu);
+    int np = 0, nd = 0, nh = 0;
+    rtr_registry_counts(g.reg, &np, &nd, &nh);
+    const int64_t extra = waiting / (np > 0 ? np : 1);
+    int64_t b = rtr_prefill_backlog_min(g.reg);
+    *backlog = b == INT64_MAX ? b : b + extra;
+    if (b == INT64_MAX) return false;
+    if (g.slo_ttft_s > 0 && g.busy_ttft_fraction > 0) {
+        double wait = rtr_prefill_wait_min(g.reg, extra);
+        if (wait >= 0) return wait >= g.busy_ttft_fraction * g.slo_ttft_s;
+    }
+    return *backlog >= g.prefill_busy_tokens;
+}
+
 /* Where r's prompt is computed when d decodes it: on d itself (local) or on a prefill
  * instance (remote), and why, for the metric. The policy (docs/services.md): no prefill
  * instance, or a colocated d: local. Forced by --prefill-policy. Auto: a prompt of at most
  * --local-prefill-max-tokens tokens is local (it costs d about one decode step, less than a
- * transfer, a reservation round trip and a second hop); and when every prefill instance has
- * at least --prefill-busy-tokens queued while d has at most a quarter of that queued itself
- * (its prompt backlog, this prompt included), local too (the prefill pool is the bottleneck
- * and d has room). */
+ * transfer, a reservation round trip and a second hop); and while the prefill pool is busy
+ * (prefill_busy) and d has at most a quarter of the pool's backlog queued itself (its prompt
+ * backlog, this prompt included), local too (the prefill pool is the bottleneck and d has
+ * room), unless d's TPOT is near the objective. --prefill-busy-tokens 0 turns the busy rule
+ * off. */
 static bool prefill_local(const rreq *r, const rtr_instance *d, const char **why)
 {
     if (!rtr_has_prefill(g.reg) || rtr_instance_colocated(d)) {
@@ -689,14 +722,14 @@ static bool prefill_local(const rreq *r, const rtr_instance *d, const char **why
         return true;
     }
     if (g.prefill_busy_tokens > 0) {
-        const int64_t backlog = rtr_prefill_backlog_min(g.reg);
+        int64_t backlog;
+        const bool busy = prefill_busy(&backlog);
         const int64_t dq = rtr_instance_backlog(g.reg, d);
         /* A prompt computed on d stalls the sequences d decodes: not when their TPOT is
          * already near the objective. */
         const bool tpot_room = g.slo_tpot_s <= 0 ||
                                rtr_instance_tpot(g.reg, d) < g.busy_tpot_fraction * g.slo_tpot_s;
-        if (backlog != INT64_MAX && backlog >= g.prefill_busy_tokens &&
-            dq + r->n_prompt <= backlog / 4) {
+        if (busy && dq + r->n_prompt <= backlog / 4) {
             if (tpot_room) {
                 *why = "prefill_busy";
                 return true;
@@ -1028,15 +1061,15 @@ static void collect(pd_metrics *m, void *arg)
     rtr_instance_info *v = calloc(256, sizeof *v);
     if (!v) return;
     int n = rtr_registry_snapshot(g.reg, v, 256);
-    for (int k = 0; k < 9; k++) pd_mfamily_hide_all(g.m_inst[k]);
+    for (int k = 0; k < 10; k++) pd_mfamily_hide_all(g.m_inst[k]);
     for (int i = 0; i < n; i++) {
         char l[192] = "";
         pd_metrics_label(l, sizeof l, "role", v[i].role);
         pd_metrics_label(l, sizeof l, "addr", v[i].addr);
-        double val[9] = {v[i].up, v[i].draining, (double)v[i].free_blocks, (double)v[i].total_blocks,
-                         (double)v[i].running, (double)v[i].waiting, (double)v[i].queued_tokens,
-                         (double)v[i].routed, (double)v[i].errors};
-        for (int k = 0; k < 9; k++) pd_metric_set(pd_mfamily_series(g.m_inst[k], l), val[k]);
+        double val[10] = {v[i].up, v[i].draining, (double)v[i].free_blocks, (double)v[i].total_blocks,
+                          (double)v[i].running, (double)v[i].waiting, (double)v[i].queued_tokens,
+                          (double)v[i].routed, (double)v[i].errors, v[i].prefill_rate};
+        for (int k = 0; k < 10; k++) pd_metric_set(pd_mfamily_series(g.m_inst[k], l), val[k]);
     }
     free(v);
 }
@@ -1127,7 +1160,7 @@ static int metrics_setup(const char *listen, int64_t port, char *err)
     static const struct {
         const char *name, *help;
         pd_metric_type t;
-    } inst[9] = {
+    } inst[10] = {
         {"pdserve_router_instance_up", "1 while the instance answers load reports and calls", PD_METRIC_GAUGE},
         {"pdserve_router_instance_draining", "1 while the instance reports that it drains", PD_METRIC_GAUGE},
         {"pdserve_router_instance_free_kv_blocks", "free KV blocks in the last load report", PD_METRIC_GAUGE},
@@ -1137,8 +1170,9 @@ static int metrics_setup(const char *listen, int64_t port, char *err)
         {"pdserve_router_instance_queued_prefill_tokens", "queued prompt tokens in the last load report", PD_METRIC_GAUGE},
         {"pdserve_router_routed_requests_total", "requests (and retries) routed to the instance", PD_METRIC_COUNTER},
         {"pdserve_router_instance_errors_total", "failed calls and load reports of the instance", PD_METRIC_COUNTER},
+        {"pdserve_router_instance_prefill_tokens_per_second", "prompt tokens per second the instance measured (last load report; 0 = none yet)", PD_METRIC_GAUGE},
     };
-    for (int k = 0; k < 9; k++) g.m_inst[k] = pd_metrics_family(m, inst[k].t, inst[k].name, inst[k].help, NULL, 0);
+    for (int k = 0; k < 10; k++) g.m_inst[k] = pd_metrics_family(m, inst[k].t, inst[k].name, inst[k].help, NULL, 0);
     svc_metrics_set_collector(g.metrics, collect, NULL);
     return 0;
 }
@@ -1158,7 +1192,7 @@ int main(int argc, char **argv)
      * 4096 busy tokens workload A's goodput went from 22.5 to 39 req/s and B's from 18 to 12
      * (both above colocated: 27 and 8). */
     int64_t local_max_tokens = 64, prefill_busy_tokens = 4096, prefill_queue_tokens = 16384;
-    double busy_tpot_fraction = 0.8;
+    double busy_tpot_fraction = 0.8, busy_ttft_fraction = 0.5;
     pd_flag flags[] = {
         {"model", PD_FLAG_STRING, &model, "model directory (tokenizer.json, config.json)", 1, 0},
         {"model-name", PD_FLAG_STRING, &model_name, "name served in GetModelInfo (default: directory name)", 1, 0},
@@ -1178,7 +1212,8 @@ int main(int argc, char **argv)
         {"slo-tpot-ms", PD_FLAG_DOUBLE, &slo_tpot_ms, "goodput: time-per-output-token objective in ms (0 = none)", 0, 1e9},
         {"prefill-policy", PD_FLAG_STRING, &prefill_policy, "where prompts are computed with prefill instances present: auto (by --local-prefill-max-tokens and --prefill-busy-tokens), remote (always a prefill instance), local (always the decode instance)", 1, 0},
         {"local-prefill-max-tokens", PD_FLAG_INT, &local_max_tokens, "auto: prompts of at most this many tokens are computed on the decode instance (0 = none)", 0, 1 << 24},
-        {"prefill-busy-tokens", PD_FLAG_INT, &prefill_busy_tokens, "auto: when every prefill instance has this many prompt tokens queued and the decode instance at most a quarter of that (this prompt included), the prompt is computed on the decode instance (0 = never)", 0, 1ll << 40},
+        {"prefill-busy-tokens", PD_FLAG_INT, &prefill_busy_tokens, "auto: when every prefill instance has this many prompt tokens queued and the decode instance at most a quarter of that (this prompt included), the prompt is computed on the decode instance (0 = never; with --slo-ttft-ms, once every prefill instance measured its prefill rate, --prefill-busy-ttft-fraction says when the pool is busy instead)", 0, 1ll << 40},
+        {"prefill-busy-ttft-fraction", PD_FLAG_DOUBLE, &busy_ttft_fraction, "auto, with --slo-ttft-ms: the prefill pool counts as busy (for the --prefill-busy-tokens rule) when a prompt sent now would wait this fraction of the TTFT objective at every prefill instance (its queued prompt tokens over the prefill rate it measured); 0 = by --prefill-busy-tokens alone", 0, 10},
         {"prefill-busy-tpot-fraction", PD_FLAG_DOUBLE, &busy_tpot_fraction, "auto, with --slo-tpot-ms: the --prefill-busy-tokens rule computes a prompt on a decode instance only while the TPOT of the requests it decoded (a moving average) is below this fraction of the objective", 0, 10},
         {"prefill-queue-tokens", PD_FLAG_INT, &prefill_queue_tokens, "reserve late: prompt tokens per prefill instance that may be admitted (decode blocks reserved, sent to prefill) and not yet prefilled; later requests wait in the router holding nothing (0 = admit at once)", 0, 1ll << 40},
         {"http-listen", PD_FLAG_STRING, &http_listen, "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on host:port (port 0 = any free port, printed as HTTP_PORT; unset = off)", 1, 0},
@@ -1227,6 +1262,7 @@ int main(int argc, char **argv)
     g.prefill_busy_tokens = prefill_busy_tokens;
     g.prefill_queue_tokens = prefill_queue_tokens;
     g.busy_tpot_fraction = busy_tpot_fraction;
+    g.busy_ttft_fraction = busy_ttft_fraction;
     g.slo_tpot_s = slo_tpot_ms / 1000.0;
     atomic_init(&g.pending, 0);
     atomic_init(&g.next_id, 1);

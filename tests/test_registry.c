@@ -33,6 +33,8 @@ static void sleep_ms(int ms)
 typedef struct {
     Pdserve__Internal__V1__Role role;
     uint32_t free_blocks;
+    atomic_llong queued;          /* queued_prefill_tokens it reports */
+    atomic_llong rate;            /* prefill_tokens_per_second it reports */
     rpc_server *srv;
     char addr[RTR_ADDR_LEN];
 } fake_inst;
@@ -45,6 +47,8 @@ static void on_load_report(rpc_call *call, const ProtobufCMessage *req, void *us
     r.role = f->role;
     r.free_blocks = f->free_blocks;
     r.total_blocks = 1000;
+    r.queued_prefill_tokens = (uint64_t)atomic_load(&f->queued);
+    r.prefill_tokens_per_second = (double)atomic_load(&f->rate);
     rpc_call_reply(call, &r.base);
 }
 
@@ -53,6 +57,8 @@ static int fake_start(fake_inst *f, Pdserve__Internal__V1__Role role, uint32_t f
     char err[PD_ERR_LEN];
     f->role = role;
     f->free_blocks = free_blocks;
+    atomic_init(&f->queued, 0);
+    atomic_init(&f->rate, 0);
     rpc_server_params p = rpc_server_default_params();
     p.listen_addr = "127.0.0.1:0";
     p.n_threads = 1;
@@ -264,6 +270,30 @@ int main(void)
     q = rtr_pick_prefill(r, NULL, key, 10, NULL);
     CHECK(q && !strcmp(rtr_instance_addr(q), p2.addr));
     rtr_instance_unref(q);
+    /* 4. The prefill wait estimate: backlog (+ extra tokens) over the reported rate; none
+     * (-1) while the instance has not reported a rate. */
+    CHECK(rtr_prefill_wait_min(r, 0) < 0);
+    atomic_store(&p2.queued, 6000);
+    atomic_store(&p2.rate, 20000);
+    double w = -1;
+    for (int t = 0; t < 500; t++) {
+        w = rtr_prefill_wait_min(r, 0);
+        if (w > 0.29) break;
+        sleep_ms(10);
+    }
+    CHECK_MSG(w > 0.299 && w < 0.301, "wait %.4f s, want 6000 / 20000 = 0.3", w);
+    w = rtr_prefill_wait_min(r, 2000);
+    CHECK_MSG(w > 0.399 && w < 0.401, "wait %.4f s with 2000 more tokens, want 0.4", w);
+    atomic_store(&p2.rate, 0);
+    for (int t = 0; t < 500 && rtr_prefill_wait_min(r, 0) >= 0; t++) sleep_ms(10);
+    CHECK(rtr_prefill_wait_min(r, 0) < 0);
+    rtr_instance_info v[16];
+    int nv = rtr_registry_snapshot(r, v, 16);
+    bool seen = false;
+    for (int k = 0; k < nv; k++)
+        if (!strcmp(v[k].addr, p2.addr)) seen = v[k].prefill_rate == 0;
+    CHECK(seen);
+
     /* A decode address that goes away on a good lookup is removed too. */
     pthread_mutex_lock(&g_dns.mu);
     g_dns.n_dec = 1;

@@ -25,7 +25,7 @@
 #   policy    conditional disaggregation: workload A disaggregated with
 #             PDSERVE_PREFILL_BUSY_TOKENS=$BUSY_TOKENS (4096), and 64-token prompts computed
 #             remotely vs on the decode instance (TTFT, TPOT at 2 req/s)
-#   plan      pdserve-plan over every GPU of the host (PLAN_WORKLOAD B or A)
+#   plan      pdserve-plan over every GPU of the host (PLAN_WORKLOAD B, A or S; PLAN_* below)
 #   kill      faults mid-transfer (tools/gpu_faults.py kill): stories260k on --gpus 0,1, device
 #             path, every prompt through prefill (--prefill-policy remote); 16 closed-loop
 #             clients (pdserve-bench), then kill -9 of the prefill process while a transfer is in
@@ -305,17 +305,36 @@ if has policy && [ -n "$MODES" ]; then
     done
 fi
 if has plan && [ -n "$MODES" ]; then
-    # The placement planner on every GPU of the host, workload B (or PLAN_WORKLOAD=A).
+    # The placement planner on every GPU of the host, workload B (or PLAN_WORKLOAD=A or S).
+    # PLAN_SPLITS (P:D,...; default every split), PLAN_NOCOLO=1 (no colocated run),
+    # PLAN_DURATION_S (> 0: each probe sends for this long instead of 120 requests),
+    # PLAN_RATE (first probe), PLAN_TOL (search tolerance, default 0.1), PLAN_PROBES (5),
+    # PLAN_TAG (results in $OUT/plan$PLAN_TAG). Every process serves /metrics (the planner
+    # keeps a snapshot of each after its search).
     NG=$(nvidia-smi -L | wc -l)
     GL=$(seq -s, 0 $((NG - 1)))
     case ${PLAN_WORKLOAD:-B} in
-        A) WL="--input-len 256:2048 --slo-ttft-ms 300 --slo-tpot-ms 15 --rate 24" ;;
-        B) WL="--input-len 1024:3072 --slo-ttft-ms 1000 --slo-tpot-ms 10 --rate 16" ;;
+        A) WL="--input-len 256:2048 --slo-ttft-ms 300 --slo-tpot-ms 15 --rate ${PLAN_RATE:-24}" ;;
+        B) WL="--input-len 1024:3072 --slo-ttft-ms 1000 --slo-tpot-ms 10 --rate ${PLAN_RATE:-16}" ;;
+        S) WL="--workload shared-prefix --prefix-groups 8 --prefix-len 1024 --input-len 256:1024 --slo-ttft-ms 300 --slo-tpot-ms 15 --rate ${PLAN_RATE:-24}" ;;
     esac
-    "$G/bin/pdserve-plan" --model tools/shapes/llama3-8b --gpus "$GL" --out "$OUT/plan" \
-        --instance-args "--load-format dummy --backend cuda --kv-cache-mb 16384 --metrics-port 0" \
-        --bench-args "$WL --output-len 64:256 --num-requests 120 --warmup-requests 10 --seed 1 --slo-attainment 0.9 --goodput-tolerance 0.1 --max-probes ${PLAN_PROBES:-5}" \
+    if [ "${PLAN_DURATION_S:-0}" != 0 ]; then
+        LEN="--duration-s $PLAN_DURATION_S --warmup-requests ${PLAN_WARMUP:-100}"
+    else
+        LEN="--num-requests 120 --warmup-requests 10"
+    fi
+    PX=()
+    [ -n "${PLAN_SPLITS:-}" ] && PX+=(--splits "$PLAN_SPLITS")
+    [ "${PLAN_NOCOLO:-0}" = 1 ] && PX+=(--no-colocated)
+    PDSERVE_METRICS_PORT=0 "$G/bin/pdserve-plan" --model tools/shapes/llama3-8b --gpus "$GL" \
+        --out "$OUT/plan${PLAN_TAG:-}" "${PX[@]}" \
+        --instance-args "--load-format dummy --backend cuda --kv-cache-mb 16384" \
+        --bench-args "$WL --output-len 64:256 $LEN --seed 1 --slo-attainment 0.9 --goodput-tolerance ${PLAN_TOL:-0.1} --max-probes ${PLAN_PROBES:-5}" \
         2>&1 | grep -v '^$'
+    for d in "$OUT/plan${PLAN_TAG:-}"/*/; do # every probe of every search
+        grep -h '^probe' "$d/bench.txt" 2>/dev/null | sed "s|^|$(basename "$d"): |"
+        rm -rf "$d/logs" # keep what comes back small
+    done
 fi
 # Issue #27's faults and interference (tools/gpu_faults.py; python3 without the packed
 # libraries, the binaries it runs with them).

@@ -20,7 +20,8 @@ P + D = N (default all, 1:N-1 .. N-1:1) and of N colocated instances (unless
 1024:3072 --output-len 64:256 --slo-ttft-ms 1000 --slo-tpot-ms 10 --rate 8 --num-requests
 120 --seed 1"); --instance-args to every instance (e.g. "--load-format dummy --kv-cache-mb
 16384"). Results in --out (default ./pdserve-plan-<date>): one folder per deployment with the
-search's JSON and plots, plan.json, plan.svg; the table and the recommendation on stdout.
+search's JSON and plots, every instance's metrics after the search (metrics/), plan.json,
+plan.svg; the table and the recommendation on stdout.
 The router of each deployment runs with its defaults (conditional disaggregation on); put
 PDSERVE_PREFILL_POLICY=remote in the environment to measure every prompt remote.
 USAGE
@@ -64,6 +65,32 @@ IA=($INST_ARGS)
 BA=($BENCH_ARGS)
 echo "pdserve-plan: $N GPUs ($GPUS), deployments: ${DEPS[*]}; results in $OUT" >&2
 
+# snapshot_metrics DIR: every instance's Prometheus text after the search (DIR/metrics/NAME.prom,
+# from the "METRICS name host:port, ..." line of pdserve-up), and the router's prefill
+# decisions (where each prompt was computed, and why) on stderr.
+snapshot_metrics() {
+    local d=$1 line item name hp
+    line=$(awk '/^METRICS /{sub(/^METRICS /, ""); print; exit}' "$d/up.out" 2>/dev/null)
+    [ -n "$line" ] || return 0
+    mkdir -p "$d/metrics"
+    IFS=, read -r -a items <<<"$line"
+    for item in "${items[@]}"; do
+        read -r name hp <<<"$item"
+        [ -n "$hp" ] || continue
+        if command -v curl >/dev/null; then
+            curl -s -m 5 "http://$hp/metrics" >"$d/metrics/$name.prom" 2>/dev/null
+        else
+            python3 -c 'import sys, urllib.request
+sys.stdout.write(urllib.request.urlopen("http://%s/metrics" % sys.argv[1], timeout=5).read().decode())' \
+                "$hp" >"$d/metrics/$name.prom" 2>/dev/null
+        fi
+    done
+    [ -f "$d/metrics/router.prom" ] &&
+        awk '/^pdserve_router_prefill_decisions_total/ { gsub(/pdserve_router_prefill_decisions_total/, ""); printf "%s%s", (n++ ? ", " : "pdserve-plan:   prefill decisions: "), $0 } END { if (n) print "" }' \
+            "$d/metrics/router.prom" >&2
+    return 0
+}
+
 RESULTS=()
 for dep in "${DEPS[@]}"; do
     if [ "$dep" = colocated ]; then
@@ -94,6 +121,7 @@ for dep in "${DEPS[@]}"; do
     fi
     "$BIN/pdserve-bench" --addr "$addr" --find-goodput "${BA[@]}" --json "$dir/result.json" \
         --plot-dir "$dir" >"$dir/bench.txt" 2>"$dir/bench.err"
+    snapshot_metrics "$dir"
     kill -TERM "$pid" 2>/dev/null
     wait "$pid" 2>/dev/null
     g=$(awk '/^goodput/{print ($2 ~ /^[0-9.]+$/) ? $2 : ($2 == ">=" ? $3 : 0); exit}' "$dir/bench.txt")

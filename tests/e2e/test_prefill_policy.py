@@ -10,10 +10,13 @@ and one decode instance, and routers with each policy in front of them (grpcio c
     instance's own backlog is small) prompts go to the decode instance ("prefill_busy");
     with --slo-tpot-ms and a decode instance whose TPOT is over the bound
     (--prefill-busy-tpot-fraction of it) they stay remote ("tpot_bound");
+  - with --slo-ttft-ms the pool is busy by time (--prefill-busy-ttft-fraction): a slowed
+    prefill instance reports its prefill rate, and a queue that waits less than half the
+    objective keeps prompts remote while one that waits more sends them to decode;
   - greedy tokens are the same whichever instance computed the prompt.
 
 usage: test_prefill_policy.py BIN_DIR SHARED_DIR PROTO_DIR"""
-import os, sys
+import concurrent.futures as cf, os, sys, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_util as eu
@@ -93,6 +96,52 @@ try:
           "busy with --slo-tpot-ms: the decode instance's TPOT is over the bound, so prompts stay "
           "remote (tpot_bound)")
     check(outs_t == outs, "busy with a TPOT objective: the same tokens")
+
+    # busy by time: with --slo-ttft-ms the pool is busy when a prompt would wait
+    # --prefill-busy-ttft-fraction (0.5) of the objective, from the queued tokens and the
+    # prefill rate each prefill instance reports. A prefill instance slowed by 150 ms a
+    # forward measures a rate of a few hundred tokens/s; 8 concurrent 100-token prompts queue
+    # a second of work there. An objective of 10 minutes: never busy, though the backlog
+    # passes --prefill-busy-tokens; one of 200 ms: busy.
+    slow = H.start("pdserve-prefill", *common, tag="prefill-slow",
+                   env=dict(H.env, PDSERVE_FAULT_STEP_DELAY_MS="150"))
+    inst_slow = ["--prefill", "127.0.0.1:%d" % slow.port, "--decode", "127.0.0.1:%d" % dec.port]
+    timed = ["--prefill-policy", "auto", "--local-prefill-max-tokens", "0",
+             "--prefill-busy-tokens", "200", "--load-poll-ms", "100"]
+    lax = H.start("pdserve-router", *common, *inst_slow, *timed, "--slo-ttft-ms", "600000",
+                  tag="router-ttft-lax")
+    tight = H.start("pdserve-router", *common, *inst_slow, *timed, "--slo-ttft-ms", "200",
+                    tag="router-ttft-tight")
+    p100 = [1] + [(31 * i) % 450 + 9 for i in range(99)]
+    warm = gen(lax, p100, 2)  # the slow instance computes 100 prompt tokens: a rate
+    def rate(router):
+        return max([v for l, v in eu.Scrape(router.mport).series(
+            "pdserve_router_instance_prefill_tokens_per_second") if l.get("role") == "prefill"] or [0])
+    for r in (lax, tight):
+        for _ in range(100):
+            if rate(r) > 0: break
+            time.sleep(0.05)
+    rl, rt = rate(lax), rate(tight)
+    print("prefill rate reported: %.0f / %.0f tokens/s" % (rl, rt))
+    check(0 < rl < 2000 and 0 < rt < 2000,
+          "the slowed prefill instance reports its prefill rate (%.0f, %.0f tokens/s)" % (rl, rt))
+    def storm(router, n=8):
+        with cf.ThreadPoolExecutor(n) as ex:
+            return list(ex.map(lambda _: gen(router, p100, 2), range(n)))
+    d0 = decisions(lax)
+    outs_l = storm(lax)
+    d = decisions(lax)
+    print("busy by time, TTFT objective 10 min: %s" % d)
+    check(d.get(("local", "prefill_busy"), 0) == 0 and
+          d.get(("remote", "default"), 0) - d0.get(("remote", "default"), 0) == 8,
+          "an objective far beyond the queue's wait: every prompt remote, though the backlog "
+          "passes --prefill-busy-tokens")
+    outs_t = storm(tight, 12)
+    d = decisions(tight)
+    print("busy by time, TTFT objective 200 ms: %s" % d)
+    check(d.get(("local", "prefill_busy"), 0) >= 1,
+          "an objective the queue's wait exceeds half of: prompts go to the decode instance")
+    check(all(o == warm for o in outs_l + outs_t), "busy by time: the same tokens either way")
     # max_tokens unset: the router's --default-max-tokens (docs/api.md).
     stub = pbg.GenerationStub(grpc.insecure_channel("127.0.0.1:%d" % remote.port))
     got, _, fin, usage = eu.generate(pb, stub, timeout=30, prompt_token_ids=long_,
