@@ -7,11 +7,11 @@
 # beside the binaries it starts.
 set -uo pipefail
 BIN=$(cd "$(dirname "$0")" && pwd)
-MODEL="" GPUS="" SPLITS="" OUT="" BENCH_ARGS="" INST_ARGS="" COLOCATED=1
+MODEL="" GPUS="" SPLITS="" OUT="" BENCH_ARGS="" INST_ARGS="" ROUTER_ARGS="" COLOCATED=1
 usage() {
     cat <<USAGE
 usage: pdserve-plan --model DIR --gpus LIST [--splits P:D,...] [--no-colocated] [--out DIR]
-                    [--bench-args "ARGS"] [--instance-args "ARGS"]
+                    [--bench-args "ARGS"] [--instance-args "ARGS"] [--router-args "ARGS"]
 
 For the GPUs in LIST (e.g. 0,1,2,3: N = 4), measures the goodput of each split P:D with
 P + D = N (default all, 1:N-1 .. N-1:1) and of N colocated instances (unless
@@ -22,8 +22,10 @@ P + D = N (default all, 1:N-1 .. N-1:1) and of N colocated instances (unless
 16384"). Results in --out (default ./pdserve-plan-<date>): one folder per deployment with the
 search's JSON and plots, every instance's metrics after the search (metrics/), plan.json,
 plan.svg; the table and the recommendation on stdout.
-The router of each deployment runs with its defaults (conditional disaggregation on); put
-PDSERVE_PREFILL_POLICY=remote in the environment to measure every prompt remote.
+The router of each deployment runs with its defaults (conditional disaggregation on) and the
+SLO of --bench-args (its --slo-ttft-ms and --slo-tpot-ms, which the busy rule uses), plus
+--router-args; put PDSERVE_PREFILL_POLICY=remote in the environment (or --prefill-policy
+remote in --router-args) to measure every prompt remote.
 USAGE
 }
 while [ $# -gt 0 ]; do
@@ -35,6 +37,7 @@ while [ $# -gt 0 ]; do
         --out) OUT=$2; shift 2 ;;
         --bench-args) BENCH_ARGS=$2; shift 2 ;;
         --instance-args) INST_ARGS=$2; shift 2 ;;
+        --router-args) ROUTER_ARGS=$2; shift 2 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "pdserve-plan: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
     esac
@@ -63,6 +66,13 @@ mkdir -p "$OUT"
 IA=($INST_ARGS)
 # shellcheck disable=SC2206
 BA=($BENCH_ARGS)
+# The routers get the searches' objectives (as deployed: the busy rule and the goodput metric
+# use them).
+RA=""
+for ((k = 0; k + 1 < ${#BA[@]}; k++)); do
+    case ${BA[k]} in --slo-ttft-ms|--slo-tpot-ms) RA+="${RA:+ }${BA[k]} ${BA[k + 1]}" ;; esac
+done
+RA+="${ROUTER_ARGS:+${RA:+ }$ROUTER_ARGS}"
 echo "pdserve-plan: $N GPUs ($GPUS), deployments: ${DEPS[*]}; results in $OUT" >&2
 
 # snapshot_metrics DIR: every instance's Prometheus text after the search (DIR/metrics/NAME.prom,
@@ -104,6 +114,7 @@ for dep in "${DEPS[@]}"; do
     echo "pdserve-plan: $name: starting" >&2
     t0=$(date +%s)
     PDSERVE_LOG_DIR="$dir/logs" "$BIN/pdserve-up" --model "$MODEL" --port 0 --gpus "$GPUS" "${up[@]}" \
+        ${RA:+--router-args "$RA"} \
         -- "${IA[@]}" >"$dir/up.out" 2>"$dir/up.err" &
     pid=$!
     addr=""

@@ -3,7 +3,8 @@
 # ignores --device), the 1P1D split and 2 colocated instances of stories260k, each started with
 # pdserve-up and searched with pdserve-bench --find-goodput (small and bounded); the table must
 # have both rows with a goodput, a recommendation and its Kubernetes replica counts, and
-# plan.json / plan.svg must be written and well formed.
+# plan.json / plan.svg must be written and well formed; the routers get the SLO of --bench-args,
+# every instance's metrics are kept after its search.
 # usage: test_plan.sh BIN_DIR SHARED_DIR
 set -uo pipefail
 BIN=$1 SHARED=$2
@@ -14,7 +15,7 @@ trap 'rm -rf "$OUT"' EXIT
 export UCX_WARN_UNUSED_ENV_VARS=n PDSERVE_LOG_LEVEL=warn
 fail=0
 check() { if eval "$1"; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
-timeout 240 "$BIN/pdserve-plan" --model "$MODEL" --gpus 0,1 --out "$OUT/plan" \
+PDSERVE_METRICS_PORT=0 timeout 240 "$BIN/pdserve-plan" --model "$MODEL" --gpus 0,1 --out "$OUT/plan" \
     --instance-args "--backend cpu --threads 1 --kv-cache-mb 32" \
     --bench-args "--input-len 16:32 --output-len 8:16 --rate 10 --num-requests 24 --warmup-requests 2 --slo-ttft-ms 500 --slo-tpot-ms 50 --max-probes 3 --goodput-tolerance 0.3 --seed 1" \
     >"$OUT/stdout" 2>"$OUT/stderr"
@@ -28,5 +29,11 @@ check "grep -Eq '^kubernetes: ' '$OUT/stdout'" "its Kubernetes replica counts"
 check "python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d[\"gpus\"]==2 and len(d[\"deployments\"])==2 and d[\"best\"]' '$OUT/plan/plan.json'" "plan.json is well formed"
 check "python3 -c 'import sys, xml.dom.minidom as m; m.parse(sys.argv[1])' '$OUT/plan/plan.svg'" "plan.svg is well-formed XML"
 check "[ -f '$OUT/plan/1P1D/result.json' ] && [ -f '$OUT/plan/colocated-x2/result.json' ]" "each search's JSON is kept"
+# The routers ran with the searches' objectives, and every instance's metrics were kept.
+for d in 1P1D colocated-x2; do
+    check "grep -q '^pdserve_slo_ttft_seconds 0.5$' '$OUT/plan/$d/metrics/router.prom' && grep -Eq '^pdserve_slo_tpot_seconds 0.05' '$OUT/plan/$d/metrics/router.prom'" "$d: the router had the SLO of --bench-args"
+done
+check "[ -s '$OUT/plan/1P1D/metrics/prefill-0.prom' ] && [ -s '$OUT/plan/1P1D/metrics/decode-0.prom' ]" "1P1D: each instance's metrics after the search"
+check "grep -q 'prefill decisions: .*where=\"local\",why=\"colocated\"' '$OUT/stderr'" "the router's prefill decisions are printed"
 [ $fail -eq 0 ] || tail -20 "$OUT/stderr"
 exit $fail
