@@ -349,11 +349,17 @@ PY
 fi
 if has tp; then
     export NCCL_NVLS_ENABLE=0
-    if [ -z "${PDSERVE_NCCL_LIB:-}" ] &&
-        ! python3 -c 'import ctypes; ctypes.CDLL("libnccl.so.2")' 2>/dev/null; then
-        PDSERVE_NCCL_LIB=$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -1)
-        export PDSERVE_NCCL_LIB
-        echo "tp: libnccl.so.2 not on the library path; using ${PDSERVE_NCCL_LIB:-none found}"
+    if [ -z "${PDSERVE_NCCL_LIB:-}" ]; then
+        found=
+        for d in ${LD_LIBRARY_PATH//:/ } /usr/lib/x86_64-linux-gnu /usr/lib64; do
+            [ -e "$d/libnccl.so.2" ] && found=$d/libnccl.so.2 && break
+        done
+        if [ -z "$found" ]; then
+            PDSERVE_NCCL_LIB=$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -1)
+            export PDSERVE_NCCL_LIB
+            found="${PDSERVE_NCCL_LIB:-none found}"
+        fi
+        echo "tp: NCCL: $found"
     fi
     NGPU=$(nvidia-smi -L | wc -l)
     TAIL=20 step test_cuda_comm "$G/bin/test_cuda_comm"
