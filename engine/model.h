@@ -14,6 +14,25 @@ typedef enum {
     PD_LOAD_DUMMY,           /* uniform random values, for benchmarking shapes */
 } pd_load_format;
 
+/* One rank's share of the model under tensor parallelism (Megatron-style, as vLLM): the
+ * query heads, the KV heads and the MLP's intermediate columns are divided among the ranks;
+ * q/k/v and gate/up are split by output rows, o_proj and down by input columns (their partial
+ * products summed by an all-reduce); norms, embedding and LM head are whole on every rank.
+ * When the ranks outnumber the KV heads each KV head is replicated on n_ranks / n_kv_heads
+ * ranks (one head a rank). One rank: the whole model. */
+typedef struct {
+    int32_t rank, n_ranks;     /* this shard is rank of n_ranks */
+    int32_t n_heads, q_head0;  /* query heads here, and the first one's index in the model */
+    int32_t n_kv_heads, kv_head0; /* KV heads here (every rank the same number) and the first */
+    int32_t intermediate, ff0; /* MLP columns here, and the first */
+} pd_shard;
+
+/* Fills *out with rank's shard of n_ranks. The model must divide: n_heads and
+ * intermediate_size by n_ranks, and n_kv_heads by n_ranks or n_ranks by n_kv_heads.
+ * Returns 0, or PD_EINVAL with err saying what does not divide. */
+int pd_shard_of(const mc_config *cfg, int32_t rank, int32_t n_ranks, pd_shard *out, char *err);
+
+/* A layer's weights; head counts and intermediate are the shard's (pd_shard). */
 typedef struct {
     void *attn_norm;  /* [hidden] */
     void *qkv;        /* [(n_heads + 2 n_kv_heads) head_dim][hidden]: q rows, then k, then v */
@@ -21,18 +40,20 @@ typedef struct {
     void *q_norm;     /* [head_dim] or NULL (Qwen3) */
     void *k_norm;     /* [head_dim] or NULL (Qwen3) */
     void *o_proj;     /* [hidden][n_heads head_dim] */
-    void *o_bias;     /* [hidden] or NULL */
+    void *o_bias;     /* [hidden] or NULL (also on every rank but 0: added once) */
     void *mlp_norm;   /* [hidden] post_attention_layernorm */
     void *gate_up;    /* [2 intermediate][hidden]: gate rows, then up rows */
     void *down;       /* [hidden][intermediate] */
 } pd_layer_weights;
 
 typedef struct {
-    mc_config cfg;             /* copy of the model's config */
+    mc_config cfg;             /* copy of the model's config (the whole model's shape) */
+    pd_shard shard;            /* what this rank holds (rank 0 of 1: everything) */
     pd_backend *be;            /* borrowed; must outlive the model */
     void *embed;               /* [vocab][hidden] */
     void *final_norm;          /* [hidden] */
-    void *lm_head;             /* [vocab][hidden]; == embed when tied */
+    void *lm_head;             /* [vocab][hidden]; == embed when tied; NULL on ranks but 0
+                                * (rank 0 computes the logits) */
     pd_layer_weights *layers;  /* [n_layers] */
     int64_t n_params;          /* elements held */
 } pd_model;
@@ -44,6 +65,12 @@ typedef struct {
  * pd_model_destroy), or an error with err set. */
 int pd_model_load(const mc_config *cfg, const char *dir, pd_load_format fmt, uint64_t seed,
                   pd_backend *be, pd_model **out, char *err);
+/* pd_model_load for rank's shard of n_ranks (pd_shard_of; PD_EINVAL when the model does not
+ * divide). Dummy weights of a shard are drawn from a stream of its own: they are not the
+ * corresponding part of the whole model's dummy weights. */
+int pd_model_load_shard(const mc_config *cfg, const char *dir, pd_load_format fmt, uint64_t seed,
+                        pd_backend *be, int32_t rank, int32_t n_ranks, pd_model **out,
+                        char *err);
 void pd_model_destroy(pd_model *m); /* NULL is a no-op */
 
 #endif

@@ -11,12 +11,14 @@
 #include "engine/model_runner.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common/error.h"
 #include "common/log.h"
+#include "engine/tp.h"
 
 #define LOGITS_CHUNK 64 /* rows of logits computed per lm_head product (eager steps) */
 #define MAX_GRAPHS 64   /* batch-size buckets */
@@ -65,6 +67,17 @@ struct mr {
     } out[2];
     mr_layer_fn layer_fn;         /* optional per-layer KV-ready hook */
     void *layer_arg;
+    /* tensor parallelism (docs/tensor-parallel.md): a runner of n ranks holds none of the
+     * above but p, m and be (rank 0's) and fans every call out to one runner a rank, rank 0
+     * on the caller's thread; a rank's runner runs its shard and sums partial products with
+     * the communicator */
+    pd_comm *comm;                /* a rank's: the communicator (borrowed); NULL: one rank */
+    int32_t rank;                 /* a rank's: its rank */
+    int32_t n_ranks;              /* the group's: ranks[n_ranks]; 0 in a rank's runner */
+    mr **ranks;
+    tp_pool *pool;
+    char (*rank_err)[PD_ERR_LEN]; /* [n_ranks] each rank's error of the last call */
+    bool broken;                  /* a rank failed inside a forward (communicator aborted) */
 };
 
 static void meta_layout(mr *r);
@@ -125,7 +138,10 @@ static int size_from_device(mr *r, int64_t *bytes, char *err)
     return 0;
 }
 
-int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
+/* Creates one rank's runner (comm NULL: the whole model, alone), capturing its decode
+ * graphs unless capture is false (a group captures on every rank at once). */
+static int create_rank(const mr_params *p, const pd_model *m, pd_comm *comm, bool capture,
+                       mr **out, char *err)
 {
     *out = NULL;
     const mc_config *c = &m->cfg;
@@ -145,13 +161,16 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
     r->p = *p;
     r->m = m;
     r->be = m->be;
+    r->comm = comm;
+    r->rank = m->shard.rank;
+    const pd_shard *sh = &m->shard; /* this rank's heads and MLP columns */
     const pd_dtype act = r->be->ops->act_dtype;
     const size_t es = pd_dtype_size(act);
     const size_t T = (size_t)p->max_num_batched_tokens, S = (size_t)p->max_num_seqs;
     const size_t hs = (size_t)c->hidden_size, hd = (size_t)c->head_dim;
-    r->qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * c->head_dim;
+    r->qkv_dim = (sh->n_heads + 2 * sh->n_kv_heads) * c->head_dim;
     r->max_blocks_per_seq = (c->max_position + p->block_size - 1) / p->block_size;
-    size_t block_elems = (size_t)p->block_size * (size_t)c->n_kv_heads * hd;
+    size_t block_elems = (size_t)p->block_size * (size_t)sh->n_kv_heads * hd;
     const int64_t per_block = (int64_t)(block_elems * es) * 2 * c->n_layers;
     int rc;
     r->k_cache = calloc((size_t)c->n_layers, sizeof(void *));
@@ -175,9 +194,9 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
     if ((rc = be_alloc(r, act, T * hs, &r->a, err)) < 0 ||
         (rc = be_alloc(r, act, T * hs, &r->h, err)) < 0 ||
         (rc = be_alloc(r, act, T * (size_t)r->qkv_dim, &r->qkv, err)) < 0 ||
-        (rc = be_alloc(r, act, T * (size_t)c->n_heads * hd, &r->attn, err)) < 0 ||
-        (rc = be_alloc(r, act, T * 2 * (size_t)c->intermediate_size, &r->gate_up, err)) < 0 ||
-        (rc = be_alloc(r, act, T * (size_t)c->intermediate_size, &r->act, err)) < 0 ||
+        (rc = be_alloc(r, act, T * (size_t)sh->n_heads * hd, &r->attn, err)) < 0 ||
+        (rc = be_alloc(r, act, T * 2 * (size_t)sh->intermediate, &r->gate_up, err)) < 0 ||
+        (rc = be_alloc(r, act, T * (size_t)sh->intermediate, &r->act, err)) < 0 ||
         (rc = be_alloc(r, act, LOGITS_CHUNK * hs, &r->lh, err)) < 0 ||
         (rc = be_alloc(r, act, chunk * (size_t)c->vocab_size, &r->logits, err)) < 0 ||
         (rc = be_alloc(r, PD_DTYPE_I32, meta_n, (void **)&r->d_metas[0], err)) < 0 ||
@@ -203,9 +222,15 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
     }
     meta_use(r, 0);
     if (r->p.n_blocks == 0) {
-        int64_t bytes = p->kv_cache_bytes;
-        if (bytes == 0 && (rc = size_from_device(r, &bytes, err)) < 0) goto fail;
-        int64_t nb = bytes / per_block;
+        /* kv_cache_bytes is the instance's, over every rank; a pool sized from the device
+         * is this rank's (a group takes its ranks' smallest) */
+        int64_t bytes = p->kv_cache_bytes, nb;
+        if (bytes == 0) {
+            if ((rc = size_from_device(r, &bytes, err)) < 0) goto fail;
+            nb = bytes / per_block;
+        } else {
+            nb = bytes / (per_block * sh->n_ranks);
+        }
         if (nb < 1) {
             rc = pd_errf(err, PD_EINVAL, "KV cache of %lld bytes holds no block (%lld bytes "
                          "per block)", (long long)bytes, (long long)per_block);
@@ -236,7 +261,7 @@ int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
     }
     free(host_freq);
     host_freq = NULL;
-    capture_graphs(r);
+    if (capture) capture_graphs(r);
     PD_LOGD("model runner: %d KV blocks of %d tokens (%.1f MiB), %d tokens x %d seqs per step",
             r->p.n_blocks, p->block_size,
             (double)r->kv_layer_elems * es * 2 * c->n_layers / 1048576.0,
@@ -249,9 +274,25 @@ fail:
     return rc;
 }
 
+int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err)
+{
+    if (m->shard.n_ranks != 1)
+        return pd_errf(err, PD_EINVAL, "model runner: a shard of %d needs mr_create_tp",
+                       m->shard.n_ranks);
+    return create_rank(p, m, NULL, true, out, err);
+}
+
 void mr_destroy(mr *r)
 {
     if (!r) return;
+    if (r->ranks) { /* a group: its threads first, then the ranks' runners */
+        tp_pool_destroy(r->pool);
+        for (int32_t k = 0; k < r->n_ranks; k++) mr_destroy(r->ranks[k]);
+        free(r->ranks);
+        free(r->rank_err);
+        free(r);
+        return;
+    }
     pd_backend *be = r->be;
 #define FREE(x) be->ops->free(be->ctx, (x))
     if (r->meta_inflight || r->n_out) (void)be->ops->sync(be->ctx);
@@ -275,6 +316,8 @@ void mr_set_layer_hook(mr *r, mr_layer_fn fn, void *arg)
 {
     r->layer_fn = fn;
     r->layer_arg = arg;
+    /* every rank takes the same path (no graphs while hooked); rank 0 calls it */
+    for (int32_t k = 0; r->ranks && k < r->n_ranks; k++) mr_set_layer_hook(r->ranks[k], fn, arg);
 }
 
 int32_t mr_n_blocks(const mr *r) { return r->p.n_blocks; }
@@ -284,6 +327,7 @@ const mr_params *mr_params_get(const mr *r) { return &r->p; }
 
 void mr_kv_pool(const mr *r, void **base, size_t *bytes)
 {
+    if (r->ranks) r = r->ranks[0];
     *base = r->kv;
     *bytes = r->kv_layer_elems * 2 * (size_t)r->m->cfg.n_layers *
              pd_dtype_size(r->be->ops->act_dtype);
@@ -291,6 +335,7 @@ void mr_kv_pool(const mr *r, void **base, size_t *bytes)
 
 void mr_kv_cache(const mr *r, int32_t layer, void **k, void **v)
 {
+    if (r->ranks) r = r->ranks[0];
     *k = r->k_cache[layer];
     *v = r->v_cache[layer];
 }
@@ -476,6 +521,66 @@ static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err
     return upload_meta_from(r, r->h_meta, false, PD_SAMPLE_SYNC_SLOT, b, T, S, err);
 }
 
+/* run_layers on a rank of a tensor-parallel group: the same stack on this rank's heads and
+ * MLP columns. o_proj and down give partial products of the whole rows, into r->h, which the
+ * all-reduce sums (the same bits on every rank); the residual add is then fused with the next
+ * norm (rmsnorm with a residual), so the residual stream r->a stays the same on every rank.
+ * The KV hook (rank 0) runs after the attention block's all-reduce, which every rank reaches
+ * only after its layer's KV store. decode_layers is not offered (it has no all-reduce). */
+static int run_layers_tp(mr *r, int32_t T, pd_linear_args *lqkv, pd_rope_args *ra,
+                         pd_attn_args *aa, int (*attention)(void *, const pd_attn_args *),
+                         bool final, char *err)
+{
+    pd_backend *be = r->be;
+    void *x = be->ctx;
+    const pd_backend_ops *o = be->ops;
+    const mc_config *c = &r->m->cfg;
+    const pd_shard *sh = &r->m->shard;
+    const int32_t hs = c->hidden_size, nq = sh->n_heads * c->head_dim, f = sh->intermediate;
+    const size_t n_sum = (size_t)T * (size_t)hs;
+    pd_comm *cm = r->comm;
+    pd_linear_args lo = {.x = r->attn, .out = r->h, .n = T, .k = nq, .m = hs};
+    pd_linear_args lgu = {.x = r->h, .out = r->act, .n = T, .k = hs, .m = f, .swiglu = true,
+                          .tmp_out = r->gate_up};
+    pd_linear_args ld = {.x = r->act, .out = r->h, .n = T, .k = f, .m = hs};
+    lqkv->x = r->h; /* the norm is done before: rmsnorm(h + a) */
+    lqkv->norm_w = NULL;
+    CALL(o->embedding(x, r->d_ids, T, r->m->embed, hs, r->a));
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        const pd_layer_weights *w = &r->m->layers[l];
+        /* attention block: the previous block's sum into the residual, then its norm */
+        if (l == 0) CALL(o->rmsnorm(x, r->a, NULL, w->attn_norm, T, hs, c->rms_eps, r->h));
+        else CALL(o->rmsnorm(x, r->h, r->a, w->attn_norm, T, hs, c->rms_eps, r->h));
+        lqkv->w = w->qkv;
+        lqkv->bias = w->qkv_bias;
+        CALL(o->linear_fused(x, lqkv));
+        ra->q_norm = w->q_norm;
+        ra->k_norm = w->k_norm;
+        ra->k_cache = r->k_cache[l];
+        ra->v_cache = r->v_cache[l];
+        aa->k_cache = r->k_cache[l];
+        aa->v_cache = r->v_cache[l];
+        CALL(o->rope_store_kv(x, ra));
+        CALL(attention(x, aa));
+        lo.w = w->o_proj;
+        lo.bias = w->o_bias; /* rank 0's only */
+        CALL(o->linear_fused(x, &lo));
+        CALL(cm->ops->all_reduce_sum(cm->ctx, r->rank, r->h, o->act_dtype, n_sum));
+        if (r->layer_fn && r->rank == 0) r->layer_fn(r->layer_arg, l);
+        /* MLP block */
+        CALL(o->rmsnorm(x, r->h, r->a, w->mlp_norm, T, hs, c->rms_eps, r->h));
+        lgu.w = w->gate_up;
+        CALL(o->linear_fused(x, &lgu));
+        ld.w = w->down;
+        CALL(o->linear_fused(x, &ld));
+        CALL(cm->ops->all_reduce_sum(cm->ctx, r->rank, r->h, o->act_dtype, n_sum));
+    }
+    /* the last block's sum; the final norm only where the logits are made */
+    if (final && r->rank == 0)
+        CALL(o->rmsnorm(x, r->h, r->a, r->m->final_norm, T, hs, c->rms_eps, r->h));
+    return 0;
+}
+
 /* Embedding, every layer and, when `final` is set, the final norm into r->h, for T rows of S
  * sequences whose metadata is in d_meta, the first n_decode of them one row each (the
  * attention op's hint). max_ctx 0 = not known (a graph body). With `head`
@@ -488,20 +593,21 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
     void *x = be->ctx;
     const pd_backend_ops *o = be->ops;
     const mc_config *c = &r->m->cfg;
+    const pd_shard *sh = &r->m->shard;
     const int32_t hs = c->hidden_size, hd = c->head_dim;
-    const int32_t nq = c->n_heads * hd, f = c->intermediate_size;
+    const int32_t nq = sh->n_heads * hd, f = sh->intermediate;
 
     pd_attn_args aa = {
         .q = r->qkv, .q_row_stride = r->qkv_dim, .out = r->attn, .cu_q = r->d_cu_q,
         .ctx_lens = r->d_ctx, .block_tables = r->d_bt, .n_seqs = S, .n_tokens = T,
         .max_q_len = max_q, .max_ctx_len = max_ctx, .max_blocks_per_seq = r->max_blocks_per_seq,
-        .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = hd,
+        .n_heads = sh->n_heads, .n_kv_heads = sh->n_kv_heads, .head_dim = hd,
         .block_size = r->p.block_size, .sliding_window = c->sliding_window,
         .scale = (float)(1.0 / sqrt((double)hd)), .n_decode = n_decode,
     };
     pd_rope_args ra = {
         .qkv = r->qkv, .positions = r->d_pos, .slot_mapping = r->d_slots, .inv_freq = r->inv_freq,
-        .n_tokens = T, .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = hd,
+        .n_tokens = T, .n_heads = sh->n_heads, .n_kv_heads = sh->n_kv_heads, .head_dim = hd,
         .attn_factor = r->attn_factor, .norm_eps = c->rms_eps,
     };
     int (*attention)(void *, const pd_attn_args *) =
@@ -517,13 +623,14 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
                           .tmp_out = r->gate_up};
     pd_linear_args ld = {.x = r->act, .out = r->a, .n = T, .k = f, .m = hs, .accumulate = true};
 
+    if (r->comm) return run_layers_tp(r, T, &lqkv, &ra, &aa, attention, final, err);
     if (max_q == 1 && T == S && o->decode_layers && !r->layer_fn) {
         /* a small decode step the backend runs whole, the embedding included
          * (PD_EUNSUPPORTED: op by op below) */
         pd_decode_args da = {
             .layers = r->dl, .n_layers = c->n_layers, .resid = r->a, .qkv = r->qkv,
             .attn = r->attn, .act = r->act, .n = T, .hidden = hs, .intermediate = f,
-            .n_heads = c->n_heads, .n_kv_heads = c->n_kv_heads, .head_dim = hd,
+            .n_heads = sh->n_heads, .n_kv_heads = sh->n_kv_heads, .head_dim = hd,
             .norm_eps = c->rms_eps, .positions = r->d_pos, .slot_mapping = r->d_slots,
             .ctx_lens = r->d_ctx, .block_tables = r->d_bt,
             .max_blocks_per_seq = r->max_blocks_per_seq, .block_size = r->p.block_size,
@@ -586,6 +693,7 @@ static int graph_body(mr *r, int32_t B, char *err)
     const mc_config *c = &r->m->cfg;
     int rc = run_layers(r, B, B, 1, 0, B, true, true, err);
     if (rc != 0) return rc < 0 ? rc : 0; /* 1: the logits are written */
+    if (r->rank > 0) return 0; /* rank 0 makes the logits */
     CALL(be->ops->linear(be->ctx, r->h, r->m->lm_head, NULL, B, c->hidden_size, c->vocab_size,
                          r->logits));
     return 0;
@@ -702,6 +810,7 @@ static int forward(mr *r, const mr_batch *b, float *logits, const mr_sampling *s
         if ((rc = upload_meta(r, b, B, B, err)) < 0) return rc;
         CALL(o->graph_launch(x, r->graphs[0][g]));
         r->graph_steps++;
+        if (r->rank > 0) return 0; /* rank 0 has the logits */
         return finish_rows(r, 0, b->n_logits, logits, smp, err);
     }
     if ((rc = upload_meta(r, b, b->n_tokens, b->n_seqs, err)) < 0) return rc;
@@ -712,6 +821,7 @@ static int forward(mr *r, const mr_batch *b, float *logits, const mr_sampling *s
     if ((rc = run_layers(r, b->n_tokens, b->n_seqs, max_q, max_ctx, n_decode, b->n_logits > 0,
                          false, err)) < 0)
         return rc;
+    if (r->rank > 0) return 0; /* rank 0 has the logits */
     for (int32_t i0 = 0; i0 < b->n_logits; i0 += LOGITS_CHUNK) {
         int32_t n = b->n_logits - i0 < LOGITS_CHUNK ? b->n_logits - i0 : LOGITS_CHUNK;
         CALL(o->gather_rows(x, r->h, r->d_rows + i0, n, hs, r->lh));
@@ -721,8 +831,113 @@ static int forward(mr *r, const mr_batch *b, float *logits, const mr_sampling *s
     return 0;
 }
 
+/* ---- tensor-parallel groups ---- */
+
+typedef struct {
+    mr *g;
+    const mr_batch *b;
+    float *logits;
+    const mr_sampling *s;
+    atomic_int first_bad;         /* the rank that failed first (-1: none) */
+} fan_arg;
+
+/* A rank's forward; rank 0 makes the logits. A rank that fails after the group's checks
+ * passed fails between collectives: the communicator is aborted so that no rank waits for it
+ * forever. */
+static int rank_forward(void *arg, int32_t rank)
+{
+    fan_arg *f = arg;
+    mr *g = f->g;
+    int rc = forward(g->ranks[rank], f->b, rank == 0 ? f->logits : NULL, rank == 0 ? f->s : NULL,
+                     g->rank_err[rank]);
+    int none = -1;
+    if (rc < 0 && atomic_compare_exchange_strong(&f->first_bad, &none, rank) &&
+        g->ranks[rank]->comm->ops->abort)
+        g->ranks[rank]->comm->ops->abort(g->ranks[rank]->comm->ctx);
+    return rc;
+}
+
+static int group_forward(mr *g, const mr_batch *b, float *logits, const mr_sampling *s,
+                         char *err)
+{
+    if (g->broken)
+        return pd_errf(err, PD_EBACKEND, "tensor parallel: a rank failed in an earlier forward");
+    int32_t max_q = 0, max_ctx = 0;
+    int rc = validate(g, b, &max_q, &max_ctx, err); /* every rank would refuse it alike */
+    if (rc < 0) return rc;
+    fan_arg f = {.g = g, .b = b, .logits = logits, .s = s};
+    atomic_init(&f.first_bad, -1);
+    rc = tp_pool_run(g->pool, rank_forward, &f, NULL);
+    if (rc < 0) {
+        g->broken = true;
+        const int32_t bad = atomic_load(&f.first_bad); /* not a rank woken by the abort */
+        return pd_errf(err, rc, "tensor parallel rank %d: %s", bad, g->rank_err[bad]);
+    }
+    return 0;
+}
+
+static int rank_capture(void *arg, int32_t rank)
+{
+    mr *g = arg;
+    capture_graphs(g->ranks[rank]);
+    return 0;
+}
+
+int mr_create_tp(const mr_params *p, const pd_model *const *shards, int32_t n_ranks,
+                 pd_comm *comm, mr **out, char *err)
+{
+    *out = NULL;
+    if (n_ranks == 1 && !comm) return mr_create(p, shards[0], out, err);
+    if (n_ranks < 1 || !comm || comm->n_ranks != n_ranks)
+        return pd_errf(err, PD_EINVAL, "model runner: %d ranks need a communicator of as many",
+                       n_ranks);
+    for (int32_t k = 0; k < n_ranks; k++)
+        if (shards[k]->shard.rank != k || shards[k]->shard.n_ranks != n_ranks)
+            return pd_errf(err, PD_EINVAL, "model runner: shard %d is rank %d of %d", k,
+                           shards[k]->shard.rank, shards[k]->shard.n_ranks);
+    mr *g = calloc(1, sizeof *g);
+    if (!g) return pd_errf(err, PD_ENOMEM, "out of memory");
+    g->n_ranks = n_ranks;
+    g->m = shards[0];
+    g->be = shards[0]->be;
+    g->ranks = calloc((size_t)n_ranks, sizeof *g->ranks);
+    g->rank_err = calloc((size_t)n_ranks, sizeof *g->rank_err);
+    int rc;
+    if (!g->ranks || !g->rank_err) {
+        rc = pd_errf(err, PD_ENOMEM, "out of memory");
+        goto fail;
+    }
+    for (int32_t k = 0; k < n_ranks; k++)
+        if ((rc = create_rank(p, shards[k], comm, false, &g->ranks[k], err)) < 0) goto fail;
+    if ((rc = tp_pool_create(n_ranks, &g->pool, err)) < 0) goto fail;
+    /* The ranks' pools were sized alike unless from each device's free memory: the group
+     * uses the smallest (the others' extra blocks stay unused). */
+    g->p = g->ranks[0]->p;
+    for (int32_t k = 1; k < n_ranks; k++)
+        if (g->ranks[k]->p.n_blocks < g->p.n_blocks) g->p.n_blocks = g->ranks[k]->p.n_blocks;
+    g->max_blocks_per_seq = g->ranks[0]->max_blocks_per_seq;
+    /* Graphs: every rank captures at once (an eager run of each body first, whose all-reduces
+     * need every rank); a rank that captured other buckets turns them off everywhere. */
+    (void)tp_pool_run(g->pool, rank_capture, g, NULL);
+    for (int32_t k = 1; k < n_ranks; k++)
+        if (g->ranks[k]->n_graphs != g->ranks[0]->n_graphs) {
+            PD_LOGW("model runner: decode graphs off (rank %d captured %d, rank 0 %d)", k,
+                    g->ranks[k]->n_graphs, g->ranks[0]->n_graphs);
+            for (int32_t j = 0; j < n_ranks; j++) drop_graphs(g->ranks[j]);
+            break;
+        }
+    *out = g;
+    return 0;
+fail:
+    mr_destroy(g);
+    return rc;
+}
+
+int32_t mr_n_ranks(const mr *r) { return r->ranks ? r->n_ranks : 1; }
+
 int mr_forward(mr *r, const mr_batch *b, float *logits, char *err)
 {
+    if (r->ranks) return group_forward(r, b, logits, NULL, err);
     return forward(r, b, logits, NULL, err);
 }
 
@@ -735,6 +950,7 @@ int mr_forward_sample(mr *r, const mr_batch *b, const mr_sampling *s, char *err)
     if (!s || (b->n_logits > 0 && (!s->rows || !s->tokens)) || s->n_pen < 0 ||
         (s->n_pen > 0 && !s->pen))
         return pd_errf(err, PD_EINVAL, "model runner: sampling arguments missing");
+    if (r->ranks) return group_forward(r, b, NULL, s, err);
     return forward(r, b, NULL, s, err);
 }
 
@@ -792,5 +1008,8 @@ int mr_collect(mr *r, char *err)
     return 0;
 }
 
-int32_t mr_n_graphs(const mr *r) { return r->n_graphs; }
-int64_t mr_graph_steps(const mr *r) { return r->graph_steps; }
+int32_t mr_n_graphs(const mr *r) { return r->ranks ? r->ranks[0]->n_graphs : r->n_graphs; }
+int64_t mr_graph_steps(const mr *r)
+{
+    return r->ranks ? r->ranks[0]->graph_steps : r->graph_steps;
+}

@@ -60,6 +60,20 @@ typedef struct mr mr; /* opaque */
 int mr_create(const mr_params *p, const pd_model *m, mr **out, char *err);
 void mr_destroy(mr *r); /* NULL is a no-op */
 
+/* A tensor-parallel runner over n_ranks shards (shards[r] is rank r's, pd_model_load_shard;
+ * borrowed, must outlive the runner, as must comm, their communicator). It starts a thread
+ * for each rank but 0 and runs every forward on all ranks at once, rank 0 on the caller's
+ * thread; rank 0 makes the logits and samples. Each rank holds its KV heads of every block
+ * (the same block ids on every rank). kv_cache_bytes is the pool over all ranks; a pool
+ * sized from device memory takes the smallest rank's. Decode graphs as mr_create's (captured
+ * on every rank at once); no pipelined launches (mr_can_launch is false), no decode_layers.
+ * One rank without comm is mr_create. Returns 0, PD_EINVAL, PD_ENOMEM. A rank that fails
+ * inside a forward aborts the communicator: that forward and every later one fail. */
+int mr_create_tp(const mr_params *p, const pd_model *const *shards, int32_t n_ranks,
+                 pd_comm *comm, mr **out, char *err);
+/* The tensor-parallel degree (1 for mr_create's runner). */
+int32_t mr_n_ranks(const mr *r);
+
 /* Runs one forward. Stores every row's K/V at its slot and writes the logits of the requested
  * rows to logits[n_logits][vocab] (host memory, may be NULL when n_logits = 0). The batch is
  * validated first (ids, positions, lengths, block ids, slots): PD_EINVAL with err set, and
@@ -115,7 +129,7 @@ int32_t mr_block_size(const mr *r);
 int32_t mr_max_blocks_per_seq(const mr *r);
 const mr_params *mr_params_get(const mr *r);
 /* The layer's K and V cache buffers ([n_blocks][block_size][n_kv_heads][head_dim], backend
- * memory; borrowed). */
+ * memory; borrowed). A tensor-parallel runner's: rank 0's, of its shard's KV heads. */
 void mr_kv_cache(const mr *r, int32_t layer, void **k, void **v);
 /* The whole KV pool as one region (backend memory; borrowed): layer l's K starts at
  * 2 l * layer bytes and its V at (2 l + 1) * layer bytes, where layer bytes = n_blocks *

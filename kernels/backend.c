@@ -45,3 +45,25 @@ void pd_backend_destroy(pd_backend *b)
     if (b->ops && b->ops->destroy) b->ops->destroy(b->ctx);
     free(b);
 }
+
+int pd_comm_create(pd_backend *const *ranks, int32_t n_ranks, pd_comm **out, char *err)
+{
+    *out = NULL;
+    if (n_ranks < 1 || !ranks || !ranks[0])
+        return pd_errf(err, PD_EINVAL, "communicator: %d ranks", n_ranks);
+    for (int32_t r = 1; r < n_ranks; r++)
+        if (!ranks[r] || ranks[r]->ops != ranks[0]->ops)
+            return pd_errf(err, PD_EINVAL, "communicator: rank %d is not a %s backend", r,
+                           ranks[0]->ops->name);
+    if (!ranks[0]->ops->comm_create)
+        return pd_errf(err, PD_EUNSUPPORTED, "the %s backend has no communicator (tensor "
+                       "parallelism)", ranks[0]->ops->name);
+    return ranks[0]->ops->comm_create(ranks, n_ranks, out, err);
+}
+
+void pd_comm_destroy(pd_comm *c)
+{
+    if (!c) return;
+    if (c->ops && c->ops->destroy) c->ops->destroy(c->ctx);
+    free(c);
+}

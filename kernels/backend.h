@@ -164,6 +164,9 @@ typedef struct {
     int32_t count;               /* occurrences in the output; 0 = in the prompt only */
 } pd_penalty_tok;
 
+struct pd_backend;
+struct pd_comm;
+
 typedef struct pd_backend_ops {
     const char *name;            /* "cpu", "cuda" */
     pd_dtype act_dtype;          /* storage type of activations, weights and KV cache */
@@ -325,6 +328,15 @@ typedef struct pd_backend_ops {
     int (*copyq_blocks)(void *ctx, void *q, void *after, void *const *dst,
                         const void *const *src, int32_t n_regions, const int32_t *dst_ids,
                         const int32_t *src_ids, int32_t n, size_t block_bytes, void **done);
+
+    /* ---- tensor parallelism ----
+     * Optional (NULL = this backend runs no tensor-parallel instance): creates the
+     * communicator (pd_comm below) among n_ranks backends of this kind, rank r being ranks[r]
+     * (borrowed; must outlive the communicator). The CPU's: rank threads over shared memory;
+     * CUDA's: NCCL, one GPU per rank. Free with pd_comm_destroy. Returns 0, PD_EINVAL,
+     * PD_ENOMEM, PD_EBACKEND (err says why). */
+    int (*comm_create)(struct pd_backend *const *ranks, int32_t n_ranks, struct pd_comm **out,
+                       char *err);
 } pd_backend_ops;
 
 #define PD_DEV_EXPORT_BYTES 64 /* an export's opaque bytes (a cudaIpcMemHandle_t) */
@@ -341,6 +353,49 @@ typedef struct {
 } pd_backend_params;
 
 pd_backend_params pd_backend_default_params(void);
+
+/* ---- communicator (tensor parallelism) ----
+ * The collectives among the ranks of one tensor-parallel instance: rank r calls them from its
+ * own thread with buffers of its own backend, and every rank makes the same calls with the
+ * same sizes in the same order. An op is queued in order with the rank backend's other ops
+ * (CUDA: on its stream, so that a decode graph captures it; the CPU: done on return). The
+ * result of all_reduce_sum has the same bits on every rank, and on the CPU it does not depend
+ * on timing (the sum runs in rank order), so that a run is reproducible. */
+typedef struct pd_comm_ops {
+    const char *name;            /* "cpu", "nccl" */
+    void (*destroy)(void *ctx);
+    /* buf[n] (dtype: the backend's act_dtype or F32) := the element-wise sum of every
+     * rank's buf. Returns 0, PD_EINVAL (n or dtype differ between ranks: every rank gets
+     * it), PD_EBACKEND (aborted). */
+    int (*all_reduce_sum)(void *ctx, int32_t rank, void *buf, pd_dtype dtype, size_t n);
+    /* recv[n_ranks][n] := every rank's send[n], in rank order (recv must not overlap send).
+     * Same returns. */
+    int (*all_gather)(void *ctx, int32_t rank, const void *send, void *recv, pd_dtype dtype,
+                      size_t n);
+    /* Returns once every rank has called it and, on a device, every op a rank queued before
+     * it has completed. Returns 0 or PD_EBACKEND. */
+    int (*barrier)(void *ctx, int32_t rank);
+    /* Gives up (a rank failed between collectives, so the others would wait for it forever):
+     * every rank waiting in an op, and every later op, returns PD_EBACKEND. Any thread;
+     * the communicator is of no further use but to be destroyed. */
+    void (*abort)(void *ctx);
+} pd_comm_ops;
+
+typedef struct pd_comm {
+    const pd_comm_ops *ops;
+    void *ctx;
+    int32_t n_ranks;             /* ranks 0 .. n_ranks - 1 */
+} pd_comm;
+
+/* The communicator of ranks[0]'s backend kind among n_ranks >= 1 backends of that kind (its
+ * comm_create): PD_EUNSUPPORTED when that backend has none, PD_EINVAL when the kinds differ.
+ * Free with pd_comm_destroy (NULL is a no-op). */
+int pd_comm_create(pd_backend *const *ranks, int32_t n_ranks, pd_comm **out, char *err);
+void pd_comm_destroy(pd_comm *c);
+
+/* The CPU communicator (kernels/cpu/cpu_comm.c): ranks are threads of this process; buffers
+ * are host memory (F32 or I32 for all_gather, F32 for all_reduce_sum). */
+int pd_comm_cpu_create(int32_t n_ranks, pd_comm **out, char *err);
 
 /* Creates a backend by name: "cpu", "cuda", or "auto" (cuda when built with it and a device is
  * present, else cpu). Returns 0, PD_ENOTFOUND for an unknown or unavailable backend (err says

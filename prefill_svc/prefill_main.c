@@ -595,6 +595,13 @@ int main(int argc, char **argv)
         return prc > 0 ? 0 : 2;
     }
     svc_server_flags_apply(&sf);
+    if (mf.tensor_parallel > 1) {
+        fprintf(stderr, "pdserve-prefill: --tensor-parallel %lld: the KV transfer moves one rank's "
+                "heads only so far; tensor parallelism runs in pdserve-decode --colocated\n",
+                (long long)mf.tensor_parallel);
+        pd_flags_free();
+        return 2;
+    }
     const char *listen = sf.listen;
     char err[PD_ERR_LEN];
     int status = 1;

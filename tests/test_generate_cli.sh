@@ -122,5 +122,31 @@ expect_fail "missing tensor" "model.layers.3.self_attn.k_proj.weight is missing"
 expect_fail "unsupported dtype I32" "I32" --model "$TMP/dtype" --prompt-ids 1
 expect_fail "unsupported dtype F64" "F64" --model "$TMP/dtype64" --prompt-ids 1
 
+# 6. Tensor parallelism (ranks as threads on the CPU): the golden story at TP 2 and 4, a batch
+# of text prompts at TP 2 equal to TP 1, dummy weights, what does not divide refused.
+for tp in 2 4; do
+    "$GEN" --model "$STORIES" --prompt-ids 1 --max-tokens 400 --temperature 0 --json --tensor-parallel $tp \
+        >"$TMP/tp$tp.json" 2>"$TMP/err" || { echo "FAIL TP $tp run"; cat "$TMP/err"; fails=$((fails+1)); }
+    python3 - "$TMP/tp$tp.json" "$STORIES/golden.json" $tp <<'PY' || fails=$((fails+1))
+import json, sys
+got = json.loads(open(sys.argv[1]).readline())
+case = json.load(open(sys.argv[2]))["cases"][0]
+assert got["token_ids"] == case["greedy_ids"], f"TP {sys.argv[3]}: ids differ: {got['token_ids'][:10]}"
+assert got["text"] == case["greedy_text"] and got["finish_reason"] == "eos"
+print(f"ok   --tensor-parallel {sys.argv[3]}: golden story token ids, text and finish_reason")
+PY
+done
+args=(--model "$STORIES" --prompt "Once upon a time" --prompt "The cat" --prompt-ids 1,403,407 --max-tokens 60 --temperature 0 --json)
+"$GEN" "${args[@]}" >"$TMP/b1" 2>/dev/null && "$GEN" "${args[@]}" --tensor-parallel 2 >"$TMP/b2" 2>/dev/null \
+    && [ "$(wc -l <"$TMP/b2")" -eq 3 ] && cmp -s "$TMP/b1" "$TMP/b2" \
+    && echo "ok   --tensor-parallel 2: a batch of three prompts as TP 1" || { echo "FAIL TP 2 batch"; diff "$TMP/b1" "$TMP/b2"; fails=$((fails+1)); }
+"$GEN" --model "$TMP/dummy" --load-format dummy --random-prompt-len 20 --max-tokens 8 --ignore-eos --json --tensor-parallel 2 >"$TMP/d2" 2>"$TMP/err" \
+    && python3 -c "import json,sys; d=json.loads(open('$TMP/d2').read()); assert len(d['token_ids'])==8" \
+    && echo "ok   dummy weights at TP 2" || { echo "FAIL dummy TP 2"; cat "$TMP/err"; fails=$((fails+1)); }
+expect_fail "MLP does not divide" "intermediate size 172 does not divide among 8 ranks" --model "$STORIES" --prompt-ids 1 --tensor-parallel 8
+expect_fail "heads do not divide" "6 attention heads do not divide among 4 ranks" --model "$SHARED/testdata/golden/llama-tiny" --prompt-ids 1 --tensor-parallel 4
+expect_fail "TP 0" "invalid value for --tensor-parallel" --model "$STORIES" --prompt-ids 1 --tensor-parallel 0
+expect_fail "misshapen tensor at TP 2" "model.layers.2.mlp.up_proj.weight" --model "$TMP/shape" --prompt-ids 1 --tensor-parallel 2
+
 if [ $fails -ne 0 ]; then echo "$fails failures"; exit 1; fi
 echo "all CLI checks passed"

@@ -8,7 +8,10 @@
  * chunks, logits of a subset of rows) must run eagerly. So CI, without a GPU, covers the
  * runner's padding, bucket choice, metadata layout and graph bookkeeping. With a split sample
  * op (greedy, on the host) it also runs pipelined steps (mr_launch / mr_collect) against the
- * same steps one at a time. */
+ * same steps one at a time. Tensor parallelism too: a runner of 2 and 4 ranks on the
+ * recording backend, whose communicator's all-reduces are recorded into the graphs (each rank
+ * records on its own thread, as CUDA captures NCCL calls on the rank's stream) and replayed by
+ * every rank at once, against the eager runner at TP 1. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,13 +20,14 @@
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/model_runner.h"
+#include "engine/tp.h"
 #include "kernels/backend.h"
 #include "tests/golden_util.h"
 #include "tests/test_util.h"
 
 /* ---- the recording backend ---- */
 
-typedef enum { R_EMB, R_RMS, R_LIN, R_LINF, R_ROPE, R_ATTN, R_SWIGLU } rec_kind;
+typedef enum { R_EMB, R_RMS, R_LIN, R_LINF, R_ROPE, R_ATTN, R_SWIGLU, R_ALL_REDUCE } rec_kind;
 
 typedef struct {
     rec_kind k;
@@ -35,6 +39,9 @@ typedef struct {
     pd_rope_args rope;
     pd_attn_args attn;
     pd_linear_args lin;
+    pd_comm *comm;               /* R_ALL_REDUCE: the CPU communicator, rank, count */
+    int32_t rank;
+    size_t count;
 } rec;
 
 typedef struct {
@@ -44,8 +51,8 @@ typedef struct {
 
 static const pd_backend_ops *g_cpu;  /* the CPU backend's own table */
 static pd_backend_ops g_ops;         /* its copy with the wrappers below */
-static graph *g_rec;                 /* the graph being recorded, or NULL */
-static int g_replays;
+static _Thread_local graph *g_rec;   /* the graph this thread records, or NULL (a rank a thread) */
+static _Atomic int g_replays;
 
 /* Appends a record when recording; returns 1 if it did (the op must not run now). */
 static int record(const rec *r)
@@ -141,6 +148,10 @@ static int w_graph_launch(void *ctx, void *gp)
         case R_ROPE: rc = g_cpu->rope_store_kv(ctx, &r->rope); break;
         case R_ATTN: rc = g_cpu->attention_decode(ctx, &r->attn); break;
         case R_SWIGLU: rc = g_cpu->swiglu(ctx, r->x, r->n, r->dim, r->out); break;
+        case R_ALL_REDUCE:
+            rc = r->comm->ops->all_reduce_sum(r->comm->ctx, r->rank, r->out, PD_DTYPE_F32,
+                                              r->count);
+            break;
         }
         if (rc < 0) return rc;
     }
@@ -249,19 +260,98 @@ static int open_backend(bool graphs, pd_backend **out, char *err)
     return 0;
 }
 
+/* The CPU communicator with its all-reduce recorded while the calling rank's thread records a
+ * graph (ctx: the CPU communicator). */
+static int wc_all_reduce(void *ctx, int32_t rank, void *buf, pd_dtype t, size_t n)
+{
+    pd_comm *c = ctx;
+    rec r = {.k = R_ALL_REDUCE, .comm = c, .rank = rank, .out = buf, .count = n};
+    return record(&r) ? 0 : c->ops->all_reduce_sum(c->ctx, rank, buf, t, n);
+}
+
+static int wc_all_gather(void *ctx, int32_t rank, const void *send, void *recv, pd_dtype t,
+                         size_t n)
+{
+    pd_comm *c = ctx;
+    return g_rec ? PD_EBACKEND : c->ops->all_gather(c->ctx, rank, send, recv, t, n);
+}
+
+static int wc_barrier(void *ctx, int32_t rank)
+{
+    pd_comm *c = ctx;
+    return g_rec ? PD_EBACKEND : c->ops->barrier(c->ctx, rank);
+}
+
+static void wc_abort(void *ctx)
+{
+    pd_comm *c = ctx;
+    c->ops->abort(c->ctx);
+}
+
+static void wc_destroy(void *ctx) { pd_comm_destroy(ctx); }
+
+static const pd_comm_ops k_wc_ops = {"cpu-graphs", wc_destroy, wc_all_reduce, wc_all_gather,
+                                     wc_barrier, wc_abort};
+
+/* A model on n ranks of the recording backend (a tp_group made by hand: tp_group_load would
+ * make plain CPU backends), its runner in tg_model-like fields. */
+typedef struct {
+    tp_group g;
+    pd_backend *be[4];
+    pd_model *ms[4];
+    mr *r;
+} tp_side;
+
+static int tp_side_open(const char *dir, int32_t n, const mr_params *mp, tp_side *t, char *err)
+{
+    memset(t, 0, sizeof *t);
+    mc_config cfg;
+    pd_comm *inner = NULL;
+    int rc = mc_load(dir, &cfg, err);
+    if (rc < 0 || (rc = pd_comm_cpu_create(n, &inner, err)) < 0) return rc;
+    t->g = (tp_group){.n_ranks = n, .be = t->be, .models = t->ms,
+                      .comm = calloc(1, sizeof(pd_comm))};
+    if (!t->g.comm) {
+        pd_comm_destroy(inner);
+        return PD_ENOMEM;
+    }
+    *t->g.comm = (pd_comm){.ops = &k_wc_ops, .ctx = inner, .n_ranks = n};
+    for (int32_t k = 0; k < n; k++)
+        if ((rc = open_backend(true, &t->be[k], err)) < 0 ||
+            (rc = pd_model_load_shard(&cfg, dir, PD_LOAD_SAFETENSORS, 0, t->be[k], k, n,
+                                      &t->ms[k], err)) < 0)
+            return rc;
+    return mr_create_tp(mp, (const pd_model *const *)t->ms, n, t->g.comm, &t->r, err);
+}
+
+static void tp_side_close(tp_side *t)
+{
+    mr_destroy(t->r);
+    for (int32_t k = 0; k < 4; k++) pd_model_destroy(t->ms[k]);
+    pd_comm_destroy(t->g.comm);
+    for (int32_t k = 0; k < 4; k++) pd_backend_destroy(t->be[k]);
+    memset(t, 0, sizeof *t);
+}
+
 /* ---- the test ---- */
 
 enum { N_SEQS = 5, N_BLOCKS = 96, BS = 16, N_STEPS = 12 };
 
-static int side_open(const char *dir, bool graphs, tg_model *s, char *err)
+static mr_params side_params(bool graphs)
 {
-    memset(s, 0, sizeof *s);
     mr_params mp = mr_default_params();
     mp.block_size = BS;
     mp.n_blocks = N_BLOCKS;
     mp.max_num_batched_tokens = 256;
     mp.max_num_seqs = 8;
     mp.max_graph_batch = graphs ? 8 : 0;
+    return mp;
+}
+
+static int side_open(const char *dir, bool graphs, tg_model *s, char *err)
+{
+    memset(s, 0, sizeof *s);
+    mr_params mp = side_params(graphs);
     pd_backend *be = NULL;
     int rc = open_backend(graphs, &be, err);
     return rc < 0 ? rc : tg_open_on(dir, &mp, be, s, err);
@@ -329,11 +419,30 @@ static bool open_pair(const char *name, bool b_graphs, tg_model *a, tg_model *b)
     return true;
 }
 
-static void run(const char *name)
+/* Graph runner (n_tp ranks) against an eager one at TP 1. */
+static void run(const char *name, int32_t n_tp)
 {
     char err[PD_ERR_LEN] = "";
     tg_model gr, eg;
-    if (!open_pair(name, false, &gr, &eg)) return;
+    tp_side tps;
+    memset(&tps, 0, sizeof tps);
+    if (n_tp == 1) {
+        if (!open_pair(name, false, &gr, &eg)) return;
+    } else {
+        char dir[1024];
+        snprintf(dir, sizeof dir, "%s/testdata/golden/%s", pd_test_shared_dir(), name);
+        mr_params mp = side_params(true);
+        int rc = tp_side_open(dir, n_tp, &mp, &tps, err);
+        if (rc < 0 || side_open(dir, false, &eg, err) < 0) {
+            CHECK_MSG(0, "%s TP %d: %s", name, n_tp, err);
+            tp_side_close(&tps);
+            tg_close(&eg);
+            return;
+        }
+        memset(&gr, 0, sizeof gr);
+        gr.r = tps.r;
+        gr.m = tps.ms[0];
+    }
     CHECK_MSG(mr_n_graphs(gr.r) == 4, "%s: %d graphs captured, expected 4 (1, 2, 4, 8)", name,
               mr_n_graphs(gr.r));
     CHECK_EQ_INT(mr_n_graphs(eg.r), 0);
@@ -399,8 +508,8 @@ static void run(const char *name)
                   "graph", name);
         diff(lg, le, (size_t)V, &max_diff, &max_ref);
     }
-    printf("  %-11s %d decode steps (5 / 3 / 1 sequences) replayed graphs: max |logit diff| "
-           "%.3g (max |logit| %.3g)\n", name, expect_graph, max_diff, max_ref);
+    printf("  %-11s TP %d: %d decode steps (5 / 3 / 1 sequences) replayed graphs: max |logit "
+           "diff| %.3g (max |logit| %.3g)\n", name, n_tp, expect_graph, max_diff, max_ref);
     /* The same ops in the same order on the same rows: only BLAS blocking over a different
      * row count may move the last bits. */
     CHECK_MSG(max_diff <= 1e-4 * (max_ref > 1 ? max_ref : 1), "%s: graph and eager logits "
@@ -409,7 +518,8 @@ static void run(const char *name)
     free(dbt);
     free(lg);
     free(le);
-    tg_close(&gr);
+    if (n_tp == 1) tg_close(&gr);
+    else tp_side_close(&tps);
     tg_close(&eg);
 }
 
@@ -497,8 +607,11 @@ static void run_pipelined(const char *name)
 int main(void)
 {
     printf("test_graph_replay: decode graphs recorded and replayed on the CPU backend\n");
-    run("qwen3-tiny");
-    run("llama-tiny");
+    run("qwen3-tiny", 1);
+    run("llama-tiny", 1);
+    run("qwen3-tiny", 2);
+    run("qwen3-tiny", 4);
+    run("llama-tiny", 2);
     run_pipelined("qwen3-tiny");
     run_pipelined("llama-tiny");
     CHECK(g_replays > 0);

@@ -19,6 +19,7 @@
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/model_runner.h"
+#include "engine/tp.h"
 
 static void usage(FILE *f)
 {
@@ -33,6 +34,9 @@ static void usage(FILE *f)
         "  --load-format FMT           safetensors (default) or dummy (random weights)\n"
         "  --backend NAME              auto (default), cpu or cuda\n"
         "  --threads N                 CPU threads for matrix products (default: all cores)\n"
+        "  --tensor-parallel N         split the model over N ranks (threads; on cuda GPUs 0 ..\n"
+        "                              N - 1): the byte and FLOP floors are then per rank\n"
+        "                              (rank 0's shard, which also holds the LM head)\n"
         "  --num-requests N            default 256\n"
         "  --input-len A:B             prompt lengths uniform in [A, B] (default 100:1024)\n"
         "  --output-len A:B            output lengths uniform in [A, B] (default 100:1024)\n"
@@ -221,7 +225,7 @@ int main(int argc, char **argv)
 {
     enum { O_MODEL = 256, O_FMT, O_BACKEND, O_THREADS, O_N, O_IN, O_OUT, O_SHARED, O_SEED, O_BS,
            O_KV, O_GPU_UTIL, O_MBT, O_MS, O_NOPC, O_NOCP, O_JSON, O_NULL, O_MAX_S, O_NOWARM,
-           O_BW, O_TFLOPS, O_EAGER };
+           O_BW, O_TFLOPS, O_EAGER, O_TP };
     static const struct option opts[] = {
         {"model", 1, 0, O_MODEL}, {"load-format", 1, 0, O_FMT}, {"backend", 1, 0, O_BACKEND},
         {"threads", 1, 0, O_THREADS}, {"num-requests", 1, 0, O_N}, {"input-len", 1, 0, O_IN},
@@ -232,11 +236,12 @@ int main(int argc, char **argv)
         {"no-prefix-cache", 0, 0, O_NOPC}, {"no-chunked-prefill", 0, 0, O_NOCP},
         {"max-seconds", 1, 0, O_MAX_S}, {"no-warmup", 0, 0, O_NOWARM},
         {"bandwidth-gbs", 1, 0, O_BW}, {"gemm-tflops", 1, 0, O_TFLOPS},
-        {"enforce-eager", 0, 0, O_EAGER},
+        {"enforce-eager", 0, 0, O_EAGER}, {"tensor-parallel", 1, 0, O_TP},
         {"json", 0, 0, O_JSON}, {"null-model", 0, 0, O_NULL}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
     const char *model_dir = NULL, *backend = "auto";
     pd_load_format fmt = PD_LOAD_SAFETENSORS;
     long n_req = 256, threads = 0, shared = 0, seed = 0, v, kv_mb = -1; /* -1: not given */
+    long n_tp = 1;
     int32_t in_lo = 100, in_hi = 1024, out_lo = 100, out_hi = 1024;
     double max_s = 0, bw_gbs = 0, gemm_tflops = 0;
     bool json = false, null_model = false, warmup = true, prefix_cache = true, chunked = true;
@@ -253,6 +258,7 @@ int main(int argc, char **argv)
             break;
         case O_BACKEND: backend = optarg; break;
         case O_THREADS: if (int_arg("--threads", optarg, 0, 1024, &threads)) return 1; break;
+        case O_TP: if (int_arg("--tensor-parallel", optarg, 1, 64, &n_tp)) return 1; break;
         case O_N: if (int_arg("--num-requests", optarg, 1, 1 << 20, &n_req)) return 1; break;
         case O_IN: if (range_arg("--input-len", optarg, &in_lo, &in_hi)) return 1; break;
         case O_OUT: if (range_arg("--output-len", optarg, &out_lo, &out_hi)) return 1; break;
@@ -301,8 +307,9 @@ int main(int argc, char **argv)
         return 1;
     }
     int status = 1;
-    pd_backend *be = NULL;
-    pd_model *m = NULL;
+    tp_group *grp = NULL;
+    pd_backend *be = NULL;      /* rank 0's */
+    pd_model *m = NULL;         /* rank 0's shard */
     mr *r = NULL;
     eng_request *reqs = calloc((size_t)n_req, sizeof *reqs);
     int32_t *tokens = malloc(((size_t)n_req + 1) * (size_t)in_hi * sizeof(int32_t));
@@ -360,10 +367,15 @@ int main(int argc, char **argv)
     } else {
         pd_backend_params bp = pd_backend_default_params();
         bp.n_threads = (int32_t)threads;
-        if (pd_backend_create(backend, &bp, &be, err) < 0) {
+        /* one backend and one weight shard a rank (the whole model on one) */
+        tp_group_params gp = {.backend = backend, .bp = bp, .n_ranks = (int32_t)n_tp,
+                              .cfg = &cfg, .dir = model_dir, .fmt = fmt, .seed = 42};
+        if (tp_group_load(&gp, &grp, err) < 0) {
             fprintf(stderr, "pdserve-bench-offline: %s\n", err);
             goto out;
         }
+        be = grp->be[0];
+        m = grp->models[0];
         /* KV pool: --kv-cache-mb N; 0, or not given on a backend that reports device memory:
          * the runner sizes it from --gpu-memory-utilization after the weights and its
          * workspace; not given elsewhere: 2048 MiB. */
@@ -374,8 +386,8 @@ int main(int argc, char **argv)
         }
         mp.kv_cache_bytes = kv_mb > 0 ? (int64_t)kv_mb << 20
                           : kv_mb == 0 || be->ops->mem_info ? 0 : 2048ll << 20;
-        if (pd_model_load(&cfg, model_dir, fmt, 42, be, &m, err) < 0 ||
-            mr_create(&mp, m, &r, err) < 0) {
+        if (mr_create_tp(&mp, (const pd_model *const *)grp->models, grp->n_ranks, grp->comm, &r,
+                         err) < 0) {
             fprintf(stderr, "pdserve-bench-offline: %s\n", err);
             goto out;
         }
@@ -383,9 +395,10 @@ int main(int argc, char **argv)
         esize = pd_dtype_size(be->ops->act_dtype);
         n_params = m->n_params;
         x = eng_executor_runner(r);
-        fprintf(stderr, "pdserve-bench-offline: %s (%s, %.1fM params) on %s; %ld requests, input "
+        fprintf(stderr, "pdserve-bench-offline: %s (%s, %.1fM params%s) on %s; %ld requests, input "
                 "%d..%d, output %d..%d; KV pool %d blocks of %d (%.1f MiB%s); %d decode graphs\n",
-                model_dir, cfg.arch_name, (double)n_params / 1e6, be->ops->name, n_req, in_lo,
+                model_dir, cfg.arch_name, (double)n_params / 1e6,
+                n_tp > 1 ? " on rank 0 of the tensor-parallel ranks" : "", be->ops->name, n_req, in_lo,
                 in_hi, out_lo, out_hi, n_blocks, block_size, kv_mib(r),
                 mp.kv_cache_bytes ? "" : ", from --gpu-memory-utilization", mr_n_graphs(r));
     }
@@ -427,7 +440,10 @@ int main(int argc, char **argv)
      * row's context: 2 (K, V) x layers x KV heads x head_dim elements per token. */
     int64_t emb = (int64_t)cfg.vocab_size * cfg.hidden_size;
     double w_bytes = (double)(n_params - (cfg.tie_word_embeddings ? 0 : emb)) * (double)esize;
-    double kv_tok_bytes = 2.0 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * (double)esize;
+    /* per rank with tensor parallelism: rank 0's KV heads and query heads */
+    const int32_t kv_heads = m ? m->shard.n_kv_heads : cfg.n_kv_heads;
+    const int32_t q_heads = m ? m->shard.n_heads : cfg.n_heads;
+    double kv_tok_bytes = 2.0 * cfg.n_layers * kv_heads * cfg.head_dim * (double)esize;
     double kv_bytes = (double)res.kv_tokens_read * kv_tok_bytes;
     double dec_bytes = w_bytes * (double)res.steps_with_decode + kv_bytes;
     double bw_floor_s = bw_gbs > 0 ? dec_bytes / (bw_gbs * 1e9) : 0;
@@ -438,7 +454,7 @@ int main(int argc, char **argv)
      * (QK^T, PV) of head_dim multiply-adds per (query, key) pair and query head. */
     double mm_params = (double)(n_params - emb);
     double pf_flops = 2.0 * mm_params * (double)res.prompt_rows +
-                      4.0 * cfg.n_heads * cfg.head_dim * res.attn_pairs;
+                      4.0 * q_heads * cfg.head_dim * res.attn_pairs;
     double pf_floor_s = gemm_tflops > 0 ? pf_flops / (gemm_tflops * 1e12) : 0;
     double pf_ratio = pf_floor_s > 0 && es->prefill_model_s > 0 ? pf_floor_s / es->prefill_model_s : 0;
 
@@ -454,7 +470,8 @@ int main(int argc, char **argv)
                "\"decode_bytes\": %.0f, \"bandwidth_gbs\": %.1f, \"floor_s\": %.4f, "
                "\"floor_tok_s\": %.1f, \"floor_ratio\": %.4f, \"prompt_rows\": %lld, "
                "\"prefill_flops\": %.4g, \"gemm_tflops\": %.1f, \"prefill_floor_s\": %.5f, "
-               "\"prefill_model_s\": %.5f, \"prefill_floor_ratio\": %.4f, \"graph_steps\": %lld}\n",
+               "\"prefill_model_s\": %.5f, \"prefill_floor_ratio\": %.4f, \"graph_steps\": %lld, "
+               "\"tensor_parallel\": %ld}\n",
                n_req, (long long)res.finished, res.partial ? "true" : "false",
                (long long)res.prompt_tokens, (long long)res.generated_tokens, res.elapsed_s,
                out_tps, prefill_tps, decode_tps, (long long)es->steps, mean_batch,
@@ -462,10 +479,13 @@ int main(int argc, char **argv)
                sample_us, w_bytes, kv_tok_bytes, (long long)res.steps_with_decode,
                (long long)res.decode_rows, (long long)res.kv_tokens_read, dec_bytes, bw_gbs,
                bw_floor_s, bw_floor_tps, bw_ratio, (long long)res.prompt_rows, pf_flops,
-               gemm_tflops, pf_floor_s, es->prefill_model_s, pf_ratio, (long long)graph_steps);
+               gemm_tflops, pf_floor_s, es->prefill_model_s, pf_ratio, (long long)graph_steps,
+               n_tp);
     } else {
         printf("requests            %ld (%lld finished%s)\n", n_req, (long long)res.finished,
                res.partial ? ", stopped by --max-seconds" : "");
+        if (n_tp > 1)
+            printf("tensor parallel     %ld ranks (the bytes and FLOPs below are rank 0's)\n", n_tp);
         printf("prompt tokens       %lld\n", (long long)res.prompt_tokens);
         printf("output tokens       %lld\n", (long long)res.generated_tokens);
         printf("elapsed             %.3f s\n", res.elapsed_s);
@@ -496,7 +516,6 @@ out:
     free(reqs);
     free(tokens);
     mr_destroy(r);
-    pd_model_destroy(m);
-    pd_backend_destroy(be);
+    tp_group_destroy(grp); /* m and be with it */
     return status;
 }

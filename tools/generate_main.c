@@ -15,6 +15,7 @@
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/model_runner.h"
+#include "engine/tp.h"
 #include "engine/tokenizer.h"
 
 #define MAX_PROMPTS 4096
@@ -32,6 +33,8 @@ static void usage(FILE *f)
         "  --load-format FMT           safetensors (default) or dummy (random weights)\n"
         "  --backend NAME              auto (default), cpu or cuda\n"
         "  --threads N                 CPU threads for matrix products (default: all cores)\n"
+        "  --tensor-parallel N         split the model over N ranks (one thread each; on cuda\n"
+        "                              GPUs 0 .. N - 1 with NCCL); heads and MLP must divide\n"
         "prompts:\n"
         "  --prompt-ids LIST           comma-separated token ids; repeat for more prompts\n"
         "  --prompt TEXT               text prompt (tokenized with the model's tokenizer.json,\n"
@@ -138,6 +141,7 @@ enum {
     OPT_RANDOM_LEN, OPT_REPEAT, OPT_MAX_TOKENS, OPT_MIN_TOKENS, OPT_TEMP, OPT_TOP_P, OPT_TOP_K,
     OPT_MIN_P, OPT_REP_PEN, OPT_PRES_PEN, OPT_FREQ_PEN, OPT_SEED, OPT_STOP_IDS, OPT_IGNORE_EOS,
     OPT_BLOCK_SIZE, OPT_KV_MB, OPT_GPU_UTIL, OPT_MAX_BT, OPT_MAX_SEQS, OPT_EAGER, OPT_JSON, OPT_QUIET,
+    OPT_TP,
 };
 
 static const struct option k_opts[] = {
@@ -145,6 +149,7 @@ static const struct option k_opts[] = {
     {"load-format", required_argument, 0, OPT_LOAD_FORMAT},
     {"backend", required_argument, 0, OPT_BACKEND},
     {"threads", required_argument, 0, OPT_THREADS},
+    {"tensor-parallel", required_argument, 0, OPT_TP},
     {"prompt-ids", required_argument, 0, OPT_PROMPT_IDS},
     {"prompt", required_argument, 0, OPT_PROMPT},
     {"random-prompt-len", required_argument, 0, OPT_RANDOM_LEN},
@@ -177,6 +182,7 @@ typedef struct {
     const char *model_dir, *backend;
     pd_load_format fmt;
     int32_t threads;
+    int32_t n_tp;                    /* --tensor-parallel */
     int32_t *prompts[MAX_PROMPTS];
     int32_t prompt_lens[MAX_PROMPTS];
     int32_t n_prompts;
@@ -219,6 +225,7 @@ static int parse_args(int argc, char **argv, cli *a)
             break;
         case OPT_BACKEND: a->backend = optarg; break;
         case OPT_THREADS: if (parse_i64(fl, optarg, 0, 1024, &v)) return -1; a->threads = (int32_t)v; break;
+        case OPT_TP: if (parse_i64(fl, optarg, 1, 64, &v)) return -1; a->n_tp = (int32_t)v; break;
         case OPT_PROMPT_IDS: {
             if (a->n_prompts + a->n_random >= MAX_PROMPTS) { fprintf(stderr, "pdserve-generate: too many prompts\n"); return -1; }
             int n = parse_ids(fl, optarg, &a->prompts[a->n_prompts]);
@@ -339,14 +346,16 @@ int main(int argc, char **argv)
     cli a;
     memset(&a, 0, sizeof a);
     a.backend = "auto";
+    a.n_tp = 1;
     a.repeat = 1;
     a.max_tokens = 64;
     a.sp = smp_default_params();
     a.mp = mr_default_params();
     int status = 1;
     char err[PD_ERR_LEN] = "";
-    pd_backend *be = NULL;
-    pd_model *m = NULL;
+    tp_group *grp = NULL;
+    pd_backend *be = NULL;           /* rank 0's */
+    pd_model *m = NULL;              /* rank 0's shard */
     mr *r = NULL;
     gen_request *reqs = NULL;
     gen_result *res = NULL;
@@ -425,28 +434,33 @@ int main(int argc, char **argv)
     }
     pd_backend_params bp = pd_backend_default_params();
     bp.n_threads = a.threads;
-    if (pd_backend_create(a.backend, &bp, &be, err) < 0) {
+    /* One backend and one weight shard a rank (--tensor-parallel; the whole model on one).
+     * The backends come first: their kind decides how the KV pool is sized. */
+    tp_group_params gp = {.backend = a.backend, .bp = bp, .n_ranks = a.n_tp, .cfg = &cfg,
+                          .dir = a.model_dir, .fmt = a.fmt, .seed = 1234};
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    if (tp_group_load(&gp, &grp, err) < 0) {
         fprintf(stderr, "pdserve-generate: %s\n", err);
         goto out;
     }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    be = grp->be[0];
+    m = grp->models[0];
     /* KV pool: --kv-cache-mb; else on a backend that reports device memory, the runner sizes
      * it from --gpu-memory-utilization once the weights and its workspace are allocated; else
      * what the batch needs. */
     if (a.kv_mb > 0) a.mp.kv_cache_bytes = a.kv_mb << 20;
     else if (be->ops->mem_info) a.mp.kv_cache_bytes = 0;
     else a.mp.n_blocks = (int32_t)(kv_tokens / a.mp.block_size);
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    if (pd_model_load(&cfg, a.model_dir, a.fmt, 1234, be, &m, err) < 0) {
-        fprintf(stderr, "pdserve-generate: %s\n", err);
-        goto out;
-    }
-    clock_gettime(CLOCK_MONOTONIC, &t1);
     if (!a.quiet)
-        fprintf(stderr, "pdserve-generate: %s (%s, %.1fM params, %d layers) loaded on %s in %.2f s\n",
-                a.model_dir, cfg.arch_name, (double)m->n_params / 1e6, cfg.n_layers,
-                be->ops->name, (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9);
-    if (mr_create(&a.mp, m, &r, err) < 0) {
+        fprintf(stderr, "pdserve-generate: %s (%s, %.1fM params%s, %d layers) loaded on %s%s in "
+                "%.2f s\n", a.model_dir, cfg.arch_name, (double)m->n_params / 1e6,
+                a.n_tp > 1 ? " on rank 0" : "", cfg.n_layers, be->ops->name,
+                a.n_tp > 1 ? " (tensor parallel)" : "",
+                (double)(t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9);
+    if (mr_create_tp(&a.mp, (const pd_model *const *)grp->models, grp->n_ranks, grp->comm, &r,
+                     err) < 0) {
         fprintf(stderr, "pdserve-generate: %s\n", err);
         goto out;
     }
@@ -482,8 +496,7 @@ out:
     free(res);
     free(reqs);
     mr_destroy(r);
-    pd_model_destroy(m);
-    pd_backend_destroy(be);
+    tp_group_destroy(grp); /* m and be with it */
     for (int32_t i = 0; i < a.n_prompts; i++) free(a.prompts[i]);
     free(a.stop_ids);
     tok_destroy(a.tok);

@@ -26,8 +26,15 @@
 #             PERF_MAX_S bounds the 256-request run (default 300 s), PERF_HF_REQUESTS (64) and
 #             PERF_HF_S (60 s) the peer's. PERF_BASELINE=1 runs the engine as it was before CUDA
 #             graphs and the GEMV kernel (--enforce-eager, PDSERVE_CUDA_GEMV_MAX_N=0).
+#   tp        tensor parallelism over the machine's GPUs (needs 2; 4 for TP 4): the NCCL
+#             communicator (test_cuda_comm), the golden models at TP 2 and 4 against the CPU
+#             with decode graphs and eager (test_cuda_tp), and pdserve-generate
+#             --tensor-parallel 2 / 4 on stories260k against the golden story (the first 64
+#             tokens; bf16 may drift later), graphs and --enforce-eager. NCCL is dlopen'ed:
+#             libnccl.so.2 from LD_LIBRARY_PATH, else the first one found on the machine
+#             (PDSERVE_NCCL_LIB). NCCL_NVLS_ENABLE=0 (NVLink multicast stays off).
 # Logs go to $OUT (default /tmp/pd-gpu). PD_GPU_DIR names the package folder (default .gpu). Exit status: 0 when every step passed.
-#   tools/gpu_run.sh [bench] [kvshare] [profile] [sanitize] [services] [perf]
+#   tools/gpu_run.sh [bench] [kvshare] [profile] [sanitize] [services] [perf] [tp]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/gpu_env.sh # unpacks .gpu/, sets LD_LIBRARY_PATH, OUT, G, PDSERVE_SHARED
@@ -339,5 +346,41 @@ if att:
     print("decode attention alone (pdserve-bench-kernels --attention, rows at batch 256):")
     print("\n".join("  " + l for l in att[:6]))
 PY
+fi
+if has tp; then
+    export NCCL_NVLS_ENABLE=0
+    if [ -z "${PDSERVE_NCCL_LIB:-}" ]; then
+        found=
+        for d in ${LD_LIBRARY_PATH//:/ } /usr/lib/x86_64-linux-gnu /usr/lib64; do
+            [ -e "$d/libnccl.so.2" ] && found=$d/libnccl.so.2 && break
+        done
+        if [ -z "$found" ]; then
+            PDSERVE_NCCL_LIB=$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -1)
+            export PDSERVE_NCCL_LIB
+            found="${PDSERVE_NCCL_LIB:-none found}"
+        fi
+        echo "tp: NCCL: $found"
+    fi
+    NGPU=$(nvidia-smi -L | wc -l)
+    TAIL=20 step test_cuda_comm "$G/bin/test_cuda_comm"
+    TAIL=40 step test_cuda_tp "$G/bin/test_cuda_tp"
+    M="$PDSERVE_SHARED/models/stories260k"
+    for tp in 2 4; do
+        [ "$NGPU" -ge "$tp" ] || continue
+        for e in "" --enforce-eager; do
+            "$G/bin/pdserve-generate" --model "$M" --backend cuda --tensor-parallel "$tp" \
+                --prompt-ids 1 --max-tokens 64 --temperature 0 --json $e \
+                >"$OUT/tp$tp${e:+-eager}.json" 2>"$OUT/tp$tp${e:+-eager}.log" || rc=1
+            python3 - "$OUT/tp$tp${e:+-eager}.json" "$M/golden.json" "TP $tp ${e:-graphs}" <<'PY' || rc=1
+import json, sys
+got = json.loads(open(sys.argv[1]).readline())["token_ids"]
+want = json.load(open(sys.argv[2]))["cases"][0]["greedy_ids"][:64]
+ok = got[:len(want)] == want
+print("== tp generate %s: %s (%d tokens)" % (sys.argv[3], "golden" if ok else "DIFFERS", len(got)))
+sys.exit(0 if ok else 1)
+PY
+            grep -hE 'tok/s|nccl|error' "$OUT/tp$tp${e:+-eager}.log"
+        done
+    done
 fi
 exit $rc

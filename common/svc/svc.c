@@ -28,6 +28,7 @@ void svc_model_flags_init(svc_model_flags *f)
     f->max_num_seqs = 256;
     f->max_num_batched_tokens = 2048;
     f->max_graph_batch = 256;
+    f->tensor_parallel = 1;
 }
 
 void svc_model_flags_add(svc_model_flags *f, pd_flag *fl, int *n)
@@ -49,6 +50,7 @@ void svc_model_flags_add(svc_model_flags *f, pd_flag *fl, int *n)
         {"max-graph-batch", PD_FLAG_INT, &f->max_graph_batch, "decode steps of up to this many sequences replay CUDA graphs captured at start (0 = none)", 0, 65536},
         {"enforce-eager", PD_FLAG_BOOL, &f->enforce_eager, "run every step op by op (no CUDA graphs; for debugging)", 1, 0},
         {"device", PD_FLAG_INT, &f->device, "GPU ordinal for --backend cuda (instances that see every GPU can move KV device to device; see --kv-transport)", 0, 1023},
+        {"tensor-parallel", PD_FLAG_INT, &f->tensor_parallel, "ranks the model is split over (one thread a rank; on cuda GPUs --device .. --device + N - 1, NCCL between them); the attention heads and the MLP must divide", 1, 64},
     };
     for (size_t i = 0; i < sizeof add / sizeof add[0]; i++) fl[(*n)++] = add[i];
 }
@@ -68,8 +70,13 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
     /* "auto" picks cuda where present (pd_backend_create decides). GPU KV reaches kvtransfer
      * device to device or through a ring of pinned host slots (svc_kv_pool_create). */
     const char *backend = f->backend;
-    if ((rc = pd_backend_create(backend, &bp, &m->be, err)) < 0) goto fail;
-    if ((rc = pd_model_load(&m->cfg, f->model, fmt, 1234, m->be, &m->model, err)) < 0) goto fail;
+    /* One backend and one weight shard a rank (--tensor-parallel; one rank: the whole model);
+     * m->be and m->model are rank 0's. */
+    tp_group_params gp = {.backend = backend, .bp = bp, .n_ranks = (int32_t)f->tensor_parallel,
+                          .cfg = &m->cfg, .dir = f->model, .fmt = fmt, .seed = 1234};
+    if ((rc = tp_group_load(&gp, &m->tp, err)) < 0) goto fail;
+    m->be = m->tp->be[0];
+    m->model = m->tp->models[0];
     mr_params mp = mr_default_params();
     mp.block_size = (int32_t)f->block_size;
     /* --kv-cache-mb 0: on a backend that reports device memory the runner sizes the pool from
@@ -82,7 +89,9 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
     /* A prefill instance never runs a decode step: no graphs to capture. */
     mp.max_graph_batch = f->enforce_eager || mode == ENG_MODE_PREFILL ? 0
                                                                       : (int32_t)f->max_graph_batch;
-    if ((rc = mr_create(&mp, m->model, &m->runner, err)) < 0) goto fail;
+    if ((rc = mr_create_tp(&mp, (const pd_model *const *)m->tp->models, m->tp->n_ranks,
+                           m->tp->comm, &m->runner, err)) < 0)
+        goto fail;
     m->ep = eng_default_params(m->runner);
     m->ep.mode = mode;
     m->ep.max_model_len = (int32_t)f->max_model_len;
@@ -117,8 +126,7 @@ fail:
 void svc_model_close(svc_model *m)
 {
     mr_destroy(m->runner);
-    pd_model_destroy(m->model);
-    pd_backend_destroy(m->be);
+    tp_group_destroy(m->tp); /* m->model and m->be with it */
     memset(m, 0, sizeof *m);
 }
 
@@ -130,7 +138,9 @@ void svc_kv_layout(const svc_model *m, kvt_layout *out)
     out->dtype = m->be->ops->act_dtype;
     out->n_layers = m->cfg.n_layers;
     out->block_size = mr_block_size(m->runner);
-    out->n_kv_heads = m->cfg.n_kv_heads;
+    /* the pool's own layout: with tensor parallelism rank 0's KV heads (its cache is the pool
+     * kvtransfer registers; only --colocated runs so) */
+    out->n_kv_heads = m->model->shard.n_kv_heads;
     out->head_dim = m->cfg.head_dim;
 }
 

@@ -13,6 +13,7 @@
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/model_runner.h"
+#include "engine/tp.h"
 #include "kvtransfer/kvtransfer.h"
 #include "pdserve/internal/v1/kv.pb-c.h"
 #include "pdserve/v1/generation.pb-c.h"
@@ -55,16 +56,19 @@ typedef struct {
     bool enforce_eager;         /* same as max_graph_batch 0 */
     int64_t device;             /* GPU ordinal (cuda); with every GPU visible, the KV can go
                                  * device to device between instances (--kv-transport) */
+    int64_t tensor_parallel;    /* ranks (one thread, on cuda one GPU from device on, each);
+                                 * 1 = none (docs/tensor-parallel.md) */
 } svc_model_flags;
 
-/* Defaults, and the flag table entries (appended at flags[*n], at most 16). */
+/* Defaults, and the flag table entries (appended at flags[*n], at most 17). */
 void svc_model_flags_init(svc_model_flags *f);
 void svc_model_flags_add(svc_model_flags *f, pd_flag *flags, int *n);
 
 typedef struct {
     mc_config cfg;
-    pd_backend *be;
-    pd_model *model;
+    tp_group *tp;               /* the ranks' backends and shards (one rank without TP) */
+    pd_backend *be;             /* rank 0's (tp's) */
+    pd_model *model;            /* rank 0's shard (tp's) */
     mr *runner;
     eng_params ep;
     char model_name[128];

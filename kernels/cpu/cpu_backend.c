@@ -364,6 +364,13 @@ static int cpu_copyq_blocks(void *ctx, void *q, void *after, void *const *dst,
     return 0;
 }
 
+/* The ranks are threads of this process: the communicator needs only their number. */
+static int cpu_comm_create(pd_backend *const *ranks, int32_t n_ranks, pd_comm **out, char *err)
+{
+    (void)ranks;
+    return pd_comm_cpu_create(n_ranks, out, err);
+}
+
 static const pd_backend_ops k_cpu_ops = {
     .name = "cpu",
     .act_dtype = PD_DTYPE_F32,
@@ -395,6 +402,7 @@ static const pd_backend_ops k_cpu_ops = {
     .copyq_create = cpu_copyq_create,
     .copyq_destroy = cpu_copyq_destroy,
     .copyq_blocks = cpu_copyq_blocks,
+    .comm_create = cpu_comm_create,
 };
 
 int pd_backend_cpu_create(const pd_backend_params *p, pd_backend **out, char *err)

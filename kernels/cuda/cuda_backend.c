@@ -54,6 +54,7 @@ static const pd_backend_ops k_cuda_ops = {
     .copyq_create = pd_cuda__copyq_create,
     .copyq_destroy = pd_cuda__copyq_destroy,
     .copyq_blocks = pd_cuda__copyq_blocks,
+    .comm_create = pd_cuda__comm_create,
 };
 
 int pd_backend_cuda_create(const pd_backend_params *p, pd_backend **out, char *err)

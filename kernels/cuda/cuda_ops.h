@@ -88,6 +88,8 @@ void pd_cuda__copyq_destroy(void *ctx, void *q);
 int pd_cuda__copyq_blocks(void *ctx, void *q, void *after, void *const *dst,
                           const void *const *src, int32_t n_regions, const int32_t *dst_ids,
                           const int32_t *src_ids, int32_t n, size_t block_bytes, void **done);
+/* cuda_comm.cu: the NCCL communicator (pd_backend_ops.comm_create). */
+int pd_cuda__comm_create(pd_backend *const *ranks, int32_t n_ranks, pd_comm **out, char *err);
 /* cuda_sample.cu: the sample op; its per-context buffers are freed with the context. */
 int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab, const pd_sample_row *rows,
                     const pd_penalty_tok *pen, int32_t n_pen, int32_t *tokens, float *logprobs);

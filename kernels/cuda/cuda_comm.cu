@@ -1,0 +1,264 @@
+/* cuda_comm.cu -- The CUDA backend's communicator: NCCL, one GPU a rank, every rank in this
+ * process. ncclCommInitAll makes the ranks' communicators at once from one thread; then each
+ * rank's thread queues its collectives on its own backend's stream, so that a decode graph
+ * captured on that stream holds them (NCCL collectives are capturable), in the same order on
+ * every rank. NCCL is loaded at run time (dlopen of $PDSERVE_NCCL_LIB, else libnccl.so.2):
+ * the binaries start where it is absent, and only a tensor-parallel instance on CUDA needs it.
+ * NCCL's all-reduce gives every rank the same bits (each chunk is reduced once and then
+ * copied), which keeps the ranks' replicated residual streams identical. */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+#if __has_include(<nccl.h>)
+#include <nccl.h>
+#define PD_HAVE_NCCL_H 1
+#endif
+
+#ifdef PD_HAVE_NCCL_H
+
+/* The NCCL entry points used here, resolved from the library at first use. */
+typedef struct {
+    ncclResult_t (*comm_init_all)(ncclComm_t *, int, const int *);
+    ncclResult_t (*comm_destroy)(ncclComm_t);
+    ncclResult_t (*comm_abort)(ncclComm_t);
+    ncclResult_t (*all_reduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t,
+                               ncclComm_t, cudaStream_t);
+    ncclResult_t (*all_gather)(const void *, void *, size_t, ncclDataType_t, ncclComm_t,
+                               cudaStream_t);
+    const char *(*error_string)(ncclResult_t);
+    ncclResult_t (*get_version)(int *);
+    int version;
+} nccl_api;
+
+static nccl_api g_nccl;
+static int g_nccl_state; /* 0 not tried, 1 loaded, -1 failed (g_nccl_err says why) */
+static char g_nccl_err[256];
+static pthread_mutex_t g_nccl_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static bool nccl_load(void)
+{
+    pthread_mutex_lock(&g_nccl_mu);
+    if (g_nccl_state == 0) {
+        const char *path = getenv("PDSERVE_NCCL_LIB");
+        if (!path || !*path) path = "libnccl.so.2";
+        void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+        if (!h) {
+            snprintf(g_nccl_err, sizeof g_nccl_err, "cannot load NCCL (%s): %s; set "
+                     "PDSERVE_NCCL_LIB to libnccl.so.2's path", path, dlerror());
+            g_nccl_state = -1;
+        } else {
+#define SYM(field, name) *(void **)&g_nccl.field = dlsym(h, name)
+            SYM(comm_init_all, "ncclCommInitAll");
+            SYM(comm_destroy, "ncclCommDestroy");
+            SYM(comm_abort, "ncclCommAbort");
+            SYM(all_reduce, "ncclAllReduce");
+            SYM(all_gather, "ncclAllGather");
+            SYM(error_string, "ncclGetErrorString");
+            SYM(get_version, "ncclGetVersion");
+#undef SYM
+            if (!g_nccl.comm_init_all || !g_nccl.comm_destroy || !g_nccl.comm_abort ||
+                !g_nccl.all_reduce || !g_nccl.all_gather || !g_nccl.error_string ||
+                !g_nccl.get_version) {
+                snprintf(g_nccl_err, sizeof g_nccl_err, "%s lacks an NCCL entry point", path);
+                g_nccl_state = -1; /* the handle stays open: harmless */
+            } else {
+                (void)g_nccl.get_version(&g_nccl.version);
+                g_nccl_state = 1;
+            }
+        }
+    }
+    bool ok = g_nccl_state == 1;
+    pthread_mutex_unlock(&g_nccl_mu);
+    return ok;
+}
+
+#define PD_NCCL_CHECK(call)                                                            \
+    do {                                                                               \
+        ncclResult_t r_ = (call);                                                      \
+        if (r_ != ncclSuccess) {                                                       \
+            pd_cuda__report(#call, g_nccl.error_string(r_), __FILE__, __LINE__);       \
+            return PD_EBACKEND;                                                        \
+        }                                                                              \
+    } while (0)
+
+typedef struct {
+    int32_t n;
+    ncclComm_t *comms;     /* [n] rank r's, on devices[r] */
+    int *devices;          /* [n] */
+    cudaStream_t *streams; /* [n] the rank backends' streams (borrowed) */
+    float **one;           /* [n] a float on each device: barrier's all-reduce */
+    int aborted;           /* set once by abort (read with __atomic) */
+} nccl_comm;
+
+static bool aborted(const nccl_comm *c) { return __atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE); }
+
+static bool nccl_type(pd_dtype t, ncclDataType_t *out)
+{
+    switch (t) {
+    case PD_DTYPE_F32: *out = ncclFloat32; return true;
+    case PD_DTYPE_BF16: *out = ncclBfloat16; return true;
+    case PD_DTYPE_F16: *out = ncclFloat16; return true;
+    case PD_DTYPE_I32: *out = ncclInt32; return true;
+    default: return false;
+    }
+}
+
+static int comm_all_reduce_sum(void *ctx, int32_t rank, void *buf, pd_dtype dtype, size_t n)
+{
+    nccl_comm *c = (nccl_comm *)ctx;
+    ncclDataType_t t;
+    if (rank < 0 || rank >= c->n || !nccl_type(dtype, &t)) return PD_EINVAL;
+    if (aborted(c)) return PD_EBACKEND;
+    if (n == 0) return 0;
+    PD_CUDA_CHECK(cudaSetDevice(c->devices[rank]));
+    PD_NCCL_CHECK(g_nccl.all_reduce(buf, buf, n, t, ncclSum, c->comms[rank], c->streams[rank]));
+    return 0;
+}
+
+static int comm_all_gather(void *ctx, int32_t rank, const void *send, void *recv, pd_dtype dtype,
+                           size_t n)
+{
+    nccl_comm *c = (nccl_comm *)ctx;
+    ncclDataType_t t;
+    if (rank < 0 || rank >= c->n || !nccl_type(dtype, &t)) return PD_EINVAL;
+    if (aborted(c)) return PD_EBACKEND;
+    if (n == 0) return 0;
+    PD_CUDA_CHECK(cudaSetDevice(c->devices[rank]));
+    PD_NCCL_CHECK(g_nccl.all_gather(send, recv, n, t, c->comms[rank], c->streams[rank]));
+    return 0;
+}
+
+/* An all-reduce of one float, then the stream drained: every rank got here and every op
+ * queued before completed. Not inside a graph capture (it synchronises). */
+static int comm_barrier(void *ctx, int32_t rank)
+{
+    nccl_comm *c = (nccl_comm *)ctx;
+    if (rank < 0 || rank >= c->n) return PD_EINVAL;
+    if (aborted(c)) return PD_EBACKEND;
+    PD_CUDA_CHECK(cudaSetDevice(c->devices[rank]));
+    PD_NCCL_CHECK(g_nccl.all_reduce(c->one[rank], c->one[rank], 1, ncclFloat32, ncclSum,
+                                    c->comms[rank], c->streams[rank]));
+    PD_CUDA_CHECK(cudaStreamSynchronize(c->streams[rank]));
+    return aborted(c) ? PD_EBACKEND : 0;
+}
+
+/* ncclCommAbort ends the collectives in flight (a rank stuck in one returns with an error)
+ * and frees the communicators. */
+static void comm_abort(void *ctx)
+{
+    nccl_comm *c = (nccl_comm *)ctx;
+    int was = __atomic_exchange_n(&c->aborted, 1, __ATOMIC_ACQ_REL);
+    if (was) return;
+    PD_LOGE("nccl: aborting the communicator of %d GPUs (a rank failed)", c->n);
+    for (int32_t r = 0; r < c->n; r++)
+        if (c->comms[r]) (void)g_nccl.comm_abort(c->comms[r]);
+}
+
+static void comm_destroy(void *ctx)
+{
+    nccl_comm *c = (nccl_comm *)ctx;
+    if (!c) return;
+    for (int32_t r = 0; c->comms && r < c->n; r++) {
+        if (c->comms[r] && !aborted(c)) {
+            (void)cudaSetDevice(c->devices[r]);
+            (void)cudaStreamSynchronize(c->streams[r]);
+            (void)g_nccl.comm_destroy(c->comms[r]);
+        }
+        if (c->one && c->one[r]) {
+            (void)cudaSetDevice(c->devices[r]);
+            (void)cudaFree(c->one[r]);
+        }
+    }
+    free(c->comms);
+    free(c->devices);
+    free(c->streams);
+    free(c->one);
+    free(c);
+}
+
+static const pd_comm_ops k_nccl_ops = {
+    "nccl", comm_destroy, comm_all_reduce_sum, comm_all_gather, comm_barrier, comm_abort,
+};
+
+extern "C" int pd_cuda__comm_create(pd_backend *const *ranks, int32_t n_ranks, pd_comm **out,
+                                    char *err)
+{
+    *out = NULL;
+    if (n_ranks < 1) return pd_errf(err, PD_EINVAL, "nccl: %d ranks", n_ranks);
+    if (!nccl_load())
+        return pd_errf(err, PD_EUNSUPPORTED, "tensor parallelism on cuda: %s", g_nccl_err);
+    int rc = PD_ENOMEM;
+    pd_comm *pc = (pd_comm *)calloc(1, sizeof *pc);
+    nccl_comm *c = (nccl_comm *)calloc(1, sizeof *c);
+    if (!pc || !c) {
+        rc = pd_errf(err, PD_ENOMEM, "out of memory");
+        goto fail;
+    }
+    c->n = n_ranks;
+    c->comms = (ncclComm_t *)calloc((size_t)n_ranks, sizeof *c->comms);
+    c->devices = (int *)calloc((size_t)n_ranks, sizeof *c->devices);
+    c->streams = (cudaStream_t *)calloc((size_t)n_ranks, sizeof *c->streams);
+    c->one = (float **)calloc((size_t)n_ranks, sizeof *c->one);
+    if (!c->comms || !c->devices || !c->streams || !c->one) {
+        rc = pd_errf(err, PD_ENOMEM, "out of memory");
+        goto fail;
+    }
+    for (int32_t r = 0; r < n_ranks; r++) {
+        const pd_cuda_ctx *x = (const pd_cuda_ctx *)ranks[r]->ctx;
+        c->devices[r] = x->device;
+        c->streams[r] = x->stream;
+        for (int32_t q = 0; q < r; q++)
+            if (c->devices[q] == x->device) {
+                rc = pd_errf(err, PD_EINVAL, "nccl: ranks %d and %d are both on GPU %d (one GPU "
+                             "a rank)", q, r, x->device);
+                goto fail;
+            }
+        if (cudaSetDevice(x->device) != cudaSuccess ||
+            cudaMalloc((void **)&c->one[r], sizeof(float)) != cudaSuccess ||
+            cudaMemset(c->one[r], 0, sizeof(float)) != cudaSuccess) {
+            (void)cudaGetLastError();
+            rc = pd_errf(err, PD_ENOMEM, "nccl: cannot allocate on GPU %d", x->device);
+            goto fail;
+        }
+    }
+    {
+        ncclResult_t nr = g_nccl.comm_init_all(c->comms, n_ranks, c->devices);
+        if (nr != ncclSuccess) {
+            memset(c->comms, 0, (size_t)n_ranks * sizeof *c->comms);
+            rc = pd_errf(err, PD_EBACKEND, "nccl: ncclCommInitAll over %d GPUs failed: %s",
+                         n_ranks, g_nccl.error_string(nr));
+            goto fail;
+        }
+    }
+    PD_LOGI("nccl %d.%d.%d: communicator of %d GPUs (%d .. %d)", g_nccl.version / 10000,
+            g_nccl.version / 100 % 100, g_nccl.version % 100, n_ranks, c->devices[0],
+            c->devices[n_ranks - 1]);
+    pc->ops = &k_nccl_ops;
+    pc->ctx = c;
+    pc->n_ranks = n_ranks;
+    *out = pc;
+    return 0;
+fail:
+    comm_destroy(c);
+    free(pc);
+    return rc;
+}
+
+#else /* no nccl.h at build time */
+
+extern "C" int pd_cuda__comm_create(pd_backend *const *ranks, int32_t n_ranks, pd_comm **out,
+                                    char *err)
+{
+    (void)ranks;
+    (void)n_ranks;
+    *out = NULL;
+    return pd_errf(err, PD_EUNSUPPORTED, "tensor parallelism on cuda: this build has no NCCL "
+                   "(nccl.h was not found)");
+}
+
+#endif

@@ -1,0 +1,82 @@
+#!/usr/bin/python3
+"""test_tensor_parallel.py -- Tensor parallelism through the services (issue #29): a colocated
+decode instance at --tensor-parallel 2 and one at 4 (ranks as threads on the CPU backend),
+each behind its own router, driven by Python grpcio:
+  - greedy from [1] reproduces stories260k's golden story (token ids and text);
+  - eight prompts sent at once (batched prefill and decode) give the tokens of the TP 1
+    instance, seeded sampling too;
+  - the load report is one instance's: role colocated, the same KV pool as TP 1 (the pool of
+    --kv-cache-mb is the instance's, split over the ranks), every block free afterwards;
+  - what cannot run is refused at start with a message that says why and a non-zero exit:
+    a model whose heads do not divide, and --tensor-parallel on a decode-only or prefill
+    instance (their KV transfer moves one rank's heads);
+  - SIGTERM: every instance exits 0.
+
+usage: test_tensor_parallel.py BIN_DIR SHARED_DIR PROTO_DIR"""
+import os, subprocess, sys, threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e_util as eu
+
+H = eu.Harness(sys.argv)
+pb, pbg, check, load = H.pb, H.pbg, H.check, H.load
+import grpc, json
+
+def stack(tp):
+    common = ["--model", H.model, "--backend", "cpu", "--listen", "127.0.0.1:0", "--metrics-port", "0"]
+    dec = H.start("pdserve-decode", *common, "--colocated", "--tensor-parallel", str(tp),
+                  tag="colocated-tp%d" % tp)
+    rtr = H.start("pdserve-router", "--model", H.model, "--listen", "127.0.0.1:0", "--metrics-port",
+                  "0", "--decode", "127.0.0.1:%d" % dec.port, tag="router-tp%d" % tp)
+    return dec, pbg.GenerationStub(grpc.insecure_channel("127.0.0.1:%d" % rtr.port))
+
+def batch(stub):
+    """Eight requests at once; returns their token ids in order."""
+    out = [None] * 8
+    def one(k):
+        sp = pb.SamplingParams(temperature=0) if k < 6 else pb.SamplingParams(temperature=0.8, seed=7 + k)
+        ids, _, _, _ = eu.generate(pb, stub, timeout=60, prompt_token_ids=[1] + [(37 * k + 11 * i) % 500 + 3 for i in range(5 + 9 * k)],
+                                   sampling=sp, stopping=pb.StoppingCriteria(max_tokens=40, ignore_eos=True))
+        out[k] = ids
+    ts = [threading.Thread(target=one, args=(k,)) for k in range(8)]
+    for t in ts: t.start()
+    for t in ts: t.join()
+    return out
+
+def refused(name, args, want):
+    p = subprocess.run([os.path.join(H.bin, name)] + args, capture_output=True, text=True, timeout=60,
+                       env=H.env)
+    check(p.returncode not in (0,) and p.returncode < 126 and want in p.stderr,
+          "%s %s refused (exit %d): %s" % (name, " ".join(args[-3:]), p.returncode, p.stderr.strip()[-160:]))
+
+try:
+    golden = json.load(open(os.path.join(H.model, "golden.json")))["cases"][0]
+    d1, s1 = stack(1)
+    want = batch(s1)
+    check(all(len(x) == 40 for x in want), "TP 1: eight requests of 40 tokens")
+    l1 = load(d1)
+    for tp in (2, 4):
+        dtp, stp = stack(tp)
+        ids, text, fin, _ = eu.generate(pb, stp, timeout=60, prompt_token_ids=[1],
+                                        sampling=pb.SamplingParams(temperature=0),
+                                        stopping=pb.StoppingCriteria(max_tokens=400))
+        check(ids == golden["greedy_ids"] and text == golden["greedy_text"],
+              "TP %d: greedy from [1] is the golden story (%d tokens)" % (tp, len(ids)))
+        got = batch(stp)
+        check(got == want, "TP %d: eight concurrent requests give TP 1's tokens (greedy and seeded)" % tp)
+        l = load(dtp)
+        check(l.role == H.ipb.ROLE_COLOCATED and l.total_blocks == l1.total_blocks and
+              l.kv_layout.num_kv_heads == l1.kv_layout.num_kv_heads,
+              "TP %d: one instance's load report, the TP 1 pool (%d blocks)" % (tp, l.total_blocks))
+        check(eu.wait_until(lambda: load(dtp).free_blocks == l.total_blocks, 5),
+              "TP %d: every KV block free afterwards" % tp)
+    common = ["--model", H.model, "--backend", "cpu", "--listen", "127.0.0.1:0"]
+    refused("pdserve-decode", common + ["--colocated", "--tensor-parallel", "3"],
+            "8 attention heads do not divide among 3 ranks")
+    refused("pdserve-decode", common + ["--tensor-parallel", "2"], "needs --colocated")
+    refused("pdserve-prefill", common + ["--tensor-parallel", "2"], "--tensor-parallel 2")
+    H.stop()
+except Exception:
+    H.kill_all()
+    raise
+H.finish()
