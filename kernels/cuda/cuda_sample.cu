@@ -716,7 +716,8 @@ static __global__ void __launch_bounds__(GR_THREADS) greedy_kernel(const bf16 *l
 /* ---- log-probabilities of the raw distribution (smp_logprobs) ---- */
 
 /* One block a row whose n_top is >= 0: each thread keeps an online log-sum-exp of its tokens
- * and a sorted list of its n_top best (in registers: the loops over LP_K unroll), visiting its
+ * and a sorted list of its K best (K >= every row's n_top, a template parameter so that the
+ * list lives in registers: every index is a constant once the loops unroll), visiting its
  * tokens in ascending id order so that a later equal value never enters; each warp then merges
  * its lanes' lists into one (n_top rounds of a shuffle arg-max), and warp 0 merges the warps'
  * (from shared memory) and writes the row's pick logprob and list (token -1 past the tokens
@@ -770,6 +771,37 @@ static __device__ __forceinline__ void warp_argbest(float &v, int32_t &i)
     }
 }
 
+/* One token of a thread's: into its online log-sum-exp (m, sum) and, when it passes the bar
+ * (its list's last value; +inf when nothing is listed), into its sorted list tv / ti. */
+template <int K>
+static __device__ __forceinline__ void lp_see(float v, int32_t id, float &m, float &sum,
+                                              float &bar, float (&tv)[K], int32_t (&ti)[K])
+{
+    if (!(v > -INFINITY)) return; /* -inf and NaN: no mass, never listed */
+    if (v > m) {
+        sum = sum * expf(m - v) + 1.0f;
+        m = v;
+    } else {
+        sum += expf(v - m);
+    }
+    if (!(v > bar)) return;
+    float cv = v;
+    int32_t ci = id;
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        if (lp_better(cv, ci, tv[j], ti[j])) {
+            const float t = tv[j];
+            const int32_t u = ti[j];
+            tv[j] = cv;
+            ti[j] = ci;
+            cv = t;
+            ci = u;
+        }
+    }
+    bar = tv[K - 1];
+}
+
+template <int K>
 static __global__ void __launch_bounds__(LP_THREADS) logprob_kernel(lp_args a)
 {
     __shared__ float s_m[LP_WARPS], s_s[LP_WARPS];
@@ -782,51 +814,27 @@ static __global__ void __launch_bounds__(LP_THREADS) logprob_kernel(lp_args a)
         return;
     }
     const bf16 *x = a.logits + (size_t)row * (size_t)a.vocab;
-    float tv[LP_K];
-    int32_t ti[LP_K];
+    float tv[K];
+    int32_t ti[K];
 #pragma unroll
-    for (int j = 0; j < LP_K; j++) {
+    for (int j = 0; j < K; j++) {
         tv[j] = -INFINITY;
         ti[j] = INT32_MAX;
     }
-    float bar = n > 0 ? -INFINITY : INFINITY; /* what a value must pass to enter: tv[n - 1] */
+    float bar = n > 0 ? -INFINITY : INFINITY; /* what a value must pass to enter: tv[K - 1] */
     float m = -INFINITY, sum = 0.0f;
-    auto see = [&](float v, int32_t id) {
-        if (!(v > -INFINITY)) return; /* -inf and NaN: no mass, never listed */
-        if (v > m) {
-            sum = sum * expf(m - v) + 1.0f;
-            m = v;
-        } else {
-            sum += expf(v - m);
-        }
-        if (!(v > bar)) return;
-        float cv = v;
-        int32_t ci = id;
-#pragma unroll
-        for (int j = 0; j < LP_K; j++) {
-            if (j < n && lp_better(cv, ci, tv[j], ti[j])) {
-                const float t = tv[j];
-                const int32_t u = ti[j];
-                tv[j] = cv;
-                ti[j] = ci;
-                cv = t;
-                ci = u;
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < LP_K; j++)
-            if (j == n - 1) bar = tv[j];
-    };
     if (a.vec) {
         for (int32_t g = (int32_t)threadIdx.x; g < a.vocab / 8; g += LP_THREADS) {
             const uint4 q = *reinterpret_cast<const uint4 *>(x + (size_t)g * 8);
             const uint32_t wd[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
             for (int e = 0; e < 8; e++)
-                see(e & 1 ? pd_bf16_hi(wd[e >> 1]) : pd_bf16_lo(wd[e >> 1]), g * 8 + e);
+                lp_see<K>(e & 1 ? pd_bf16_hi(wd[e >> 1]) : pd_bf16_lo(wd[e >> 1]), g * 8 + e, m,
+                          sum, bar, tv, ti);
         }
     } else {
-        for (int32_t i = (int32_t)threadIdx.x; i < a.vocab; i += LP_THREADS) see(pd_ld(x + i), i);
+        for (int32_t i = (int32_t)threadIdx.x; i < a.vocab; i += LP_THREADS)
+            lp_see<K>(pd_ld(x + i), i, m, sum, bar, tv, ti);
     }
     /* the warp's sum and list */
 #pragma unroll
@@ -844,12 +852,12 @@ static __global__ void __launch_bounds__(LP_THREADS) logprob_kernel(lp_args a)
         warp_argbest(bv, bi);
         if (bi != INT32_MAX && ti[0] == bi) { /* this lane's head won: the next moves up */
 #pragma unroll
-            for (int j = 0; j + 1 < LP_K; j++) {
+            for (int j = 0; j + 1 < K; j++) {
                 tv[j] = tv[j + 1];
                 ti[j] = ti[j + 1];
             }
-            tv[LP_K - 1] = -INFINITY;
-            ti[LP_K - 1] = INT32_MAX;
+            tv[K - 1] = -INFINITY;
+            ti[K - 1] = INT32_MAX;
         }
         if (lane == 0) {
             s_tv[w][r] = bv;
@@ -1222,7 +1230,10 @@ static int enqueue(pd_cuda_ctx *c, smp_state *st, smp_buf *b, void *logits, int3
         la.vocab = vocab;
         la.stride = *stride;
         la.vec = a.vec;
-        logprob_kernel<<<(unsigned)n, LP_THREADS, 0, c->stream>>>(la);
+        /* the threads' lists as short as the call allows (4, 8 or 20 entries) */
+        if (*stride <= 4) logprob_kernel<4><<<(unsigned)n, LP_THREADS, 0, c->stream>>>(la);
+        else if (*stride <= 8) logprob_kernel<8><<<(unsigned)n, LP_THREADS, 0, c->stream>>>(la);
+        else logprob_kernel<LP_K><<<(unsigned)n, LP_THREADS, 0, c->stream>>>(la);
         PD_CUDA_CHECK(cudaGetLastError());
     }
     if (ids)
