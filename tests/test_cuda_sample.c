@@ -417,6 +417,43 @@ static void test_batch_invariance(smp_scratch *s)
         CHECK_MSG(t8[i] == tok[7 - i] && memcmp(&l8[i], &lp[7 - i], sizeof *l8) == 0,
                   "row %d reversed: %d %.9g vs %d %.9g", 7 - i, t8[i], (double)l8[i], tok[7 - i],
                   (double)lp[7 - i]);
+    /* The split op (sample_launch / sample_collect, the pipelined steps'), rows without
+     * penalties: the same tokens, logprobs and lists as the op in one call, from either slot. */
+    if (g_gpu->ops->sample_launch) {
+        pd_sample_row np[MAX_ROWS];
+        int32_t sk1[MAX_ROWS], sk2[MAX_ROWS];
+        float sl1[MAX_ROWS], sl2[MAX_ROWS];
+        pd_top_logprob *st1 = xmalloc(n * tb), *st2 = xmalloc(n * tb);
+        memset(st1, 0, n * tb);
+        for (int32_t r = 0; r < n; r++) {
+            np[r] = rows[r];
+            np[r].pen_off = np[r].pen_n = 0;
+            np[r].repetition_penalty = 1.0f;
+            np[r].presence_penalty = np[r].frequency_penalty = 0.0f;
+        }
+        CHECK_EQ_INT(g_gpu->ops->sample(g_gpu->ctx, b.dev, n, V, np, pen, 0, sk1, sl1, st1), 0);
+        for (int slot = 0; slot < 2; slot++) {
+            memset(st2, 0, n * tb);
+            CHECK_EQ_INT(g_gpu->ops->sample_launch(g_gpu->ctx, b.dev, n, V, np, pen, 0, true,
+                                                   NULL, slot),
+                         0);
+            CHECK_EQ_INT(g_gpu->ops->sample_collect(g_gpu->ctx, slot, sk2, sl2, st2), 0);
+            bool eq = memcmp(sk1, sk2, (size_t)n * sizeof *sk1) == 0 &&
+                      memcmp(sl1, sl2, (size_t)n * sizeof *sl1) == 0;
+            for (int32_t r = 0; r < n && eq; r++)
+                eq = np[r].n_top < 0 || memcmp(st1 + (size_t)r * PD_MAX_TOP_LOGPROBS,
+                                               st2 + (size_t)r * PD_MAX_TOP_LOGPROBS,
+                                               (size_t)np[r].n_top * sizeof *st1) == 0;
+            CHECK_MSG(eq, "slot %d: launch / collect differs from the op in one call", slot);
+        }
+        /* a launch without logprobs cannot be collected with them */
+        CHECK_EQ_INT(g_gpu->ops->sample_launch(g_gpu->ctx, b.dev, n, V, np, pen, 0, false, NULL, 0),
+                     0);
+        CHECK_EQ_INT(g_gpu->ops->sample_collect(g_gpu->ctx, 0, sk2, NULL, st2), PD_EINVAL);
+        CHECK_EQ_INT(g_gpu->ops->sample_collect(g_gpu->ctx, 0, sk2, NULL, NULL), 0);
+        free(st1);
+        free(st2);
+    }
     /* Without logprobs: the same tokens. */
     int32_t t3[MAX_ROWS];
     CHECK_EQ_INT(g_gpu->ops->sample(g_gpu->ctx, b.dev, n, V, rows, pen, n_pen, t3, NULL, NULL),
