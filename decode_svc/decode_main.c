@@ -22,6 +22,13 @@
 #include "common/svc/svc_serve.h"
 #include "pdserve/internal/v1/decode.pb-c.h"
 
+/* A token's log-probabilities while it waits to be sent. */
+typedef struct {
+    float lp;
+    int32_t n_top;
+    pd_top_logprob top[PD_MAX_TOP_LOGPROBS];
+} pend_lp;
+
 typedef struct dreq {
     atomic_int refs;
     rpc_call *call;             /* our reference, dropped when the request is freed: a send
@@ -31,6 +38,7 @@ typedef struct dreq {
     int32_t n_prompt;
     bool local_prefill;
     bool want_logprobs;
+    int32_t n_top;              /* alternatives asked per token (with want_logprobs) */
     bool queue_seen;            /* its queue time was observed (engine thread) */
     pthread_mutex_t mu;
     bool finished;              /* the call got its status */
@@ -43,7 +51,7 @@ typedef struct dreq {
     int32_t resv_blocks;        /* blocks counted against the limits; 0 = none held */
     int resv_caller;            /* its slot in g.callers */
     uint32_t *pend;             /* tokens not yet sent (the stream queue was full) */
-    float *pend_lp;
+    pend_lp *pend_lp;           /* their logprobs (when asked) */
     size_t n_pend, cap_pend;
 } dreq;
 
@@ -173,20 +181,18 @@ static void flush_burst(dreq *r, const eng_output *o)
     if (r->n_pend == 0 && !terminal) return;
     Pdserve__Internal__V1__TokenBurst b = PDSERVE__INTERNAL__V1__TOKEN_BURST__INIT;
     Pdserve__V1__Usage usage = PDSERVE__V1__USAGE__INIT;
-    Pdserve__V1__TokenLogprob *lps = NULL, **lpp = NULL;
+    Pdserve__V1__TokenLogprob **lpp = NULL;
+    size_t n_lp = 0;
     b.n_token_ids = r->n_pend;
     b.token_ids = r->pend;
-    if (r->want_logprobs && r->n_pend) {
-        lps = calloc(r->n_pend, sizeof *lps);
-        lpp = calloc(r->n_pend, sizeof *lpp);
-        if (lps && lpp) {
-            for (size_t i = 0; i < r->n_pend; i++) {
-                pdserve__v1__token_logprob__init(&lps[i]);
-                lps[i].token_id = r->pend[i];
-                lps[i].logprob = r->pend_lp[i];
-                lpp[i] = &lps[i];
-            }
-            b.n_logprobs = r->n_pend;
+    if (r->want_logprobs && r->n_pend && (lpp = calloc(r->n_pend, sizeof *lpp))) {
+        for (; n_lp < r->n_pend; n_lp++) {
+            const pend_lp *p = &r->pend_lp[n_lp];
+            if (!(lpp[n_lp] = svc_token_logprob_new(r->pend[n_lp], p->lp, p->top, p->n_top)))
+                break;
+        }
+        if (n_lp == r->n_pend) { /* all or none: one per token */
+            b.n_logprobs = n_lp;
             b.logprobs = lpp;
         }
     }
@@ -204,7 +210,7 @@ static void flush_burst(dreq *r, const eng_output *o)
     if (rc == 0) r->n_pend = 0;
     else if (rc == PD_ENOSPC && terminal)
         finish_call(r, RPC_STATUS_RESOURCE_EXHAUSTED, "the client reads too slowly");
-    free(lps);
+    for (size_t i = 0; i < n_lp; i++) free(lpp[i]);
     free(lpp);
     /* PD_ENOSPC (not terminal): keep the tokens; the next output retries. PD_ESTATE: the call
      * is gone (cancelled); the abort is on its way. */
@@ -221,14 +227,17 @@ static void on_output(void *user, const eng_output *o)
         if (r->n_pend == r->cap_pend) {
             size_t cap = r->cap_pend ? 2 * r->cap_pend : 8;
             uint32_t *np = realloc(r->pend, cap * sizeof *np);
-            float *nl = np ? realloc(r->pend_lp, cap * sizeof *nl) : NULL;
+            pend_lp *nl = np ? realloc(r->pend_lp, cap * sizeof *nl) : NULL;
             if (np) r->pend = np;
             if (nl) r->pend_lp = nl;
             if (np && nl) r->cap_pend = cap;
         }
         if (r->n_pend < r->cap_pend) {
-            r->pend[r->n_pend] = (uint32_t)o->token;
-            r->pend_lp[r->n_pend++] = o->logprob;
+            pend_lp *p = &r->pend_lp[r->n_pend];
+            p->lp = o->logprob;
+            p->n_top = o->n_top < r->n_top ? o->n_top : r->n_top;
+            if (p->n_top > 0) memcpy(p->top, o->top, (size_t)p->n_top * sizeof *o->top);
+            r->pend[r->n_pend++] = (uint32_t)o->token;
         }
     }
     if (o->finish == SEQ_FINISH_NONE) {
@@ -437,6 +446,11 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
                               g.model.cfg.vocab_size);
             return;
         }
+    if (q->logprobs > PD_MAX_TOP_LOGPROBS) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "logprobs: at most %d (got %u)",
+                          PD_MAX_TOP_LOGPROBS, q->logprobs);
+        return;
+    }
     if (svc_sampling_from_proto(q->sampling, &er.sampling, err) < 0 ||
         svc_stopping_from_proto(q->stopping, (int32_t)g.default_max_tokens, &er.stop, err) < 0) {
         rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
@@ -459,6 +473,7 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
     r->n_prompt = (int32_t)q->n_prompt_token_ids;
     r->local_prefill = q->local_prefill || g.colocated;
     r->want_logprobs = q->logprobs > 0;
+    r->n_top = (int32_t)q->logprobs;
     if (!r->local_prefill) {
         /* Admission: reservations hold blocks until a prefill instance fills them, so each
          * caller gets a bounded share of the pool (the prompt's blocks and the first token). */
@@ -479,6 +494,7 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
     er.prompt = prompt;
     er.n_prompt = r->n_prompt;
     er.logprobs = r->want_logprobs;
+    er.top_logprobs = r->n_top;
     /* A local prefill has no reservation message: the tokens follow directly. */
     int rc = r->local_prefill ? ew_submit(g.worker, &er, r) : ew_reserve(g.worker, &er, r);
     free(prompt);

@@ -35,6 +35,9 @@ struct eng {
     int32_t cap_pen;
     int32_t *s_tokens;
     float *s_logprobs;
+    pd_top_logprob *top;    /* [max_num_seqs][PD_MAX_TOP_LOGPROBS]: a step's alternatives */
+    float *lp_row;          /* host sampling with logprobs: [vocab], a row's raw logits (the
+                               sampler changes the row in place) */
     eng_output *outs;
     int32_t max_blocks;     /* blocks of the longest allowed sequence */
     pd_seq **finished;      /* sequences to free at the start of the next step */
@@ -55,6 +58,7 @@ struct eng {
         pd_seq **seq;       /* [max_num_seqs] */
         int32_t *tokens;    /* [max_num_seqs]: filled by the collect */
         float *logprobs;
+        pd_top_logprob *top; /* [max_num_seqs][PD_MAX_TOP_LOGPROBS] */
         bool want_lp;
         double t_launch;
     } fl[2];
@@ -263,15 +267,18 @@ int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng
         e->s_tokens = malloc(S * sizeof *e->s_tokens);
         e->s_logprobs = malloc(S * sizeof *e->s_logprobs);
         if (!e->srows || !e->s_tokens || !e->s_logprobs) goto fail;
-    } else if (!(e->logits = malloc(S * (size_t)cfg->vocab_size * sizeof(float)))) {
+    } else if (!(e->logits = malloc(S * (size_t)cfg->vocab_size * sizeof(float))) ||
+               !(e->lp_row = malloc((size_t)cfg->vocab_size * sizeof(float)))) {
         goto fail;
     }
+    if (!(e->top = malloc(S * PD_MAX_TOP_LOGPROBS * sizeof *e->top))) goto fail;
     e->async = p->async_steps && exec.forward_sample && exec.launch && exec.collect;
     for (int k = 0; k < 2 && e->async; k++) {
         e->fl[k].seq = malloc(S * sizeof(pd_seq *));
         e->fl[k].tokens = malloc(S * sizeof(int32_t));
         e->fl[k].logprobs = malloc(S * sizeof(float));
-        if (!e->fl[k].seq || !e->fl[k].tokens || !e->fl[k].logprobs) goto fail;
+        e->fl[k].top = malloc(S * PD_MAX_TOP_LOGPROBS * sizeof(pd_top_logprob));
+        if (!e->fl[k].seq || !e->fl[k].tokens || !e->fl[k].logprobs || !e->fl[k].top) goto fail;
     }
     /* limbo: sequences held by the (at most two) launched steps */
     if (e->async && !(e->limbo = malloc(S * 2 * sizeof(pd_seq *)))) goto fail;
@@ -319,6 +326,7 @@ void eng_destroy(eng *e)
         free(e->fl[k].seq);
         free(e->fl[k].tokens);
         free(e->fl[k].logprobs);
+        free(e->fl[k].top);
     }
     if (e->map.vals) {
         for (uint32_t i = 0; i <= e->map.mask; i++)
@@ -333,6 +341,7 @@ void eng_destroy(eng *e)
     free(e->ids); free(e->pos); free(e->slots); free(e->cu_q); free(e->ctx); free(e->bt);
     free(e->rows); free(e->row_seq); free(e->logits); free(e->outs); free(e->finished);
     free(e->srows); free(e->pen); free(e->s_tokens); free(e->s_logprobs);
+    free(e->top); free(e->lp_row);
     free(e->pending);
     free(e->kvl_ids);
     free(e->kvl_blocks);
@@ -378,6 +387,9 @@ static int validate(eng *e, const eng_request *r, char *err)
     if (!e->p.enable_chunked_prefill && r->n_prompt > e->p.max_num_batched_tokens)
         return pd_errf(err, PD_ERANGE, "the prompt (%d tokens) exceeds max_num_batched_tokens "
                        "(%d) and chunked prefill is off", r->n_prompt, e->p.max_num_batched_tokens);
+    if (r->logprobs && (r->top_logprobs < 0 || r->top_logprobs > PD_MAX_TOP_LOGPROBS))
+        return pd_errf(err, PD_EINVAL, "top logprobs must be in [0, %d] (got %d)",
+                       PD_MAX_TOP_LOGPROBS, r->top_logprobs);
     char e2[PD_ERR_LEN];
     if (smp_validate(&r->sampling, e2) < 0) return pd_errf(err, PD_EINVAL, "%s", e2);
     return 0;
@@ -408,6 +420,7 @@ static int seq_new(eng *e, const eng_request *r, pd_seq **out, char *err)
     }
     s->stop = r->stop;
     s->want_logprob = r->logprobs;
+    s->n_top = r->logprobs ? r->top_logprobs : 0;
     s->t_arrival = now_s();
     *out = s;
     return 0;
@@ -522,12 +535,25 @@ int eng_admit(eng *e, uint64_t id, int32_t first_token, char *err)
 
 /* ---- step ---- */
 
-static void report(eng *e, int32_t *n_out, const pd_seq *s, int32_t tok, float lp)
+/* The entries of a row's top list that name a token (the backend ends a short one with -1). */
+static int32_t top_count(const pd_top_logprob *top, int32_t n)
+{
+    int32_t k = 0;
+    while (k < n && top[k].token >= 0) k++;
+    return k;
+}
+
+/* lp and top[0..n_top) (top may be NULL when n_top is 0) are the token's raw logprobs when s
+ * asked for them. */
+static void report(eng *e, int32_t *n_out, const pd_seq *s, int32_t tok, float lp,
+                   const pd_top_logprob *top, int32_t n_top)
 {
     eng_output *o = &e->outs[(*n_out)++];
     o->id = s->id;
     o->token = tok;
     o->logprob = lp;
+    o->top = n_top > 0 ? top : NULL;
+    o->n_top = n_top > 0 ? n_top : 0;
     o->finish = s->finish;
     o->n_prompt = s->n_prompt;
     o->n_cached = s->n_cached;
@@ -570,6 +596,7 @@ static int sampling_rows(eng *e, int32_t nl, mr_sampling *smp)
         const int32_t n_output = seq_n_output(s);
         pd_sample_row *row = &e->srows[k];
         *row = smp_sample_row(&s->sampling, n_output, 0, 0);
+        if (s->want_logprob) row->n_top = s->n_top;
         const smp_params *sp = &s->sampling;
         if (!smp_penalized(sp)) continue;
         const int32_t need = n_pen + s->n_tokens;
@@ -591,6 +618,7 @@ static int sampling_rows(eng *e, int32_t nl, mr_sampling *smp)
     smp->n_pen = n_pen;
     smp->tokens = e->s_tokens;
     smp->logprobs = logprobs ? e->s_logprobs : NULL; /* computed only when wanted */
+    smp->top = logprobs ? e->top : NULL;
     return 0;
 }
 
@@ -655,10 +683,12 @@ static bool launch_next(eng *e, const struct eng_flight *F, struct eng_flight *N
         put_table(e, k, width, s);
         e->rows[k] = k;
         e->srows[k] = smp_sample_row(&s->sampling, seq_n_output(s) + 1, 0, 0);
+        if (s->want_logprob) e->srows[k].n_top = s->n_top;
         want_lp |= s->want_logprob;
     }
     mr_batch b = {n, e->ids, e->pos, e->slots, n, e->cu_q, e->ctx, e->bt, width, n, e->rows};
-    mr_sampling smp = {e->srows, NULL, 0, N->tokens, want_lp ? N->logprobs : NULL};
+    mr_sampling smp = {e->srows, NULL, 0, N->tokens, want_lp ? N->logprobs : NULL,
+                       want_lp ? N->top : NULL};
     char err[PD_ERR_LEN];
     if (e->exec.launch(e->exec.ctx, &b, &smp, true, err) != 0) return false; /* run normally */
     flight_set(e, N, F->seq, n, want_lp);
@@ -695,7 +725,7 @@ static int pipe_step(eng *e, int32_t n_out, int32_t *n_outs, char *err)
             pd_seq *s = F->seq[k];
             if (s->status != SEQ_RUNNING) continue;
             s->finish = SEQ_FINISH_ABORTED;
-            report(e, &n_out, s, -1, 0.0f);
+            report(e, &n_out, s, -1, 0.0f, NULL, 0);
             retire(e, s);
         }
         release_limbo(e);
@@ -707,9 +737,11 @@ static int pipe_step(eng *e, int32_t n_out, int32_t *n_outs, char *err)
         if (s->status != SEQ_RUNNING) continue; /* finished or aborted since the launch */
         s->n_computed++;
         const int32_t tok = F->tokens[k];
-        const float lp = s->want_logprob && F->want_lp ? F->logprobs[k] : 0.0f;
+        const bool lp_on = s->want_logprob && F->want_lp;
+        const float lp = lp_on ? F->logprobs[k] : 0.0f;
+        const pd_top_logprob *top = F->top + (size_t)k * PD_MAX_TOP_LOGPROBS;
         s->finish = append_token(e, s, tok);
-        report(e, &n_out, s, tok, lp);
+        report(e, &n_out, s, tok, lp, top, lp_on ? top_count(top, s->n_top) : 0);
         if (s->finish != SEQ_FINISH_NONE) retire(e, s);
         else if (s->n_launched > 0) bm_commit(e->blocks, s, s->n_tokens); /* N's token known */
     }
@@ -727,7 +759,7 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
     /* Decode-only admissions that finished on their first token. */
     while (e->n_pending > 0 && n_out < e->p.max_num_seqs) {
         pd_seq *s = e->pending[--e->n_pending];
-        report(e, &n_out, s, -1, 0.0f);
+        report(e, &n_out, s, -1, 0.0f, NULL, 0);
         bm_free(e->blocks, s);
         map_del(&e->map, s->id);
         e->finished[e->n_finished++] = s;
@@ -806,7 +838,8 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
         /* a decode step without penalties: launched, then pipe_step */
         struct eng_flight *f = &e->fl[e->fl_head];
         const bool want_lp = smp.logprobs != NULL;
-        mr_sampling fs = {smp.rows, NULL, 0, f->tokens, want_lp ? f->logprobs : NULL};
+        mr_sampling fs = {smp.rows, NULL, 0, f->tokens, want_lp ? f->logprobs : NULL,
+                          want_lp ? f->top : NULL};
         rc = e->exec.launch(e->exec.ctx, &b, &fs, false, err);
         if (rc == 0) {
             flight_set(e, f, e->row_seq, nl, want_lp);
@@ -836,7 +869,7 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
         for (int32_t i = 0; i < so.n_items; i++) {
             pd_seq *s = so.items[i].seq;
             s->finish = SEQ_FINISH_ABORTED;
-            report(e, &n_out, s, -1, 0.0f);
+            report(e, &n_out, s, -1, 0.0f, NULL, 0);
             retire(e, s);
         }
         *n_outs = n_out;
@@ -852,18 +885,25 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
     for (int32_t k = 0; k < nl; k++) {
         pd_seq *s = e->row_seq[k];
         float lp = 0.0f;
-        int32_t tok;
+        int32_t tok, n_top = 0;
+        pd_top_logprob *top = e->top + (size_t)k * PD_MAX_TOP_LOGPROBS;
         if (e->exec.forward_sample) {
             tok = smp.tokens[k];
-            if (s->want_logprob) lp = smp.logprobs[k];
+            if (s->want_logprob) {
+                lp = smp.logprobs[k];
+                n_top = top_count(top, s->n_top);
+            }
         } else {
-            tok = smp_sample(&s->sampling, e->logits + (size_t)k * V, V, s->tokens, s->n_prompt,
-                             s->tokens + s->n_prompt, seq_n_output(s), e->scratch,
-                             s->want_logprob ? &lp : NULL);
+            float *row = e->logits + (size_t)k * V;
+            /* the sampler changes the row: the raw distribution is read from a copy */
+            if (s->want_logprob) memcpy(e->lp_row, row, (size_t)V * sizeof *row);
+            tok = smp_sample(&s->sampling, row, V, s->tokens, s->n_prompt,
+                             s->tokens + s->n_prompt, seq_n_output(s), e->scratch, NULL);
+            if (s->want_logprob) n_top = smp_logprobs(e->lp_row, V, tok, s->n_top, &lp, top);
         }
         s->finish = append_token(e, s, tok);
         if (e->p.mode == ENG_MODE_PREFILL && seq_n_output(s) == 1) s->finish = SEQ_FINISH_PREFILLED;
-        report(e, &n_out, s, tok, lp);
+        report(e, &n_out, s, tok, lp, top, n_top);
         if (s->finish != SEQ_FINISH_NONE) retire(e, s);
     }
     *n_outs = n_out;

@@ -71,15 +71,25 @@ typedef struct {
     int32_t n_prompt;               /* >= 1 */
     smp_params sampling;
     seq_stopping stop;
-    bool logprobs;                  /* report each token's log-probability (costs a softmax) */
+    bool logprobs;                  /* report each token's log-probability under the raw
+                                       model distribution (costs a log-softmax a token) */
+    int32_t top_logprobs;           /* with logprobs: also each token's best alternatives,
+                                       0..PD_MAX_TOP_LOGPROBS */
 } eng_request;
 
 /* One sequence's news from a step. */
 typedef struct {
     uint64_t id;
     int32_t token;                  /* the new token, or -1 when none (abort) */
-    float logprob;                  /* log-probability of token under the sampling
-                                       distribution when the request asked for it, else 0 */
+    float logprob;                  /* when the request asked for logprobs: log-probability
+                                       of token under the raw model distribution (the
+                                       log-softmax of the model's logits, before penalties,
+                                       temperature and filters; smp_logprobs), else 0 */
+    const pd_top_logprob *top;      /* with logprobs: the request's top_logprobs best tokens
+                                       under that distribution, best first (borrowed until
+                                       the next eng_step); NULL when n_top is 0 */
+    int32_t n_top;                  /* entries of top (fewer than asked only when fewer
+                                       tokens have a logit above -inf) */
     seq_finish finish;              /* SEQ_FINISH_NONE while running */
     int32_t n_prompt;
     int32_t n_cached;               /* prompt tokens taken from the prefix cache */

@@ -64,6 +64,7 @@ struct mr {
         int slot;
         int32_t *tokens;
         float *logprobs;
+        pd_top_logprob *top;
     } out[2];
     mr_layer_fn layer_fn;         /* optional per-layer KV-ready hook */
     void *layer_arg;
@@ -784,7 +785,9 @@ static int finish_rows(mr *r, int32_t i0, int32_t n, float *logits, const mr_sam
     const int32_t V = r->m->cfg.vocab_size;
     if (s) {
         CALL(be->ops->sample(be->ctx, r->logits, n, V, s->rows + i0, s->pen, s->n_pen,
-                             s->tokens + i0, s->logprobs ? s->logprobs + i0 : NULL));
+                             s->tokens + i0, s->logprobs ? s->logprobs + i0 : NULL,
+                             s->logprobs && s->top ? s->top + (size_t)i0 * PD_MAX_TOP_LOGPROBS
+                                                   : NULL));
     } else {
         CALL(be->ops->download_f32(be->ctx, logits + (size_t)i0 * V, r->logits,
                                    be->ops->act_dtype, 0, (size_t)n * V));
@@ -991,6 +994,7 @@ int mr_launch(mr *r, const mr_batch *b, const mr_sampling *s, bool ids_from_last
     r->out[r->n_out].slot = slot;
     r->out[r->n_out].tokens = s->tokens;
     r->out[r->n_out].logprobs = s->logprobs;
+    r->out[r->n_out].top = s->logprobs ? s->top : NULL;
     r->n_out++;
     return 0;
 }
@@ -1002,9 +1006,10 @@ int mr_collect(mr *r, char *err)
     const int slot = r->out[0].slot;
     int32_t *tokens = r->out[0].tokens;
     float *logprobs = r->out[0].logprobs;
+    pd_top_logprob *top = r->out[0].top;
     r->out[0] = r->out[1];
     r->n_out--;
-    CALL(be->ops->sample_collect(be->ctx, slot, tokens, logprobs));
+    CALL(be->ops->sample_collect(be->ctx, slot, tokens, logprobs, top));
     return 0;
 }
 

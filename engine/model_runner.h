@@ -82,14 +82,16 @@ int mr_forward(mr *r, const mr_batch *b, float *logits, char *err);
 
 /* Sampling on the backend (see mr_forward_sample). rows[n_logits] are the logits rows'
  * parameters in the batch's logits_rows order; pen[n_pen] their penalty entries (host memory,
- * borrowed for the call); tokens[n_logits] and logprobs[n_logits] (may be NULL) receive the
- * picks. */
+ * borrowed for the call); tokens[n_logits] receive the picks, and logprobs[n_logits] and
+ * top[n_logits][PD_MAX_TOP_LOGPROBS] (each may be NULL) the raw log-probabilities of the rows
+ * whose n_top is >= 0, as the backend's sample op writes them. */
 typedef struct {
     const pd_sample_row *rows;
     const pd_penalty_tok *pen;
     int32_t n_pen;
     int32_t *tokens;
     float *logprobs;
+    pd_top_logprob *top;
 } mr_sampling;
 
 /* True when the backend samples where the logits are (it has the sample op). */
@@ -100,7 +102,7 @@ bool mr_samples_on_backend(const mr *r);
 int mr_forward_sample(mr *r, const mr_batch *b, const mr_sampling *s, char *err);
 
 /* Pipelined steps: mr_launch queues what mr_forward_sample does and returns at once;
- * mr_collect waits for the oldest launch not yet collected and writes its tokens and logprobs
+ * mr_collect waits for the oldest launch not yet collected and writes its tokens, logprobs and top
  * where its mr_sampling said (those buffers must live until then). With ids_from_last, each
  * row's input token is the token the launch before sampled for the same row, taken on the
  * backend (b->input_ids are not read): the host can queue step N + 1 before step N's tokens

@@ -347,6 +347,50 @@ int32_t smp_sample(const smp_params *p, float *logits, int32_t vocab, const int3
     return tok;
 }
 
+/* True when (va, a) ranks above (vb, b): a larger value, or an equal one and a smaller id. */
+static inline bool ranks_above(float va, int32_t a, float vb, int32_t b)
+{
+    return va > vb || (va == vb && a < b);
+}
+
+/* One pass: the maximum for the log-sum-exp and an insertion list of the n_top best, whose
+ * last entry is the bar a token must pass (a later id never wins a tie). A second pass sums
+ * exp(l - max) in double. */
+int32_t smp_logprobs(const float *logits, int32_t vocab, int32_t token, int32_t n_top,
+                     float *logprob, pd_top_logprob *top)
+{
+    PD_ASSERT(logits && vocab > 0 && n_top >= 0 && n_top <= PD_MAX_TOP_LOGPROBS &&
+                  (n_top == 0 || top),
+              "smp_logprobs: bad arguments");
+    float m = -INFINITY;
+    int32_t n = 0;
+    for (int32_t i = 0; i < vocab; i++) {
+        const float v = logits[i];
+        if (!(v > -INFINITY)) continue; /* -inf and NaN: no mass, never listed */
+        if (v > m) m = v;
+        if (n_top == 0 || (n == n_top && !(v > top[n - 1].logprob))) continue;
+        int32_t j = n < n_top ? n++ : n - 1;
+        for (; j > 0 && ranks_above(v, i, top[j - 1].logprob, top[j - 1].token); j--)
+            top[j] = top[j - 1];
+        top[j].token = i;
+        top[j].logprob = v;
+    }
+    if (m == -INFINITY) {
+        if (logprob) *logprob = -INFINITY;
+        return 0;
+    }
+    double sum = 0.0;
+    for (int32_t i = 0; i < vocab; i++)
+        if (logits[i] > -INFINITY) sum += exp((double)logits[i] - (double)m);
+    const double lse = (double)m + log(sum);
+    for (int32_t j = 0; j < n; j++) top[j].logprob = (float)((double)top[j].logprob - lse);
+    if (logprob) {
+        const float v = token >= 0 && token < vocab ? logits[token] : NAN;
+        *logprob = v > -INFINITY ? (float)((double)v - lse) : -INFINITY;
+    }
+    return n;
+}
+
 pd_sample_row smp_sample_row(const smp_params *p, int32_t n_output, int32_t pen_off,
                              int32_t pen_n)
 {
@@ -363,6 +407,7 @@ pd_sample_row smp_sample_row(const smp_params *p, int32_t n_output, int32_t pen_
     r.seed = p->seed;
     r.pen_off = pen_off;
     r.pen_n = pen_n;
+    r.n_top = -1;
     return r;
 }
 

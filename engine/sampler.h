@@ -48,6 +48,17 @@ int32_t smp_sample(const smp_params *p, float *logits, int32_t vocab, const int3
                    int32_t n_prompt, const int32_t *output, int32_t n_output, smp_scratch *s,
                    float *logprob);
 
+/* The log-probabilities a request's logprobs report: under the raw model distribution, the
+ * log-softmax of logits[vocab] as the model produced them (before penalties, temperature and
+ * the top-k / top-p / min-p filters; vLLM's default). *logprob (not NULL) receives token's;
+ * top[0..n) the n_top best tokens (0 <= n_top <= PD_MAX_TOP_LOGPROBS), largest logit first,
+ * ties by ascending id, among the tokens whose logit is above -inf (NaN never). The sums are
+ * in double. Every logit -inf or NaN: *logprob is -inf and no token is listed. Reads logits
+ * only; allocates nothing. Returns n, the entries written (n_top, or fewer when fewer tokens
+ * qualify). */
+int32_t smp_logprobs(const float *logits, int32_t vocab, int32_t token, int32_t n_top,
+                     float *logprob, pd_top_logprob *top);
+
 /* The uniform number in [0, 1) used for the draw at output position n under seed. */
 double smp_uniform(uint64_t seed, int64_t n);
 
@@ -56,7 +67,7 @@ bool smp_penalized(const smp_params *p);
 
 /* The sample op's row (kernels/backend.h) for a sequence sampled with p that has generated
  * n_output tokens, whose penalty entries are [pen_off, pen_off + pen_n) of the call's list
- * (see smp_penalty_list; 0, 0 when it has none). */
+ * (see smp_penalty_list; 0, 0 when it has none). Its n_top is -1 (no log-probabilities). */
 pd_sample_row smp_sample_row(const smp_params *p, int32_t n_output, int32_t pen_off,
                              int32_t pen_n);
 

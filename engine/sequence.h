@@ -57,6 +57,7 @@ typedef struct pd_seq {
     double t_arrival;          /* monotonic s: added (decode-only: admitted) */
     double t_scheduled;        /* monotonic s: first step that scheduled it; 0 before */
     bool want_logprob;         /* report the sampled token's log-probability */
+    int32_t n_top;             /* with want_logprob: alternatives to report, 0..20 */
     bool skip_prefix_cache;    /* never map this sequence onto cached blocks (its KV is
                                   written from outside: decode-only reservations) */
     int32_t n_launched;        /* launched steps not yet collected that hold a row of it (the

@@ -141,6 +141,15 @@ typedef struct {
 /* pd_decode_args' pick_slot for a step sampled by the sample op (not sample_launch). */
 #define PD_SAMPLE_SYNC_SLOT 2
 
+/* Alternatives reported per token at most (GenerateRequest.logprobs). */
+#define PD_MAX_TOP_LOGPROBS 20
+
+/* One of a row's best tokens under the raw model distribution (see the sample op). */
+typedef struct {
+    int32_t token;               /* token id; -1 ends a row's list early */
+    float logprob;               /* log-softmax of its raw logit */
+} pd_top_logprob;
+
 /* One row's parameters for the optional sample op. The fields mean what smp_params's do
  * (engine/sampler.h); the op picks the token smp_sample would pick from the same logits (up to
  * the rounding of sums at a boundary). */
@@ -156,6 +165,9 @@ typedef struct {
     uint64_t seed;               /* the draw is smp_uniform(seed, n_output) */
     int32_t pen_off;             /* this row's entries in the penalty list: [pen_off, */
     int32_t pen_n;               /*   pen_off + pen_n); none when the penalties are off */
+    int32_t n_top;               /* when the op is asked for log-probabilities: < 0 = none for
+                                  * this row; else the pick's and this many alternatives
+                                  * (0..PD_MAX_TOP_LOGPROBS) */
 } pd_sample_row;
 
 /* A distinct token of a row's prompt or output, for the penalties. */
@@ -244,22 +256,31 @@ typedef struct pd_backend_ops {
 
     /* Optional: sampling where the logits are. logits is [n][vocab] of act_dtype (backend
      * memory, may be overwritten); rows[n] and pen[n_pen] are host memory; writes tokens[n]
-     * and, when not NULL, logprobs[n] (host memory: the log-probability of each pick as
-     * smp_sample defines it) and returns once they are written. Returns 0, PD_EINVAL,
-     * PD_ENOMEM, PD_EBACKEND. */
+     * and returns once they are written. When logprobs is not NULL, each row r with
+     * rows[r].n_top >= 0 also gets the log-probability of its pick under the raw model
+     * distribution (the log-softmax of the logits as given: before penalties, temperature and
+     * filters; smp_logprobs in engine/sampler.h is the reference) in logprobs[r], and, when
+     * top is not NULL, its rows[r].n_top best tokens under that distribution in
+     * top[r * PD_MAX_TOP_LOGPROBS ...] (largest first, ties by ascending id, only tokens
+     * whose logit is above -inf: token -1 ends a shorter list); other rows get logprob 0. All
+     * of it is computed where the logits are; only those values come back. Returns 0,
+     * PD_EINVAL, PD_ENOMEM, PD_EBACKEND. */
     int (*sample)(void *ctx, void *logits, int32_t n, int32_t vocab, const pd_sample_row *rows,
-                  const pd_penalty_tok *pen, int32_t n_pen, int32_t *tokens, float *logprobs);
+                  const pd_penalty_tok *pen, int32_t n_pen, int32_t *tokens, float *logprobs,
+                  pd_top_logprob *top);
     /* Optional, with sample (both or neither): the same op split for pipelined steps.
      * sample_launch queues it and returns at once; the results go to slot `slot` (0 or 1) of
      * the op's own buffers, and with ids_out (backend memory, [n] int32) the tokens also go
      * there in queue order (the next step's input ids, without a round trip). sample_collect
-     * waits for the slot's launch and writes its tokens, and its logprobs when the launch asked
-     * for them, as sample does. A slot is launched again only after it was collected. Returns
-     * 0, PD_EINVAL, PD_ENOMEM, PD_EBACKEND. */
+     * waits for the slot's launch and writes its tokens, and its logprobs and top
+     * alternatives (each may be NULL) when the launch asked for them, as sample does. A slot
+     * is launched again only after it was collected. Returns 0, PD_EINVAL, PD_ENOMEM,
+     * PD_EBACKEND. */
     int (*sample_launch)(void *ctx, void *logits, int32_t n, int32_t vocab,
                          const pd_sample_row *rows, const pd_penalty_tok *pen, int32_t n_pen,
                          bool logprobs, int32_t *ids_out, int slot);
-    int (*sample_collect)(void *ctx, int slot, int32_t *tokens, float *logprobs);
+    int (*sample_collect)(void *ctx, int slot, int32_t *tokens, float *logprobs,
+                          pd_top_logprob *top);
     /* Optional (NULL = not offered): decode_layers above, for the shapes the backend fuses;
      * PD_EUNSUPPORTED (nothing queued) for the others, which the caller composes from the ops
      * it names. Returns 0, PD_EUNSUPPORTED, PD_EINVAL, PD_EBACKEND. */

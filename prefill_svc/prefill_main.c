@@ -46,6 +46,9 @@ typedef struct preq {
     struct preq *next_in_map;
     int32_t first_token;
     float first_logprob;
+    int32_t n_top;                 /* alternatives asked (with want_logprobs); then how many
+                                      first_top holds */
+    pd_top_logprob first_top[PD_MAX_TOP_LOGPROBS];
     int32_t n_cached;
     double t_recv, t_prefilled;
 } preq;
@@ -135,21 +138,24 @@ static void answer(preq *r, rpc_status_code code, const char *msg)
     if (code == RPC_STATUS_OK) {
         Pdserve__Internal__V1__PrefillResponse resp = PDSERVE__INTERNAL__V1__PREFILL_RESPONSE__INIT;
         Pdserve__Internal__V1__PrefillTiming tm = PDSERVE__INTERNAL__V1__PREFILL_TIMING__INIT;
-        Pdserve__V1__TokenLogprob lp = PDSERVE__V1__TOKEN_LOGPROB__INIT;
+        Pdserve__V1__TokenLogprob *lp = NULL;
         resp.first_token_id = (uint32_t)r->first_token;
         resp.cached_prompt_tokens = (uint32_t)r->n_cached;
         if (r->want_logprobs) {
-            lp.token_id = (uint32_t)r->first_token;
-            lp.logprob = r->first_logprob;
-            resp.first_logprob = &lp;
+            lp = svc_token_logprob_new((uint32_t)r->first_token, r->first_logprob, r->first_top,
+                                       r->n_top);
+            resp.first_logprob = lp;
         }
         double t = now_s();
         tm.compute_us = (uint64_t)((r->t_prefilled - r->t_recv) * 1e6);
         tm.transfer_us = (uint64_t)((t - r->t_prefilled) * 1e6);
         tm.total_us = (uint64_t)((t - r->t_recv) * 1e6);
         resp.timing = &tm;
-        if (rpc_call_reply(r->call, &resp.base) < 0)
+        if (r->want_logprobs && !lp)
+            rpc_stream_finish(r->call, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        else if (rpc_call_reply(r->call, &resp.base) < 0)
             rpc_stream_finish(r->call, RPC_STATUS_INTERNAL, "cannot send the response");
+        free(lp);
     } else {
         rpc_stream_finish(r->call, code, msg && *msg ? "%s" : NULL, msg);
     }
@@ -401,6 +407,8 @@ static void on_output(void *user, const eng_output *o)
     svc_metrics_queue_time(g.metrics, o->queue_s);
     r->first_token = o->token;
     r->first_logprob = o->logprob;
+    r->n_top = o->n_top < r->n_top ? o->n_top : r->n_top;
+    if (r->n_top > 0) memcpy(r->first_top, o->top, (size_t)r->n_top * sizeof *o->top);
     r->n_cached = o->n_cached;
     r->t_prefilled = now_s();
     if (r->layered) {
@@ -515,6 +523,11 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
         rpc_stream_finish(call, RPC_STATUS_FAILED_PRECONDITION, "%s", err);
         return;
     }
+    if (q->logprobs > PD_MAX_TOP_LOGPROBS) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "logprobs: at most %d (got %u)",
+                          PD_MAX_TOP_LOGPROBS, q->logprobs);
+        return;
+    }
     if (svc_sampling_from_proto(q->sampling, &er.sampling, err) < 0 ||
         svc_stopping_from_proto(q->stopping, (int32_t)g.default_max_tokens, &er.stop, err) < 0) {
         rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
@@ -553,6 +566,7 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
     r->call = call;
     r->n_prompt = (int32_t)q->n_prompt_token_ids;
     r->want_logprobs = q->logprobs > 0;
+    r->n_top = (int32_t)q->logprobs;
     r->t_recv = now_s();
     rpc_call_ref(call);
     map_add(r);
@@ -560,6 +574,7 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
     er.prompt = prompt;
     er.n_prompt = r->n_prompt;
     er.logprobs = r->want_logprobs;
+    er.top_logprobs = r->n_top;
     int rc = ew_submit(g.worker, &er, r);
     free(prompt);
     if (rc < 0) {

@@ -110,7 +110,8 @@ typedef struct rreq {
     int fin_code;                    /* rpc_status_code to send */
     char fin_msg[PD_ERR_LEN];        /* its details ("" = none) */
     uint32_t *held;                  /* decode tokens that arrived before the first token */
-    float *held_lp;                  /* their logprobs ([cap_held]; when asked) */
+    Pdserve__V1__TokenLogprob **held_lp; /* their logprobs ([cap_held]; copies, freed once
+                                        sent; NULL where a burst had none) */
     size_t n_held, cap_held;
     int held_finish;                 /* finish reason that arrived with held tokens */
     Pdserve__V1__Usage held_usage;
@@ -318,6 +319,7 @@ static void rreq_unref(rreq *r)
     stopstr_destroy(r->stops);
     free(r->prompt);
     free(r->held);
+    for (size_t i = 0; i < r->n_held && r->held_lp; i++) free(r->held_lp[i]);
     free(r->held_lp);
     pthread_mutex_destroy(&r->mu);
     free(r);
@@ -360,12 +362,34 @@ static void rreq_unlock(rreq *r)
     rpc_call_unref(call);
 }
 
+/* A copy of an instance's TokenLogprob for token id with at most n_top alternatives, sorted
+ * by logprob (largest first, ties by id) whatever order the instance sent them in; one
+ * allocation (free()), NULL when out of memory. */
+static Pdserve__V1__TokenLogprob *lp_copy(const Pdserve__V1__TokenLogprob *in, uint32_t id,
+                                          uint32_t n_top)
+{
+    pd_top_logprob top[PD_MAX_TOP_LOGPROBS];
+    int32_t n = 0;
+    for (size_t i = 0; i < in->n_top && n < PD_MAX_TOP_LOGPROBS; i++) {
+        if (!in->top[i]) continue;
+        pd_top_logprob t = {(int32_t)in->top[i]->token_id, in->top[i]->logprob};
+        int32_t j = n++;
+        for (; j > 0 && (t.logprob > top[j - 1].logprob ||
+                         (t.logprob == top[j - 1].logprob && t.token < top[j - 1].token));
+             j--)
+            top[j] = top[j - 1];
+        top[j] = t;
+    }
+    if ((uint32_t)n > n_top) n = (int32_t)n_top;
+    return svc_token_logprob_new(id, in->logprob, top, n);
+}
+
 /* Emits tokens to the client (mu held): detokenize, stop strings, one GenerateResponse.
- * finish is a FinishReason (0 = not final); usage is for the final message. */
-/* lps (may be NULL): the log-probability of each token as the instance's sampler computed it,
- * sent when the request asked for logprobs. */
-static void emit_locked(rreq *r, const uint32_t *ids, const float *lps, size_t n, int finish,
-                        const Pdserve__V1__Usage *usage_in)
+ * finish is a FinishReason (0 = not final); usage is for the final message. lps (may be NULL):
+ * each token's logprobs as the instance reported them (the raw model distribution, with its
+ * top alternatives), sent when the request asked for logprobs and every token has them. */
+static void emit_locked(rreq *r, const uint32_t *ids, Pdserve__V1__TokenLogprob *const *lps,
+                        size_t n, int finish, const Pdserve__V1__Usage *usage_in)
 {
     if (r->finished) return;
     char *text = NULL;
@@ -440,17 +464,12 @@ static void emit_locked(rreq *r, const uint32_t *ids, const float *lps, size_t n
         if (usage_in && r->local_prefill) usage.cached_prompt_tokens = usage_in->cached_prompt_tokens;
         m.usage = &usage;
     }
-    Pdserve__V1__TokenLogprob *lp = NULL, **lpp = NULL;
-    if (r->logprobs > 0 && lps && n_keep > 0) {
-        lp = calloc(n_keep, sizeof *lp);
-        lpp = calloc(n_keep, sizeof *lpp);
-        if (lp && lpp) {
-            for (size_t i = 0; i < n_keep; i++) {
-                pdserve__v1__token_logprob__init(&lp[i]);
-                lp[i].token_id = ids[i];
-                lp[i].logprob = lps[i];
-                lpp[i] = &lp[i];
-            }
+    Pdserve__V1__TokenLogprob **lpp = NULL;
+    size_t n_lp = 0;
+    if (r->logprobs > 0 && lps && n_keep > 0 && (lpp = calloc(n_keep, sizeof *lpp))) {
+        for (; n_lp < n_keep && lps[n_lp]; n_lp++)
+            if (!(lpp[n_lp] = lp_copy(lps[n_lp], ids[n_lp], r->logprobs))) break;
+        if (n_lp == n_keep) { /* one per token, or none */
             m.n_logprobs = n_keep;
             m.logprobs = lpp;
         }
@@ -460,7 +479,7 @@ static void emit_locked(rreq *r, const uint32_t *ids, const float *lps, size_t n
         if (rc == PD_ENOSPC) finish_locked(r, RPC_STATUS_RESOURCE_EXHAUSTED, "the client reads too slowly");
     }
     free(text);
-    free(lp);
+    for (size_t i = 0; i < n_lp; i++) free(lpp[i]);
     free(lpp);
     if (finish) finish_locked(r, RPC_STATUS_OK, NULL);
 }
@@ -498,12 +517,12 @@ static void pre_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user
     r->cached_tokens = p->cached_prompt_tokens;
     r->first_sent = true;
     uint32_t first = p->first_token_id;
-    float first_lp = p->first_logprob ? p->first_logprob->logprob : 0.0f;
-    emit_locked(r, &first, p->first_logprob ? &first_lp : NULL, 1, 0, NULL);
+    emit_locked(r, &first, p->first_logprob ? &p->first_logprob : NULL, 1, 0, NULL);
     /* Decode tokens that overtook the prefill answer. */
     if (r->n_held || r->held_finish)
         emit_locked(r, r->held, r->held_lp, r->n_held, r->held_finish,
                     r->have_held_usage ? &r->held_usage : NULL);
+    for (size_t i = 0; i < r->n_held; i++) free(r->held_lp[i]);
     r->n_held = 0;
     rreq_unlock(r);
     protobuf_c_message_free_unpacked(msg, NULL);
@@ -595,10 +614,9 @@ static void dec_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user
         }
     } else if (d->kind_case == PDSERVE__INTERNAL__V1__DECODE_RESPONSE__KIND_TOKENS && d->tokens) {
         const Pdserve__Internal__V1__TokenBurst *b = d->tokens;
-        float *lps = NULL; /* the burst's logprobs, one per token when asked */
-        if (b->n_logprobs == b->n_token_ids && b->n_token_ids > 0 &&
-            (lps = malloc(b->n_token_ids * sizeof *lps)))
-            for (size_t i = 0; i < b->n_token_ids; i++) lps[i] = b->logprobs[i]->logprob;
+        /* the burst's logprobs, one per token when asked */
+        Pdserve__V1__TokenLogprob *const *lps =
+            b->n_logprobs == b->n_token_ids && b->n_token_ids > 0 ? b->logprobs : NULL;
         if (r->first_sent || r->local_prefill) {
             r->first_sent = true;
             emit_locked(r, b->token_ids, lps, b->n_token_ids, b->finish_reason, b->usage);
@@ -607,12 +625,14 @@ static void dec_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user
                 size_t cap = (r->n_held + b->n_token_ids) * 2 + 8;
                 uint32_t *nh = realloc(r->held, cap * sizeof *nh);
                 if (nh) r->held = nh;
-                float *nl = nh ? realloc(r->held_lp, cap * sizeof *nl) : NULL;
+                Pdserve__V1__TokenLogprob **nl = nh ? realloc(r->held_lp, cap * sizeof *nl) : NULL;
                 if (nl) r->held_lp = nl;
                 if (nh && nl) r->cap_held = cap;
             }
             for (size_t i = 0; i < b->n_token_ids && r->n_held < r->cap_held; i++) {
-                r->held_lp[r->n_held] = lps ? lps[i] : 0.0f;
+                r->held_lp[r->n_held] = lps && lps[i] && r->logprobs > 0
+                                            ? lp_copy(lps[i], b->token_ids[i], r->logprobs)
+                                            : NULL;
                 r->held[r->n_held++] = b->token_ids[i];
             }
             if (b->finish_reason) r->held_finish = b->finish_reason;
@@ -621,7 +641,6 @@ static void dec_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user
                 r->have_held_usage = true;
             }
         }
-        free(lps);
     }
     rreq_unlock(r);
     protobuf_c_message_free_unpacked(msg, NULL);

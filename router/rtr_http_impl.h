@@ -75,6 +75,8 @@ typedef struct oai_choice {
     json_t *lp;                     /* not streamed: logprobs so far (NULL = none asked) */
     size_t text_offset;             /* completions logprobs: offset of the next token */
     tok_stream *lp_stream;          /* logprobs: the tokens' text pieces (NULL until asked) */
+    bool lp_has_prev;               /* logprobs: a token was given a text, the last one */
+    int32_t lp_prev;                /*   (the context of the next position's alternatives) */
 } oai_choice;
 
 /* An event from a call's completion thread: a response (msg) or the end (msg NULL). */

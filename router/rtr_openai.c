@@ -532,6 +532,14 @@ static json_t *str_or_empty(const char *s, size_t len)
     return v ? v : json_string("");
 }
 
+/* The UTF-8 bytes of a string as a JSON array of integers. */
+static json_t *bytes_json(const char *s, size_t len)
+{
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < len; i++) json_array_append_new(a, json_integer((unsigned char)s[i]));
+    return a;
+}
+
 /* The text one token adds to the completion (the choice's own incremental detokenizer, so
  * that a leading space is kept and the pieces add up to the text; a token that ends inside a
  * multi-byte character adds "" and the next one the whole character), or "token_id:N"
@@ -547,14 +555,44 @@ static json_t *token_json(const oai_ctx *ctx, oai_choice *c, uint32_t id, json_t
         s = fallback;
         len = (size_t)snprintf(fallback, sizeof fallback, "token_id:%u", id);
     }
-    if (bytes) {
-        *bytes = json_array();
-        for (size_t i = 0; i < len; i++) json_array_append_new(*bytes, json_integer((unsigned char)s[i]));
-    }
+    if (bytes) *bytes = bytes_json(s, len);
     return str_or_empty(s, len);
 }
 
 static json_t *lp_value(float lp) { return json_real(isfinite(lp) ? lp : -9999.0); }
+
+/* The text of alternative id at a position whose previous token is prev (-1: the first
+ * position), as its chosen token's text is made: what decode([prev, id]) adds to prev_text =
+ * decode([prev]) when that is its prefix (so that a token keeps the leading space it has
+ * inside the text), else decode([id]) (at the start, or when prev ends inside a character);
+ * "token_id:N" without a tokenizer. Special tokens show. *bytes (when not NULL) gets its
+ * UTF-8 bytes. */
+static json_t *alt_json(const oai_ctx *ctx, int32_t prev, const char *prev_text,
+                        size_t prev_len, uint32_t id, json_t **bytes)
+{
+    char err[PD_ERR_LEN], fallback[32];
+    char *text = NULL;
+    size_t len = 0, skip = 0;
+    const int32_t ids[2] = {prev, (int32_t)id};
+    if (ctx->tok && prev >= 0 && prev_text &&
+        tok_decode(ctx->tok, ids, 2, false, &text, &len, err) == 0) {
+        if (len >= prev_len && memcmp(text, prev_text, prev_len) == 0) {
+            skip = prev_len;
+        } else {
+            free(text);
+            text = NULL;
+        }
+    }
+    if (!text && ctx->tok && tok_decode(ctx->tok, ids + 1, 1, false, &text, &len, err) < 0)
+        text = NULL;
+    const char *s = text ? text + skip : fallback;
+    if (text) len -= skip;
+    else len = (size_t)snprintf(fallback, sizeof fallback, "token_id:%u", id);
+    if (bytes) *bytes = bytes_json(s, len);
+    json_t *v = str_or_empty(s, len);
+    free(text);
+    return v;
+}
 
 /* An empty logprobs object of the request's kind. */
 static json_t *lp_new(int kind)
@@ -563,33 +601,67 @@ static json_t *lp_new(int kind)
     return json_pack("{s:[],s:[],s:[],s:[]}", "tokens", "token_logprobs", "top_logprobs", "text_offset");
 }
 
-/* The logprobs of m's tokens: completions' four parallel lists (top_logprobs holds the chosen
- * token only: the router returns no alternatives yet) or chat's content list. */
+/* The logprobs of m's tokens: completions' four parallel lists (top_logprobs: the request's
+ * number of alternatives and the chosen token, keyed by text; of tokens with the same text the
+ * likeliest) or chat's content list (top_logprobs: the alternatives). The chosen token's text
+ * is what it adds to the completion; an alternative's is made the same way in the context of
+ * the token before it (alt_json), and the chosen token among them has its own text. */
 static json_t *lp_fragment(const hreq *r, oai_choice *c, const Pdserve__V1__GenerateResponse *m)
 {
     json_t *o = lp_new(r->job.kind);
     if (!o) return NULL;
     for (size_t k = 0; k < m->n_logprobs; k++) {
         const Pdserve__V1__TokenLogprob *t = m->logprobs[k];
+        size_t n_alt = r->job.logprobs > 0 ? (size_t)r->job.logprobs : 0;
+        if (n_alt > t->n_top) n_alt = t->n_top;
+        char *prev_text = NULL, err[PD_ERR_LEN];
+        size_t prev_len = 0;
+        const int32_t prev = c->lp_has_prev ? c->lp_prev : -1;
+        if (n_alt && prev >= 0 && r->ctx->tok &&
+            tok_decode(r->ctx->tok, &prev, 1, false, &prev_text, &prev_len, err) < 0)
+            prev_text = NULL;
+        c->lp_has_prev = true;
+        c->lp_prev = (int32_t)t->token_id;
         if (r->job.kind == OAI_CHAT) {
             json_t *bytes = NULL, *tok = token_json(r->ctx, c, t->token_id, &bytes);
             json_t *top = json_array();
-            if (r->job.logprobs > 0)
-                json_array_append_new(top, json_pack("{s:O,s:o,s:O}", "token", tok, "logprob",
-                                                     lp_value(t->logprob), "bytes", bytes));
+            for (size_t j = 0; j < n_alt; j++) {
+                const Pdserve__V1__TopLogprob *a = t->top[j];
+                json_t *ab = NULL, *at;
+                if (a->token_id == t->token_id) {
+                    at = json_incref(tok);
+                    ab = json_incref(bytes);
+                } else {
+                    at = alt_json(r->ctx, prev, prev_text, prev_len, a->token_id, &ab);
+                }
+                json_array_append_new(top, json_pack("{s:o,s:o,s:o}", "token", at, "logprob",
+                                                     lp_value(a->logprob), "bytes", ab));
+            }
             json_array_append_new(json_object_get(o, "content"),
                                   json_pack("{s:o,s:o,s:o,s:o}", "token", tok, "logprob",
                                             lp_value(t->logprob), "bytes", bytes, "top_logprobs", top));
         } else {
             json_t *tok = token_json(r->ctx, c, t->token_id, NULL);
             json_t *top = json_object();
-            json_object_set_new(top, json_string_value(tok), lp_value(t->logprob));
+            for (size_t j = 0; j < n_alt; j++) {
+                const Pdserve__V1__TopLogprob *a = t->top[j];
+                json_t *at = a->token_id == t->token_id
+                                 ? json_incref(tok)
+                                 : alt_json(r->ctx, prev, prev_text, prev_len, a->token_id, NULL);
+                const char *key = json_string_value(at);
+                if (key && !json_object_get(top, key))
+                    json_object_set_new(top, key, lp_value(a->logprob));
+                json_decref(at);
+            }
+            if (!json_object_get(top, json_string_value(tok)))
+                json_object_set_new(top, json_string_value(tok), lp_value(t->logprob));
             json_array_append_new(json_object_get(o, "top_logprobs"), top);
             json_array_append_new(json_object_get(o, "token_logprobs"), lp_value(t->logprob));
             json_array_append_new(json_object_get(o, "text_offset"), json_integer((json_int_t)c->text_offset));
             c->text_offset += json_string_length(tok);
             json_array_append_new(json_object_get(o, "tokens"), tok);
         }
+        free(prev_text);
     }
     return o;
 }

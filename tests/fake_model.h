@@ -78,6 +78,10 @@ static inline int fake_forward_sample(void *ctx, const mr_batch *b, const mr_sam
     for (int32_t k = 0; rc == 0 && k < b->n_logits; k++) {
         const pd_sample_row *row = &smp->rows[k];
         float *lk = l + (size_t)k * V;
+        /* the raw distribution's log-probabilities, before the penalties change the row: the
+         * last row of l is the copy */
+        float *raw = l + (size_t)b->n_logits * V;
+        memcpy(raw, lk, V * sizeof(float));
         for (int32_t i = 0; i < row->pen_n; i++) {
             const pd_penalty_tok *t = &smp->pen[row->pen_off + i];
             float *x = &lk[t->token];
@@ -101,9 +105,19 @@ static inline int fake_forward_sample(void *ctx, const mr_batch *b, const mr_sam
             rc = pd_errf(err, PD_ENOMEM, "out of memory");
             break;
         }
-        smp->tokens[k] = smp_sample(&p, lk, V, NULL, 0, none, row->n_output, sc, &lp);
+        smp->tokens[k] = smp_sample(&p, lk, V, NULL, 0, none, row->n_output, sc, NULL);
         free(none);
-        if (smp->logprobs) smp->logprobs[k] = lp;
+        if (smp->logprobs && row->n_top >= 0) {
+            pd_top_logprob top[PD_MAX_TOP_LOGPROBS];
+            int32_t n = smp_logprobs(raw, V, smp->tokens[k], row->n_top, &lp, top);
+            smp->logprobs[k] = lp;
+            for (int32_t j = 0; smp->top && j < row->n_top; j++) {
+                pd_top_logprob t = {-1, 0.0f};
+                smp->top[(size_t)k * PD_MAX_TOP_LOGPROBS + j] = j < n ? top[j] : t;
+            }
+        } else if (smp->logprobs) {
+            smp->logprobs[k] = 0.0f;
+        }
     }
     smp_scratch_destroy(sc);
     free(l);
@@ -135,8 +149,10 @@ typedef struct {
         int32_t n;
         int32_t tok[FP_ROWS];
         float lp[FP_ROWS];
+        pd_top_logprob top[FP_ROWS * PD_MAX_TOP_LOGPROBS];
         int32_t *dst;
         float *dst_lp;
+        pd_top_logprob *dst_top;
     } q[2];
     int32_t last[FP_ROWS], n_last; /* the latest launch's picks */
     int64_t misuse, launches, chained;
@@ -159,11 +175,13 @@ static inline int fake_pipe_launch(void *ctx, const mr_batch *b, const mr_sampli
     mr_sampling t = *s;
     t.tokens = p->q[k].tok;
     t.logprobs = s->logprobs ? p->q[k].lp : NULL;
+    t.top = s->logprobs && s->top ? p->q[k].top : NULL;
     int rc = fake_forward_sample(p->f, &c, &t, err);
     if (rc < 0) return rc;
     p->q[k].n = b->n_logits;
     p->q[k].dst = s->tokens;
     p->q[k].dst_lp = s->logprobs;
+    p->q[k].dst_top = s->logprobs ? s->top : NULL;
     memcpy(p->last, p->q[k].tok, (size_t)b->n_logits * sizeof(int32_t));
     p->n_last = b->n_logits;
     p->n_out++;
@@ -182,6 +200,9 @@ static inline int fake_pipe_collect(void *ctx, char *err)
     const int k = p->head;
     memcpy(p->q[k].dst, p->q[k].tok, (size_t)p->q[k].n * sizeof(int32_t));
     if (p->q[k].dst_lp) memcpy(p->q[k].dst_lp, p->q[k].lp, (size_t)p->q[k].n * sizeof(float));
+    if (p->q[k].dst_top)
+        memcpy(p->q[k].dst_top, p->q[k].top,
+               (size_t)p->q[k].n * PD_MAX_TOP_LOGPROBS * sizeof(pd_top_logprob));
     p->head = (p->head + 1) % 2;
     p->n_out--;
     return 0;

@@ -1111,8 +1111,10 @@ static void run_decode_layers(const dl_shape *sh, int32_t n, const int32_t *ctx,
             rows[i].repetition_penalty = 1.0f;
         }
         int32_t t1[8], t2[8];
-        CHECK_EQ_INT(g_gpu->ops->sample(g_gpu->ctx, logits.g, n, V, rows, NULL, 0, t1, NULL), 0);
-        CHECK_EQ_INT(g_gpu->ops->sample(g_gpu->ctx, logits.g, n, V, rows, NULL, 0, t2, NULL), 0);
+        CHECK_EQ_INT(g_gpu->ops->sample(g_gpu->ctx, logits.g, n, V, rows, NULL, 0, t1, NULL, NULL),
+                     0);
+        CHECK_EQ_INT(g_gpu->ops->sample(g_gpu->ctx, logits.g, n, V, rows, NULL, 0, t2, NULL, NULL),
+                     0);
         float *gl = hmalloc((size_t)n * V), *gp = hmalloc((size_t)n);
         CHECK_EQ_INT(g_gpu->ops->download_f32(g_gpu->ctx, gl, logits.g, logits.gt, 0,
                                               (size_t)n * V), 0);

@@ -4,7 +4,9 @@
  * block of another request, a stale block, or a lost one produces different tokens than when
  * run alone. Random interleavings of add / step / abort over small pools (forcing preemption),
  * with prefix cache and chunked prefill on and off; refcounts and free lists checked after
- * every step; no block left in use at the end. */
+ * every step; no block left in use at the end. Some requests ask for logprobs with 0..20
+ * alternatives: the same values by every path (host sampler, forward_sample, pipelined) as
+ * alone, the pick's entry in its list equal to its logprob, a greedy pick first. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -20,6 +22,9 @@ typedef struct {
     eng_request rq;
     int32_t out[64];
     int32_t n_out;
+    float lp[64];
+    int32_t n_top[64];
+    pd_top_logprob top[64][PD_MAX_TOP_LOGPROBS];
     seq_finish finish;
     bool added, aborted, done;
 } req;
@@ -32,8 +37,18 @@ static uint64_t rng_next(uint64_t *s)
     return *s;
 }
 
-/* Runs one request alone on a roomy engine: the reference. */
-static void run_alone(const eng_request *rq, int32_t *out, int32_t *n_out, seq_finish *fin)
+/* Keeps output o of r (token, logprobs) at r's next place. */
+static void keep(req *r, const eng_output *o)
+{
+    const int32_t k = r->n_out++;
+    r->out[k] = o->token;
+    r->lp[k] = o->logprob;
+    r->n_top[k] = o->n_top;
+    if (o->n_top > 0) memcpy(r->top[k], o->top, (size_t)o->n_top * sizeof *o->top);
+}
+
+/* Runs one request alone on a roomy engine (host sampling): the reference. */
+static void run_alone(const eng_request *rq, req *ref)
 {
     mc_config cfg = fake_cfg();
     fake f = {calloc(256 * 4, sizeof(int64_t)), 256 * 4, 0, 0};
@@ -43,14 +58,14 @@ static void run_alone(const eng_request *rq, int32_t *out, int32_t *n_out, seq_f
     eng_executor x = {fake_forward, &f, NULL, NULL, NULL, NULL};
     CHECK(eng_create(&p, &cfg, x, &e, err) == 0);
     CHECK_MSG(eng_add_request(e, rq, err) == 0, "%s", err);
-    *n_out = 0;
+    ref->n_out = 0;
     while (eng_has_work(e)) {
         const eng_output *o;
         int32_t k;
         CHECK(eng_step(e, &o, &k, err) == 0);
         for (int32_t j = 0; j < k; j++) {
-            if (o[j].token >= 0) out[(*n_out)++] = o[j].token;
-            if (o[j].finish) *fin = o[j].finish;
+            if (o[j].token >= 0) keep(ref, &o[j]);
+            if (o[j].finish) ref->finish = o[j].finish;
         }
     }
     CHECK_EQ_INT(f.corrupt, 0);
@@ -102,6 +117,9 @@ static int run_case(uint64_t seed)
         }
         r->rq.sampling.seed = rng_next(&rs);
         r->rq.sampling.has_seed = true;
+        /* a quarter asks for logprobs (from the seed's bits: the other draws stay as they were) */
+        r->rq.logprobs = (r->rq.sampling.seed & 3) == 0;
+        r->rq.top_logprobs = r->rq.logprobs ? (int32_t)((r->rq.sampling.seed >> 2) % 21) : 0;
         r->rq.stop.max_tokens = 1 + (int32_t)(rng_next(&rs) % 24);
         r->rq.stop.ignore_eos = rng_next(&rs) % 2;
         /* A request must fit the pool on its own (the engine rejects it otherwise). */
@@ -144,7 +162,7 @@ static int run_case(uint64_t seed)
             for (int32_t j = 0; j < k; j++) {
                 req *r = &rq[o[j].id - 1000];
                 CHECK(!r->done && !r->aborted);
-                if (o[j].token >= 0) r->out[r->n_out++] = o[j].token;
+                if (o[j].token >= 0) keep(r, &o[j]);
                 if (o[j].finish) {
                     r->finish = o[j].finish;
                     r->done = true;
@@ -170,13 +188,36 @@ static int run_case(uint64_t seed)
         req *r = &rq[i];
         if (r->aborted) continue;
         CHECK(r->done);
-        int32_t ref[64], n_ref = 0;
-        seq_finish fin = SEQ_FINISH_NONE;
-        run_alone(&r->rq, ref, &n_ref, &fin);
+        static req ref;
+        memset(&ref, 0, sizeof ref);
+        run_alone(&r->rq, &ref);
+        const int32_t n_ref = ref.n_out;
         CHECK_EQ_INT(r->n_out, n_ref);
-        CHECK_MSG(r->n_out == n_ref && memcmp(r->out, ref, (size_t)n_ref * 4) == 0 &&
-                  r->finish == fin, "seed %llu request %d: tokens differ from running alone",
+        CHECK_MSG(r->n_out == n_ref && memcmp(r->out, ref.out, (size_t)n_ref * 4) == 0 &&
+                  r->finish == ref.finish, "seed %llu request %d: tokens differ from running alone",
                   (unsigned long long)seed, i);
+        for (int32_t k = 0; k < r->n_out && k < n_ref; k++) {
+            const int32_t want_top = r->rq.logprobs ? r->rq.top_logprobs : 0;
+            CHECK_MSG(r->lp[k] == ref.lp[k] && r->n_top[k] == ref.n_top[k] &&
+                      r->n_top[k] == want_top &&
+                      memcmp(r->top[k], ref.top[k], (size_t)r->n_top[k] * sizeof ref.top[k][0]) == 0,
+                      "seed %llu request %d token %d: logprob %g (%d alternatives), alone %g (%d)",
+                      (unsigned long long)seed, i, k, (double)r->lp[k], r->n_top[k],
+                      (double)ref.lp[k], ref.n_top[k]);
+            if (!r->rq.logprobs) {
+                CHECK(r->lp[k] == 0.0f);
+                continue;
+            }
+            CHECK(r->lp[k] <= 0.0f);
+            for (int32_t j = 0; j < r->n_top[k]; j++) {
+                if (j) CHECK(r->top[k][j].logprob <= r->top[k][j - 1].logprob);
+                if (r->top[k][j].token == r->out[k]) CHECK(r->top[k][j].logprob == r->lp[k]);
+            }
+            const smp_params *sp = &r->rq.sampling;
+            if (sp->temperature == 0 && !smp_penalized(sp) && r->n_top[k] > 0)
+                CHECK_MSG(r->top[k][0].token == r->out[k], "greedy pick %d, top-1 %d",
+                          r->out[k], r->top[k][0].token);
+        }
     }
     g_preemptions += eng_stats_get(e)->preemptions;
     g_cached += eng_stats_get(e)->cached_tokens;
@@ -201,12 +242,19 @@ static void test_modes(void)
     eng_request rq = {.id = 7, .prompt = prompt, .n_prompt = 10, .sampling = smp_default_params()};
     rq.sampling.temperature = 0;
     rq.stop.max_tokens = 16;
+    rq.logprobs = true; /* the first token's logprobs come with the PREFILLED output */
+    rq.top_logprobs = 3;
     CHECK(eng_add_request(e, &rq, err) == 0);
+    rq.logprobs = false;
+    rq.top_logprobs = 0;
     const eng_output *o;
     int32_t k;
     CHECK(eng_step(e, &o, &k, err) == 0);
     CHECK_EQ_INT(k, 1);
     CHECK_EQ_INT(o[0].finish, SEQ_FINISH_PREFILLED);
+    CHECK_EQ_INT(o[0].n_top, 3);
+    CHECK(o[0].n_top == 3 && o[0].top[0].token == o[0].token && o[0].top[0].logprob == o[0].logprob &&
+          o[0].logprob < 0.0f && o[0].top[1].logprob <= o[0].top[0].logprob);
     CHECK_EQ_INT(o[0].n_blocks, 3);
     int32_t prefill_tok = o[0].token;
     CHECK(bm_n_used(eng_block_manager(e)) >= 3);
@@ -240,9 +288,11 @@ static void test_modes(void)
         for (int32_t j = 0; j < k; j++) if (o[j].token >= 0) got[n++] = o[j].token;
         CHECK(eng_check(e) == 0);
     }
-    int32_t ref[64], n_ref;
-    seq_finish fin;
-    run_alone(&rq, ref, &n_ref, &fin);
+    static req alone;
+    memset(&alone, 0, sizeof alone);
+    run_alone(&rq, &alone);
+    const int32_t n_ref = alone.n_out;
+    const int32_t *ref = alone.out;
     CHECK_EQ_INT(n, n_ref);
     CHECK(memcmp(got, ref, (size_t)n_ref * 4) == 0);
     CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
@@ -372,6 +422,14 @@ static void test_bad_requests(void)
     rq.stop.min_tokens = 5;
     CHECK_EQ_INT(eng_add_request(e, &rq, err), PD_EINVAL);
     rq.stop.min_tokens = 0;
+    rq.logprobs = true;
+    rq.top_logprobs = PD_MAX_TOP_LOGPROBS + 1;
+    CHECK_EQ_INT(eng_add_request(e, &rq, err), PD_EINVAL);
+    CHECK_STR_CONTAINS(err, "top logprobs");
+    rq.top_logprobs = -1;
+    CHECK_EQ_INT(eng_add_request(e, &rq, err), PD_EINVAL);
+    rq.logprobs = false;
+    rq.top_logprobs = 0;
     rq.n_prompt = 40; /* > 32 tokens per step with chunked prefill off */
     CHECK_EQ_INT(eng_add_request(e, &rq, err), PD_ERANGE);
     rq.n_prompt = 3;

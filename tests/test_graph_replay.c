@@ -222,10 +222,11 @@ static int w_sample_launch(void *ctx, void *logits, int32_t n, int32_t vocab,
     return 0;
 }
 
-static int w_sample_collect(void *ctx, int slot, int32_t *tokens, float *logprobs)
+static int w_sample_collect(void *ctx, int slot, int32_t *tokens, float *logprobs,
+                            pd_top_logprob *top)
 {
     (void)ctx;
-    if (slot < 0 || slot > 1 || !g_slot[slot].n || logprobs) return PD_EINVAL;
+    if (slot < 0 || slot > 1 || !g_slot[slot].n || logprobs || top) return PD_EINVAL;
     memcpy(tokens, g_slot[slot].tok, (size_t)g_slot[slot].n * sizeof *tokens);
     g_slot[slot].n = 0;
     return 0;
@@ -547,7 +548,7 @@ static void run_pipelined(const char *name)
     memset(srow, 0, sizeof srow);
     for (int s = 0; s < NS; s++) srow[s].top_p = 1.0f; /* greedy */
     int32_t tk[2][NS], dummy[NS];
-    mr_sampling smp = {srow, NULL, 0, tk[0], NULL};
+    mr_sampling smp = {srow, NULL, 0, tk[0], NULL, NULL};
     CHECK_EQ_INT(mr_launch(gp.r, &b, &smp, false, err), PD_EUNSUPPORTED); /* a prompt batch */
     CHECK(mr_forward(gp.r, &b, lg, err) == 0 && mr_forward(gs.r, &b, lg, err) == 0);
     for (int s = 0; s < NS; s++) last[s] = argmax(lg + (size_t)s * V, V);

@@ -316,6 +316,121 @@ static void test_responses(void)
     CHECK(oai_models_body(&ctx, "nope") == NULL);
 }
 
+/* A response of one token (id, logprob lp) with alternatives top[0..n_top). */
+static void apply_top(hreq *r, uint32_t id, float lp, const uint32_t *top_ids, const float *top_lps,
+                      size_t n_top)
+{
+    Pdserve__V1__GenerateResponse m = PDSERVE__V1__GENERATE_RESPONSE__INIT;
+    Pdserve__V1__TokenLogprob l = PDSERVE__V1__TOKEN_LOGPROB__INIT, *lpp = &l;
+    Pdserve__V1__TopLogprob t[4], *tp[4];
+    for (size_t j = 0; j < n_top; j++) {
+        pdserve__v1__top_logprob__init(&t[j]);
+        t[j].token_id = top_ids[j];
+        t[j].logprob = top_lps[j];
+        tp[j] = &t[j];
+    }
+    m.n_token_ids = 1;
+    m.token_ids = &id;
+    m.text = "";
+    l.token_id = id;
+    l.logprob = lp;
+    l.n_top = n_top;
+    l.top = tp;
+    m.n_logprobs = 1;
+    m.logprobs = &lpp;
+    oai_apply(r, 0, &m);
+}
+
+/* Alternatives with a real tokenizer (stories260k, SentencePiece-style: a word's token starts
+ * with its space): "Once upon a time" token by token, each position's top 3 the chosen token,
+ * the next position's token and "▁time"; completions' dict keys and chat's lists carry the
+ * texts the tokens would add there (" time" after the first token, "Once"-style without the
+ * space at the start), the chosen token's text is its own, the counts are the request's. */
+static void test_alternatives(void)
+{
+    tok_tokenizer *tok = NULL;
+    char err[PD_ERR_LEN];
+    if (tok_load(PD_SHARED_DIR "/models/stories260k", &tok, err) < 0) {
+        printf("test_alternatives: no stories260k tokenizer (%s): skipped\n", err);
+        return;
+    }
+    int32_t *ids = NULL, n = 0;
+    CHECK(tok_encode(tok, "Once upon a time", 16, false, &ids, &n, err) == 0 && n >= 4);
+    const int32_t t_time = tok_token_to_id(tok, "\xe2\x96\x81time", 7);
+    CHECK(t_time >= 0);
+    oai_ctx c2 = ctx;
+    c2.tok = tok;
+    for (int kind = OAI_COMPLETIONS; kind <= OAI_CHAT && n >= 4 && t_time >= 0; kind++) {
+        static hreq r;
+        oai_choice ch[1];
+        memset(&r, 0, sizeof r);
+        memset(ch, 0, sizeof ch);
+        r.ctx = &c2;
+        r.choices = ch;
+        r.n_choices = 1;
+        r.job.kind = kind;
+        r.job.n = 1;
+        r.job.logprobs = 2; /* the instance sends 3: the router shows 2 */
+        for (int32_t k = 0; k < n; k++) {
+            const uint32_t next = (uint32_t)(k + 1 < n ? ids[k + 1] : ids[0]);
+            const uint32_t top[3] = {next, (uint32_t)ids[k], (uint32_t)t_time};
+            const float lps[3] = {-0.5f, -1.0f - (float)k, -3.0f};
+            apply_top(&r, (uint32_t)ids[k], -1.0f - (float)k, top, lps, 3);
+        }
+        char *body = oai_final_body(&r);
+        json_error_t je;
+        json_t *o = json_loads(body, 0, &je);
+        json_t *lp = json_object_get(json_array_get(json_object_get(o, "choices"), 0), "logprobs");
+        CHECK_MSG(lp != NULL, "%s", body);
+        if (kind == OAI_COMPLETIONS) {
+            json_t *toks = json_object_get(lp, "tokens"), *tops = json_object_get(lp, "top_logprobs");
+            char joined[64] = "";
+            for (size_t k = 0; k < json_array_size(toks); k++)
+                strncat(joined, json_string_value(json_array_get(toks, k)), 63 - strlen(joined));
+            CHECK_MSG(!strcmp(joined, "Once upon a time"), "%s", joined);
+            CHECK_EQ_INT(json_array_size(tops), n);
+            for (int32_t k = 0; k < n; k++) {
+                json_t *d = json_array_get(tops, (size_t)k);
+                const char *chosen = json_string_value(json_array_get(toks, (size_t)k));
+                /* 2 alternatives (the next token and the chosen one) */
+                CHECK_MSG(json_object_size(d) == 2, "position %d: %s", k, body);
+                CHECK_NEAR(json_real_value(json_object_get(d, chosen)), -1.0 - k, 1e-6);
+            }
+            /* position 1's alternative "▁a"... is the token after it: " a" with its space */
+            json_t *d1 = json_array_get(tops, 1);
+            CHECK_MSG(json_object_get(d1, " a") != NULL, "%s", body);
+            CHECK_NEAR(json_real_value(json_object_get(d1, " a")), -0.5, 1e-6);
+        } else {
+            json_t *content = json_object_get(lp, "content");
+            CHECK_EQ_INT(json_array_size(content), n);
+            for (int32_t k = 0; k < n; k++) {
+                json_t *e = json_array_get(content, (size_t)k), *top = json_object_get(e, "top_logprobs");
+                CHECK_MSG(json_array_size(top) == 2, "position %d: %s", k, body);
+                json_t *a0 = json_array_get(top, 0), *a1 = json_array_get(top, 1);
+                CHECK_NEAR(json_real_value(json_object_get(a0, "logprob")), -0.5, 1e-6);
+                /* the chosen token in the list: its own text and bytes */
+                CHECK(json_equal(json_object_get(a1, "token"), json_object_get(e, "token")));
+                CHECK(json_equal(json_object_get(a1, "bytes"), json_object_get(e, "bytes")));
+                const char *at = json_string_value(json_object_get(a0, "token"));
+                json_t *b = json_object_get(a0, "bytes");
+                CHECK(at && json_array_size(b) == strlen(at));
+                for (size_t i = 0; at && i < json_array_size(b); i++)
+                    CHECK(json_integer_value(json_array_get(b, i)) == (unsigned char)at[i]);
+            }
+            const char *a = json_string_value(
+                json_object_get(json_array_get(json_object_get(json_array_get(content, 2), "top_logprobs"), 0), "token"));
+            CHECK_MSG(a && !strcmp(a, " time"), "position 2's first alternative: %s", a ? a : "(null)");
+        }
+        json_decref(o);
+        free(body);
+        json_decref(ch[0].lp);
+        tok_stream_destroy(ch[0].lp_stream);
+        free(ch[0].text);
+    }
+    free(ids);
+    tok_destroy(tok);
+}
+
 int main(void)
 {
     snprintf(ctx.model_name, sizeof ctx.model_name, "m");
@@ -324,5 +439,6 @@ int main(void)
     test_completions();
     test_chat_errors();
     test_responses();
+    test_alternatives();
     return pd_test_result("test_rtr_openai");
 }

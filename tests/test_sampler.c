@@ -593,6 +593,104 @@ static void test_penalty_list(smp_scratch *s)
     CHECK_EQ_INT(r.pen_n, 9);
 }
 
+/* Sorts ids by (logit descending, id ascending) for the brute-force top-n. */
+static const float *g_cmp_l;
+static int cmp_rank(const void *a, const void *b)
+{
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    const float lx = g_cmp_l[x], ly = g_cmp_l[y];
+    if (lx != ly) return lx > ly ? -1 : 1;
+    return (x > y) - (x < y);
+}
+
+/* smp_logprobs against a brute force written differently: log(exp(l) / sum exp) of every
+ * finite token in long double, a full sort for the top, on flat, peaked, tied, tiny and
+ * -inf / NaN-strewn rows; n_top 0..20; tokens in and out of the top; and it reads the row
+ * only (the raw distribution whatever the sampler does to its own copy). */
+static void test_logprobs(smp_scratch *s)
+{
+    static float l[5000];
+    static int32_t ids[5000];
+    int checked = 0;
+    uint64_t x = 12345;
+    for (int c = 0; c < 60; c++) {
+        const int32_t V = c % 5 == 4 ? 3 : 5000 - 79 * c;
+        for (int32_t i = 0; i < V; i++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            const double u = (double)(x >> 11) * 0x1.0p-53;
+            switch (c % 4) {
+            case 0: l[i] = (float)(u * 6.0 - 3.0); break;                 /* flat */
+            case 1: l[i] = (float)(u * 2.0) + (i % 97 == 5 ? 12.0f : 0.0f); break; /* peaked */
+            case 2: l[i] = (float)(int)(u * 4.0) * 0.5f; break;          /* many ties */
+            default: l[i] = (float)(u * 40.0 - 20.0); break;             /* wide */
+            }
+            if (c % 3 == 1 && i % 11 == 3) l[i] = -INFINITY;
+            if (c % 3 == 2 && i % 13 == 7) l[i] = NAN;
+        }
+        long double m = -INFINITY, sum = 0.0L;
+        for (int32_t i = 0; i < V; i++)
+            if (l[i] > -INFINITY && (long double)l[i] > m) m = l[i];
+        for (int32_t i = 0; i < V; i++)
+            if (l[i] > -INFINITY) sum += expl((long double)l[i] - m);
+        int32_t n_fin = 0;
+        for (int32_t i = 0; i < V; i++)
+            if (l[i] > -INFINITY) ids[n_fin++] = i;
+        g_cmp_l = l;
+        qsort(ids, (size_t)n_fin, sizeof *ids, cmp_rank);
+        for (int32_t k = 0; k <= PD_MAX_TOP_LOGPROBS; k += (c % 2 ? 1 : 7)) {
+            pd_top_logprob top[PD_MAX_TOP_LOGPROBS];
+            memset(top, 0x5a, sizeof top);
+            const int32_t tok = (c + k) % 2 ? ids[0] : ids[n_fin - 1]; /* best or worst finite */
+            float lp = 1.0f;
+            memcpy(g_work, l, (size_t)V * sizeof *l);
+            const int32_t n = smp_logprobs(g_work, V, tok, k, &lp, top);
+            CHECK(memcmp(g_work, l, (size_t)V * sizeof *l) == 0);
+            const int32_t want_n = k < n_fin ? k : n_fin;
+            CHECK_EQ_INT(n, want_n);
+            const long double want_lp = (long double)l[tok] - m - logl(sum);
+            CHECK_NEAR((double)lp, (double)want_lp, 1e-5);
+            for (int32_t j = 0; j < n && j < want_n; j++) {
+                CHECK_MSG(top[j].token == ids[j], "case %d n %d: top %d is %d, want %d", c, k, j,
+                          top[j].token, ids[j]);
+                CHECK_NEAR((double)top[j].logprob,
+                           (double)((long double)l[ids[j]] - m - logl(sum)), 1e-5);
+                if (j > 0) CHECK(top[j].logprob <= top[j - 1].logprob);
+                if (top[j].token == tok) CHECK(top[j].logprob == lp);
+            }
+            checked++;
+        }
+    }
+    /* Everything -inf or NaN: -inf and an empty list; a NaN token: -inf. */
+    for (int32_t i = 0; i < 10; i++) l[i] = i % 2 ? NAN : -INFINITY;
+    pd_top_logprob top[4];
+    float lp = 0.0f;
+    CHECK_EQ_INT(smp_logprobs(l, 10, 3, 4, &lp, top), 0);
+    CHECK(isinf(lp) && lp < 0);
+    l[4] = 1.0f;
+    CHECK_EQ_INT(smp_logprobs(l, 10, 3, 4, &lp, top), 1);
+    CHECK(isinf(lp) && lp < 0 && top[0].token == 4 && top[0].logprob == 0.0f);
+    CHECK_EQ_INT(smp_logprobs(l, 10, 4, 0, &lp, NULL), 0);
+    CHECK(lp == 0.0f);
+    /* the raw distribution is not the sampler's: with temperature and penalties the same row
+     * gives the same logprobs (the engine reads a copy taken before smp_sample) */
+    for (int32_t i = 0; i < 100; i++) l[i] = (float)(i % 10) * 0.3f;
+    smp_params p = smp_default_params();
+    p.temperature = 0.5f;
+    p.repetition_penalty = 2.0f;
+    p.has_seed = true;
+    const int32_t prompt[2] = {9, 19};
+    memcpy(g_work, l, 100 * sizeof *l);
+    const int32_t t = smp_sample(&p, g_work, 100, prompt, 2, NULL, 0, s, NULL);
+    float lp1 = 0.0f, lp2 = 0.0f;
+    (void)smp_logprobs(l, 100, t, 0, &lp1, NULL);
+    CHECK(memcmp(g_work, l, 100 * sizeof *l) != 0); /* the sampler changed its row */
+    double z = 0.0;
+    for (int32_t i = 0; i < 100; i++) z += exp((double)l[i]);
+    lp2 = (float)((double)l[t] - log(z));
+    CHECK_NEAR((double)lp1, (double)lp2, 1e-6);
+    printf("smp_logprobs: %d cases against brute force\n", checked);
+}
+
 int main(void)
 {
     smp_scratch *s = NULL;
@@ -609,6 +707,7 @@ int main(void)
     test_determinism(s);
     test_id_order_walk(s);
     test_penalty_list(s);
+    test_logprobs(s);
     smp_scratch_destroy(s);
     return pd_test_result("test_sampler");
 }

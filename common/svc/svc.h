@@ -30,6 +30,11 @@ void svc_sampling_to_proto(const smp_params *p, Pdserve__V1__SamplingParams *m);
  * PD_EINVAL with err. */
 int svc_stopping_from_proto(const Pdserve__V1__StoppingCriteria *m, int32_t default_max_tokens,
                             seq_stopping *out, char *err);
+/* A token's log-probabilities as a TokenLogprob message: token_id, logprob and top[0..n_top)
+ * (best first, as the engine reports them), all in one allocation. Returns it (caller frees
+ * with free()) or NULL when out of memory. */
+Pdserve__V1__TokenLogprob *svc_token_logprob_new(uint32_t token, float logprob,
+                                                 const pd_top_logprob *top, int32_t n_top);
 /* The gRPC status for a pdserve error code. */
 rpc_status_code svc_status_for(int pd_err);
 /* The public finish reason for an engine finish. */

@@ -130,3 +130,29 @@ int svc_wait_signal(void)
     sigwait(&s, &sig);
     return sig;
 }
+
+Pdserve__V1__TokenLogprob *svc_token_logprob_new(uint32_t token, float logprob,
+                                                 const pd_top_logprob *top, int32_t n_top)
+{
+    const size_t n = n_top > 0 ? (size_t)n_top : 0;
+    /* the message, then its n pointers, then the n entries they point at */
+    const size_t head = (sizeof(Pdserve__V1__TokenLogprob) + 15) & ~(size_t)15;
+    const size_t ptrs = (n * sizeof(Pdserve__V1__TopLogprob *) + 15) & ~(size_t)15;
+    unsigned char *mem = malloc(head + ptrs + n * sizeof(Pdserve__V1__TopLogprob));
+    if (!mem) return NULL;
+    Pdserve__V1__TokenLogprob *m = (Pdserve__V1__TokenLogprob *)mem;
+    Pdserve__V1__TopLogprob **pp = (Pdserve__V1__TopLogprob **)(mem + head);
+    Pdserve__V1__TopLogprob *t = (Pdserve__V1__TopLogprob *)(mem + head + ptrs);
+    pdserve__v1__token_logprob__init(m);
+    m->token_id = token;
+    m->logprob = logprob;
+    for (size_t i = 0; i < n; i++) {
+        pdserve__v1__top_logprob__init(&t[i]);
+        t[i].token_id = (uint32_t)top[i].token;
+        t[i].logprob = top[i].logprob;
+        pp[i] = &t[i];
+    }
+    m->n_top = n;
+    m->top = n ? pp : NULL;
+    return m;
+}

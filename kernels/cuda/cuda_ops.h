@@ -92,11 +92,13 @@ int pd_cuda__copyq_blocks(void *ctx, void *q, void *after, void *const *dst,
 int pd_cuda__comm_create(pd_backend *const *ranks, int32_t n_ranks, pd_comm **out, char *err);
 /* cuda_sample.cu: the sample op; its per-context buffers are freed with the context. */
 int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab, const pd_sample_row *rows,
-                    const pd_penalty_tok *pen, int32_t n_pen, int32_t *tokens, float *logprobs);
+                    const pd_penalty_tok *pen, int32_t n_pen, int32_t *tokens, float *logprobs,
+                    pd_top_logprob *top);
 int pd_cuda__sample_launch(void *ctx, void *logits, int32_t n, int32_t vocab,
                            const pd_sample_row *rows, const pd_penalty_tok *pen, int32_t n_pen,
                            bool logprobs, int32_t *ids_out, int slot);
-int pd_cuda__sample_collect(void *ctx, int slot, int32_t *tokens, float *logprobs);
+int pd_cuda__sample_collect(void *ctx, int slot, int32_t *tokens, float *logprobs,
+                            pd_top_logprob *top);
 void pd_cuda__sample_free(void *state); /* NULL is a no-op */
 
 #ifdef __cplusplus

@@ -1,5 +1,7 @@
 /* cuda_sample.cu -- The sample op: smp_sample (engine/sampler.c) where the logits are, so that
- * only the picked tokens and their log-probabilities come back to the host.
+ * only the picked tokens and their log-probabilities come back to the host. The
+ * log-probabilities (smp_logprobs: the raw distribution's, the pick's and the top-n
+ * alternatives') are a second kernel over the same logits, launched only when asked.
  *
  * One cluster of C blocks (thread block clusters, sm_90) per row, each block a contiguous slice
  * of the vocabulary; C = 1 at large batches, up to 8 when few rows would leave SMs idle.
@@ -40,22 +42,19 @@ typedef unsigned long long u64;
 #define SMP_FULL 0xFFFFFFFFu
 
 /* Dynamic shared memory: two histograms (a cluster reads one while the next pass fills the
- * other), the draw's values of its last id range, then the penalty bitmap. */
+ * other), then the penalty bitmap. */
 #define SMP_HIST_BYTES (2 * SMP_BUCKETS * sizeof(u64))
-#define SMP_VALS_BYTES (SMP_BUCKETS * sizeof(float))
-#define SMP_FIXED_BYTES (SMP_HIST_BYTES + SMP_VALS_BYTES)
+#define SMP_FIXED_BYTES SMP_HIST_BYTES
 
 typedef struct {
     const bf16 *logits;         /* [n][vocab] */
     const pd_sample_row *rows;  /* [n] (device copy) */
     const pd_penalty_tok *pen;  /* [n_pen] (device copy) */
     int32_t *tok;               /* [n] out */
-    float *lp;                  /* [n] out */
     int32_t vocab;
     int32_t cluster;            /* blocks per row */
     int32_t shift;              /* fixed point: masses in units of 2^-shift */
     int32_t id_bits;            /* bits of vocab - 1 (at least 1) */
-    int32_t want_lp;
     int32_t vec;                /* rows are 16-byte aligned: 8-token vector loads */
     int32_t bitmap;             /* some row has penalties: the bitmap region exists */
 } smp_args;
@@ -97,7 +96,6 @@ typedef struct {
 typedef struct {
     float m;                    /* block's best value */
     int32_t best;               /* its lowest id; INT32_MAX = none */
-    u64 sum;                    /* greedy: block's fixed-point softmax denominator */
 } smp_xchg;
 
 /* ---- cluster helpers (a cluster of 1 is a block) ---- */
@@ -410,11 +408,9 @@ static __device__ __forceinline__ int first_width(int nbits)
  * `prefix` above the digit [shift, shift + width) into h[digit]. Keys are ~fkey (best first)
  * for value selects, token ids for id selects (then only that id range is read). Counts of a
  * value select go in warp-aggregated; id digits at or above bit 8 are uniform over a warp's
- * 256 tokens and go in as one warp sum; vals (not NULL: the last digit of the draw) records
- * each participant's value by bucket. */
+ * 256 tokens and go in as one warp sum. */
 static __device__ void hist_pass(const smp_slice &c, const smp_filters &f, int mode,
-                                 bool id_mode, int shift, int width, uint32_t prefix, u64 *h,
-                                 float *vals)
+                                 bool id_mode, int shift, int width, uint32_t prefix, u64 *h)
 {
     const uint32_t mask = (1u << width) - 1u;
     const int up = shift + width;
@@ -440,7 +436,6 @@ static __device__ void hist_pass(const smp_slice &c, const smp_filters &f, int m
                 const uint32_t R = id_mode ? (uint32_t)id : ~key;
                 if (w && ((u64)R >> up) == (u64)prefix) {
                     bucket = (R >> shift) & mask;
-                    if (vals) vals[bucket] = v;
                 } else {
                     w = 0;
                 }
@@ -469,8 +464,7 @@ static __device__ void hist_pass(const smp_slice &c, const smp_filters &f, int m
  * target, with the weights around it; found = 0 when the participants weigh nothing. */
 static __device__ smp_sel radix_select(int C, int *buf, u64 *hist, const smp_slice &c,
                                  const smp_filters &f, int mode, bool id_mode, int nbits,
-                                 int tmode, u64 target, float top_p, u64 U, bool prebuilt,
-                                 float *vals)
+                                 int tmode, u64 target, float top_p, u64 U, bool prebuilt)
 {
     const int npass = (nbits + SMP_DIGIT - 1) / SMP_DIGIT;
     smp_sel res;
@@ -489,8 +483,7 @@ static __device__ smp_sel radix_select(int C, int *buf, u64 *hist, const smp_sli
         if (!(d == 0 && prebuilt)) {
             for (int i = threadIdx.x; i < (1 << width); i += SMP_THREADS) h[i] = 0;
             __syncthreads();
-            hist_pass(c, f, mode, id_mode, shift, width, prefix, h,
-                      d == npass - 1 ? vals : NULL);
+            hist_pass(c, f, mode, id_mode, shift, width, prefix, h);
         }
         cl_sync(C);
         const smp_step st = merge_find(C, h, 1 << width, before, d ? T_GIVEN : tmode, target,
@@ -520,16 +513,12 @@ static __device__ __forceinline__ int32_t slice_start(int32_t vocab, int C, int 
     return (int32_t)min((long long)vocab, chunks * r / C * SMP_CHUNK);
 }
 
-static __device__ void emit(const smp_args &a, int rank, int row, int32_t tok, float lp)
+static __device__ void emit(const smp_args &a, int rank, int row, int32_t tok)
 {
-    if (rank == 0 && threadIdx.x == 0) {
-        a.tok[row] = tok;
-        a.lp[row] = lp;
-    }
+    if (rank == 0 && threadIdx.x == 0) a.tok[row] = tok;
 }
 
-static __device__ void sample_greedy(const smp_args &a, const smp_slice &c, int rank, int row,
-                                     float scale)
+static __device__ void sample_greedy(const smp_args &a, const smp_slice &c, int rank, int row)
 {
     const int C = a.cluster;
     float bv = -INFINITY;
@@ -545,42 +534,12 @@ static __device__ void sample_greedy(const smp_args &a, const smp_slice &c, int 
     float m;
     int32_t best;
     cluster_best(C, &m, &best);
-    if (best == INT32_MAX) {
-        emit(a, rank, row, 0, -INFINITY);
-        return;
-    }
-    if (!a.want_lp) {
-        emit(a, rank, row, best, 0.0f);
-        return;
-    }
-    /* log-softmax of the pick: -log(sum over non-NaN l of exp(l - m)), exact-order-free. */
-    u64 sum = 0;
-    visit(
-        c, c.lo, c.hi,
-        [&](bool valid, int32_t, float l, bool) {
-            if (valid && !isnan(l)) sum += __float2ull_rn((l == m ? 1.0f : expf(l - m)) * scale);
-        },
-        [](int32_t) {});
-    sum = warp_sum_u64(sum);
-    if ((threadIdx.x & 31) == 0) s_wsum[threadIdx.x >> 5] = sum;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u64 t = 0;
-        for (int i = 0; i < SMP_WARPS; i++) t += s_wsum[i];
-        s_x.sum = t;
-    }
-    cl_sync(C);
-    if (rank == 0 && threadIdx.x == 0) {
-        u64 t = 0;
-        for (int r = 0; r < C; r++) t += cl_map(&s_x, C, r)->sum;
-        const double lse = log((double)t) - (double)a.shift * 0.69314718055994530942;
-        emit(a, rank, row, best, (float)-lse);
-    }
+    (void)m;
+    emit(a, rank, row, best == INT32_MAX ? 0 : best); /* nothing can win: 0, as smp_sample */
 }
 
 static __device__ void sample_filtered(const smp_args &a, const smp_slice &c,
-                                       const pd_sample_row &rw, int rank, int row, u64 *hist,
-                                       float *vals)
+                                       const pd_sample_row &rw, int rank, int row, u64 *hist)
 {
     const int C = a.cluster;
     smp_filters f;
@@ -628,48 +587,36 @@ static __device__ void sample_filtered(const smp_args &a, const smp_slice &c,
     int32_t best;
     cluster_best(C, &f.m, &best);
     if (f.m == -INFINITY) { /* smp_sample falls back to greedy: no token can win */
-        emit(a, rank, row, 0, -INFINITY);
+        emit(a, rank, row, 0);
         return;
     }
     const u64 U = uniform53(rw.seed, rw.n_output);
     if (f.hk) {
         const u64 k = (u64)rw.top_k;
         const smp_sel s = radix_select(C, &buf, hist, c, f, M_TOPK, false, 32, T_GIVEN, k, 0.0f, 0,
-                                 true, NULL);
+                                 true);
         f.xk = ~s.r;
         if (s.lt + s.eq > k) /* only the lowest ids of the boundary value fit */
             f.idk = (int32_t)radix_select(C, &buf, hist, c, f, M_TIEK, true, a.id_bits, T_GIVEN,
-                                    k - s.lt, 0.0f, 0, false, NULL).r;
+                                    k - s.lt, 0.0f, 0, false).r;
     }
     if (f.hp) {
         const smp_sel s = radix_select(C, &buf, hist, c, f, M_TOPP, false, 32, T_TOPP, 0, rw.top_p, 0,
-                                 false, NULL);
+                                 false);
         f.xp = ~s.r;
         f.idp = (int32_t)radix_select(C, &buf, hist, c, f, M_TIEP, true, a.id_bits, T_GIVEN,
-                                s.target - s.lt, 0.0f, 0, false, NULL).r;
+                                s.target - s.lt, 0.0f, 0, false).r;
     }
     const smp_sel d = radix_select(C, &buf, hist, c, f, M_DRAW, true, a.id_bits, T_DRAW, 0, 0.0f, U,
-                             false, vals);
-    if (!d.found) { /* nothing kept with mass (min_p > 1): the best token */
-        emit(a, rank, row, best, 0.0f);
-        return;
-    }
-    if (rank == 0 && threadIdx.x == 0) {
-        const int32_t t = (int32_t)d.r;
-        int owner = 0;
-        while (owner + 1 < C && slice_start(a.vocab, C, owner + 1) <= t) owner++;
-        const int last = a.id_bits <= SMP_DIGIT ? a.id_bits : SMP_DIGIT;
-        const float v = cl_map(vals, C, owner)[t & ((1 << last) - 1)];
-        const double lse = log((double)d.total) - (double)a.shift * 0.69314718055994530942;
-        emit(a, rank, row, t, (float)((double)v - (double)f.m - lse));
-    }
+                             false);
+    /* nothing kept with mass (min_p > 1): the best token */
+    emit(a, rank, row, d.found ? (int32_t)d.r : best);
 }
 
 static __global__ void __launch_bounds__(SMP_THREADS, 2) sample_kernel(smp_args a)
 {
     extern __shared__ __align__(16) unsigned char smp_dyn[];
     u64 *hist = reinterpret_cast<u64 *>(smp_dyn);
-    float *vals = reinterpret_cast<float *>(smp_dyn + SMP_HIST_BYTES);
     uint32_t *bitmap = reinterpret_cast<uint32_t *>(smp_dyn + SMP_FIXED_BYTES);
     const int C = a.cluster;
     const int rank = (int)(blockIdx.x % (unsigned)C), row = (int)(blockIdx.x / (unsigned)C);
@@ -699,9 +646,8 @@ static __global__ void __launch_bounds__(SMP_THREADS, 2) sample_kernel(smp_args 
         __syncthreads();
         c.bits = reinterpret_cast<const uint8_t *>(bitmap);
     }
-    const float scale = (float)(1ull << a.shift);
-    if (!(rw.temperature >= SMP_GREEDY_EPS)) sample_greedy(a, c, rank, row, scale);
-    else sample_filtered(a, c, rw, rank, row, hist, vals);
+    if (!(rw.temperature >= SMP_GREEDY_EPS)) sample_greedy(a, c, rank, row);
+    else sample_filtered(a, c, rw, rank, row, hist);
     cl_sync(C); /* no block leaves while another may still read its shared memory */
 }
 
@@ -767,10 +713,195 @@ static __global__ void __launch_bounds__(GR_THREADS) greedy_kernel(const bf16 *l
     }
 }
 
+/* ---- log-probabilities of the raw distribution (smp_logprobs) ---- */
+
+/* One block a row whose n_top is >= 0: each thread keeps an online log-sum-exp of its tokens
+ * and a sorted list of its K best (K >= every row's n_top, a template parameter so that the
+ * list lives in registers: every index is a constant once the loops unroll), visiting its
+ * tokens in ascending id order so that a later equal value never enters; each warp then merges
+ * its lanes' lists into one (n_top rounds of a shuffle arg-max), and warp 0 merges the warps'
+ * (from shared memory) and writes the row's pick logprob and list (token -1 past the tokens
+ * whose logit is above -inf). Only those n_top pairs and one float a row go to the host. */
+#define LP_THREADS 512
+#define LP_WARPS (LP_THREADS / 32)
+#define LP_K PD_MAX_TOP_LOGPROBS
+
+typedef struct {
+    const bf16 *logits;         /* [n][vocab] */
+    const pd_sample_row *rows;  /* [n] (device copy): n_top */
+    const int32_t *tok;         /* [n] the picks (the sample kernel's output) */
+    float *lp;                  /* [n] out */
+    pd_top_logprob *top;        /* [n][stride] out */
+    int32_t vocab;
+    int32_t stride;             /* entries a row in top: the call's largest n_top */
+    int32_t vec;                /* 16-byte aligned rows: 8-token vector loads */
+} lp_args;
+
+static __device__ __forceinline__ bool lp_better(float va, int32_t a, float vb, int32_t b)
+{
+    return va > vb || (va == vb && a < b);
+}
+
+/* (m, s) += (m2, s2) for sums of exp(v - m): the larger maximum rescales the other sum. */
+static __device__ __forceinline__ void lse_merge(float &m, float &s, float m2, float s2)
+{
+    if (m2 == -INFINITY) return;
+    if (m == -INFINITY) {
+        m = m2;
+        s = s2;
+    } else if (m2 > m) {
+        s = s * expf(m - m2) + s2;
+        m = m2;
+    } else {
+        s += s2 * expf(m2 - m);
+    }
+}
+
+/* The better of each lane's (v, i) over the warp, in every lane. */
+static __device__ __forceinline__ void warp_argbest(float &v, int32_t &i)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(SMP_FULL, v, o);
+        const int32_t oi = __shfl_xor_sync(SMP_FULL, i, o);
+        if (lp_better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+}
+
+/* One token of a thread's: into its online log-sum-exp (m, sum) and, when it passes the bar
+ * (its list's last value; +inf when nothing is listed), into its sorted list tv / ti. */
+template <int K>
+static __device__ __forceinline__ void lp_see(float v, int32_t id, float &m, float &sum,
+                                              float &bar, float (&tv)[K], int32_t (&ti)[K])
+{
+    if (!(v > -INFINITY)) return; /* -inf and NaN: no mass, never listed */
+    if (v > m) {
+        sum = sum * expf(m - v) + 1.0f;
+        m = v;
+    } else {
+        sum += expf(v - m);
+    }
+    if (!(v > bar)) return;
+    float cv = v;
+    int32_t ci = id;
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        if (lp_better(cv, ci, tv[j], ti[j])) {
+            const float t = tv[j];
+            const int32_t u = ti[j];
+            tv[j] = cv;
+            ti[j] = ci;
+            cv = t;
+            ci = u;
+        }
+    }
+    bar = tv[K - 1];
+}
+
+template <int K>
+static __global__ void __launch_bounds__(LP_THREADS) logprob_kernel(lp_args a)
+{
+    __shared__ float s_m[LP_WARPS], s_s[LP_WARPS];
+    __shared__ float s_tv[LP_WARPS][LP_K];
+    __shared__ int32_t s_ti[LP_WARPS][LP_K];
+    const int row = (int)blockIdx.x, lane = (int)(threadIdx.x & 31), w = (int)(threadIdx.x >> 5);
+    const int n = a.rows[row].n_top;
+    if (n < 0) {
+        if (threadIdx.x == 0) a.lp[row] = 0.0f;
+        return;
+    }
+    const bf16 *x = a.logits + (size_t)row * (size_t)a.vocab;
+    float tv[K];
+    int32_t ti[K];
+#pragma unroll
+    for (int j = 0; j < K; j++) {
+        tv[j] = -INFINITY;
+        ti[j] = INT32_MAX;
+    }
+    float bar = n > 0 ? -INFINITY : INFINITY; /* what a value must pass to enter: tv[K - 1] */
+    float m = -INFINITY, sum = 0.0f;
+    if (a.vec) {
+        for (int32_t g = (int32_t)threadIdx.x; g < a.vocab / 8; g += LP_THREADS) {
+            const uint4 q = *reinterpret_cast<const uint4 *>(x + (size_t)g * 8);
+            const uint32_t wd[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                lp_see<K>(e & 1 ? pd_bf16_hi(wd[e >> 1]) : pd_bf16_lo(wd[e >> 1]), g * 8 + e, m,
+                          sum, bar, tv, ti);
+        }
+    } else {
+        for (int32_t i = (int32_t)threadIdx.x; i < a.vocab; i += LP_THREADS)
+            lp_see<K>(pd_ld(x + i), i, m, sum, bar, tv, ti);
+    }
+    /* the warp's sum and list */
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(SMP_FULL, m, o), s2 = __shfl_xor_sync(SMP_FULL, sum, o);
+        lse_merge(m, sum, m2, s2);
+    }
+    if (lane == 0) {
+        s_m[w] = m;
+        s_s[w] = sum;
+    }
+    for (int r = 0; r < n; r++) {
+        float bv = tv[0];
+        int32_t bi = ti[0];
+        warp_argbest(bv, bi);
+        if (bi != INT32_MAX && ti[0] == bi) { /* this lane's head won: the next moves up */
+#pragma unroll
+            for (int j = 0; j + 1 < K; j++) {
+                tv[j] = tv[j + 1];
+                ti[j] = ti[j + 1];
+            }
+            tv[K - 1] = -INFINITY;
+            ti[K - 1] = INT32_MAX;
+        }
+        if (lane == 0) {
+            s_tv[w][r] = bv;
+            s_ti[w][r] = bi;
+        }
+    }
+    __syncthreads();
+    if (w != 0) return;
+    /* warp 0: the row's */
+    m = lane < LP_WARPS ? s_m[lane] : -INFINITY;
+    sum = lane < LP_WARPS ? s_s[lane] : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(SMP_FULL, m, o), s2 = __shfl_xor_sync(SMP_FULL, sum, o);
+        lse_merge(m, sum, m2, s2);
+    }
+    const double lse = m == -INFINITY ? -INFINITY : (double)m + log((double)sum);
+    pd_top_logprob *out = a.top + (size_t)row * (size_t)a.stride;
+    int p = 0; /* this lane's next entry of warp `lane`'s list */
+    for (int r = 0; r < n; r++) {
+        const bool has = lane < LP_WARPS && p < n;
+        float bv = has ? s_tv[lane][p] : -INFINITY;
+        int32_t bi = has ? s_ti[lane][p] : INT32_MAX;
+        const int32_t mine = bi;
+        warp_argbest(bv, bi);
+        if (has && bi != INT32_MAX && mine == bi) p++;
+        if (lane == 0) {
+            pd_top_logprob e;
+            e.token = bi == INT32_MAX ? -1 : bi;
+            e.logprob = bi == INT32_MAX ? 0.0f : (float)((double)bv - lse);
+            out[r] = e;
+        }
+    }
+    if (lane == 0) {
+        const int32_t t = a.tok[row];
+        const float v = t >= 0 && t < a.vocab ? pd_ld(x + t) : NAN;
+        a.lp[row] = v > -INFINITY ? (float)((double)v - lse) : -INFINITY;
+    }
+}
+
 /* ---- host side ---- */
 
-/* One set of the op's buffers: pinned host memory (rows | penalty list | tokens | logprobs)
- * and its device twin, of `bytes` each. */
+/* One set of the op's buffers: pinned host memory (rows | penalty list | tokens | logprobs |
+ * top lists) and its device twin, of `bytes` each. */
 typedef struct {
     unsigned char *host;
     unsigned char *dev;
@@ -787,7 +918,8 @@ typedef struct {
     cudaEvent_t done[2];        /* sample_launch: recorded after the slot's results */
     int32_t n[2];               /* sample_launch: the slot's rows, */
     size_t out_off[2];          /* where its results are in its set, */
-    bool want_lp[2];            /* whether it computed logprobs */
+    bool want_lp[2];            /* whether it computed logprobs, */
+    int32_t stride[2];          /* and entries a row in its top lists */
     bool picked[2];             /* whether its tokens are decode_layers' picks (pick_host) */
     uint32_t *mark;             /* duplicate check: stamp per token, mark_n tokens */
     int32_t mark_n;
@@ -879,7 +1011,8 @@ static int validate(smp_state *st, void *logits, int32_t n, int32_t vocab,
     bool any = false;
     for (int32_t r = 0; r < n; r++) {
         const pd_sample_row *w = &rows[r];
-        if (w->pen_off < 0 || w->pen_n < 0 || (int64_t)w->pen_off + w->pen_n > n_pen)
+        if (w->pen_off < 0 || w->pen_n < 0 || (int64_t)w->pen_off + w->pen_n > n_pen ||
+            w->n_top > PD_MAX_TOP_LOGPROBS)
             return PD_EINVAL;
         any |= w->pen_n > 0;
     }
@@ -989,18 +1122,24 @@ static void take_picked(const pd_cuda_ctx *c, int slot, int32_t n, int32_t *toke
 }
 
 /* Queues the op for n validated rows through set b: the rows and penalty list go in with one
- * copy; the tokens (then the logprobs, from the next 16 bytes) reach b's pinned memory at
- * *out_off when the queue gets there. With ids (device memory), the tokens go there too. */
+ * copy; the tokens reach b's pinned memory at *out_off when the queue gets there, with
+ * want_lp the logprobs after them (from the next 16 bytes: see take) and the top lists, *stride
+ * entries a row (the largest n_top asked). With ids (device memory), the tokens go there too. */
 static int enqueue(pd_cuda_ctx *c, smp_state *st, smp_buf *b, void *logits, int32_t n,
                    int32_t vocab, const pd_sample_row *rows, const pd_penalty_tok *pen,
-                   int32_t n_pen, bool want_lp, int32_t *ids, size_t *out_off)
+                   int32_t n_pen, bool want_lp, int32_t *ids, size_t *out_off, int32_t *stride)
 {
     bool bitmap = false;
     for (int32_t r = 0; r < n && !bitmap; r++) bitmap = rows[r].pen_n > 0;
+    *stride = 0;
+    for (int32_t r = 0; r < n && want_lp; r++)
+        if (rows[r].n_top > *stride) *stride = rows[r].n_top;
     const size_t rows_b = align16((size_t)n * sizeof *rows);
     const size_t in_b = rows_b + align16((size_t)n_pen * sizeof *pen);
     const size_t tok_b = align16((size_t)n * sizeof(int32_t));
-    const size_t out_b = tok_b + (size_t)n * sizeof(float);
+    const size_t lp_b = align16((size_t)n * sizeof(float));
+    const size_t out_b =
+        tok_b + (want_lp ? lp_b + (size_t)n * (size_t)*stride * sizeof(pd_top_logprob) : 0);
     int rc = buf_reserve(b, in_b + out_b);
     if (rc < 0) return rc;
     *out_off = in_b;
@@ -1060,12 +1199,10 @@ static int enqueue(pd_cuda_ctx *c, smp_state *st, smp_buf *b, void *logits, int3
     a.rows = (const pd_sample_row *)b->dev;
     a.pen = (const pd_penalty_tok *)(b->dev + rows_b);
     a.tok = (int32_t *)(b->dev + in_b);
-    a.lp = (float *)(b->dev + in_b + tok_b);
     a.vocab = vocab;
     a.cluster = C;
     a.shift = shift;
     a.id_bits = vocab > 1 ? 32 - __builtin_clz((unsigned)(vocab - 1)) : 1;
-    a.want_lp = want_lp;
     a.vec = vocab % 8 == 0 && ((uintptr_t)logits & 15) == 0;
     a.bitmap = bitmap;
 
@@ -1083,6 +1220,22 @@ static int enqueue(pd_cuda_ctx *c, smp_state *st, smp_buf *b, void *logits, int3
         e = launch(c, a, n, smem);
     }
     PD_CUDA_CHECK(e);
+    if (want_lp) { /* the raw distribution's, from the same logits (not changed by the pick) */
+        lp_args la;
+        la.logits = a.logits;
+        la.rows = a.rows;
+        la.tok = a.tok;
+        la.lp = (float *)(b->dev + in_b + tok_b);
+        la.top = (pd_top_logprob *)(b->dev + in_b + tok_b + lp_b);
+        la.vocab = vocab;
+        la.stride = *stride;
+        la.vec = a.vec;
+        /* the threads' lists as short as the call allows (4, 8 or 20 entries) */
+        if (*stride <= 4) logprob_kernel<4><<<(unsigned)n, LP_THREADS, 0, c->stream>>>(la);
+        else if (*stride <= 8) logprob_kernel<8><<<(unsigned)n, LP_THREADS, 0, c->stream>>>(la);
+        else logprob_kernel<LP_K><<<(unsigned)n, LP_THREADS, 0, c->stream>>>(la);
+        PD_CUDA_CHECK(cudaGetLastError());
+    }
     if (ids)
         PD_CUDA_CHECK(cudaMemcpyAsync(ids, a.tok, (size_t)n * sizeof(int32_t),
                                       cudaMemcpyDeviceToDevice, c->stream));
@@ -1093,18 +1246,25 @@ static int enqueue(pd_cuda_ctx *c, smp_state *st, smp_buf *b, void *logits, int3
     return 0;
 }
 
-/* The results of n rows out of set b's pinned memory at off (once they are there). */
-static void take(const smp_buf *b, size_t off, int32_t n, int32_t *tokens, float *logprobs)
+/* The results of n rows out of set b's pinned memory at off (once they are there): the
+ * tokens, and what enqueue laid out after them when it was asked for logprobs; top rows are
+ * PD_MAX_TOP_LOGPROBS apart in the caller's memory, stride apart in b's. */
+static void take(const smp_buf *b, size_t off, int32_t n, int32_t stride, int32_t *tokens,
+                 float *logprobs, pd_top_logprob *top)
 {
     memcpy(tokens, b->host + off, (size_t)n * sizeof *tokens);
-    if (logprobs)
-        memcpy(logprobs, b->host + off + align16((size_t)n * sizeof(int32_t)),
-               (size_t)n * sizeof *logprobs);
+    const size_t lp_off = off + align16((size_t)n * sizeof(int32_t));
+    if (logprobs) memcpy(logprobs, b->host + lp_off, (size_t)n * sizeof *logprobs);
+    const unsigned char *t = b->host + lp_off + align16((size_t)n * sizeof(float));
+    for (int32_t r = 0; top && r < n && stride > 0; r++)
+        memcpy(top + (size_t)r * PD_MAX_TOP_LOGPROBS, t + (size_t)r * stride * sizeof *top,
+               (size_t)stride * sizeof *top);
 }
 
 extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab,
                                const pd_sample_row *rows, const pd_penalty_tok *pen,
-                               int32_t n_pen, int32_t *tokens, float *logprobs)
+                               int32_t n_pen, int32_t *tokens, float *logprobs,
+                               pd_top_logprob *top)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     smp_state *st = NULL;
@@ -1121,13 +1281,14 @@ extern "C" int pd_cuda__sample(void *ctx, void *logits, int32_t n, int32_t vocab
     }
     smp_buf *b = &st->buf[SMP_SYNC];
     size_t off = 0;
+    int32_t stride = 0;
     if ((rc = enqueue(c, st, b, logits, n, vocab, rows, pen, n_pen, logprobs != NULL, NULL,
-                      &off)) < 0)
+                      &off, &stride)) < 0)
         return rc;
     PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
     PD_CUDA_CHECK(cudaGetLastError());
     pd_cuda__steptime_end(c);
-    take(b, off, n, tokens, logprobs);
+    take(b, off, n, stride, tokens, logprobs, logprobs ? top : NULL);
     return 0;
 }
 
@@ -1148,10 +1309,11 @@ extern "C" int pd_cuda__sample_launch(void *ctx, void *logits, int32_t n, int32_
         PD_CUDA_CHECK(cudaEventRecord(st->done[slot], c->stream));
         st->n[slot] = n;
         st->want_lp[slot] = false;
+        st->stride[slot] = 0;
         return 0;
     }
     if ((rc = enqueue(c, st, &st->buf[slot], logits, n, vocab, rows, pen, n_pen, logprobs,
-                      ids_out, &st->out_off[slot])) < 0)
+                      ids_out, &st->out_off[slot], &st->stride[slot])) < 0)
         return rc;
     PD_CUDA_CHECK(cudaEventRecord(st->done[slot], c->stream));
     st->n[slot] = n;
@@ -1159,12 +1321,13 @@ extern "C" int pd_cuda__sample_launch(void *ctx, void *logits, int32_t n, int32_
     return 0;
 }
 
-extern "C" int pd_cuda__sample_collect(void *ctx, int slot, int32_t *tokens, float *logprobs)
+extern "C" int pd_cuda__sample_collect(void *ctx, int slot, int32_t *tokens, float *logprobs,
+                                       pd_top_logprob *top)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     smp_state *st = (smp_state *)c->sample_state;
     if (!st || slot < 0 || slot > 1 || !tokens || st->n[slot] <= 0 ||
-        (logprobs && !st->want_lp[slot]))
+        ((logprobs || top) && !st->want_lp[slot]))
         return PD_EINVAL;
     PD_CUDA_CHECK(cudaEventSynchronize(st->done[slot]));
     PD_CUDA_CHECK(cudaGetLastError());
@@ -1172,7 +1335,8 @@ extern "C" int pd_cuda__sample_collect(void *ctx, int slot, int32_t *tokens, flo
     if (st->picked[slot])
         take_picked(c, slot, st->n[slot], tokens);
     else
-        take(&st->buf[slot], st->out_off[slot], st->n[slot], tokens, logprobs);
+        take(&st->buf[slot], st->out_off[slot], st->n[slot], st->stride[slot], tokens, logprobs,
+             top);
     st->n[slot] = 0;
     return 0;
 }

@@ -108,15 +108,55 @@ def is_error_shape(text, status_type=None):
 
 def grpc_gen(router, **kw):
     stub = pbg.GenerationStub(grpc.insecure_channel("127.0.0.1:%d" % router.port))
-    ids, text, fin, usage, lps = [], "", 0, None, []
+    ids, text, fin, usage, lps, tops = [], "", 0, None, [], []
     for r in stub.Generate(pb.GenerateRequest(**kw), timeout=60):
         ids += list(r.token_ids)
         text += r.text
         lps += [lp.logprob for lp in r.logprobs]
+        tops += [[(t.token_id, t.logprob) for t in lp.top] for lp in r.logprobs]
         if r.finish_reason:
             fin, usage = r.finish_reason, r.usage
     return {"ids": ids, "text": text, "finish": {1: "length", 2: "stop", 3: "stop"}.get(fin),
-            "usage": usage, "lps": lps}
+            "usage": usage, "lps": lps, "tops": tops}
+
+
+def same_values(got, want, tol=1e-4):
+    return len(got) == len(want) and all(abs(a - b) < tol for a, b in zip(got, want))
+
+
+def completions_tops_ok(tops, tokens, lps, g, n):
+    """Completions' top_logprobs: per token a dict of the n alternatives' texts (the chosen
+    token's included) whose values are gRPC's top n, largest first; the chosen token's text
+    with its logprob. Positions where two alternatives share a text (the dict keeps one) may
+    have fewer keys. Returns (ok, positions with all n)."""
+    full = 0
+    if len(tops) != len(g["tops"]):
+        return False, 0
+    for d, tok, lp, want in zip(tops, tokens, lps, g["tops"]):
+        if tok not in d or abs(d[tok] - lp) > 1e-4 or len(d) > n + 1:
+            return False, full
+        vals = sorted(d.values(), reverse=True)
+        wv = [v for _, v in want]
+        if len(d) >= n and len(wv) == n:
+            extra = [v for v in vals if not any(abs(v - w) < 1e-4 for w in wv)]
+            if len(extra) > 1 or (extra and abs(extra[0] - lp) > 1e-4):
+                return False, full
+            full += 1
+    return True, full
+
+
+def chat_tops_ok(content_tops, tokens, g, n):
+    """Chat's top_logprobs: n entries a token, gRPC's values in order, each with the UTF-8
+    bytes of its text, the chosen token (when listed) under its own text."""
+    if len(content_tops) != len(g["tops"]):
+        return False
+    for top, tok, chosen, want in zip(content_tops, tokens, g["ids"], g["tops"]):
+        if len(top) != n or not same_values([t["logprob"] for t in top], [v for _, v in want]):
+            return False
+        for t, (wid, _) in zip(top, want):
+            if bytes(t["bytes"]) != t["token"].encode() or (wid == chosen and t["token"] != tok):
+                return False
+    return True
 
 
 def sampling(temperature=0.0, seed=None):
@@ -183,7 +223,7 @@ try:
         ids = list(cstub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=False)).token_ids)
         check(ids[:1] == [1] and ids[1:2] != [1], "the reference conversation has one BOS (%s...)" % ids[:4])
         chat_ref = {"ids": ids, "greedy": grpc_gen(chat, prompt_token_ids=ids, sampling=sampling(),
-                                                   stopping=pb.StoppingCriteria(max_tokens=16), logprobs=1)}
+                                                   stopping=pb.StoppingCriteria(max_tokens=16), logprobs=3)}
         # gRPC clients chat through GenerateRequest.messages: the same prompt, the same tokens.
         gm = grpc_gen(chat, messages=[pb.ChatMessage(role=m["role"], content=m["content"])
                                       for m in CHAT_MESSAGES],
@@ -222,7 +262,7 @@ try:
         ok = lambda k: o.get(k, {}).get("ok") and o[k]["value"]
         err = lambda k: (o.get(k) or {}).get("error") or {}
         g = grpc_gen(router, prompt=PROMPT, sampling=sampling(),
-                     stopping=pb.StoppingCriteria(max_tokens=24), logprobs=1)
+                     stopping=pb.StoppingCriteria(max_tokens=24), logprobs=3)
         check(ok("models") == [name], "models.list() -> [%s] (%s)" % (name, o.get("models")))
         check((ok("model") or {}).get("id") == name, "models.retrieve(%s)" % name)
         v = ok("plain") or {}
@@ -262,13 +302,32 @@ try:
               "max_tokens 3: 3 tokens, finish_reason length")
         c0 = ((ok("logprobs") or {}).get("choices") or [{}])[0]
         lp = c0.get("logprobs") or {}
+        offs = [sum(len(t.encode()) for t in lp.get("tokens", [])[:k]) for k in range(len(g["ids"]))]
         check(len(lp.get("token_logprobs", [])) == len(g["ids"]) and "".join(lp.get("tokens", [])) == c0.get("text")
-              and all(abs(a - b) < 1e-4 for a, b in zip(lp.get("token_logprobs", []), g["lps"]))
-              and len(lp.get("text_offset", [])) == len(g["ids"]) and len(lp.get("top_logprobs", [])) == len(g["ids"]),
-              "logprobs: one per token, the tokens spell the text, values equal gRPC's")
+              and same_values(lp.get("token_logprobs", []), g["lps"]) and lp.get("text_offset") == offs,
+              "logprobs 3: one per token, the tokens spell the text, values equal gRPC's, text_offset")
+        tok_ok, full = completions_tops_ok(lp.get("top_logprobs", []), lp.get("tokens", []),
+                                           lp.get("token_logprobs", []), g, 3)
+        check(tok_ok and full >= len(g["ids"]) // 2,
+              "logprobs 3: top_logprobs {text: logprob} of gRPC's 3 alternatives (+ the chosen token), "
+              "the chosen token's own text (%d of %d positions with 3 distinct texts)" % (full, len(g["ids"])))
+        check(all(max(d.values()) == d[t] for d, t in zip(lp.get("top_logprobs", []), lp.get("tokens", []))),
+              "logprobs 3, greedy: the chosen token is the likeliest of its dict")
+        v = ok("logprobs0_stream") or {}
+        l0 = (v.get("logprobs") or {}).get("0", {})
+        check(same_values(l0.get("token_logprobs", []), g["lps"]) and
+              all(list(d) == [t] for d, t in zip(l0.get("top_logprobs", []), l0.get("tokens", []))),
+              "logprobs 0 streamed: the chosen token's logprob in the chunks, top_logprobs itself only")
         v = ok("logprobs_stream") or {}
-        check(len((v.get("logprobs") or {}).get("0", {}).get("token_logprobs", [])) == len(g["ids"]),
-              "logprobs 0 streamed: the chosen token's logprob in the chunks")
+        l3 = (v.get("logprobs") or {}).get("0", {})
+        check(same_values(l3.get("token_logprobs", []), g["lps"]) and
+              completions_tops_ok(l3.get("top_logprobs", []), l3.get("tokens", []),
+                                  l3.get("token_logprobs", []), g, 3)[0] and
+              "".join(l3.get("tokens", [])) == g["text"],
+              "logprobs 3 streamed: the chunks carry their tokens' logprobs and alternatives")
+        e = err("logprobs_21")
+        check(e.get("status") == 400 and e.get("param") == "logprobs" and e.get("type") == "invalid_request_error",
+              "logprobs 21: 400 invalid_request_error naming logprobs (%s)" % e.get("message"))
         c0 = ((ok("token_prompt") or {}).get("choices") or [{}])[0]
         check(c0.get("text") == g["text"], "a token-id prompt gives the same text")
         e = err("bad_type")
@@ -311,10 +370,25 @@ try:
             c0 = ((ok("chat_logprobs") or {}).get("choices") or [{}])[0]
             content = (c0.get("logprobs") or {}).get("content") or []
             check(len(content) == len(g["ids"]) and "".join(t["token"] for t in content) == (c0.get("message") or {}).get("content")
-                  and all(abs(t["logprob"] - b) < 1e-4 for t, b in zip(content, g["lps"]))
-                  and all(len(t["top_logprobs"]) == 1 and t["top_logprobs"][0]["token"] == t["token"] for t in content)
+                  and same_values([t["logprob"] for t in content], g["lps"])
                   and all(bytes(t["bytes"]).decode() == t["token"] for t in content),
-                  "chat logprobs: one per token, gRPC's values, top_logprobs the chosen token only")
+                  "chat logprobs: one per token, gRPC's values, bytes = the token's UTF-8")
+            check(chat_tops_ok([t["top_logprobs"] for t in content], [t["token"] for t in content], g, 3) and
+                  all(t["top_logprobs"][0]["token"] == t["token"] for t in content),
+                  "chat top_logprobs 3: gRPC's 3 alternatives in order with their texts and bytes, the "
+                  "greedy token first under its own text")
+            v = ok("chat_logprobs_stream") or {}
+            l3 = (v.get("logprobs") or {}).get("0", {})
+            check(same_values(l3.get("token_logprobs", []), g["lps"]) and
+                  chat_tops_ok(l3.get("top_logprobs", []), l3.get("tokens", []), g, 3),
+                  "chat top_logprobs 3 streamed: the chunks carry their tokens' logprobs and alternatives")
+            c0 = ((ok("chat_logprobs_only") or {}).get("choices") or [{}])[0]
+            content = (c0.get("logprobs") or {}).get("content") or []
+            check(len(content) == len(g["ids"]) and all(t["top_logprobs"] == [] for t in content),
+                  "chat logprobs without top_logprobs: the chosen tokens, no alternatives")
+            e = err("chat_top_21")
+            check(e.get("status") == 400 and e.get("param") == "top_logprobs",
+                  "chat top_logprobs 21: 400 naming top_logprobs (%s)" % e.get("message"))
             gs = grpc_gen(chat, prompt_token_ids=chat_ref["ids"], sampling=sampling(),
                           stopping=pb.StoppingCriteria(max_tokens=16, stop=["big"]))
             c0 = ((ok("chat_stop") or {}).get("choices") or [{}])[0]

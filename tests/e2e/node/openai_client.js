@@ -43,12 +43,18 @@ async function drain(stream, chat) {
       if (chat && c.delta.role) out.roles[c.index] = c.delta.role;
       if (c.finish_reason) out.finish[c.index] = c.finish_reason;
       if (c.logprobs) {
-        const l = out.logprobs[c.index] ?? (out.logprobs[c.index] = { tokens: [], token_logprobs: [] });
+        const l = out.logprobs[c.index] ??
+          (out.logprobs[c.index] = { tokens: [], token_logprobs: [], top_logprobs: [] });
         if (chat) {
-          for (const t of c.logprobs.content) { l.tokens.push(t.token); l.token_logprobs.push(t.logprob); }
+          for (const t of c.logprobs.content) {
+            l.tokens.push(t.token);
+            l.token_logprobs.push(t.logprob);
+            l.top_logprobs.push(t.top_logprobs);
+          }
         } else {
           l.tokens.push(...c.logprobs.tokens);
           l.token_logprobs.push(...c.logprobs.token_logprobs);
+          l.top_logprobs.push(...c.logprobs.top_logprobs);
         }
       }
     }
@@ -74,9 +80,12 @@ async function main() {
   r.stop_stream = await attempt(async () => drain(await client.completions.create(
     { ...greedy, stop: 'Lily', stream: true }), false));
   r.max3 = await attempt(() => client.completions.create({ ...greedy, max_tokens: 3 }));
-  r.logprobs = await attempt(() => client.completions.create({ ...greedy, logprobs: 1 }));
-  r.logprobs_stream = await attempt(async () => drain(await client.completions.create(
+  r.logprobs = await attempt(() => client.completions.create({ ...greedy, logprobs: 3 }));
+  r.logprobs0_stream = await attempt(async () => drain(await client.completions.create(
     { ...greedy, logprobs: 0, stream: true }), false));
+  r.logprobs_stream = await attempt(async () => drain(await client.completions.create(
+    { ...greedy, logprobs: 3, stream: true }), false));
+  r.logprobs_21 = await attempt(() => client.completions.create({ ...greedy, logprobs: 21 }));
   r.token_prompt = await attempt(() => client.completions.create(
     { ...greedy, prompt: JSON.parse(idsJson) }));
   r.bad_type = await attempt(() => client.completions.create({ ...greedy, max_tokens: 'five' }));
@@ -99,7 +108,13 @@ async function main() {
     r.chat_n2 = await attempt(() => chat.chat.completions.create(
       { model: chatModel, messages, max_tokens: 10, temperature: 1.0, n: 2, seed: 7 }));
     r.chat_logprobs = await attempt(() => chat.chat.completions.create(
-      { ...greedyChat, logprobs: true, top_logprobs: 2 }));
+      { ...greedyChat, logprobs: true, top_logprobs: 3 }));
+    r.chat_logprobs_stream = await attempt(async () => drain(await chat.chat.completions.create(
+      { ...greedyChat, logprobs: true, top_logprobs: 3, stream: true }), true));
+    r.chat_logprobs_only = await attempt(() => chat.chat.completions.create(
+      { ...greedyChat, logprobs: true }));
+    r.chat_top_21 = await attempt(() => chat.chat.completions.create(
+      { ...greedyChat, logprobs: true, top_logprobs: 21 }));
     r.chat_stop = await attempt(() => chat.chat.completions.create({ ...greedyChat, stop: ['big'] }));
     r.chat_bad_role = await attempt(() => chat.chat.completions.create(
       { model: chatModel, messages: [{ role: 5, content: 'x' }] }));
