@@ -404,9 +404,9 @@ static int parse_sampling(oai_job *job, const json_t *root, int kind, oai_err *e
 {
     Pdserve__V1__SamplingParams *s = &job->sampling;
     Pdserve__V1__StoppingCriteria *st = &job->stopping;
-    bool has, b;
-    double d;
-    int64_t i;
+    bool has = false, b = false;
+    double d = 0;
+    int64_t i = 0;
     if (get_number(root, "temperature", &has, &d, e)) return e->status;
     if (has) s->temperature_set_case = PDSERVE__V1__SAMPLING_PARAMS__TEMPERATURE_SET_TEMPERATURE, s->temperature = (float)d;
     if (get_number(root, "top_p", &has, &d, e)) return e->status;
@@ -470,8 +470,8 @@ int oai_parse(const oai_ctx *ctx, int kind, const char *body, size_t len, oai_jo
     if (model && strcmp(json_string_value(model), ctx->model_name))
         return oai_errf(e, 404, "model", "model_not_found", "The model `%s` does not exist; this "
                         "server serves `%s` (GET /v1/models).", json_string_value(model), ctx->model_name);
-    bool has, b;
-    int64_t i;
+    bool has = false, b = false;
+    int64_t i = 0;
     if (get_bool(root, "stream", &has, &b, e)) return e->status;
     job->stream = has && b;
     json_t *so = opt(root, "stream_options");

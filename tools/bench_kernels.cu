@@ -567,7 +567,7 @@ static int bench_sample(const bk_opts *opt, pd_backend *be)
                                    cudaMemcpyDeviceToDevice));
                 BK_CUDA(cudaDeviceSynchronize());
                 const double t0 = now_s();
-                err = o->sample(be->ctx, logits, n, vocab, rows, NULL, 0, tokens, NULL);
+                err = o->sample(be->ctx, logits, n, vocab, rows, NULL, 0, tokens, NULL, NULL);
                 if (r >= 0) t[r] = now_s() - t0;
             }
             const char *mname = mode ? "temperature 1, top-p 0.9, top-k 50" : "greedy";
