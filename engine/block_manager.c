@@ -252,6 +252,27 @@ int bm_append(bm *m, pd_seq *s, int32_t n_total)
     return 0;
 }
 
+int bm_fork(bm *m, const pd_seq *parent, pd_seq *child, int32_t n_shared, int32_t n_fresh)
+{
+    PD_ASSERT(child->n_blocks == 0, "bm_fork onto a sequence that holds blocks");
+    PD_ASSERT(n_shared >= 0 && n_shared <= parent->n_blocks && n_fresh >= 0 &&
+              n_shared + n_fresh <= child->max_blocks, "bm_fork: bad block counts");
+    if (n_fresh > m->n_free) return PD_ENOSPC;
+    for (int32_t i = 0; i < n_shared; i++) {
+        const int32_t id = parent->block_table[i];
+        m->b[id].ref++; /* held by the parent: never in the free list */
+        child->block_table[i] = id;
+    }
+    for (int32_t i = 0; i < n_fresh; i++) child->block_table[n_shared + i] = take_fresh(m);
+    child->n_blocks = n_shared + n_fresh;
+    /* the shared blocks' hashes are the parent's (registered, or walked past with the cache
+     * off); the fresh ones are registered as the child's tokens fill them */
+    const bool same = parent->n_hashed <= n_shared; /* else: hashed again from the start */
+    child->n_hashed = same ? parent->n_hashed : 0;
+    child->last_hash = same ? parent->last_hash : 0;
+    return 0;
+}
+
 void bm_commit(bm *m, pd_seq *s, int32_t n_ready)
 {
     const int32_t bs = m->p.block_size;

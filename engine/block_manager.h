@@ -51,6 +51,11 @@ int bm_allocate(bm *m, pd_seq *s, int32_t n_reserve);
 bool bm_can_append(const bm *m, const pd_seq *s, int32_t n_total);
 /* Grows s's block table to hold n_total tokens. Returns 0 or PD_ENOSPC (nothing changed). */
 int bm_append(bm *m, pd_seq *s, int32_t n_total);
+/* Forks child (holding no blocks) from parent: child's first n_shared blocks are parent's
+ * (ref + 1: blocks shared by reference count, such as the full prompt blocks of an n > 1
+ * request's choices), then n_fresh blocks from the free list (for copies of parent's
+ * partial block: the caller copies the KV). Returns 0 or PD_ENOSPC (nothing changed). */
+int bm_fork(bm *m, const pd_seq *parent, pd_seq *child, int32_t n_shared, int32_t n_fresh);
 /* Registers in the prefix cache every full block among the first n_ready tokens of s that is
  * not yet registered. n_ready counts tokens whose KV is in the cache, or will be once the
  * current step's forward has run: a forward stores every token's KV before any attention

@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "common/error.h"
+#include "common/log.h"
 #include "common/random.h"
 
 /* Open-addressing map from request id to sequence, grown by doubling. */
@@ -29,6 +30,7 @@ struct eng {
     /* per-step buffers */
     int32_t *ids, *pos, *slots, *cu_q, *ctx, *bt, *rows;
     pd_seq **row_seq;
+    int32_t *row_choice;    /* a forking sequence's rows: which choice each samples for */
     float *logits;          /* host sampling: [max_num_seqs][vocab] */
     pd_sample_row *srows;   /* sampling where the logits are: each logits row's parameters */
     pd_penalty_tok *pen;    /* their penalty entries, grown on demand */
@@ -40,7 +42,8 @@ struct eng {
                                sampler changes the row in place) */
     eng_output *outs;
     int32_t max_blocks;     /* blocks of the longest allowed sequence */
-    pd_seq **finished;      /* sequences to free at the start of the next step */
+    pd_seq **finished;      /* sequences to free at the start of the next step
+                             * [max_num_seqs * ENG_MAX_CHOICES] */
     int32_t n_finished;
     eng_kv_listener kvl;    /* prefill-only: layer-by-layer KV news */
     bool has_kvl;
@@ -177,6 +180,32 @@ static void map_del(id_map *m, uint64_t id)
     m->n--;
 }
 
+static void map_set(id_map *m, uint64_t id, pd_seq *s)
+{
+    for (uint32_t i = id_slot(id, m->mask); m->vals[i]; i = (i + 1) & m->mask)
+        if (m->keys[i] == id) {
+            m->vals[i] = s;
+            return;
+        }
+}
+
+/* The map names a request by one of its live choices: s leaves the request's ring of
+ * choices, and the map points at another choice or, when s was the last, forgets the id.
+ * Harmless on a sequence that already left (or was never mapped). */
+static void unmap(eng *e, pd_seq *s)
+{
+    pd_seq *next = s->sib_next;
+    const bool mapped = map_get(&e->map, s->id) == s;
+    if (next && next != s) {
+        next->sib_prev = s->sib_prev;
+        s->sib_prev->sib_next = next;
+        if (mapped) map_set(&e->map, s->id, next);
+    } else if (mapped) {
+        map_del(&e->map, s->id);
+    }
+    s->sib_next = s->sib_prev = s;
+}
+
 /* ---- lifecycle ---- */
 
 static int runner_forward(void *ctx, const mr_batch *b, float *logits, char *err)
@@ -202,11 +231,16 @@ static int runner_launch(void *ctx, const mr_batch *b, const mr_sampling *s, boo
 
 static int runner_collect(void *ctx, char *err) { return mr_collect(ctx, err); }
 
+static int runner_clone(void *ctx, const int32_t *src, const int32_t *dst, int32_t n, char *err)
+{
+    return mr_clone_blocks(ctx, src, dst, n, err);
+}
+
 eng_executor eng_executor_runner(mr *r)
 {
     const bool smp = mr_samples_on_backend(r), pipe = smp && mr_can_launch(r);
     eng_executor x = {runner_forward, r, runner_set_hook, smp ? runner_forward_sample : NULL,
-                      pipe ? runner_launch : NULL, pipe ? runner_collect : NULL};
+                      pipe ? runner_launch : NULL, pipe ? runner_collect : NULL, runner_clone};
     return x;
 }
 
@@ -262,6 +296,7 @@ int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng
     e->bt = malloc(S * (size_t)e->max_blocks * sizeof(int32_t));
     e->rows = malloc(S * sizeof(int32_t));
     e->row_seq = malloc(S * sizeof(pd_seq *));
+    e->row_choice = malloc(S * sizeof(int32_t));
     if (exec.forward_sample) { /* the logits stay with the executor */
         e->srows = malloc(S * sizeof *e->srows);
         e->s_tokens = malloc(S * sizeof *e->s_tokens);
@@ -282,13 +317,15 @@ int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng
     }
     /* limbo: sequences held by the (at most two) launched steps */
     if (e->async && !(e->limbo = malloc(S * 2 * sizeof(pd_seq *)))) goto fail;
-    e->outs = malloc(S * sizeof(eng_output));
-    e->finished = malloc(S * sizeof(pd_seq *));
+    /* a step reports decode-only admissions that finished (up to S), then its rows (up to S) */
+    e->outs = malloc(2 * S * sizeof(eng_output));
+    /* a failed step also retires the other choices of its requests */
+    e->finished = malloc(S * ENG_MAX_CHOICES * sizeof(pd_seq *));
     e->kvl_ids = malloc(S * sizeof *e->kvl_ids);
     e->kvl_blocks = malloc(S * sizeof *e->kvl_blocks);
     e->kvl_n = malloc(S * sizeof *e->kvl_n);
     if (!e->kvl_ids || !e->kvl_blocks || !e->kvl_n || !e->ids || !e->pos || !e->slots || !e->cu_q || !e->ctx || !e->bt || !e->rows ||
-        !e->row_seq || !e->outs || !e->finished)
+        !e->row_seq || !e->row_choice || !e->outs || !e->finished)
         goto fail;
     *out = e;
     return 0;
@@ -302,6 +339,7 @@ static void seq_free(pd_seq *s)
     if (!s) return;
     free(s->tokens);
     free(s->block_table);
+    free(s->choice_seeds);
     free(s);
 }
 
@@ -310,8 +348,20 @@ static void seq_drop(eng *e, pd_seq *s)
 {
     sched_remove(e->sch, s);
     if (s->n_blocks) bm_free(e->blocks, s);
-    map_del(&e->map, s->id);
+    unmap(e, s);
     seq_free(s);
+}
+
+/* The live choices of the request that s belongs to (s first), at most ENG_MAX_CHOICES. */
+static int32_t ring_list(pd_seq *s, pd_seq **out)
+{
+    int32_t n = 0;
+    pd_seq *x = s;
+    do {
+        out[n++] = x;
+        x = x->sib_next;
+    } while (x != s && n < ENG_MAX_CHOICES);
+    return n;
 }
 
 void eng_destroy(eng *e)
@@ -329,8 +379,12 @@ void eng_destroy(eng *e)
         free(e->fl[k].top);
     }
     if (e->map.vals) {
-        for (uint32_t i = 0; i <= e->map.mask; i++)
-            if (e->map.vals[i]) seq_free(e->map.vals[i]);
+        for (uint32_t i = 0; i <= e->map.mask; i++) {
+            if (!e->map.vals[i]) continue;
+            pd_seq *ring[ENG_MAX_CHOICES];
+            const int32_t n = ring_list(e->map.vals[i], ring);
+            for (int32_t j = 0; j < n; j++) seq_free(ring[j]);
+        }
     }
     for (int32_t i = 0; i < e->n_finished; i++) seq_free(e->finished[i]);
     free(e->map.keys);
@@ -339,7 +393,7 @@ void eng_destroy(eng *e)
     bm_destroy(e->blocks);
     smp_scratch_destroy(e->scratch);
     free(e->ids); free(e->pos); free(e->slots); free(e->cu_q); free(e->ctx); free(e->bt);
-    free(e->rows); free(e->row_seq); free(e->logits); free(e->outs); free(e->finished);
+    free(e->rows); free(e->row_seq); free(e->row_choice); free(e->logits); free(e->outs); free(e->finished);
     free(e->srows); free(e->pen); free(e->s_tokens); free(e->s_logprobs);
     free(e->top); free(e->lp_row);
     free(e->pending);
@@ -390,6 +444,12 @@ static int validate(eng *e, const eng_request *r, char *err)
     if (r->logprobs && (r->top_logprobs < 0 || r->top_logprobs > PD_MAX_TOP_LOGPROBS))
         return pd_errf(err, PD_EINVAL, "top logprobs must be in [0, %d] (got %d)",
                        PD_MAX_TOP_LOGPROBS, r->top_logprobs);
+    if (r->n < 0 || r->n > ENG_MAX_CHOICES)
+        return pd_errf(err, PD_EINVAL, "n (choices) must be in [1, %d] (got %d)", ENG_MAX_CHOICES,
+                       r->n);
+    if (r->n > e->p.max_num_seqs)
+        return pd_errf(err, PD_ERANGE, "n (%d choices) exceeds max_num_seqs (%d)", r->n,
+                       e->p.max_num_seqs);
     char e2[PD_ERR_LEN];
     if (smp_validate(&r->sampling, e2) < 0) return pd_errf(err, PD_EINVAL, "%s", e2);
     return 0;
@@ -403,9 +463,27 @@ static int seq_new(eng *e, const eng_request *r, pd_seq **out, char *err)
     s->n_prompt = s->n_tokens = r->n_prompt;
     s->cap = r->n_prompt + r->stop.max_tokens;
     s->max_blocks = (s->cap + e->p.block_size - 1) / e->p.block_size;
+    s->n_choices = r->n > 1 ? r->n : 1;
+    s->n_fork = s->n_choices - 1;
+    s->sib_next = s->sib_prev = s;
     s->tokens = malloc((size_t)s->cap * sizeof(int32_t));
     s->block_table = malloc((size_t)s->max_blocks * sizeof(int32_t));
-    if (!s->tokens || !s->block_table || map_put(&e->map, s->id, s) < 0) {
+    if (s->n_fork > 0) { /* seeds, then the prefill side's first tokens and logprobs */
+        const size_t n = (size_t)s->n_choices;
+        /* a prefill-only engine keeps each choice's alternatives until eng_release */
+        const size_t n_alt = e->p.mode == ENG_MODE_PREFILL && r->logprobs && r->top_logprobs > 0
+                                 ? n * PD_MAX_TOP_LOGPROBS : 0;
+        s->choice_seeds = malloc(n * (sizeof(uint64_t) + 2 * sizeof(int32_t) + sizeof(float)) +
+                                 n_alt * sizeof(pd_top_logprob));
+        if (s->choice_seeds) {
+            s->first_tokens = (int32_t *)(s->choice_seeds + n);
+            s->first_logprobs = (float *)(s->first_tokens + n);
+            s->first_n_top = (int32_t *)(s->first_logprobs + n);
+            s->first_top = n_alt ? (pd_top_logprob *)(s->first_n_top + n) : NULL;
+        }
+    }
+    if (!s->tokens || !s->block_table || (s->n_fork > 0 && !s->choice_seeds) ||
+        map_put(&e->map, s->id, s) < 0) {
         seq_free(s);
         return pd_errf(err, PD_ENOMEM, "out of memory");
     }
@@ -418,6 +496,11 @@ static int seq_new(eng *e, const eng_request *r, pd_seq **out, char *err)
         s->sampling.seed = pd_random_u64();
         s->sampling.has_seed = true;
     }
+    /* Choice i draws from seed + i (a request's own seed: choice i equals the same request
+     * with seed + i and one choice), or from a seed of its own when the caller gave none. */
+    for (int32_t i = 0; i < s->n_choices && s->choice_seeds; i++)
+        s->choice_seeds[i] = r->sampling.has_seed || i == 0 ? s->sampling.seed + (uint64_t)i
+                                                            : pd_random_u64();
     s->stop = r->stop;
     s->want_logprob = r->logprobs;
     s->n_top = r->logprobs ? r->top_logprobs : 0;
@@ -440,16 +523,21 @@ static void retire(eng *e, pd_seq *s);
 
 int eng_abort(eng *e, uint64_t id)
 {
-    pd_seq *s = map_get(&e->map, id);
-    if (!s) return PD_ENOTFOUND;
-    for (int32_t i = 0; i < e->n_pending; i++)
-        if (e->pending[i] == s) e->pending[i] = e->pending[--e->n_pending];
-    if (s->n_launched > 0) { /* a launched step still writes its KV: released after it */
-        s->finish = SEQ_FINISH_ABORTED;
-        retire(e, s);
-        return 0;
+    pd_seq *head = map_get(&e->map, id);
+    if (!head) return PD_ENOTFOUND;
+    pd_seq *ring[ENG_MAX_CHOICES];
+    const int32_t n = ring_list(head, ring); /* every choice: running, waiting or finished */
+    for (int32_t k = 0; k < n; k++) {
+        pd_seq *s = ring[k];
+        for (int32_t i = 0; i < e->n_pending; i++)
+            if (e->pending[i] == s) e->pending[i--] = e->pending[--e->n_pending];
+        if (s->n_launched > 0) { /* a launched step still writes its KV: released after it */
+            s->finish = SEQ_FINISH_ABORTED;
+            retire(e, s);
+            continue;
+        }
+        seq_drop(e, s);
     }
-    seq_drop(e, s);
     return 0;
 }
 
@@ -475,7 +563,7 @@ int eng_reserve(eng *e, const eng_request *r, const int32_t **block_ids, int32_t
      * others will be overwritten from outside. */
     int cached = bm_allocate(e->blocks, s, r->n_prompt + 1);
     if (cached < 0) {
-        map_del(&e->map, s->id);
+        unmap(e, s);
         seq_free(s);
         return pd_errf(err, PD_ENOSPC, "no free KV blocks for %d tokens now", r->n_prompt + 1);
     }
@@ -504,33 +592,161 @@ static seq_finish append_token(eng *e, pd_seq *s, int32_t tok)
     return SEQ_FINISH_NONE;
 }
 
-int eng_admit(eng *e, uint64_t id, int32_t first_token, char *err)
+/* ---- choices (n > 1): the fork after the prompt ---- */
+
+/* A new sequence for choice c of parent s, whose prompt is computed: the prompt's tokens,
+ * choice c's seed, no blocks yet; it joins the request's ring. NULL when out of memory. */
+static pd_seq *seq_fork_new(pd_seq *s, int32_t c)
+{
+    pd_seq *x = calloc(1, sizeof *x);
+    if (!x) return NULL;
+    x->tokens = malloc((size_t)s->cap * sizeof(int32_t));
+    x->block_table = malloc((size_t)s->max_blocks * sizeof(int32_t));
+    if (!x->tokens || !x->block_table) {
+        seq_free(x);
+        return NULL;
+    }
+    x->id = s->id;
+    x->n_prompt = x->n_tokens = s->n_prompt;
+    x->cap = s->cap;
+    x->max_blocks = s->max_blocks;
+    memcpy(x->tokens, s->tokens, (size_t)s->n_prompt * sizeof(int32_t));
+    x->n_cached = s->n_cached;
+    x->sampling = s->sampling;
+    x->sampling.seed = s->choice_seeds[c];
+    x->stop = s->stop;
+    x->t_arrival = s->t_arrival;
+    x->t_scheduled = s->t_scheduled;
+    x->want_logprob = s->want_logprob;
+    x->n_top = s->n_top;
+    x->choice = c;
+    x->n_choices = s->n_choices;
+    x->sib_prev = s->sib_prev; /* into the ring, after the choices before it */
+    x->sib_next = s;
+    s->sib_prev->sib_next = x;
+    s->sib_prev = x;
+    return x;
+}
+
+/* Forks s (its prompt computed, n_fork > 0) into its choices: kids[0] = s and kids[c] a new
+ * sequence per choice c, each given its first token toks[c]. Every choice that goes on shares
+ * the prompt's full blocks (reference counts) and gets a copy of its last partial block (the
+ * executor's clone_blocks); one that cannot (no free block, no clone op, a failed copy, out of
+ * memory) holds nothing and recomputes its context later, as after a preemption. Nothing is
+ * reported or queued here: kids[c]->finish says which choices already ended. Returns the
+ * number of choices (n_fork + 1; fewer only when out of memory: the others are lost and
+ * counted as aborted by the caller). */
+static int32_t fork_choices(eng *e, pd_seq *s, const int32_t *toks, pd_seq **kids)
+{
+    const int32_t nc = s->n_fork + 1, bs = e->p.block_size;
+    int32_t n = 1;
+    kids[0] = s;
+    for (int32_t c = 1; c < nc; c++) {
+        pd_seq *x = seq_fork_new(s, c);
+        if (!x) break; /* out of memory: these choices are lost */
+        kids[n++] = x;
+    }
+    s->n_fork = 0;
+    e->st.forks++;
+    const int32_t full = s->n_prompt / bs, partial = s->n_prompt % bs ? 1 : 0;
+    int32_t src[ENG_MAX_CHOICES], dst[ENG_MAX_CHOICES], n_clone = 0;
+    for (int32_t c = 0; c < n; c++) {
+        pd_seq *x = kids[c];
+        x->finish = append_token(e, x, toks[c]);
+        if (c == 0 || x->finish != SEQ_FINISH_NONE) continue; /* an ended choice needs no KV */
+        if (bm_fork(e->blocks, s, x, full, partial) == 0) {
+            x->n_computed = s->n_prompt;
+            if (partial) {
+                src[n_clone] = s->block_table[full];
+                dst[n_clone++] = x->block_table[full];
+            }
+        }
+    }
+    char err[PD_ERR_LEN];
+    bool cloned = n_clone == 0 ||
+                  (e->exec.clone_blocks && e->exec.clone_blocks(e->exec.ctx, src, dst, n_clone, err) == 0);
+    if (n_clone > 0 && e->exec.clone_blocks && !cloned)
+        PD_LOGW("engine: copying %d forked KV blocks failed (%s); those choices recompute",
+                n_clone, err);
+    if (cloned) e->st.fork_cloned_blocks += n_clone;
+    for (int32_t c = 1; c < n; c++) {
+        pd_seq *x = kids[c];
+        if (x->finish != SEQ_FINISH_NONE || (x->n_blocks > 0 && cloned)) continue;
+        if (x->n_blocks) bm_free(e->blocks, x); /* its copy was never made */
+        x->n_computed = 0;
+        e->st.fork_recomputed++;
+    }
+    free(s->choice_seeds); /* (also the first-token arrays: prefill-only engines keep theirs) */
+    s->choice_seeds = NULL;
+    s->first_tokens = NULL;
+    s->first_logprobs = NULL;
+    s->first_n_top = NULL;
+    s->first_top = NULL;
+    note_peak_blocks(e);
+    return n;
+}
+
+/* Queues a forked choice that goes on: running when it holds its KV, else waiting to
+ * recompute it. */
+static void queue_choice(eng *e, pd_seq *x)
+{
+    if (x->n_blocks > 0) sched_add_running(e->sch, x);
+    else sched_add_waiting(e->sch, x);
+}
+
+static int pending_add(eng *e, pd_seq *s, char *err)
+{
+    if (e->n_pending == e->cap_pending) {
+        int32_t cap = e->cap_pending ? 2 * e->cap_pending : 16;
+        pd_seq **np = realloc(e->pending, (size_t)cap * sizeof *np);
+        if (!np) return pd_errf(err, PD_ENOMEM, "out of memory");
+        e->pending = np;
+        e->cap_pending = cap;
+    }
+    s->status = SEQ_FINISHED;
+    e->pending[e->n_pending++] = s;
+    return 0;
+}
+
+int eng_admit_n(eng *e, uint64_t id, const int32_t *first_tokens, int32_t n, char *err)
 {
     pd_seq *s = map_get(&e->map, id);
     if (!s || s->status != SEQ_RESERVED)
         return pd_errf(err, PD_ENOTFOUND, "no reserved request %llu", (unsigned long long)id);
-    if (first_token < 0 || first_token >= e->cfg.vocab_size)
-        return pd_errf(err, PD_EINVAL, "first token %d is out of range [0, %d)", first_token,
-                       e->cfg.vocab_size);
+    if (n != s->n_choices)
+        return pd_errf(err, PD_EINVAL, "request %llu has %d choices; got %d first tokens",
+                       (unsigned long long)id, s->n_choices, n);
+    for (int32_t c = 0; c < n; c++)
+        if (first_tokens[c] < 0 || first_tokens[c] >= e->cfg.vocab_size)
+            return pd_errf(err, PD_EINVAL, "first token %d is out of range [0, %d)",
+                           first_tokens[c], e->cfg.vocab_size);
+    if (e->cap_pending - e->n_pending < n) { /* room to park every choice that ends at once */
+        int32_t cap = e->n_pending + n + 16;
+        pd_seq **np = realloc(e->pending, (size_t)cap * sizeof *np);
+        if (!np) return pd_errf(err, PD_ENOMEM, "out of memory");
+        e->pending = np;
+        e->cap_pending = cap;
+    }
     s->n_computed = s->n_prompt;
     s->skip_prefix_cache = false;
     s->t_arrival = now_s(); /* decode-only queue time counts from the KV's arrival */
     bm_commit(e->blocks, s, s->n_prompt); /* the prompt's full blocks become reusable */
-    s->finish = append_token(e, s, first_token);
-    if (s->finish != SEQ_FINISH_NONE) {
-        if (e->n_pending == e->cap_pending) {
-            int32_t cap = e->cap_pending ? 2 * e->cap_pending : 16;
-            pd_seq **np = realloc(e->pending, (size_t)cap * sizeof *np);
-            if (!np) return pd_errf(err, PD_ENOMEM, "out of memory");
-            e->pending = np;
-            e->cap_pending = cap;
-        }
-        s->status = SEQ_FINISHED;
-        e->pending[e->n_pending++] = s;
-        return 0;
+    pd_seq *kids[ENG_MAX_CHOICES];
+    int32_t nk = 1;
+    kids[0] = s;
+    if (s->n_fork > 0) nk = fork_choices(e, s, first_tokens, kids);
+    else s->finish = append_token(e, s, first_tokens[0]);
+    for (int32_t c = 0; c < nk; c++) {
+        pd_seq *x = kids[c];
+        if (x->finish != SEQ_FINISH_NONE) (void)pending_add(e, x, err); /* room was made */
+        else queue_choice(e, x);
     }
-    sched_add_running(e->sch, s);
     return 0;
+}
+
+int eng_admit(eng *e, uint64_t id, int32_t first_token, char *err)
+{
+    return eng_admit_n(e, id, &first_token, 1, err);
 }
 
 /* ---- step ---- */
@@ -543,6 +759,12 @@ static int32_t top_count(const pd_top_logprob *top, int32_t n)
     return k;
 }
 
+/* Logits row k's alternatives in a step (e->top, [max_num_seqs][PD_MAX_TOP_LOGPROBS]). */
+static pd_top_logprob *row_top(eng *e, int32_t k)
+{
+    return e->top + (size_t)k * PD_MAX_TOP_LOGPROBS;
+}
+
 /* lp and top[0..n_top) (top may be NULL when n_top is 0) are the token's raw logprobs when s
  * asked for them. */
 static void report(eng *e, int32_t *n_out, const pd_seq *s, int32_t tok, float lp,
@@ -550,6 +772,16 @@ static void report(eng *e, int32_t *n_out, const pd_seq *s, int32_t tok, float l
 {
     eng_output *o = &e->outs[(*n_out)++];
     o->id = s->id;
+    o->choice = s->choice;
+    o->n_choices = s->n_choices;
+    /* the last live choice of its request ends: the request is done */
+    o->done = s->finish != SEQ_FINISH_NONE && s->sib_next == s;
+    const bool firsts = s->finish == SEQ_FINISH_PREFILLED && s->n_choices > 1 && s->first_tokens;
+    o->choice_tokens = firsts ? s->first_tokens : NULL;
+    o->choice_logprobs = firsts ? s->first_logprobs : NULL;
+    const bool ftops = firsts && s->want_logprob && s->n_top > 0;
+    o->choice_top = ftops ? s->first_top : NULL;
+    o->choice_n_top = ftops ? s->first_n_top : NULL;
     o->token = tok;
     o->logprob = lp;
     o->top = n_top > 0 ? top : NULL;
@@ -572,13 +804,13 @@ static void retire(eng *e, pd_seq *s)
         return;
     }
     if (s->n_launched > 0) { /* a launched step holds a row of it: see release_limbo */
-        map_del(&e->map, s->id);
+        unmap(e, s);
         s->status = SEQ_FINISHED;
         e->limbo[e->n_limbo++] = s;
         return;
     }
     if (s->n_blocks) bm_free(e->blocks, s);
-    map_del(&e->map, s->id);
+    unmap(e, s);
     s->status = SEQ_FINISHED;
     e->finished[e->n_finished++] = s;
 }
@@ -595,7 +827,9 @@ static int sampling_rows(eng *e, int32_t nl, mr_sampling *smp)
         logprobs |= s->want_logprob;
         const int32_t n_output = seq_n_output(s);
         pd_sample_row *row = &e->srows[k];
-        *row = smp_sample_row(&s->sampling, n_output, 0, 0);
+        smp_params sc = s->sampling;
+        if (s->n_fork > 0) sc.seed = s->choice_seeds[e->row_choice[k]]; /* a choice's stream */
+        *row = smp_sample_row(&sc, n_output, 0, 0);
         if (s->want_logprob) row->n_top = s->n_top;
         const smp_params *sp = &s->sampling;
         if (!smp_penalized(sp)) continue;
@@ -620,6 +854,25 @@ static int sampling_rows(eng *e, int32_t nl, mr_sampling *smp)
     smp->logprobs = logprobs ? e->s_logprobs : NULL; /* computed only when wanted */
     smp->top = logprobs ? e->top : NULL;
     return 0;
+}
+
+/* A failed step lost s: s is reported aborted, and the request's other choices (in the step
+ * or not) end with it, unreported (the request's first aborted output ends it for the
+ * caller). A choice already retired is left alone. */
+static void fail_request(eng *e, int32_t *n_out, pd_seq *s)
+{
+    if (s->status == SEQ_FINISHED) return; /* retired with an earlier choice of its request */
+    pd_seq *ring[ENG_MAX_CHOICES];
+    const int32_t n = ring_list(s, ring);
+    s->finish = SEQ_FINISH_ABORTED;
+    report(e, n_out, s, -1, 0.0f, NULL, 0);
+    for (int32_t k = 0; k < n; k++) {
+        ring[k]->finish = SEQ_FINISH_ABORTED;
+        for (int32_t i = 0; i < e->n_pending; i++)
+            if (e->pending[i] == ring[k]) e->pending[i--] = e->pending[--e->n_pending];
+        retire(e, ring[k]);
+        ring[k]->status = SEQ_FINISHED;
+    }
 }
 
 /* ---- pipelined decode steps ---- */
@@ -721,13 +974,8 @@ static int pipe_step(eng *e, int32_t n_out, int32_t *n_outs, char *err)
             e->n_fl--;
         }
         bm_drop_cache(e->blocks);
-        for (int32_t k = 0; k < F->n; k++) {
-            pd_seq *s = F->seq[k];
-            if (s->status != SEQ_RUNNING) continue;
-            s->finish = SEQ_FINISH_ABORTED;
-            report(e, &n_out, s, -1, 0.0f, NULL, 0);
-            retire(e, s);
-        }
+        for (int32_t k = 0; k < F->n; k++)
+            if (F->seq[k]->status == SEQ_RUNNING) fail_request(e, &n_out, F->seq[k]);
         release_limbo(e);
         *n_outs = n_out;
         return rc;
@@ -760,8 +1008,8 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
     while (e->n_pending > 0 && n_out < e->p.max_num_seqs) {
         pd_seq *s = e->pending[--e->n_pending];
         report(e, &n_out, s, -1, 0.0f, NULL, 0);
-        bm_free(e->blocks, s);
-        map_del(&e->map, s->id);
+        if (s->n_blocks) bm_free(e->blocks, s);
+        unmap(e, s);
         e->finished[e->n_finished++] = s;
     }
     *outs = e->outs;
@@ -798,9 +1046,13 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
         e->cu_q[i + 1] = nt;
         e->ctx[i] = s->n_computed + it->n_new;
         put_table(e, i, width, s);
-        if (it->sample) {
-            e->rows[nl] = nt - 1;
-            e->row_seq[nl++] = s;
+        if (it->sample) { /* a request that forks now: one row per choice, each its own seed */
+            const int32_t nc = s->n_fork + 1;
+            for (int32_t c = 0; c < nc; c++) {
+                e->rows[nl] = nt - 1;
+                e->row_choice[nl] = c;
+                e->row_seq[nl++] = s;
+            }
         }
         if (it->n_new == 1 && s->n_computed >= s->n_prompt) {
             e->st.decode_tokens++;
@@ -817,7 +1069,7 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
         int32_t n = 0;
         for (int32_t k = 0; k < nl; k++) {
             pd_seq *s = e->row_seq[k];
-            if (seq_n_output(s) != 0) continue;
+            if (seq_n_output(s) != 0 || e->row_choice[k] != 0) continue;
             e->kvl_ids[n] = s->id;
             e->kvl_blocks[n] = s->block_table;
             e->kvl_n[n++] = (s->n_prompt + bs - 1) / bs;
@@ -866,12 +1118,7 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
     note_peak_blocks(e);
     if (rc < 0) { /* the step is lost: fail its requests cleanly */
         bm_drop_cache(e->blocks); /* blocks registered for this step were never written */
-        for (int32_t i = 0; i < so.n_items; i++) {
-            pd_seq *s = so.items[i].seq;
-            s->finish = SEQ_FINISH_ABORTED;
-            report(e, &n_out, s, -1, 0.0f, NULL, 0);
-            retire(e, s);
-        }
+        for (int32_t i = 0; i < so.n_items; i++) fail_request(e, &n_out, so.items[i].seq);
         *n_outs = n_out;
         return rc;
     }
@@ -882,28 +1129,55 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
     }
     const int32_t V = e->cfg.vocab_size;
     double t3 = now_s();
-    for (int32_t k = 0; k < nl; k++) {
+    int32_t toks[ENG_MAX_CHOICES], n_tops[ENG_MAX_CHOICES];
+    float lps[ENG_MAX_CHOICES];
+    for (int32_t k = 0; k < nl;) {
         pd_seq *s = e->row_seq[k];
-        float lp = 0.0f;
-        int32_t tok, n_top = 0;
-        pd_top_logprob *top = e->top + (size_t)k * PD_MAX_TOP_LOGPROBS;
-        if (e->exec.forward_sample) {
-            tok = smp.tokens[k];
-            if (s->want_logprob) {
-                lp = smp.logprobs[k];
-                n_top = top_count(top, s->n_top);
+        const int32_t k0 = k, nc = s->n_fork + 1; /* rows k .. k + nc - 1 are s's (its choices) */
+        for (int32_t c = 0; c < nc; c++, k++) {
+            pd_top_logprob *top = e->top + (size_t)k * PD_MAX_TOP_LOGPROBS;
+            lps[c] = 0.0f;
+            n_tops[c] = 0;
+            if (e->exec.forward_sample) {
+                toks[c] = smp.tokens[k];
+                if (s->want_logprob) {
+                    lps[c] = smp.logprobs[k];
+                    n_tops[c] = top_count(top, s->n_top);
+                }
+            } else {
+                float *row = e->logits + (size_t)k * V;
+                smp_params sc = s->sampling;
+                if (nc > 1) sc.seed = s->choice_seeds[c];
+                /* the sampler changes the row: the raw distribution is read from a copy */
+                if (s->want_logprob) memcpy(e->lp_row, row, (size_t)V * sizeof *row);
+                toks[c] = smp_sample(&sc, row, V, s->tokens, s->n_prompt, s->tokens + s->n_prompt,
+                                     seq_n_output(s), e->scratch, NULL);
+                if (s->want_logprob)
+                    n_tops[c] = smp_logprobs(e->lp_row, V, toks[c], s->n_top, &lps[c], top);
             }
-        } else {
-            float *row = e->logits + (size_t)k * V;
-            /* the sampler changes the row: the raw distribution is read from a copy */
-            if (s->want_logprob) memcpy(e->lp_row, row, (size_t)V * sizeof *row);
-            tok = smp_sample(&s->sampling, row, V, s->tokens, s->n_prompt,
-                             s->tokens + s->n_prompt, seq_n_output(s), e->scratch, NULL);
-            if (s->want_logprob) n_top = smp_logprobs(e->lp_row, V, tok, s->n_top, &lp, top);
         }
-        s->finish = append_token(e, s, tok);
+        if (nc > 1 && e->p.mode == ENG_MODE_PREFILL) { /* every choice's first token goes out */
+            memcpy(s->first_tokens, toks, (size_t)nc * sizeof *toks);
+            memcpy(s->first_logprobs, lps, (size_t)nc * sizeof *lps);
+            memcpy(s->first_n_top, n_tops, (size_t)nc * sizeof *n_tops);
+            for (int32_t c = 0; c < nc; c++)
+                if (n_tops[c] > 0)
+                    memcpy(s->first_top + (size_t)c * PD_MAX_TOP_LOGPROBS, row_top(e, k0 + c),
+                           (size_t)n_tops[c] * sizeof *s->first_top);
+        } else if (nc > 1) {
+            pd_seq *kids[ENG_MAX_CHOICES];
+            const int32_t nk = fork_choices(e, s, toks, kids);
+            for (int32_t c = 0; c < nk; c++) {
+                pd_seq *x = kids[c];
+                report(e, &n_out, x, toks[c], lps[c], row_top(e, k0 + c), n_tops[c]);
+                if (x->finish != SEQ_FINISH_NONE) retire(e, x);
+                else if (c > 0) queue_choice(e, x);
+            }
+            continue;
+        }
+        s->finish = append_token(e, s, toks[0]);
         if (e->p.mode == ENG_MODE_PREFILL && seq_n_output(s) == 1) s->finish = SEQ_FINISH_PREFILLED;
-        report(e, &n_out, s, tok, lp, top, n_top);
+        report(e, &n_out, s, toks[0], lps[0], row_top(e, k0), n_tops[0]);
         if (s->finish != SEQ_FINISH_NONE) retire(e, s);
     }
     *n_outs = n_out;
@@ -927,9 +1201,14 @@ int64_t eng_queued_prompt_tokens(const eng *e)
 {
     int64_t n = 0;
     for (uint32_t i = 0; i <= e->map.mask; i++) {
-        const pd_seq *s = e->map.vals[i];
-        if (s && (s->status == SEQ_WAITING || s->status == SEQ_RUNNING) && s->n_tokens - s->n_computed > 1)
-            n += s->n_tokens - s->n_computed;
+        if (!e->map.vals[i]) continue;
+        pd_seq *ring[ENG_MAX_CHOICES];
+        const int32_t nr = ring_list(e->map.vals[i], ring);
+        for (int32_t k = 0; k < nr; k++) {
+            const pd_seq *s = ring[k];
+            if ((s->status == SEQ_WAITING || s->status == SEQ_RUNNING) && s->n_tokens - s->n_computed > 1)
+                n += s->n_tokens - s->n_computed;
+        }
     }
     return n;
 }
@@ -944,14 +1223,23 @@ int eng_check(const eng *e)
     if (!refs) return -1;
     int rc = 0;
     for (uint32_t i = 0; i <= e->map.mask; i++) {
-        const pd_seq *s = e->map.vals[i];
-        if (!s) continue;
-        if (s->status == SEQ_WAITING && s->n_blocks != 0) {
-            fprintf(stderr, "eng_check: waiting request %llu holds %d blocks\n",
-                    (unsigned long long)s->id, s->n_blocks);
-            rc = -1;
+        if (!e->map.vals[i]) continue;
+        pd_seq *ring[ENG_MAX_CHOICES];
+        const int32_t nr = ring_list(e->map.vals[i], ring);
+        for (int32_t k = 0; k < nr; k++) {
+            const pd_seq *s = ring[k];
+            if (s->id != e->map.keys[i] || (s->sib_next->sib_prev != s)) {
+                fprintf(stderr, "eng_check: request %llu: broken ring of choices\n",
+                        (unsigned long long)e->map.keys[i]);
+                rc = -1;
+            }
+            if (s->status == SEQ_WAITING && s->n_blocks != 0) {
+                fprintf(stderr, "eng_check: waiting request %llu holds %d blocks\n",
+                        (unsigned long long)s->id, s->n_blocks);
+                rc = -1;
+            }
+            for (int32_t j = 0; j < s->n_blocks; j++) refs[s->block_table[j]]++;
         }
-        for (int32_t j = 0; j < s->n_blocks; j++) refs[s->block_table[j]]++;
     }
     for (int32_t i = 0; i < e->n_limbo; i++) /* finished, blocks held for a launched step */
         for (int32_t j = 0; j < e->limbo[i]->n_blocks; j++) refs[e->limbo[i]->block_table[j]]++;

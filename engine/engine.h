@@ -15,6 +15,9 @@
 #include "engine/scheduler.h"
 #include "engine/sequence.h"
 
+/* Most choices (samples of one prompt sharing its KV) a request may ask for. */
+#define ENG_MAX_CHOICES 16
+
 typedef enum {
     ENG_MODE_COLOCATED = 0,
     ENG_MODE_PREFILL,
@@ -39,6 +42,12 @@ typedef struct {
     int (*launch)(void *ctx, const mr_batch *b, const mr_sampling *s, bool ids_from_last,
                   char *err);
     int (*collect)(void *ctx, char *err);
+    /* Optional: copies KV blocks src[i] over dst[i] (n pairs, host arrays) in order with the
+     * forwards (mr_clone_blocks): the copy on write of a forked choice's partial prompt block.
+     * NULL (or an error): such a choice recomputes its context instead, as after a
+     * preemption (its full prompt blocks then come from the prefix cache, if on). */
+    int (*clone_blocks)(void *ctx, const int32_t *src, const int32_t *dst, int32_t n,
+                        char *err);
 } eng_executor;
 
 /* The executor that runs r (borrowed; must outlive the engine). */
@@ -75,11 +84,22 @@ typedef struct {
                                        model distribution (costs a log-softmax a token) */
     int32_t top_logprobs;           /* with logprobs: also each token's best alternatives,
                                        0..PD_MAX_TOP_LOGPROBS */
+    int32_t n;                      /* choices: samples of the prompt, 0 or 1 = one, at most
+                                       ENG_MAX_CHOICES (and max_num_seqs). The prompt is
+                                       computed once; at its first token the request forks into
+                                       n sequences that share its full blocks (reference counts)
+                                       and copy its last partial block. Choice i draws from seed
+                                       + i when sampling.has_seed, else from a seed of its own;
+                                       each choice's tokens carry their own logprobs and top */
 } eng_request;
 
-/* One sequence's news from a step. */
+/* One sequence's news from a step. A request of n choices has one sequence per choice: its
+ * outputs carry the choice index, and every choice ends with an output whose finish is set;
+ * `done` marks the request's last output (every choice finished). */
 typedef struct {
     uint64_t id;
+    int32_t choice;                 /* index of the choice, 0 .. n - 1 (0 for one choice) */
+    bool done;                      /* the request's last output: every choice finished */
     int32_t token;                  /* the new token, or -1 when none (abort) */
     float logprob;                  /* when the request asked for logprobs: log-probability
                                        of token under the raw model distribution (the
@@ -99,6 +119,16 @@ typedef struct {
     const int32_t *block_ids;       /* prefill-only, finish PREFILLED: its blocks (borrowed
                                        until eng_release) */
     int32_t n_blocks;
+    int32_t n_choices;              /* the request's choices (>= 1) */
+    const int32_t *choice_tokens;   /* prefill-only, PREFILLED with n_choices > 1: each choice's
+                                       first token ([n_choices], [0] = token; borrowed until
+                                       eng_release), else NULL */
+    const float *choice_logprobs;   /* their log-probabilities (as logprob), or NULL */
+    const pd_top_logprob *choice_top; /* with choice_logprobs and top_logprobs > 0: choice c's
+                                       alternatives at [c * PD_MAX_TOP_LOGPROBS], best first
+                                       (as top), else NULL */
+    const int32_t *choice_n_top;    /* [n_choices] entries of each choice's list (as n_top), or
+                                       NULL with choice_top */
 } eng_output;
 
 typedef struct {
@@ -111,6 +141,10 @@ typedef struct {
     int64_t reserved_cached_tokens; /* decode: of those, shared from the prefix cache (their KV
                                        was not transferred) */
     int64_t preemptions;
+    int64_t forks;                  /* n > 1 requests forked into their choices */
+    int64_t fork_cloned_blocks;     /* partial prompt blocks copied for forked choices */
+    int64_t fork_recomputed;        /* forked choices that recompute instead (no free block, or
+                                       no clone op) */
     int64_t batch_seqs_sum;         /* sum over steps of sequences in the step */
     int32_t peak_blocks_used;
     double model_s;                 /* time inside the executor */
@@ -151,7 +185,8 @@ void eng_set_kv_listener(eng *e, const eng_kv_listener *l);
  * the vocabulary, prompt + max_tokens within max_model_len and within the KV pool, sampling
  * values, a unique id. Returns 0 or PD_EINVAL / PD_ERANGE / PD_ENOMEM with err set. */
 int eng_add_request(eng *e, const eng_request *r, char *err);
-/* Aborts a request in any state and frees its blocks at once. Returns 0 or PD_ENOTFOUND. */
+/* Aborts a request in any state (every choice of it) and frees its blocks at once; a block
+ * shared by its choices is freed once the last choice drops it. Returns 0 or PD_ENOTFOUND. */
 int eng_abort(eng *e, uint64_t id);
 
 /* Runs one step. *outs receives one entry per sequence that got a token or finished this step
@@ -179,6 +214,11 @@ int eng_reserve(eng *e, const eng_request *r, const int32_t **block_ids, int32_t
  * PD_EINVAL (token out of range). If the first token already ends the request, it finishes at
  * the next step. */
 int eng_admit(eng *e, uint64_t id, int32_t first_token, char *err);
+/* eng_admit for a request of n choices: first_tokens[n] are the choices' first tokens
+ * (sampled by the prefill side, choice i with its own seed). The request forks at once into
+ * its n sequences (shared full blocks, a copy of the partial one). n must be the request's
+ * n (PD_EINVAL otherwise). */
+int eng_admit_n(eng *e, uint64_t id, const int32_t *first_tokens, int32_t n, char *err);
 
 int32_t eng_n_waiting(const eng *e);
 int32_t eng_n_running(const eng *e);

@@ -334,6 +334,50 @@ void mr_kv_pool(const mr *r, void **base, size_t *bytes)
              pd_dtype_size(r->be->ops->act_dtype);
 }
 
+/* One runner's copy (a rank's, or the only one's): its own pool, its own heads' bytes. */
+static int clone_blocks_one(mr *r, const int32_t *src, const int32_t *dst, int32_t n, char *err)
+{
+    const pd_backend_ops *o = r->be->ops;
+    if (!o->kv_blocks_clone)
+        return pd_errf(err, PD_EUNSUPPORTED, "%s backend: no kv_blocks_clone op", o->name);
+    const size_t es = pd_dtype_size(o->act_dtype);
+    const size_t block_bytes = r->kv_layer_elems / (size_t)r->p.n_blocks * es;
+    int rc = o->kv_blocks_clone(r->be->ctx, r->kv, r->kv_layer_elems * es,
+                                2 * r->m->cfg.n_layers, src, dst, n, block_bytes);
+    if (rc < 0) return pd_errf(err, rc, "%s backend: kv_blocks_clone failed", o->name);
+    return 0;
+}
+
+typedef struct {
+    mr *g;
+    const int32_t *src, *dst;
+    int32_t n;
+} clone_arg;
+
+static int rank_clone(void *arg, int32_t rank)
+{
+    clone_arg *a = arg;
+    return clone_blocks_one(a->g->ranks[rank], a->src, a->dst, a->n, a->g->rank_err[rank]);
+}
+
+int mr_clone_blocks(mr *r, const int32_t *src, const int32_t *dst, int32_t n, char *err)
+{
+    if (n == 0) return 0;
+    if (!r->ranks) return clone_blocks_one(r, src, dst, n, err);
+    /* A group: every rank copies its own KV heads of the blocks (the same block ids on every
+     * rank), on its own thread, so that the copy is queued in order with that rank's
+     * forwards. No collective is involved: a rank that fails leaves the communicator alone,
+     * and the engine lets the choices recompute instead. */
+    if (r->broken)
+        return pd_errf(err, PD_EBACKEND, "tensor parallel: a rank failed in an earlier forward");
+    clone_arg a = {r, src, dst, n};
+    int32_t bad = -1;
+    int rc = tp_pool_run(r->pool, rank_clone, &a, &bad);
+    if (rc < 0)
+        return pd_errf(err, rc, "tensor parallel rank %d: %s", bad, bad >= 0 ? r->rank_err[bad] : "");
+    return 0;
+}
+
 void mr_kv_cache(const mr *r, int32_t layer, void **k, void **v)
 {
     if (r->ranks) r = r->ranks[0];
@@ -354,9 +398,11 @@ static int validate(const mr *r, const mr_batch *b, int32_t *max_q, int32_t *max
     if (b->max_blocks_per_seq <= 0 || b->max_blocks_per_seq > r->max_blocks_per_seq)
         return pd_errf(err, PD_EINVAL, "block table width %d (allowed 1..%d)",
                        b->max_blocks_per_seq, r->max_blocks_per_seq);
-    if (b->n_logits < 0 || b->n_logits > b->n_tokens)
-        return pd_errf(err, PD_EINVAL, "%d logits rows requested for %d tokens", b->n_logits,
-                       b->n_tokens);
+    /* A row may be asked for more than once (the choices of an n > 1 request sample its
+     * last prompt row each with their own seed): at most a step's rows in all. */
+    if (b->n_logits < 0 || b->n_logits > r->p.max_num_batched_tokens)
+        return pd_errf(err, PD_EINVAL, "%d logits rows requested (allowed 0..%d)", b->n_logits,
+                       r->p.max_num_batched_tokens);
     if (b->cu_q[0] != 0 || b->cu_q[b->n_seqs] != b->n_tokens)
         return pd_errf(err, PD_EINVAL, "cu_q must start at 0 and end at n_tokens");
     const int64_t n_slots = (int64_t)r->p.n_blocks * r->p.block_size;

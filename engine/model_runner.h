@@ -47,8 +47,9 @@ typedef struct {
     const int32_t *ctx_lens;      /* [n_seqs] */
     const int32_t *block_tables;  /* [n_seqs][max_blocks_per_seq] */
     int32_t max_blocks_per_seq;   /* row length of block_tables, <= mr_max_blocks_per_seq() */
-    int32_t n_logits;             /* rows whose logits are wanted, >= 0 */
-    const int32_t *logits_rows;   /* [n_logits] token rows (e.g. each sequence's last row) */
+    int32_t n_logits;             /* rows whose logits are wanted, 0..max_num_batched_tokens */
+    const int32_t *logits_rows;   /* [n_logits] token rows (e.g. each sequence's last row; a
+                                     row may repeat: an n > 1 request's choices) */
 } mr_batch;
 
 typedef struct mr mr; /* opaque */
@@ -124,6 +125,13 @@ int64_t mr_graph_steps(const mr *r);
  * thread. */
 typedef void (*mr_layer_fn)(void *arg, int32_t layer);
 void mr_set_layer_hook(mr *r, mr_layer_fn fn, void *arg);
+
+/* Copies KV blocks src[i] over dst[i] (host arrays, n pairs) in every layer's K and V, in
+ * order with the forwards (the backend's kv_blocks_clone): the copy on write of an n > 1
+ * request's partial prompt block. A tensor-parallel runner copies on every rank (each its own
+ * KV heads, on its rank's thread). Returns 0, PD_EUNSUPPORTED (the backend has no such op),
+ * PD_EINVAL, PD_EBACKEND. */
+int mr_clone_blocks(mr *r, const int32_t *src, const int32_t *dst, int32_t n, char *err);
 
 int32_t mr_n_blocks(const mr *r);
 int32_t mr_block_size(const mr *r);

@@ -108,13 +108,21 @@ static void preempt(sched *s, pd_seq *victim)
     s->n_preemptions++;
 }
 
+/* Logits rows an item of seq samples: one, or one per choice when the request forks at this
+ * token (n > 1 choices: engine.h). They count against max_num_seqs like sequences. */
+static int32_t rows_of(const pd_seq *seq, int32_t n_new)
+{
+    return seq->n_fork > 0 && seq->n_computed + n_new == seq->n_tokens ? seq->n_fork + 1 : 1;
+}
+
 int sched_schedule(sched *s, sched_out *out)
 {
     int32_t budget = s->p.max_num_batched_tokens, n = 0, n_preempted = 0;
+    int32_t rows = 0; /* logits rows (>= n): a forking request samples once per choice */
     out->n_admitted_tokens = out->n_cached_tokens = 0;
     /* 1. Running sequences, oldest first. */
     pd_seq *seq = s->running.head;
-    while (seq && n < s->p.max_num_seqs && budget > 0) {
+    while (seq && rows < s->p.max_num_seqs && budget > 0) {
         pd_seq *next = seq->next;
         int32_t n_new = seq->n_tokens - seq->n_computed;
         if (n_new <= 0) { /* nothing to compute (e.g. waiting for an external event) */
@@ -129,6 +137,10 @@ int sched_schedule(sched *s, sched_out *out)
                 continue;
             }
             n_new = budget;
+        }
+        if (rows + rows_of(seq, n_new) > s->p.max_num_seqs) { /* its choices' rows: later */
+            seq = next;
+            continue;
         }
         bool self_preempted = false;
         while (!bm_can_append(s->blocks, seq, seq->n_computed + n_new)) {
@@ -146,13 +158,14 @@ int sched_schedule(sched *s, sched_out *out)
         if (self_preempted) break;
         int rc = bm_append(s->blocks, seq, seq->n_computed + n_new);
         PD_ASSERT(rc == 0, "bm_append failed after bm_can_append");
+        rows += rows_of(seq, n_new);
         s->items[n++] = (sched_item){seq, n_new, seq->n_computed + n_new == seq->n_tokens};
         bm_commit(s->blocks, seq, seq->n_computed + n_new);
         budget -= n_new;
         seq = next;
     }
     /* 2. Waiting sequences, in order, unless this step had to preempt. */
-    while (n_preempted == 0 && s->waiting.head && n < s->p.max_num_seqs && budget > 0) {
+    while (n_preempted == 0 && s->waiting.head && rows < s->p.max_num_seqs && budget > 0) {
         seq = s->waiting.head;
         int cached = bm_can_allocate(s->blocks, seq, seq->n_tokens);
         if (cached < 0) break;
@@ -161,6 +174,9 @@ int sched_schedule(sched *s, sched_out *out)
             if (!s->p.enable_chunked_prefill && n_new <= s->p.max_num_batched_tokens) break;
             n_new = budget;
         }
+        const int32_t nr = seq->n_fork > 0 && n_new == seq->n_tokens - cached ? seq->n_fork + 1 : 1;
+        if (rows + nr > s->p.max_num_seqs) break;
+        rows += nr;
         cached = bm_allocate(s->blocks, seq, seq->n_tokens);
         PD_ASSERT(cached >= 0, "bm_allocate failed after bm_can_allocate");
         out->n_admitted_tokens += seq->n_tokens;

@@ -62,6 +62,20 @@ typedef struct pd_seq {
                                   written from outside: decode-only reservations) */
     int32_t n_launched;        /* launched steps not yet collected that hold a row of it (the
                                   engine's pipelined steps): its blocks and memory stay until 0 */
+    /* Choices (n > 1 samples of one prompt, forked after the prompt): */
+    int32_t choice;            /* this sequence's index among its request's choices (0 first) */
+    int32_t n_choices;         /* the request's choices, >= 1 */
+    int32_t n_fork;            /* choices still to fork off at the first token: n_choices - 1
+                                  until the prompt is done, then 0 (always 0 when n_choices 1) */
+    uint64_t *choice_seeds;    /* [n_choices] while n_fork > 0 (NULL for one choice): each
+                                  choice's seed */
+    int32_t *first_tokens;     /* [n_choices] prefill-only, n_choices > 1: each choice's first
+                                  token once sampled (same allocation as choice_seeds) */
+    float *first_logprobs;     /* [n_choices] their log-probabilities */
+    int32_t *first_n_top;      /* [n_choices] the entries of each one's alternatives */
+    pd_top_logprob *first_top; /* [n_choices][PD_MAX_TOP_LOGPROBS] their alternatives (best
+                                  first) when the request asked for some, else NULL */
+    struct pd_seq *sib_next, *sib_prev; /* ring of the request's live choices (itself alone) */
     struct pd_seq *prev, *next; /* queue links */
 } pd_seq;
 

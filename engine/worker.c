@@ -19,6 +19,8 @@ typedef struct cmd {
     void *user;
     uint64_t id;
     int32_t token;
+    int32_t tokens[ENG_MAX_CHOICES]; /* ADMIT: each choice's first token ([0] = token) */
+    int32_t n_tokens;                /* ADMIT: choices (>= 1) */
     ew_admit_fn admit_fn;  /* ADMIT: run before eng_admit (may be NULL) */
     void *admit_arg;
     struct cmd *next;
@@ -175,6 +177,8 @@ static int simple(ew *w, cmd_kind kind, uint64_t id, int32_t token)
     c->kind = kind;
     c->id = id;
     c->token = token;
+    c->tokens[0] = token;
+    c->n_tokens = 1;
     push(w, c);
     return 0;
 }
@@ -188,8 +192,24 @@ int ew_admit_ex(ew *w, uint64_t id, int32_t first_token, ew_admit_fn fn, void *a
     c->kind = CMD_ADMIT;
     c->id = id;
     c->token = first_token;
+    c->tokens[0] = first_token;
+    c->n_tokens = 1;
     c->admit_fn = fn;
     c->admit_arg = arg;
+    push(w, c);
+    return 0;
+}
+
+int ew_admit_n(ew *w, uint64_t id, const int32_t *first_tokens, int32_t n)
+{
+    if (n < 1 || n > ENG_MAX_CHOICES) return PD_EINVAL;
+    cmd *c = calloc(1, sizeof *c);
+    if (!c) return PD_ENOMEM;
+    c->kind = CMD_ADMIT;
+    c->id = id;
+    c->token = first_tokens[0];
+    memcpy(c->tokens, first_tokens, (size_t)n * sizeof *first_tokens);
+    c->n_tokens = n;
     push(w, c);
     return 0;
 }
@@ -241,7 +261,7 @@ static void apply(ew *w, cmd *c)
         if ((f = um_find(&w->users, c->id)) < 0) break;
         rc = c->admit_fn ? c->admit_fn(c->admit_arg, w->e, err) : 0;
         if (rc < 0 && !err[0]) snprintf(err, sizeof err, "admission refused");
-        if (rc == 0) rc = eng_admit(w->e, c->id, c->token, err);
+        if (rc == 0) rc = eng_admit_n(w->e, c->id, c->tokens, c->n_tokens, err);
         if (rc < 0) {
             void *user = w->users.vals[f];
             eng_abort(w->e, c->id);
@@ -260,6 +280,8 @@ static void apply(ew *w, cmd *c)
             o.id = c->id;
             o.token = -1;
             o.finish = SEQ_FINISH_ABORTED;
+            o.done = true; /* every choice of it */
+            o.n_choices = 1;
             um_del(&w->users, c->id);
             if (w->cb.on_output) w->cb.on_output(user, &o);
         }
@@ -344,8 +366,8 @@ static void *loop(void *arg)
                 continue;
             }
             /* PREFILLED is terminal too: the blocks stay until ew_release, which finds the
-             * request by id in the engine. */
-            if (outs[i].finish != SEQ_FINISH_NONE) um_del(&w->users, outs[i].id);
+             * request by id in the engine. A request of n choices ends with its last choice. */
+            if (outs[i].done) um_del(&w->users, outs[i].id);
             if (w->cb.on_output) w->cb.on_output(user, &outs[i]);
         }
         publish_load(w);

@@ -3,7 +3,8 @@
  * the engine thread. This is the only way services touch an engine.
  *
  * Callback contract: for every request submitted with ew_submit (or ew_reserve), exactly one
- * terminal callback happens: an output with finish != SEQ_FINISH_NONE, or on_error. After it
+ * terminal callback happens: an output with done set (its last choice finished: for a request
+ * of one choice the output with finish != SEQ_FINISH_NONE), or on_error. After it
  * the worker never mentions that request's `user` pointer again, so the caller may free it.
  * ew_abort of a live request produces a terminal output with SEQ_FINISH_ABORTED. */
 #ifndef PD_WORKER_H
@@ -74,6 +75,10 @@ typedef int (*ew_admit_fn)(void *arg, eng *e, char *err);
  * the request is still live (not aborted meanwhile); arg stays the caller's either way.
  * Thread-safe. */
 int ew_admit_ex(ew *w, uint64_t id, int32_t first_token, ew_admit_fn fn, void *arg);
+/* Decode-only, n choices: ew_admit with each choice's first token (first_tokens[n], copied;
+ * n is the request's eng_request.n, 1 .. ENG_MAX_CHOICES). Thread-safe. Returns 0,
+ * PD_EINVAL or PD_ENOMEM. */
+int ew_admit_n(ew *w, uint64_t id, const int32_t *first_tokens, int32_t n);
 /* Prefill-only: the request's blocks may be reused (its KV was shipped). Thread-safe. */
 int ew_release(ew *w, uint64_t id);
 /* Aborts a live request (a terminal SEQ_FINISH_ABORTED output follows; unknown ids are

@@ -243,6 +243,14 @@ typedef struct pd_backend_ops {
      * complete. ids is host memory. Returns 0, PD_EINVAL, PD_EBACKEND. */
     int (*kv_blocks_copy)(void *ctx, void *cache, const int32_t *ids, int32_t n,
                           size_t block_bytes, void *host, bool to_host);
+    /* Optional (NULL = not offered): whole KV blocks copied within the pool (the copy on
+     * write of a forked sequence's partial block, n > 1 choices), in stream order: after the
+     * work queued before, before the work queued after, without waiting. For each region r <
+     * n_regions (at pool + r * region_bytes: one layer's K or V) and each i < n, block src[i]
+     * is copied over block dst[i] (block_bytes each). src and dst are host memory; a dst id
+     * may not also be a src id. Returns 0, PD_EINVAL, PD_EBACKEND. */
+    int (*kv_blocks_clone)(void *ctx, void *pool, size_t region_bytes, int32_t n_regions,
+                           const int32_t *src, const int32_t *dst, int32_t n, size_t block_bytes);
     /* Optional: pin / unpin host memory for fast kv_blocks_copy (a no-op on the CPU). A range
      * registered must be unregistered before it is freed. Return 0 or PD_EBACKEND. */
     int (*host_register)(void *ctx, void *p, size_t bytes);

@@ -251,6 +251,7 @@ static int dispatch_events(kvt_ctx *ctx)
         memset(&ev, 0, sizeof ev);
         ev.type = q->type;
         ev.first_token = -1;
+        int32_t firsts[KVT_MAX_FIRST_TOKENS];
         char detail[160];
         if (q->kind == 1) {
             kvt_send *s = KVT_CONTAINER(q, kvt_send, ev);
@@ -260,7 +261,11 @@ static int dispatch_events(kvt_ctx *ctx)
             ev.send = s;
             ev.user = s->user;
             ev.n_blocks = s->n;
-            if (s->status == 0) ev.first_token = s->first_token;
+            if (s->status == 0) {
+                ev.first_token = s->first_tokens[0];
+                ev.first_tokens = s->first_tokens;
+                ev.n_first_tokens = s->n_first;
+            }
             ev.bytes = s->bytes_done;
             ev.elapsed_ns = s->t_end - s->t_begin;
             ev.path = s->path;
@@ -280,7 +285,12 @@ static int dispatch_events(kvt_ctx *ctx)
             ev.path = (kvt_path)r->path;
             snprintf(detail, sizeof detail, "%s", r->detail);
             if (q->type == KVT_EV_RECV_DONE) {
-                ev.first_token = r->done.first_token;
+                ev.first_token = firsts[0] = r->done.first_token;
+                int32_t nf = r->done.n_first;
+                if (nf < 1 || nf > KVT_MAX_FIRST_TOKENS) nf = 1; /* (checked at DONE) */
+                for (int32_t i = 1; i < nf; i++) firsts[i] = r->done.more[i - 1];
+                ev.first_tokens = firsts;
+                ev.n_first_tokens = nf;
                 ctx->st.recvs_done++;
                 ctx->st.bytes_received += r->bytes_expected;
             } else {

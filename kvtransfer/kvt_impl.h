@@ -50,7 +50,8 @@ enum {
     KVT_AM_COUNT = 7
 };
 
-#define KVT_WIRE_VERSION 2u /* 2: the handshake may authenticate (kept equal to KVT_DESC_VERSION) */
+#define KVT_WIRE_VERSION 3u /* 2: the handshake may authenticate; 3: DONE carries up to
+                             * KVT_MAX_FIRST_TOKENS first tokens (n > 1 choices) */
 
 /* The handshake. Without secrets: HELLO(1) -> HELLO_ACK(1), both ready. With a secret on
  * both sides, each proves it knows it by a MAC over the other's random nonce:
@@ -113,6 +114,8 @@ typedef struct {
     int32_t first_token;
     uint32_t flags; /* bit 0: data_sum present */
     uint32_t pad;
+    int32_t n_first;     /* first tokens carried, 1 .. KVT_MAX_FIRST_TOKENS */
+    int32_t more[KVT_MAX_FIRST_TOKENS - 1]; /* first tokens 1 .. n_first - 1 */
 } kvt__msg_done;
 
 typedef struct {
@@ -364,7 +367,8 @@ struct kvt_send {
     bool checksum;
     bool tell_peer;       /* on failure, send ABORT (after the last write completed) */
     bool abort_flush;     /* put path: a flush before ABORT is posted */
-    int32_t first_token;
+    int32_t first_tokens[KVT_MAX_FIRST_TOKENS];
+    int32_t n_first;      /* entries of first_tokens (kvt_send_finish_n) */
     int32_t inflight;     /* DATA and FLUSH ops */
     uint64_t bytes_total, bytes_posted, bytes_done;
     uint64_t *layer_sum;  /* [n_layers] when checksum */

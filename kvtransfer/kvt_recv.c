@@ -625,6 +625,11 @@ static void try_complete(kvt__resv *r)
     if (r->path == KVT_PATH_AM && (r->inflight > 0 || r->bytes_landed < r->bytes_expected)) return;
     const kvt__msg_done *d = &r->done;
     uint64_t meta = kvt__meta_sum(r->req_id, pool->id, pool->n_layers, pool->bb, r->n, r->ids);
+    if (d->n_first < 1 || d->n_first > KVT_MAX_FIRST_TOKENS) {
+        kvt__resv_fail(r, PD_EIO, true, "DONE carries %d first tokens (1 .. %d)", d->n_first,
+                       KVT_MAX_FIRST_TOKENS);
+        return;
+    }
     if (d->n_blocks != r->n || d->bytes != r->bytes_expected || d->meta_sum != meta) {
         kvt__resv_fail(r, PD_EIO, true, "DONE does not match the reservation (blocks %d vs %d, "
                        "block list %s)", d->n_blocks, r->n, d->meta_sum == meta ? "same" : "differs");

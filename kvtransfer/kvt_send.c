@@ -317,7 +317,8 @@ int kvt_send_begin(kvt_target *t, const kvt_send_params *p, kvt_send **out, char
     s->checksum = p->checksum_data;
     s->state = KVT_SEND_WAIT_CONN;
     s->cur_layer = -1;
-    s->first_token = -1;
+    s->first_tokens[0] = -1;
+    s->n_first = 1;
     s->bytes_total = (uint64_t)s->n * (uint64_t)L * 2u * src->bb;
     s->meta_sum = kvt__meta_sum(s->req_id, t->pool_id, L, src->bb, s->n, s->dst);
     s->t_begin = s->t_last = kvt__now_ns();
@@ -367,10 +368,17 @@ int kvt_send_layer_ready_after(kvt_send *s, int32_t layer, void *after)
 
 int kvt_send_finish(kvt_send *s, int32_t first_token)
 {
+    return kvt_send_finish_n(s, &first_token, 1);
+}
+
+int kvt_send_finish_n(kvt_send *s, const int32_t *first_tokens, int32_t n)
+{
+    if (n < 1 || n > KVT_MAX_FIRST_TOKENS) return PD_EINVAL;
     if (s->state >= KVT_SEND_ENDING || s->finish_called || s->q_tail != s->n_layers)
         return PD_ESTATE;
     s->finish_called = true;
-    s->first_token = first_token;
+    memcpy(s->first_tokens, first_tokens, (size_t)n * sizeof *first_tokens);
+    s->n_first = n;
     bool freed;
     pump_one(s, KVT_GROUPS_PER_TURN, &freed);
     s->ctx->pump_more = true;
@@ -451,7 +459,9 @@ static int post_ctrl_done(kvt_send *s)
     d->meta_sum = s->meta_sum;
     d->bytes = s->bytes_total;
     d->n_blocks = s->n;
-    d->first_token = s->first_token;
+    d->first_token = s->first_tokens[0];
+    d->n_first = s->n_first;
+    for (int32_t i = 1; i < s->n_first; i++) d->more[i - 1] = s->first_tokens[i];
     if (s->checksum) {
         d->flags = 1;
         d->data_sum = kvt__data_sum(s->layer_sum, s->n_layers);

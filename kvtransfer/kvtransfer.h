@@ -120,6 +120,10 @@ typedef struct {
     void *user;           /* sender: kvt_send_params.user; receiver: kvt_recv_params.user */
     int32_t n_blocks;     /* blocks of the request */
     int32_t first_token;  /* RECV_DONE / SEND_DONE: the first sampled token; else -1 */
+    const int32_t *first_tokens; /* RECV_DONE / SEND_DONE: every first token the sender gave
+                                    (kvt_send_finish_n; [0] = first_token), valid during the
+                                    callback; else NULL */
+    int32_t n_first_tokens;      /* their number (1 unless kvt_send_finish_n gave more) */
     uint64_t bytes;       /* payload bytes moved (all layers, K and V) */
     int64_t elapsed_ns;   /* sender: begin -> ACK; receiver: START -> DONE */
     kvt_path path;        /* the data path the transfer used (KVT_PATH_DEVICE: the bytes are
@@ -388,6 +392,11 @@ int kvt_send_layer_ready_after(kvt_send *s, int32_t layer, void *after);
 /* Every layer is ready and the first token is known: flush, send DONE, wait for the ACK.
  * Returns 0, PD_ESTATE (layers missing, or already finished or ended). */
 int kvt_send_finish(kvt_send *s, int32_t first_token);
+/* kvt_send_finish with several first tokens (a request of n choices: each choice's first
+ * token, choice i at i), 1 .. KVT_MAX_FIRST_TOKENS of them; the receiver's RECV_DONE carries
+ * them all. Returns 0, PD_EINVAL (n out of range), PD_ESTATE. */
+#define KVT_MAX_FIRST_TOKENS 16
+int kvt_send_finish_n(kvt_send *s, const int32_t *first_tokens, int32_t n);
 /* Cancels the transfer; KVT_EV_SEND_FAILED (PD_ECANCELED) follows once in-flight operations
  * have completed, and the receiver is told. No-op after the transfer ended. */
 void kvt_send_cancel(kvt_send *s);

@@ -124,6 +124,25 @@ static inline int fake_forward_sample(void *ctx, const mr_batch *b, const mr_sam
     return rc;
 }
 
+/* The executor's clone_blocks over the fake KV: block src[i]'s 4 slots over dst[i]'s. Counts
+ * the blocks copied; a dst that is also a src is misuse (PD_EINVAL). */
+static int64_t fake_clones;
+static inline int fake_clone_blocks(void *ctx, const int32_t *src, const int32_t *dst, int32_t n,
+                                    char *err)
+{
+    fake *f = ctx;
+    for (int32_t i = 0; i < n; i++) {
+        for (int32_t j = 0; j < n; j++)
+            if (dst[i] == src[j]) return pd_errf(err, PD_EINVAL, "clone onto a source block");
+        if (src[i] < 0 || dst[i] < 0 || (int64_t)dst[i] * 4 + 4 > f->n_slots ||
+            (int64_t)src[i] * 4 + 4 > f->n_slots)
+            return pd_errf(err, PD_EINVAL, "clone: block out of range");
+        memcpy(f->kv + (size_t)dst[i] * 4, f->kv + (size_t)src[i] * 4, 4 * sizeof(int64_t));
+        fake_clones++;
+    }
+    return 0;
+}
+
 static inline mc_config fake_cfg(void)
 {
     mc_config c;
@@ -211,6 +230,12 @@ static inline int fake_pipe_collect(void *ctx, char *err)
 static inline int fake_pipe_forward(void *ctx, const mr_batch *b, float *logits, char *err)
 {
     return fake_forward(((fake_pipe *)ctx)->f, b, logits, err);
+}
+
+static inline int fake_pipe_clone_blocks(void *ctx, const int32_t *src, const int32_t *dst,
+                                         int32_t n, char *err)
+{
+    return fake_clone_blocks(((fake_pipe *)ctx)->f, src, dst, n, err);
 }
 
 static inline int fake_pipe_forward_sample(void *ctx, const mr_batch *b, const mr_sampling *s,

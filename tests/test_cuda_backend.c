@@ -1313,6 +1313,46 @@ static void test_kv_blocks_copy(void)
     free(init); free(ref); free(mirror); free(want); free(after);
 }
 
+/* kv_blocks_clone (copy on write of forked choices) on the device against the CPU op over
+ * the same bytes: 70 pairs (two launches), 6 regions, an odd block size (the byte kernel). */
+static void test_kv_blocks_clone(void)
+{
+    enum { NB = 160, NR = 6, N = 70 };
+    CHECK(g_gpu->ops->kv_blocks_clone != NULL && g_cpu->ops->kv_blocks_clone != NULL);
+    if (!g_gpu->ops->kv_blocks_clone || !g_cpu->ops->kv_blocks_clone) return;
+    int32_t src[N], dst[N];
+    for (int i = 0; i < N; i++) {
+        src[i] = i % 9;       /* a few sources, each cloned many times */
+        dst[i] = 20 + 2 * i;  /* unordered targets above every source */
+    }
+    dst[3] = 159;
+    const size_t sizes[2] = {16 * 8 * 128 * 2, 4 * 3 * 5 * 2 + 2}; /* bf16 block; odd bytes */
+    for (int t = 0; t < 2; t++) {
+        const size_t bb = sizes[t], region = (size_t)NB * bb, total = region * NR;
+        uint8_t *init = malloc(total), *want = malloc(total), *got = malloc(total);
+        for (size_t i = 0; i < total; i++) init[i] = (uint8_t)(i * 2654435761u >> 13);
+        memcpy(want, init, total);
+        CHECK_EQ_INT(g_cpu->ops->kv_blocks_clone(g_cpu->ctx, want, region, NR, src, dst, N, bb), 0);
+        void *d = alloc_on(g_gpu, PD_DTYPE_BF16, (total + 1) / 2);
+        const int32_t all[1] = {0};
+        /* the whole pool as one "block" through the raw copy op, both ways */
+        CHECK_EQ_INT(g_gpu->ops->kv_blocks_copy(g_gpu->ctx, d, all, 1, total, init, false), 0);
+        CHECK_EQ_INT(g_gpu->ops->kv_blocks_clone(g_gpu->ctx, d, region, NR, src, dst, N, bb), 0);
+        CHECK_EQ_INT(g_gpu->ops->kv_blocks_copy(g_gpu->ctx, d, all, 1, total, got, true), 0);
+        CHECK_MSG(memcmp(got, want, total) == 0, "kv_blocks_clone (block %zu bytes): cuda differs "
+                  "from cpu", bb);
+        const int32_t bad_dst[1] = {0}; /* a target that is also a source */
+        CHECK_EQ_INT(g_gpu->ops->kv_blocks_clone(g_gpu->ctx, d, region, NR, src, bad_dst, 1, bb),
+                     PD_EINVAL);
+        const int32_t out_of_pool[1] = {NB};
+        CHECK_EQ_INT(g_gpu->ops->kv_blocks_clone(g_gpu->ctx, d, region, NR, src, out_of_pool, 1, bb),
+                     PD_EINVAL);
+        g_gpu->ops->free(g_gpu->ctx, d);
+        free(init); free(want); free(got);
+    }
+    printf("  kv_blocks_clone: %d pairs x %d regions equal to the cpu op\n", N, NR);
+}
+
 static void test_errors(void)
 {
     /* arguments the entries reject before launching anything */
@@ -1358,6 +1398,7 @@ int main(void)
     test_decode_layers();
     test_kv_blocks();
     test_kv_blocks_copy();
+    test_kv_blocks_clone();
     test_errors();
     pd_backend_destroy(g_cpu);
     pd_backend_destroy(g_gpu);

@@ -6,7 +6,8 @@
  * with prefix cache and chunked prefill on and off; refcounts and free lists checked after
  * every step; no block left in use at the end. Some requests ask for logprobs with 0..20
  * alternatives: the same values by every path (host sampler, forward_sample, pipelined) as
- * alone, the pick's entry in its list equal to its logprob, a greedy pick first. */
+ * alone, the pick's entry in its list equal to its logprob, a greedy pick first. Some ask for
+ * n > 1 choices: choice c equals the request alone with seed + c, logprobs included. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,18 +17,32 @@
 
 #include "tests/fake_model.h"
 
+/* One choice's outputs. */
 typedef struct {
-    int32_t prompt[64];
-    int32_t n_prompt;
-    eng_request rq;
     int32_t out[64];
     int32_t n_out;
     float lp[64];
     int32_t n_top[64];
     pd_top_logprob top[64][PD_MAX_TOP_LOGPROBS];
     seq_finish finish;
+} chout;
+
+typedef struct {
+    int32_t prompt[64];
+    int32_t n_prompt;
+    eng_request rq;
+    chout ch[4];          /* per choice */
     bool added, aborted, done;
 } req;
+
+/* Choice c of rq alone: one choice with seed + c (what the engine promises it equals). */
+static eng_request choice_alone(const eng_request *rq, int32_t c)
+{
+    eng_request one = *rq;
+    one.n = 1;
+    one.sampling.seed += (uint64_t)c;
+    return one;
+}
 
 static uint64_t rng_next(uint64_t *s)
 {
@@ -37,8 +52,8 @@ static uint64_t rng_next(uint64_t *s)
     return *s;
 }
 
-/* Keeps output o of r (token, logprobs) at r's next place. */
-static void keep(req *r, const eng_output *o)
+/* Keeps output o of a choice (token, logprobs) at r's next place. */
+static void keep(chout *r, const eng_output *o)
 {
     const int32_t k = r->n_out++;
     r->out[k] = o->token;
@@ -47,15 +62,15 @@ static void keep(req *r, const eng_output *o)
     if (o->n_top > 0) memcpy(r->top[k], o->top, (size_t)o->n_top * sizeof *o->top);
 }
 
-/* Runs one request alone on a roomy engine (host sampling): the reference. */
-static void run_alone(const eng_request *rq, req *ref)
+/* Runs one request (of one choice) alone on a roomy engine (host sampling): the reference. */
+static void run_alone(const eng_request *rq, chout *ref)
 {
     mc_config cfg = fake_cfg();
     fake f = {calloc(256 * 4, sizeof(int64_t)), 256 * 4, 0, 0};
     eng_params p = {ENG_MODE_COLOCATED, 256, 4, 512, 8, 0, false, true, false};
     eng *e;
     char err[PD_ERR_LEN];
-    eng_executor x = {fake_forward, &f, NULL, NULL, NULL, NULL};
+    eng_executor x = {fake_forward, &f, NULL, NULL, NULL, NULL, fake_clone_blocks};
     CHECK(eng_create(&p, &cfg, x, &e, err) == 0);
     CHECK_MSG(eng_add_request(e, rq, err) == 0, "%s", err);
     ref->n_out = 0;
@@ -73,7 +88,18 @@ static void run_alone(const eng_request *rq, req *ref)
     free(f.kv);
 }
 
-static int64_t g_preemptions, g_cached, g_launches, g_chained;
+/* run_alone's tokens and finish only. */
+static void run_alone_tokens(const eng_request *rq, int32_t *out, int32_t *n_out, seq_finish *fin)
+{
+    static chout ref;
+    memset(&ref, 0, sizeof ref);
+    run_alone(rq, &ref);
+    memcpy(out, ref.out, (size_t)ref.n_out * sizeof *out);
+    *n_out = ref.n_out;
+    *fin = ref.finish;
+}
+
+static int64_t g_preemptions, g_cached, g_launches, g_chained, g_forks, g_fork_recomputed;
 
 static int run_case(uint64_t seed)
 {
@@ -122,6 +148,9 @@ static int run_case(uint64_t seed)
         r->rq.top_logprobs = r->rq.logprobs ? (int32_t)((r->rq.sampling.seed >> 2) % 21) : 0;
         r->rq.stop.max_tokens = 1 + (int32_t)(rng_next(&rs) % 24);
         r->rq.stop.ignore_eos = rng_next(&rs) % 2;
+        if (rng_next(&rs) % 4 == 0) /* n > 1: forked after the prompt, blocks shared */
+            r->rq.n = 2 + (int32_t)(rng_next(&rs) % 3);
+        if (r->rq.n > p.max_num_seqs) r->rq.n = 0;
         /* A request must fit the pool on its own (the engine rejects it otherwise). */
         while ((r->n_prompt + r->rq.stop.max_tokens + 3) / 4 > p.n_blocks) r->rq.stop.max_tokens--;
     }
@@ -131,13 +160,16 @@ static int run_case(uint64_t seed)
     char err[PD_ERR_LEN];
     /* Odd seeds sample through the executor's forward_sample, as with a backend that samples
      * where the logits are; the reference (run_alone) samples on the host. */
-    eng_executor x = {fake_forward, &f, NULL, seed % 2 ? fake_forward_sample : NULL, NULL, NULL};
+    eng_executor x = {fake_forward, &f, NULL, seed % 2 ? fake_forward_sample : NULL, NULL, NULL,
+                      fake_clone_blocks};
+    /* Seeds 5 mod 8 have no clone op: forked choices recompute their context instead. */
+    if (seed % 8 == 5) x.clone_blocks = NULL;
     /* Seeds 3 mod 4 pipeline their decode steps (launch / collect). */
     fake_pipe fp = {0};
     fp.f = &f;
     if (seed % 4 == 3) {
         x = (eng_executor){fake_pipe_forward, &fp, NULL, fake_pipe_forward_sample,
-                           fake_pipe_launch, fake_pipe_collect};
+                           fake_pipe_launch, fake_pipe_collect, fake_pipe_clone_blocks};
         p.async_steps = true;
     }
     int fails_before = pd_test_failures;
@@ -161,10 +193,14 @@ static int run_case(uint64_t seed)
             steps++;
             for (int32_t j = 0; j < k; j++) {
                 req *r = &rq[o[j].id - 1000];
+                const int32_t c = o[j].choice;
                 CHECK(!r->done && !r->aborted);
-                if (o[j].token >= 0) keep(r, &o[j]);
-                if (o[j].finish) {
-                    r->finish = o[j].finish;
+                CHECK(c >= 0 && c < (r->rq.n > 1 ? r->rq.n : 1) && !r->ch[c].finish);
+                if (c < 0 || c > 3) continue;
+                if (o[j].token >= 0) keep(&r->ch[c], &o[j]);
+                if (o[j].finish) r->ch[c].finish = o[j].finish;
+                if (o[j].done) {
+                    for (int32_t i = 0; i < (r->rq.n > 1 ? r->rq.n : 1); i++) CHECK(r->ch[i].finish);
                     r->done = true;
                 }
             }
@@ -188,37 +224,43 @@ static int run_case(uint64_t seed)
         req *r = &rq[i];
         if (r->aborted) continue;
         CHECK(r->done);
-        static req ref;
-        memset(&ref, 0, sizeof ref);
-        run_alone(&r->rq, &ref);
-        const int32_t n_ref = ref.n_out;
-        CHECK_EQ_INT(r->n_out, n_ref);
-        CHECK_MSG(r->n_out == n_ref && memcmp(r->out, ref.out, (size_t)n_ref * 4) == 0 &&
-                  r->finish == ref.finish, "seed %llu request %d: tokens differ from running alone",
-                  (unsigned long long)seed, i);
-        for (int32_t k = 0; k < r->n_out && k < n_ref; k++) {
-            const int32_t want_top = r->rq.logprobs ? r->rq.top_logprobs : 0;
-            CHECK_MSG(r->lp[k] == ref.lp[k] && r->n_top[k] == ref.n_top[k] &&
-                      r->n_top[k] == want_top &&
-                      memcmp(r->top[k], ref.top[k], (size_t)r->n_top[k] * sizeof ref.top[k][0]) == 0,
-                      "seed %llu request %d token %d: logprob %g (%d alternatives), alone %g (%d)",
-                      (unsigned long long)seed, i, k, (double)r->lp[k], r->n_top[k],
-                      (double)ref.lp[k], ref.n_top[k]);
-            if (!r->rq.logprobs) {
-                CHECK(r->lp[k] == 0.0f);
-                continue;
+        for (int32_t c = 0; c < (r->rq.n > 1 ? r->rq.n : 1); c++) {
+            static chout ref;
+            memset(&ref, 0, sizeof ref);
+            const eng_request one = choice_alone(&r->rq, c);
+            run_alone(&one, &ref);
+            const chout *h = &r->ch[c];
+            const int32_t n_ref = ref.n_out;
+            CHECK_EQ_INT(h->n_out, n_ref);
+            CHECK_MSG(h->n_out == n_ref && memcmp(h->out, ref.out, (size_t)n_ref * 4) == 0 &&
+                      h->finish == ref.finish, "seed %llu request %d choice %d of %d: tokens "
+                      "differ from running alone", (unsigned long long)seed, i, c, r->rq.n);
+            for (int32_t k = 0; k < h->n_out && k < n_ref; k++) {
+                const int32_t want_top = r->rq.logprobs ? r->rq.top_logprobs : 0;
+                CHECK_MSG(h->lp[k] == ref.lp[k] && h->n_top[k] == ref.n_top[k] &&
+                          h->n_top[k] == want_top &&
+                          memcmp(h->top[k], ref.top[k], (size_t)h->n_top[k] * sizeof ref.top[k][0]) == 0,
+                          "seed %llu request %d choice %d token %d: logprob %g (%d alternatives), "
+                          "alone %g (%d)", (unsigned long long)seed, i, c, k, (double)h->lp[k],
+                          h->n_top[k], (double)ref.lp[k], ref.n_top[k]);
+                if (!r->rq.logprobs) {
+                    CHECK(h->lp[k] == 0.0f);
+                    continue;
+                }
+                CHECK(h->lp[k] <= 0.0f);
+                for (int32_t j = 0; j < h->n_top[k]; j++) {
+                    if (j) CHECK(h->top[k][j].logprob <= h->top[k][j - 1].logprob);
+                    if (h->top[k][j].token == h->out[k]) CHECK(h->top[k][j].logprob == h->lp[k]);
+                }
+                const smp_params *sp = &r->rq.sampling;
+                if (sp->temperature == 0 && !smp_penalized(sp) && h->n_top[k] > 0)
+                    CHECK_MSG(h->top[k][0].token == h->out[k], "greedy pick %d, top-1 %d",
+                              h->out[k], h->top[k][0].token);
             }
-            CHECK(r->lp[k] <= 0.0f);
-            for (int32_t j = 0; j < r->n_top[k]; j++) {
-                if (j) CHECK(r->top[k][j].logprob <= r->top[k][j - 1].logprob);
-                if (r->top[k][j].token == r->out[k]) CHECK(r->top[k][j].logprob == r->lp[k]);
-            }
-            const smp_params *sp = &r->rq.sampling;
-            if (sp->temperature == 0 && !smp_penalized(sp) && r->n_top[k] > 0)
-                CHECK_MSG(r->top[k][0].token == r->out[k], "greedy pick %d, top-1 %d",
-                          r->out[k], r->top[k][0].token);
         }
     }
+    g_forks += eng_stats_get(e)->forks;
+    g_fork_recomputed += eng_stats_get(e)->fork_recomputed;
     g_preemptions += eng_stats_get(e)->preemptions;
     g_cached += eng_stats_get(e)->cached_tokens;
     eng_destroy(e);
@@ -237,7 +279,7 @@ static void test_modes(void)
     fake f = {calloc(64 * 4, sizeof(int64_t)), 64 * 4, 0, 0};
     eng_params p = {ENG_MODE_PREFILL, 64, 4, 64, 4, 0, true, true, false};
     eng *e;
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL, fake_clone_blocks}, &e, err) == 0);
     int32_t prompt[10] = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
     eng_request rq = {.id = 7, .prompt = prompt, .n_prompt = 10, .sampling = smp_default_params()};
     rq.sampling.temperature = 0;
@@ -269,7 +311,7 @@ static void test_modes(void)
      * after it match a colocated run. */
     p.mode = ENG_MODE_DECODE;
     memset(f.kv, 0, 64 * 4 * sizeof(int64_t));
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL, fake_clone_blocks}, &e, err) == 0);
     const int32_t *blocks;
     int32_t nb, nc;
     CHECK(eng_reserve(e, &rq, &blocks, &nb, &nc, err) == 0);
@@ -288,7 +330,7 @@ static void test_modes(void)
         for (int32_t j = 0; j < k; j++) if (o[j].token >= 0) got[n++] = o[j].token;
         CHECK(eng_check(e) == 0);
     }
-    static req alone;
+    static chout alone;
     memset(&alone, 0, sizeof alone);
     run_alone(&rq, &alone);
     const int32_t n_ref = alone.n_out;
@@ -338,6 +380,239 @@ static void test_modes(void)
     free(f.kv);
 }
 
+/* Runs e until idle; collects each choice's tokens (after `have` already in got) and
+ * finishes; checks the invariants every step. Returns the number of done outputs. */
+static int drain_choices(eng *e, int32_t got[][64], int32_t *n_got, seq_finish *fin)
+{
+    const eng_output *o;
+    int32_t k, done = 0;
+    char err[PD_ERR_LEN];
+    while (eng_has_work(e)) {
+        CHECK(eng_step(e, &o, &k, err) == 0);
+        for (int32_t j = 0; j < k; j++) {
+            if (o[j].token >= 0) got[o[j].choice][n_got[o[j].choice]++] = o[j].token;
+            if (o[j].finish) fin[o[j].choice] = o[j].finish;
+            done += o[j].done;
+        }
+        CHECK(eng_check(e) == 0);
+    }
+    return done;
+}
+
+/* n > 1 choices: the prompt is computed once and its full blocks shared (reference counts),
+ * the partial one copied per choice; choice c equals the request alone with seed + c, in the
+ * colocated, prefill-only and decode-only modes; an abort frees every block once, also while
+ * some choices have finished and others run. */
+static void test_choices(void)
+{
+    mc_config cfg = fake_cfg();
+    char err[PD_ERR_LEN];
+    fake f = {calloc(64 * 4, sizeof(int64_t)), 64 * 4, 0, 0};
+    eng_params p = {ENG_MODE_COLOCATED, 64, 4, 64, 8, 0, true, true, false};
+    eng_executor x = {fake_forward, &f, NULL, NULL, NULL, NULL, fake_clone_blocks};
+    eng *e;
+    int32_t prompt[10] = {5, 6, 7, 8, 9, 10, 11, 12, 13, 14};
+    eng_request rq = {.id = 7, .prompt = prompt, .n_prompt = 10, .sampling = smp_default_params(),
+                      .n = 3};
+    rq.sampling.seed = 1234;
+    rq.sampling.has_seed = true;
+    rq.stop.max_tokens = 8;
+    rq.stop.ignore_eos = true;
+    for (int greedy = 0; greedy < 2; greedy++) {
+        rq.sampling.temperature = greedy ? 0.0f : 1.0f;
+        CHECK(eng_create(&p, &cfg, x, &e, err) == 0);
+        CHECK(eng_add_request(e, &rq, err) == 0);
+        const eng_output *o;
+        int32_t k, got[3][64], n_got[3] = {0}, n_first = 0;
+        seq_finish fin[3] = {0};
+        CHECK(eng_step(e, &o, &k, err) == 0); /* the prompt, once: three first tokens */
+        CHECK_EQ_INT(k, 3);
+        for (int32_t j = 0; j < k; j++) {
+            CHECK_EQ_INT(o[j].choice, j);
+            CHECK_EQ_INT(o[j].n_choices, 3);
+            CHECK(!o[j].done);
+            got[j][n_got[j]++] = o[j].token;
+            n_first++;
+        }
+        /* 3 prompt blocks (2 full, shared by all three choices) + 2 copies of the partial
+         * one = 5 blocks, where three separate requests hold 9 */
+        CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 5);
+        int32_t n_ref3 = 0;
+        for (int32_t b = 0; b < 64; b++) n_ref3 += bm_ref(eng_block_manager(e), b) == 3;
+        CHECK_EQ_INT(n_ref3, 2);
+        CHECK_EQ_INT(eng_stats_get(e)->prompt_tokens_computed, 10);
+        CHECK_EQ_INT(eng_stats_get(e)->fork_cloned_blocks, 2);
+        CHECK(eng_check(e) == 0);
+        CHECK_EQ_INT(drain_choices(e, got, n_got, fin), 1);
+        for (int32_t c = 0; c < 3; c++) {
+            int32_t ref[64], n_ref;
+            seq_finish rf;
+            eng_request one = choice_alone(&rq, c);
+            run_alone_tokens(&one, ref, &n_ref, &rf);
+            CHECK_EQ_INT(n_got[c], n_ref);
+            CHECK_MSG(n_got[c] == n_ref && !memcmp(got[c], ref, (size_t)n_ref * 4) && fin[c] == rf,
+                      "choice %d (%s) differs from seed + %d alone", c, greedy ? "greedy" : "t=1", c);
+            if (greedy) CHECK(!memcmp(got[c], got[0], (size_t)n_ref * 4)); /* all alike */
+        }
+        if (!greedy) CHECK(memcmp(got[0], got[1], 8 * 4) || memcmp(got[0], got[2], 8 * 4));
+        CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
+        eng_destroy(e);
+    }
+
+    /* Logprobs with 3 alternatives: each choice's tokens carry the logprobs and the lists of
+     * the request alone with seed + c (its first token's too), sampled on the host and where
+     * the logits are (forward_sample). */
+    rq.sampling.temperature = 1.0f;
+    rq.logprobs = true;
+    rq.top_logprobs = 3;
+    for (int on_backend = 0; on_backend < 2; on_backend++) {
+        eng_executor xs = x;
+        if (on_backend) xs.forward_sample = fake_forward_sample;
+        CHECK(eng_create(&p, &cfg, xs, &e, err) == 0);
+        CHECK(eng_add_request(e, &rq, err) == 0);
+        static chout got[3], ref;
+        memset(got, 0, sizeof got);
+        while (eng_has_work(e)) {
+            const eng_output *o;
+            int32_t k;
+            CHECK(eng_step(e, &o, &k, err) == 0);
+            for (int32_t j = 0; j < k; j++) {
+                if (o[j].token >= 0) keep(&got[o[j].choice], &o[j]);
+                if (o[j].finish) got[o[j].choice].finish = o[j].finish;
+            }
+        }
+        for (int32_t c = 0; c < 3; c++) {
+            memset(&ref, 0, sizeof ref);
+            const eng_request one = choice_alone(&rq, c);
+            run_alone(&one, &ref);
+            CHECK_EQ_INT(got[c].n_out, ref.n_out);
+            bool same = got[c].n_out == ref.n_out && got[c].n_out == 8;
+            for (int32_t t = 0; same && t < ref.n_out; t++)
+                same = got[c].out[t] == ref.out[t] && got[c].lp[t] == ref.lp[t] &&
+                       got[c].n_top[t] == 3 && ref.n_top[t] == 3 &&
+                       !memcmp(got[c].top[t], ref.top[t], 3 * sizeof ref.top[t][0]);
+            CHECK_MSG(same, "choice %d (%s): logprobs differ from seed + %d alone", c,
+                      on_backend ? "forward_sample" : "host", c);
+        }
+        CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
+        eng_destroy(e);
+    }
+    rq.logprobs = false;
+    rq.top_logprobs = 0;
+
+    /* Abort while some choices finished and others run: stop ids end choices at different
+     * steps; every block is freed exactly once (the block manager asserts on a double free). */
+    rq.sampling.temperature = 1.0f;
+    rq.stop.max_tokens = 20;
+    rq.stop.n_stop_ids = 6;
+    for (int32_t i = 0; i < 6; i++) rq.stop.stop_ids[i] = 1 + 7 * i;
+    int mixed = 0;
+    for (uint64_t sd = 0; sd < 64; sd++) {
+        rq.sampling.seed = sd;
+        CHECK(eng_create(&p, &cfg, x, &e, err) == 0);
+        CHECK(eng_add_request(e, &rq, err) == 0);
+        int32_t n_fin = 0, steps = 0;
+        while (eng_has_work(e) && steps++ < 40) {
+            const eng_output *o;
+            int32_t k;
+            CHECK(eng_step(e, &o, &k, err) == 0);
+            for (int32_t j = 0; j < k; j++) n_fin += o[j].finish != SEQ_FINISH_NONE;
+            if (n_fin > 0 && n_fin < 3) break;
+        }
+        if (n_fin > 0 && n_fin < 3) {
+            mixed++;
+            CHECK(bm_n_used(eng_block_manager(e)) > 0);
+            CHECK_EQ_INT(eng_abort(e, 7), 0);
+            CHECK_EQ_INT(eng_abort(e, 7), PD_ENOTFOUND);
+            CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
+            CHECK(!eng_has_work(e));
+            CHECK(eng_check(e) == 0);
+        }
+        eng_destroy(e);
+    }
+    CHECK(mixed > 3);
+    rq.stop.n_stop_ids = 0;
+    rq.stop.max_tokens = 8;
+
+    /* Prefill-only: one PREFILLED output carrying every choice's first token, with its
+     * logprob and alternatives (those of seed + c alone). */
+    p.mode = ENG_MODE_PREFILL;
+    rq.sampling.seed = 99;
+    rq.logprobs = true;
+    rq.top_logprobs = 3;
+    CHECK(eng_create(&p, &cfg, x, &e, err) == 0);
+    CHECK(eng_add_request(e, &rq, err) == 0);
+    const eng_output *o;
+    int32_t k, firsts[3];
+    CHECK(eng_step(e, &o, &k, err) == 0);
+    CHECK_EQ_INT(k, 1);
+    CHECK_EQ_INT(o[0].finish, SEQ_FINISH_PREFILLED);
+    CHECK(o[0].done && o[0].n_choices == 3 && o[0].choice_tokens && o[0].choice_logprobs &&
+          o[0].choice_top && o[0].choice_n_top);
+    CHECK_EQ_INT(o[0].n_blocks, 3);
+    for (int32_t c = 0; c < 3 && o[0].choice_tokens && o[0].choice_top; c++) {
+        firsts[c] = o[0].choice_tokens[c];
+        static chout ref;
+        memset(&ref, 0, sizeof ref);
+        eng_request one = choice_alone(&rq, c);
+        run_alone(&one, &ref);
+        CHECK_EQ_INT(firsts[c], ref.out[0]);
+        CHECK_EQ_INT(o[0].choice_n_top[c], 3);
+        CHECK_MSG(o[0].choice_logprobs[c] == ref.lp[0] && o[0].choice_n_top[c] == 3 &&
+                  !memcmp(o[0].choice_top + (size_t)c * PD_MAX_TOP_LOGPROBS, ref.top[0],
+                          3 * sizeof ref.top[0][0]),
+                  "prefill choice %d: first logprob %g, alone %g", c,
+                  (double)o[0].choice_logprobs[c], (double)ref.lp[0]);
+    }
+    CHECK_EQ_INT(o[0].token, firsts[0]);
+    CHECK(o[0].n_top == 3 && o[0].top && o[0].logprob == o[0].choice_logprobs[0]);
+    rq.logprobs = false;
+    rq.top_logprobs = 0;
+    CHECK_EQ_INT(eng_release(e, 7), 0);
+    CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
+    eng_destroy(e);
+
+    /* Decode-only: reserve, the KV "arrives", admission with the three first tokens forks. */
+    p.mode = ENG_MODE_DECODE;
+    memset(f.kv, 0, 64 * 4 * sizeof(int64_t));
+    CHECK(eng_create(&p, &cfg, x, &e, err) == 0);
+    const int32_t *blocks;
+    int32_t nb, nc;
+    CHECK(eng_reserve(e, &rq, &blocks, &nb, &nc, err) == 0);
+    for (int32_t i = 0; i < 10; i++) f.kv[blocks[i / 4] * 4 + i % 4] = ((int64_t)i << 16 | prompt[i]) + 1;
+    CHECK_EQ_INT(eng_admit(e, 7, firsts[0], err), PD_EINVAL); /* three choices, one token */
+    CHECK_STR_CONTAINS(err, "3 choices");
+    CHECK(eng_admit_n(e, 7, firsts, 3, err) == 0);
+    CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 5);
+    int32_t got[3][64], n_got[3] = {1, 1, 1};
+    seq_finish fin[3] = {0};
+    for (int32_t c = 0; c < 3; c++) got[c][0] = firsts[c];
+    CHECK_EQ_INT(drain_choices(e, got, n_got, fin), 1);
+    for (int32_t c = 0; c < 3; c++) {
+        int32_t ref[64], n_ref;
+        seq_finish rf;
+        eng_request one = choice_alone(&rq, c);
+        run_alone_tokens(&one, ref, &n_ref, &rf);
+        CHECK_MSG(n_got[c] == n_ref && !memcmp(got[c], ref, (size_t)n_ref * 4),
+                  "decode-only choice %d differs from seed + %d alone", c, c);
+    }
+    CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
+    /* max_tokens 1: every choice ends with its first token at admission */
+    rq.stop.max_tokens = 1;
+    CHECK(eng_reserve(e, &rq, &blocks, &nb, &nc, err) == 0);
+    CHECK(eng_admit_n(e, 7, firsts, 3, err) == 0);
+    CHECK_EQ_INT(drain_choices(e, got, n_got, fin), 1);
+    CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
+    /* bounds */
+    rq.n = ENG_MAX_CHOICES + 1;
+    CHECK_EQ_INT(eng_add_request(e, &rq, err), PD_EINVAL);
+    CHECK_STR_CONTAINS(err, "choices");
+    rq.n = 9; /* more than max_num_seqs (8) */
+    CHECK_EQ_INT(eng_add_request(e, &rq, err), PD_ERANGE);
+    eng_destroy(e);
+    free(f.kv);
+}
+
 /* Bad requests are refused with a message. */
 /* Pipelined steps: a step stays launched between eng_step calls (eng_has_work says so); an
  * abort of a sequence it holds keeps its blocks until the step is collected; destroying the
@@ -352,7 +627,7 @@ static void test_pipelined_lifecycle(void)
     eng_params p = {ENG_MODE_COLOCATED, 64, 4, 64, 4, 0, true, true, true};
     eng *e;
     CHECK(eng_create(&p, &cfg, (eng_executor){fake_pipe_forward, &fp, NULL, fake_pipe_forward_sample,
-                                              fake_pipe_launch, fake_pipe_collect}, &e, err) == 0);
+                                              fake_pipe_launch, fake_pipe_collect, fake_pipe_clone_blocks}, &e, err) == 0);
     int32_t prompt[5] = {1, 2, 3, 4, 5};
     eng_request rq = {.id = 1, .prompt = prompt, .n_prompt = 5, .sampling = smp_default_params()};
     rq.sampling.temperature = 0.0f;
@@ -395,7 +670,7 @@ static void test_bad_requests(void)
     fake f = {calloc(16 * 4, sizeof(int64_t)), 16 * 4, 0, 0};
     eng_params p = {ENG_MODE_COLOCATED, 16, 4, 32, 4, 0, true, false, false};
     eng *e;
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL, fake_clone_blocks}, &e, err) == 0);
     int32_t prompt[40] = {1, 2, 3};
     eng_request rq = {.id = 1, .prompt = prompt, .n_prompt = 3, .sampling = smp_default_params()};
     rq.stop.max_tokens = 4;
@@ -448,13 +723,17 @@ int main(int argc, char **argv)
     for (int s = 0; s < n_seeds; s++)
         if (run_case((uint64_t)s) < 0 && ++bad > 3) break;
     fprintf(stderr, "test_engine: %d random cases, %lld preemptions, %lld prompt tokens from "
-            "the prefix cache, %lld pipelined launches (%lld chained)\n", n_seeds,
+            "the prefix cache, %lld pipelined launches (%lld chained), %lld forks (%lld blocks "
+            "copied, %lld choices recomputed)\n", n_seeds,
             (long long)g_preemptions, (long long)g_cached, (long long)g_launches,
-            (long long)g_chained);
+            (long long)g_chained, (long long)g_forks, (long long)fake_clones,
+            (long long)g_fork_recomputed);
+    CHECK(g_forks > 300 && fake_clones > 300 && g_fork_recomputed > 20);
     CHECK(g_preemptions > 500); /* the pools are small enough to force preemption */
     CHECK(g_cached > 100);      /* and prompts share prefixes */
     CHECK(g_chained > 1000);    /* and pipelined steps do chain (the cases 3 mod 4) */
     test_modes();
+    test_choices();
     test_pipelined_lifecycle();
     test_bad_requests();
     return pd_test_result("test_engine");

@@ -1,6 +1,6 @@
 /* test_kv_copy.c -- The backend's raw KV block copy (kv_blocks_copy) between a KV cache region
- * and a host mirror indexed by the same block ids, and the host pinning ops, on the CPU
- * backend (the CUDA one: tests/test_cuda_backend.c). */
+ * and a host mirror indexed by the same block ids, the host pinning ops and the copy of blocks
+ * within the pool (kv_blocks_clone), on the CPU backend (the CUDA one: tests/test_cuda_backend.c). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -67,6 +67,34 @@ static void test_roundtrip(pd_backend *be)
     free(want);
 }
 
+/* kv_blocks_clone: block src[i] over dst[i] in every region, nothing else touched; bad ids. */
+static void test_clone(pd_backend *be)
+{
+    const pd_backend_ops *o = be->ops;
+    CHECK(o->kv_blocks_clone != NULL);
+    if (!o->kv_blocks_clone) return;
+    enum { NB = 10, NR = 4, BB = 24 };
+    const size_t region = (size_t)NB * BB, total = region * NR;
+    uint8_t *pool = malloc(total), *want = malloc(total);
+    fill_pattern(pool, total, 5);
+    memcpy(want, pool, total);
+    const int32_t src[3] = {2, 2, 7}, dst[3] = {5, 9, 0};
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < 3; i++)
+            memcpy(want + r * region + (size_t)dst[i] * BB, pool + r * region + (size_t)src[i] * BB, BB);
+    CHECK_EQ_INT(o->kv_blocks_clone(be->ctx, pool, region, NR, src, dst, 3, BB), 0);
+    CHECK_MSG(memcmp(pool, want, total) == 0, "clone: wrong bytes, or other blocks written");
+    CHECK_EQ_INT(o->kv_blocks_clone(be->ctx, pool, region, NR, src, dst, 0, BB), 0);
+    const int32_t self[1] = {2}, big[1] = {NB}, neg[1] = {-1};
+    CHECK_EQ_INT(o->kv_blocks_clone(be->ctx, pool, region, NR, src, self, 1, BB), PD_EINVAL);
+    CHECK_EQ_INT(o->kv_blocks_clone(be->ctx, pool, region, NR, src, big, 1, BB), PD_EINVAL);
+    CHECK_EQ_INT(o->kv_blocks_clone(be->ctx, pool, region, NR, neg, dst, 1, BB), PD_EINVAL);
+    CHECK_EQ_INT(o->kv_blocks_clone(be->ctx, pool, region, NR, src, dst, 1, 0), PD_EINVAL);
+    CHECK(memcmp(pool, want, total) == 0);
+    free(pool);
+    free(want);
+}
+
 int main(void)
 {
     char err[PD_ERR_LEN] = "";
@@ -76,6 +104,7 @@ int main(void)
         return 1;
     }
     test_roundtrip(be);
+    test_clone(be);
     pd_backend_destroy(be);
     return pd_test_result("test_kv_copy");
 }

@@ -7,11 +7,14 @@
  * divide (llama-tiny's 6 heads at TP 4) is refused with a message that says so. A synthetic
  * Llama checkpoint written here with one KV head (replicated on every rank), q/k/v and o
  * biases and an untied head: prefill and 20 decode steps of three sequences over shuffled
- * blocks at TP 2 and 4 against TP 1, logits within 1e-4 and the same argmax. */
+ * blocks at TP 2 and 4 against TP 1, logits within 1e-4 and the same argmax; on it, an
+ * engine's request of n = 3 choices (the partial prompt block copied on every rank) equals
+ * each choice alone with seed + c. */
 #include <jansson.h>
 #include <stdint.h>
 #include <unistd.h>
 
+#include "engine/engine.h"
 #include "engine/tp.h"
 #include "tests/golden_util.h"
 #include "tests/test_util.h"
@@ -389,6 +392,83 @@ static void check_steps(mr *one, mr *tp, int32_t n_tp, const char *what)
             N_DECODE + 1, worst, argmax_checked);
 }
 
+/* The tokens and logprobs of a request's choices on an engine over r. */
+typedef struct {
+    int32_t tok[4][16];
+    float lp[4][16];
+    int32_t n[4];
+} choice_out;
+
+static void run_engine(mr *r, const mc_config *cfg, const eng_request *rq, choice_out *out,
+                       eng_stats *st)
+{
+    memset(out, 0, sizeof *out);
+    memset(st, 0, sizeof *st);
+    eng_params ep = eng_default_params(r);
+    eng *e;
+    char err[PD_ERR_LEN];
+    int rc = eng_create(&ep, cfg, eng_executor_runner(r), &e, err);
+    CHECK_MSG(rc == 0, "%s", err);
+    if (rc < 0) return;
+    rc = eng_add_request(e, rq, err);
+    CHECK_MSG(rc == 0, "%s", err);
+    while (rc == 0 && eng_has_work(e)) {
+        const eng_output *o;
+        int32_t k;
+        rc = eng_step(e, &o, &k, err);
+        CHECK_MSG(rc == 0, "%s", err);
+        for (int32_t j = 0; rc == 0 && j < k; j++) {
+            const int32_t c = o[j].choice;
+            if (o[j].token < 0 || c < 0 || c > 3 || out->n[c] >= 16) continue;
+            out->lp[c][out->n[c]] = o[j].logprob;
+            out->tok[c][out->n[c]++] = o[j].token;
+        }
+    }
+    *st = *eng_stats_get(e);
+    eng_destroy(e);
+}
+
+/* n > 1 on a tensor-parallel runner: the choices share the prompt's full block and get a copy
+ * of its partial one on every rank (mr_clone_blocks), so that choice c equals the request
+ * alone with seed + c (tokens, and logprobs within TP_TOL). */
+static void check_choices(mr *tp, const mc_config *cfg, int32_t n_tp)
+{
+    int32_t prompt[21]; /* one full block of 16 and a partial one */
+    for (int32_t i = 0; i < 21; i++) prompt[i] = (i * 29 + 3) % SV;
+    eng_request rq = {.id = 1, .prompt = prompt, .n_prompt = 21, .sampling = smp_default_params(),
+                      .logprobs = true, .top_logprobs = 2, .n = 3};
+    rq.sampling.temperature = 1.0f;
+    rq.sampling.seed = 4242;
+    rq.sampling.has_seed = true;
+    rq.stop.max_tokens = 12;
+    rq.stop.ignore_eos = true;
+    choice_out got, one;
+    eng_stats st;
+    run_engine(tp, cfg, &rq, &got, &st);
+    CHECK_EQ_INT(st.forks, 1);
+    CHECK_EQ_INT(st.fork_cloned_blocks, 2); /* the copies, not a recompute */
+    CHECK_EQ_INT(st.fork_recomputed, 0);
+    for (int32_t c = 0; c < 3; c++) {
+        eng_request alone = rq;
+        alone.n = 1;
+        alone.sampling.seed += (uint64_t)c;
+        eng_stats st1;
+        run_engine(tp, cfg, &alone, &one, &st1);
+        CHECK_EQ_INT(got.n[c], 12);
+        CHECK_EQ_INT(one.n[0], 12);
+        double worst = 0;
+        bool same = got.n[c] == one.n[0];
+        for (int32_t i = 0; same && i < got.n[c]; i++) {
+            same = got.tok[c][i] == one.tok[0][i];
+            double d = fabs((double)got.lp[c][i] - one.lp[0][i]);
+            if (d > worst) worst = d;
+        }
+        CHECK_MSG(same && worst <= TP_TOL, "TP %d choice %d: differs from seed + %d alone "
+                  "(tokens %s, max |logprob diff| %.3g)", n_tp, c, c, same ? "equal" : "differ",
+                  worst);
+    }
+}
+
 static void test_one_kv_head(void)
 {
     char dir[] = "/tmp/pd_test_tp_XXXXXX", err[PD_ERR_LEN];
@@ -418,6 +498,7 @@ static void test_one_kv_head(void)
                     CHECK((k == 0) == (t.g->models[k]->layers[0].o_bias != NULL));
                 }
                 check_steps(one.r, t.r, n_tp, "one KV head");
+                check_choices(t.r, &one.m->cfg, n_tp);
             }
             tp_close(&t);
         }

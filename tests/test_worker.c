@@ -89,7 +89,7 @@ static void run_alone(const eng_request *rq, int32_t *out, int32_t *n)
     eng_params p = {ENG_MODE_COLOCATED, 64, 4, 256, 8, 0, false, true, false};
     eng *e;
     char err[PD_ERR_LEN];
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL, fake_clone_blocks}, &e, err) == 0);
     CHECK(eng_add_request(e, rq, err) == 0);
     *n = 0;
     while (eng_has_work(e)) {
@@ -126,7 +126,7 @@ static void test_concurrent(void)
     eng_params p = {ENG_MODE_COLOCATED, 48, 4, 64, 16, 0, true, true, false};
     eng *e;
     char err[PD_ERR_LEN];
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL, fake_clone_blocks}, &e, err) == 0);
     ew_callbacks cb = {.on_output = on_output, .on_error = on_error, .on_reserved = on_reserved};
     CHECK(ew_create(e, &cb, &g_w) == 0);
     pthread_t th[N_THREADS + 1];
@@ -198,7 +198,7 @@ static void test_decode_and_shutdown(void)
     eng_params p = {ENG_MODE_DECODE, 64, 4, 64, 8, 0, true, true, false};
     eng *e;
     char err[PD_ERR_LEN];
-    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL, fake_clone_blocks}, &e, err) == 0);
     ew_callbacks cb = {.on_output = on_output, .on_error = on_error, .on_reserved = on_reserved};
     CHECK(ew_create(e, &cb, &g_w) == 0);
     item *a = &g_items[0], *b = &g_items[1], *c = &g_items[2];
@@ -285,7 +285,7 @@ static void test_step_failure(void)
     eng_params p = {ENG_MODE_COLOCATED, 64, 4, 256, 8, 0, false, true, false};
     eng *e;
     char err[PD_ERR_LEN];
-    CHECK(eng_create(&p, &cfg, (eng_executor){failing_forward, &x, NULL, NULL, NULL, NULL}, &e, err) == 0);
+    CHECK(eng_create(&p, &cfg, (eng_executor){failing_forward, &x, NULL, NULL, NULL, NULL, NULL}, &e, err) == 0);
     ew_callbacks cb = {.on_output = on_output, .on_error = on_error,
                        .on_step_failed = on_step_failed, .step_arg = NULL};
     ew *w;

@@ -295,6 +295,30 @@ static int cpu_kv_copy(void *ctx, void *cache, const int32_t *ids, int32_t n, si
     return 0;
 }
 
+static int cpu_kv_clone(void *ctx, void *pool, size_t region_bytes, int32_t n_regions,
+                        const int32_t *src, const int32_t *dst, int32_t n, size_t block_bytes)
+{
+    (void)ctx;
+    if (n < 0 || n_regions < 0 ||
+        (n > 0 && (!pool || !src || !dst || block_bytes == 0 || region_bytes < block_bytes)))
+        return PD_EINVAL;
+    const size_t per_region = region_bytes / (block_bytes ? block_bytes : 1);
+    for (int32_t i = 0; i < n; i++) {
+        if (src[i] < 0 || dst[i] < 0 || (size_t)src[i] >= per_region ||
+            (size_t)dst[i] >= per_region)
+            return PD_EINVAL;
+        for (int32_t j = 0; j < n; j++)
+            if (dst[i] == src[j]) return PD_EINVAL;
+    }
+    for (int32_t r = 0; r < n_regions; r++) {
+        uint8_t *base = (uint8_t *)pool + (size_t)r * region_bytes;
+        for (int32_t i = 0; i < n; i++)
+            memcpy(base + (size_t)dst[i] * block_bytes, base + (size_t)src[i] * block_bytes,
+                   block_bytes);
+    }
+    return 0;
+}
+
 static int cpu_host_register(void *ctx, void *p, size_t bytes)
 {
     (void)ctx;
@@ -394,6 +418,7 @@ static const pd_backend_ops k_cpu_ops = {
     .kv_blocks_to_host = cpu_kv_to_host,
     .kv_blocks_from_host = cpu_kv_from_host,
     .kv_blocks_copy = cpu_kv_copy,
+    .kv_blocks_clone = cpu_kv_clone,
     .host_register = cpu_host_register,
     .host_unregister = cpu_host_unregister,
     .event_record = cpu_event_record,

@@ -30,6 +30,7 @@ static const pd_backend_ops k_cuda_ops = {
     .kv_blocks_to_host = pd_cuda__kv_blocks_to_host,
     .kv_blocks_from_host = pd_cuda__kv_blocks_from_host,
     .kv_blocks_copy = pd_cuda__kv_blocks_copy,
+    .kv_blocks_clone = pd_cuda__kv_blocks_clone,
     .host_register = pd_cuda__host_register,
     .host_unregister = pd_cuda__host_unregister,
     .mem_info = pd_cuda__mem_info,

@@ -63,6 +63,10 @@ int pd_cuda__kv_blocks_from_host(void *ctx, void *cache, const int32_t *ids, int
 int pd_cuda__kv_blocks_copy(void *ctx, void *cache, const int32_t *ids, int32_t n,
                             size_t block_bytes, void *host, bool to_host);
 int pd_cuda__host_register(void *ctx, void *p, size_t bytes);
+/* cuda_kv_clone.cu: KV blocks copied within the pool (copy on write of forked choices). */
+int pd_cuda__kv_blocks_clone(void *ctx, void *pool, size_t region_bytes, int32_t n_regions,
+                             const int32_t *src, const int32_t *dst, int32_t n,
+                             size_t block_bytes);
 int pd_cuda__host_unregister(void *ctx, void *p);
 /* cuda_graph.cu: pinned host memory, row uploads, graph capture and replay. */
 int pd_cuda__host_alloc(void *ctx, size_t bytes, void **out);

@@ -48,6 +48,7 @@ static inline kvt_layout kt_layout(void)
 typedef struct {
     kvt_event ev[KT_MAX_EVENTS];
     char detail[KT_MAX_EVENTS][160];
+    int32_t firsts[KT_MAX_EVENTS][KVT_MAX_FIRST_TOKENS]; /* the events' first_tokens, copied */
     int n;
 } kt_events;
 
@@ -58,6 +59,10 @@ static inline void kt_on_event(void *arg, const kvt_event *ev)
     e->ev[e->n] = *ev;
     snprintf(e->detail[e->n], sizeof e->detail[0], "%s", ev->detail);
     e->ev[e->n].detail = e->detail[e->n];
+    if (ev->first_tokens && ev->n_first_tokens >= 1 && ev->n_first_tokens <= KVT_MAX_FIRST_TOKENS) {
+        memcpy(e->firsts[e->n], ev->first_tokens, (size_t)ev->n_first_tokens * sizeof(int32_t));
+        e->ev[e->n].first_tokens = e->firsts[e->n];
+    }
     fprintf(stderr, "event %d: type %d req %llu status %s %s\n", e->n, (int)ev->type,
             (unsigned long long)ev->req_id, pd_err_name(ev->status), ev->detail);
     e->n++;

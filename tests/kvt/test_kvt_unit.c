@@ -273,10 +273,21 @@ static void test_loopback(bool user_mem)
         KT_EQ(kvt_send_layer_ready(s, 0), PD_EINVAL); /* twice */
         KT_EQ(kvt_send_layer_ready(s, 9), PD_EINVAL);
         int na = ev_a.n, nb = ev_b.n;
-        KT_EQ(kvt_send_finish(s, 1000 + r), 0);
+        /* round 2 hands over three first tokens (a request of n = 3 choices) */
+        const int32_t firsts[3] = {1000 + r, 7, 9};
+        KT_EQ(kvt_send_finish_n(s, firsts, 0), PD_EINVAL);
+        KT_EQ(kvt_send_finish_n(s, firsts, KVT_MAX_FIRST_TOKENS + 1), PD_EINVAL);
+        if (r == 2) KT_EQ(kvt_send_finish_n(s, firsts, 3), 0);
+        else KT_EQ(kvt_send_finish(s, 1000 + r), 0);
         pump_until(a, b, na + 1, nb + 1);
         KT_EQ(ev_a.ev[na].type, KVT_EV_RECV_DONE);
         KT_EQ(ev_a.ev[na].first_token, 1000 + r);
+        KT_EQ(ev_a.ev[na].n_first_tokens, r == 2 ? 3 : 1);
+        KT_EQ(ev_b.ev[nb].n_first_tokens, r == 2 ? 3 : 1);
+        if (r == 2) {
+            KT_EQ(ev_a.ev[na].first_tokens[1], 7);
+            KT_EQ(ev_a.ev[na].first_tokens[2], 9);
+        }
         KT_EQ(ev_b.ev[nb].type, KVT_EV_SEND_DONE);
         KT_CHECK(ev_b.ev[nb].send == s);
         KT_EQ(kvt_send_layer_ready(s, 1), PD_ESTATE); /* ended */
