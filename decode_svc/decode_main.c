@@ -50,9 +50,12 @@ typedef struct dreq {
     /* Reservation limits (guarded by g.resv_mu): */
     int32_t resv_blocks;        /* blocks counted against the limits; 0 = none held */
     int resv_caller;            /* its slot in g.callers */
-    uint32_t *pend;             /* tokens not yet sent (the stream queue was full) */
-    pend_lp *pend_lp;           /* their logprobs (when asked) */
-    size_t n_pend, cap_pend;
+    int32_t n_choices;          /* DecodeRequest.n (>= 1): each choice streams its own bursts */
+    struct dchoice {            /* engine thread only */
+        uint32_t *pend;         /* tokens not yet sent (the stream queue was full) */
+        pend_lp *pend_lp;       /* their logprobs (when asked) */
+        size_t n_pend, cap_pend;
+    } ch[ENG_MAX_CHOICES];
 } dreq;
 
 /* Reserved blocks per caller (peer host), for the per-caller limit. */
@@ -156,8 +159,10 @@ static void dreq_unref(dreq *r)
     resv_put(r);
     rpc_call_unref(r->call);
     pthread_mutex_destroy(&r->mu);
-    free(r->pend);
-    free(r->pend_lp);
+    for (int i = 0; i < ENG_MAX_CHOICES; i++) {
+        free(r->ch[i].pend);
+        free(r->ch[i].pend_lp);
+    }
     free(r);
 }
 
@@ -174,24 +179,27 @@ static void finish_call(dreq *r, rpc_status_code code, const char *msg)
     rpc_stream_finish(r->call, code, msg && *msg ? "%s" : NULL, msg);
 }
 
-/* Sends the pending tokens (and the final fields when o is terminal). Engine thread. */
-static void flush_burst(dreq *r, const eng_output *o)
+/* Sends choice c's pending tokens (and its final fields when o is its last output). Engine
+ * thread. */
+static void flush_burst(dreq *r, int32_t c, const eng_output *o)
 {
+    struct dchoice *ch = &r->ch[c];
     bool terminal = o && o->finish != SEQ_FINISH_NONE;
-    if (r->n_pend == 0 && !terminal) return;
+    if (ch->n_pend == 0 && !terminal) return;
     Pdserve__Internal__V1__TokenBurst b = PDSERVE__INTERNAL__V1__TOKEN_BURST__INIT;
     Pdserve__V1__Usage usage = PDSERVE__V1__USAGE__INIT;
     Pdserve__V1__TokenLogprob **lpp = NULL;
     size_t n_lp = 0;
-    b.n_token_ids = r->n_pend;
-    b.token_ids = r->pend;
-    if (r->want_logprobs && r->n_pend && (lpp = calloc(r->n_pend, sizeof *lpp))) {
-        for (; n_lp < r->n_pend; n_lp++) {
-            const pend_lp *p = &r->pend_lp[n_lp];
-            if (!(lpp[n_lp] = svc_token_logprob_new(r->pend[n_lp], p->lp, p->top, p->n_top)))
+    b.index = (uint32_t)c;
+    b.n_token_ids = ch->n_pend;
+    b.token_ids = ch->pend;
+    if (r->want_logprobs && ch->n_pend && (lpp = calloc(ch->n_pend, sizeof *lpp))) {
+        for (; n_lp < ch->n_pend; n_lp++) {
+            const pend_lp *p = &ch->pend_lp[n_lp];
+            if (!(lpp[n_lp] = svc_token_logprob_new(ch->pend[n_lp], p->lp, p->top, p->n_top)))
                 break;
         }
-        if (n_lp == r->n_pend) { /* all or none: one per token */
+        if (n_lp == ch->n_pend) { /* all or none: one per token */
             b.n_logprobs = n_lp;
             b.logprobs = lpp;
         }
@@ -207,7 +215,7 @@ static void flush_burst(dreq *r, const eng_output *o)
     m.kind_case = PDSERVE__INTERNAL__V1__DECODE_RESPONSE__KIND_TOKENS;
     m.tokens = &b;
     int rc = rpc_stream_send(r->call, &m.base);
-    if (rc == 0) r->n_pend = 0;
+    if (rc == 0) ch->n_pend = 0;
     else if (rc == PD_ENOSPC && terminal)
         finish_call(r, RPC_STATUS_RESOURCE_EXHAUSTED, "the client reads too slowly");
     for (size_t i = 0; i < n_lp; i++) free(lpp[i]);
@@ -219,32 +227,38 @@ static void flush_burst(dreq *r, const eng_output *o)
 static void on_output(void *user, const eng_output *o)
 {
     dreq *r = user;
+    const int32_t c = o->choice >= 0 && o->choice < r->n_choices ? o->choice : 0;
+    struct dchoice *ch = &r->ch[c];
     if (!r->queue_seen && o->finish != SEQ_FINISH_ABORTED) {
         r->queue_seen = true;
         svc_metrics_queue_time(g.metrics, o->queue_s);
     }
+    resv_put(r); /* admitted (or over): whatever it reserved no longer waits for KV */
     if (o->token >= 0) {
-        if (r->n_pend == r->cap_pend) {
-            size_t cap = r->cap_pend ? 2 * r->cap_pend : 8;
-            uint32_t *np = realloc(r->pend, cap * sizeof *np);
-            pend_lp *nl = np ? realloc(r->pend_lp, cap * sizeof *nl) : NULL;
-            if (np) r->pend = np;
-            if (nl) r->pend_lp = nl;
-            if (np && nl) r->cap_pend = cap;
+        if (ch->n_pend == ch->cap_pend) {
+            size_t cap = ch->cap_pend ? 2 * ch->cap_pend : 8;
+            uint32_t *np = realloc(ch->pend, cap * sizeof *np);
+            pend_lp *nl = np ? realloc(ch->pend_lp, cap * sizeof *nl) : NULL;
+            if (np) ch->pend = np;
+            if (nl) ch->pend_lp = nl;
+            if (np && nl) ch->cap_pend = cap;
         }
-        if (r->n_pend < r->cap_pend) {
-            pend_lp *p = &r->pend_lp[r->n_pend];
+        if (ch->n_pend < ch->cap_pend) { /* the choice's own logprobs and alternatives */
+            pend_lp *p = &ch->pend_lp[ch->n_pend];
             p->lp = o->logprob;
             p->n_top = o->n_top < r->n_top ? o->n_top : r->n_top;
             if (p->n_top > 0) memcpy(p->top, o->top, (size_t)p->n_top * sizeof *o->top);
-            r->pend[r->n_pend++] = (uint32_t)o->token;
+            ch->pend[ch->n_pend++] = (uint32_t)o->token;
         }
     }
     if (o->finish == SEQ_FINISH_NONE) {
-        flush_burst(r, NULL);
+        flush_burst(r, c, NULL);
         return;
     }
-    resv_put(r); /* terminal: whatever it reserved no longer waits for KV */
+    if (o->finish != SEQ_FINISH_ABORTED && !o->done) { /* one choice ends; others go on */
+        flush_burst(r, c, o);
+        return;
+    }
     if (o->finish == SEQ_FINISH_ABORTED) {
         pthread_mutex_lock(&r->mu);
         int code = r->err_code ? r->err_code : RPC_STATUS_CANCELLED;
@@ -253,10 +267,10 @@ static void on_output(void *user, const eng_output *o)
         pthread_mutex_unlock(&r->mu);
         finish_call(r, (rpc_status_code)code, msg);
     } else {
-        flush_burst(r, o);
+        flush_burst(r, c, o);
         finish_call(r, RPC_STATUS_OK, NULL);
     }
-    dreq_unref(r); /* the engine's reference */
+    if (o->done) dreq_unref(r); /* the engine's reference (its last output) */
 }
 
 static void on_error(void *user, int code, const char *msg)
@@ -358,6 +372,8 @@ static void on_kvt_event(void *arg, const kvt_event *ev)
          * copies completed, or CPU memory): the sequence just joins the batch, nothing is
          * copied or waited for on the engine thread. */
         if (r->cancelled) ew_abort(g.worker, r->id);
+        else if (ev->first_tokens && ev->n_first_tokens > 1)
+            ew_admit_n(g.worker, r->id, ev->first_tokens, ev->n_first_tokens); /* n choices */
         else ew_admit(g.worker, r->id, ev->first_token);
         svc_metrics_kv_path(g.metrics, kvt_path_name(ev->path));
         kvt_recv_release(g.pool, r->id);
@@ -456,6 +472,11 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
         rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
         return;
     }
+    if (q->n > ENG_MAX_CHOICES) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "n: at most %d choices (got %u)",
+                          ENG_MAX_CHOICES, q->n);
+        return;
+    }
     int32_t *prompt = malloc(q->n_prompt_token_ids * sizeof *prompt);
     dreq *r = calloc(1, sizeof *r);
     if (!prompt || !r) {
@@ -474,6 +495,7 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
     r->local_prefill = q->local_prefill || g.colocated;
     r->want_logprobs = q->logprobs > 0;
     r->n_top = (int32_t)q->logprobs;
+    r->n_choices = q->n > 1 ? (int32_t)q->n : 1;
     if (!r->local_prefill) {
         /* Admission: reservations hold blocks until a prefill instance fills them, so each
          * caller gets a bounded share of the pool (the prompt's blocks and the first token). */
@@ -495,6 +517,7 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
     er.n_prompt = r->n_prompt;
     er.logprobs = r->want_logprobs;
     er.top_logprobs = r->n_top;
+    er.n = r->n_choices;
     /* A local prefill has no reservation message: the tokens follow directly. */
     int rc = r->local_prefill ? ew_submit(g.worker, &er, r) : ew_reserve(g.worker, &er, r);
     free(prompt);

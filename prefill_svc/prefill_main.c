@@ -46,9 +46,13 @@ typedef struct preq {
     struct preq *next_in_map;
     int32_t first_token;
     float first_logprob;
-    int32_t n_top;                 /* alternatives asked (with want_logprobs); then how many
-                                      first_top holds */
-    pd_top_logprob first_top[PD_MAX_TOP_LOGPROBS];
+    int32_t firsts[ENG_MAX_CHOICES]; /* every choice's first token ([0] = first_token) */
+    float first_lps[ENG_MAX_CHOICES];
+    int32_t n_first;               /* choices (PrefillRequest.n), >= 1 */
+    int32_t n_top;                 /* alternatives asked per token (with want_logprobs) */
+    int32_t first_n_top[ENG_MAX_CHOICES]; /* each choice's first token's alternatives: how
+                                             many first_top holds */
+    pd_top_logprob first_top[ENG_MAX_CHOICES][PD_MAX_TOP_LOGPROBS];
     int32_t n_cached;
     double t_recv, t_prefilled;
 } preq;
@@ -138,24 +142,43 @@ static void answer(preq *r, rpc_status_code code, const char *msg)
     if (code == RPC_STATUS_OK) {
         Pdserve__Internal__V1__PrefillResponse resp = PDSERVE__INTERNAL__V1__PREFILL_RESPONSE__INIT;
         Pdserve__Internal__V1__PrefillTiming tm = PDSERVE__INTERNAL__V1__PREFILL_TIMING__INIT;
-        Pdserve__V1__TokenLogprob *lp = NULL;
+        Pdserve__V1__TokenLogprob *lp = NULL, *lpp[ENG_MAX_CHOICES] = {0};
+        bool oom = false;
         resp.first_token_id = (uint32_t)r->first_token;
         resp.cached_prompt_tokens = (uint32_t)r->n_cached;
         if (r->want_logprobs) {
-            lp = svc_token_logprob_new((uint32_t)r->first_token, r->first_logprob, r->first_top,
-                                       r->n_top);
+            lp = svc_token_logprob_new((uint32_t)r->first_token, r->first_logprob, r->first_top[0],
+                                       r->first_n_top[0]);
             resp.first_logprob = lp;
+            oom |= !lp;
+        }
+        uint32_t ids[ENG_MAX_CHOICES];
+        if (r->n_first > 1) { /* n choices: each one's first token, with its own logprobs */
+            for (int32_t i = 0; i < r->n_first; i++) {
+                ids[i] = (uint32_t)r->firsts[i];
+                if (r->want_logprobs &&
+                    !(lpp[i] = svc_token_logprob_new(ids[i], r->first_lps[i], r->first_top[i],
+                                                     r->first_n_top[i])))
+                    oom = true;
+            }
+            resp.n_first_token_ids = (size_t)r->n_first;
+            resp.first_token_ids = ids;
+            if (r->want_logprobs) {
+                resp.n_first_logprobs = (size_t)r->n_first;
+                resp.first_logprobs = lpp;
+            }
         }
         double t = now_s();
         tm.compute_us = (uint64_t)((r->t_prefilled - r->t_recv) * 1e6);
         tm.transfer_us = (uint64_t)((t - r->t_prefilled) * 1e6);
         tm.total_us = (uint64_t)((t - r->t_recv) * 1e6);
         resp.timing = &tm;
-        if (r->want_logprobs && !lp)
+        if (oom)
             rpc_stream_finish(r->call, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         else if (rpc_call_reply(r->call, &resp.base) < 0)
             rpc_stream_finish(r->call, RPC_STATUS_INTERNAL, "cannot send the response");
         free(lp);
+        for (int32_t i = 0; i < ENG_MAX_CHOICES; i++) free(lpp[i]);
     } else {
         rpc_stream_finish(r->call, code, msg && *msg ? "%s" : NULL, msg);
     }
@@ -194,7 +217,7 @@ static void do_push(kvt_ctx *ctx, void *arg)
         atomic_fetch_add(&r->refs, 1); /* the transfer's own reference: its event drops it */
         for (int32_t l = 0; l < g.model.cfg.n_layers && rc == 0; l++)
             rc = kvt_send_layer_ready(r->send, l);
-        if (rc == 0) rc = kvt_send_finish(r->send, r->first_token);
+        if (rc == 0) rc = kvt_send_finish_n(r->send, r->firsts, r->n_first);
         /* On a failure here the transfer's SEND_FAILED event follows and finishes the work. */
         preq_unref(r); /* the engine's reference, carried by this job */
         free(j);
@@ -332,7 +355,7 @@ static void do_finish(kvt_ctx *ctx, void *arg)
     (void)ctx;
     preq *r = arg;
     if (r->send) {
-        if (kvt_send_finish(r->send, r->first_token) != 0)
+        if (kvt_send_finish_n(r->send, r->firsts, r->n_first) != 0)
             kvt_send_cancel(r->send); /* its SEND_FAILED event answers and releases */
     } else {
         ew_release(g.worker, r->id);
@@ -405,10 +428,23 @@ static void on_output(void *user, const eng_output *o)
         return;
     }
     svc_metrics_queue_time(g.metrics, o->queue_s);
-    r->first_token = o->token;
-    r->first_logprob = o->logprob;
-    r->n_top = o->n_top < r->n_top ? o->n_top : r->n_top;
-    if (r->n_top > 0) memcpy(r->first_top, o->top, (size_t)r->n_top * sizeof *o->top);
+    r->first_token = r->firsts[0] = o->token;
+    r->first_logprob = r->first_lps[0] = o->logprob;
+    r->first_n_top[0] = o->n_top < r->n_top ? o->n_top : r->n_top;
+    if (r->first_n_top[0] > 0)
+        memcpy(r->first_top[0], o->top, (size_t)r->first_n_top[0] * sizeof *o->top);
+    if (o->choice_tokens && o->n_choices == r->n_first) { /* n choices: one token each */
+        memcpy(r->firsts, o->choice_tokens, (size_t)r->n_first * sizeof *r->firsts);
+        if (o->choice_logprobs)
+            memcpy(r->first_lps, o->choice_logprobs, (size_t)r->n_first * sizeof *r->first_lps);
+        for (int32_t c = 0; c < r->n_first; c++) { /* and its own alternatives */
+            const int32_t n = o->choice_n_top ? o->choice_n_top[c] : 0;
+            r->first_n_top[c] = n < r->n_top ? n : r->n_top;
+            if (r->first_n_top[c] > 0)
+                memcpy(r->first_top[c], o->choice_top + (size_t)c * PD_MAX_TOP_LOGPROBS,
+                       (size_t)r->first_n_top[c] * sizeof *o->choice_top);
+        }
+    }
     r->n_cached = o->n_cached;
     r->t_prefilled = now_s();
     if (r->layered) {
@@ -533,6 +569,11 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
         rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
         return;
     }
+    if (q->n > ENG_MAX_CHOICES) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "n: at most %d choices (got %u)",
+                          ENG_MAX_CHOICES, q->n);
+        return;
+    }
     preq *r = calloc(1, sizeof *r);
     int32_t *prompt = malloc(q->n_prompt_token_ids * sizeof *prompt);
     if (r) {
@@ -567,6 +608,7 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
     r->n_prompt = (int32_t)q->n_prompt_token_ids;
     r->want_logprobs = q->logprobs > 0;
     r->n_top = (int32_t)q->logprobs;
+    r->n_first = q->n > 1 ? (int32_t)q->n : 1;
     r->t_recv = now_s();
     rpc_call_ref(call);
     map_add(r);
@@ -575,6 +617,7 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
     er.n_prompt = r->n_prompt;
     er.logprobs = r->want_logprobs;
     er.top_logprobs = r->n_top;
+    er.n = r->n_first;
     int rc = ew_submit(g.worker, &er, r);
     free(prompt);
     if (rc < 0) {

@@ -48,6 +48,9 @@
 #endif
 #include "router/rtr_http.h"
 
+/* GenerateRequest.n at most (the engine's ENG_MAX_CHOICES). */
+#define RTR_MAX_CHOICES 16
+
 typedef struct {
     mc_config cfg;
     tok_tokenizer *tok;
@@ -84,6 +87,21 @@ typedef struct {
 
 static router g;
 
+/* One choice of a request (GenerateRequest.n): its own detokenizer, stop strings and end. */
+typedef struct {
+    tok_stream *detok;
+    stopstr *stops;
+    uint32_t completion;             /* tokens emitted */
+    bool ended;                      /* its last message was sent (or decided) */
+    uint32_t *held;                  /* decode tokens that arrived before the first token */
+    Pdserve__V1__TokenLogprob **held_lp; /* their logprobs ([cap_held]; copies, freed once
+                                        sent; NULL where a burst had none) */
+    size_t n_held, cap_held;
+    int held_finish;                 /* finish reason that arrived with held tokens */
+    Pdserve__V1__Usage held_usage;
+    bool have_held_usage;
+} rchoice;
+
 typedef struct rreq {
     atomic_int refs;                 /* public call side + decode call + prefill call */
     pthread_mutex_t mu;
@@ -109,17 +127,12 @@ typedef struct rreq {
     bool fin_pending;                /* finish_locked decided; rreq_unlock sends the status */
     int fin_code;                    /* rpc_status_code to send */
     char fin_msg[PD_ERR_LEN];        /* its details ("" = none) */
-    uint32_t *held;                  /* decode tokens that arrived before the first token */
-    Pdserve__V1__TokenLogprob **held_lp; /* their logprobs ([cap_held]; copies, freed once
-                                        sent; NULL where a burst had none) */
-    size_t n_held, cap_held;
-    int held_finish;                 /* finish reason that arrived with held tokens */
-    Pdserve__V1__Usage held_usage;
-    bool have_held_usage;
+    int32_t n_choices;               /* GenerateRequest.n, 1 .. 16 */
+    int32_t n_ended;                 /* choices whose last message was sent */
+    rchoice *ch;                     /* [n_choices] */
     uint32_t cached_tokens;          /* from prefill */
-    uint32_t completion;             /* tokens emitted */
-    tok_stream *detok;
-    stopstr *stops;
+    uint32_t completion;             /* tokens emitted, all choices */
+    uint32_t max_completion;         /* of the longest choice (TPOT) */
     bool where_counted;              /* the prefill decision went into the metric */
     bool gate_passed;                /* admitted by the prefill gate (mu) */
     /* The prefill gate's (under g_gate.mu): */
@@ -282,8 +295,8 @@ static void account_locked(rreq *r, int code)
     pd_metric_observe(g.m_e2e, t - r->t_arrival);
     double ttft = (r->t_first > 0 ? r->t_first : t) - r->t_arrival, tpot = 0;
     pd_metric_observe(g.m_ttft, ttft);
-    if (r->completion >= 2) {
-        tpot = (r->t_last - r->t_first) / (double)(r->completion - 1);
+    if (r->max_completion >= 2) { /* choices decode side by side: per token of one */
+        tpot = (r->t_last - r->t_first) / (double)(r->max_completion - 1);
         pd_metric_observe(g.m_tpot, tpot);
         if (r->dec) rtr_instance_note_tpot(g.reg, r->dec, tpot);
     }
@@ -315,12 +328,15 @@ static void rreq_unref(rreq *r)
     rpc_client_call_release(r->dcall);
     rpc_client_call_release(r->pcall);
     if (r->kv) protobuf_c_message_free_unpacked(&r->kv->base, NULL);
-    tok_stream_destroy(r->detok);
-    stopstr_destroy(r->stops);
+    for (int32_t c = 0; r->ch && c < r->n_choices; c++) {
+        tok_stream_destroy(r->ch[c].detok);
+        stopstr_destroy(r->ch[c].stops);
+        free(r->ch[c].held);
+        for (size_t i = 0; i < r->ch[c].n_held && r->ch[c].held_lp; i++) free(r->ch[c].held_lp[i]);
+        free(r->ch[c].held_lp);
+    }
+    free(r->ch);
     free(r->prompt);
-    free(r->held);
-    for (size_t i = 0; i < r->n_held && r->held_lp; i++) free(r->held_lp[i]);
-    free(r->held_lp);
     pthread_mutex_destroy(&r->mu);
     free(r);
     atomic_fetch_sub(&g.pending, 1);
@@ -384,14 +400,18 @@ static Pdserve__V1__TokenLogprob *lp_copy(const Pdserve__V1__TokenLogprob *in, u
     return svc_token_logprob_new(id, in->logprob, top, n);
 }
 
-/* Emits tokens to the client (mu held): detokenize, stop strings, one GenerateResponse.
- * finish is a FinishReason (0 = not final); usage is for the final message. lps (may be NULL):
- * each token's logprobs as the instance reported them (the raw model distribution, with its
- * top alternatives), sent when the request asked for logprobs and every token has them. */
-static void emit_locked(rreq *r, const uint32_t *ids, Pdserve__V1__TokenLogprob *const *lps,
-                        size_t n, int finish, const Pdserve__V1__Usage *usage_in)
+/* Emits tokens of choice c to the client (mu held): detokenize, stop strings, one
+ * GenerateResponse with index c. finish is a FinishReason (0 = not final: the choice's last
+ * message otherwise); usage is for the final message. The call ends (OK) once every choice
+ * ended. lps (may be NULL): each token's logprobs as the instance reported them for this
+ * choice (the raw model distribution, with its top alternatives), sent when the request asked
+ * for logprobs and every token has them. */
+static void emit_locked(rreq *r, int32_t c, const uint32_t *ids,
+                        Pdserve__V1__TokenLogprob *const *lps, size_t n, int finish,
+                        const Pdserve__V1__Usage *usage_in)
 {
-    if (r->finished) return;
+    if (r->finished || c < 0 || c >= r->n_choices || r->ch[c].ended) return;
+    rchoice *ch = &r->ch[c];
     char *text = NULL;
     size_t tlen = 0, tcap = 0;
     char err[PD_ERR_LEN];
@@ -400,13 +420,13 @@ static void emit_locked(rreq *r, const uint32_t *ids, Pdserve__V1__TokenLogprob 
     for (size_t i = 0; i < n && !stopped; i++) {
         const char *piece;
         size_t plen;
-        if (!r->detok || tok_stream_push(r->detok, (int32_t)ids[i], &piece, &plen, err) < 0) {
+        if (!ch->detok || tok_stream_push(ch->detok, (int32_t)ids[i], &piece, &plen, err) < 0) {
             piece = "";
             plen = 0;
         }
         const char *shown;
         size_t slen;
-        if (stopstr_push(r->stops, piece, plen, &shown, &slen, &stopped) < 0) slen = 0;
+        if (stopstr_push(ch->stops, piece, plen, &shown, &slen, &stopped) < 0) slen = 0;
         if (tlen + slen + 1 > tcap) {
             tcap = (tlen + slen + 1) * 2;
             char *nt = realloc(text, tcap);
@@ -421,15 +441,15 @@ static void emit_locked(rreq *r, const uint32_t *ids, Pdserve__V1__TokenLogprob 
     if (finish && !stopped) { /* the end: release held-back text */
         const char *piece, *shown;
         size_t plen = 0, slen = 0;
-        if (!r->detok || tok_stream_flush(r->detok, &piece, &plen, err) < 0) {
+        if (!ch->detok || tok_stream_flush(ch->detok, &piece, &plen, err) < 0) {
             piece = "";
             plen = 0;
         }
         bool st2;
-        stopstr_push(r->stops, piece, plen, &shown, &slen, &st2);
+        stopstr_push(ch->stops, piece, plen, &shown, &slen, &st2);
         const char *rest;
         size_t rlen = 0;
-        if (!st2) stopstr_flush(r->stops, &rest, &rlen);
+        if (!st2) stopstr_flush(ch->stops, &rest, &rlen);
         char *nt = realloc(text, tlen + slen + rlen + 1);
         if (nt) {
             text = nt;
@@ -443,6 +463,8 @@ static void emit_locked(rreq *r, const uint32_t *ids, Pdserve__V1__TokenLogprob 
         if (st2) finish = PDSERVE__V1__FINISH_REASON__FINISH_REASON_STOP;
     }
     r->completion += (uint32_t)n_keep;
+    ch->completion += (uint32_t)n_keep;
+    if (ch->completion > r->max_completion) r->max_completion = ch->completion;
     if (n_keep > 0) {
         r->t_last = now_s();
         if (r->t_first == 0) r->t_first = r->t_last;
@@ -451,6 +473,7 @@ static void emit_locked(rreq *r, const uint32_t *ids, Pdserve__V1__TokenLogprob 
     Pdserve__V1__GenerateResponse m = PDSERVE__V1__GENERATE_RESPONSE__INIT;
     Pdserve__V1__Usage usage = PDSERVE__V1__USAGE__INIT;
     m.request_id = r->request_id;
+    m.index = (uint32_t)c;
     m.n_token_ids = n_keep;
     m.token_ids = (uint32_t *)ids;
     if (!text) text = calloc(1, 1);
@@ -459,7 +482,7 @@ static void emit_locked(rreq *r, const uint32_t *ids, Pdserve__V1__TokenLogprob 
     if (finish) {
         m.finish_reason = (Pdserve__V1__FinishReason)finish;
         usage.prompt_tokens = (uint32_t)r->n_prompt;
-        usage.completion_tokens = r->completion;
+        usage.completion_tokens = ch->completion; /* the choice's own */
         usage.cached_prompt_tokens = r->cached_tokens;
         if (usage_in && r->local_prefill) usage.cached_prompt_tokens = usage_in->cached_prompt_tokens;
         m.usage = &usage;
@@ -481,7 +504,20 @@ static void emit_locked(rreq *r, const uint32_t *ids, Pdserve__V1__TokenLogprob 
     free(text);
     for (size_t i = 0; i < n_lp; i++) free(lpp[i]);
     free(lpp);
-    if (finish) finish_locked(r, RPC_STATUS_OK, NULL);
+    if (finish) {
+        ch->ended = true;
+        /* The last choice ends the call. (A choice that ended at a stop string here still
+         * decodes on the decode instance until its own end, or until the call ends.) */
+        if (++r->n_ended == r->n_choices) finish_locked(r, RPC_STATUS_OK, NULL);
+    }
+}
+
+/* Every choice has ended or its end is held until the prefill answer (mu held). */
+static bool all_choices_final(const rreq *r)
+{
+    for (int32_t c = 0; c < r->n_choices; c++)
+        if (!r->ch[c].ended && !r->ch[c].held_finish) return false;
+    return true;
 }
 
 /* Starts an internal call of r (mu held) on inst: the call holds a reference to r; on failure
@@ -516,14 +552,28 @@ static void pre_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user
     pthread_mutex_lock(&r->mu);
     r->cached_tokens = p->cached_prompt_tokens;
     r->first_sent = true;
-    uint32_t first = p->first_token_id;
-    emit_locked(r, &first, p->first_logprob ? &p->first_logprob : NULL, 1, 0, NULL);
-    /* Decode tokens that overtook the prefill answer. */
-    if (r->n_held || r->held_finish)
-        emit_locked(r, r->held, r->held_lp, r->n_held, r->held_finish,
-                    r->have_held_usage ? &r->held_usage : NULL);
-    for (size_t i = 0; i < r->n_held; i++) free(r->held_lp[i]);
-    r->n_held = 0;
+    if (r->n_choices > 1 && p->n_first_token_ids != (size_t)r->n_choices) {
+        finish_locked(r, RPC_STATUS_INTERNAL, "the prefill instance answered another number of "
+                      "choices than asked");
+        rreq_unlock(r);
+        protobuf_c_message_free_unpacked(msg, NULL);
+        return;
+    }
+    for (int32_t k = 0; k < r->n_choices; k++) {
+        rchoice *ch = &r->ch[k];
+        uint32_t first = r->n_choices > 1 ? p->first_token_ids[k] : p->first_token_id;
+        /* choice k's first token's logprobs: its own alternatives (PrefillResponse) */
+        Pdserve__V1__TokenLogprob *flp =
+            r->n_choices == 1 ? p->first_logprob
+                              : (p->n_first_logprobs == (size_t)r->n_choices ? p->first_logprobs[k] : NULL);
+        emit_locked(r, k, &first, flp ? &flp : NULL, 1, 0, NULL);
+        /* Decode tokens that overtook the prefill answer. */
+        if (ch->n_held || ch->held_finish)
+            emit_locked(r, k, ch->held, ch->held_lp, ch->n_held, ch->held_finish,
+                        ch->have_held_usage ? &ch->held_usage : NULL);
+        for (size_t i = 0; i < ch->n_held; i++) free(ch->held_lp[i]);
+        ch->n_held = 0;
+    }
     rreq_unlock(r);
     protobuf_c_message_free_unpacked(msg, NULL);
 }
@@ -582,6 +632,7 @@ static void start_prefill(rreq *r, const Pdserve__Internal__V1__KvTarget *kv, co
     q.sampling = &r->sampling;
     q.stopping = &r->stopping;
     q.logprobs = r->logprobs;
+    q.n = (uint32_t)r->n_choices;
     q.kv_target = (Pdserve__Internal__V1__KvTarget *)kv;
     rpc_client_callbacks cb = {pre_on_message, pre_on_done, r};
     start_internal_call(r, p, "/pdserve.internal.v1.Prefill/Prefill", &q.base,
@@ -614,31 +665,36 @@ static void dec_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user
         }
     } else if (d->kind_case == PDSERVE__INTERNAL__V1__DECODE_RESPONSE__KIND_TOKENS && d->tokens) {
         const Pdserve__Internal__V1__TokenBurst *b = d->tokens;
+        const int32_t ci = b->index < (uint32_t)r->n_choices ? (int32_t)b->index : -1;
+        rchoice *ch = ci >= 0 ? &r->ch[ci] : NULL;
         /* the burst's logprobs, one per token when asked */
         Pdserve__V1__TokenLogprob *const *lps =
             b->n_logprobs == b->n_token_ids && b->n_token_ids > 0 ? b->logprobs : NULL;
-        if (r->first_sent || r->local_prefill) {
+        if (!ch) {
+            finish_locked(r, RPC_STATUS_INTERNAL, "the decode instance sent a choice index out "
+                          "of range");
+        } else if (r->first_sent || r->local_prefill) {
             r->first_sent = true;
-            emit_locked(r, b->token_ids, lps, b->n_token_ids, b->finish_reason, b->usage);
+            emit_locked(r, ci, b->token_ids, lps, b->n_token_ids, b->finish_reason, b->usage);
         } else { /* hold until the prefill answer with the first token */
-            if (r->n_held + b->n_token_ids > r->cap_held) {
-                size_t cap = (r->n_held + b->n_token_ids) * 2 + 8;
-                uint32_t *nh = realloc(r->held, cap * sizeof *nh);
-                if (nh) r->held = nh;
-                Pdserve__V1__TokenLogprob **nl = nh ? realloc(r->held_lp, cap * sizeof *nl) : NULL;
-                if (nl) r->held_lp = nl;
-                if (nh && nl) r->cap_held = cap;
+            if (ch->n_held + b->n_token_ids > ch->cap_held) {
+                size_t cap = (ch->n_held + b->n_token_ids) * 2 + 8;
+                uint32_t *nh = realloc(ch->held, cap * sizeof *nh);
+                if (nh) ch->held = nh;
+                Pdserve__V1__TokenLogprob **nl = nh ? realloc(ch->held_lp, cap * sizeof *nl) : NULL;
+                if (nl) ch->held_lp = nl;
+                if (nh && nl) ch->cap_held = cap;
             }
-            for (size_t i = 0; i < b->n_token_ids && r->n_held < r->cap_held; i++) {
-                r->held_lp[r->n_held] = lps && lps[i] && r->logprobs > 0
-                                            ? lp_copy(lps[i], b->token_ids[i], r->logprobs)
-                                            : NULL;
-                r->held[r->n_held++] = b->token_ids[i];
+            for (size_t i = 0; i < b->n_token_ids && ch->n_held < ch->cap_held; i++) {
+                ch->held_lp[ch->n_held] = lps && lps[i] && r->logprobs > 0
+                                              ? lp_copy(lps[i], b->token_ids[i], r->logprobs)
+                                              : NULL;
+                ch->held[ch->n_held++] = b->token_ids[i];
             }
-            if (b->finish_reason) r->held_finish = b->finish_reason;
+            if (b->finish_reason) ch->held_finish = b->finish_reason;
             if (b->usage) {
-                r->held_usage = *b->usage;
-                r->have_held_usage = true;
+                ch->held_usage = *b->usage;
+                ch->have_held_usage = true;
             }
         }
     }
@@ -671,7 +727,7 @@ static void dec_on_done(rpc_client_call *c, const rpc_status *st, void *user)
             finish_locked(r, (rpc_status_code)st->code, pub);
         }
         rtr_instance_unref(prev);
-    } else if (!r->finished && !(st->code == RPC_STATUS_OK && r->held_finish)) {
+    } else if (!r->finished && !(st->code == RPC_STATUS_OK && all_choices_final(r))) {
         if (st->code == RPC_STATUS_OK) {
             finish_locked(r, RPC_STATUS_INTERNAL, "the decode stream ended without a finish reason");
         } else {
@@ -788,7 +844,8 @@ static bool start_decode(rreq *r, const rtr_instance *exclude)
         pd_metrics_label(l, sizeof l, "why", why);
         pd_metric_add(pd_mfamily_series(g.m_where, l), 1);
     }
-    rtr_instance_add_load(d, (r->n_prompt + r->stopping.max_tokens + 15) / 16,
+    /* the prompt's blocks are shared by its choices; each choice grows its own */
+    rtr_instance_add_load(d, (r->n_prompt + (int64_t)r->n_choices * r->stopping.max_tokens + 15) / 16,
                           r->local_prefill ? r->n_prompt : 0);
     Pdserve__Internal__V1__DecodeRequest q = PDSERVE__INTERNAL__V1__DECODE_REQUEST__INIT;
     q.request_id = r->request_id;
@@ -798,6 +855,7 @@ static bool start_decode(rreq *r, const rtr_instance *exclude)
     q.stopping = &r->stopping;
     q.logprobs = r->logprobs;
     q.local_prefill = r->local_prefill;
+    q.n = (uint32_t)r->n_choices;
     rpc_client_callbacks cb = {dec_on_message, dec_on_done, r};
     start_internal_call(r, d, "/pdserve.internal.v1.Decode/Decode", &q.base,
                         &pdserve__internal__v1__decode_response__descriptor, &cb, &r->dcall,
@@ -910,6 +968,11 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
         reject(call, RPC_STATUS_INVALID_ARGUMENT, "logprobs: at most 20 (got %u)", q->logprobs);
         return;
     }
+    if (q->n > RTR_MAX_CHOICES) {
+        reject(call, RPC_STATUS_INVALID_ARGUMENT, "n: at most %d choices (got %u)",
+               RTR_MAX_CHOICES, q->n);
+        return;
+    }
     if (q->stopping && q->stopping->n_stop > 16) {
         reject(call, RPC_STATUS_INVALID_ARGUMENT, "stopping.stop: at most 16 stop "
                           "strings (got %zu)", q->stopping->n_stop);
@@ -1003,9 +1066,13 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
     r->stopping.stop_token_ids = q->stopping ? q->stopping->stop_token_ids : NULL;
     r->logprobs = q->logprobs;
     r->prefix_key = prefix_key(r->prompt, r->n_prompt);
-    if ((g.tok && tok_stream_create(g.tok, true, &r->detok) < 0) ||
-        stopstr_create(q->stopping ? (const char *const *)q->stopping->stop : NULL,
-                       q->stopping ? (int)q->stopping->n_stop : 0, &r->stops) < 0) {
+    r->n_choices = q->n > 1 ? (int32_t)q->n : 1;
+    bool oom = !(r->ch = calloc((size_t)r->n_choices, sizeof *r->ch));
+    for (int32_t c = 0; !oom && c < r->n_choices; c++)
+        oom = (g.tok && tok_stream_create(g.tok, true, &r->ch[c].detok) < 0) ||
+              stopstr_create(q->stopping ? (const char *const *)q->stopping->stop : NULL,
+                             q->stopping ? (int)q->stopping->n_stop : 0, &r->ch[c].stops) < 0;
+    if (oom) {
         reject(call, RPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         rreq_unref(r);
         return;

@@ -1,6 +1,6 @@
 /* rtr_http.c -- The OpenAI-compatible HTTP server of the router (see rtr_http.h): libmicrohttpd
- * with a thread per connection. A generation request starts one Generate call per choice on
- * the loopback channel; the calls' callbacks (the channel's completion thread) only queue
+ * with a thread per connection. A generation request starts one Generate call per prompt (its
+ * n choices: GenerateRequest.n) on the loopback channel; the calls' callbacks (the channel's completion thread) only queue
  * their messages on the request, and the connection's thread turns them into JSON or SSE
  * chunks. While it waits the thread looks at the socket every 100 ms, so a client that hangs
  * up cancels its calls even when no token is flowing; a write that fails does too (the
@@ -138,10 +138,15 @@ static void cb_message(rpc_client_call *call, ProtobufCMessage *msg, void *user)
     (void)call;
     oai_choice *c = user;
     hreq *r = c->r;
+    const uint32_t j = ((const Pdserve__V1__GenerateResponse *)msg)->index;
+    if (j >= (uint32_t)r->job.n) { /* not one of the prompt's choices: dropped */
+        protobuf_c_message_free_unpacked(msg, NULL);
+        return;
+    }
     oai_event *e = calloc(1, sizeof *e);
     pthread_mutex_lock(&r->mu);
     if (!r->gone && e) {
-        e->choice = c->index;
+        e->choice = c->index + (int)j;
         e->msg = msg;
         push_event(r, e);
         e = NULL;
@@ -219,15 +224,18 @@ static void process_events(hreq *r)
     pthread_mutex_unlock(&r->mu);
     while (e) {
         oai_event *next = e->next;
-        oai_choice *c = &r->choices[e->choice];
         if (e->msg) {
             if (!r->failed) oai_apply(r, e->choice, (const Pdserve__V1__GenerateResponse *)e->msg);
             protobuf_c_message_free_unpacked(e->msg, NULL);
-        } else if (!c->done) {
-            c->done = true;
-            r->n_done++;
-            oai_err err;
-            if (oai_call_error(r, c, e->code, e->detail, &err)) fail(r, &err);
+        } else {
+            for (int j = 0; j < r->job.n; j++) { /* the call's end ends the prompt's choices */
+                oai_choice *c = &r->choices[e->choice + j];
+                if (c->done) continue;
+                c->done = true;
+                r->n_done++;
+                oai_err err;
+                if (oai_call_error(r, c, e->code, e->detail, &err)) fail(r, &err);
+            }
         }
         free(e);
         e = next;
@@ -380,14 +388,16 @@ static enum MHD_Result generate(hreq *r, int kind)
     make_id(r, kind == OAI_CHAT ? "chatcmpl-" : "cmpl-");
     rpc_call_opts opts = {.timeout_ms = request_timeout_ms(r)};
     for (int i = 0; i < r->n_choices; i++) {
-        oai_choice *c = &r->choices[i];
-        c->r = r;
-        c->index = i;
+        r->choices[i].r = r;
+        r->choices[i].index = i;
+    }
+    for (int p = 0; p < r->job.n_prompts; p++) { /* one call per prompt: its n choices */
+        oai_choice *c = &r->choices[p * r->job.n];
         Pdserve__V1__GenerateRequest q;
         Pdserve__V1__SamplingParams s;
-        oai_job_request(&r->job, i, &q, &s);
+        oai_job_request(&r->job, p, &q, &s);
         char rid[80], err[PD_ERR_LEN];
-        snprintf(rid, sizeof rid, "%s-%d", r->id, i);
+        snprintf(rid, sizeof rid, "%s-%d", r->id, p);
         q.request_id = rid;
         rpc_client_callbacks cb = {cb_message, cb_done, c};
         pthread_mutex_lock(&r->mu);

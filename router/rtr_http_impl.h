@@ -60,11 +60,13 @@ typedef struct {
     size_t n_msgs;
 } oai_job;
 
-/* One choice (one Generate call) of a request. */
+/* One choice of a request: choice j of prompt p has index p * n + j. A prompt's n choices
+ * come from one Generate call (GenerateRequest.n), held by its choice j = 0. */
 typedef struct oai_choice {
-    struct hreq *r;                 /* back pointer (the call's user data) */
+    struct hreq *r;                 /* back pointer (the call's user data: choice j = 0) */
     int index;
-    rpc_client_call *call;          /* handle, released when the request is freed */
+    rpc_client_call *call;          /* j = 0: the prompt's call, released when the request is
+                                       freed; NULL for the others */
     /* Connection thread only: */
     bool done;                      /* its call ended (status processed) */
     int finish;                     /* FinishReason of its last message, 0 until then */
@@ -82,7 +84,7 @@ typedef struct oai_choice {
 /* An event from a call's completion thread: a response (msg) or the end (msg NULL). */
 typedef struct oai_event {
     struct oai_event *next;
-    int choice;
+    int choice;                     /* msg: its choice (p * n + index); end: the call's first */
     ProtobufCMessage *msg;          /* owned; NULL = the call ended with code / detail */
     int code;
     char detail[PD_ERR_LEN];
@@ -127,9 +129,10 @@ typedef struct hreq {
  * oai_job_free, also after an error), or an HTTP status with e filled. */
 int oai_parse(const oai_ctx *ctx, int kind, const char *body, size_t len, oai_job *job,
               oai_err *e);
-/* Fills q (initialized here) for choice i: prompt i / n, sampling copied into *s with seed +
- * i % n when seeded. q borrows from job and s. */
-void oai_job_request(const oai_job *job, int i, Pdserve__V1__GenerateRequest *q,
+/* Fills q (initialized here) for prompt p with its n choices (GenerateRequest.n: one call
+ * generates them all, choice j from seed + j when seeded), sampling copied into *s. q borrows
+ * from job and s. */
+void oai_job_request(const oai_job *job, int p, Pdserve__V1__GenerateRequest *q,
                      Pdserve__V1__SamplingParams *s);
 /* Frees the inputs (once every call started); the settings stay. */
 void oai_job_free_inputs(oai_job *job);

@@ -493,11 +493,10 @@ int oai_parse(const oai_ctx *ctx, int kind, const char *body, size_t len, oai_jo
     return 0;
 }
 
-void oai_job_request(const oai_job *job, int i, Pdserve__V1__GenerateRequest *q,
+void oai_job_request(const oai_job *job, int p, Pdserve__V1__GenerateRequest *q,
                      Pdserve__V1__SamplingParams *s)
 {
     pdserve__v1__generate_request__init(q);
-    int p = i / job->n;
     if (job->n_msgs) {
         q->n_messages = job->n_msgs;
         q->messages = job->msgp;
@@ -507,9 +506,9 @@ void oai_job_request(const oai_job *job, int i, Pdserve__V1__GenerateRequest *q,
         q->n_prompt_token_ids = job->n_ids[p];
         q->prompt_token_ids = job->ids[p];
     }
-    *s = job->sampling;
-    if (s->seed_set_case == PDSERVE__V1__SAMPLING_PARAMS__SEED_SET_SEED) s->seed += (uint64_t)(i % job->n);
+    *s = job->sampling; /* (choice j draws from seed + j: the router's GenerateRequest.n) */
     q->sampling = s;
+    q->n = (uint32_t)job->n;
     q->stopping = (Pdserve__V1__StoppingCriteria *)&job->stopping;
     q->logprobs = job->req_logprobs;
 }

@@ -48,11 +48,12 @@ static void test_completions(void)
     CHECK(!job.stream);
     Pdserve__V1__GenerateRequest q;
     Pdserve__V1__SamplingParams s;
-    oai_job_request(&job, 2, &q, &s);
+    oai_job_request(&job, 0, &q, &s);
     CHECK(q.prompt && !strcmp(q.prompt, "hi") && q.n_prompt_token_ids == 0);
     CHECK_EQ_INT(q.logprobs, 2);
+    CHECK_EQ_INT(q.n, 3); /* one call, three choices (the router gives choice j seed + j) */
     CHECK(s.seed_set_case == PDSERVE__V1__SAMPLING_PARAMS__SEED_SET_SEED);
-    CHECK_EQ_INT(s.seed, 44); /* seed + choice */
+    CHECK_EQ_INT(s.seed, 42);
     CHECK_NEAR(s.temperature, 0.5, 1e-6);
     CHECK_NEAR(s.top_p, 0.9, 1e-6);
     CHECK_NEAR(s.presence_penalty, 0.5, 1e-6);
@@ -62,8 +63,6 @@ static void test_completions(void)
     CHECK(q.stopping->n_stop == 1 && !strcmp(q.stopping->stop[0], "x"));
     CHECK(q.stopping->n_stop_token_ids == 2 && q.stopping->stop_token_ids[1] == 8);
     CHECK(q.stopping->ignore_eos && q.stopping->min_tokens == 2);
-    oai_job_request(&job, 0, &q, &s);
-    CHECK_EQ_INT(s.seed, 42);
     oai_job_free(&job);
 
     /* Defaults: nothing set means the server's defaults (no seed, no max_tokens). */
@@ -87,8 +86,8 @@ static void test_completions(void)
     oai_job_free(&job);
     rc = parse(OAI_COMPLETIONS, "{\"prompt\":[\"a\",\"b\"],\"n\":2}", &job, &e);
     CHECK(rc == 0 && job.n_prompts == 2);
-    oai_job_request(&job, 3, &q, &s);
-    CHECK(q.prompt && !strcmp(q.prompt, "b") && !s.seed_set_case);
+    oai_job_request(&job, 1, &q, &s);
+    CHECK(q.prompt && !strcmp(q.prompt, "b") && !s.seed_set_case && q.n == 2);
     oai_job_free(&job);
     rc = parse(OAI_COMPLETIONS, "{\"prompt\":[[1],[2,3]]}", &job, &e);
     oai_job_request(&job, 1, &q, &s);

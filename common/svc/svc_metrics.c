@@ -117,6 +117,12 @@ int svc_metrics_create(const svc_metrics_params *p, svc_metrics **out, char *err
                                          "tokens computed as single-token decode steps");
         sm->preempt = pd_metrics_counter(m, "pdserve_engine_preemptions_total", NULL,
                                          "sequences preempted (recomputed later) for lack of KV blocks");
+        sm->forks = pd_metrics_counter(m, "pdserve_engine_forks_total", NULL,
+                                       "requests of n > 1 choices forked after their prompt (its "
+                                       "full KV blocks shared by the choices)");
+        sm->fork_copies = pd_metrics_counter(m, "pdserve_engine_fork_copied_blocks_total", NULL,
+                                             "partial prompt KV blocks copied for forked choices "
+                                             "(copy on write)");
         sm->model_s = pd_metrics_counter(m, "pdserve_engine_model_seconds_total", NULL,
                                          "time spent in the model's forward passes");
         sm->hit = pd_metrics_counter(m, "pdserve_prefix_cache_hit_tokens_total", NULL,

@@ -23,6 +23,8 @@ static void collect_instance(svc_metrics *sm)
         pd_metric_set(sm->prompt_tok, (double)st->prompt_tokens_computed);
         pd_metric_set(sm->gen_tok, (double)st->decode_tokens);
         pd_metric_set(sm->preempt, (double)st->preemptions);
+        pd_metric_set(sm->forks, (double)st->forks);
+        pd_metric_set(sm->fork_copies, (double)st->fork_cloned_blocks);
         pd_metric_set(sm->model_s, st->model_s);
         pd_metric_set(sm->hit, (double)st->cached_tokens);
         pd_metric_set(sm->query, (double)st->admitted_prompt_tokens);

@@ -286,7 +286,8 @@ try:
         v = ok("n2") or {}
         got = [c.get("text") for c in sorted(v.get("choices", []), key=lambda c: c["index"])]
         check(got == want and (v.get("usage") or {}).get("prompt_tokens") == len(prompt_ids),
-              "n=2: choices 0 and 1 are the generations of seed 7 and 8 (%r)" % got)
+              "n=2 (one Generate call with n = 2): choices 0 and 1 are the generations of seed 7 "
+              "and 8 (%r)" % got)
         v = ok("n2_stream") or {}
         check([v.get("text", {}).get(k) for k in ("0", "1")] == want, "n=2 streamed: the same two texts")
         gs = grpc_gen(router, prompt=PROMPT, sampling=sampling(),
@@ -367,6 +368,12 @@ try:
                              stopping=pb.StoppingCriteria(max_tokens=10))["text"] for seed in (7, 8)]
             got = [c["message"]["content"] for c in sorted((ok("chat_n2") or {}).get("choices", []), key=lambda c: c["index"])]
             check(got == want, "chat n=2: the generations of seed 7 and 8")
+            v = ok("chat_n2_stream") or {}
+            check([v.get("text", {}).get(k) for k in ("0", "1")] == want and
+                  v.get("roles") == {"0": "assistant", "1": "assistant"} and
+                  (v.get("usage") or {}).get("prompt_tokens") == len(chat_ref["ids"]),
+                  "chat n=2 streamed: each index its role chunk and seed 7's / 8's reply, the "
+                  "prompt counted once in the usage chunk")
             c0 = ((ok("chat_logprobs") or {}).get("choices") or [{}])[0]
             content = (c0.get("logprobs") or {}).get("content") or []
             check(len(content) == len(g["ids"]) and "".join(t["token"] for t in content) == (c0.get("message") or {}).get("content")
@@ -419,6 +426,15 @@ try:
     st, hd, body = request(router.hport, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
     check(st == 200 and hd.get("content-type") == "application/json" and len(json.loads(body)["choices"]) == 1,
           "plain: 200 application/json")
+    # n choices are one generation (GenerateRequest.n), a batch of prompts one per prompt
+    n0 = eu.Scrape(router.mport).get("pdserve_requests_total")
+    st, _, body = request(router.hport, "POST", "/v1/completions",
+                          {"prompt": [PROMPT, "The cat"], "max_tokens": 4, "n": 3, "seed": 3})
+    chs = json.loads(body).get("choices", []) if st == 200 else []
+    check(st == 200 and sorted(c["index"] for c in chs) == list(range(6)) and
+          eu.Scrape(router.mport).get("pdserve_requests_total") - n0 == 2,
+          "2 prompts x n = 3: six choices indexed prompt-major from two Generate calls (%d)" %
+          (eu.Scrape(router.mport).get("pdserve_requests_total") - n0))
     st, _, body = request(router.hport, "POST", "/v1/completions", '{"prompt": "x", ')
     check(st == 400 and is_error_shape(body, "invalid_request_error"), "bad JSON: 400 in OpenAI's error shape")
     st, _, body = request(router.hport, "POST", "/v1/completions", {"prompt": 5})

@@ -107,6 +107,9 @@ async function main() {
       { ...greedyChat, stream: true, stream_options: { include_usage: true } }), true));
     r.chat_n2 = await attempt(() => chat.chat.completions.create(
       { model: chatModel, messages, max_tokens: 10, temperature: 1.0, n: 2, seed: 7 }));
+    r.chat_n2_stream = await attempt(async () => drain(await chat.chat.completions.create(
+      { model: chatModel, messages, max_tokens: 10, temperature: 1.0, n: 2, seed: 7, stream: true,
+        stream_options: { include_usage: true } }), true));
     r.chat_logprobs = await attempt(() => chat.chat.completions.create(
       { ...greedyChat, logprobs: true, top_logprobs: 3 }));
     r.chat_logprobs_stream = await attempt(async () => drain(await chat.chat.completions.create(
