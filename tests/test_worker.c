@@ -1,6 +1,6 @@
 /* test_worker.c -- The engine thread: requests submitted from several threads while others
- * abort, each request gets exactly one terminal callback and the same tokens as when run
- * alone; decode-only reserve/admit through the worker; shutdown with live requests. */
+ * abort, each request (a quarter of them with n = 2 choices) gets exactly one terminal callback
+ * (its last choice's output, `done`) and the same tokens as when run alone; decode-only reserve/admit through the worker; shutdown with live requests. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -19,8 +19,9 @@
 typedef struct {
     eng_request rq;
     int32_t prompt[32];
-    int32_t out[256];
-    atomic_int n_out;
+    int32_t out[2][256];     /* per choice */
+    atomic_int n_out[2];
+    atomic_int finishes;     /* choices that ended */
     atomic_int terminal;     /* terminal callbacks seen */
     atomic_int aborted;
     atomic_int errored;
@@ -34,8 +35,10 @@ static ew *g_w;
 static void on_output(void *user, const eng_output *o)
 {
     item *it = user;
-    if (o->token >= 0) it->out[atomic_fetch_add(&it->n_out, 1)] = o->token;
-    if (o->finish != SEQ_FINISH_NONE) {
+    const int c = o->choice == 1 ? 1 : 0;
+    if (o->token >= 0) it->out[c][atomic_fetch_add(&it->n_out[c], 1)] = o->token;
+    if (o->finish != SEQ_FINISH_NONE) atomic_fetch_add(&it->finishes, 1);
+    if (o->done) {
         atomic_fetch_add(&it->terminal, 1);
         if (o->finish == SEQ_FINISH_ABORTED) atomic_store(&it->aborted, 1);
     }
@@ -74,7 +77,7 @@ static void *aborter(void *arg)
     (void)arg;
     /* Abort every fifth request once it has produced a token (or finished). */
     for (int i = 0; i < N_REQ; i += 5) {
-        for (int s = 0; s < 2000 && atomic_load(&g_items[i].n_out) == 0 &&
+        for (int s = 0; s < 2000 && atomic_load(&g_items[i].n_out[0]) == 0 &&
                         atomic_load(&g_items[i].terminal) == 0; s++)
             usleep(100);
         ew_abort(g_w, g_items[i].rq.id);
@@ -118,6 +121,7 @@ static void test_concurrent(void)
         it->rq.sampling.has_seed = true;
         it->rq.stop.max_tokens = i % 5 == 0 ? 60 : 1 + i % 30;
         it->rq.stop.ignore_eos = i % 2;
+        if (i % 4 == 1) it->rq.n = 2; /* two choices sharing the prompt's blocks */
     }
     /* The 13th request is invalid (token out of range): it must get on_error. */
     g_items[13].prompt[0] = V + 1;
@@ -160,10 +164,18 @@ static void test_concurrent(void)
             n_aborted++;
             continue;
         }
-        int32_t ref[64], nr;
-        run_alone(&it->rq, ref, &nr);
-        CHECK_EQ_INT(atomic_load(&it->n_out), nr);
-        CHECK_MSG(memcmp(it->out, ref, (size_t)nr * 4) == 0, "request %d: tokens differ", i);
+        const int nc = it->rq.n > 1 ? it->rq.n : 1;
+        CHECK_EQ_INT(atomic_load(&it->finishes), nc);
+        for (int c = 0; c < nc; c++) { /* choice c = the request alone with seed + c */
+            int32_t ref[64], nr;
+            eng_request one = it->rq;
+            one.n = 1;
+            one.sampling.seed += (uint64_t)c;
+            run_alone(&one, ref, &nr);
+            CHECK_EQ_INT(atomic_load(&it->n_out[c]), nr);
+            CHECK_MSG(memcmp(it->out[c], ref, (size_t)nr * 4) == 0, "request %d choice %d: tokens "
+                      "differ", i, c);
+        }
         n_compared++;
     }
     fprintf(stderr, "test_worker: %d requests compared, %d aborted\n", n_compared, n_aborted);
@@ -238,11 +250,11 @@ static void test_decode_and_shutdown(void)
     for (int s = 0; s < 400 && (!atomic_load(&a->terminal) || !atomic_load(&c->terminal)); s++) usleep(5000);
     CHECK_EQ_INT(atomic_load(&ha.calls), 1);
     CHECK_EQ_INT(atomic_load(&hc.calls), 1);
-    CHECK_EQ_INT(atomic_load(&a->n_out), nr - 1);
-    CHECK(memcmp(a->out, ref + 1, (size_t)(nr - 1) * 4) == 0);
+    CHECK_EQ_INT(atomic_load(&a->n_out[0]), nr - 1);
+    CHECK(memcmp(a->out[0], ref + 1, (size_t)(nr - 1) * 4) == 0);
     CHECK_EQ_INT(atomic_load(&c->terminal), 1);
     CHECK(atomic_load(&c->errored));
-    CHECK_EQ_INT(atomic_load(&c->n_out), 0);
+    CHECK_EQ_INT(atomic_load(&c->n_out[0]), 0);
     ew_destroy(g_w); /* b is still running: it gets on_error */
     CHECK_EQ_INT(atomic_load(&b->terminal), 1);
     CHECK(atomic_load(&b->errored));
