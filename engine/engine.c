@@ -634,8 +634,8 @@ static pd_seq *seq_fork_new(pd_seq *s, int32_t c)
  * executor's clone_blocks); one that cannot (no free block, no clone op, a failed copy, out of
  * memory) holds nothing and recomputes its context later, as after a preemption. Nothing is
  * reported or queued here: kids[c]->finish says which choices already ended. Returns the
- * number of choices (n_fork + 1; fewer only when out of memory: the others are lost and
- * counted as aborted by the caller). */
+ * number of choices (n_fork + 1; fewer only when out of memory: the others never start, so
+ * the request ends without their last outputs, which its caller reports as an error). */
 static int32_t fork_choices(eng *e, pd_seq *s, const int32_t *toks, pd_seq **kids)
 {
     const int32_t nc = s->n_fork + 1, bs = e->p.block_size;
