@@ -8,6 +8,9 @@ its KV. Through router -> prefill -> decode and through a colocated decode insta
     its finish reason and its own usage
   - n = 3, temperature 1, seed s: choice i equals the single request with seed s + i (tokens,
     finish, per-token logprobs); with a stop string, each choice ends at it on its own
+  - n = 2 with logprobs 3: each choice's tokens carry the logprobs and alternatives of the
+    single request with seed s + i, its first token's (sampled where the prompt was computed)
+    included
   - sharing: on decode instances without a prefix cache (so that only the fork shares), the
     KV blocks in use while an n = 3 request of a 200-token prompt runs (decode steps slowed
     with PDSERVE_FAULT_STEP_DELAY_MS) stay below those of 3 separate requests of the same
@@ -36,12 +39,13 @@ def gen_n(stub, **kw):
     out = {}
     for r in stub.Generate(pb.GenerateRequest(**kw), timeout=120):
         c = out.setdefault(r.index, {"ids": [], "text": "", "fin": 0, "usage": None, "lps": [],
-                                     "n_final": 0, "after_final": 0})
+                                     "tops": [], "n_final": 0, "after_final": 0})
         if c["fin"]:
             c["after_final"] += 1
         c["ids"] += list(r.token_ids)
         c["text"] += r.text
         c["lps"] += [lp.logprob for lp in r.logprobs]
+        c["tops"] += [[(t.token_id, t.logprob) for t in lp.top] for lp in r.logprobs]
         if r.finish_reason:
             c["fin"], c["usage"] = r.finish_reason, r.usage
             c["n_final"] += 1
@@ -111,6 +115,24 @@ def run_stack(label, router, dec, insts):
               all(abs(a - b) < 1e-4 for a, b in zip(three[i]["lps"], singles[i]["lps"])) for i in range(3)),
           "%s: n = 3: each choice's logprobs equal its single request's" % label)
     check(len({tuple(c["ids"]) for c in singles}) > 1, "%s: the three seeds give different samples" % label)
+    # logprobs with alternatives: n = 2, logprobs 3: each choice's tokens (the first one, from
+    # the instance that computed the prompt, included) carry the logprob and the 3 alternatives
+    # of the request alone with seed + i
+    two = gen_n(stub, prompt=PROMPT, sampling=samp(21), stopping=stop24, n=2, logprobs=3)
+    alone = [gen_n(stub, prompt=PROMPT, sampling=samp(21 + i), stopping=stop24, logprobs=3)[0]
+             for i in range(2)]
+    same_tops = lambda a, b: len(a) == len(b) and all(
+        len(x) == 3 and [t for t, _ in x] == [t for t, _ in y] and
+        all(abs(u - v) < 1e-4 for (_, u), (_, v) in zip(x, y)) for x, y in zip(a, b))
+    check(sorted(two) == [0, 1] and
+          all(two[i]["ids"] == alone[i]["ids"] and len(two[i]["lps"]) == 24 and
+              all(abs(a - b) < 1e-4 for a, b in zip(two[i]["lps"], alone[i]["lps"])) and
+              same_tops(two[i]["tops"], alone[i]["tops"]) for i in range(2)),
+          "%s: n = 2, logprobs 3: each choice's logprobs and alternatives (first token included) "
+          "equal the request alone with seed 21 + i" % label)
+    check(two[0]["ids"] != two[1]["ids"] and same_tops(two[0]["tops"][:1], two[1]["tops"][:1]),
+          "%s: n = 2: the choices differ; their first tokens share one distribution (the same "
+          "alternatives)" % label)
     # stop strings end each choice on its own
     stop = pb.StoppingCriteria(max_tokens=48, stop=[" the"])
     three = gen_n(stub, prompt=PROMPT, sampling=samp(7), stopping=stop, n=3)

@@ -12,7 +12,9 @@ decode + prefill + router on stories260k, driven by the official `openai` npm pa
     gRPC Generate of the rendered text tokenized without added special tokens (one BOS), plain,
     streamed (role first), n=2, logprobs, stop strings; the template's raise_exception is a 400.
     A build without the chat template module answers 501, and only that is checked
-  - raw: SSE framing (data: lines, blank-line separated, data: [DONE] last), bad JSON, 404,
+  - raw: n = 2 with logprobs 3, plain and streamed: each choice's logprobs and top_logprobs
+    are those of the generation with seed + j alone (gRPC);
+    SSE framing (data: lines, blank-line separated, data: [DONE] last), bad JSON, 404,
     405 with Allow, 413 (Content-Length and a chunked upload), /health, /metrics families
   - a client that hangs up mid-stream or while waiting for a plain answer: its calls are
     cancelled (router in flight back to 0, decode's KV blocks free); X-Stainless-Timeout as the
@@ -435,6 +437,38 @@ try:
           eu.Scrape(router.mport).get("pdserve_requests_total") - n0 == 2,
           "2 prompts x n = 3: six choices indexed prompt-major from two Generate calls (%d)" %
           (eu.Scrape(router.mport).get("pdserve_requests_total") - n0))
+    # n = 2 with logprobs 3: each choice's logprobs and alternatives are those of the
+    # generation with seed + j alone (plain and streamed)
+    g2 = [grpc_gen(router, prompt=PROMPT, sampling=sampling(1.0, 13 + j),
+                   stopping=pb.StoppingCriteria(max_tokens=8, ignore_eos=True), logprobs=3) for j in range(2)]
+    lp_body = {"prompt": PROMPT, "max_tokens": 8, "n": 2, "seed": 13, "temperature": 1.0, "logprobs": 3,
+               "ignore_eos": True}
+    st, _, body = request(router.hport, "POST", "/v1/completions", lp_body)
+    chs = sorted(json.loads(body).get("choices", []), key=lambda c: c["index"]) if st == 200 else []
+    per = [(c.get("logprobs") or {}) for c in chs]
+    check(st == 200 and len(chs) == 2 and
+          all(same_values(per[j].get("token_logprobs", []), g2[j]["lps"]) and len(g2[j]["lps"]) == 8 and
+              "".join(per[j].get("tokens", [])) == chs[j]["text"] == g2[j]["text"] and
+              completions_tops_ok(per[j].get("top_logprobs", []), per[j].get("tokens", []),
+                                  per[j].get("token_logprobs", []), g2[j], 3)[0] for j in range(2)),
+          "n = 2, logprobs 3: choice j's text, logprobs and top_logprobs are the generation with "
+          "seed 13 + j alone")
+    st, _, body = request(router.hport, "POST", "/v1/completions", dict(lp_body, stream=True))
+    acc = {}
+    for e in body.split("\n\n"):
+        if not e.startswith("data: {"):
+            continue
+        for c in json.loads(e[6:]).get("choices", []):
+            a = acc.setdefault(c["index"], {"lps": [], "tops": [], "tokens": []})
+            l = c.get("logprobs") or {}
+            a["lps"] += l.get("token_logprobs", [])
+            a["tops"] += l.get("top_logprobs", [])
+            a["tokens"] += l.get("tokens", [])
+    check(st == 200 and sorted(acc) == [0, 1] and
+          all(same_values(acc[j]["lps"], g2[j]["lps"]) and
+              completions_tops_ok(acc[j]["tops"], acc[j]["tokens"], acc[j]["lps"], g2[j], 3)[0]
+              for j in range(2)),
+          "n = 2, logprobs 3 streamed: each index's chunks carry its own logprobs and alternatives")
     st, _, body = request(router.hport, "POST", "/v1/completions", '{"prompt": "x", ')
     check(st == 400 and is_error_shape(body, "invalid_request_error"), "bad JSON: 400 in OpenAI's error shape")
     st, _, body = request(router.hport, "POST", "/v1/completions", {"prompt": 5})

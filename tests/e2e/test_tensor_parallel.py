@@ -5,6 +5,8 @@ each behind its own router, driven by Python grpcio:
   - greedy from [1] reproduces stories260k's golden story (token ids and text);
   - eight prompts sent at once (batched prefill and decode) give the tokens of the TP 1
     instance, seeded sampling too;
+  - n = 2 with logprobs 3 (the fork's copy of the partial prompt block on every rank): each
+    choice equals the request alone with seed + i, tokens and logprobs, and TP 1's tokens;
   - the load report is one instance's: role colocated, the same KV pool as TP 1 (the pool of
     --kv-cache-mb is the instance's, split over the ranks), every block free afterwards;
   - what cannot run is refused at start with a message that says why and a non-zero exit:
@@ -43,6 +45,24 @@ def batch(stub):
     for t in ts: t.join()
     return out
 
+def choices(stub, n, seed):
+    """One seeded call of n choices with logprobs 3 from a 21-token prompt (a full block of 16
+    and a partial one): {index: (ids, [(logprob, [(alt id, alt logprob)])])}."""
+    out = {}
+    req = pb.GenerateRequest(prompt_token_ids=[1] + [(13 * i + 5) % 500 + 3 for i in range(20)], n=n,
+                             logprobs=3, sampling=pb.SamplingParams(temperature=1.0, seed=seed),
+                             stopping=pb.StoppingCriteria(max_tokens=24, ignore_eos=True))
+    for r in stub.Generate(req, timeout=60):
+        ids, lps = out.setdefault(r.index, ([], []))
+        ids += list(r.token_ids)
+        lps += [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in r.logprobs]
+    return out
+
+def same_lps(a, b, tol=1e-4):
+    return len(a) == len(b) and all(abs(x[0] - y[0]) < tol and [t for t, _ in x[1]] == [t for t, _ in y[1]]
+                                    and all(abs(u - v) < tol for (_, u), (_, v) in zip(x[1], y[1]))
+                                    for x, y in zip(a, b))
+
 def refused(name, args, want):
     p = subprocess.run([os.path.join(H.bin, name)] + args, capture_output=True, text=True, timeout=60,
                        env=H.env)
@@ -55,6 +75,7 @@ try:
     want = batch(s1)
     check(all(len(x) == 40 for x in want), "TP 1: eight requests of 40 tokens")
     l1 = load(d1)
+    want_n2 = choices(s1, 2, 11)
     for tp in (2, 4):
         dtp, stp = stack(tp)
         ids, text, fin, _ = eu.generate(pb, stp, timeout=60, prompt_token_ids=[1],
@@ -64,6 +85,17 @@ try:
               "TP %d: greedy from [1] is the golden story (%d tokens)" % (tp, len(ids)))
         got = batch(stp)
         check(got == want, "TP %d: eight concurrent requests give TP 1's tokens (greedy and seeded)" % tp)
+        # n = 2 with logprobs: the partial prompt block is copied on every rank; each choice is
+        # the request alone with seed + i (tokens, logprobs, alternatives), and TP 1's tokens
+        got2 = choices(stp, 2, 11)
+        alone = [choices(stp, 1, 11 + i).get(0, ([], [])) for i in range(2)]
+        check(sorted(got2) == [0, 1] and all(len(got2[i][0]) == 24 and got2[i][0] == alone[i][0] and
+                                            same_lps(got2[i][1], alone[i][1]) and len(got2[i][1]) == 24
+                                            for i in range(2)),
+              "TP %d: n = 2, logprobs 3: choice i equals the request alone with seed 11 + i" % tp)
+        check(all(got2.get(i, ([],))[0] == want_n2.get(i, ([],))[0] for i in range(2)) and
+              got2[0][0] != got2[1][0],
+              "TP %d: n = 2 gives TP 1's two choices" % tp)
         l = load(dtp)
         check(l.role == H.ipb.ROLE_COLOCATED and l.total_blocks == l1.total_blocks and
               l.kv_layout.num_kv_heads == l1.kv_layout.num_kv_heads,
