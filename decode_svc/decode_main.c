@@ -595,13 +595,6 @@ int main(int argc, char **argv)
         return prc > 0 ? 0 : 2;
     }
     svc_server_flags_apply(&sf);
-    if (mf.tensor_parallel > 1 && !colocated) {
-        fprintf(stderr, "pdserve-decode: --tensor-parallel %lld needs --colocated: a decode-only "
-                "instance receives its KV from prefill instances, which moves one rank's heads "
-                "only so far\n", (long long)mf.tensor_parallel);
-        pd_flags_free();
-        return 2;
-    }
     const char *listen = sf.listen;
     char err[PD_ERR_LEN];
     int status = 1;

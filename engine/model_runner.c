@@ -378,6 +378,13 @@ int mr_clone_blocks(mr *r, const int32_t *src, const int32_t *dst, int32_t n, ch
     return 0;
 }
 
+void mr_kv_cache_rank(const mr *r, int32_t rank, int32_t layer, void **k, void **v)
+{
+    if (r->ranks) r = r->ranks[rank];
+    *k = r->k_cache[layer];
+    *v = r->v_cache[layer];
+}
+
 void mr_kv_cache(const mr *r, int32_t layer, void **k, void **v)
 {
     if (r->ranks) r = r->ranks[0];

@@ -141,6 +141,9 @@ const mr_params *mr_params_get(const mr *r);
 /* The layer's K and V cache buffers ([n_blocks][block_size][n_kv_heads][head_dim], backend
  * memory; borrowed). A tensor-parallel runner's: rank 0's, of its shard's KV heads. */
 void mr_kv_cache(const mr *r, int32_t layer, void **k, void **v);
+/* The same for rank of a tensor-parallel runner (rank 0 of a single-rank one): its KV heads
+ * ([n_blocks][block_size][its n_kv_heads][head_dim]). */
+void mr_kv_cache_rank(const mr *r, int32_t rank, int32_t layer, void **k, void **v);
 /* The whole KV pool as one region (backend memory; borrowed): layer l's K starts at
  * 2 l * layer bytes and its V at (2 l + 1) * layer bytes, where layer bytes = n_blocks *
  * block_size * n_kv_heads * head_dim * element size. */

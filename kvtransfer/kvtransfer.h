@@ -406,6 +406,31 @@ void kvt_send_cancel(kvt_send *s);
  * to reuse them, call kvt_send_cancel() and wait for the event instead. NULL is a no-op. */
 void kvt_send_destroy(kvt_send *s);
 
+/* ---------------------------------------------------------------- tensor parallelism */
+
+/* A tensor-parallel instance (docs/tensor-parallel.md) holds each block on every rank, rank r
+ * with its KV heads only. What moves on the wire is always the whole layout (every KV head in
+ * model order, as a single-rank pool holds it): such an instance's pool is staged
+ * (kvt_pool_params.staged) and its stage_out / stage_in gather from and scatter to the ranks
+ * with the two functions below, so any sender degree meets any receiver degree. */
+#define KVT_TP_MAX 64
+/* The KV heads rank of n_ranks holds (the engine's rule, pd_shard_of): with n_ranks <=
+ * n_kv_heads, n_kv_heads / n_ranks of them from rank * that; with more ranks, one head,
+ * rank / (n_ranks / n_kv_heads), each head replicated on n_ranks / n_kv_heads ranks. Returns 0,
+ * or PD_EINVAL when the counts do not divide or rank is out of range. */
+int kvt_tp_heads(int32_t n_kv_heads, int32_t n_ranks, int32_t rank, int32_t *head0,
+                 int32_t *n_heads);
+/* Gathers blocks ids[0..n) of one region (K or V of a layer) from the ranks' regions
+ * rank_region[0..n_ranks) (each [n_blocks][block_size][its heads][head_dim]) into host as n
+ * whole-layout blocks of l (l->n_kv_heads is the model's). A replicated head is read from the
+ * first rank holding it. Returns 0 or PD_EINVAL (bad ids or counts). */
+int kvt_tp_gather(const kvt_layout *l, int32_t n_ranks, const void *const *rank_region,
+                  int32_t n_blocks, const int32_t *ids, int32_t n, void *host);
+/* The reverse: the n whole-layout blocks at host into blocks ids[0..n) of every rank's
+ * region, each rank its heads (replicas too). */
+int kvt_tp_scatter(const kvt_layout *l, int32_t n_ranks, void *const *rank_region,
+                   int32_t n_blocks, const int32_t *ids, int32_t n, const void *host);
+
 /* Names for logs. */
 const char *kvt_path_name(kvt_path p);
 const char *kvt_transport_name(kvt_transport t);

@@ -530,6 +530,9 @@ static bool layout_matches(const Pdserve__Internal__V1__KvLayout *l, char *msg, 
                  "must run the same --backend, e.g. both cuda (bf16) or both cpu (f32))" : "");
         return false;
     }
+    /* the degrees need not match (the whole layout moves, each side converts to its ranks),
+     * but the decode side's head mapping must be one this instance knows */
+    if (svc_kv_layout_check_peer(l, msg, n) < 0) return false;
     return true;
 }
 
@@ -653,13 +656,6 @@ int main(int argc, char **argv)
         return prc > 0 ? 0 : 2;
     }
     svc_server_flags_apply(&sf);
-    if (mf.tensor_parallel > 1) {
-        fprintf(stderr, "pdserve-prefill: --tensor-parallel %lld: the KV transfer moves one rank's "
-                "heads only so far; tensor parallelism runs in pdserve-decode --colocated\n",
-                (long long)mf.tensor_parallel);
-        pd_flags_free();
-        return 2;
-    }
     const char *listen = sf.listen;
     char err[PD_ERR_LEN];
     int status = 1;

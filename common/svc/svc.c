@@ -138,9 +138,9 @@ void svc_kv_layout(const svc_model *m, kvt_layout *out)
     out->dtype = m->be->ops->act_dtype;
     out->n_layers = m->cfg.n_layers;
     out->block_size = mr_block_size(m->runner);
-    /* the pool's own layout: with tensor parallelism rank 0's KV heads (its cache is the pool
-     * kvtransfer registers; only --colocated runs so) */
-    out->n_kv_heads = m->model->shard.n_kv_heads;
+    /* the whole layout: with tensor parallelism too, every KV head in model order is what
+     * moves (each rank's heads are gathered into it and scattered from it: svc_kvdev.c) */
+    out->n_kv_heads = m->cfg.n_kv_heads;
     out->head_dim = m->cfg.head_dim;
 }
 
@@ -158,6 +158,27 @@ void svc_kv_layout_to_proto(const svc_model *m, Pdserve__Internal__V1__KvLayout 
     out->num_kv_heads = (uint32_t)m->cfg.n_kv_heads;
     out->head_dim = (uint32_t)m->cfg.head_dim;
     out->model_fingerprint = m->fingerprint;
+    int32_t n = mr_n_ranks(m->runner), h0, nh;
+    out->tensor_parallel = (uint32_t)n;
+    out->kv_heads_per_rank = kvt_tp_heads(m->cfg.n_kv_heads, n, 0, &h0, &nh) == 0 ? (uint32_t)nh : 0;
+}
+
+int svc_kv_layout_check_peer(const Pdserve__Internal__V1__KvLayout *l, char *msg, size_t n)
+{
+    /* 0 from a peer that predates tensor parallelism: one rank with every head */
+    uint32_t tp = l->tensor_parallel ? l->tensor_parallel : 1;
+    uint32_t per = l->kv_heads_per_rank ? l->kv_heads_per_rank : l->num_kv_heads;
+    int32_t h0, nh;
+    if (tp > KVT_TP_MAX || l->num_kv_heads == 0 || l->num_kv_heads > INT32_MAX ||
+        kvt_tp_heads((int32_t)l->num_kv_heads, (int32_t)tp, 0, &h0, &nh) < 0 ||
+        per != (uint32_t)nh) {
+        snprintf(msg, n, "KV layout: tensor parallel degree %u with %u of %u KV heads per rank "
+                 "is not a head mapping this instance can convert (the degree must divide the "
+                 "KV heads, or they it, each rank holding KV heads / degree of them, at least "
+                 "one)", l->tensor_parallel, l->kv_heads_per_rank, l->num_kv_heads);
+        return PD_EMISMATCH;
+    }
+    return 0;
 }
 
 const char *svc_kv_dtype_name(int d)
@@ -177,6 +198,8 @@ bool svc_kv_staged(const svc_model *m)
     /* PDSERVE_KV_STAGING=1 takes the staging path on the CPU too (tests: the backend's copy
      * queue is then a memcpy). */
     const char *force = getenv("PDSERVE_KV_STAGING");
+    /* tensor parallelism: the ranks' heads are gathered / scattered through the ring */
+    if (mr_n_ranks(m->runner) > 1) return true;
     return strcmp(m->be->ops->name, "cpu") != 0 || (force && !strcmp(force, "1"));
 }
 
@@ -203,6 +226,10 @@ int svc_kv_pool_create(kvt_ctx *ctx, svc_model *m, kvt_pool **out, char *err)
         free(v);
         return rc;
     }
+    if (mr_n_ranks(m->runner) > 1 && strcmp(m->be->ops->name, "cpu") != 0)
+        return pd_errf(err, PD_EUNSUPPORTED, "--tensor-parallel %d on the %s backend: the KV "
+                       "transfer of a tensor-parallel instance runs on the CPU backend only so "
+                       "far (use --colocated)", mr_n_ranks(m->runner), m->be->ops->name);
     if (!svc_kv_stage_ops(m) || !m->kvdev)
         return pd_errf(err, PD_EUNSUPPORTED, "the %s backend has no copy queue (event_* and "
                        "copyq_* ops), which moving its KV needs", m->be->ops->name);

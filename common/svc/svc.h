@@ -98,6 +98,9 @@ void svc_model_close(svc_model *m);
 void svc_kv_layout(const svc_model *m, kvt_layout *out);
 /* Fills a KvLayout message (no allocation). */
 void svc_kv_layout_to_proto(const svc_model *m, Pdserve__Internal__V1__KvLayout *out);
+/* Checks the tensor-parallel fields of a peer's KvLayout (network input): the degree and KV
+ * heads per rank must be a head mapping kvt_tp_heads knows. 0, or PD_EMISMATCH with msg. */
+int svc_kv_layout_check_peer(const Pdserve__Internal__V1__KvLayout *l, char *msg, size_t n);
 /* The name of a KvLayout dtype ("f32", "bf16", ...). */
 const char *svc_kv_dtype_name(int proto_dtype);
 
@@ -107,7 +110,9 @@ const char *svc_kv_dtype_name(int proto_dtype);
  * moves the device cache itself, device to device where the peer can map it, else through a
  * bounded ring of pinned host slots (--kv-staging-mb) with the backend's copy queue; on the
  * CPU the cache itself is registered (zero copy). The environment variable
- * PDSERVE_KV_STAGING=1 forces the staged path on the CPU (for tests). */
+ * PDSERVE_KV_STAGING=1 forces the staged path on the CPU (for tests). A tensor-parallel
+ * instance's pool is always staged: its copies gather the ranks' KV heads into the whole
+ * layout and scatter them back (kvt_tp_gather / kvt_tp_scatter; CPU backend only so far). */
 bool svc_kv_staged(const svc_model *m);
 /* kvt thread (during setup, before the engine runs; after svc_kv_device_params): creates
  * the kvtransfer pool of m's KV: the engine's cache itself (CPU), or when staged a staged

@@ -66,7 +66,8 @@ bool svc_kv_stage_ops(const svc_model *m)
 bool svc_kv_device_on(const svc_model *m)
 {
     const pd_backend_ops *o = m->be->ops;
-    return svc_kv_stage_ops(m) && o->dev_export && o->dev_open && o->dev_close &&
+    /* a tensor-parallel instance's heads are on several devices: the staged path only */
+    return mr_n_ranks(m->runner) == 1 && svc_kv_stage_ops(m) && o->dev_export && o->dev_open && o->dev_close &&
            strcmp(svc__kv_transport, "host") != 0;
 }
 
@@ -208,6 +209,24 @@ static int kx_stage(kvdev *d, int32_t layer, int kv, const int32_t *ids, int32_t
         return PD_EINVAL;
     int rc = kx_queue(d);
     if (rc < 0) return rc;
+    const int32_t nr = mr_n_ranks(m->runner);
+    if (nr > 1) {
+        /* tensor parallelism (CPU backend, svc_kv_pool_create): the whole-layout slot from
+         * and to every rank's heads, done here (the layer hook runs after every rank stored
+         * the layer); the token is an event that has happened */
+        void *reg[KVT_TP_MAX];
+        for (int32_t r = 0; r < nr && r < KVT_TP_MAX; r++) {
+            void *c[2];
+            mr_kv_cache_rank(m->runner, r, layer, &c[0], &c[1]);
+            reg[r] = c[kv];
+        }
+        kvt_layout l;
+        svc_kv_layout(m, &l);
+        rc = out ? kvt_tp_gather(&l, nr, (const void *const *)reg, mr_n_blocks(m->runner), ids, n, host)
+                 : kvt_tp_scatter(&l, nr, reg, mr_n_blocks(m->runner), ids, n, host);
+        if (rc < 0) return rc;
+        return m->be->ops->event_record(m->be->ctx, token);
+    }
     void *cache[2];
     mr_kv_cache(m->runner, layer, &cache[0], &cache[1]);
     void *dst = out ? host : cache[kv];

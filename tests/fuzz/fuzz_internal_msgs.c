@@ -105,7 +105,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     } else if (d == &pdserve__internal__v1__kv_target__descriptor) {
         check_kv_target((const void *)msg);
     } else if (d == &pdserve__internal__v1__kv_layout__descriptor) {
+        char m[256];
         (void)svc_kv_dtype_name(((const Pdserve__Internal__V1__KvLayout *)msg)->dtype);
+        (void)svc_kv_layout_check_peer((const Pdserve__Internal__V1__KvLayout *)msg, m, sizeof m);
     } else if (d == &pdserve__internal__v1__decode_response__descriptor) {
         const Pdserve__Internal__V1__DecodeResponse *r = (const void *)msg;
         if (r->kind_case == PDSERVE__INTERNAL__V1__DECODE_RESPONSE__KIND_RESERVATION &&

@@ -1,7 +1,8 @@
 /* test_kvt_unit.c -- kvtransfer in one process: parameter checks, descriptors (round trip,
  * corruption, truncation), the layout-mismatch refusal, slot reservations, a loopback
  * transfer between two contexts, misuse of a transfer's calls, CUDA refusal on a host-only
- * UCX, and destroying contexts with transfers in flight. */
+ * UCX, destroying contexts with transfers in flight, and the tensor-parallel head mapping
+ * (kvt_tp_*: transfers between degrees land each rank's heads in its blocks). */
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -948,6 +949,215 @@ static void test_staged_ring(void)
     free(fb.dev);
 }
 
+/* ---- tensor parallelism: the head mapping (kvt_tp_*) ----
+ * A sender of p ranks and a receiver of d ranks, each rank's KV a plain array per (layer, kv)
+ * of [n_blocks][block_size][its heads][head_dim], behind staged pools whose stage_out /
+ * stage_in are kvt_tp_gather / kvt_tp_scatter (done at once, as on the CPU backend). */
+typedef struct {
+    kvt_layout l;
+    int32_t n_ranks, n_blocks;
+    uint8_t *reg[8][8]; /* [rank][2 layer + kv] */
+    int outs, ins;
+} tp_side;
+
+static char g_tp_done;
+
+static int tp_stage(tp_side *s, int32_t layer, int kv, const int32_t *ids, int32_t n, void *host,
+                    bool out, void **token)
+{
+    void *r[8];
+    for (int32_t k = 0; k < s->n_ranks; k++) r[k] = s->reg[k][2 * layer + kv];
+    int rc = out ? kvt_tp_gather(&s->l, s->n_ranks, (const void *const *)r, s->n_blocks, ids, n, host)
+                 : kvt_tp_scatter(&s->l, s->n_ranks, r, s->n_blocks, ids, n, host);
+    if (out) s->outs++;
+    else s->ins++;
+    *token = &g_tp_done;
+    return rc;
+}
+
+static int tp_out(void *arg, int32_t layer, int kv, const int32_t *ids, int32_t n, void *after,
+                  void *host, void **token)
+{
+    (void)after;
+    return tp_stage(arg, layer, kv, ids, n, host, true, token);
+}
+
+static int tp_in(void *arg, int32_t layer, int kv, const int32_t *ids, int32_t n,
+                 const void *host, void **token)
+{
+    return tp_stage(arg, layer, kv, ids, n, (void *)host, false, token);
+}
+
+static int tp_poll(void *arg, void *tok)
+{
+    (void)arg;
+    return tok == &g_tp_done ? 1 : PD_EINVAL;
+}
+
+static void tp_release(void *arg, void *h)
+{
+    (void)arg, (void)h;
+}
+
+/* The value of element (layer, kv, block, token, head, dim) in the whole layout. */
+static uint32_t tp_val(int32_t layer, int kv, int32_t b, int32_t t, int32_t h, int32_t d)
+{
+    return (((((uint32_t)layer * 2 + (uint32_t)kv) * 64 + (uint32_t)b) * 8 + (uint32_t)t) * 8 +
+            (uint32_t)h) * 8 + (uint32_t)d + 1;
+}
+
+/* Rank regions of a side; the sender's hold tp_val of their heads (replicas other than the
+ * first hold 0xEE, so that a gather reading them shows), the receiver's 0. */
+static void tp_side_init(tp_side *s, kvt_layout l, int32_t n_ranks, int32_t n_blocks, bool src)
+{
+    memset(s, 0, sizeof *s);
+    s->l = l;
+    s->n_ranks = n_ranks;
+    s->n_blocks = n_blocks;
+    for (int32_t r = 0; r < n_ranks; r++) {
+        int32_t h0, nh;
+        KT_EQ(kvt_tp_heads(l.n_kv_heads, n_ranks, r, &h0, &nh), 0);
+        bool replica = n_ranks > l.n_kv_heads && r % (n_ranks / l.n_kv_heads);
+        for (int32_t i = 0; i < 2 * l.n_layers; i++) {
+            uint32_t *p = calloc((size_t)n_blocks * l.block_size * nh * l.head_dim, 4);
+            s->reg[r][i] = (uint8_t *)p;
+            if (!src) continue;
+            for (int32_t b = 0; b < n_blocks; b++)
+                for (int32_t t = 0; t < l.block_size; t++)
+                    for (int32_t h = 0; h < nh; h++)
+                        for (int32_t d = 0; d < l.head_dim; d++)
+                            *p++ = replica ? 0xEEEEEEEEu : tp_val(i / 2, i % 2, b, t, h0 + h, d);
+        }
+    }
+}
+
+static void tp_side_free(tp_side *s)
+{
+    for (int32_t r = 0; r < s->n_ranks; r++)
+        for (int32_t i = 0; i < 2 * s->l.n_layers; i++) free(s->reg[r][i]);
+}
+
+/* Moves blocks srcs -> dsts from a sender of p ranks to a receiver of d ranks through kvt and
+ * checks every byte of every receiver rank: exactly its heads of the source block. */
+static void tp_transfer(int32_t p, int32_t d)
+{
+    char err[PD_ERR_LEN];
+    ev_a.n = ev_b.n = 0;
+    kvt_layout l = {.model_id = "kvt-tp-model", .dtype = PD_DTYPE_F32, .n_layers = 2,
+                    .block_size = 4, .n_kv_heads = 4, .head_dim = 8};
+    const int32_t nb = 40, n = 13;
+    tp_side tx, rx;
+    tp_side_init(&tx, l, p, nb, true);
+    tp_side_init(&rx, l, d, nb, false);
+    kvt_device_ops oa = {.poll = tp_poll, .release = tp_release, .stage_out = tp_out,
+                         .stage_in = tp_in, .arg = &rx};
+    kvt_device_ops ob = oa;
+    ob.arg = &tx;
+    kvt_params pa = kt_params("recv", &ev_a), pb = kt_params("send", &ev_b);
+    pa.device = &oa;
+    pb.device = &ob;
+    kvt_ctx *a, *b;
+    KT_OK(kvt_ctx_create(&pa, &a, err), err);
+    KT_OK(kvt_ctx_create(&pb, &b, err), err);
+    kvt_pool *dst = staged_pool(a, l, nb, 1), *src = staged_pool(b, l, nb, 1);
+    void *desc;
+    size_t len;
+    KT_OK(kvt_pool_export(dst, &desc, &len, err), err);
+    kvt_target *t;
+    KT_OK(kvt_target_open(b, src, desc, len, &t, err), err);
+    int32_t srcs[13], dsts[13];
+    for (int32_t i = 0; i < n; i++) srcs[i] = (7 * i + 3) % nb, dsts[i] = (11 * i + 5) % nb;
+    kvt_recv_params rp = kvt_recv_default_params();
+    rp.req_id = 900;
+    rp.n_blocks = n;
+    rp.block_ids = dsts;
+    KT_OK(kvt_recv_expect(dst, &rp, err), err);
+    kvt_send_params sp = kvt_send_default_params();
+    sp.req_id = 900;
+    sp.n_blocks = n;
+    sp.src_ids = srcs;
+    sp.dst_ids = dsts;
+    kvt_send *s;
+    KT_OK(kvt_send_begin(t, &sp, &s, err), err);
+    for (int32_t layer = 0; layer < l.n_layers; layer++) KT_EQ(kvt_send_layer_ready(s, layer), 0);
+    KT_EQ(kvt_send_finish(s, 5), 0);
+    pump_until(a, b, 1, 1);
+    KT_EQ(ev_a.ev[0].type, KVT_EV_RECV_DONE);
+    KT_EQ(ev_b.ev[0].type, KVT_EV_SEND_DONE);
+    KT_CHECK(tx.outs > 0 && rx.ins > 0);
+    for (int32_t r = 0; r < d; r++) {
+        int32_t h0, nh;
+        KT_EQ(kvt_tp_heads(l.n_kv_heads, d, r, &h0, &nh), 0);
+        for (int32_t i = 0; i < 2 * l.n_layers; i++) {
+            const uint32_t *q = (const uint32_t *)rx.reg[r][i];
+            for (int32_t blk = 0; blk < nb; blk++) {
+                int32_t k = -1;
+                for (int32_t j = 0; j < n; j++)
+                    if (dsts[j] == blk) k = j;
+                for (int32_t tk = 0; tk < l.block_size; tk++)
+                    for (int32_t h = 0; h < nh; h++)
+                        for (int32_t dd = 0; dd < l.head_dim; dd++) {
+                            uint32_t want = k < 0 ? 0 : tp_val(i / 2, i % 2, srcs[k], tk, h0 + h, dd);
+                            uint32_t got = *q++;
+                            if (got != want)
+                                KT_FAIL("TP %d -> %d: rank %d region %d block %d token %d head "
+                                        "%d dim %d: %u, want %u", p, d, r, i, blk, tk, h0 + h, dd,
+                                        got, want);
+                        }
+            }
+        }
+    }
+    KT_EQ(kvt_recv_release(dst, 900), 0);
+    kvt_send_destroy(s);
+    kvt_target_close(t);
+    free(desc);
+    kvt_ctx_destroy(b);
+    kvt_ctx_destroy(a);
+    tp_side_free(&tx);
+    tp_side_free(&rx);
+}
+
+/* The head mapping: which heads each rank holds (divided, replicated, refused), the gather /
+ * scatter's checks, and transfers between degrees landing each rank's heads in its blocks. */
+static void test_tp_mapping(void)
+{
+    int32_t h0, nh;
+    KT_EQ(kvt_tp_heads(4, 1, 0, &h0, &nh), 0);
+    KT_EQ(h0, 0);
+    KT_EQ(nh, 4);
+    KT_EQ(kvt_tp_heads(4, 2, 1, &h0, &nh), 0);
+    KT_EQ(h0, 2);
+    KT_EQ(nh, 2);
+    KT_EQ(kvt_tp_heads(4, 8, 5, &h0, &nh), 0); /* replicated on 2 ranks each */
+    KT_EQ(h0, 2);
+    KT_EQ(nh, 1);
+    KT_EQ(kvt_tp_heads(1, 4, 3, &h0, &nh), 0);
+    KT_EQ(h0, 0);
+    KT_EQ(kvt_tp_heads(4, 3, 0, &h0, &nh), PD_EINVAL);
+    KT_EQ(kvt_tp_heads(6, 4, 0, &h0, &nh), PD_EINVAL);
+    KT_EQ(kvt_tp_heads(4, 2, 2, &h0, &nh), PD_EINVAL);
+    KT_EQ(kvt_tp_heads(4, 0, 0, &h0, &nh), PD_EINVAL);
+    KT_EQ(kvt_tp_heads(0, 1, 0, &h0, &nh), PD_EINVAL);
+    KT_EQ(kvt_tp_heads(4, KVT_TP_MAX + 4, 0, &h0, &nh), PD_EINVAL);
+    kvt_layout l = {.model_id = "m", .dtype = PD_DTYPE_F32, .n_layers = 1, .block_size = 2,
+                    .n_kv_heads = 4, .head_dim = 2};
+    float r0[4 * 2 * 2 * 2] = {0}, r1[4 * 2 * 2 * 2] = {0}, host[2 * 4 * 2 * 2];
+    void *regs[2] = {r0, r1};
+    int32_t ids[2] = {1, 3}, bad[1] = {4};
+    KT_EQ(kvt_tp_gather(&l, 2, (const void *const *)regs, 4, bad, 1, host), PD_EINVAL);
+    KT_EQ(kvt_tp_scatter(&l, 2, regs, 4, bad, 1, host), PD_EINVAL);
+    KT_EQ(kvt_tp_scatter(&l, 3, regs, 4, ids, 2, host), PD_EINVAL);
+    for (int i = 0; i < 32; i++) host[i] = (float)i;
+    KT_EQ(kvt_tp_scatter(&l, 2, regs, 4, ids, 2, host), 0);
+    /* block 1 of rank 1: host block 0, tokens 0 and 1, heads 2 and 3 */
+    KT_CHECK(r1[8] == 4 && r1[11] == 7 && r1[12] == 12 && r1[15] == 15 && r0[8] == 0 && r0[12] == 8);
+    float back[32];
+    KT_EQ(kvt_tp_gather(&l, 2, (const void *const *)regs, 4, ids, 2, back), 0);
+    KT_CHECK(!memcmp(back, host, sizeof back));
+    static const int32_t pairs[][2] = {{2, 1}, {1, 2}, {2, 2}, {1, 4}, {4, 2}, {8, 4}, {2, 8}, {1, 1}};
+    for (size_t i = 0; i < sizeof pairs / sizeof pairs[0]; i++) tp_transfer(pairs[i][0], pairs[i][1]);
+}
+
 int main(void)
 {
     setenv("UCX_LOG_FILE", "stderr", 0);
@@ -958,6 +1168,7 @@ int main(void)
     test_loopback(true);
     test_device_path();
     test_staged_ring();
+    test_tp_mapping();
     fprintf(stderr, "test_kvt_unit: all passed\n");
     return 0;
 }
