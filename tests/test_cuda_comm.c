@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "kernels/backend.h"
+#include "tests/nccl_probe.h"
 #include "tests/test_util.h"
 
 #define MAX_RANKS 8
@@ -231,21 +232,9 @@ int main(void)
                 n_dev ? "" : ": ", n_dev ? "" : err);
         return 77;
     }
-    {   /* NCCL present? */
-        pd_backend *be[2] = {NULL, NULL};
-        pd_comm *c = NULL;
-        for (int r = 0; r < 2; r++) {
-            pd_backend_params bp = pd_backend_default_params();
-            bp.device = r;
-            (void)pd_backend_create("cuda", &bp, &be[r], err);
-        }
-        int rc = pd_comm_create(be, 2, &c, err);
-        pd_comm_destroy(c);
-        for (int r = 0; r < 2; r++) pd_backend_destroy(be[r]);
-        if (rc == PD_EUNSUPPORTED) {
-            fprintf(stderr, "test_cuda_comm: skipped: %s\n", err);
-            return 77;
-        }
+    if (nccl_probe(err) == PD_EUNSUPPORTED) { /* NCCL present? */
+        fprintf(stderr, "test_cuda_comm: skipped: %s\n", err);
+        return 77;
     }
     printf("test_cuda_comm: NCCL on %d GPUs\n", n_dev);
     for (int32_t R = 2; R <= n_dev; R *= 2) test_ranks(R);

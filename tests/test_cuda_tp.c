@@ -14,6 +14,7 @@
 #include "engine/tp.h"
 #include "tests/cuda_golden_util.h"
 #include "tests/golden_util.h"
+#include "tests/nccl_probe.h"
 #include "tests/test_util.h"
 
 static void run_model(const char *dir, const char *name, int32_t n_tp, double abs_tol,
@@ -81,21 +82,9 @@ int main(void)
         fprintf(stderr, "test_cuda_tp: skipped: %d CUDA devices (2 needed)\n", n_dev);
         return 77;
     }
-    {
-        pd_backend *be[2] = {NULL, NULL};
-        pd_comm *c = NULL;
-        for (int r = 0; r < 2; r++) {
-            pd_backend_params bp = pd_backend_default_params();
-            bp.device = r;
-            (void)pd_backend_create("cuda", &bp, &be[r], err);
-        }
-        int rc = pd_comm_create(be, 2, &c, err);
-        pd_comm_destroy(c);
-        for (int r = 0; r < 2; r++) pd_backend_destroy(be[r]);
-        if (rc == PD_EUNSUPPORTED) {
-            fprintf(stderr, "test_cuda_tp: skipped: %s\n", err);
-            return 77;
-        }
+    if (nccl_probe(err) == PD_EUNSUPPORTED) { /* NCCL present? */
+        fprintf(stderr, "test_cuda_tp: skipped: %s\n", err);
+        return 77;
     }
     printf("test_cuda_tp: tensor parallel on %d GPUs against the CPU at TP 1\n", n_dev);
     for (int32_t n_tp = 2; n_tp <= 4 && n_tp <= n_dev; n_tp *= 2)

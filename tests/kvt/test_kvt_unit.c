@@ -41,6 +41,27 @@ static kvt_pool *make_pool(kvt_ctx *ctx, kvt_layout l, int32_t n_blocks)
     return pool;
 }
 
+/* Expects a transfer of n blocks on dst (block ids dsts) and begins its send through t from
+ * srcs, with default parameters otherwise; returns the send. */
+static kvt_send *start_transfer(kvt_pool *dst, kvt_target *t, uint64_t req_id, int32_t n,
+                                const int32_t *srcs, const int32_t *dsts)
+{
+    char err[PD_ERR_LEN];
+    kvt_recv_params rp = kvt_recv_default_params();
+    rp.req_id = req_id;
+    rp.n_blocks = n;
+    rp.block_ids = dsts;
+    KT_OK(kvt_recv_expect(dst, &rp, err), err);
+    kvt_send_params sp = kvt_send_default_params();
+    sp.req_id = req_id;
+    sp.n_blocks = n;
+    sp.src_ids = srcs;
+    sp.dst_ids = dsts;
+    kvt_send *s;
+    KT_OK(kvt_send_begin(t, &sp, &s, err), err);
+    return s;
+}
+
 static void test_params(void)
 {
     char err[PD_ERR_LEN];
@@ -329,18 +350,7 @@ static void test_loopback(bool user_mem)
 
     /* Destroying both contexts with a transfer in flight releases everything. */
     int32_t ids[4] = {0, 1, 2, 3};
-    kvt_recv_params rp = kvt_recv_default_params();
-    rp.req_id = 77;
-    rp.n_blocks = 4;
-    rp.block_ids = ids;
-    KT_OK(kvt_recv_expect(dst, &rp, err), err);
-    kvt_send_params sp = kvt_send_default_params();
-    sp.req_id = 77;
-    sp.n_blocks = 4;
-    sp.src_ids = ids;
-    sp.dst_ids = ids;
-    kvt_send *s;
-    KT_OK(kvt_send_begin(t, &sp, &s, err), err);
+    kvt_send *s = start_transfer(dst, t, 77, 4, ids, ids);
     KT_EQ(kvt_send_layer_ready(s, 0), 0);
     pump2(a, b, 20);
     kvt_target_close(t);
@@ -1067,18 +1077,7 @@ static void tp_transfer(int32_t p, int32_t d)
     KT_OK(kvt_target_open(b, src, desc, len, &t, err), err);
     int32_t srcs[13], dsts[13];
     for (int32_t i = 0; i < n; i++) srcs[i] = (7 * i + 3) % nb, dsts[i] = (11 * i + 5) % nb;
-    kvt_recv_params rp = kvt_recv_default_params();
-    rp.req_id = 900;
-    rp.n_blocks = n;
-    rp.block_ids = dsts;
-    KT_OK(kvt_recv_expect(dst, &rp, err), err);
-    kvt_send_params sp = kvt_send_default_params();
-    sp.req_id = 900;
-    sp.n_blocks = n;
-    sp.src_ids = srcs;
-    sp.dst_ids = dsts;
-    kvt_send *s;
-    KT_OK(kvt_send_begin(t, &sp, &s, err), err);
+    kvt_send *s = start_transfer(dst, t, 900, n, srcs, dsts);
     for (int32_t layer = 0; layer < l.n_layers; layer++) KT_EQ(kvt_send_layer_ready(s, layer), 0);
     KT_EQ(kvt_send_finish(s, 5), 0);
     pump_until(a, b, 1, 1);
