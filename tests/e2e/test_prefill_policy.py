@@ -100,10 +100,10 @@ try:
     # busy by time: with --slo-ttft-ms the pool is busy when a prompt would wait
     # --prefill-busy-ttft-fraction (0.5) of the objective, from the queued tokens and the
     # prefill rate each prefill instance reports. A prefill instance slowed by 150 ms a
-    # forward measures a rate of a few hundred tokens/s; 8 concurrent 100-token prompts queue
-    # a second of work there. An objective of 10 minutes: never busy, though the backlog
+    # forward, one prompt a step, measures a rate of a few hundred tokens/s; concurrent
+    # 100-token prompts queue there (its load reports show them) for a second or more. An objective of 10 minutes: never busy, though the backlog
     # passes --prefill-busy-tokens; one of 200 ms: busy.
-    slow = H.start("pdserve-prefill", *common, tag="prefill-slow",
+    slow = H.start("pdserve-prefill", *common, "--max-num-batched-tokens", "128", tag="prefill-slow",
                    env=dict(H.env, PDSERVE_FAULT_STEP_DELAY_MS="150"))
     inst_slow = ["--prefill", "127.0.0.1:%d" % slow.port, "--decode", "127.0.0.1:%d" % dec.port]
     timed = ["--prefill-policy", "auto", "--local-prefill-max-tokens", "0",
