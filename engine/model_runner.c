@@ -11,10 +11,12 @@
 #include "engine/model_runner.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -79,7 +81,67 @@ struct mr {
     tp_pool *pool;
     char (*rank_err)[PD_ERR_LEN]; /* [n_ranks] each rank's error of the last call */
     bool broken;                  /* a rank failed inside a forward (communicator aborted) */
+    int64_t forwards;             /* group forwards started (the engine thread's) */
+    /* Diagnostics (PDSERVE_TP_DEBUG_SKIP_ALLREDUCE=1): a rank leaves its all-reduces out, so
+     * that a timing shows what they and the ranks' waits for each other cost. Wrong results. */
+    bool debug_skip_ar;
+    /* Diagnostics (PDSERVE_TP_DEBUG_OP_TIMING=1 with eager steps, max_graph_batch 0): each op
+     * of a tensor-parallel forward synchronised and timed on the host clock, summed by kind;
+     * rank 0 logs the table when destroyed. Slows every step. */
+    bool debug_op_timing;
+    double op_s[8];
+    int64_t op_n[8];
+    /* The launch gate (a group's; its ranks point to it): every rank of a forward meets there
+     * after its host work (checks, metadata upload) and before it queues anything that holds
+     * a collective, and learns whether every rank got there. A rank that failed before it
+     * makes every rank return without launching, so that no rank is left in a collective
+     * waiting for it (the communicator's abort, whose NCCL kind can wait forever for kernels
+     * already spinning, is needed only for failures after the gate). */
+    struct mr_gate *gate;
+    bool gate_met;                /* a rank's: it met the gate in this forward */
+    bool gate_failed;             /* a rank's: ... and learnt there that another rank failed */
+    /* Testing (PDSERVE_FAULT_TP_RANK=R:N[:after]): rank R fails the group's N-th forward at
+     * the gate (as a failed upload would), or with ":after" half-way through its layers (as
+     * a device error between two collectives would; eager steps only) (-1: off). */
+    int32_t fault_rank;
+    int64_t fault_forward;
+    bool fault_after;
+    bool fault_now;               /* a rank's: fail half-way through this forward's layers */
 };
+
+struct mr_gate {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int32_t n, arrived;
+    int64_t gen;
+    bool failed, result;          /* this round's; the last round's (true: a rank failed) */
+};
+
+/* A rank meets the gate (ok: its host work succeeded). Returns 0 when every rank got there
+ * ok, PD_EBACKEND when one did not (every rank then returns without launching). */
+static int gate_meet(mr *r, bool ok, char *err)
+{
+    struct mr_gate *G = r->gate;
+    r->gate_met = true;
+    pthread_mutex_lock(&G->mu);
+    if (!ok) G->failed = true;
+    if (++G->arrived == G->n) {
+        G->result = G->failed;
+        G->failed = false;
+        G->arrived = 0;
+        G->gen++;
+        pthread_cond_broadcast(&G->cv);
+    } else {
+        const int64_t gen = G->gen;
+        while (G->gen == gen) pthread_cond_wait(&G->cv, &G->mu);
+    }
+    const bool failed = G->result;
+    pthread_mutex_unlock(&G->mu);
+    r->gate_failed = failed && ok;
+    if (failed && ok)
+        return pd_errf(err, PD_EBACKEND, "another rank failed before this forward's launch");
+    return failed ? PD_EBACKEND : 0;
+}
 
 static void meta_layout(mr *r);
 static void capture_graphs(mr *r);
@@ -289,12 +351,25 @@ void mr_destroy(mr *r)
     if (r->ranks) { /* a group: its threads first, then the ranks' runners */
         tp_pool_destroy(r->pool);
         for (int32_t k = 0; k < r->n_ranks; k++) mr_destroy(r->ranks[k]);
+        if (r->gate) {
+            pthread_mutex_destroy(&r->gate->mu);
+            pthread_cond_destroy(&r->gate->cv);
+            free(r->gate);
+        }
         free(r->ranks);
         free(r->rank_err);
         free(r);
         return;
     }
     pd_backend *be = r->be;
+    if (r->debug_op_timing && r->rank == 0 && r->op_n[0] > 0) {
+        static const char *const names[8] = {"rmsnorm", "qkv", "rope_store_kv", "attention",
+                                             "o_proj", "gate_up+swiglu", "down", "all_reduce"};
+        for (int k = 0; k < 8; k++)
+            PD_LOGI("tp op timing (rank 0, eager, synchronised): %-15s %8lld calls %10.2f us "
+                    "each, %9.3f s in all", names[k], (long long)r->op_n[k],
+                    r->op_n[k] ? r->op_s[k] * 1e6 / (double)r->op_n[k] : 0.0, r->op_s[k]);
+    }
 #define FREE(x) be->ops->free(be->ctx, (x))
     if (r->meta_inflight || r->n_out) (void)be->ops->sync(be->ctx);
     drop_graphs(r);
@@ -581,6 +656,13 @@ static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err
  * norm (rmsnorm with a residual), so the residual stream r->a stays the same on every rank.
  * The KV hook (rank 0) runs after the attention block's all-reduce, which every rank reaches
  * only after its layer's KV store. decode_layers is not offered (it has no all-reduce). */
+static double mr_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 static int run_layers_tp(mr *r, int32_t T, pd_linear_args *lqkv, pd_rope_args *ra,
                          pd_attn_args *aa, int (*attention)(void *, const pd_attn_args *),
                          bool final, char *err)
@@ -599,36 +681,54 @@ static int run_layers_tp(mr *r, int32_t T, pd_linear_args *lqkv, pd_rope_args *r
     pd_linear_args ld = {.x = r->act, .out = r->h, .n = T, .k = f, .m = hs};
     lqkv->x = r->h; /* the norm is done before: rmsnorm(h + a) */
     lqkv->norm_w = NULL;
+    const bool skip_ar = r->debug_skip_ar;
+    double t_op = 0;
+#define TCALL(k, expr)                                                                      \
+    do {                                                                                    \
+        if (r->debug_op_timing) { CALL(o->sync(x)); t_op = mr_now_s(); }                    \
+        CALL(expr);                                                                         \
+        if (r->debug_op_timing) {                                                           \
+            CALL(o->sync(x));                                                               \
+            r->op_s[k] += mr_now_s() - t_op;                                                \
+            r->op_n[k]++;                                                                   \
+        }                                                                                   \
+    } while (0)
     CALL(o->embedding(x, r->d_ids, T, r->m->embed, hs, r->a));
     for (int32_t l = 0; l < c->n_layers; l++) {
         const pd_layer_weights *w = &r->m->layers[l];
         /* attention block: the previous block's sum into the residual, then its norm */
-        if (l == 0) CALL(o->rmsnorm(x, r->a, NULL, w->attn_norm, T, hs, c->rms_eps, r->h));
-        else CALL(o->rmsnorm(x, r->h, r->a, w->attn_norm, T, hs, c->rms_eps, r->h));
+        if (l == 0) TCALL(0, o->rmsnorm(x, r->a, NULL, w->attn_norm, T, hs, c->rms_eps, r->h));
+        else TCALL(0, o->rmsnorm(x, r->h, r->a, w->attn_norm, T, hs, c->rms_eps, r->h));
         lqkv->w = w->qkv;
         lqkv->bias = w->qkv_bias;
-        CALL(o->linear_fused(x, lqkv));
+        TCALL(1, o->linear_fused(x, lqkv));
         ra->q_norm = w->q_norm;
         ra->k_norm = w->k_norm;
         ra->k_cache = r->k_cache[l];
         ra->v_cache = r->v_cache[l];
         aa->k_cache = r->k_cache[l];
         aa->v_cache = r->v_cache[l];
-        CALL(o->rope_store_kv(x, ra));
-        CALL(attention(x, aa));
+        TCALL(2, o->rope_store_kv(x, ra));
+        TCALL(3, attention(x, aa));
         lo.w = w->o_proj;
         lo.bias = w->o_bias; /* rank 0's only */
-        CALL(o->linear_fused(x, &lo));
-        CALL(cm->ops->all_reduce_sum(cm->ctx, r->rank, r->h, o->act_dtype, n_sum));
+        TCALL(4, o->linear_fused(x, &lo));
+        if (r->fault_now && l == c->n_layers / 2)
+            return pd_errf(err, PD_EBACKEND, "injected rank failure after the launch gate "
+                           "(PDSERVE_FAULT_TP_RANK)");
+        if (!skip_ar)
+            TCALL(7, cm->ops->all_reduce_sum(cm->ctx, r->rank, r->h, o->act_dtype, n_sum));
         if (r->layer_fn && r->rank == 0) r->layer_fn(r->layer_arg, l);
         /* MLP block */
-        CALL(o->rmsnorm(x, r->h, r->a, w->mlp_norm, T, hs, c->rms_eps, r->h));
+        TCALL(0, o->rmsnorm(x, r->h, r->a, w->mlp_norm, T, hs, c->rms_eps, r->h));
         lgu.w = w->gate_up;
-        CALL(o->linear_fused(x, &lgu));
+        TCALL(5, o->linear_fused(x, &lgu));
         ld.w = w->down;
-        CALL(o->linear_fused(x, &ld));
-        CALL(cm->ops->all_reduce_sum(cm->ctx, r->rank, r->h, o->act_dtype, n_sum));
+        TCALL(6, o->linear_fused(x, &ld));
+        if (!skip_ar)
+            TCALL(7, cm->ops->all_reduce_sum(cm->ctx, r->rank, r->h, o->act_dtype, n_sum));
     }
+#undef TCALL
     /* the last block's sum; the final norm only where the logits are made */
     if (final && r->rank == 0)
         CALL(o->rmsnorm(x, r->h, r->a, r->m->final_norm, T, hs, c->rms_eps, r->h));
@@ -864,12 +964,14 @@ static int forward(mr *r, const mr_batch *b, float *logits, const mr_sampling *s
     if (g >= 0) {
         const int32_t B = r->graph_bs[g];
         if ((rc = upload_meta(r, b, B, B, err)) < 0) return rc;
+        if (r->gate && (rc = gate_meet(r, true, err)) < 0) return rc;
         CALL(o->graph_launch(x, r->graphs[0][g]));
         r->graph_steps++;
         if (r->rank > 0) return 0; /* rank 0 has the logits */
         return finish_rows(r, 0, b->n_logits, logits, smp, err);
     }
     if ((rc = upload_meta(r, b, b->n_tokens, b->n_seqs, err)) < 0) return rc;
+    if (r->gate && (rc = gate_meet(r, true, err)) < 0) return rc;
     /* the leading one-row sequences (the scheduler puts running decodes first): a backend may
      * run their attention as a decode batch */
     int32_t n_decode = 0;
@@ -895,6 +997,7 @@ typedef struct {
     float *logits;
     const mr_sampling *s;
     atomic_int first_bad;         /* the rank that failed first (-1: none) */
+    int64_t forward_no;           /* the group's forwards, this one included */
 } fan_arg;
 
 /* A rank's forward; rank 0 makes the logits. A rank that fails after the group's checks
@@ -904,12 +1007,28 @@ static int rank_forward(void *arg, int32_t rank)
 {
     fan_arg *f = arg;
     mr *g = f->g;
-    int rc = forward(g->ranks[rank], f->b, rank == 0 ? f->logits : NULL, rank == 0 ? f->s : NULL,
+    mr *r = g->ranks[rank];
+    int rc;
+    const bool fault = rank == g->fault_rank && f->forward_no == g->fault_forward;
+    r->gate_met = r->gate_failed = false;
+    r->fault_now = fault && g->fault_after;
+    if (fault && !g->fault_after)
+        rc = pd_errf(g->rank_err[rank], PD_EBACKEND, "injected rank failure "
+                     "(PDSERVE_FAULT_TP_RANK=%d:%lld)", rank, (long long)g->fault_forward);
+    else
+        rc = forward(r, f->b, rank == 0 ? f->logits : NULL, rank == 0 ? f->s : NULL,
                      g->rank_err[rank]);
     int none = -1;
-    if (rc < 0 && atomic_compare_exchange_strong(&f->first_bad, &none, rank) &&
-        g->ranks[rank]->comm->ops->abort)
-        g->ranks[rank]->comm->ops->abort(g->ranks[rank]->comm->ctx);
+    if (rc < 0 && !r->gate_met) {
+        /* failed before the gate: the others learn it there and launch nothing */
+        char ignored[PD_ERR_LEN];
+        (void)gate_meet(r, false, ignored);
+        (void)atomic_compare_exchange_strong(&f->first_bad, &none, rank);
+    } else if (rc < 0 && !r->gate_failed &&
+               atomic_compare_exchange_strong(&f->first_bad, &none, rank)) {
+        /* failed after it, between collectives: no rank may wait for this one forever */
+        if (r->comm->ops->abort) r->comm->ops->abort(r->comm->ctx);
+    }
     return rc;
 }
 
@@ -921,7 +1040,7 @@ static int group_forward(mr *g, const mr_batch *b, float *logits, const mr_sampl
     int32_t max_q = 0, max_ctx = 0;
     int rc = validate(g, b, &max_q, &max_ctx, err); /* every rank would refuse it alike */
     if (rc < 0) return rc;
-    fan_arg f = {.g = g, .b = b, .logits = logits, .s = s};
+    fan_arg f = {.g = g, .b = b, .logits = logits, .s = s, .forward_no = ++g->forwards};
     atomic_init(&f.first_bad, -1);
     rc = tp_pool_run(g->pool, rank_forward, &f, NULL);
     if (rc < 0) {
@@ -963,9 +1082,41 @@ int mr_create_tp(const mr_params *p, const pd_model *const *shards, int32_t n_ra
         rc = pd_errf(err, PD_ENOMEM, "out of memory");
         goto fail;
     }
-    for (int32_t k = 0; k < n_ranks; k++)
+    const char *skip = getenv("PDSERVE_TP_DEBUG_SKIP_ALLREDUCE");
+    for (int32_t k = 0; k < n_ranks; k++) {
         if ((rc = create_rank(p, shards[k], comm, false, &g->ranks[k], err)) < 0) goto fail;
+        g->ranks[k]->debug_skip_ar = skip && !strcmp(skip, "1");
+        const char *opt = getenv("PDSERVE_TP_DEBUG_OP_TIMING");
+        g->ranks[k]->debug_op_timing = opt && !strcmp(opt, "1") && p->max_graph_batch == 0;
+    }
     if ((rc = tp_pool_create(n_ranks, &g->pool, err)) < 0) goto fail;
+    if (!(g->gate = calloc(1, sizeof *g->gate))) {
+        rc = pd_errf(err, PD_ENOMEM, "out of memory");
+        goto fail;
+    }
+    pthread_mutex_init(&g->gate->mu, NULL);
+    pthread_cond_init(&g->gate->cv, NULL);
+    g->gate->n = n_ranks;
+    for (int32_t k = 0; k < n_ranks; k++) g->ranks[k]->gate = g->gate;
+    g->fault_rank = -1;
+    const char *fault = getenv("PDSERVE_FAULT_TP_RANK");
+    if (fault && *fault) {
+        int fr = -1;
+        long long fn = 0;
+        char when[8] = "";
+        int got = sscanf(fault, "%d:%lld:%7s", &fr, &fn, when);
+        if (got >= 2 && fr >= 0 && fr < n_ranks && fn >= 1 &&
+            (got == 2 || !strcmp(when, "after"))) {
+            g->fault_rank = fr;
+            g->fault_forward = fn;
+            g->fault_after = got == 3;
+            PD_LOGW("PDSERVE_FAULT_TP_RANK=%s: rank %d fails forward %lld (testing)", fault, fr,
+                    fn);
+        } else {
+            PD_LOGW("PDSERVE_FAULT_TP_RANK=%s ignored: want RANK:FORWARD[:after], a rank below "
+                    "%d and a forward from 1", fault, n_ranks);
+        }
+    }
     /* The ranks' pools were sized alike unless from each device's free memory: the group
      * uses the smallest (the others' extra blocks stay unused). */
     g->p = g->ranks[0]->p;

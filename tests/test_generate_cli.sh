@@ -15,7 +15,7 @@ fails=0
 # print SUBSTRING on stderr.
 expect_fail() {
     local name=$1 want=$2; shift 2
-    "$GEN" "$@" >"$TMP/out" 2>"$TMP/err"
+    ${PRE:-} "$GEN" "$@" >"$TMP/out" 2>"$TMP/err"
     local rc=$?
     if [ $rc -eq 0 ] || [ $rc -ge 126 ]; then
         echo "FAIL $name: exit $rc (want a clean non-zero exit)"; cat "$TMP/err"; fails=$((fails+1)); return
@@ -147,6 +147,16 @@ expect_fail "MLP does not divide" "intermediate size 172 does not divide among 8
 expect_fail "heads do not divide" "6 attention heads do not divide among 4 ranks" --model "$SHARED/testdata/golden/llama-tiny" --prompt-ids 1 --tensor-parallel 4
 expect_fail "TP 0" "invalid value for --tensor-parallel" --model "$STORIES" --prompt-ids 1 --tensor-parallel 0
 expect_fail "misshapen tensor at TP 2" "model.layers.2.mlp.up_proj.weight" --model "$TMP/shape" --prompt-ids 1 --tensor-parallel 2
+# A rank failing between collectives (a device error): the run ends with the rank's error, no
+# rank left waiting in a collective (timeout: a hang fails the check with exit 124).
+# Before the launch gate (the others launch nothing) and, with ":after", half-way through the
+# layers (the communicator is aborted).
+for fr in 1:3 0:2 3:5 1:1:after 0:1:after; do
+    PRE="timeout 60 env PDSERVE_FAULT_TP_RANK=$fr"
+    expect_fail "rank failure $fr at TP 4" "tensor parallel rank ${fr%%:*}: injected rank failure" \
+        --model "$STORIES" --prompt-ids 1 --max-tokens 16 --temperature 0 --tensor-parallel 4
+done
+PRE=
 
 if [ $fails -ne 0 ]; then echo "$fails failures"; exit 1; fi
 echo "all CLI checks passed"

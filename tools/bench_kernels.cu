@@ -5,6 +5,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,14 +26,15 @@ static void usage(FILE *f)
 {
     fprintf(f,
         "usage: pdserve-bench-kernels [--floor] [--linear] [--attention] [--sample] [--all]\n"
-        "                             [--device N] [--json]\n"
+        "                             [--all-reduce N] [--device N] [--json]\n"
         "\n"
         "Times the CUDA backend's decode-path ops through its op table on random data, and the\n"
         "device's physical floors in the same run. Sections (none given = --all):\n"
         "  --floor      device-to-device cudaMemcpy of 1 GiB (GB/s counting bytes read + written,\n"
         "               and read-only = half) and a cuBLAS bf16 8192^3 GEMM with fp32\n"
         "               accumulation (TFLOP/s)\n"
-        "  --linear     the linear op on Qwen3-0.6B's and Llama-3-8B's products at n = 1 .. 256:\n"
+        "  --linear     the linear op on Qwen3-0.6B's and Llama-3-8B's products, and one rank's\n"
+        "               of Llama-3-8B at tensor parallel 2 and Llama-3-70B at 4, at n = 1 .. 256:\n"
         "               us per call, weight GB/s and %% of the copy's rate, TFLOP/s and %% of the\n"
         "               GEMM rate\n"
         "  --attention  attention_decode, Qwen3-0.6B heads (16 q, 8 KV, head_dim 128, blocks\n"
@@ -41,6 +43,13 @@ static void usage(FILE *f)
         "               bytes read per second, %% of the copy\n"
         "  --sample     the sample op (if offered) on 1 / 32 / 256 rows of 151,936 logits, greedy\n"
         "               and temperature 1 + top-p 0.9 + top-k 50\n"
+        "  --all-reduce N\n"
+        "               the communicator of tensor parallelism (pd_comm: NCCL, loaded as the\n"
+        "               services load it) over devices 0 .. N-1, one thread a rank: all_reduce_sum\n"
+        "               of bf16 buffers of 4 KiB .. 256 MiB, called directly (eager) and\n"
+        "               captured in a graph on every rank (as the decode graphs hold it): us per\n"
+        "               call (the slowest rank's median) and bus bandwidth, nccl-tests' measure\n"
+        "               (bytes x 2(N-1)/N / time). Not part of --all.\n"
         "  --device N   GPU ordinal (default 0)\n"
         "  --json       one JSON object per result line instead of the tables\n"
         "\n"
@@ -58,6 +67,7 @@ static void usage(FILE *f)
 
 typedef struct {
     bool floor, linear, attention, sample; /* sections */
+    int all_reduce;                        /* ranks of --all-reduce (0: not run) */
     bool json;                             /* JSON lines instead of tables */
     int device;                            /* CUDA ordinal */
 } bk_opts;
@@ -295,6 +305,12 @@ static const lin_shape k_lin_shapes[] = {
     {"qwen3-0.6b", "lm_head", 1024, 151936}, {"llama3-8b", "qkv", 4096, 6144},
     {"llama3-8b", "o_proj", 4096, 4096},    {"llama3-8b", "gate_up", 4096, 28672},
     {"llama3-8b", "down", 14336, 4096},     {"llama3-8b", "lm_head", 4096, 128256},
+    /* one rank's products at tensor parallel 2 (Llama-3-8B) and 4 (Llama-3-70B) */
+    {"8b-tp2", "qkv", 4096, 3072},          {"8b-tp2", "o_proj", 2048, 4096},
+    {"8b-tp2", "gate_up", 4096, 14336},     {"8b-tp2", "down", 7168, 4096},
+    {"70b-tp4", "qkv", 8192, 2560},         {"70b-tp4", "o_proj", 2048, 8192},
+    {"70b-tp4", "gate_up", 8192, 14336},    {"70b-tp4", "down", 7168, 8192},
+    {"70b", "lm_head", 8192, 128256},
 };
 static const int32_t k_lin_n[] = {1, 2, 4, 8, 16, 32, 64, 256};
 
@@ -599,6 +615,150 @@ fail:
     return rc;
 }
 
+/* ---- the communicator (--all-reduce) ---- */
+
+typedef struct {
+    pd_backend *be;
+    pd_comm *comm;
+    int32_t rank;
+    void *buf;
+    size_t n;                   /* elements this case */
+    int calls;                  /* all-reduces per timed batch */
+    bool graph;                 /* captured (else direct calls) */
+    pthread_barrier_t *bar;     /* all ranks start each batch together */
+    double secs;                /* out: median seconds per call */
+    int rc;                     /* out */
+} ar_rank;
+
+static void *ar_thread(void *arg)
+{
+    ar_rank *a = (ar_rank *)arg;
+    const pd_backend_ops *o = a->be->ops;
+    const pd_comm_ops *c = a->comm->ops;
+    const pd_dtype t = o->act_dtype;
+    void *g = NULL;
+    double tm[REPEATS];
+    int rc = 0;
+    if (a->graph) {
+        rc = o->graph_begin(a->be->ctx);
+        for (int i = 0; i < a->calls && rc == 0; i++)
+            rc = c->all_reduce_sum(a->comm->ctx, a->rank, a->buf, t, a->n);
+        const int end = rc == 0 ? o->graph_end(a->be->ctx, &g) : 0;
+        if (rc == 0) rc = end;
+    }
+    /* Every rank runs every batch, failed or not, so that no rank waits at the barrier for a
+     * rank that left (a failure is reported at the end). */
+    for (int r = -1; r < REPEATS; r++) {
+        pthread_barrier_wait(a->bar);
+        if (rc == 0) rc = o->sync(a->be->ctx);
+        pthread_barrier_wait(a->bar);
+        const double t0 = now_s();
+        if (rc == 0 && a->graph) rc = o->graph_launch(a->be->ctx, g);
+        for (int i = 0; i < a->calls && rc == 0 && !a->graph; i++)
+            rc = c->all_reduce_sum(a->comm->ctx, a->rank, a->buf, t, a->n);
+        if (rc == 0) rc = o->sync(a->be->ctx);
+        if (rc != 0) c->abort(a->comm->ctx); /* the other ranks would wait for this one */
+        if (r >= 0) tm[r] = (now_s() - t0) / a->calls;
+    }
+    if (g) o->graph_destroy(a->be->ctx, g);
+    a->secs = median(tm, REPEATS);
+    a->rc = rc;
+    return NULL;
+}
+
+static int bench_all_reduce(const bk_opts *opt)
+{
+    enum { MAX_R = 16 };
+    const int32_t R = opt->all_reduce;
+    int ndev = 0;
+    if (R < 2 || R > MAX_R) {
+        fprintf(stderr, "pdserve-bench-kernels: --all-reduce needs 2 .. %d ranks\n", MAX_R);
+        return -1;
+    }
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < R) {
+        fprintf(stderr, "pdserve-bench-kernels: --all-reduce %d: %d CUDA devices here\n", R, ndev);
+        return -1;
+    }
+    /* bytes of bf16: 4 KiB (a 2048-hidden row) .. 256 MiB; 16 KiB is one decode row of a
+     * 8192-hidden model (Llama-3-70B), 8 KiB of a 4096-hidden one (Llama-3-8B) */
+    static const size_t sizes[] = {4096, 8192, 16384, 65536, 262144, 1048576, 4194304,
+                                   16777216, 67108864, 268435456};
+    const size_t n_sizes = sizeof sizes / sizeof sizes[0];
+    pd_backend *be[MAX_R] = {NULL};
+    void *buf[MAX_R] = {NULL};
+    pd_comm *comm = NULL;
+    char err[PD_ERR_LEN] = "";
+    int rc = -1;
+    pthread_barrier_t bar;
+    pthread_barrier_init(&bar, NULL, (unsigned)R);
+    for (int32_t r = 0; r < R; r++) {
+        pd_backend_params bp = pd_backend_default_params();
+        bp.device = r;
+        if (pd_backend_create("cuda", &bp, &be[r], err) < 0) {
+            fprintf(stderr, "pdserve-bench-kernels: device %d: %s\n", r, err);
+            goto fail;
+        }
+        buf[r] = rand_buf(be[r], be[r]->ops->act_dtype, sizes[n_sizes - 1] / 2, 700 + (uint64_t)r,
+                          -1.0f, 1.0f);
+        if (!buf[r]) goto fail;
+    }
+    if (pd_comm_create(be, R, &comm, err) < 0) {
+        fprintf(stderr, "pdserve-bench-kernels: the communicator: %s\n", err);
+        goto fail;
+    }
+    if (!opt->json)
+        printf("\n## all_reduce_sum, bf16, %d ranks (%s; the slowest rank's median of %d "
+               "batches)\n%10s %12s %12s %12s %12s\n", R, comm->ops->name, REPEATS, "bytes",
+               "eager us", "eager busbw", "graph us", "graph busbw");
+    for (size_t s = 0; s < n_sizes; s++) {
+        const size_t bytes = sizes[s], n = bytes / 2;
+        /* about 1 GiB of buffers a batch, 20 .. 200 calls (the graph holds them all) */
+        int calls = (int)(((size_t)1 << 30) / bytes);
+        if (calls > 200) calls = 200;
+        if (calls < 20) calls = 20;
+        double us[2] = {0, 0};
+        for (int gmode = 0; gmode < 2; gmode++) {
+            ar_rank a[MAX_R];
+            pthread_t th[MAX_R];
+            for (int32_t r = 0; r < R; r++) {
+                a[r] = ar_rank{be[r], comm, r, buf[r], n, calls, gmode == 1, &bar, 0.0, 0};
+                if (r > 0) pthread_create(&th[r], NULL, ar_thread, &a[r]);
+            }
+            ar_thread(&a[0]);
+            for (int32_t r = 1; r < R; r++) pthread_join(th[r], NULL);
+            double worst = 0;
+            for (int32_t r = 0; r < R; r++) {
+                if (a[r].rc != 0) {
+                    fprintf(stderr, "pdserve-bench-kernels: all_reduce_sum of %zu bytes (%s) "
+                            "failed on rank %d: %s\n", bytes, gmode ? "graph" : "eager", r,
+                            pd_strerror(a[r].rc));
+                    goto fail;
+                }
+                if (a[r].secs > worst) worst = a[r].secs;
+            }
+            us[gmode] = worst * 1e6;
+        }
+        const double f = 2.0 * (R - 1) / R;
+        if (opt->json)
+            printf("{\"bench\":\"all_reduce\",\"ranks\":%d,\"bytes\":%zu,\"eager_us\":%.2f,"
+                   "\"eager_busbw_gbps\":%.2f,\"graph_us\":%.2f,\"graph_busbw_gbps\":%.2f}\n",
+                   R, bytes, us[0], f * bytes / us[0] / 1e3, us[1], f * bytes / us[1] / 1e3);
+        else
+            printf("%10zu %12.2f %12.2f %12.2f %12.2f\n", bytes, us[0], f * bytes / us[0] / 1e3,
+                   us[1], f * bytes / us[1] / 1e3);
+        fflush(stdout);
+    }
+    rc = 0;
+fail:
+    pd_comm_destroy(comm);
+    for (int32_t r = 0; r < R; r++) {
+        if (buf[r]) be[r]->ops->free(be[r]->ctx, buf[r]);
+        pd_backend_destroy(be[r]);
+    }
+    pthread_barrier_destroy(&bar);
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     bk_opts opt;
@@ -619,6 +779,16 @@ int main(int argc, char **argv)
             opt.sample = any = true;
         } else if (!strcmp(a, "--all")) {
             opt.floor = opt.linear = opt.attention = opt.sample = any = true;
+        } else if (!strcmp(a, "--all-reduce") && i + 1 < argc) {
+            char *end = NULL;
+            const long r = strtol(argv[++i], &end, 10);
+            if (!*argv[i] || *end || r < 2 || r > 16) {
+                fprintf(stderr, "pdserve-bench-kernels: bad --all-reduce '%s' (2 .. 16 ranks)\n",
+                        argv[i]);
+                return 2;
+            }
+            opt.all_reduce = (int)r;
+            any = true;
         } else if (!strcmp(a, "--json")) {
             opt.json = true;
         } else if (!strcmp(a, "--device") && i + 1 < argc) {
@@ -671,6 +841,7 @@ int main(int argc, char **argv)
     if (rc == 0 && opt.linear && bench_linear(&opt, be, &fl) != 0) rc = 1;
     if (rc == 0 && opt.attention && bench_attention(&opt, be, &fl) != 0) rc = 1;
     if (rc == 0 && opt.sample && bench_sample(&opt, be) != 0) rc = 1;
+    if (rc == 0 && opt.all_reduce && bench_all_reduce(&opt) != 0) rc = 1;
     if (fl.copy_gbps > 0) printf("FLOOR copy_gbps=%.1f gemm_tflops=%.1f\n", fl.copy_gbps,
                                  fl.gemm_tflops);
     pd_backend_destroy(be);

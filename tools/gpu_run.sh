@@ -33,8 +33,17 @@
 #             tokens; bf16 may drift later), graphs and --enforce-eager. NCCL is dlopen'ed:
 #             libnccl.so.2 from LD_LIBRARY_PATH, else the first one found on the machine
 #             (PDSERVE_NCCL_LIB). NCCL_NVLS_ENABLE=0 (NVLink multicast stays off).
+#   tpbench   the benchmarks of issue #29 (needs 2 GPUs; 4 for the 70B rows), each next to its
+#             floor measured in the same run: the copy rate and GEMM rate of GPU 0
+#             (pdserve-bench-kernels --floor) and our all-reduce over the GPUs (NCCL through
+#             pd_comm, eager and in graphs) next to torch.distributed's on the same GPUs
+#             (tools/bench_allreduce_torch.py); Llama-3-70B shape (dummy) at TP 4: decode at
+#             batch 1 (floor: a quarter of the weight bytes at the copy rate plus 2 x 80
+#             all-reduces of one row) and 64, prefill of 2k prompts against 4 GPUs' GEMM rate;
+#             Llama-3-8B shape batch-1 decode at TP 1 and TP 2. Logs in $OUT/tpbench/, a table
+#             at the end. TPB_SKIP="70b 8b torch" leaves parts out.
 # Logs go to $OUT (default /tmp/pd-gpu). PD_GPU_DIR names the package folder (default .gpu). Exit status: 0 when every step passed.
-#   tools/gpu_run.sh [bench] [kvshare] [profile] [sanitize] [services] [perf] [tp]
+#   tools/gpu_run.sh [bench] [kvshare] [profile] [sanitize] [services] [perf] [tp] [tpbench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/gpu_env.sh # unpacks .gpu/, sets LD_LIBRARY_PATH, OUT, G, PDSERVE_SHARED
@@ -347,21 +356,23 @@ if att:
     print("\n".join("  " + l for l in att[:6]))
 PY
 fi
-if has tp; then
+find_nccl() { # sets PDSERVE_NCCL_LIB unless LD_LIBRARY_PATH or the system has libnccl.so.2
     export NCCL_NVLS_ENABLE=0
-    if [ -z "${PDSERVE_NCCL_LIB:-}" ]; then
-        found=
-        for d in ${LD_LIBRARY_PATH//:/ } /usr/lib/x86_64-linux-gnu /usr/lib64; do
-            [ -e "$d/libnccl.so.2" ] && found=$d/libnccl.so.2 && break
-        done
-        if [ -z "$found" ]; then
-            PDSERVE_NCCL_LIB=$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -1)
-            export PDSERVE_NCCL_LIB
-            found="${PDSERVE_NCCL_LIB:-none found}"
-        fi
-        echo "tp: NCCL: $found"
+    [ -n "${PDSERVE_NCCL_LIB:-}" ] && return
+    local found= d
+    for d in ${LD_LIBRARY_PATH//:/ } /usr/lib/x86_64-linux-gnu /usr/lib64; do
+        [ -e "$d/libnccl.so.2" ] && found=$d/libnccl.so.2 && break
+    done
+    if [ -z "$found" ]; then
+        PDSERVE_NCCL_LIB=$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -1)
+        export PDSERVE_NCCL_LIB
+        found="${PDSERVE_NCCL_LIB:-none found}"
     fi
-    NGPU=$(nvidia-smi -L | wc -l)
+    echo "NCCL: $found"
+}
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+if has tp; then
+    find_nccl
     TAIL=20 step test_cuda_comm "$G/bin/test_cuda_comm"
     TAIL=40 step test_cuda_tp "$G/bin/test_cuda_tp"
     M="$PDSERVE_SHARED/models/stories260k"
@@ -382,5 +393,121 @@ PY
             grep -hE 'tok/s|nccl|error' "$OUT/tp$tp${e:+-eager}.log"
         done
     done
+fi
+if has tpbench; then
+    find_nccl
+    P="$OUT/tpbench"
+    mkdir -p "$P"
+    skip() { case " ${TPB_SKIP:-} " in *" $1 "*) return 0 ;; esac; return 1; }
+    tstep() { # tstep NAME COMMAND...: output in $P/NAME.log
+        local name=$1 r
+        shift
+        echo "== tpbench $name: $*"
+        "$@" >"$P/$name.log" 2>&1
+        r=$?
+        grep -E '^\{"bench":"all_reduce"|tok/s|FLOOR|error|failed' "$P/$name.log" | tail -n 3
+        [ "$r" -eq 0 ] || { echo "== tpbench $name: exit $r"; tail -n 5 "$P/$name.log"; rc=1; }
+    }
+    tstep floor "$G/bin/pdserve-bench-kernels" --floor --all-reduce "$NGPU" --json
+    skip torch || tstep torch_allreduce timeout 300 env -u LD_LIBRARY_PATH PYTHONUNBUFFERED=1 \
+        python3 tools/bench_allreduce_torch.py --ranks "$NGPU" --json
+    L70=tools/shapes/llama3-70b
+    L8=tools/shapes/llama3-8b
+    if [ "$NGPU" -ge 4 ] && ! skip 70b; then
+        # one sequence (128 prompt + 256 new tokens), then 64 at once; a small KV pool
+        tstep dec70_b1 "$G/bin/pdserve-generate" --model "$L70" --load-format dummy --backend cuda \
+            --tensor-parallel 4 --kv-cache-mb 4096 --max-num-seqs 64 --random-prompt-len 128 \
+            --max-tokens 256 --ignore-eos --temperature 0
+        tstep dec70_b64 "$G/bin/pdserve-generate" --model "$L70" --load-format dummy \
+            --backend cuda --tensor-parallel 4 --kv-cache-mb 16384 --max-num-seqs 64 \
+            --random-prompt-len 128 --repeat 64 --max-tokens 256 --ignore-eos --temperature 0
+        # prefill: 2k-token prompts, one a step, after an untimed warm-up prompt
+        tstep pre70 "$G/bin/pdserve-bench-offline" --model "$L70" --load-format dummy \
+            --backend cuda --tensor-parallel 4 --kv-cache-mb 8192 --num-requests 8 \
+            --input-len 2048 --output-len 1 --max-num-batched-tokens 2048 --json
+    fi
+    if ! skip 8b; then
+        for tp in 1 2; do
+            tstep "dec8_tp$tp" "$G/bin/pdserve-generate" --model "$L8" --load-format dummy \
+                --backend cuda --tensor-parallel "$tp" --kv-cache-mb 4096 --random-prompt-len 128 \
+                --max-tokens 256 --ignore-eos --temperature 0
+        done
+    fi
+    echo "== tpbench summary"
+    env -u LD_LIBRARY_PATH python3 - "$P" "$L70" "$L8" "$NGPU" <<'PY'
+import json, os, re, sys
+P, L70, L8, ngpu = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+def text(n):
+    try: return open(os.path.join(P, n + ".log"), errors="replace").read()
+    except OSError: return ""
+def jl(n):
+    out = []
+    for line in text(n).splitlines():
+        if line.startswith("{"):
+            try: out.append(json.loads(line))
+            except ValueError: pass
+    return out
+def decode_tps(n):
+    g = re.search(r"decode ([0-9.]+) tok/s", text(n))
+    return float(g.group(1)) if g and float(g.group(1)) > 0 else None
+def shape(d):
+    c = json.load(open(os.path.join(d, "config.json")))
+    h, f, nl = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    nh, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim") or h // nh
+    layer = h * (nh + 2 * kv) * hd + nh * hd * h + 3 * h * f + 2 * h
+    emb = c["vocab_size"] * h
+    params = nl * layer + 2 * emb + h
+    # bf16 bytes a decode step reads (the embedding is only looked up), KV bytes a token,
+    # the layers' matrix-product weights (a prompt row's 2PN; the head runs on one row a
+    # prompt), hidden, layers
+    return 2 * (params - emb), 2 * 2 * nl * kv * hd, nl * layer, h, nl
+m = re.search(r"FLOOR copy_gbps=([0-9.]+) gemm_tflops=([0-9.]+)", text("floor"))
+bw, tf = (float(m.group(1)), float(m.group(2))) if m else (0.0, 0.0)
+ar = {j["bytes"]: j for j in jl("floor") if j.get("bench") == "all_reduce"}
+th = {j["bytes"]: j for j in jl("torch_allreduce") if j.get("bench") == "all_reduce_torch"}
+print("floors (GPU 0): copy %.0f GB/s (read + write), bf16 GEMM %.0f TFLOP/s" % (bw, tf))
+if ar:
+    print("all-reduce over %d GPUs, bf16 (us; bus GB/s):" % ngpu)
+    print("%10s %18s %18s %18s %9s" % ("bytes", "pd_comm eager", "pd_comm graph", "torch (NCCL)", "eager/torch"))
+    for b in sorted(ar):
+        a, t = ar[b], th.get(b)
+        print("%10d %9.2f %8.1f %9.2f %8.1f %9s %8s %9s" % (
+            b, a["eager_us"], a["eager_busbw_gbps"], a["graph_us"], a["graph_busbw_gbps"],
+            "%.2f" % t["us"] if t else "-", "%.1f" % t["busbw_gbps"] if t else "-",
+            "%.2f" % (a["eager_us"] / t["us"]) if t else "-"))
+rows = []
+if os.path.exists(os.path.join(L70, "config.json")):
+    wb, kvb, mm, h, nl = shape(L70)
+    t = decode_tps("dec70_b1")
+    lat = ar.get(2 * h, {}).get("graph_us")  # one row of the hidden state, as in a graph
+    if t:
+        ms = 1e3 / t
+        kv_avg = 256 * kvb / 4  # mean context ~256 tokens, a quarter of the KV heads a GPU
+        fl_w = (wb / 4 + kv_avg) / (bw * 1e9) * 1e3 if bw else 0
+        fl = fl_w + (2 * nl * lat * 1e-3 if lat else 0)
+        rows.append(("70B TP4 decode, batch 1", "%.2f ms/token" % ms,
+                     "%.2f ms (%.2f weights+KV, %s all-reduces)" % (fl, fl_w, "%.2f" % (2 * nl * lat * 1e-3) if lat else "?"),
+                     "%.2fx floor (goal <= 1.3)" % (ms / fl) if fl else "-"))
+    else:
+        rows.append(("70B TP4 decode, batch 1", "failed (dec70_b1.log)", "", ""))
+    t = decode_tps("dec70_b64")
+    rows.append(("70B TP4 decode, batch 64", "%.0f tok/s (%.2f ms/step)" % (t, 64e3 / t) if t else "failed (dec70_b64.log)", "", ""))
+    j = next((x for x in jl("pre70") if "prefill_tok_s" in x), None)
+    if j and j.get("prefill_tok_s"):
+        fl = 4 * tf * 1e12 / (2 * mm) if tf else 0  # 4 GPUs' GEMM rate over 2 x matrix params
+        rows.append(("70B TP4 prefill, 2k prompts", "%.0f tok/s" % j["prefill_tok_s"],
+                     "%.0f tok/s (4 x %.0f TFLOP/s, 2PN)" % (fl, tf) if fl else "-",
+                     "%.0f%% (goal >= 60%%)" % (100 * j["prefill_tok_s"] / fl) if fl else "-"))
+    else:
+        rows.append(("70B TP4 prefill, 2k prompts", "failed (pre70.log)", "", ""))
+t1, t2 = decode_tps("dec8_tp1"), decode_tps("dec8_tp2")
+if t1 and t2:
+    rows.append(("8B decode batch 1, TP1 / TP2", "%.3f / %.3f ms/token" % (1e3 / t1, 1e3 / t2), "",
+                 "TP2/TP1 TPOT %.2f (goal <= 0.6)" % (t1 / t2)))
+w = [max(len(r[i]) for r in rows) for i in range(4)] if rows else []
+for r in rows:
+    print("%-*s  %-*s  %-*s  %s" % (w[0], r[0], w[1], r[1], w[2], r[2], r[3]))
+PY
 fi
 exit $rc

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kernels/cuda/cuda_common.cuh"
 
@@ -148,15 +149,103 @@ static int comm_barrier(void *ctx, int32_t rank)
 }
 
 /* ncclCommAbort ends the collectives in flight (a rank stuck in one returns with an error)
- * and frees the communicators. */
+ * and frees the communicator. One thread a rank's communicator, all at once: aborted one after
+ * the other, the first one's reclaim (which frees device memory, an implicit device
+ * synchronisation) can wait forever for a kernel of a rank whose communicator is not aborted
+ * yet, still spinning for the rank that failed (NVIDIA/nccl issues 564 and 829). The caller
+ * waits for them up to ABORT_WAIT_S, then logs and leaves them running. */
+#define ABORT_WAIT_S 20
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int left;              /* aborts not finished */
+    int refs;              /* the caller + the abort threads alive */
+} abort_state;
+
+typedef struct {
+    abort_state *st;
+    ncclComm_t comm;
+    int device;
+} abort_job;
+
+static void abort_state_unref(abort_state *st)
+{
+    /* called with st->mu held; frees st when the last reference goes */
+    const bool last = --st->refs == 0;
+    pthread_mutex_unlock(&st->mu);
+    if (last) {
+        pthread_mutex_destroy(&st->mu);
+        pthread_cond_destroy(&st->cv);
+        free(st);
+    }
+}
+
+static void *abort_thread(void *arg)
+{
+    abort_job *j = (abort_job *)arg;
+    (void)cudaSetDevice(j->device);
+    (void)g_nccl.comm_abort(j->comm);
+    abort_state *st = j->st;
+    free(j);
+    pthread_mutex_lock(&st->mu);
+    st->left--;
+    pthread_cond_broadcast(&st->cv);
+    abort_state_unref(st);
+    return NULL;
+}
+
 static void comm_abort(void *ctx)
 {
     nccl_comm *c = (nccl_comm *)ctx;
     int was = __atomic_exchange_n(&c->aborted, 1, __ATOMIC_ACQ_REL);
     if (was) return;
     PD_LOGE("nccl: aborting the communicator of %d GPUs (a rank failed)", c->n);
-    for (int32_t r = 0; r < c->n; r++)
-        if (c->comms[r]) (void)g_nccl.comm_abort(c->comms[r]);
+    abort_state *st = (abort_state *)calloc(1, sizeof *st);
+    if (!st) { /* no memory for threads: one after the other, as a last resort */
+        for (int32_t r = 0; r < c->n; r++)
+            if (c->comms[r]) (void)g_nccl.comm_abort(c->comms[r]);
+        return;
+    }
+    pthread_mutex_init(&st->mu, NULL);
+    pthread_cond_init(&st->cv, NULL);
+    st->refs = 1;
+    pthread_mutex_lock(&st->mu);
+    for (int32_t r = 0; r < c->n; r++) {
+        if (!c->comms[r]) continue;
+        abort_job *j = (abort_job *)malloc(sizeof *j);
+        pthread_t th;
+        bool started = false;
+        if (j) {
+            *j = abort_job{st, c->comms[r], c->devices[r]};
+            st->left++;
+            st->refs++;
+            pthread_attr_t at;
+            pthread_attr_init(&at);
+            pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+            started = pthread_create(&th, &at, abort_thread, j) == 0;
+            pthread_attr_destroy(&at);
+            if (!started) {
+                st->left--;
+                st->refs--;
+                free(j);
+            }
+        }
+        if (!started) { /* no thread: abort it here (without the lock: it may take a while) */
+            pthread_mutex_unlock(&st->mu);
+            (void)g_nccl.comm_abort(c->comms[r]);
+            pthread_mutex_lock(&st->mu);
+        }
+    }
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += ABORT_WAIT_S;
+    while (st->left > 0)
+        if (pthread_cond_timedwait(&st->cv, &st->mu, &dl) != 0) break;
+    if (st->left > 0)
+        PD_LOGE("nccl: %d of %d communicators not aborted after %d s: their GPUs may be stuck "
+                "in a collective; restart the process", st->left, c->n, ABORT_WAIT_S);
+    abort_state_unref(st);
 }
 
 static void comm_destroy(void *ctx)
@@ -164,7 +253,7 @@ static void comm_destroy(void *ctx)
     nccl_comm *c = (nccl_comm *)ctx;
     if (!c) return;
     for (int32_t r = 0; c->comms && r < c->n; r++) {
-        if (c->comms[r] && !aborted(c)) {
+        if (c->comms[r] && !aborted(c)) { /* abort freed them */
             (void)cudaSetDevice(c->devices[r]);
             (void)cudaStreamSynchronize(c->streams[r]);
             (void)g_nccl.comm_destroy(c->comms[r]);

@@ -42,8 +42,18 @@ static double host_now(void)
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* The first context that marks a step owns the timing: with tensor parallelism every rank's
+ * context marks its own steps, and only one stream's can go into st_ (its events are of the
+ * owner's device). */
+static pd_cuda_ctx *st_owner;
+
 void pd_cuda__steptime_mark(pd_cuda_ctx *c, int k)
 {
+    if (st_on == 0) return;
+    pd_cuda_ctx *first = NULL;
+    if (!__atomic_compare_exchange_n(&st_owner, &first, c, false, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE) && first != c)
+        return;
     if (st_on < 0) {
         const char *e = getenv("PDSERVE_CUDA_STEP_TIMING");
         st_on = e && atoi(e) > 0;
@@ -67,8 +77,7 @@ void pd_cuda__steptime_mark(pd_cuda_ctx *c, int k)
 
 void pd_cuda__steptime_end(pd_cuda_ctx *c)
 {
-    (void)c;
-    if (st_on <= 0 || !st_.open) return;
+    if (st_on <= 0 || c != __atomic_load_n(&st_owner, __ATOMIC_ACQUIRE) || !st_.open) return;
     st_.open = false;
     const double host_us = (host_now() - st_.t0) * 1e6;
     if (st_.seen != (1u << PD_ST_N) - 1) return; /* not a graph step */
