@@ -43,14 +43,16 @@ struct eng {
     eng_output *outs;
     int32_t max_blocks;     /* blocks of the longest allowed sequence */
     pd_seq **finished;      /* sequences to free at the start of the next step
-                             * [max_num_seqs * ENG_MAX_CHOICES] */
+                             * [max_num_seqs * (ENG_MAX_CHOICES + 1)] */
     int32_t n_finished;
     eng_kv_listener kvl;    /* prefill-only: layer-by-layer KV news */
     bool has_kvl;
     uint64_t *kvl_ids;      /* [max_num_seqs] scratch for on_prompt_step */
     const int32_t **kvl_blocks;
     int32_t *kvl_n;
-    pd_seq **pending;       /* decode-only: admitted sequences already finished */
+    pd_seq **pending;       /* sequences that finished between steps, reported at the start
+                             * of the next: decode-only admissions that ended on their first
+                             * token, choices ended by eng_end_choice */
     int32_t n_pending, cap_pending;
     /* Pipelined decode steps (exec.launch): between eng_step calls at most one launched step
      * is not yet collected; during a call a second may be launched before the first is
@@ -102,6 +104,7 @@ const char *seq_finish_name(seq_finish f)
     case SEQ_FINISH_STOP: return "stop";
     case SEQ_FINISH_ABORTED: return "abort";
     case SEQ_FINISH_PREFILLED: return "prefilled";
+    case SEQ_FINISH_CANCELLED: return "cancelled";
     default: return "none";
     }
 }
@@ -319,8 +322,9 @@ int eng_create(const eng_params *p, const mc_config *cfg, eng_executor exec, eng
     if (e->async && !(e->limbo = malloc(S * 2 * sizeof(pd_seq *)))) goto fail;
     /* a step reports decode-only admissions that finished (up to S), then its rows (up to S) */
     e->outs = malloc(2 * S * sizeof(eng_output));
-    /* a failed step also retires the other choices of its requests */
-    e->finished = malloc(S * ENG_MAX_CHOICES * sizeof(pd_seq *));
+    /* a step retires the pending sequences it reports (up to S), then its rows, or when it
+     * fails its requests with every choice of theirs */
+    e->finished = malloc(S * (ENG_MAX_CHOICES + 1) * sizeof(pd_seq *));
     e->kvl_ids = malloc(S * sizeof *e->kvl_ids);
     e->kvl_blocks = malloc(S * sizeof *e->kvl_blocks);
     e->kvl_n = malloc(S * sizeof *e->kvl_n);
@@ -594,6 +598,17 @@ static seq_finish append_token(eng *e, pd_seq *s, int32_t tok)
 
 /* ---- choices (n > 1): the fork after the prompt ---- */
 
+/* x (choice x->choice of its request) has its first token: a choice that the caller ended
+ * before it was a sequence of its own (bit x->choice of mask, the request's end_mask) ends
+ * now, unless that token ended it anyway. */
+static void end_if_marked(eng *e, pd_seq *x, uint32_t mask)
+{
+    if (x->finish == SEQ_FINISH_NONE && (mask >> x->choice & 1u)) {
+        x->finish = SEQ_FINISH_CANCELLED;
+        e->st.choices_ended++;
+    }
+}
+
 /* A new sequence for choice c of parent s, whose prompt is computed: the prompt's tokens,
  * choice c's seed, no blocks yet; it joins the request's ring. NULL when out of memory. */
 static pd_seq *seq_fork_new(pd_seq *s, int32_t c)
@@ -653,6 +668,7 @@ static int32_t fork_choices(eng *e, pd_seq *s, const int32_t *toks, pd_seq **kid
     for (int32_t c = 0; c < n; c++) {
         pd_seq *x = kids[c];
         x->finish = append_token(e, x, toks[c]);
+        end_if_marked(e, x, s->end_mask);
         if (c == 0 || x->finish != SEQ_FINISH_NONE) continue; /* an ended choice needs no KV */
         if (bm_fork(e->blocks, s, x, full, partial) == 0) {
             x->n_computed = s->n_prompt;
@@ -676,6 +692,7 @@ static int32_t fork_choices(eng *e, pd_seq *s, const int32_t *toks, pd_seq **kid
         x->n_computed = 0;
         e->st.fork_recomputed++;
     }
+    s->end_mask = 0;
     free(s->choice_seeds); /* (also the first-token arrays: prefill-only engines keep theirs) */
     s->choice_seeds = NULL;
     s->first_tokens = NULL;
@@ -694,18 +711,24 @@ static void queue_choice(eng *e, pd_seq *x)
     else sched_add_waiting(e->sch, x);
 }
 
-static int pending_add(eng *e, pd_seq *s, char *err)
+/* Makes room for n more pending sequences. Returns 0 or PD_ENOMEM. */
+static int pending_room(eng *e, int32_t n)
 {
-    if (e->n_pending == e->cap_pending) {
-        int32_t cap = e->cap_pending ? 2 * e->cap_pending : 16;
-        pd_seq **np = realloc(e->pending, (size_t)cap * sizeof *np);
-        if (!np) return pd_errf(err, PD_ENOMEM, "out of memory");
-        e->pending = np;
-        e->cap_pending = cap;
-    }
+    if (e->cap_pending - e->n_pending >= n) return 0;
+    int32_t cap = e->n_pending + n + 16;
+    pd_seq **np = realloc(e->pending, (size_t)cap * sizeof *np);
+    if (!np) return PD_ENOMEM;
+    e->pending = np;
+    e->cap_pending = cap;
+    return 0;
+}
+
+/* Parks s, finished between steps (out of the scheduler's queues, its finish set), until the
+ * next step reports it (pending_room made room). */
+static void pending_add(eng *e, pd_seq *s)
+{
     s->status = SEQ_FINISHED;
     e->pending[e->n_pending++] = s;
-    return 0;
 }
 
 int eng_admit_n(eng *e, uint64_t id, const int32_t *first_tokens, int32_t n, char *err)
@@ -720,13 +743,8 @@ int eng_admit_n(eng *e, uint64_t id, const int32_t *first_tokens, int32_t n, cha
         if (first_tokens[c] < 0 || first_tokens[c] >= e->cfg.vocab_size)
             return pd_errf(err, PD_EINVAL, "first token %d is out of range [0, %d)",
                            first_tokens[c], e->cfg.vocab_size);
-    if (e->cap_pending - e->n_pending < n) { /* room to park every choice that ends at once */
-        int32_t cap = e->n_pending + n + 16;
-        pd_seq **np = realloc(e->pending, (size_t)cap * sizeof *np);
-        if (!np) return pd_errf(err, PD_ENOMEM, "out of memory");
-        e->pending = np;
-        e->cap_pending = cap;
-    }
+    if (pending_room(e, n) < 0) /* room to park every choice that ends at once */
+        return pd_errf(err, PD_ENOMEM, "out of memory");
     s->n_computed = s->n_prompt;
     s->skip_prefix_cache = false;
     s->t_arrival = now_s(); /* decode-only queue time counts from the KV's arrival */
@@ -734,14 +752,50 @@ int eng_admit_n(eng *e, uint64_t id, const int32_t *first_tokens, int32_t n, cha
     pd_seq *kids[ENG_MAX_CHOICES];
     int32_t nk = 1;
     kids[0] = s;
-    if (s->n_fork > 0) nk = fork_choices(e, s, first_tokens, kids);
-    else s->finish = append_token(e, s, first_tokens[0]);
+    if (s->n_fork > 0) {
+        nk = fork_choices(e, s, first_tokens, kids);
+    } else {
+        s->finish = append_token(e, s, first_tokens[0]);
+        end_if_marked(e, s, s->end_mask);
+        s->end_mask = 0;
+    }
     for (int32_t c = 0; c < nk; c++) {
         pd_seq *x = kids[c];
-        if (x->finish != SEQ_FINISH_NONE) (void)pending_add(e, x, err); /* room was made */
+        if (x->finish != SEQ_FINISH_NONE) pending_add(e, x); /* room was made */
         else queue_choice(e, x);
     }
     return 0;
+}
+
+int eng_end_choice(eng *e, uint64_t id, int32_t choice)
+{
+    if (e->p.mode == ENG_MODE_PREFILL) return PD_ESTATE;
+    pd_seq *s = map_get(&e->map, id);
+    if (!s) return PD_ENOTFOUND;
+    if (choice < 0 || choice >= s->n_choices) return PD_EINVAL;
+    const uint32_t bit = 1u << choice;
+    if (s->n_fork > 0 || s->status == SEQ_RESERVED) {
+        /* Not a sequence of its own yet (the prompt's one, or a reservation whose blocks
+         * kvtransfer may be writing): it ends when it gets its first token. */
+        if (s->end_mask & bit) return PD_ENOTFOUND;
+        s->end_mask |= bit;
+        return 0;
+    }
+    pd_seq *ring[ENG_MAX_CHOICES];
+    const int32_t n = ring_list(s, ring);
+    for (int32_t k = 0; k < n; k++) {
+        pd_seq *x = ring[k];
+        if (x->choice != choice) continue;
+        /* finished (pending: its last output not reported yet) or ended already */
+        if (x->status != SEQ_WAITING && x->status != SEQ_RUNNING) return PD_ENOTFOUND;
+        if (pending_room(e, 1) < 0) return PD_ENOMEM;
+        sched_remove(e->sch, x); /* (by its status: before pending_add changes it) */
+        x->finish = SEQ_FINISH_CANCELLED;
+        pending_add(e, x);
+        e->st.choices_ended++;
+        return 0;
+    }
+    return PD_ENOTFOUND; /* that choice finished and was reported */
 }
 
 int eng_admit(eng *e, uint64_t id, int32_t first_token, char *err)
@@ -1004,13 +1058,13 @@ int eng_step(eng *e, const eng_output **outs, int32_t *n_outs, char *err)
     for (int32_t i = 0; i < e->n_finished; i++) seq_free(e->finished[i]);
     e->n_finished = 0;
     int32_t n_out = 0;
-    /* Decode-only admissions that finished on their first token. */
+    /* Sequences that finished between steps: decode-only admissions that ended on their first
+     * token, choices ended by the caller (a launched step may still hold a row of one: retire
+     * keeps its blocks until the step is collected). */
     while (e->n_pending > 0 && n_out < e->p.max_num_seqs) {
         pd_seq *s = e->pending[--e->n_pending];
         report(e, &n_out, s, -1, 0.0f, NULL, 0);
-        if (s->n_blocks) bm_free(e->blocks, s);
-        unmap(e, s);
-        e->finished[e->n_finished++] = s;
+        retire(e, s);
     }
     *outs = e->outs;
     if (e->n_fl > 0) return pipe_step(e, n_out, n_outs, err); /* launched by the last call */

@@ -145,6 +145,8 @@ typedef struct {
     int64_t fork_cloned_blocks;     /* partial prompt blocks copied for forked choices */
     int64_t fork_recomputed;        /* forked choices that recompute instead (no free block, or
                                        no clone op) */
+    int64_t choices_ended;          /* choices ended by the caller while their request's other
+                                       choices went on (eng_end_choice) */
     int64_t batch_seqs_sum;         /* sum over steps of sequences in the step */
     int32_t peak_blocks_used;
     double model_s;                 /* time inside the executor */
@@ -188,6 +190,17 @@ int eng_add_request(eng *e, const eng_request *r, char *err);
 /* Aborts a request in any state (every choice of it) and frees its blocks at once; a block
  * shared by its choices is freed once the last choice drops it. Returns 0 or PD_ENOTFOUND. */
 int eng_abort(eng *e, uint64_t id);
+/* Ends one choice (0 .. n - 1) of a request of n choices while the others go on (the caller
+ * matched a stop string in it): the choice finishes with SEQ_FINISH_CANCELLED, reported by the
+ * next eng_step like any finish (its last output; `done` when no other choice is left), and
+ * its blocks are freed then (a block its siblings share stays theirs; a launched step's row
+ * keeps them until it is collected). A choice that is no sequence of its own yet (the prompt
+ * is still being computed, or a decode-only reservation waits for its KV) is marked and ends
+ * with its first token, at the fork or the admission: nothing a reservation holds is touched.
+ * Returns 0; PD_ENOTFOUND when the request is unknown (ended, aborted) or that choice has
+ * already finished or been ended; PD_EINVAL for a choice out of range; PD_ESTATE on a
+ * prefill-only engine; PD_ENOMEM. */
+int eng_end_choice(eng *e, uint64_t id, int32_t choice);
 
 /* Runs one step. *outs receives one entry per sequence that got a token or finished this step
  * (borrowed; valid until the next eng_step). Returns 0 or an executor error (then every

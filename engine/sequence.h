@@ -24,6 +24,8 @@ typedef enum {
     SEQ_FINISH_STOP,       /* a caller stop token id */
     SEQ_FINISH_ABORTED,    /* aborted by the caller */
     SEQ_FINISH_PREFILLED,  /* prefill-only: first token sampled, blocks handed out */
+    SEQ_FINISH_CANCELLED,  /* this choice was ended by the caller (eng_end_choice); the
+                              request's other choices go on */
 } seq_finish;
 
 const char *seq_finish_name(seq_finish f); /* "length", "eos", "stop", "abort", ... */
@@ -75,6 +77,10 @@ typedef struct pd_seq {
     int32_t *first_n_top;      /* [n_choices] the entries of each one's alternatives */
     pd_top_logprob *first_top; /* [n_choices][PD_MAX_TOP_LOGPROBS] their alternatives (best
                                   first) when the request asked for some, else NULL */
+    uint32_t end_mask;         /* choices the caller ended (eng_end_choice) before they were
+                                  sequences of their own (before the fork, or a reservation's
+                                  admission): bit c = choice c; each ends as soon as it has its
+                                  first token */
     struct pd_seq *sib_next, *sib_prev; /* ring of the request's live choices (itself alone) */
     struct pd_seq *prev, *next; /* queue links */
 } pd_seq;

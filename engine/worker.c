@@ -11,14 +11,16 @@
 #include "common/error.h"
 #include "common/log.h"
 
-typedef enum { CMD_SUBMIT, CMD_RESERVE, CMD_ADMIT, CMD_RELEASE, CMD_ABORT } cmd_kind;
+typedef enum {
+    CMD_SUBMIT, CMD_RESERVE, CMD_ADMIT, CMD_RELEASE, CMD_ABORT, CMD_END_CHOICE
+} cmd_kind;
 
 typedef struct cmd {
     cmd_kind kind;
     eng_request req;       /* SUBMIT/RESERVE: prompt points into the allocation after it */
     void *user;
     uint64_t id;
-    int32_t token;
+    int32_t token;         /* ADMIT: the first token; END_CHOICE: the choice */
     int32_t tokens[ENG_MAX_CHOICES]; /* ADMIT: each choice's first token ([0] = token) */
     int32_t n_tokens;                /* ADMIT: choices (>= 1) */
     ew_admit_fn admit_fn;  /* ADMIT: run before eng_admit (may be NULL) */
@@ -215,6 +217,11 @@ int ew_admit_n(ew *w, uint64_t id, const int32_t *first_tokens, int32_t n)
 }
 int ew_release(ew *w, uint64_t id) { return simple(w, CMD_RELEASE, id, 0); }
 int ew_abort(ew *w, uint64_t id) { return simple(w, CMD_ABORT, id, 0); }
+int ew_end_choice(ew *w, uint64_t id, int32_t choice)
+{
+    if (choice < 0 || choice >= ENG_MAX_CHOICES) return PD_EINVAL;
+    return simple(w, CMD_END_CHOICE, id, choice);
+}
 
 void ew_load_get(ew *w, ew_load *out)
 {
@@ -285,6 +292,15 @@ static void apply(ew *w, cmd *c)
             um_del(&w->users, c->id);
             if (w->cb.on_output) w->cb.on_output(user, &o);
         }
+        break;
+    case CMD_END_CHOICE:
+        /* The choice's last output comes from the next step (or its first token). Unknown
+         * requests and choices that ended meanwhile are ignored. */
+        if (um_find(&w->users, c->id) < 0) break;
+        rc = eng_end_choice(w->e, c->id, c->token);
+        if (rc < 0 && rc != PD_ENOTFOUND)
+            PD_LOGW("engine: cannot end choice %d of request %llu: %s", c->token,
+                    (unsigned long long)c->id, pd_strerror(rc));
         break;
     }
 }

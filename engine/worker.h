@@ -84,6 +84,12 @@ int ew_release(ew *w, uint64_t id);
 /* Aborts a live request (a terminal SEQ_FINISH_ABORTED output follows; unknown ids are
  * ignored). Thread-safe. */
 int ew_abort(ew *w, uint64_t id);
+/* Ends one choice of a live request while its other choices go on (eng_end_choice): the
+ * choice's last output (SEQ_FINISH_CANCELLED, `done` when it was the last choice) follows
+ * through on_output. Unknown requests and choices that already ended are ignored, so it may
+ * race with the request's own end or an abort. Thread-safe. Returns 0, PD_EINVAL (choice out
+ * of 0 .. ENG_MAX_CHOICES - 1) or PD_ENOMEM. */
+int ew_end_choice(ew *w, uint64_t id, int32_t choice);
 /* Copies the latest load snapshot. Thread-safe. */
 void ew_load_get(ew *w, ew_load *out);
 

@@ -7,7 +7,10 @@
  * every step; no block left in use at the end. Some requests ask for logprobs with 0..20
  * alternatives: the same values by every path (host sampler, forward_sample, pipelined) as
  * alone, the pick's entry in its list equal to its logprob, a greedy pick first. Some ask for
- * n > 1 choices: choice c equals the request alone with seed + c, logprobs included. */
+ * n > 1 choices: choice c equals the request alone with seed + c, logprobs included. Now and
+ * then a random choice is ended (eng_end_choice, before or after the fork, also while a
+ * pipelined step holds it): it ends once, CANCELLED, with a prefix of its tokens alone, and
+ * the others are unchanged. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -32,6 +35,7 @@ typedef struct {
     int32_t n_prompt;
     eng_request rq;
     chout ch[4];          /* per choice */
+    uint32_t ended;       /* choices ended with eng_end_choice (bit c) */
     bool added, aborted, done;
 } req;
 
@@ -100,10 +104,13 @@ static void run_alone_tokens(const eng_request *rq, int32_t *out, int32_t *n_out
 }
 
 static int64_t g_preemptions, g_cached, g_launches, g_chained, g_forks, g_fork_recomputed;
+static int64_t g_ended, g_ended_pipe, g_ended_early; /* choices ended: in all, while pipelined,
+                                                       before their first token */
 
 static int run_case(uint64_t seed)
 {
     uint64_t rs = seed * 0x9e3779b97f4a7c15ull + 1;
+    uint64_t re = seed * 0xbf58476d1ce4e5b9ull + 7; /* eng_end_choice's draws */
     const int n_req = 4 + (int)(rng_next(&rs) % 28);
     req *rq = calloc((size_t)n_req, sizeof *rq);
     eng_params p = {
@@ -186,6 +193,22 @@ static int run_case(uint64_t seed)
             if (!r->done && !r->aborted) CHECK_EQ_INT(rc, 0);
             else CHECK_EQ_INT(rc, PD_ENOTFOUND);
             if (rc == 0) r->aborted = true;
+        } else if (act == 4 && added > 0 && rng_next(&re) % 2) {
+            req *r = &rq[rng_next(&re) % (uint64_t)added];
+            const int32_t nc = r->rq.n > 1 ? r->rq.n : 1;
+            const int32_t c = (int32_t)(rng_next(&re) % (uint64_t)nc);
+            int rc = eng_end_choice(e, r->rq.id, c);
+            /* a colocated engine reports every finish in the step that decides it */
+            if (r->done || r->aborted || r->ch[c].finish || (r->ended >> c & 1))
+                CHECK_EQ_INT(rc, PD_ENOTFOUND);
+            else
+                CHECK_EQ_INT(rc, 0);
+            if (rc == 0) {
+                r->ended |= 1u << c;
+                g_ended_early += r->ch[c].n_out == 0;
+            }
+            CHECK_EQ_INT(eng_end_choice(e, r->rq.id, nc),
+                         r->done || r->aborted ? PD_ENOTFOUND : PD_EINVAL);
         } else {
             const eng_output *o;
             int32_t k;
@@ -199,6 +222,11 @@ static int run_case(uint64_t seed)
                 if (c < 0 || c > 3) continue;
                 if (o[j].token >= 0) keep(&r->ch[c], &o[j]);
                 if (o[j].finish) r->ch[c].finish = o[j].finish;
+                if (o[j].finish == SEQ_FINISH_CANCELLED) {
+                    CHECK(r->ended >> c & 1); /* only an ended choice */
+                    g_ended++;
+                    g_ended_pipe += seed % 4 == 3;
+                }
                 if (o[j].done) {
                     for (int32_t i = 0; i < (r->rq.n > 1 ? r->rq.n : 1); i++) CHECK(r->ch[i].finish);
                     r->done = true;
@@ -230,7 +258,13 @@ static int run_case(uint64_t seed)
             const eng_request one = choice_alone(&r->rq, c);
             run_alone(&one, &ref);
             const chout *h = &r->ch[c];
-            const int32_t n_ref = ref.n_out;
+            int32_t n_ref = ref.n_out;
+            if (h->finish == SEQ_FINISH_CANCELLED) { /* ended: a prefix of its tokens alone */
+                CHECK_MSG(h->n_out <= n_ref, "seed %llu request %d choice %d: ended after %d "
+                          "tokens, %d alone", (unsigned long long)seed, i, c, h->n_out, n_ref);
+                n_ref = h->n_out < n_ref ? h->n_out : n_ref;
+                ref.finish = SEQ_FINISH_CANCELLED;
+            }
             CHECK_EQ_INT(h->n_out, n_ref);
             CHECK_MSG(h->n_out == n_ref && memcmp(h->out, ref.out, (size_t)n_ref * 4) == 0 &&
                       h->finish == ref.finish, "seed %llu request %d choice %d of %d: tokens "
@@ -402,7 +436,8 @@ static int drain_choices(eng *e, int32_t got[][64], int32_t *n_got, seq_finish *
 /* n > 1 choices: the prompt is computed once and its full blocks shared (reference counts),
  * the partial one copied per choice; choice c equals the request alone with seed + c, in the
  * colocated, prefill-only and decode-only modes; an abort frees every block once, also while
- * some choices have finished and others run. */
+ * some choices have finished and others run; eng_end_choice ends one choice (before the fork,
+ * while a reservation waits for its KV, mid-decode) and leaves the others as they were. */
 static void test_choices(void)
 {
     mc_config cfg = fake_cfg();
@@ -458,6 +493,42 @@ static void test_choices(void)
         CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
         eng_destroy(e);
     }
+
+    /* Colocated, choices 0 and 2 ended before the prompt ran: the fork ends them with their
+     * first token (choice 0 is the prompt's own sequence: its blocks stay shared by choice
+     * 1, which goes on as alone). */
+    rq.sampling.temperature = 1.0f;
+    CHECK(eng_create(&p, &cfg, x, &e, err) == 0);
+    CHECK(eng_add_request(e, &rq, err) == 0);
+    CHECK_EQ_INT(eng_end_choice(e, 7, 0), 0);
+    CHECK_EQ_INT(eng_end_choice(e, 7, 2), 0);
+    {
+        const eng_output *o;
+        int32_t k, got[3][64], n_got[3] = {0};
+        seq_finish fin[3] = {0};
+        CHECK(eng_step(e, &o, &k, err) == 0);
+        CHECK_EQ_INT(k, 3);
+        for (int32_t j = 0; j < k; j++) {
+            got[o[j].choice][n_got[o[j].choice]++] = o[j].token;
+            fin[o[j].choice] = o[j].finish;
+            CHECK(!o[j].done);
+        }
+        CHECK(fin[0] == SEQ_FINISH_CANCELLED && fin[1] == SEQ_FINISH_NONE &&
+              fin[2] == SEQ_FINISH_CANCELLED);
+        CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 3); /* 2 full + choice 1's copy */
+        CHECK(eng_check(e) == 0);
+        CHECK_EQ_INT(drain_choices(e, got, n_got, fin), 1);
+        int32_t ref[64], n_ref;
+        seq_finish rf;
+        eng_request one = choice_alone(&rq, 1);
+        run_alone_tokens(&one, ref, &n_ref, &rf);
+        CHECK_MSG(n_got[1] == n_ref && !memcmp(got[1], ref, (size_t)n_ref * 4) && fin[1] == rf,
+                  "choice 1 differs from seed + 1 alone after its siblings were ended");
+        CHECK(n_got[0] == 1 && n_got[2] == 1);
+        CHECK_EQ_INT(eng_stats_get(e)->choices_ended, 2);
+        CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
+    }
+    eng_destroy(e);
 
     /* Logprobs with 3 alternatives: each choice's tokens carry the logprobs and the lists of
      * the request alone with seed + c (its first token's too), sampled on the host and where
@@ -566,6 +637,7 @@ static void test_choices(void)
     }
     CHECK_EQ_INT(o[0].token, firsts[0]);
     CHECK(o[0].n_top == 3 && o[0].top && o[0].logprob == o[0].choice_logprobs[0]);
+    CHECK_EQ_INT(eng_end_choice(e, 7, 1), PD_ESTATE); /* prefill-only: nothing to end */
     rq.logprobs = false;
     rq.top_logprobs = 0;
     CHECK_EQ_INT(eng_release(e, 7), 0);
@@ -603,6 +675,84 @@ static void test_choices(void)
     CHECK(eng_admit_n(e, 7, firsts, 3, err) == 0);
     CHECK_EQ_INT(drain_choices(e, got, n_got, fin), 1);
     CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
+    rq.stop.max_tokens = 8;
+
+    /* eng_end_choice on a decode-only engine: choice 1 ended while the reservation waits for
+     * its KV (nothing it holds is touched) ends at the admission with no block of its own;
+     * choice 2 ended mid-decode frees its copy at the next step; choice 0 goes on unchanged. */
+    CHECK(eng_reserve(e, &rq, &blocks, &nb, &nc, err) == 0);
+    CHECK_EQ_INT(eng_end_choice(e, 7, 1), 0);
+    CHECK_EQ_INT(eng_end_choice(e, 7, 1), PD_ENOTFOUND); /* once */
+    CHECK_EQ_INT(eng_end_choice(e, 7, 3), PD_EINVAL);
+    CHECK_EQ_INT(eng_end_choice(e, 8, 0), PD_ENOTFOUND);
+    CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 3); /* the reservation's, as they were */
+    for (int32_t i = 0; i < 10; i++)
+        f.kv[blocks[i / 4] * 4 + i % 4] = ((int64_t)i << 16 | prompt[i]) + 1;
+    CHECK(eng_admit_n(e, 7, firsts, 3, err) == 0);
+    CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 4); /* 3 prompt blocks + choice 2's copy */
+    CHECK_EQ_INT(eng_stats_get(e)->choices_ended, 1);
+    memset(fin, 0, sizeof fin);
+    for (int32_t c = 0; c < 3; c++) {
+        got[c][0] = firsts[c];
+        n_got[c] = 1;
+    }
+    CHECK(eng_step(e, &o, &k, err) == 0);
+    int32_t n_cancel = 0;
+    for (int32_t j = 0; j < k; j++) {
+        if (o[j].token >= 0) got[o[j].choice][n_got[o[j].choice]++] = o[j].token;
+        if (o[j].finish) fin[o[j].choice] = o[j].finish;
+        if (o[j].finish == SEQ_FINISH_CANCELLED) {
+            n_cancel++;
+            CHECK(o[j].choice == 1 && o[j].token < 0 && !o[j].done && o[j].n_output == 1);
+        }
+    }
+    CHECK_EQ_INT(n_cancel, 1);
+    CHECK(eng_check(e) == 0);
+    const int32_t used2 = bm_n_used(eng_block_manager(e));
+    CHECK_EQ_INT(eng_end_choice(e, 7, 1), PD_ENOTFOUND); /* reported: gone */
+    CHECK_EQ_INT(eng_end_choice(e, 7, 2), 0);
+    CHECK_EQ_INT(eng_end_choice(e, 7, 2), PD_ENOTFOUND); /* ending, not reported yet */
+    CHECK(eng_step(e, &o, &k, err) == 0);
+    for (int32_t j = 0; j < k; j++) {
+        if (o[j].token >= 0) got[o[j].choice][n_got[o[j].choice]++] = o[j].token;
+        if (o[j].finish) fin[o[j].choice] = o[j].finish;
+        if (o[j].choice == 2)
+            CHECK(o[j].finish == SEQ_FINISH_CANCELLED && o[j].token < 0 && !o[j].done);
+    }
+    CHECK_EQ_INT(fin[2], SEQ_FINISH_CANCELLED);
+    CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), used2 - 1); /* choice 2's copy went back */
+    CHECK(eng_check(e) == 0);
+    CHECK_EQ_INT(drain_choices(e, got, n_got, fin), 1);
+    {
+        int32_t ref[64], n_ref;
+        seq_finish rf;
+        eng_request one = choice_alone(&rq, 0);
+        run_alone_tokens(&one, ref, &n_ref, &rf);
+        CHECK_MSG(n_got[0] == n_ref && !memcmp(got[0], ref, (size_t)n_ref * 4) && fin[0] == rf,
+                  "decode-only: choice 0 changed when its siblings were ended");
+        one = choice_alone(&rq, 2);
+        run_alone_tokens(&one, ref, &n_ref, &rf);
+        CHECK_MSG(n_got[2] >= 1 && n_got[2] < n_ref && !memcmp(got[2], ref, (size_t)n_got[2] * 4),
+                  "decode-only: ended choice 2 has %d tokens, not a prefix of its %d alone",
+                  n_got[2], n_ref);
+    }
+    CHECK_EQ_INT(eng_stats_get(e)->choices_ended, 2);
+    CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
+    /* every choice ended before the admission: each ends there, the last one done */
+    CHECK(eng_reserve(e, &rq, &blocks, &nb, &nc, err) == 0);
+    for (int32_t c = 0; c < 3; c++) CHECK_EQ_INT(eng_end_choice(e, 7, c), 0);
+    CHECK(eng_admit_n(e, 7, firsts, 3, err) == 0);
+    memset(fin, 0, sizeof fin);
+    CHECK_EQ_INT(drain_choices(e, got, n_got, fin), 1);
+    CHECK(fin[0] == SEQ_FINISH_CANCELLED && fin[1] == SEQ_FINISH_CANCELLED &&
+          fin[2] == SEQ_FINISH_CANCELLED);
+    CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
+    /* a choice ended while waiting for its KV, then the whole request aborted */
+    CHECK(eng_reserve(e, &rq, &blocks, &nb, &nc, err) == 0);
+    CHECK_EQ_INT(eng_end_choice(e, 7, 0), 0);
+    CHECK_EQ_INT(eng_abort(e, 7), 0);
+    CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
+    CHECK(!eng_has_work(e));
     /* bounds */
     rq.n = ENG_MAX_CHOICES + 1;
     CHECK_EQ_INT(eng_add_request(e, &rq, err), PD_EINVAL);
@@ -729,6 +879,10 @@ int main(int argc, char **argv)
             (long long)g_chained, (long long)g_forks, (long long)fake_clones,
             (long long)g_fork_recomputed);
     CHECK(g_forks > 300 && fake_clones > 300 && g_fork_recomputed > 20);
+    fprintf(stderr, "test_engine: %lld choices ended early (%lld pipelined, %lld before their "
+            "first token)\n", (long long)g_ended, (long long)g_ended_pipe,
+            (long long)g_ended_early);
+    CHECK(g_ended > 300 && g_ended_pipe > 50 && g_ended_early > 30);
     CHECK(g_preemptions > 500); /* the pools are small enough to force preemption */
     CHECK(g_cached > 100);      /* and prompts share prefixes */
     CHECK(g_chained > 1000);    /* and pipelined steps do chain (the cases 3 mod 4) */

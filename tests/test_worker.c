@@ -1,6 +1,9 @@
 /* test_worker.c -- The engine thread: requests submitted from several threads while others
  * abort, each request (a quarter of them with n = 2 choices) gets exactly one terminal callback
- * (its last choice's output, `done`) and the same tokens as when run alone; decode-only reserve/admit through the worker; shutdown with live requests. */
+ * (its last choice's output, `done`) and the same tokens as when run alone; a thread ends
+ * choice 1 of half the n = 2 requests (ew_end_choice, racing their end and the aborts): it
+ * ends once, with a prefix of its tokens alone; decode-only reserve/admit through the worker;
+ * shutdown with live requests. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -25,6 +28,7 @@ typedef struct {
     atomic_int terminal;     /* terminal callbacks seen */
     atomic_int aborted;
     atomic_int errored;
+    atomic_int cancelled;    /* choices that ended CANCELLED (ew_end_choice) */
     int32_t reserved_blocks[16];
     atomic_int n_reserved;
 } item;
@@ -38,6 +42,7 @@ static void on_output(void *user, const eng_output *o)
     const int c = o->choice == 1 ? 1 : 0;
     if (o->token >= 0) it->out[c][atomic_fetch_add(&it->n_out[c], 1)] = o->token;
     if (o->finish != SEQ_FINISH_NONE) atomic_fetch_add(&it->finishes, 1);
+    if (o->finish == SEQ_FINISH_CANCELLED) atomic_fetch_add(&it->cancelled, 1);
     if (o->done) {
         atomic_fetch_add(&it->terminal, 1);
         if (o->finish == SEQ_FINISH_ABORTED) atomic_store(&it->aborted, 1);
@@ -82,6 +87,23 @@ static void *aborter(void *arg)
             usleep(100);
         ew_abort(g_w, g_items[i].rq.id);
     }
+    return NULL;
+}
+
+/* Choice 1 of every other n = 2 request is ended once it has a token (or at once, or after the
+ * request ended: a few of each). */
+static bool ends_choice(int i) { return i % 8 == 1; }
+
+static void *ender(void *arg)
+{
+    (void)arg;
+    for (int i = 1; i < N_REQ; i += 8) {
+        for (int s = 0; s < 2000 && i % 3 != 0 && atomic_load(&g_items[i].n_out[1]) == 0 &&
+                        atomic_load(&g_items[i].terminal) == 0; s++)
+            usleep(100);
+        CHECK(ew_end_choice(g_w, g_items[i].rq.id, 1) == 0);
+    }
+    CHECK_EQ_INT(ew_end_choice(g_w, 1, ENG_MAX_CHOICES), PD_EINVAL);
     return NULL;
 }
 
@@ -133,10 +155,11 @@ static void test_concurrent(void)
     CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL, fake_clone_blocks}, &e, err) == 0);
     ew_callbacks cb = {.on_output = on_output, .on_error = on_error, .on_reserved = on_reserved};
     CHECK(ew_create(e, &cb, &g_w) == 0);
-    pthread_t th[N_THREADS + 1];
+    pthread_t th[N_THREADS + 2];
     for (int t = 0; t < N_THREADS; t++) pthread_create(&th[t], NULL, submitter, (void *)(intptr_t)t);
     pthread_create(&th[N_THREADS], NULL, aborter, NULL);
-    for (int t = 0; t <= N_THREADS; t++) pthread_join(th[t], NULL);
+    pthread_create(&th[N_THREADS + 1], NULL, ender, NULL);
+    for (int t = 0; t <= N_THREADS + 1; t++) pthread_join(th[t], NULL);
     /* Wait for every terminal callback. */
     for (int spins = 0; spins < 2000; spins++) {
         int done = 0;
@@ -150,7 +173,7 @@ static void test_concurrent(void)
     CHECK_EQ_INT(load.n_free_blocks, 48);
     ew_destroy(g_w);
     CHECK_EQ_INT(f.corrupt, 0);
-    int n_aborted = 0, n_compared = 0;
+    int n_aborted = 0, n_compared = 0, n_cancelled = 0;
     for (int i = 0; i < N_REQ; i++) {
         item *it = &g_items[i];
         CHECK_MSG(atomic_load(&it->terminal) == 1, "request %d: %d terminal callbacks", i,
@@ -166,20 +189,31 @@ static void test_concurrent(void)
         }
         const int nc = it->rq.n > 1 ? it->rq.n : 1;
         CHECK_EQ_INT(atomic_load(&it->finishes), nc);
+        const int cancelled = atomic_load(&it->cancelled);
+        CHECK(cancelled == 0 || (cancelled == 1 && ends_choice(i)));
+        n_cancelled += cancelled;
         for (int c = 0; c < nc; c++) { /* choice c = the request alone with seed + c */
             int32_t ref[64], nr;
             eng_request one = it->rq;
             one.n = 1;
             one.sampling.seed += (uint64_t)c;
             run_alone(&one, ref, &nr);
+            if (c == 1 && cancelled) { /* ended: a prefix of its tokens alone */
+                const int32_t got = atomic_load(&it->n_out[c]);
+                CHECK_MSG(got <= nr, "request %d: ended choice 1 has %d tokens, %d alone", i, got,
+                          nr);
+                if (got < nr) nr = got;
+            }
             CHECK_EQ_INT(atomic_load(&it->n_out[c]), nr);
             CHECK_MSG(memcmp(it->out[c], ref, (size_t)nr * 4) == 0, "request %d choice %d: tokens "
                       "differ", i, c);
         }
         n_compared++;
     }
-    fprintf(stderr, "test_worker: %d requests compared, %d aborted\n", n_compared, n_aborted);
+    fprintf(stderr, "test_worker: %d requests compared, %d aborted, %d choices ended early\n",
+            n_compared, n_aborted, n_cancelled);
     CHECK(n_compared > N_REQ / 2);
+    CHECK(n_cancelled > 3);
     CHECK(n_aborted > 10);
     free(f.kv);
 }
