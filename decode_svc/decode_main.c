@@ -6,7 +6,15 @@
  * Threads: gRPC workers run the handlers; the engine thread owns the engine (engine/worker.h)
  * and runs the output callbacks, which stream to the calls; the kvt thread owns the UCX
  * context and runs the transfer events. A request (dreq) is reference counted by whoever may
- * still reach it: the engine (until its terminal callback) and kvtransfer (until its event). */
+ * still reach it: the engine (until its terminal callback) and kvtransfer (until its event).
+ *
+ * EndChoice (the router ends one choice of n at a stop string) finds a request by the end_key
+ * its Decode call carried, in a table whose mutex is a leaf lock: a lookup takes a reference
+ * only while the count is above zero, and the last unref removes the request under the same
+ * mutex before freeing it, so a lookup never revives a request being freed. The engine thread
+ * then ends the choice by id (ew_end_choice), which ignores ids and choices that have ended:
+ * whichever comes first of the choice's own end, the call's end, a cancel, a deadline or the
+ * EndChoice, the choice ends once and its blocks are freed once. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -51,12 +59,19 @@ typedef struct dreq {
     int32_t resv_blocks;        /* blocks counted against the limits; 0 = none held */
     int resv_caller;            /* its slot in g.callers */
     int32_t n_choices;          /* DecodeRequest.n (>= 1): each choice streams its own bursts */
+    /* EndChoice (under g.keys_mu): */
+    uint64_t end_key;           /* DecodeRequest.end_key; 0 = not in the table */
+    char peer[64];              /* the Decode caller's host: only it may end choices */
+    struct dreq *key_next;      /* its bucket's chain */
     struct dchoice {            /* engine thread only */
         uint32_t *pend;         /* tokens not yet sent (the stream queue was full) */
         pend_lp *pend_lp;       /* their logprobs (when asked) */
         size_t n_pend, cap_pend;
     } ch[ENG_MAX_CHOICES];
 } dreq;
+
+/* Buckets of the end_key table (a chain each). */
+#define KEY_BUCKETS 1024
 
 /* Reserved blocks per caller (peer host), for the per-caller limit. */
 #define MAX_CALLERS 256
@@ -86,6 +101,9 @@ typedef struct {
     pthread_mutex_t resv_mu;
     int64_t resv_total;         /* blocks of all reservations waiting for KV */
     caller_slot callers[MAX_CALLERS];
+    /* Requests by DecodeRequest.end_key, for EndChoice (a leaf lock: see the top). */
+    pthread_mutex_t keys_mu;
+    struct dreq *keys[KEY_BUCKETS];
 } dsvc;
 
 static dsvc g;
@@ -153,9 +171,68 @@ static void resv_put(dreq *r)
     pthread_mutex_unlock(&g.resv_mu);
 }
 
+/* ---- the end_key table ---- */
+
+static struct dreq **key_bucket(uint64_t key)
+{
+    key ^= key >> 33;
+    key *= 0xff51afd7ed558ccdull;
+    key ^= key >> 33;
+    return &g.keys[key % KEY_BUCKETS];
+}
+
+/* Enters r (whose end_key is set) into the table, unless a live request has the same key
+ * (then r keeps end_key 0: its choices cannot be ended one by one). */
+static void keys_add(dreq *r)
+{
+    pthread_mutex_lock(&g.keys_mu);
+    struct dreq **b = key_bucket(r->end_key);
+    bool dup = false;
+    for (dreq *x = *b; x && !dup; x = x->key_next) dup = x->end_key == r->end_key;
+    if (dup) {
+        PD_LOGW("decode request %llu: its end_key is in use; its choices cannot be ended early",
+                (unsigned long long)r->id);
+        r->end_key = 0;
+    } else {
+        r->key_next = *b;
+        *b = r;
+    }
+    pthread_mutex_unlock(&g.keys_mu);
+}
+
+/* The request with end_key key whose Decode call came from host, with a reference for the
+ * caller (dreq_unref), or NULL. A request whose count reached zero is being freed: skipped. */
+static dreq *keys_find(uint64_t key, const char *host)
+{
+    dreq *found = NULL;
+    pthread_mutex_lock(&g.keys_mu);
+    for (dreq *x = *key_bucket(key); x && !found; x = x->key_next) {
+        if (x->end_key != key || strcmp(x->peer, host)) continue;
+        int n = atomic_load(&x->refs);
+        while (n > 0 && !atomic_compare_exchange_weak(&x->refs, &n, n + 1)) {
+        }
+        if (n > 0) found = x;
+    }
+    pthread_mutex_unlock(&g.keys_mu);
+    return found;
+}
+
+static void keys_remove(dreq *r)
+{
+    if (!r->end_key) return;
+    pthread_mutex_lock(&g.keys_mu);
+    for (struct dreq **p = key_bucket(r->end_key); *p; p = &(*p)->key_next)
+        if (*p == r) {
+            *p = r->key_next;
+            break;
+        }
+    pthread_mutex_unlock(&g.keys_mu);
+}
+
 static void dreq_unref(dreq *r)
 {
     if (atomic_fetch_sub(&r->refs, 1) != 1) return;
+    keys_remove(r); /* before the memory goes: keys_find may be looking at it */
     resv_put(r);
     rpc_call_unref(r->call);
     pthread_mutex_destroy(&r->mu);
@@ -496,15 +573,15 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
     r->want_logprobs = q->logprobs > 0;
     r->n_top = (int32_t)q->logprobs;
     r->n_choices = q->n > 1 ? (int32_t)q->n : 1;
+    snprintf(r->peer, sizeof r->peer, "?");
+    rpc_call_peer(call, r->peer, sizeof r->peer);
     if (!r->local_prefill) {
         /* Admission: reservations hold blocks until a prefill instance fills them, so each
          * caller gets a bounded share of the pool (the prompt's blocks and the first token). */
-        char host[64] = "?";
-        rpc_call_peer(call, host, sizeof host);
         int32_t bs = g.model.ep.block_size;
-        if (resv_take(r, host, (r->n_prompt + 1 + bs - 1) / bs, err) < 0) {
+        if (resv_take(r, r->peer, (r->n_prompt + 1 + bs - 1) / bs, err) < 0) {
             pd_metric_add(g.m_resv_refused, 1);
-            PD_LOGD("decode request %s from %s refused: %s", q->request_id, host, err);
+            PD_LOGD("decode request %s from %s refused: %s", q->request_id, r->peer, err);
             finish_call(r, RPC_STATUS_RESOURCE_EXHAUSTED, err);
             free(prompt);
             dreq_unref(r);
@@ -527,11 +604,40 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
         dreq_unref(r);
         return;
     }
-    /* r is alive here (this handler's reference) even if the engine already finished it. */
+    /* r is alive here (this handler's reference) even if the engine already finished it.
+     * Its choices can be ended from now on (the engine knows its id). */
+    if (q->end_key && r->n_choices > 1) {
+        r->end_key = q->end_key;
+        keys_add(r);
+    }
     PD_LOGD("decode request %s -> %llu (%d prompt tokens%s)", q->request_id,
             (unsigned long long)r->id, r->n_prompt, r->local_prefill ? ", local prefill" : "");
     rpc_call_set_cancel_cb(call, on_cancel, r);
     dreq_unref(r);
+}
+
+/* EndChoice: ends one choice of a live request of this caller's (see the top). */
+static void handle_end_choice(rpc_call *call, const ProtobufCMessage *msg, void *user)
+{
+    (void)user;
+    const Pdserve__Internal__V1__EndChoiceRequest *q = (const void *)msg;
+    Pdserve__Internal__V1__EndChoiceResponse resp =
+        PDSERVE__INTERNAL__V1__END_CHOICE_RESPONSE__INIT;
+    char host[64] = "?";
+    rpc_call_peer(call, host, sizeof host);
+    dreq *r = q->end_key ? keys_find(q->end_key, host) : NULL;
+    if (r && q->index >= (uint32_t)r->n_choices) {
+        const int32_t n = r->n_choices;
+        dreq_unref(r);
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "index %u: the request has %d "
+                          "choices", q->index, n);
+        return;
+    }
+    if (r) {
+        resp.found = ew_end_choice(g.worker, r->id, (int32_t)q->index) == 0;
+        dreq_unref(r);
+    }
+    rpc_call_reply(call, &resp.base);
 }
 
 /* Scrape time: the reservations waiting for KV. */
@@ -604,6 +710,7 @@ int main(int argc, char **argv)
     g.resv_share_caller = resv_share_caller;
     g.resv_timeout_ms = resv_timeout_ms;
     pthread_mutex_init(&g.resv_mu, NULL);
+    pthread_mutex_init(&g.keys_mu, NULL);
     atomic_init(&g.next_id, 1);
     svc_metrics_params mp = {colocated ? "colocated" : "decode", "recv", listen, metrics_port};
     if (svc_metrics_create(&mp, &g.metrics, err) < 0) {
@@ -647,7 +754,8 @@ int main(int argc, char **argv)
     g.inst.worker = g.worker;
     svc_serve_params vp = {"decode", colocated ? "colocated" : "decode-only", &sf,
                            &pdserve__internal__v1__decode__descriptor, "Decode",
-                           RPC_SERVER_STREAMING, handle_decode, 4096};
+                           RPC_SERVER_STREAMING, handle_decode, 4096, "EndChoice",
+                           handle_end_choice};
     if (svc_serve(&vp, &g.inst, g.metrics, g.kvt, &g.server, err) < 0) {
         fprintf(stderr, "pdserve-decode: %s\n", err);
         goto out;

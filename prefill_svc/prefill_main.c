@@ -685,7 +685,7 @@ int main(int argc, char **argv)
     g.inst.model = &g.model;
     g.inst.worker = g.worker;
     svc_serve_params vp = {"prefill", NULL, &sf, &pdserve__internal__v1__prefill__descriptor,
-                           "Prefill", RPC_UNARY, handle_prefill, 0};
+                           "Prefill", RPC_UNARY, handle_prefill, 0, NULL, NULL};
     if (svc_serve(&vp, &g.inst, g.metrics, g.kvt, &g.server, err) < 0) {
         fprintf(stderr, "pdserve-prefill: %s\n", err);
         goto out;

@@ -4,6 +4,8 @@
  * token as soon as prefill returns it and then the decode tokens, detokenized incrementally
  * with stop strings applied; the last message carries the finish reason and usage. With no
  * prefill instances (or a colocated decode instance) the decode instance computes the prompt.
+ * (Over 1,500 lines: a request's whole life, the public call, its internal calls and the
+ * prefill gate, is kept in one file so that the locking below reads in one place.)
  *
  * A request (rreq) is touched by a gRPC worker (the handler, the cancel callback) and by the
  * completion threads of two client calls; its mutex serializes them. It is freed when the
@@ -14,6 +16,13 @@
  * under the mutex. finish_locked only decides (marks the request finished, records the status)
  * and rreq_unlock sends the status after releasing the mutex. Every path that may finish
  * unlocks through rreq_unlock.
+ *
+ * Stop strings are matched here. A choice of several that ends at one while others go on is
+ * ended on the decode instance too, by a unary Decode.EndChoice call named by the Decode
+ * call's end_key (a random key per call): started under the mutex like the other internal
+ * calls, never waited for, and holding no reference to the request (its callback touches
+ * nothing), so the request may end (naturally, cancelled, past its deadline) while the call
+ * is in flight; the decode instance ignores a call or choice that has ended by then.
  *
  * Metrics: the outcome, latencies (TTFT from arrival to the first token sent, TPOT as the
  * mean gap between later tokens, end to end) and token counts of every public call are
@@ -115,6 +124,8 @@ typedef struct rreq {
     uint64_t prefix_key;
     rtr_instance *dec, *pre;
     rpc_client_call *dcall, *pcall;
+    uint64_t end_key;                /* DecodeRequest.end_key of the Decode call (n > 1), for
+                                        EndChoice; 0 = none */
     bool local_prefill;
     int prefill_tries;               /* Prefill calls made (retries on another instance) */
     int decode_tries;                /* Decode calls made */
@@ -400,6 +411,36 @@ static Pdserve__V1__TokenLogprob *lp_copy(const Pdserve__V1__TokenLogprob *in, u
     return svc_token_logprob_new(id, in->logprob, top, n);
 }
 
+static void end_choice_done(rpc_client_call *c, const rpc_status *st, void *user)
+{
+    (void)c;
+    (void)user;
+    if (st->code != RPC_STATUS_OK)
+        PD_LOGD("EndChoice failed: %s: %s", rpc_status_name(st->code), st->details);
+}
+
+/* Choice c of r ended at a stop string here while other choices go on (mu held): the decode
+ * instance stops decoding it and frees its blocks (Decode.EndChoice). Fire and forget: see
+ * the top. */
+static void end_choice_on_decode(rreq *r, int32_t c)
+{
+    if (!r->dec || !r->dcall || !r->end_key) return;
+    Pdserve__Internal__V1__EndChoiceRequest q = PDSERVE__INTERNAL__V1__END_CHOICE_REQUEST__INIT;
+    q.end_key = r->end_key;
+    q.index = (uint32_t)c;
+    rpc_client_callbacks cb = {NULL, end_choice_done, NULL};
+    rpc_client_call *call = NULL;
+    char err[PD_ERR_LEN];
+    if (rpc_client_call_start(rtr_instance_channel(r->dec), "/pdserve.internal.v1.Decode/EndChoice",
+                              &q.base, &pdserve__internal__v1__end_choice_response__descriptor,
+                              10000, &cb, &call, err) < 0) {
+        PD_LOGW("request %s: cannot end choice %d on %s: %s", r->request_id, c,
+                rtr_instance_addr(r->dec), err);
+        return;
+    }
+    rpc_client_call_release(call); /* the call runs on; its callback needs nothing */
+}
+
 /* Emits tokens of choice c to the client (mu held): detokenize, stop strings, one
  * GenerateResponse with index c. finish is a FinishReason (0 = not final: the choice's last
  * message otherwise); usage is for the final message. The call ends (OK) once every choice
@@ -412,6 +453,7 @@ static void emit_locked(rreq *r, int32_t c, const uint32_t *ids,
 {
     if (r->finished || c < 0 || c >= r->n_choices || r->ch[c].ended) return;
     rchoice *ch = &r->ch[c];
+    const int finish_in = finish; /* the instance's end of the choice (0: it goes on there) */
     char *text = NULL;
     size_t tlen = 0, tcap = 0;
     char err[PD_ERR_LEN];
@@ -506,9 +548,10 @@ static void emit_locked(rreq *r, int32_t c, const uint32_t *ids,
     free(lpp);
     if (finish) {
         ch->ended = true;
-        /* The last choice ends the call. (A choice that ended at a stop string here still
-         * decodes on the decode instance until its own end, or until the call ends.) */
+        /* The last choice ends the call (finish_locked cancels the Decode call); one that
+         * ended at a stop string before then still runs on the decode instance: end it. */
         if (++r->n_ended == r->n_choices) finish_locked(r, RPC_STATUS_OK, NULL);
+        else if (!finish_in && !r->finished) end_choice_on_decode(r, c);
     }
 }
 
@@ -856,6 +899,9 @@ static bool start_decode(rreq *r, const rtr_instance *exclude)
     q.logprobs = r->logprobs;
     q.local_prefill = r->local_prefill;
     q.n = (uint32_t)r->n_choices;
+    r->end_key = 0;
+    while (r->n_choices > 1 && !r->end_key) r->end_key = pd_random_u64(); /* a new one per call */
+    q.end_key = r->end_key;
     rpc_client_callbacks cb = {dec_on_message, dec_on_done, r};
     start_internal_call(r, d, "/pdserve.internal.v1.Decode/Decode", &q.base,
                         &pdserve__internal__v1__decode_response__descriptor, &cb, &r->dcall,

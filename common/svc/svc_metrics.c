@@ -123,6 +123,10 @@ int svc_metrics_create(const svc_metrics_params *p, svc_metrics **out, char *err
         sm->fork_copies = pd_metrics_counter(m, "pdserve_engine_fork_copied_blocks_total", NULL,
                                              "partial prompt KV blocks copied for forked choices "
                                              "(copy on write)");
+        sm->choices_ended = pd_metrics_counter(m, "pdserve_engine_choices_ended_total", NULL,
+                                               "choices of n > 1 requests ended early while the "
+                                               "others went on (the router matched a stop "
+                                               "string: Decode.EndChoice); their blocks freed");
         sm->model_s = pd_metrics_counter(m, "pdserve_engine_model_seconds_total", NULL,
                                          "time spent in the model's forward passes");
         sm->hit = pd_metrics_counter(m, "pdserve_prefix_cache_hit_tokens_total", NULL,

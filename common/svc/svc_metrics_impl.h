@@ -30,6 +30,7 @@ struct svc_metrics {
     pd_metric *draining_g, *running, *waiting, *kv_used, *kv_free, *kv_cap, *kv_usage, *queued;
     pd_metric *steps, *step_fail, *prompt_tok, *gen_tok, *preempt, *model_s, *hit, *query, *hit_ratio;
     pd_metric *forks, *fork_copies; /* n > 1 requests forked, partial blocks copied for them */
+    pd_metric *choices_ended;       /* choices ended early by their caller (EndChoice) */
     pd_metric *reuse, *reuse_query;
     pd_metric *kv_bytes, *kv_ok, *kv_fail, *kv_active, *kv_ring, *kv_ring_used, *kv_ring_wait;
     pd_mfamily *kv_peers, *kv_info;

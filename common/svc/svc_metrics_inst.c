@@ -25,6 +25,7 @@ static void collect_instance(svc_metrics *sm)
         pd_metric_set(sm->preempt, (double)st->preemptions);
         pd_metric_set(sm->forks, (double)st->forks);
         pd_metric_set(sm->fork_copies, (double)st->fork_cloned_blocks);
+        pd_metric_set(sm->choices_ended, (double)st->choices_ended);
         pd_metric_set(sm->model_s, st->model_s);
         pd_metric_set(sm->hit, (double)st->cached_tokens);
         pd_metric_set(sm->query, (double)st->admitted_prompt_tokens);

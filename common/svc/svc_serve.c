@@ -21,6 +21,9 @@ int svc_serve(const svc_serve_params *p, svc_instance *inst, svc_metrics *sm, sv
     if ((rc = rpc_server_create(&sp, server, err)) < 0 ||
         (rc = rpc_server_register(*server, p->service, p->method, p->kind, p->handler, NULL,
                                   err)) < 0 ||
+        (p->unary_method && (rc = rpc_server_register(*server, p->service, p->unary_method,
+                                                       RPC_UNARY, p->unary_handler, NULL,
+                                                       err)) < 0) ||
         (rc = svc_instance_register(*server, inst, err)) < 0 ||
         (rc = rpc_server_start(*server, err)) < 0)
         return rc;

@@ -7,13 +7,18 @@ of Python grpcio at once:
     next to their completion (the router deadlock: a finish waiting for the cancel callback
     while holding the request's mutex);
   - streams of 3 - 8 tokens cancelled at a random time (the decode instance's use after free);
-  - streams of 1 - 64 tokens with random deadlines.
+  - streams of 1 - 64 tokens with random deadlines;
+  - streams of n = 4 choices of 4 - 48 tokens with stop strings that end choices at different
+    tokens (the router ends each such choice on the decode instance, Decode.EndChoice, while
+    the others go on), cancelled at a random time, with a random deadline, or read to the end
+    (then every choice ends with exactly one final message).
   Times are log-uniform in [1 ms, STORM_SPAN_MS (default 500 ms)].
 After every round: a new request through the router completes within 1 s, the router's
 requests in flight return to 0, every KV block is free and every reservation gone on every
 instance, no process died, and no process logged an error of kvtransfer's block ownership
-("is held by request"). Rounds: STORM_ROUNDS (default 3); STORM_REQUESTS per round (default
-400). The soak in docs/services.md runs STORM_ROUNDS=1000.
+("is held by request"). At the end the decode instance has ended choices early
+(pdserve_engine_choices_ended_total). Rounds: STORM_ROUNDS (default 3); STORM_REQUESTS per
+round (default 400). The soak in docs/services.md runs STORM_ROUNDS=1000.
 
 usage: test_cancel_storm.py BIN_DIR SHARED_DIR PROTO_DIR"""
 import math, os, random, sys, threading, time
@@ -29,6 +34,8 @@ ROUNDS = int(os.environ.get("STORM_ROUNDS", "3"))
 N_REQ = int(os.environ.get("STORM_REQUESTS", "400"))
 THREADS = 48
 SPAN = float(os.environ.get("STORM_SPAN_MS", "500")) / 1000.0
+# Stop strings of the n = 4 streams: some end a choice within a token or two, some rarely.
+STOPS = [["e"], ["a", "o"], [" the"], ["."], ["he", "!"], ["and"]]
 
 def storm(stub, rng):
     """One round of N_REQ requests; returns a dict of outcome counts."""
@@ -41,12 +48,15 @@ def storm(stub, rng):
         # Log-uniform times, so that cancels land before, at and after completion whatever
         # the machine's speed (about half the requests complete on 2 cores).
         t = math.exp(rng.uniform(math.log(0.001), math.log(SPAN)))
-        if kind < 0.4:    # ends right next to the cancel
-            jobs.append((prompt, rng.randint(1, 3), "cancel", t))
-        elif kind < 0.75:
-            jobs.append((prompt, rng.randint(3, 8), "cancel", t))
-        else:
-            jobs.append((prompt, rng.randint(1, 64), "deadline", t))
+        if kind < 0.34:   # ends right next to the cancel
+            jobs.append((prompt, rng.randint(1, 3), "cancel", t, 1, []))
+        elif kind < 0.64:
+            jobs.append((prompt, rng.randint(3, 8), "cancel", t, 1, []))
+        elif kind < 0.85:
+            jobs.append((prompt, rng.randint(1, 64), "deadline", t, 1, []))
+        else:             # n = 4, choices ending at stop strings while the others go on
+            jobs.append((prompt, rng.randint(4, 48), rng.choice(["cancel", "deadline", "end"]), t,
+                         4, rng.choice(STOPS)))
     it = iter(jobs)
 
     def worker():
@@ -55,21 +65,28 @@ def storm(stub, rng):
                 job = next(it, None)
             if job is None:
                 return
-            prompt, max_tokens, how, t = job
-            req = pb.GenerateRequest(prompt_token_ids=prompt,
+            prompt, max_tokens, how, t, n, stop = job
+            req = pb.GenerateRequest(prompt_token_ids=prompt, n=n,
                                      sampling=pb.SamplingParams(temperature=0.8),
-                                     stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True))
+                                     stopping=pb.StoppingCriteria(max_tokens=max_tokens,
+                                                                  ignore_eos=True, stop=stop))
+            finals = {}
             try:
                 if how == "cancel":
                     call = stub.Generate(req, timeout=30)
                     threading.Timer(t, call.cancel).start()
                 else:
-                    call = stub.Generate(req, timeout=t)
-                for _ in call:
-                    pass
+                    call = stub.Generate(req, timeout=30 if how == "end" else t)
+                for r in call:
+                    if r.finish_reason:
+                        finals[r.index] = finals.get(r.index, 0) + 1
                 code = "OK"
+                if n > 1 and finals != {i: 1 for i in range(n)}:
+                    code = "OK_BAD_FINALS"  # a choice without exactly one final message
             except grpc.RpcError as e:
                 code = e.code().name
+            if n > 1:
+                code = "n4_" + code
             with lock:
                 outcomes[code] = outcomes.get(code, 0) + 1
 
@@ -128,7 +145,8 @@ def run(label, router, instances, seed):
         rest = eu.wait_until(lambda: quiet(router, instances), 15)
         alive = all(p.p.poll() is None for p in [router] + instances)
         bad_logs = [p.log for p in [router] + instances if "is held by request" in open(p.log).read()]
-        ok = answered and rest and alive and not bad_logs
+        bad_finals = out.get("n4_OK_BAD_FINALS", 0)
+        ok = answered and rest and alive and not bad_logs and not bad_finals
         clean += ok
         if not ok or k == 0 or k == ROUNDS - 1 or (k + 1) % 50 == 0:
             print("%s round %d: %d requests in %.1f s %s; probe %s in %.3f s; at rest %s; "
@@ -142,9 +160,16 @@ def run(label, router, instances, seed):
                     print("  not at rest; cannot scrape: %s" % e)
             for l in bad_logs:
                 print("  %s logged a block held by another request" % l)
+            if bad_finals:
+                print("  %d n = 4 calls ended OK without one final message per choice" % bad_finals)
             break
     H.check(clean == ROUNDS, "%s: %d of %d storm rounds clean (the router answered within 1 s, "
-          "nothing in flight, every KV block free, no process died)" % (label, clean, ROUNDS))
+          "nothing in flight, every KV block free, no process died, every n = 4 call that ended "
+          "OK had one final message per choice)" % (label, clean, ROUNDS))
+    dec = instances[0]
+    ended = eu.Scrape(dec.mport).get("pdserve_engine_choices_ended_total")
+    H.check(ended > 0, "%s: the decode instance ended %g choices early (stop strings, "
+            "Decode.EndChoice) amid the cancels" % (label, ended))
 
 try:
     common = ["--model", H.model, "--listen", "127.0.0.1:0", "--metrics-port", "0"]

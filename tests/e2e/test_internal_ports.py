@@ -10,6 +10,10 @@ Python grpcio straight at the instances, as anyone who can reach the ports could
   - a reservation nobody fills expires after --reservation-timeout-ms and its blocks are free;
   - a Prefill call with a corrupted KV descriptor (bytes flipped in the decode instance's real
     descriptor) is refused and the prefill instance keeps serving;
+  - EndChoice ends a choice only when named by the end_key its own Decode call carried: a
+    wrong key is not found (nothing ends), an index out of range is INVALID_ARGUMENT; the
+    right one ends that choice (its last burst CANCELLED, early) while the other runs to
+    max_tokens, and once the call ended the key finds nothing;
   - after all that, the stack still generates through the router.
 
 usage: test_internal_ports.py BIN_DIR SHARED_DIR PROTO_DIR"""
@@ -135,7 +139,38 @@ try:
     check(eu.wait_until(lambda: eu.Scrape(dec.mport).get("pdserve_kv_cache_used_blocks") == 0, 10),
           "every KV block is free again")
 
-    # 5. The stack still serves.
+    # 5. EndChoice, straight at the decode port: n = 2, the prompt computed there.
+    key = 0x5eed1234abcd
+    call = dstub.Decode(dpb.DecodeRequest(
+        request_id="ends", prompt_token_ids=[1, 400, 300, 200], n=2, end_key=key,
+        local_prefill=True,
+        sampling=pb.SamplingParams(temperature=0.8, seed=3),
+        stopping=pb.StoppingCriteria(max_tokens=480, ignore_eos=True)), timeout=60)
+    got, fins = {0: 0, 1: 0}, {}
+    def take(m):
+        if m.HasField("tokens"):
+            got[m.tokens.index] += len(m.tokens.token_ids)
+            if m.tokens.finish_reason:
+                fins[m.tokens.index] = m.tokens.finish_reason
+    take(next(call))
+    wrong = dstub.EndChoice(dpb.EndChoiceRequest(end_key=key + 1, index=1), timeout=5)
+    try:
+        dstub.EndChoice(dpb.EndChoiceRequest(end_key=key, index=2), timeout=5)
+        bad_index = "OK"
+    except grpc.RpcError as e:
+        bad_index = e.code().name
+    right = dstub.EndChoice(dpb.EndChoiceRequest(end_key=key, index=1), timeout=5)
+    for m in call:
+        take(m)
+    after = dstub.EndChoice(dpb.EndChoiceRequest(end_key=key, index=0), timeout=5)
+    check(not wrong.found and bad_index == "INVALID_ARGUMENT" and right.found and not after.found,
+          "EndChoice: a wrong key is not found, index 2 of 2 choices is INVALID_ARGUMENT (%s), the "
+          "right key is, and after the call ended it is not" % bad_index)
+    check(fins.get(1) == pb.FINISH_REASON_CANCELLED and got[1] < 480 and
+          fins.get(0) == pb.FINISH_REASON_LENGTH and got[0] == 480,
+          "EndChoice ended choice 1 after %d tokens (CANCELLED); choice 0 ran its 480" % got[1])
+
+    # 6. The stack still serves.
     stub = pbg.GenerationStub(grpc.insecure_channel("127.0.0.1:%d" % rtr.port))
     ids, text, fin, usage = eu.generate(pb, stub, timeout=20, prompt="Once upon a time",
                                         sampling=pb.SamplingParams(temperature=0),

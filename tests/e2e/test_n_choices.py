@@ -11,6 +11,15 @@ its KV. Through router -> prefill -> decode and through a colocated decode insta
   - n = 2 with logprobs 3: each choice's tokens carry the logprobs and alternatives of the
     single request with seed s + i, its first token's (sampled where the prompt was computed)
     included
+  - a choice that ends early at a stop string stops on the decode instance too (the router's
+    Decode.EndChoice): n = 4, 64 tokens each, a stop string that only choice 0's text holds,
+    within its first tokens: while the other three go on, the decode instance runs 3
+    sequences, it counts one ended choice (pdserve_engine_choices_ended_total), and it decodes
+    about 3 x 63 tokens where the same call without the stop decodes 4 x 63; the other
+    choices' tokens are those of the call without the stop
+  - pdserve-cli generate --n 3 --json: one JSON line per choice; greedy, each equals the n = 1
+    output; seeded temperature, choice i equals pdserve-cli --n 1 --seed s + i (tokens, text,
+    logprobs with --logprobs 2); text mode prints "[choice i] " and the text per choice
   - sharing: on decode instances without a prefix cache (so that only the fork shares), the
     KV blocks in use while an n = 3 request of a 200-token prompt runs (decode steps slowed
     with PDSERVE_FAULT_STEP_DELAY_MS) stay below those of 3 separate requests of the same
@@ -22,7 +31,7 @@ its KV. Through router -> prefill -> decode and through a colocated decode insta
     SIGTERM (leak-free under ASan)
 
 usage: test_n_choices.py BIN_DIR SHARED_DIR PROTO_DIR"""
-import os, sys, threading, time
+import json, os, subprocess, sys, threading, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_util as eu
@@ -77,6 +86,108 @@ def peak_while(p, fn):
     if err:
         raise err[0]
     return peak[0]
+
+
+def cli(router, *args):
+    """pdserve-cli generate against router; returns (exit code, stdout, stderr)."""
+    r = subprocess.run([os.path.join(H.bin, "pdserve-cli"), "generate", "--addr",
+                        "127.0.0.1:%d" % router.port] + list(args) + [PROMPT],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+    return r.returncode, r.stdout, r.stderr
+
+
+def cli_json(router, *args):
+    """pdserve-cli generate --json: the list of its JSON lines (one per choice)."""
+    rc, out, err = cli(router, "--json", *args)
+    if rc != 0:
+        print("pdserve-cli failed: %s" % err[-500:])
+        return []
+    return [json.loads(l) for l in out.splitlines() if l.strip()]
+
+
+def test_cli(label, router):
+    """pdserve-cli --n: one JSON line per choice, the n = 1 rule for seeds, text mode."""
+    one = cli_json(router, "--temperature", "0", "--max-tokens", "16", "--ignore-eos")
+    three = cli_json(router, "--temperature", "0", "--max-tokens", "16", "--ignore-eos", "--n", "3")
+    check(len(one) == 1 and one[0]["index"] == 0 and len(one[0]["token_ids"]) == 16 and
+          [c.get("index") for c in three] == [0, 1, 2] and
+          all(c["token_ids"] == one[0]["token_ids"] and c["text"] == one[0]["text"] and
+              c["finish_reason"] == "length" and c["completion_tokens"] == 16 for c in three),
+          "%s: pdserve-cli --n 3 --json greedy: three lines, each the --n 1 output (%r)" %
+          (label, one[0]["text"][:30] if one else None))
+    s = 77
+    args = ["--temperature", "1", "--max-tokens", "16", "--ignore-eos", "--logprobs", "2"]
+    three = cli_json(router, *args, "--n", "3", "--seed", str(s))
+    singles = [cli_json(router, *args, "--seed", str(s + i)) for i in range(3)]
+    same_lps = lambda a, b: len(a) == len(b) == 16 and all(
+        x["token_id"] == y["token_id"] and abs(x["logprob"] - y["logprob"]) < 1e-4 and
+        [t["token_id"] for t in x["top"]] == [t["token_id"] for t in y["top"]] and
+        len(x["top"]) == 2
+        for x, y in zip(a, b))
+    check(len(three) == 3 and all(len(x) == 1 for x in singles) and
+          all(three[i]["token_ids"] == singles[i][0]["token_ids"] and
+              three[i]["text"] == singles[i][0]["text"] and
+              same_lps(three[i]["logprobs"], singles[i][0]["logprobs"]) for i in range(3)) and
+          len({tuple(x[0]["token_ids"]) for x in singles}) > 1,
+          "%s: pdserve-cli --n 3 --seed %d --logprobs 2: choice i equals --n 1 --seed %d + i "
+          "(tokens, text, logprobs and alternatives)" % (label, s, s))
+    rc, out, err = cli(router, *args[:-2], "--n", "3", "--seed", str(s))
+    check(rc == 0 and out == "".join("[choice %d] %s\n" % (i, three[i]["text"]) for i in range(3))
+          and all("[choice %d: finish length" % i in err for i in range(3)),
+          "%s: pdserve-cli --n 3 in text mode: '[choice i] ' and each choice's text, a summary "
+          "line each on stderr" % label)
+
+
+def test_stop_ends_choice(label, stub, dec):
+    """A choice ended by a stop string stops decoding on the decode instance."""
+    s, mt = 31, 64
+    samp = pb.SamplingParams(temperature=1.0, seed=s)
+    longer = pb.StoppingCriteria(max_tokens=mt, ignore_eos=True)
+    g0 = eu.Scrape(dec.mport).get("pdserve_engine_generation_tokens_total")
+    base = gen_n(stub, prompt=PROMPT, sampling=samp, stopping=longer, n=4)
+    base_tokens = eu.Scrape(dec.mport).get("pdserve_engine_generation_tokens_total") - g0
+    # a piece of choice 0's first 40 characters that no other choice's text holds
+    text0, others = base[0]["text"], [base[i]["text"] for i in (1, 2, 3)]
+    stop = next((text0[a:a + n] for a in range(4, 40) for n in (6, 8, 10, 12)
+                 if text0[a:a + n].strip() and len(text0[a:a + n]) == n and
+                 all(text0[a:a + n] not in o for o in others)), None)
+    check(stop is not None, "%s: a stop string early in choice 0 only: %r" % (label, stop))
+    if stop is None:
+        return
+    m0 = eu.Scrape(dec.mport)
+    e0 = m0.get("pdserve_engine_choices_ended_total")
+    g0 = m0.get("pdserve_engine_generation_tokens_total")
+    out, three_running, others_going = {}, False, False
+    req = pb.GenerateRequest(prompt=PROMPT, sampling=samp, n=4, stopping=pb.StoppingCriteria(
+        max_tokens=mt, ignore_eos=True, stop=[stop]))
+    for r in stub.Generate(req, timeout=120):
+        c = out.setdefault(r.index, {"ids": [], "text": "", "fin": 0})
+        c["ids"] += list(r.token_ids)
+        c["text"] += r.text
+        if r.finish_reason:
+            c["fin"] = r.finish_reason
+        if r.index == 0 and r.finish_reason:
+            # the three others go on (about 50 tokens at >= 15 ms a step); the decode instance
+            # runs only them from now on
+            three_running = eu.wait_until(
+                lambda: eu.Scrape(dec.mport).get("pdserve_sequences_running") == 3, 10)
+            others_going = not any(out.get(i, {}).get("fin") for i in (1, 2, 3))
+    m1 = eu.Scrape(dec.mport)
+    ended, tokens = m1.get("pdserve_engine_choices_ended_total") - e0, \
+        m1.get("pdserve_engine_generation_tokens_total") - g0
+    k0 = len(out.get(0, {}).get("ids", []))
+    check(out.get(0, {}).get("fin") == pb.FINISH_REASON_STOP and stop not in out[0]["text"] and
+          text0.startswith(out[0]["text"] + stop) and k0 < 24,
+          "%s: choice 0 ends at the stop string %r after %d tokens" % (label, stop, k0))
+    check(all(out.get(i, {}).get("ids") == base[i]["ids"] and len(base[i]["ids"]) == mt and
+              out[i]["fin"] == pb.FINISH_REASON_LENGTH for i in (1, 2, 3)),
+          "%s: choices 1 - 3 give the tokens of the call without the stop" % label)
+    check(three_running and others_going,
+          "%s: once choice 0 stopped, the decode instance runs the 3 other choices only, while "
+          "they go on" % label)
+    check(ended == 1 and tokens <= 3 * (mt - 1) + k0 + 20 and tokens < base_tokens - 20,
+          "%s: the decode instance ended one choice (pdserve_engine_choices_ended_total +%g) and "
+          "decoded %g tokens (without the stop: %g)" % (label, ended, tokens, base_tokens))
 
 
 def idle(ps):
@@ -141,6 +252,9 @@ def run_stack(label, router, dec, insts):
               " the" not in three[i]["text"] for i in range(3)),
           "%s: n = 3 with a stop string: each choice ends where its single request does (%s)" %
           (label, [pb.FinishReason.Name(c["fin"]) for c in singles]))
+
+    test_stop_ends_choice(label, stub, dec)
+    test_cli(label, router)
 
     # sharing: a 200-token prompt, n = 3 against 3 separate requests at the same time
     long_ids = (prompt_ids * 20)[:200]
