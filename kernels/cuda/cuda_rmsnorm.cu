@@ -9,9 +9,13 @@
  * read and written by the same thread (without). */
 #define MAXK 16 /* row elements a thread keeps in registers: rows up to THREADS * MAXK */
 
-/* Rows of at most THREADS * MAXK elements: each thread loads its elements once and keeps them
- * in registers for the scaling pass (all loads of the row in flight at once). */
-static __global__ void __launch_bounds__(THREADS)
+/* Rows of at most NT * MAXK elements: each thread loads its elements once and keeps them
+ * in registers for the scaling pass (all loads of the row in flight at once). NT = 256 up to
+ * 4096 elements, 1024 up to 16384 (a Llama-3-70B row of 8192: the looping kernel's dependent
+ * load-store passes over one row took ~25 us, as long as a 30 MB product; with tensor
+ * parallelism two of these run every layer of a decode step). */
+template <int NT>
+static __global__ void __launch_bounds__(NT)
 rmsnorm_reg_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, float eps,
                    bf16 *out)
 {
@@ -24,7 +28,7 @@ rmsnorm_reg_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, fl
     /* The weights are loaded with the row, not after the reduction: one memory round trip. */
 #pragma unroll
     for (int k = 0; k < MAXK; k++) {
-        const int32_t j = threadIdx.x + k * THREADS;
+        const int32_t j = threadIdx.x + k * NT;
         v[k] = wv[k] = 0.0f;
         if (j < dim) {
             v[k] = pd_ld(xr + j);
@@ -34,7 +38,7 @@ rmsnorm_reg_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, fl
     if (rr) {
 #pragma unroll
         for (int k = 0; k < MAXK; k++) {
-            const int32_t j = threadIdx.x + k * THREADS;
+            const int32_t j = threadIdx.x + k * NT;
             if (j < dim) {
                 const bf16 s = __float2bfloat16_rn(pd_ld(rr + j) + v[k]);
                 rr[j] = s;
@@ -49,7 +53,7 @@ rmsnorm_reg_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, fl
     bf16 *o = out + row;
 #pragma unroll
     for (int k = 0; k < MAXK; k++) {
-        const int32_t j = threadIdx.x + k * THREADS;
+        const int32_t j = threadIdx.x + k * NT;
         if (j < dim) pd_st(o + j, wv[k] * (v[k] * r));
     }
 }
@@ -84,8 +88,11 @@ static cudaError_t launch_rmsnorm(const bf16 *x, bf16 *residual, const bf16 *w, 
                                   int32_t dim, float eps, bf16 *out, cudaStream_t stream)
 {
     if (dim <= THREADS * MAXK)
-        return pd_cuda__launch(rmsnorm_reg_kernel, dim3((unsigned)n), dim3(THREADS), 0, stream,
-                               x, residual, w, dim, eps, out);
+        return pd_cuda__launch(rmsnorm_reg_kernel<THREADS>, dim3((unsigned)n), dim3(THREADS), 0,
+                               stream, x, residual, w, dim, eps, out);
+    if (dim <= 1024 * MAXK)
+        return pd_cuda__launch(rmsnorm_reg_kernel<1024>, dim3((unsigned)n), dim3(1024), 0,
+                               stream, x, residual, w, dim, eps, out);
     return pd_cuda__launch(rmsnorm_kernel, dim3((unsigned)n), dim3(THREADS), 0, stream, x,
                            residual, w, dim, eps, out);
     return cudaGetLastError();
