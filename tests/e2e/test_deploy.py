@@ -8,8 +8,12 @@ with that environment and --help); ports agree with --listen / --metrics-port; g
 health drain plus the shutdown grace; GPU requests on prefill and decode only; Services,
 headless Services, PodDisruptionBudgets, HPAs and the ServiceMonitor point at what exists;
 the router's --prefill/--decode name the headless Services; the HPAs' custom metrics are
-served by the prometheus-adapter rules. The example overlay is checked the same way after
-`kubectl kustomize` where kubectl is installed (its files are parsed either way).
+served by the prometheus-adapter rules. The example and TLS overlays are checked the same way
+after `kubectl kustomize` where kubectl is installed (their files are parsed either way). The
+tensor-parallel decode overlay is merged onto the base here (and must equal kubectl's
+rendering where kubectl is installed) and checked the same way, plus: nvidia.com/gpu =
+--tensor-parallel on every prefill and decode pod, the degree > 1 on decode only, the KV pool,
+CPU, memory and /dev/shm scaled up, the decode HPA within the base's GPUs.
 
 usage: test_deploy.py BIN_DIR DEPLOY_DIR"""
 import os, re, subprocess, sys
@@ -44,6 +48,17 @@ ADAPTER_EXT = {r["name"]["as"] for r in adapter.get("externalRules", [])}
 
 CLI_FLAGS = set(re.findall(r"^  (--[a-z-]+)", subprocess.run([os.path.join(BIN, "pdserve-cli"), "generate", "--help"],
                                                             capture_output=True, text=True).stdout, re.M))
+
+def as_int(v):
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+def gib(q):
+    """A memory quantity (Ki, Mi, Gi, Ti or bytes) in GiB."""
+    m = re.match(r"^(\d+)(Ki|Mi|Gi|Ti)?$", str(q))
+    return int(m.group(1)) * {"Ki": 2**-20, "Mi": 2**-10, "Gi": 1, "Ti": 2**10, None: 2**-30}[m.group(2)]
 
 def probe_port(p, pd, c):
     """The gRPC port a probe checks: a gRPC probe (plaintext only: Kubernetes' gRPC probes
@@ -118,8 +133,12 @@ def check_set(docs, what):
         if ROLES[binary] == "router":
             check(gpu == (None, None), "%s %s: no GPU" % (what, n))
         else:
-            check(gpu[0] is not None and gpu[0] == gpu[1] and int(gpu[0]) >= 1 and pd.get("PDSERVE_BACKEND") == "auto",
-                  "%s %s: nvidia.com/gpu %s requested = limited, --backend auto" % (what, n, gpu[0]))
+            # the ranks take GPUs --device .. --device + N - 1: exactly the pod's GPUs
+            tp = as_int(pd.get("PDSERVE_TENSOR_PARALLEL", "1"))
+            check(gpu[0] is not None and gpu[0] == gpu[1] and as_int(gpu[0]) == tp and
+                  as_int(pd.get("PDSERVE_DEVICE", "0")) == 0 and pd.get("PDSERVE_BACKEND") == "auto",
+                  "%s %s: nvidia.com/gpu %s requested = limited = --tensor-parallel %s from --device 0, --backend auto" % (
+                      what, n, gpu[0], tp))
         mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
         check(any(pd.get("PDSERVE_MODEL", "").startswith(m.rstrip("/") + "/") for m in mounts),
               "%s %s: --model %s is on a mounted volume" % (what, n, pd.get("PDSERVE_MODEL")))
@@ -216,8 +235,42 @@ else:
     check(not any(k.startswith(("PDSERVE_TLS", "PDSERVE_INTERNAL_TLS")) for e in base_env.values() for k in e),
           "base: no TLS (plaintext, as before)")
 
+# The tensor-parallel decode overlay: merged here (resources and strategic-merge patches), so it
+# is checked where kubectl is not installed too; where it is, its rendering must be the same.
+tp_dir = os.path.join(DEPLOY, "k8s", "overlays", "tp-decode")
+tp_docs = du.merge_overlay(tp_dir)
+check_set(tp_docs, "tp-decode overlay")
+key = lambda d: (d["kind"], d["metadata"]["name"])
+rendered = du.render_overlay(tp_dir)
+if rendered is None:
+    print("kubectl not installed: the tp-decode overlay is merged here only")
+else:
+    check(sorted(rendered, key=key) == sorted(tp_docs, key=key), "tp-decode overlay: kubectl kustomize gives what the offline merge gives")
+base_m = {key(d): d for d in du.merge_overlay(os.path.join(DEPLOY, "k8s", "base"))}
+changed = sorted(k for k in set(base_m) | {key(d) for d in tp_docs} if base_m.get(k) not in [d for d in tp_docs if key(d) == k])
+check(changed == [("Deployment", "pdserve-decode"), ("HorizontalPodAutoscaler", "pdserve-decode")],
+      "tp-decode overlay: only the decode Deployment and its HPA differ from the base (prefill at TP 1) %s" % changed)
+dec, bdec = [x["spec"]["template"]["spec"] for x in (du.find(tp_docs, "Deployment", "pdserve-decode"), base_m[("Deployment", "pdserve-decode")])]
+env, benv = [du.container_env(tp_docs, x["containers"][0]) for x in (dec, bdec)]
+tp = as_int(env.get("PDSERVE_TENSOR_PARALLEL"))
+check(tp is not None and tp > 1, "tp-decode overlay: pdserve-decode at --tensor-parallel %s" % tp)
+# --kv-cache-mb is the pool over all ranks: scaled up from the base's one GPU, yet no more a GPU
+kv, bkv = as_int(env.get("PDSERVE_KV_CACHE_MB")), as_int(benv.get("PDSERVE_KV_CACHE_MB"))
+check(tp and kv and bkv < kv <= bkv * tp, "tp-decode overlay: --kv-cache-mb %s over %s ranks (base %s on one GPU)" % (kv, tp, bkv))
+shm, bshm = [gib([v for v in x["volumes"] if v["name"] == "dshm"][0]["emptyDir"]["sizeLimit"]) for x in (dec, bdec)]
+res, bres = [x["containers"][0]["resources"] for x in (dec, bdec)]
+check(shm > bshm and gib(res["requests"]["memory"]) + shm <= gib(res["limits"]["memory"]) and
+      gib(res["requests"]["memory"]) > gib(bres["requests"]["memory"]) and as_int(res["requests"]["cpu"]) > as_int(bres["requests"]["cpu"]),
+      "tp-decode overlay: more CPU and memory than the base, /dev/shm %g GiB (base %g) within the memory limit beside the request" % (shm, bshm))
+hpa = du.find(tp_docs, "HorizontalPodAutoscaler", "pdserve-decode")["spec"]
+check(tp and hpa["maxReplicas"] * tp <= base_m[("HorizontalPodAutoscaler", "pdserve-decode")]["spec"]["maxReplicas"],
+      "tp-decode overlay: decode HPA at most %d pods = %d GPUs, no more than the base's" % (hpa["maxReplicas"], hpa["maxReplicas"] * (tp or 0)))
+
 df = open(os.path.join(DEPLOY, "Dockerfile")).read()
 check(re.search(r"^FROM nvidia/cuda:\S+-devel\S* AS build$", df, re.M) and re.search(r"^FROM nvidia/cuda:\S+-runtime", df, re.M)
       and all(b in df for b in ROLES), "Dockerfile: CUDA devel build stage, CUDA runtime stage, the three binaries")
+build_stage, _, run_stage = df.partition("\nFROM nvidia/cuda:${CUDA_VERSION}-runtime")
+check("nccl.h" in build_stage and "libnccl2" in run_stage,
+      "Dockerfile: NCCL (tensor parallelism): nccl.h in the build stage, libnccl2 in the runtime stage")
 print("%d failures" % failures)
 sys.exit(1 if failures else 0)
