@@ -223,8 +223,19 @@ int pd_model_load_shard(const mc_config *cfg, const char *dir, pd_load_format fm
     if ((rc = alloc_w(m, (size_t)h, &m->final_norm, err)) < 0 ||
         (rc = put(m, &L, "model.norm.weight", h, 0, m->final_norm, 0, 1.0f)) < 0)
         goto fail;
+    m->head_row0 = 0;
+    m->head_rows = (int32_t)v;
     if (cfg->tie_word_embeddings) {
         m->lm_head = m->embed;
+    } else if (n_ranks > 1 && v % n_ranks == 0) {
+        /* split by vocabulary rows: each rank makes its part of every row's logits and the
+         * parts are gathered (docs/tensor-parallel.md) */
+        m->head_rows = (int32_t)(v / n_ranks);
+        m->head_row0 = rank * m->head_rows;
+        const window wh = {m->head_row0, m->head_rows, 0, h};
+        if ((rc = alloc_w(m, (size_t)m->head_rows * (size_t)h, &m->lm_head, err)) < 0 ||
+            (rc = put_part(m, &L, "lm_head.weight", v, h, wh, m->lm_head, 0, 0)) < 0)
+            goto fail;
     } else if (rank > 0) {
         m->lm_head = NULL; /* rank 0 computes the logits */
     } else if ((rc = alloc_w(m, (size_t)(v * h), &m->lm_head, err)) < 0 ||

@@ -52,8 +52,12 @@ typedef struct {
     pd_backend *be;            /* borrowed; must outlive the model */
     void *embed;               /* [vocab][hidden] */
     void *final_norm;          /* [hidden] */
-    void *lm_head;             /* [vocab][hidden]; == embed when tied; NULL on ranks but 0
-                                * (rank 0 computes the logits) */
+    void *lm_head;             /* [vocab][hidden]; == embed when tied (on rank 0; NULL on the
+                                * others: rank 0 computes the logits); with head_rows < vocab
+                                * this rank's rows [head_row0, head_row0 + head_rows) */
+    int32_t head_row0, head_rows; /* the vocabulary split of an untied head among the ranks
+                                * (tensor parallelism, when n_ranks divides the vocabulary);
+                                * 0 and vocab: the whole head */
     pd_layer_weights *layers;  /* [n_layers] */
     int64_t n_params;          /* elements held */
 } pd_model;

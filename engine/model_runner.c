@@ -38,6 +38,11 @@ struct mr {
     pd_layer_args *dl;            /* [n_layers]: weights and caches for decode_layers */
     /* workspace (backend memory) */
     void *a, *h, *qkv, *attn, *gate_up, *act, *lh, *logits;
+    /* a vocabulary-split head (tensor parallelism, pd_model.head_rows < vocab): this rank's
+     * part of the rows' logits, the gathered parts [rank][row][part] and the rows of that
+     * transposition: for B rows, idx[b * N + q] = q * B + b from element N * B * (B - 1) / 2 */
+    void *logits_part, *logits_gather;
+    int32_t *d_head_tr;
     /* step metadata: a backend buffer and its host twin, same layout (see meta_layout); with
      * pipelined steps two of each, the launches alternating between them. d_meta and the d_*
      * pointers name the one in use (meta_use): buffer 0, but while mr_launch queues a launch of
@@ -284,6 +289,28 @@ static int create_rank(const mr_params *p, const pd_model *m, pd_comm *comm, boo
         }
     }
     meta_use(r, 0);
+    if (m->head_rows < c->vocab_size) {
+        const int32_t N = sh->n_ranks, B = (int32_t)chunk;
+        const size_t n_tr = (size_t)N * (size_t)B * (size_t)(B + 1) / 2;
+        int32_t *tr = malloc(n_tr * sizeof *tr);
+        if (!tr) {
+            rc = pd_errf(err, PD_ENOMEM, "out of memory");
+            goto fail;
+        }
+        for (int32_t b = 1, off = 0; b <= B; off += N * b, b++)
+            for (int32_t i = 0; i < b; i++)
+                for (int32_t q = 0; q < N; q++) tr[off + i * N + q] = q * b + i;
+        if ((rc = be_alloc(r, act, chunk * (size_t)m->head_rows, &r->logits_part, err)) < 0 ||
+            (rc = be_alloc(r, act, chunk * (size_t)c->vocab_size, &r->logits_gather, err)) < 0 ||
+            (rc = be_alloc(r, PD_DTYPE_I32, n_tr, (void **)&r->d_head_tr, err)) < 0 ||
+            (rc = r->be->ops->upload(r->be->ctx, r->d_head_tr, PD_DTYPE_I32, 0, tr, PD_DTYPE_I32,
+                                     n_tr)) < 0) {
+            if (rc == 0 || !err[0]) pd_errf(err, rc, "cannot upload the head's transposition");
+            free(tr);
+            goto fail;
+        }
+        free(tr);
+    }
     if (r->p.n_blocks == 0) {
         /* kv_cache_bytes is the instance's, over every rank; a pool sized from the device
          * is this rank's (a group takes its ranks' smallest) */
@@ -379,6 +406,9 @@ void mr_destroy(mr *r)
     free(r->dl);
     FREE(r->a); FREE(r->h); FREE(r->qkv); FREE(r->attn); FREE(r->gate_up);
     FREE(r->act); FREE(r->lh); FREE(r->logits); FREE(r->d_metas[0]);
+    if (r->logits_part) FREE(r->logits_part);
+    if (r->logits_gather) FREE(r->logits_gather);
+    if (r->d_head_tr) FREE(r->d_head_tr);
     if (r->d_metas[1]) FREE(r->d_metas[1]);
     FREE(r->inv_freq);
 #undef FREE
@@ -730,7 +760,7 @@ static int run_layers_tp(mr *r, int32_t T, pd_linear_args *lqkv, pd_rope_args *r
     }
 #undef TCALL
     /* the last block's sum; the final norm only where the logits are made */
-    if (final && r->rank == 0)
+    if (final && (r->rank == 0 || r->m->head_rows < c->vocab_size))
         CALL(o->rmsnorm(x, r->h, r->a, r->m->final_norm, T, hs, c->rms_eps, r->h));
     return 0;
 }
@@ -840,6 +870,33 @@ final_norm:
     return 0;
 }
 
+/* The logits of n rows of x (final-normed hidden states) into rank 0's r->logits: there
+ * with the whole head, or with a vocabulary-split head every rank's part gathered (one
+ * all-gather; with n > 1 rows the parts [rank][row][part] transposed into rows). */
+static int head_logits(mr *r, const void *x_rows, int32_t n, char *err)
+{
+    pd_backend *be = r->be;
+    void *x = be->ctx;
+    const pd_backend_ops *o = be->ops;
+    const mc_config *c = &r->m->cfg;
+    const int32_t hs = c->hidden_size, V = c->vocab_size, Vr = r->m->head_rows;
+    if (Vr == V) {
+        if (r->rank > 0) return 0;
+        CALL(o->linear(x, x_rows, r->m->lm_head, NULL, n, hs, V, r->logits));
+        return 0;
+    }
+    const int32_t N = r->m->shard.n_ranks;
+    pd_comm *cm = r->comm;
+    CALL(o->linear(x, x_rows, r->m->lm_head, NULL, n, hs, Vr, r->logits_part));
+    void *recv = n == 1 ? r->logits : r->logits_gather; /* one row: the parts are the row */
+    CALL(cm->ops->all_gather(cm->ctx, r->rank, r->logits_part, recv, o->act_dtype,
+                             (size_t)n * (size_t)Vr));
+    if (r->rank == 0 && n > 1)
+        CALL(o->gather_rows(x, r->logits_gather, r->d_head_tr + (size_t)N * n * (n - 1) / 2,
+                            n * N, Vr, r->logits));
+    return 0;
+}
+
 /* A decode graph's body: B single-token sequences, every row's logits into r->logits. */
 static int graph_body(mr *r, int32_t B, char *err)
 {
@@ -847,10 +904,9 @@ static int graph_body(mr *r, int32_t B, char *err)
     const mc_config *c = &r->m->cfg;
     int rc = run_layers(r, B, B, 1, 0, B, true, true, err);
     if (rc != 0) return rc < 0 ? rc : 0; /* 1: the logits are written */
-    if (r->rank > 0) return 0; /* rank 0 makes the logits */
-    CALL(be->ops->linear(be->ctx, r->h, r->m->lm_head, NULL, B, c->hidden_size, c->vocab_size,
-                         r->logits));
-    return 0;
+    (void)be;
+    (void)c;
+    return head_logits(r, r->h, B, err);
 }
 
 static void drop_graphs(mr *r)
@@ -979,12 +1035,13 @@ static int forward(mr *r, const mr_batch *b, float *logits, const mr_sampling *s
     if ((rc = run_layers(r, b->n_tokens, b->n_seqs, max_q, max_ctx, n_decode, b->n_logits > 0,
                          false, err)) < 0)
         return rc;
-    if (r->rank > 0) return 0; /* rank 0 has the logits */
+    /* rank 0 has the logits; with a vocabulary-split head every rank makes its part */
+    if (r->rank > 0 && r->m->head_rows == c->vocab_size) return 0;
     for (int32_t i0 = 0; i0 < b->n_logits; i0 += LOGITS_CHUNK) {
         int32_t n = b->n_logits - i0 < LOGITS_CHUNK ? b->n_logits - i0 : LOGITS_CHUNK;
         CALL(o->gather_rows(x, r->h, r->d_rows + i0, n, hs, r->lh));
-        CALL(o->linear(x, r->lh, r->m->lm_head, NULL, n, hs, c->vocab_size, r->logits));
-        if ((rc = finish_rows(r, i0, n, logits, smp, err)) < 0) return rc;
+        if ((rc = head_logits(r, r->lh, n, err)) < 0) return rc;
+        if (r->rank == 0 && (rc = finish_rows(r, i0, n, logits, smp, err)) < 0) return rc;
     }
     return 0;
 }

@@ -27,7 +27,9 @@
 
 /* ---- the recording backend ---- */
 
-typedef enum { R_EMB, R_RMS, R_LIN, R_LINF, R_ROPE, R_ATTN, R_SWIGLU, R_ALL_REDUCE } rec_kind;
+typedef enum {
+    R_EMB, R_RMS, R_LIN, R_LINF, R_ROPE, R_ATTN, R_SWIGLU, R_GATHER, R_ALL_REDUCE, R_ALL_GATHER
+} rec_kind;
 
 typedef struct {
     rec_kind k;
@@ -39,7 +41,8 @@ typedef struct {
     pd_rope_args rope;
     pd_attn_args attn;
     pd_linear_args lin;
-    pd_comm *comm;               /* R_ALL_REDUCE: the CPU communicator, rank, count */
+    pd_comm *comm;               /* R_ALL_REDUCE / R_ALL_GATHER: the CPU communicator, rank,
+                                  * count (R_ALL_GATHER: x sent, out received) */
     int32_t rank;
     size_t count;
 } rec;
@@ -114,6 +117,13 @@ static int w_swiglu(void *ctx, const void *gate_up, int32_t n, int32_t f, void *
     return record(&r) ? 0 : g_cpu->swiglu(ctx, gate_up, n, f, out);
 }
 
+static int w_gather_rows(void *ctx, const void *x, const int32_t *idx, int32_t n_idx,
+                         int32_t dim, void *out)
+{
+    rec r = {.k = R_GATHER, .x = x, .ids = idx, .n = n_idx, .dim = dim, .out = out};
+    return record(&r) ? 0 : g_cpu->gather_rows(ctx, x, idx, n_idx, dim, out);
+}
+
 /* Anything else queued while recording cannot be in a graph: the capture fails. */
 static int w_sync(void *ctx) { return g_rec ? PD_EBACKEND : g_cpu->sync(ctx); }
 
@@ -148,9 +158,14 @@ static int w_graph_launch(void *ctx, void *gp)
         case R_ROPE: rc = g_cpu->rope_store_kv(ctx, &r->rope); break;
         case R_ATTN: rc = g_cpu->attention_decode(ctx, &r->attn); break;
         case R_SWIGLU: rc = g_cpu->swiglu(ctx, r->x, r->n, r->dim, r->out); break;
+        case R_GATHER: rc = g_cpu->gather_rows(ctx, r->x, r->ids, r->n, r->dim, r->out); break;
         case R_ALL_REDUCE:
             rc = r->comm->ops->all_reduce_sum(r->comm->ctx, r->rank, r->out, PD_DTYPE_F32,
                                               r->count);
+            break;
+        case R_ALL_GATHER:
+            rc = r->comm->ops->all_gather(r->comm->ctx, r->rank, r->x, r->out, PD_DTYPE_F32,
+                                          r->count);
             break;
         }
         if (rc < 0) return rc;
@@ -246,6 +261,7 @@ static int open_backend(bool graphs, pd_backend **out, char *err)
     g_ops.rope_store_kv = w_rope;
     g_ops.attention_decode = w_attention;
     g_ops.swiglu = w_swiglu;
+    g_ops.gather_rows = w_gather_rows;
     g_ops.sync = w_sync;
     g_ops.graph_begin = w_graph_begin;
     g_ops.graph_end = w_graph_end;
@@ -261,7 +277,7 @@ static int open_backend(bool graphs, pd_backend **out, char *err)
     return 0;
 }
 
-/* The CPU communicator with its all-reduce recorded while the calling rank's thread records a
+/* The CPU communicator with its all-reduce and all-gather recorded while the calling rank's thread records a
  * graph (ctx: the CPU communicator). */
 static int wc_all_reduce(void *ctx, int32_t rank, void *buf, pd_dtype t, size_t n)
 {
@@ -274,7 +290,8 @@ static int wc_all_gather(void *ctx, int32_t rank, const void *send, void *recv, 
                          size_t n)
 {
     pd_comm *c = ctx;
-    return g_rec ? PD_EBACKEND : c->ops->all_gather(c->ctx, rank, send, recv, t, n);
+    rec r = {.k = R_ALL_GATHER, .comm = c, .rank = rank, .x = send, .out = recv, .count = n};
+    return record(&r) ? 0 : c->ops->all_gather(c->ctx, rank, send, recv, t, n);
 }
 
 static int wc_barrier(void *ctx, int32_t rank)

@@ -494,7 +494,10 @@ static void test_one_kv_head(void)
                 for (int32_t k = 0; k < n_tp; k++) { /* every rank holds the one KV head */
                     CHECK_EQ_INT(t.g->models[k]->shard.n_kv_heads, 1);
                     CHECK_EQ_INT(t.g->models[k]->shard.kv_head0, 0);
-                    CHECK((k == 0) == (t.g->models[k]->lm_head != NULL));
+                    /* the untied head split by vocabulary (SV rows / n_tp a rank) */
+                    CHECK(t.g->models[k]->lm_head != NULL);
+                    CHECK_EQ_INT(t.g->models[k]->head_rows, SV / n_tp);
+                    CHECK_EQ_INT(t.g->models[k]->head_row0, k * (SV / n_tp));
                     CHECK((k == 0) == (t.g->models[k]->layers[0].o_bias != NULL));
                 }
                 check_steps(one.r, t.r, n_tp, "one KV head");
