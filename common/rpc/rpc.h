@@ -380,7 +380,10 @@ int rpc_channel_create(const rpc_channel_params *p, rpc_channel **out, char *err
 
 /* Cancels the channel's asynchronous calls that are still running, waits for their on_done,
  * and frees the channel. Blocking calls and streams must be closed first. NULL is a no-op.
- * Not from an on_message/on_done callback. */
+ * From one of this channel's own on_message / on_done callbacks (its completion thread,
+ * which the destruction joins: a router request that drops the last reference to an
+ * instance the registry already let go) it returns at once and a thread of its own does
+ * the rest once the callback has returned. */
 void rpc_channel_destroy(rpc_channel *ch);
 
 /* Blocking unary call of path with req; waits at most timeout_ms (<= 0: no deadline). On OK

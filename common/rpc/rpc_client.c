@@ -4,12 +4,15 @@
  * queue). The callback-based calls are in rpc_client_async.c. */
 #include "common/rpc/rpc_client_impl.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
+
+#include "common/log.h"
 
 rpc_channel_params rpc_channel_default_params(void)
 {
@@ -69,15 +72,42 @@ int rpc_channel_create(const rpc_channel_params *p, rpc_channel **out, char *err
     return 0;
 }
 
-void rpc_channel_destroy(rpc_channel *ch)
+static void channel_destroy_now(rpc_channel *ch)
 {
-    if (!ch) return;
     rpc__channel_stop_async(ch);
     if (ch->ch) grpc_channel_destroy(ch->ch);
     pthread_mutex_destroy(&ch->mu);
     pthread_cond_destroy(&ch->cv);
     free(ch);
     grpc_shutdown();
+}
+
+static void *channel_destroy_thread(void *arg)
+{
+    channel_destroy_now(arg);
+    return NULL;
+}
+
+void rpc_channel_destroy(rpc_channel *ch)
+{
+    if (!ch) return;
+    if (rpc__on_channel_thread(ch)) {
+        /* the completion thread cannot join itself: a detached thread destroys the channel
+         * once the callback in progress has returned (stop_async waits for it) */
+        pthread_attr_t at;
+        pthread_t t;
+        int rc = pthread_attr_init(&at);
+        if (rc == 0) {
+            pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+            rc = pthread_create(&t, &at, channel_destroy_thread, ch);
+            pthread_attr_destroy(&at);
+        }
+        if (rc != 0) /* no thread: the channel is leaked rather than joined from itself */
+            PD_LOGE("rpc client: cannot start a thread to destroy a channel from its own "
+                    "callback (%s); the channel is leaked", strerror(rc));
+        return;
+    }
+    channel_destroy_now(ch);
 }
 
 int rpc__md_build(const rpc_call_opts *opts, rpc__md *out, char *err)

@@ -242,6 +242,14 @@ int64_t rpc_channel_live_calls(const rpc_channel *ch)
     return n;
 }
 
+bool rpc__on_channel_thread(rpc_channel *ch)
+{
+    pthread_mutex_lock(&ch->mu);
+    const bool on = ch->thread_started && pthread_equal(ch->thread, pthread_self());
+    pthread_mutex_unlock(&ch->mu);
+    return on;
+}
+
 void rpc__channel_stop_async(rpc_channel *ch)
 {
     pthread_mutex_lock(&ch->mu);

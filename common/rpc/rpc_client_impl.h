@@ -51,5 +51,7 @@ void rpc__fill_status(rpc_status *st, grpc_status_code code, grpc_slice details,
                       const char *error_string);
 /* Cancels the asynchronous calls still running, waits for them and stops the thread. */
 void rpc__channel_stop_async(rpc_channel *ch);
+/* Whether the calling thread is ch's completion thread (its callbacks run there). */
+bool rpc__on_channel_thread(rpc_channel *ch);
 
 #endif
