@@ -176,6 +176,50 @@ typedef struct {
     int32_t count;               /* occurrences in the output; 0 = in the prompt only */
 } pd_penalty_tok;
 
+/* A strided copy of blocks (the copyq_rows op): for each i < n, `rows` rows of row_bytes from
+ * block src_ids[i] of src to block dst_ids[i] of dst, row t going from
+ *   src + src_ids[i] * src_block_bytes + src_offset + t * src_pitch  to
+ *   dst + dst_ids[i] * dst_block_bytes + dst_offset + t * dst_pitch.
+ * A tensor-parallel rank's KV heads of a whole-layout block ([block_size][heads][head_dim]) are
+ * such rows: block_size runs of its heads' bytes at the whole row's pitch, from its first
+ * head's offset (kvtransfer's gather and scatter, common/svc/svc_kvdev.c). The rows of a block
+ * must lie inside it on both sides: offset + (rows - 1) * pitch + row_bytes <= block_bytes,
+ * pitch >= row_bytes. */
+typedef struct {
+    void *dst;                   /* backend memory, or host memory pinned with host_register */
+    const void *src;             /* the same */
+    const int32_t *dst_ids;      /* [n] host memory, >= 0 */
+    const int32_t *src_ids;      /* [n] host memory, >= 0 */
+    int32_t n;                   /* blocks, >= 0 */
+    size_t rows;                 /* rows a block, >= 1 */
+    size_t row_bytes;            /* bytes a row, >= 1 */
+    size_t dst_block_bytes;      /* bytes from one dst block to the next */
+    size_t src_block_bytes;      /* bytes from one src block to the next */
+    size_t dst_pitch;            /* bytes from one row to the next in a dst block */
+    size_t src_pitch;            /* the same in a src block */
+    size_t dst_offset;           /* bytes from a dst block's start to its row 0 */
+    size_t src_offset;           /* the same in a src block */
+} pd_copy_rows;
+
+/* Whether a describes rows inside their blocks on both sides (pd_copy_rows' rule; the ids are
+ * checked by the op as it reads them). Every backend's copyq_rows checks this first. */
+static inline bool pd_copy_rows_valid(const pd_copy_rows *a)
+{
+    if (!a || a->n < 0 || a->rows < 1 || a->row_bytes < 1) return false;
+    if (a->n > 0 && (!a->dst || !a->src || !a->dst_ids || !a->src_ids)) return false;
+    if (a->dst_pitch < a->row_bytes || a->src_pitch < a->row_bytes) return false;
+    /* offset + (rows - 1) * pitch + row_bytes <= block_bytes, without overflow */
+    const size_t span_d = a->dst_pitch * (a->rows - 1), span_s = a->src_pitch * (a->rows - 1);
+    if (a->rows > 1 && (span_d / (a->rows - 1) != a->dst_pitch ||
+                        span_s / (a->rows - 1) != a->src_pitch))
+        return false;
+    return a->dst_offset <= a->dst_block_bytes && a->src_offset <= a->src_block_bytes &&
+           span_d <= a->dst_block_bytes - a->dst_offset &&
+           span_s <= a->src_block_bytes - a->src_offset &&
+           a->row_bytes <= a->dst_block_bytes - a->dst_offset - span_d &&
+           a->row_bytes <= a->src_block_bytes - a->src_offset - span_s;
+}
+
 struct pd_backend;
 struct pd_comm;
 
@@ -317,13 +361,15 @@ typedef struct pd_backend_ops {
     void (*graph_destroy)(void *ctx, void *graph); /* NULL is a no-op */
 
     /* ---- KV blocks device to device between processes (kvtransfer's device path) ----
-     * Optional. The event_* and copyq_* ops: all or none (the CPU offers them, done at once,
-     * for tests of the staged path); dev_export / dev_open / dev_close: all or none, and only
-     * with the former (NULL = not offered, as on the CPU). The export / open pair maps
+     * Optional. The event_* ops and copyq_create / copyq_destroy / copyq_blocks: all or
+     * none (the CPU offers them, done at once, for tests of the staged path); copyq_rows
+     * only with them; dev_export / dev_open / dev_close: all or none, and only with the
+     * former (NULL = not offered, as on the CPU). The export / open pair maps
      * one process's allocation into another's address space (CUDA IPC); the copy queue moves
      * blocks into it on a stream of its own, ordered after an event recorded on the compute
      * stream, so that no thread waits: the engine thread records, the transfer thread
-     * queues copies and polls their completion. Only event_record runs on the engine thread;
+     * queues copies and polls their completion. Only event_record runs on the engine thread
+     * (the thread that queues this backend's forwards: a tensor-parallel rank's own thread);
      * the others may run on any one other thread (they touch nothing the ops above use). */
     /* Exports the allocation p (the base of an alloc of this backend): writes
      * PD_DEV_EXPORT_BYTES opaque bytes into export_bytes and the device's PCI bus id
@@ -357,6 +403,13 @@ typedef struct pd_backend_ops {
     int (*copyq_blocks)(void *ctx, void *q, void *after, void *const *dst,
                         const void *const *src, int32_t n_regions, const int32_t *dst_ids,
                         const int32_t *src_ids, int32_t n, size_t block_bytes, void **done);
+    /* Optional, with the copy queue (NULL = not offered): on q, waits for after (NULL:
+     * nothing), then copies the rows a describes (pd_copy_rows above), then records an event
+     * into *done, as copyq_blocks. A tensor-parallel instance's staged KV transfer takes each
+     * rank's KV heads out of and into the whole-layout ring slots with it, on that rank's
+     * backend and copy queue. Returns 0, PD_EINVAL (a row outside its block, a negative id),
+     * PD_ENOMEM, PD_EBACKEND. */
+    int (*copyq_rows)(void *ctx, void *q, void *after, const pd_copy_rows *a, void **done);
 
     /* ---- tensor parallelism ----
      * Optional (NULL = this backend runs no tensor-parallel instance): creates the

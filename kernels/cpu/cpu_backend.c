@@ -388,6 +388,25 @@ static int cpu_copyq_blocks(void *ctx, void *q, void *after, void *const *dst,
     return 0;
 }
 
+/* The rows of pd_copy_rows, done at once (the reference for the CUDA kernel). */
+static int cpu_copyq_rows(void *ctx, void *q, void *after, const pd_copy_rows *a, void **done)
+{
+    (void)ctx;
+    (void)after;
+    if (!q || !done || !pd_copy_rows_valid(a)) return PD_EINVAL;
+    for (int32_t i = 0; i < a->n; i++)
+        if (a->dst_ids[i] < 0 || a->src_ids[i] < 0) return PD_EINVAL;
+    for (int32_t i = 0; i < a->n; i++) {
+        char *d = (char *)a->dst + (size_t)a->dst_ids[i] * a->dst_block_bytes + a->dst_offset;
+        const char *s = (const char *)a->src + (size_t)a->src_ids[i] * a->src_block_bytes +
+                        a->src_offset;
+        for (size_t t = 0; t < a->rows; t++)
+            memcpy(d + t * a->dst_pitch, s + t * a->src_pitch, a->row_bytes);
+    }
+    *done = &g_cpu_done;
+    return 0;
+}
+
 /* The ranks are threads of this process: the communicator needs only their number. */
 static int cpu_comm_create(pd_backend *const *ranks, int32_t n_ranks, pd_comm **out, char *err)
 {
@@ -427,6 +446,7 @@ static const pd_backend_ops k_cpu_ops = {
     .copyq_create = cpu_copyq_create,
     .copyq_destroy = cpu_copyq_destroy,
     .copyq_blocks = cpu_copyq_blocks,
+    .copyq_rows = cpu_copyq_rows,
     .comm_create = cpu_comm_create,
 };
 

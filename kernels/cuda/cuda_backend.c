@@ -55,6 +55,7 @@ static const pd_backend_ops k_cuda_ops = {
     .copyq_create = pd_cuda__copyq_create,
     .copyq_destroy = pd_cuda__copyq_destroy,
     .copyq_blocks = pd_cuda__copyq_blocks,
+    .copyq_rows = pd_cuda__copyq_rows,
     .comm_create = pd_cuda__comm_create,
 };
 

@@ -72,6 +72,14 @@ typedef struct {
     cudaEvent_t ev_upload;
 } pd_cuda_ctx;
 
+/* A copy queue (copyq_create, cuda_ipc.cu): its own stream, on the context's device; the
+ * copyq_blocks and copyq_rows ops queue their copies on it. */
+typedef struct {
+    int device;
+    cudaStream_t stream;
+    bool use_memcpy;       /* PDSERVE_KV_COPY=memcpy: copy engine calls instead of kernels */
+} pd_copyq;
+
 /* PDSERVE_CUDA_STEP_TIMING=1 (diagnostics): where a graph step's time goes, with events on the
  * stream at its points (PD_ST_*) and the host's clock around it; averages to stderr every 256
  * steps. mark records point k (PD_ST_START only when no step is open); end closes the step

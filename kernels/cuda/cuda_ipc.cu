@@ -25,11 +25,6 @@ typedef struct {
     int32_t src_ids[CQ_MAX_PAIRS];
 } cq_args;
 
-typedef struct {
-    int device;
-    cudaStream_t stream;
-    bool use_memcpy;
-} pd_copyq;
 
 /* One CUDA block per (pair, region): block_bytes in 16-byte words (or bytes when the
  * addresses or the size are not 16-byte aligned). */

@@ -92,6 +92,8 @@ void pd_cuda__copyq_destroy(void *ctx, void *q);
 int pd_cuda__copyq_blocks(void *ctx, void *q, void *after, void *const *dst,
                           const void *const *src, int32_t n_regions, const int32_t *dst_ids,
                           const int32_t *src_ids, int32_t n, size_t block_bytes, void **done);
+/* cuda_copy_rows.cu: strided block copies on a copy queue (a TP rank's KV heads). */
+int pd_cuda__copyq_rows(void *ctx, void *q, void *after, const pd_copy_rows *a, void **done);
 /* cuda_comm.cu: the NCCL communicator (pd_backend_ops.comm_create). */
 int pd_cuda__comm_create(pd_backend *const *ranks, int32_t n_ranks, pd_comm **out, char *err);
 /* cuda_sample.cu: the sample op; its per-context buffers are freed with the context. */
