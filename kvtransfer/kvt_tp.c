@@ -1,6 +1,7 @@
 /* kvt_tp.c -- The KV head mapping of tensor-parallel instances (kvtransfer.h, "tensor
- * parallelism"): the KV heads each rank holds, and the gather / scatter between the ranks'
- * blocks and the whole-layout blocks that move on the wire. */
+ * parallelism"): the KV heads each rank holds, where they sit in its blocks and in a
+ * whole-layout block, and the gather / scatter between the ranks' blocks and the whole-layout
+ * blocks that move on the wire (the host reference of the backends' strided copies). */
 #include <string.h>
 
 #include "common/error.h"
@@ -23,33 +24,47 @@ int kvt_tp_heads(int32_t n_kv_heads, int32_t n_ranks, int32_t rank, int32_t *hea
     return 0;
 }
 
+int kvt_tp_part_of(const kvt_layout *l, int32_t n_ranks, int32_t rank, kvt_tp_part *out)
+{
+    if (!l || !out || l->block_size < 1 || l->head_dim < 1 || pd_dtype_size(l->dtype) == 0)
+        return PD_EINVAL;
+    int32_t h0, nh;
+    int rc = kvt_tp_heads(l->n_kv_heads, n_ranks, rank, &h0, &nh);
+    if (rc < 0) return rc;
+    const size_t head = (size_t)l->head_dim * pd_dtype_size(l->dtype);
+    *out = (kvt_tp_part){.head0 = h0, .n_heads = nh, .rows = (size_t)l->block_size,
+                         .row_bytes = (size_t)nh * head,
+                         .rank_block_bytes = (size_t)l->block_size * (size_t)nh * head,
+                         .whole_block_bytes = kvt_layout_block_bytes(l),
+                         .whole_pitch = (size_t)l->n_kv_heads * head,
+                         .whole_offset = (size_t)h0 * head,
+                         .gathered = n_ranks <= l->n_kv_heads ||
+                                     rank % (n_ranks / l->n_kv_heads) == 0};
+    return 0;
+}
+
 /* Moves blocks ids[0..n) between the ranks' regions and host (n whole-layout blocks). Gather
  * (out) reads each head from the first rank that holds it; scatter writes every rank, the
  * replicas too. */
 static int tp_move(const kvt_layout *l, int32_t n_ranks, void *const *rank_region,
                    int32_t n_blocks, const int32_t *ids, int32_t n, void *host, bool out)
 {
-    if (!l || !rank_region || !ids || !host || n < 0 || n_blocks < 1 || l->block_size < 1 ||
-        l->head_dim < 1 || pd_dtype_size(l->dtype) == 0)
+    if (!l || !rank_region || !ids || !host || n < 0 || n_blocks < 1 || n_ranks < 1)
         return PD_EINVAL;
-    const int32_t H = l->n_kv_heads, T = l->block_size;
-    const size_t head = (size_t)l->head_dim * pd_dtype_size(l->dtype);
-    const size_t whole = kvt_layout_block_bytes(l);
     for (int32_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= n_blocks) return PD_EINVAL;
     for (int32_t r = 0; r < n_ranks; r++) {
-        int32_t h0, nh;
-        int rc = kvt_tp_heads(H, n_ranks, r, &h0, &nh);
+        kvt_tp_part p;
+        int rc = kvt_tp_part_of(l, n_ranks, r, &p);
         if (rc < 0) return rc;
         if (!rank_region[r]) return PD_EINVAL;
-        if (out && n_ranks > H && r % (n_ranks / H)) continue; /* a replica: read the first */
-        const size_t part = (size_t)nh * head, rblock = (size_t)T * part;
+        if (out && !p.gathered) continue;
         for (int32_t i = 0; i < n; i++) {
-            uint8_t *rb = (uint8_t *)rank_region[r] + (size_t)ids[i] * rblock;
-            uint8_t *hb = (uint8_t *)host + (size_t)i * whole + (size_t)h0 * head;
-            for (int32_t t = 0; t < T; t++) {
-                if (out) memcpy(hb + (size_t)t * H * head, rb + (size_t)t * part, part);
-                else memcpy(rb + (size_t)t * part, hb + (size_t)t * H * head, part);
+            uint8_t *rb = (uint8_t *)rank_region[r] + (size_t)ids[i] * p.rank_block_bytes;
+            uint8_t *hb = (uint8_t *)host + (size_t)i * p.whole_block_bytes + p.whole_offset;
+            for (size_t t = 0; t < p.rows; t++) {
+                if (out) memcpy(hb + t * p.whole_pitch, rb + t * p.row_bytes, p.row_bytes);
+                else memcpy(rb + t * p.row_bytes, hb + t * p.whole_pitch, p.row_bytes);
             }
         }
     }

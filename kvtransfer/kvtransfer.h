@@ -411,8 +411,10 @@ void kvt_send_destroy(kvt_send *s);
 /* A tensor-parallel instance (docs/tensor-parallel.md) holds each block on every rank, rank r
  * with its KV heads only. What moves on the wire is always the whole layout (every KV head in
  * model order, as a single-rank pool holds it): such an instance's pool is staged
- * (kvt_pool_params.staged) and its stage_out / stage_in gather from and scatter to the ranks
- * with the two functions below, so any sender degree meets any receiver degree. */
+ * (kvt_pool_params.staged) and its stage_out / stage_in gather from and scatter to the ranks,
+ * so any sender degree meets any receiver degree. The services do that with each rank's
+ * backend (a strided copy a rank, placed by kvt_tp_part_of; common/svc/svc_kvdev.c);
+ * kvt_tp_gather / kvt_tp_scatter below are the same moves in host memory (the reference). */
 #define KVT_TP_MAX 64
 /* The KV heads rank of n_ranks holds (the engine's rule, pd_shard_of): with n_ranks <=
  * n_kv_heads, n_kv_heads / n_ranks of them from rank * that; with more ranks, one head,
@@ -420,6 +422,24 @@ void kvt_send_destroy(kvt_send *s);
  * or PD_EINVAL when the counts do not divide or rank is out of range. */
 int kvt_tp_heads(int32_t n_kv_heads, int32_t n_ranks, int32_t rank, int32_t *head0,
                  int32_t *n_heads);
+/* Where rank's KV heads sit in its own blocks and in a whole-layout block of l: a block is
+ * block_size token rows ([block_size][heads][head_dim]), so the rank's heads of a block are
+ * `rows` runs of row_bytes, contiguous in its own block and whole_pitch apart from
+ * whole_offset in the whole one (a strided copy: pd_copy_rows in kernels/backend.h). */
+typedef struct {
+    int32_t head0, n_heads;      /* the rank's KV heads (kvt_tp_heads) */
+    size_t rows;                 /* token rows a block (block_size) */
+    size_t row_bytes;            /* the rank's heads of one row */
+    size_t rank_block_bytes;     /* a block of the rank's region: rows * row_bytes */
+    size_t whole_block_bytes;    /* a whole-layout block (kvt_layout_block_bytes) */
+    size_t whole_pitch;          /* a whole row: n_kv_heads * head bytes */
+    size_t whole_offset;         /* the rank's first head in a whole row: head0 * head bytes */
+    bool gathered;               /* the gather reads its heads from this rank: it is the first
+                                  * rank holding them (replicas are not read) */
+} kvt_tp_part;
+/* Fills *out for rank of n_ranks. Returns 0, or PD_EINVAL (the counts do not divide, rank out
+ * of range, a bad layout). */
+int kvt_tp_part_of(const kvt_layout *l, int32_t n_ranks, int32_t rank, kvt_tp_part *out);
 /* Gathers blocks ids[0..n) of one region (K or V of a layer) from the ranks' regions
  * rank_region[0..n_ranks) (each [n_blocks][block_size][its heads][head_dim]) into host as n
  * whole-layout blocks of l (l->n_kv_heads is the model's). A replicated head is read from the
