@@ -112,6 +112,9 @@ struct mr {
     int64_t fault_forward;
     bool fault_after;
     bool fault_now;               /* a rank's: fail half-way through this forward's layers */
+    tp_lsync *lsync;              /* the group's, shared by its ranks (borrowed there): each
+                                   * layer's KV events while hooked (mr_layer_events) */
+    pd_backend **rank_be;         /* the group's: [n_ranks] the ranks' backends */
 };
 
 struct mr_gate {
@@ -377,6 +380,8 @@ void mr_destroy(mr *r)
     if (!r) return;
     if (r->ranks) { /* a group: its threads first, then the ranks' runners */
         tp_pool_destroy(r->pool);
+        tp_lsync_destroy(r->lsync); /* (its events before the ranks' backends go) */
+        free(r->rank_be);
         for (int32_t k = 0; k < r->n_ranks; k++) mr_destroy(r->ranks[k]);
         if (r->gate) {
             pthread_mutex_destroy(&r->gate->mu);
@@ -481,6 +486,12 @@ int mr_clone_blocks(mr *r, const int32_t *src, const int32_t *dst, int32_t n, ch
     if (rc < 0)
         return pd_errf(err, rc, "tensor parallel rank %d: %s", bad, bad >= 0 ? r->rank_err[bad] : "");
     return 0;
+}
+
+int mr_layer_events(mr *r, int32_t layer, void **ev)
+{
+    if (!r->ranks || !r->layer_fn) return PD_EINVAL;
+    return tp_lsync_take(r->lsync, layer, ev);
 }
 
 void mr_kv_cache_rank(const mr *r, int32_t rank, int32_t layer, void **k, void **v)
@@ -680,12 +691,6 @@ static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err
     return upload_meta_from(r, r->h_meta, false, PD_SAMPLE_SYNC_SLOT, b, T, S, err);
 }
 
-/* run_layers on a rank of a tensor-parallel group: the same stack on this rank's heads and
- * MLP columns. o_proj and down give partial products of the whole rows, into r->h, which the
- * all-reduce sums (the same bits on every rank); the residual add is then fused with the next
- * norm (rmsnorm with a residual), so the residual stream r->a stays the same on every rank.
- * The KV hook (rank 0) runs after the attention block's all-reduce, which every rank reaches
- * only after its layer's KV store. decode_layers is not offered (it has no all-reduce). */
 static double mr_now_s(void)
 {
     struct timespec ts;
@@ -693,6 +698,14 @@ static double mr_now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* run_layers on a rank of a tensor-parallel group: the same stack on this rank's heads and
+ * MLP columns. o_proj and down give partial products of the whole rows, into r->h, which the
+ * all-reduce sums (the same bits on every rank); the residual add is then fused with the next
+ * norm (rmsnorm with a residual), so the residual stream r->a stays the same on every rank.
+ * The KV hook (rank 0) runs after the attention block's all-reduce, which every rank reaches
+ * only after its layer's KV store, and once every rank's thread recorded its event after its
+ * store (tp_lsync: on GPUs the ranks' threads queue their work without waiting for each
+ * other). decode_layers is not offered (it has no all-reduce). */
 static int run_layers_tp(mr *r, int32_t T, pd_linear_args *lqkv, pd_rope_args *ra,
                          pd_attn_args *aa, int (*attention)(void *, const pd_attn_args *),
                          bool final, char *err)
@@ -739,6 +752,8 @@ static int run_layers_tp(mr *r, int32_t T, pd_linear_args *lqkv, pd_rope_args *r
         aa->k_cache = r->k_cache[l];
         aa->v_cache = r->v_cache[l];
         TCALL(2, o->rope_store_kv(x, ra));
+        /* hooked: this rank's event after its store, on its own stream (tp.h) */
+        if (r->layer_fn) tp_lsync_stored(r->lsync, r->rank, l);
         TCALL(3, attention(x, aa));
         lo.w = w->o_proj;
         lo.bias = w->o_bias; /* rank 0's only */
@@ -748,7 +763,13 @@ static int run_layers_tp(mr *r, int32_t T, pd_linear_args *lqkv, pd_rope_args *r
                            "(PDSERVE_FAULT_TP_RANK)");
         if (!skip_ar)
             TCALL(7, cm->ops->all_reduce_sum(cm->ctx, r->rank, r->h, o->act_dtype, n_sum));
-        if (r->layer_fn && r->rank == 0) r->layer_fn(r->layer_arg, l);
+        if (r->layer_fn && r->rank == 0) {
+            /* once every rank queued its store (their threads may lag rank 0's) */
+            if (!tp_lsync_wait(r->lsync, l))
+                return pd_errf(err, PD_EBACKEND, "tensor parallel: another rank failed before "
+                               "its KV store of layer %d", l);
+            r->layer_fn(r->layer_arg, l);
+        }
         /* MLP block */
         TCALL(0, o->rmsnorm(x, r->h, r->a, w->mlp_norm, T, hs, c->rms_eps, r->h));
         lgu.w = w->gate_up;
@@ -1075,6 +1096,7 @@ static int rank_forward(void *arg, int32_t rank)
     else
         rc = forward(r, f->b, rank == 0 ? f->logits : NULL, rank == 0 ? f->s : NULL,
                      g->rank_err[rank]);
+    if (rc < 0) tp_lsync_fail(g->lsync); /* rank 0 may wait for this rank's KV store */
     int none = -1;
     if (rc < 0 && !r->gate_met) {
         /* failed before the gate: the others learn it there and launch nothing */
@@ -1099,7 +1121,9 @@ static int group_forward(mr *g, const mr_batch *b, float *logits, const mr_sampl
     if (rc < 0) return rc;
     fan_arg f = {.g = g, .b = b, .logits = logits, .s = s, .forward_no = ++g->forwards};
     atomic_init(&f.first_bad, -1);
+    tp_lsync_reset(g->lsync);
     rc = tp_pool_run(g->pool, rank_forward, &f, NULL);
+    tp_lsync_reset(g->lsync); /* the events the hook did not take */
     if (rc < 0) {
         g->broken = true;
         const int32_t bad = atomic_load(&f.first_bad); /* not a rank woken by the abort */
@@ -1174,6 +1198,15 @@ int mr_create_tp(const mr_params *p, const pd_model *const *shards, int32_t n_ra
                     "%d and a forward from 1", fault, n_ranks);
         }
     }
+    g->rank_be = calloc((size_t)n_ranks, sizeof *g->rank_be);
+    if (!g->rank_be) {
+        rc = pd_errf(err, PD_ENOMEM, "out of memory");
+        goto fail;
+    }
+    for (int32_t k = 0; k < n_ranks; k++) g->rank_be[k] = shards[k]->be;
+    if ((rc = tp_lsync_create(n_ranks, shards[0]->cfg.n_layers, g->rank_be, &g->lsync, err)) < 0)
+        goto fail;
+    for (int32_t k = 0; k < n_ranks; k++) g->ranks[k]->lsync = g->lsync;
     /* The ranks' pools were sized alike unless from each device's free memory: the group
      * uses the smallest (the others' extra blocks stay unused). */
     g->p = g->ranks[0]->p;

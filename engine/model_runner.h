@@ -122,9 +122,21 @@ int64_t mr_graph_steps(const mr *r);
  * the backend (not synchronized: the hook orders its use after the store, by an op on the
  * same stream such as kv_blocks_copy, which waits for it, or by event_record for a copy on
  * another stream). Set with mr_set_layer_hook; NULL fn removes it. Runs on the forward's
- * thread. */
+ * thread. A tensor-parallel runner calls it on rank 0 (the caller's thread) after the
+ * layer's attention all-reduce and once every rank has queued its store of the layer, each
+ * rank having recorded an event on its own stream right after it (mr_layer_events). */
 typedef void (*mr_layer_fn)(void *arg, int32_t layer);
 void mr_set_layer_hook(mr *r, mr_layer_fn fn, void *arg);
+
+/* Inside the layer hook of a tensor-parallel runner: moves into ev[mr_n_ranks(r)] the events
+ * each rank recorded on its own stream (its backend's event_record, on its thread) right
+ * after it queued layer's KV store, so that a copy of rank k's heads on rank k's device
+ * ordered after ev[k] reads the layer's final values without waiting for the other ranks.
+ * ev[k] is of rank k's backend; the caller owns them (event_release on that backend); those
+ * not taken are released after the forward. Returns 0; PD_EBACKEND (every ev[k] NULL) when a
+ * rank's event is missing (its record failed, or taken before); PD_EINVAL outside a hook or
+ * on a single-rank runner (whose hook records its own event). */
+int mr_layer_events(mr *r, int32_t layer, void **ev);
 
 /* Copies KV blocks src[i] over dst[i] (host arrays, n pairs) in every layer's K and V, in
  * order with the forwards (the backend's kv_blocks_clone): the copy on write of an n > 1

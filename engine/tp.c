@@ -1,5 +1,6 @@
 /* tp.c -- Rank threads (a generation counter under one mutex: a run publishes its job and
- * wakes them; each runs it and counts itself done) and the loading of a model on n ranks. */
+ * wakes them; each runs it and counts itself done), each layer's KV readiness on every rank
+ * (a counter a rank under one mutex) and the loading of a model on n ranks. */
 #include "engine/tp.h"
 
 #include <pthread.h>
@@ -126,6 +127,127 @@ int tp_pool_run(tp_pool *p, tp_fn fn, void *arg, int32_t *rank_out)
             return p->rc[r];
         }
     return 0;
+}
+
+struct tp_lsync {
+    int32_t n_ranks, n_layers;
+    pd_backend *const *be;       /* [n_ranks] (borrowed) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int32_t *stored;             /* [n_ranks] layers rank r marked stored in this forward */
+    bool failed;                 /* a rank failed in this forward */
+    void **ev;                   /* [n_layers][n_ranks] rank r's event of the layer, or NULL */
+};
+
+int tp_lsync_create(int32_t n_ranks, int32_t n_layers, pd_backend *const *be, tp_lsync **out,
+                    char *err)
+{
+    *out = NULL;
+    if (n_ranks < 1 || n_layers < 1 || !be)
+        return pd_errf(err, PD_EINVAL, "tensor parallel: %d ranks of %d layers", n_ranks,
+                       n_layers);
+    tp_lsync *s = calloc(1, sizeof *s);
+    if (!s) return pd_errf(err, PD_ENOMEM, "out of memory");
+    s->n_ranks = n_ranks;
+    s->n_layers = n_layers;
+    s->be = be;
+    s->stored = calloc((size_t)n_ranks, sizeof *s->stored);
+    s->ev = calloc((size_t)n_ranks * (size_t)n_layers, sizeof *s->ev);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    if (!s->stored || !s->ev) {
+        tp_lsync_destroy(s);
+        return pd_errf(err, PD_ENOMEM, "out of memory");
+    }
+    *out = s;
+    return 0;
+}
+
+/* Releases the events nobody took (no rank running). */
+static void lsync_drop(tp_lsync *s)
+{
+    for (int32_t l = 0; l < s->n_layers; l++)
+        for (int32_t r = 0; r < s->n_ranks; r++) {
+            void **e = &s->ev[(size_t)l * (size_t)s->n_ranks + (size_t)r];
+            if (*e && s->be[r]->ops->event_release) s->be[r]->ops->event_release(s->be[r]->ctx, *e);
+            *e = NULL;
+        }
+}
+
+void tp_lsync_destroy(tp_lsync *s)
+{
+    if (!s) return;
+    if (s->ev) lsync_drop(s);
+    pthread_cond_destroy(&s->cv);
+    pthread_mutex_destroy(&s->mu);
+    free(s->stored);
+    free(s->ev);
+    free(s);
+}
+
+void tp_lsync_reset(tp_lsync *s)
+{
+    lsync_drop(s);
+    memset(s->stored, 0, (size_t)s->n_ranks * sizeof *s->stored);
+    s->failed = false;
+}
+
+void tp_lsync_stored(tp_lsync *s, int32_t rank, int32_t layer)
+{
+    if (rank < 0 || rank >= s->n_ranks || layer < 0 || layer >= s->n_layers) return;
+    const pd_backend *b = s->be[rank];
+    void *e = NULL;
+    if (b->ops->event_record && b->ops->event_record(b->ctx, &e) < 0) {
+        PD_LOGE("tensor parallel rank %d: cannot record layer %d's KV event", rank, layer);
+        e = NULL;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->ev[(size_t)layer * (size_t)s->n_ranks + (size_t)rank] = e;
+    s->stored[rank] = layer + 1;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+bool tp_lsync_wait(tp_lsync *s, int32_t layer)
+{
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        int32_t r = 0;
+        while (r < s->n_ranks && s->stored[r] > layer) r++;
+        if (s->failed || r == s->n_ranks) break;
+        pthread_cond_wait(&s->cv, &s->mu);
+    }
+    const bool ok = !s->failed;
+    pthread_mutex_unlock(&s->mu);
+    return ok;
+}
+
+void tp_lsync_fail(tp_lsync *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->failed = true;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+int tp_lsync_take(tp_lsync *s, int32_t layer, void **ev)
+{
+    if (layer < 0 || layer >= s->n_layers) return PD_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    void **row = &s->ev[(size_t)layer * (size_t)s->n_ranks];
+    bool all = true;
+    for (int32_t r = 0; r < s->n_ranks; r++) {
+        ev[r] = row[r];
+        row[r] = NULL;
+        all = all && ev[r];
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (all) return 0;
+    for (int32_t r = 0; r < s->n_ranks; r++) {
+        if (ev[r] && s->be[r]->ops->event_release) s->be[r]->ops->event_release(s->be[r]->ctx, ev[r]);
+        ev[r] = NULL;
+    }
+    return PD_EBACKEND;
 }
 
 int tp_group_load(const tp_group_params *p, tp_group **out, char *err)

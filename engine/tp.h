@@ -29,6 +29,41 @@ int32_t tp_pool_size(const tp_pool *p);
  * NULL, receives that rank, -1 when none). One call at a time; not reentrant. */
 int tp_pool_run(tp_pool *p, tp_fn fn, void *arg, int32_t *rank_out);
 
+/* ---- each layer's KV readiness on every rank (a layer hook's events) ----
+ * While a tensor-parallel runner has a layer hook (mr_set_layer_hook), every rank, on its own
+ * thread, records an event on its own stream right after it queued a layer's KV store and
+ * marks the layer stored here; rank 0 waits until every rank has before it calls the hook,
+ * which may take the events (mr_layer_events). The wait is for the other threads to have
+ * queued the store, never for a device: rank 0 gets there after the layer's attention
+ * all-reduce, which on the CPU is a barrier that every rank entered after its store (no
+ * wait at all), and on GPUs is queued without waiting for the others' threads. */
+
+typedef struct tp_lsync tp_lsync; /* opaque */
+
+/* For n_ranks ranks of n_layers layers; be[r] (borrowed; must outlive it) records rank r's
+ * events (its event_record; a backend without one records none: NULL events). Returns 0,
+ * PD_EINVAL, PD_ENOMEM. Free with tp_lsync_destroy (NULL is a no-op), which releases the
+ * events nobody took. */
+int tp_lsync_create(int32_t n_ranks, int32_t n_layers, pd_backend *const *be, tp_lsync **out,
+                    char *err);
+void tp_lsync_destroy(tp_lsync *s);
+/* Before a forward, while no rank runs: releases the events left untaken and marks nothing
+ * stored, no rank failed. */
+void tp_lsync_reset(tp_lsync *s);
+/* Rank `rank`'s thread, after it queued layer's KV store: records its event and marks the
+ * layer stored (a failed record leaves the event NULL, logged). */
+void tp_lsync_stored(tp_lsync *s, int32_t rank, int32_t layer);
+/* Rank 0's thread: returns true once every rank marked layer stored, false as soon as a rank
+ * failed in this forward (tp_lsync_fail). */
+bool tp_lsync_wait(tp_lsync *s, int32_t layer);
+/* A rank failed in this forward: every wait returns false from now until the next reset. */
+void tp_lsync_fail(tp_lsync *s);
+/* After tp_lsync_wait(layer) returned true: moves the ranks' events of layer into ev[n_ranks]
+ * (each released with its rank's backend's event_release). Returns 0 when every rank's is
+ * there; PD_EBACKEND, with every ev[r] NULL and nothing held, when one is missing (not
+ * recorded, or taken before); PD_EINVAL for a layer out of range. */
+int tp_lsync_take(tp_lsync *s, int32_t layer, void **ev);
+
 /* ---- a model on n ranks ---- */
 
 typedef struct {
