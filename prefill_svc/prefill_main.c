@@ -107,10 +107,10 @@ static preq *map_get(uint64_t id)
     return r;
 }
 
-/* Releases a backend event (a layer's readiness that was not handed on). */
+/* Releases a layer's readiness that was not handed on (svc_kv_layer_ready's handle). */
 static void release_event(void *ev)
 {
-    if (ev) g.model.be->ops->event_release(g.model.be->ctx, ev);
+    svc_kv_ready_release(&g.model, ev);
 }
 
 static double now_s(void)
@@ -335,15 +335,12 @@ static void on_layer(void *arg, int32_t layer)
     j->ids = (uint64_t *)(j + 1);
     j->after = (void **)(j->ids + g_step_n);
     memcpy(j->ids, g_step_ids, (size_t)g_step_n * sizeof(uint64_t));
-    for (int32_t i = 0; i < g_step_n; i++) {
-        /* GPU KV (device path or the staging ring): an event after the layer's store; the
-         * copies wait on the device, nothing waits here. (CPU KV is final when this runs.) */
-        if (g_staged && g.model.be->ops->event_record(g.model.be->ctx, &j->after[i]) < 0) {
-            PD_LOGE("KV transfer: cannot record layer %d's event", layer);
-            j->after[i] = NULL; /* its transfer then fails by its deadline */
-            j->ids[i] = 0;
-        }
-    }
+    /* GPU KV (device path or the staging ring) and tensor parallelism: an event after the
+     * layer's store (every rank's own, with tensor parallelism); the copies wait on the
+     * device, nothing waits here. (A single-rank CPU pool's KV is final when this runs.) */
+    if (g_staged && svc_kv_layer_ready(&g.model, layer, g_step_n, j->after) > 0)
+        for (int32_t i = 0; i < g_step_n; i++)
+            if (!j->after[i]) j->ids[i] = 0; /* its transfer then fails by its deadline */
     if (svc_kvt_post(g.kvt, do_layer, j) < 0) layer_job_free(j);
 }
 

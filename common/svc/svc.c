@@ -226,10 +226,12 @@ int svc_kv_pool_create(kvt_ctx *ctx, svc_model *m, kvt_pool **out, char *err)
         free(v);
         return rc;
     }
-    if (mr_n_ranks(m->runner) > 1 && strcmp(m->be->ops->name, "cpu") != 0)
-        return pd_errf(err, PD_EUNSUPPORTED, "--tensor-parallel %d on the %s backend: the KV "
-                       "transfer of a tensor-parallel instance runs on the CPU backend only so "
-                       "far (use --colocated)", mr_n_ranks(m->runner), m->be->ops->name);
+    const bool tp = mr_n_ranks(m->runner) > 1;
+    if (tp && (!svc_kv_stage_ops(m) || !m->kvdev))
+        return pd_errf(err, PD_EUNSUPPORTED, "--tensor-parallel %d on the %s backend: moving a "
+                       "tensor-parallel instance's KV needs the backend's copy queue with "
+                       "strided copies (event_*, copyq_* and copyq_rows ops), which it lacks "
+                       "(use --colocated)", mr_n_ranks(m->runner), m->be->ops->name);
     if (!svc_kv_stage_ops(m) || !m->kvdev)
         return pd_errf(err, PD_EUNSUPPORTED, "the %s backend has no copy queue (event_* and "
                        "copyq_* ops), which moving its KV needs", m->be->ops->name);
@@ -237,10 +239,11 @@ int svc_kv_pool_create(kvt_ctx *ctx, svc_model *m, kvt_pool **out, char *err)
      * cross-host GPU path) registers the device cache as the pool; otherwise the device cache
      * is staged, reached through a bounded ring of pinned host slots. Either way a sender
      * that can map the device export goes device to device. PDSERVE_KV_UCX_CUDA=0 keeps the
-     * ring where UCX has CUDA support. */
+     * ring where UCX has CUDA support. A tensor-parallel instance always takes the ring (its
+     * ranks' caches are not the whole layout that moves). */
     const char *uc = getenv("PDSERVE_KV_UCX_CUDA");
     bool ucx_cuda = (kvt_ctx_mem_types(ctx) & (1u << KVT_MEM_CUDA)) && strcmp(m->be->ops->name, "cpu") &&
-                    !(uc && !strcmp(uc, "0"));
+                    !(uc && !strcmp(uc, "0")) && !tp;
     void **k = NULL, **v = NULL;
     if (ucx_cuda) {
         k = calloc((size_t)L, sizeof *k);
@@ -509,6 +512,10 @@ int svc_kvt_start(const char *name, kvt_event_fn on_event, void *arg, svc_model 
         strcmp(svc__kv_transport, "host"))
         return pd_errf(err, PD_EINVAL, "--kv-transport %s: give auto, device or host",
                        svc__kv_transport);
+    if (!strcmp(svc__kv_transport, "device") && mr_n_ranks(m->runner) > 1)
+        return pd_errf(err, PD_EUNSUPPORTED, "--kv-transport device: a tensor-parallel "
+                       "instance's KV moves through the staging ring (the device-to-device "
+                       "path takes single-rank instances only)");
     if (!strcmp(svc__kv_transport, "device") && !svc_kv_device_on(m))
         return pd_errf(err, PD_EUNSUPPORTED, "--kv-transport device: the %s backend cannot move "
                        "KV device to device", m->be->ops->name);

@@ -111,8 +111,9 @@ const char *svc_kv_dtype_name(int proto_dtype);
  * bounded ring of pinned host slots (--kv-staging-mb) with the backend's copy queue; on the
  * CPU the cache itself is registered (zero copy). The environment variable
  * PDSERVE_KV_STAGING=1 forces the staged path on the CPU (for tests). A tensor-parallel
- * instance's pool is always staged: its copies gather the ranks' KV heads into the whole
- * layout and scatter them back (kvt_tp_gather / kvt_tp_scatter; CPU backend only so far). */
+ * instance's pool is always staged, on every backend: its copies gather the ranks' KV heads
+ * into the whole layout and scatter them back, each rank with its own backend's copy queue
+ * (copyq_rows; the layout of kvt_tp_gather / kvt_tp_scatter). */
 bool svc_kv_staged(const svc_model *m);
 /* kvt thread (during setup, before the engine runs; after svc_kv_device_params): creates
  * the kvtransfer pool of m's KV: the engine's cache itself (CPU), or when staged a staged
@@ -216,8 +217,27 @@ void svc_kvt_stop(svc_kvt *kvt, svc_model *m, kvt_pool **pool);
  * copy stream ordered after the layer's event: no host copy, no wait on the engine thread.
  * Otherwise (CPU, other host, no peer access, --kv-transport host) the host pool moves it. */
 
-/* Whether the backend has the copy queue (event_* and copyq_* ops) staged pools need. */
+/* Whether the backend has the copy queue (event_* and copyq_* ops) staged pools need; a
+ * tensor-parallel instance's also needs copyq_rows (each rank's KV heads of a block). */
 bool svc_kv_stage_ops(const svc_model *m);
+/* Engine thread, in the layer hook of a prefill forward whose KV moves through the device
+ * path or the staging ring (svc_kv_staged): fills after[0..n) with n handles of layer's
+ * readiness for kvt_send_layer_ready_after, one for each request of the step. One rank: an
+ * event recorded on the compute stream now, each. Tensor parallelism: one set of the events
+ * every rank recorded on its own stream right after its store of the layer
+ * (mr_layer_events), shared by the n handles; each rank's copies wait for its own. kvt
+ * releases a handle it was given; svc_kv_ready_release releases one that was not. Returns
+ * how many handles are NULL (could not be made; logged): their transfers then fail by their
+ * deadlines. */
+int svc_kv_layer_ready(svc_model *m, int32_t layer, int32_t n, void **after);
+/* Releases a handle of svc_kv_layer_ready. NULL is a no-op. */
+void svc_kv_ready_release(svc_model *m, void *h);
+/* The strided copy (a backend's copyq_rows) that moves a tensor-parallel rank's heads of its
+ * blocks ids[0..n) (p: kvt_tp_part_of) between its region (a layer's K or V) and a slot of n
+ * whole-layout blocks (block i at slot + i * whole block bytes): slot <- region (gather) or
+ * region <- slot. n <= 64. The staged pool's copies on each rank; public for tests. */
+pd_copy_rows svc_kv_tp_rows(const kvt_tp_part *p, void *region, const int32_t *ids, void *slot,
+                            int32_t n, bool gather);
 /* Whether the device path is on for m (backend ops present and --kv-transport not host). */
 bool svc_kv_device_on(const svc_model *m);
 /* Fills kvt_params.device (the copy queue is made on the kvt thread at first use): the device
