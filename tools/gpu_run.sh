@@ -42,8 +42,17 @@
 #             all-reduces of one row) and 64, prefill of 2k prompts against 4 GPUs' GEMM rate;
 #             Llama-3-8B shape batch-1 decode at TP 1 and TP 2. Logs in $OUT/tpbench/, a table
 #             at the end. TPB_SKIP="70b 8b torch" leaves parts out.
+#   tpkv      KV transfer between tensor-parallel degrees on the GPUs (needs 2; 4 for the
+#             degree 4 pairs): test_cuda_tpkv (the strided copy op against the CPU's on every
+#             GPU, and stories260k's staged pool at TP 2 / 4), then tools/gpu_tpkv.py: a router
+#             (every prompt through the prefill instance) over pdserve-prefill at TP p and
+#             pdserve-decode at TP d with --backend cuda, (p, d) = (2, 1), (1, 2), (2, 2) and
+#             with 4 GPUs (1, 4), (4, 2): greedy from BOS must give the golden story's first 64
+#             tokens and three longer prompts sent at once colocated TP 1's tokens (at least
+#             the first 32; bf16 may drift later); one line per pair (ok / DIFFERS), logs in
+#             $OUT/tpkv-*/. NCCL as for tp.
 # Logs go to $OUT (default /tmp/pd-gpu). PD_GPU_DIR names the package folder (default .gpu). Exit status: 0 when every step passed.
-#   tools/gpu_run.sh [bench] [kvshare] [profile] [sanitize] [services] [perf] [tp] [tpbench]
+#   tools/gpu_run.sh [bench] [kvshare] [profile] [sanitize] [services] [perf] [tp] [tpbench] [tpkv]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/gpu_env.sh # unpacks .gpu/, sets LD_LIBRARY_PATH, OUT, G, PDSERVE_SHARED
@@ -514,5 +523,16 @@ w = [max(len(r[i]) for r in rows) for i in range(4)] if rows else []
 for r in rows:
     print("%-*s  %-*s  %-*s  %s" % (w[0], r[0], w[1], r[1], w[2], r[2], r[3]))
 PY
+fi
+if has tpkv; then
+    find_nccl
+    TAIL=12 step test_cuda_tpkv "$G/bin/test_cuda_tpkv"
+    if [ "$NGPU" -ge 2 ]; then
+        # Python without the packed libraries (it links the system's); the binaries get them.
+        env -u LD_LIBRARY_PATH PD_LIBS="$LD_LIBRARY_PATH" python3 tools/gpu_tpkv.py "$G/bin" \
+            "$PDSERVE_SHARED/models/stories260k" "$OUT" "$NGPU" || rc=1
+    else
+        echo "== tpkv: $NGPU GPU: the prefill / decode pairs need 2"
+    fi
 fi
 exit $rc
