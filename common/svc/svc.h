@@ -235,7 +235,8 @@ void svc_kv_ready_release(svc_model *m, void *h);
 /* The strided copy (a backend's copyq_rows) that moves a tensor-parallel rank's heads of its
  * blocks ids[0..n) (p: kvt_tp_part_of) between its region (a layer's K or V) and a slot of n
  * whole-layout blocks (block i at slot + i * whole block bytes): slot <- region (gather) or
- * region <- slot. n <= 64. The staged pool's copies on each rank; public for tests. */
+ * region <- slot. n <= 64 (a larger n gives a copy the op refuses). The staged pool's copies
+ * on each rank; public for tests. */
 pd_copy_rows svc_kv_tp_rows(const kvt_tp_part *p, void *region, const int32_t *ids, void *slot,
                             int32_t n, bool gather);
 /* Whether the device path is on for m (backend ops present and --kv-transport not host). */

@@ -295,8 +295,9 @@ static const int32_t g_iota[64] = {
     44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
 
 pd_copy_rows svc_kv_tp_rows(const kvt_tp_part *p, void *region, const int32_t *ids, void *slot,
-                        int32_t n, bool gather)
+                            int32_t n, bool gather)
 {
+    if (n > 64) n = -1; /* more than a slot: the op refuses it (PD_EINVAL) */
     /* the gather: from the rank's blocks ids[i] into whole block i of the slot */
     pd_copy_rows a = {.dst = slot, .src = region, .dst_ids = g_iota, .src_ids = ids, .n = n,
                       .rows = p->rows, .row_bytes = p->row_bytes,
