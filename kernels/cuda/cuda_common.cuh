@@ -79,6 +79,9 @@ typedef struct {
     cudaStream_t stream;
     bool use_memcpy;       /* PDSERVE_KV_COPY=memcpy: copy engine calls instead of kernels */
 } pd_copyq;
+/* Records an event on q after everything queued on it into *done (cuda_ipc.cu). Returns 0,
+ * PD_EBACKEND. */
+int pd_cuda__copyq_done(pd_copyq *q, void **done);
 
 /* PDSERVE_CUDA_STEP_TIMING=1 (diagnostics): where a graph step's time goes, with events on the
  * stream at its points (PD_ST_*) and the host's clock around it; averages to stderr every 256

@@ -111,13 +111,5 @@ extern "C" int pd_cuda__copyq_rows(void *ctx, void *qv, void *after, const pd_co
         }
         free(k);
     }
-    cudaEvent_t ev;
-    PD_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-    cudaError_t e = cudaEventRecord(ev, q->stream);
-    if (e != cudaSuccess) {
-        cudaEventDestroy(ev);
-        PD_CUDA_CHECK(e);
-    }
-    *done = (void *)ev;
-    return 0;
+    return pd_cuda__copyq_done(q, done);
 }

@@ -197,6 +197,21 @@ static int copy_runs(pd_copyq *q, void *const *dst, const void *const *src, int3
     return 0;
 }
 
+
+/* The event after everything queued on q so far, into *done (a copy's completion). */
+int pd_cuda__copyq_done(pd_copyq *q, void **done)
+{
+    cudaEvent_t ev;
+    PD_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    cudaError_t e = cudaEventRecord(ev, q->stream);
+    if (e != cudaSuccess) {
+        cudaEventDestroy(ev);
+        PD_CUDA_CHECK(e);
+    }
+    *done = (void *)ev;
+    return 0;
+}
+
 extern "C" int pd_cuda__copyq_blocks(void *ctx, void *qv, void *after, void *const *dst,
                                      const void *const *src, int32_t n_regions,
                                      const int32_t *dst_ids, const int32_t *src_ids, int32_t n,
@@ -241,13 +256,5 @@ extern "C" int pd_cuda__copyq_blocks(void *ctx, void *qv, void *after, void *con
         }
         free(a);
     }
-    cudaEvent_t ev;
-    PD_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-    cudaError_t e = cudaEventRecord(ev, q->stream);
-    if (e != cudaSuccess) {
-        cudaEventDestroy(ev);
-        PD_CUDA_CHECK(e);
-    }
-    *done = (void *)ev;
-    return 0;
+    return pd_cuda__copyq_done(q, done);
 }
