@@ -921,12 +921,8 @@ static int head_logits(mr *r, const void *x_rows, int32_t n, char *err)
 /* A decode graph's body: B single-token sequences, every row's logits into r->logits. */
 static int graph_body(mr *r, int32_t B, char *err)
 {
-    pd_backend *be = r->be;
-    const mc_config *c = &r->m->cfg;
     int rc = run_layers(r, B, B, 1, 0, B, true, true, err);
     if (rc != 0) return rc < 0 ? rc : 0; /* 1: the logits are written */
-    (void)be;
-    (void)c;
     return head_logits(r, r->h, B, err);
 }
 

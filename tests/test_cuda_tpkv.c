@@ -21,6 +21,7 @@
 
 #include "common/svc/svc.h"
 #include "tests/nccl_probe.h"
+#include "tests/svc_tp_util.h"
 #include "tests/test_util.h"
 
 #define NB 11     /* blocks of a rank's region in part 1 */
@@ -297,28 +298,12 @@ static void test_ordering(void)
 
 /* ---- part 2: a stories260k instance ---- */
 
-/* The ranks' regions of layer's K or V (device memory) and their size. */
-static void regions(svc_model *m, int32_t layer, int kv, void **reg, size_t *bytes)
-{
-    kvt_layout l;
-    svc_kv_layout(m, &l);
-    const int32_t N = mr_n_ranks(m->runner);
-    for (int32_t r = 0; r < N; r++) {
-        void *c[2];
-        kvt_tp_part p;
-        mr_kv_cache_rank(m->runner, r, layer, &c[0], &c[1]);
-        kvt_tp_part_of(&l, N, r, &p);
-        reg[r] = c[kv];
-        bytes[r] = (size_t)mr_n_blocks(m->runner) * p.rank_block_bytes;
-    }
-}
-
 /* The ranks' regions of layer's K or V downloaded into host[r] (malloc'ed). */
 static void download(svc_model *m, int32_t layer, int kv, void **host)
 {
     void *reg[8];
     size_t bytes[8];
-    regions(m, layer, kv, reg, bytes);
+    svc_tp_regions(m, layer, kv, reg, bytes);
     for (int32_t r = 0; r < mr_n_ranks(m->runner); r++) {
         host[r] = malloc(bytes[r]);
         CHECK_EQ_INT(region_io(m->tp->be[r], reg[r], host[r], bytes[r], true), 0);
@@ -359,16 +344,9 @@ static void hook(void *arg, int32_t layer)
 
 static void test_instance(int32_t n_tp)
 {
-    char err[PD_ERR_LEN], dir[512];
-    snprintf(dir, sizeof dir, "%s/models/stories260k", pd_test_shared_dir());
-    svc_model_flags f;
-    svc_model_flags_init(&f);
-    f.model = dir;
-    f.backend = "cuda";
-    f.kv_cache_mb = 16;
-    f.tensor_parallel = n_tp;
+    char err[PD_ERR_LEN];
     svc_model m;
-    int rc = svc_model_open(&f, ENG_MODE_PREFILL, &m, err);
+    int rc = svc_tp_open_stories("cuda", n_tp, 16, 0, &m, err);
     CHECK_MSG(rc == 0, "stories260k TP %d: %s", n_tp, err);
     if (rc < 0) return;
     CHECK(svc_kv_staged(&m) && svc_kv_stage_ops(&m) && !svc_kv_device_on(&m));
@@ -395,7 +373,7 @@ static void test_instance(int32_t n_tp)
         for (int kv = 0; kv < 2; kv++) {
             void *reg[8], *host[8], *tok = NULL;
             size_t bytes[8];
-            regions(&m, layer, kv, reg, bytes);
+            svc_tp_regions(&m, layer, kv, reg, bytes);
             for (int32_t r = 0; r < n_tp; r++) {
                 host[r] = malloc(bytes[r]);
                 fill_random(host[r], bytes[r]);
@@ -429,7 +407,7 @@ static void test_instance(int32_t n_tp)
         for (int kv = 0; kv < 2; kv++) {
             void *reg[8];
             size_t bytes[8];
-            regions(&m, layer, kv, reg, bytes);
+            svc_tp_regions(&m, layer, kv, reg, bytes);
             for (int32_t r = 0; r < n_tp; r++) {
                 void *ff = malloc(bytes[r]);
                 memset(ff, 0xff, bytes[r]);

@@ -103,6 +103,18 @@ static void run_alone_tokens(const eng_request *rq, int32_t *out, int32_t *n_out
     *fin = ref.finish;
 }
 
+/* Whether a choice's tokens (and, with check_fin, its finish) are those of choice c run alone
+ * (seed + c). */
+static bool same_as_alone(const eng_request *rq, int32_t c, const int32_t *got, int32_t n_got,
+                          seq_finish fin, bool check_fin)
+{
+    int32_t ref[64], n_ref;
+    seq_finish rf;
+    eng_request one = choice_alone(rq, c);
+    run_alone_tokens(&one, ref, &n_ref, &rf);
+    return n_got == n_ref && !memcmp(got, ref, (size_t)n_ref * 4) && (!check_fin || fin == rf);
+}
+
 static int64_t g_preemptions, g_cached, g_launches, g_chained, g_forks, g_fork_recomputed;
 static int64_t g_ended, g_ended_pipe, g_ended_early; /* choices ended: in all, while pipelined,
                                                        before their first token */
@@ -518,11 +530,7 @@ static void test_choices(void)
         CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 3); /* 2 full + choice 1's copy */
         CHECK(eng_check(e) == 0);
         CHECK_EQ_INT(drain_choices(e, got, n_got, fin), 1);
-        int32_t ref[64], n_ref;
-        seq_finish rf;
-        eng_request one = choice_alone(&rq, 1);
-        run_alone_tokens(&one, ref, &n_ref, &rf);
-        CHECK_MSG(n_got[1] == n_ref && !memcmp(got[1], ref, (size_t)n_ref * 4) && fin[1] == rf,
+        CHECK_MSG(same_as_alone(&rq, 1, got[1], n_got[1], fin[1], true),
                   "choice 1 differs from seed + 1 alone after its siblings were ended");
         CHECK(n_got[0] == 1 && n_got[2] == 1);
         CHECK_EQ_INT(eng_stats_get(e)->choices_ended, 2);
@@ -660,14 +668,9 @@ static void test_choices(void)
     seq_finish fin[3] = {0};
     for (int32_t c = 0; c < 3; c++) got[c][0] = firsts[c];
     CHECK_EQ_INT(drain_choices(e, got, n_got, fin), 1);
-    for (int32_t c = 0; c < 3; c++) {
-        int32_t ref[64], n_ref;
-        seq_finish rf;
-        eng_request one = choice_alone(&rq, c);
-        run_alone_tokens(&one, ref, &n_ref, &rf);
-        CHECK_MSG(n_got[c] == n_ref && !memcmp(got[c], ref, (size_t)n_ref * 4),
+    for (int32_t c = 0; c < 3; c++)
+        CHECK_MSG(same_as_alone(&rq, c, got[c], n_got[c], fin[c], false),
                   "decode-only choice %d differs from seed + %d alone", c, c);
-    }
     CHECK_EQ_INT(bm_n_used(eng_block_manager(e)), 0);
     /* max_tokens 1: every choice ends with its first token at admission */
     rq.stop.max_tokens = 1;
@@ -724,13 +727,11 @@ static void test_choices(void)
     CHECK(eng_check(e) == 0);
     CHECK_EQ_INT(drain_choices(e, got, n_got, fin), 1);
     {
+        CHECK_MSG(same_as_alone(&rq, 0, got[0], n_got[0], fin[0], true),
+                  "decode-only: choice 0 changed when its siblings were ended");
         int32_t ref[64], n_ref;
         seq_finish rf;
-        eng_request one = choice_alone(&rq, 0);
-        run_alone_tokens(&one, ref, &n_ref, &rf);
-        CHECK_MSG(n_got[0] == n_ref && !memcmp(got[0], ref, (size_t)n_ref * 4) && fin[0] == rf,
-                  "decode-only: choice 0 changed when its siblings were ended");
-        one = choice_alone(&rq, 2);
+        eng_request one = choice_alone(&rq, 2);
         run_alone_tokens(&one, ref, &n_ref, &rf);
         CHECK_MSG(n_got[2] >= 1 && n_got[2] < n_ref && !memcmp(got[2], ref, (size_t)n_got[2] * 4),
                   "decode-only: ended choice 2 has %d tokens, not a prefix of its %d alone",

@@ -121,18 +121,23 @@ extern "C" void pd_cuda__dev_close(void *ctx, void *base)
     if (base) (void)cudaIpcCloseMemHandle(base);
 }
 
-extern "C" int pd_cuda__event_record(void *ctx, void **ev)
+/* A new event recorded on stream after everything queued on it so far, into *out. */
+static int record_on(cudaStream_t stream, void **out)
 {
-    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     cudaEvent_t e;
     PD_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    cudaError_t r = cudaEventRecord(e, c->stream);
+    cudaError_t r = cudaEventRecord(e, stream);
     if (r != cudaSuccess) {
         cudaEventDestroy(e);
         PD_CUDA_CHECK(r);
     }
-    *ev = (void *)e;
+    *out = (void *)e;
     return 0;
+}
+
+extern "C" int pd_cuda__event_record(void *ctx, void **ev)
+{
+    return record_on(pd_cuda__ctx(ctx)->stream, ev);
 }
 
 extern "C" int pd_cuda__event_query(void *ctx, void *ev)
@@ -199,18 +204,7 @@ static int copy_runs(pd_copyq *q, void *const *dst, const void *const *src, int3
 
 
 /* The event after everything queued on q so far, into *done (a copy's completion). */
-int pd_cuda__copyq_done(pd_copyq *q, void **done)
-{
-    cudaEvent_t ev;
-    PD_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-    cudaError_t e = cudaEventRecord(ev, q->stream);
-    if (e != cudaSuccess) {
-        cudaEventDestroy(ev);
-        PD_CUDA_CHECK(e);
-    }
-    *done = (void *)ev;
-    return 0;
-}
+int pd_cuda__copyq_done(pd_copyq *q, void **done) { return record_on(q->stream, done); }
 
 extern "C" int pd_cuda__copyq_blocks(void *ctx, void *qv, void *after, void *const *dst,
                                      const void *const *src, int32_t n_regions,

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common/svc/svc.h"
+#include "tests/svc_tp_util.h"
 #include "tests/test_util.h"
 
 #define NB 9 /* blocks of a region in the op tests */
@@ -147,22 +148,6 @@ static void test_copy_rows(void)
     pd_backend_destroy(be);
 }
 
-/* The ranks' regions of layer l's K or V, and a copy of them. */
-static void regions(svc_model *m, int32_t layer, int kv, void **reg, size_t *bytes)
-{
-    kvt_layout l;
-    svc_kv_layout(m, &l);
-    const int32_t N = mr_n_ranks(m->runner);
-    for (int32_t r = 0; r < N; r++) {
-        void *c[2];
-        mr_kv_cache_rank(m->runner, r, layer, &c[0], &c[1]);
-        kvt_tp_part p;
-        kvt_tp_part_of(&l, N, r, &p);
-        reg[r] = c[kv];
-        bytes[r] = (size_t)mr_n_blocks(m->runner) * p.rank_block_bytes;
-    }
-}
-
 typedef struct {
     svc_model *m;
     const kvt_device_ops *ops;
@@ -192,7 +177,7 @@ static void hook(void *arg, int32_t layer)
     uint8_t *got = malloc(2 * whole), *want = malloc(2 * whole);
     void *reg[8];
     size_t bytes[8];
-    regions(m, layer, 1, reg, bytes);
+    svc_tp_regions(m, layer, 1, reg, bytes);
     void *tok = NULL;
     if (h->ops->stage_out(h->ops->arg, layer, 1, ids, 2, after[0], got, &tok) != 0 ||
         h->ops->poll(h->ops->arg, tok) != 1)
@@ -212,17 +197,9 @@ static void hook(void *arg, int32_t layer)
  * kvt_tp_gather / kvt_tp_scatter, then a forward's layer hook. */
 static void test_instance(int32_t n_tp)
 {
-    char err[PD_ERR_LEN], dir[512];
-    snprintf(dir, sizeof dir, "%s/models/stories260k", pd_test_shared_dir());
-    svc_model_flags f;
-    svc_model_flags_init(&f);
-    f.model = dir;
-    f.backend = "cpu";
-    f.threads = 1;
-    f.kv_cache_mb = 2;
-    f.tensor_parallel = n_tp;
+    char err[PD_ERR_LEN];
     svc_model m;
-    int rc = svc_model_open(&f, ENG_MODE_PREFILL, &m, err);
+    int rc = svc_tp_open_stories("cpu", n_tp, 2, 1, &m, err);
     CHECK_MSG(rc == 0, "TP %d: %s", n_tp, err);
     if (rc < 0) return;
     CHECK(svc_kv_staged(&m));
@@ -243,7 +220,7 @@ static void test_instance(int32_t n_tp)
     size_t bytes[8];
     for (int32_t layer = 0; ops && layer < L; layer += L - 1)
         for (int kv = 0; kv < 2; kv++) {
-            regions(&m, layer, kv, reg, bytes);
+            svc_tp_regions(&m, layer, kv, reg, bytes);
             for (int32_t r = 0; r < n_tp; r++) fill_random(reg[r], bytes[r]);
             void *tok = NULL;
             CHECK_EQ_INT(ops->stage_out(ops->arg, layer, kv, ids, 4, NULL, slot, &tok), 0);
