@@ -36,6 +36,11 @@ struct mr {
     void *kv;                     /* the whole pool: [n_layers][K, V][n_blocks][block elems] */
     void **k_cache, **v_cache;    /* [n_layers] pointers into kv */
     pd_layer_args *dl;            /* [n_layers]: weights and caches for decode_layers */
+    /* tensor parallelism: the communicator's handle for this rank's fused decode steps
+     * (pd_decode_args.tp), and the step sizes n (bit n) for which every rank's decode_layers
+     * takes them, decided once for the group (mr_create_tp): 0 = op by op */
+    void *tp_fused;
+    uint32_t tp_fused_ns;
     /* workspace (backend memory) */
     void *a, *h, *qkv, *attn, *gate_up, *act, *lh, *logits;
     /* a vocabulary-split head (tensor parallelism, pd_model.head_rows < vocab): this rank's
@@ -234,6 +239,7 @@ static int create_rank(const mr_params *p, const pd_model *m, pd_comm *comm, boo
     r->be = m->be;
     r->comm = comm;
     r->rank = m->shard.rank;
+    if (comm && comm->ops->fused_handle) r->tp_fused = comm->ops->fused_handle(comm->ctx, r->rank);
     const pd_shard *sh = &m->shard; /* this rank's heads and MLP columns */
     const pd_dtype act = r->be->ops->act_dtype;
     const size_t es = pd_dtype_size(act);
@@ -698,6 +704,45 @@ static double mr_now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* The decode_layers arguments of a step of T one-token sequences on this runner's (or rank's)
+ * workspace, metadata and layers, the embedding fused; no head. */
+static pd_decode_args decode_args(const mr *r, int32_t T)
+{
+    const mc_config *c = &r->m->cfg;
+    const pd_shard *sh = &r->m->shard;
+    return (pd_decode_args){
+        .layers = r->dl, .n_layers = c->n_layers, .resid = r->a, .qkv = r->qkv,
+        .attn = r->attn, .act = r->act, .n = T, .hidden = c->hidden_size,
+        .intermediate = sh->intermediate, .n_heads = sh->n_heads, .n_kv_heads = sh->n_kv_heads,
+        .head_dim = c->head_dim, .norm_eps = c->rms_eps, .positions = r->d_pos,
+        .slot_mapping = r->d_slots, .ctx_lens = r->d_ctx, .block_tables = r->d_bt,
+        .max_blocks_per_seq = r->max_blocks_per_seq, .block_size = r->p.block_size,
+        .sliding_window = c->sliding_window, .scale = (float)(1.0 / sqrt((double)c->head_dim)),
+        .inv_freq = r->inv_freq, .attn_factor = r->attn_factor, .ids = r->d_ids,
+        .embed = r->m->embed,
+    };
+}
+
+/* A decode step of T sequences on a rank of a group whose every rank's decode_layers takes it
+ * with the ranks' sums inside (tp_fused_ns): one kernel a step, as at TP 1, then (final) the
+ * final norm into r->h where the logits are made. Every rank decides alike (the same T, the
+ * same group-wide switches), so no rank runs this while another runs the ops with NCCL. */
+static int run_layers_tp_fused(mr *r, int32_t T, bool final, char *err)
+{
+    pd_backend *be = r->be;
+    const mc_config *c = &r->m->cfg;
+    pd_decode_args da = decode_args(r, T);
+    da.tp = r->tp_fused;
+    const int rc = be->ops->decode_layers(be->ctx, &da);
+    if (rc < 0)
+        return pd_errf(err, rc, "%s backend: decode_layers (tensor parallel rank %d) failed: %s",
+                       be->ops->name, r->rank, pd_strerror(rc));
+    if (final && (r->rank == 0 || r->m->head_rows < c->vocab_size))
+        CALL(be->ops->rmsnorm(be->ctx, r->a, NULL, r->m->final_norm, T, c->hidden_size,
+                              c->rms_eps, r->h));
+    return 0;
+}
+
 /* run_layers on a rank of a tensor-parallel group: the same stack on this rank's heads and
  * MLP columns. o_proj and down give partial products of the whole rows, into r->h, which the
  * all-reduce sums (the same bits on every rank); the residual add is then fused with the next
@@ -828,20 +873,14 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
                           .tmp_out = r->gate_up};
     pd_linear_args ld = {.x = r->act, .out = r->a, .n = T, .k = f, .m = hs, .accumulate = true};
 
+    if (r->comm && max_q == 1 && T == S && T < 32 && (r->tp_fused_ns >> T & 1u) &&
+        !r->layer_fn)
+        return run_layers_tp_fused(r, T, final, err);
     if (r->comm) return run_layers_tp(r, T, &lqkv, &ra, &aa, attention, final, err);
     if (max_q == 1 && T == S && o->decode_layers && !r->layer_fn) {
         /* a small decode step the backend runs whole, the embedding included
          * (PD_EUNSUPPORTED: op by op below) */
-        pd_decode_args da = {
-            .layers = r->dl, .n_layers = c->n_layers, .resid = r->a, .qkv = r->qkv,
-            .attn = r->attn, .act = r->act, .n = T, .hidden = hs, .intermediate = f,
-            .n_heads = sh->n_heads, .n_kv_heads = sh->n_kv_heads, .head_dim = hd,
-            .norm_eps = c->rms_eps, .positions = r->d_pos, .slot_mapping = r->d_slots,
-            .ctx_lens = r->d_ctx, .block_tables = r->d_bt,
-            .max_blocks_per_seq = r->max_blocks_per_seq, .block_size = r->p.block_size,
-            .sliding_window = c->sliding_window, .scale = aa.scale, .inv_freq = r->inv_freq,
-            .attn_factor = r->attn_factor, .ids = r->d_ids, .embed = r->m->embed,
-        };
+        pd_decode_args da = decode_args(r, T);
         if (final && head) {
             da.final_norm = r->m->final_norm;
             da.lm_head = r->m->lm_head;
@@ -1209,6 +1248,32 @@ int mr_create_tp(const mr_params *p, const pd_model *const *shards, int32_t n_ra
     for (int32_t k = 1; k < n_ranks; k++)
         if (g->ranks[k]->p.n_blocks < g->p.n_blocks) g->p.n_blocks = g->ranks[k]->p.n_blocks;
     g->max_blocks_per_seq = g->ranks[0]->max_blocks_per_seq;
+    /* Fused decode steps: the step sizes every rank's decode_layers takes with the ranks'
+     * sums inside (its checks only: nothing runs), so that every rank decides alike. Not with
+     * the after-the-gate fault (it fails a rank half-way through the ops) or the diagnostics
+     * of the ops (PDSERVE_TP_DEBUG_*). */
+    uint32_t ns = 0;
+    const bool diag = g->ranks[0]->debug_skip_ar || g->ranks[0]->debug_op_timing;
+    for (int32_t n = 1; n < 32 && !g->fault_after && !diag; n++) {
+        bool all = n <= p->max_num_seqs && n <= p->max_num_batched_tokens;
+        for (int32_t k = 0; all && k < n_ranks; k++) {
+            mr *rk = g->ranks[k];
+            pd_decode_args da = decode_args(rk, n);
+            da.tp = rk->tp_fused;
+            da.check_only = true;
+            all = rk->tp_fused && rk->be->ops->decode_layers &&
+                  rk->be->ops->decode_layers(rk->be->ctx, &da) == 0;
+        }
+        if (all) ns |= 1u << n;
+    }
+    for (int32_t k = 0; k < n_ranks; k++) g->ranks[k]->tp_fused_ns = ns;
+    if (ns) {
+        int32_t lo = 1, hi = 31;
+        while (!(ns >> lo & 1u)) lo++;
+        while (!(ns >> hi & 1u)) hi--;
+        PD_LOGI("tensor parallel: decode steps of %d .. %d sequences run fused (one kernel a "
+                "rank, the sums through peer memory)", lo, hi);
+    }
     /* Graphs: every rank captures at once (an eager run of each body first, whose all-reduces
      * need every rank); a rank that captured other buckets turns them off everywhere. */
     (void)tp_pool_run(g->pool, rank_capture, g, NULL);
@@ -1227,6 +1292,8 @@ fail:
 }
 
 int32_t mr_n_ranks(const mr *r) { return r->ranks ? r->n_ranks : 1; }
+
+uint32_t mr_tp_fused_sizes(const mr *r) { return r->ranks ? r->ranks[0]->tp_fused_ns : 0; }
 
 int mr_forward(mr *r, const mr_batch *b, float *logits, char *err)
 {

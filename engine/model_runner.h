@@ -117,6 +117,9 @@ int mr_collect(mr *r, char *err);
 /* Decode graphs captured at creation (0 when eager), and how many steps replayed one. */
 int32_t mr_n_graphs(const mr *r);
 int64_t mr_graph_steps(const mr *r);
+/* A tensor-parallel group's decode step sizes that run fused (bit n: n sequences run as one
+ * decode_layers kernel a rank, the ranks' sums inside it); 0 for none and for one rank. */
+uint32_t mr_tp_fused_sizes(const mr *r);
 
 /* Called during a forward after layer `layer`'s store of every token's K and V was queued on
  * the backend (not synchronized: the hook orders its use after the store, by an op on the

@@ -136,6 +136,18 @@ typedef struct {
      * entry are not read). A backend that cannot takes PD_EUNSUPPORTED, nothing queued. */
     const int32_t *ids;          /* [n] */
     const void *embed;           /* [vocab][hidden], or NULL: the rows come in resid */
+    /* Optional, tensor parallelism: the communicator's handle for this rank
+     * (pd_comm_ops.fused_handle), NULL for none. Every rank of the group makes the same call at
+     * once with its shard (n_heads, n_kv_heads and intermediate are the rank's, o_proj's bias
+     * on one rank only): o_proj's and down's products are then the rank's partial sums, which
+     * the op sums over the ranks (in rank order, in float: every rank the same bits) before
+     * adding them to the residual stream. No lm_head with it. A backend or a handle that
+     * cannot takes PD_EUNSUPPORTED (nothing queued), and as a rank that does not make its
+     * call leaves the others waiting, a group decides before (check_only) on every rank. */
+    void *tp;
+    /* Optional: only the checks; returns what the call would (0, PD_EUNSUPPORTED, PD_EINVAL)
+     * without queuing anything or touching the device. */
+    bool check_only;
 } pd_decode_args;
 
 /* pd_decode_args' pick_slot for a step sampled by the sample op (not sample_launch). */
@@ -461,6 +473,10 @@ typedef struct pd_comm_ops {
      * every rank waiting in an op, and every later op, returns PD_EBACKEND. Any thread;
      * the communicator is of no further use but to be destroyed. */
     void (*abort)(void *ctx);
+    /* Optional (NULL, or returning NULL: none): rank's handle for its backend's fused ops
+     * that sum across the ranks themselves (pd_decode_args.tp). CUDA's: the GPUs' peer
+     * memory, when every pair of them has peer access. abort ends those ops too. */
+    void *(*fused_handle)(void *ctx, int32_t rank);
 } pd_comm_ops;
 
 typedef struct pd_comm {

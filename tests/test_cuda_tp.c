@@ -10,6 +10,9 @@
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include "engine/tp.h"
 #include "tests/cuda_golden_util.h"
@@ -67,8 +70,85 @@ static void run_model(const char *dir, const char *name, int32_t n_tp, double ab
     tg_close(&cpu);
 }
 
+/* Fused decode steps (decode_layers with the ranks' sums through peer memory) against the
+ * same group's steps op by op with NCCL (PDSERVE_CUDA_TP_FUSED=0 when its communicator is
+ * made): the same dummy shards (same seed, same degree), a Llama shape decode_layers takes
+ * (the golden models are too small for it), decode steps of 3 sequences (PDSERVE_CUDA_FUSED_
+ * DECODE=8, set in main) with graphs and eager. The tolerances are the golden models': both
+ * sides round in bf16, the fused one sums the ranks' parts in float, NCCL in bf16. */
+static void run_fused(int32_t n_tp, int32_t hidden, int32_t inter, int32_t heads,
+                      int32_t kv_heads, bool eager)
+{
+    char err[PD_ERR_LEN] = "", dir[] = "/tmp/pdserve-tpfused-XXXXXX";
+    if (!mkdtemp(dir)) {
+        CHECK_MSG(0, "mkdtemp failed");
+        return;
+    }
+    char path[sizeof dir + 16];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        CHECK_MSG(0, "cannot write %s", path);
+        return;
+    }
+    fprintf(f, "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\", "
+               "\"hidden_size\": %d, \"intermediate_size\": %d, \"num_hidden_layers\": 3, "
+               "\"num_attention_heads\": %d, \"num_key_value_heads\": %d, \"head_dim\": 128, "
+               "\"vocab_size\": 4096, \"max_position_embeddings\": 4096, "
+               "\"rms_norm_eps\": 1e-05, \"rope_theta\": 500000.0, \"hidden_act\": \"silu\", "
+               "\"tie_word_embeddings\": false, \"torch_dtype\": \"bfloat16\"}\n",
+            hidden, inter, heads, kv_heads);
+    fclose(f);
+    mc_config cfg;
+    char name[64];
+    snprintf(name, sizeof name, "llama-%d-%d-%d/%d", hidden, inter, heads, kv_heads);
+    mr_params mp = cg_params(eager);
+    tp_group_params gp = {.backend = "cuda", .bp = pd_backend_default_params(), .n_ranks = n_tp,
+                          .cfg = &cfg, .dir = dir, .fmt = PD_LOAD_DUMMY, .seed = 7};
+    tp_group *ga = NULL, *gb = NULL;
+    mr *fused = NULL, *ops = NULL;
+    int rc = mc_load(dir, &cfg, err);
+    if (rc == 0) rc = tp_group_load(&gp, &ga, err);
+    if (rc == 0) rc = mr_create_tp(&mp, (const pd_model *const *)ga->models, n_tp, ga->comm,
+                                   &fused, err);
+    setenv("PDSERVE_CUDA_TP_FUSED", "0", 1); /* read when a communicator is made */
+    if (rc == 0) rc = tp_group_load(&gp, &gb, err);
+    unsetenv("PDSERVE_CUDA_TP_FUSED");
+    if (rc == 0) rc = mr_create_tp(&mp, (const pd_model *const *)gb->models, n_tp, gb->comm,
+                                   &ops, err);
+    CHECK_MSG(rc == 0, "%s TP %d: %s", name, n_tp, err);
+    if (rc == 0) {
+        const uint32_t ns = mr_tp_fused_sizes(fused);
+        CHECK_MSG((ns >> 1 & 1u) && (ns >> N_SEQS & 1u) && mr_tp_fused_sizes(ops) == 0,
+                  "%s TP %d: fused step sizes %#x (want 1 and %d), op by op %#x", name, n_tp,
+                  ns, N_SEQS, mr_tp_fused_sizes(ops));
+        char label[96], side[32];
+        snprintf(label, sizeof label, "%s TP %d fused", name, n_tp);
+        snprintf(side, sizeof side, "cuda TP %d fused", n_tp);
+        const cg_run run = {name, label, side, 0.1, 0.1, true};
+        cg_stats pre = {0}, dec = {0};
+        const int32_t T = cg_compare_model(ops, fused, cfg.vocab_size, &run, &pre, &dec);
+        CHECK_MSG(mr_graph_steps(fused) == (eager ? 0 : N_DECODE), "%s: %lld of %d decode "
+                  "steps replayed graphs", label, (long long)mr_graph_steps(fused), N_DECODE);
+        printf("  %-22s TP %d %-6s fused against op by op: prefill %3d rows max |diff| %.3g | "
+               "decode %3d rows: max |diff| %.3g, rel L2 %.2e, argmax %d/%d\n", name, n_tp,
+               eager ? "eager" : "graphs", pre.rows, pre.max_abs, dec.rows, dec.max_abs,
+               dec.worst_rel, dec.argmax_checked - dec.argmax_wrong, dec.argmax_checked);
+        CHECK(pre.rows == T && dec.rows == N_DECODE * N_SEQS);
+    }
+    mr_destroy(fused);
+    mr_destroy(ops);
+    tp_group_destroy(ga);
+    tp_group_destroy(gb);
+    unlink(path);
+    rmdir(dir);
+}
+
 int main(void)
 {
+    /* decode steps of up to 8 sequences fused (run_fused's 3); the golden models' shapes are
+     * not fused at all */
+    setenv("PDSERVE_CUDA_FUSED_DECODE", "8", 1);
     char err[PD_ERR_LEN] = "";
     int32_t n_dev = 0;
     for (; n_dev < 8; n_dev++) {
@@ -94,6 +174,11 @@ int main(void)
             for (int eager = 0; eager < 2; eager++)
                 run_model(dir, strrchr(cg_models[i].path, '/') + 1, n_tp, cg_models[i].abs_tol,
                           cg_models[i].margin_min, eager);
+        }
+    for (int32_t n_tp = 2; n_tp <= 4 && n_tp <= n_dev; n_tp *= 2)
+        for (int eager = 0; eager < 2; eager++) {
+            run_fused(n_tp, 1024, 3072, 16, 8, eager);  /* GQA 2 */
+            run_fused(n_tp, 2048, 4096, 32, 4, eager);  /* GQA 8; TP 4: one KV head a rank */
         }
     return pd_test_result("test_cuda_tp");
 }

@@ -309,7 +309,7 @@ static void wc_abort(void *ctx)
 static void wc_destroy(void *ctx) { pd_comm_destroy(ctx); }
 
 static const pd_comm_ops k_wc_ops = {"cpu-graphs", wc_destroy, wc_all_reduce, wc_all_gather,
-                                     wc_barrier, wc_abort};
+                                     wc_barrier, wc_abort, NULL};
 
 /* A model on n ranks of the recording backend (a tp_group made by hand: tp_group_load would
  * make plain CPU backends), its runner in tg_model-like fields. */

@@ -41,7 +41,7 @@
 #             batch 1 (floor: a quarter of the weight bytes at the copy rate plus 2 x 80
 #             all-reduces of one row) and 64, prefill of 2k prompts against 4 GPUs' GEMM rate;
 #             Llama-3-8B shape batch-1 decode at TP 1 and TP 2. Logs in $OUT/tpbench/, a table
-#             at the end. TPB_SKIP="70b 8b torch" leaves parts out.
+#             at the end. TPB_SKIP="70b 8b torch ops" leaves parts out (ops: the op-by-op runs, PDSERVE_CUDA_TP_FUSED=0).
 #   tpkv      KV transfer between tensor-parallel degrees on the GPUs (needs 2; 4 for the
 #             degree 4 pairs): test_cuda_tpkv (the strided copy op against the CPU's on every
 #             GPU, and stories260k's staged pool at TP 2 / 4), then tools/gpu_tpkv.py: a router
@@ -433,6 +433,11 @@ if has tpbench; then
         tstep dec70_b1 "$G/bin/pdserve-generate" --model "$L70" --load-format dummy --backend cuda \
             --tensor-parallel 4 --kv-cache-mb 4096 --max-num-seqs 64 --random-prompt-len 128 \
             --max-tokens 256 --ignore-eos --temperature 0
+        # the same op by op (NCCL all-reduces), without the fused decode steps
+        skip ops || tstep dec70_b1_ops env PDSERVE_CUDA_TP_FUSED=0 "$G/bin/pdserve-generate" \
+            --model "$L70" --load-format dummy --backend cuda --tensor-parallel 4 \
+            --kv-cache-mb 4096 --max-num-seqs 64 --random-prompt-len 128 --max-tokens 256 \
+            --ignore-eos --temperature 0
         tstep dec70_b64 "$G/bin/pdserve-generate" --model "$L70" --load-format dummy \
             --backend cuda --tensor-parallel 4 --kv-cache-mb 16384 --max-num-seqs 64 \
             --random-prompt-len 128 --repeat 64 --max-tokens 256 --ignore-eos --temperature 0
@@ -447,6 +452,10 @@ if has tpbench; then
                 --backend cuda --tensor-parallel "$tp" --kv-cache-mb 4096 --random-prompt-len 128 \
                 --max-tokens 256 --ignore-eos --temperature 0
         done
+        skip ops || tstep dec8_tp2_ops env PDSERVE_CUDA_TP_FUSED=0 "$G/bin/pdserve-generate" \
+            --model "$L8" --load-format dummy --backend cuda --tensor-parallel 2 \
+            --kv-cache-mb 4096 --random-prompt-len 128 --max-tokens 256 --ignore-eos \
+            --temperature 0
     fi
     echo "== tpbench summary"
     env -u LD_LIBRARY_PATH python3 - "$P" "$L70" "$L8" "$NGPU" <<'PY'
@@ -503,7 +512,11 @@ if os.path.exists(os.path.join(L70, "config.json")):
         fl = fl_w + (2 * nl * lat * 1e-3 if lat else 0)
         rows.append(("70B TP4 decode, batch 1", "%.2f ms/token" % ms,
                      "%.2f ms (%.2f weights+KV, %s all-reduces)" % (fl, fl_w, "%.2f" % (2 * nl * lat * 1e-3) if lat else "?"),
-                     "%.2fx floor (goal <= 1.3)" % (ms / fl) if fl else "-"))
+                     "%.2fx floor (goal <= 1.3); %.2fx weights+KV alone" % (ms / fl, ms / fl_w) if fl else "-"))
+        t = decode_tps("dec70_b1_ops")
+        if t:
+            rows.append(("  the same op by op (NCCL)", "%.2f ms/token" % (1e3 / t), "",
+                         "%.2fx floor" % (1e3 / t / fl) if fl else "-"))
     else:
         rows.append(("70B TP4 decode, batch 1", "failed (dec70_b1.log)", "", ""))
     t = decode_tps("dec70_b64")
@@ -520,6 +533,10 @@ t1, t2 = decode_tps("dec8_tp1"), decode_tps("dec8_tp2")
 if t1 and t2:
     rows.append(("8B decode batch 1, TP1 / TP2", "%.3f / %.3f ms/token" % (1e3 / t1, 1e3 / t2), "",
                  "TP2/TP1 TPOT %.2f (goal <= 0.6)" % (t1 / t2)))
+    t3 = decode_tps("dec8_tp2_ops")
+    if t3:
+        rows.append(("  TP2 op by op (NCCL)", "%.3f ms/token" % (1e3 / t3), "",
+                     "TP2/TP1 TPOT %.2f" % (t1 / t3)))
 w = [max(len(r[i]) for r in rows) for i in range(4)] if rows else []
 for r in rows:
     print("%-*s  %-*s  %-*s  %s" % (w[0], r[0], w[1], r[1], w[2], r[2], r[3]))

@@ -94,6 +94,11 @@ typedef struct {
     cudaStream_t *streams; /* [n] the rank backends' streams (borrowed) */
     float **one;           /* [n] a float on each device: barrier's all-reduce */
     int aborted;           /* set once by abort (read with __atomic) */
+    /* the fused ops' peer memory (tp_setup), or NULL: [n] handles, each rank's area, and the
+     * abort word (pinned host memory mapped on every GPU) */
+    pd_cuda_tp *tp;
+    void **tp_area;
+    uint32_t *tp_abort;
 } nccl_comm;
 
 static bool aborted(const nccl_comm *c) { return __atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE); }
@@ -107,6 +112,106 @@ static bool nccl_type(pd_dtype t, ncclDataType_t *out)
     case PD_DTYPE_I32: *out = ncclInt32; return true;
     default: return false;
     }
+}
+
+/* The fused ops' peer memory (pd_cuda_tp): when every pair of the group's GPUs has peer
+ * access (enabled here both ways: a copy over a one-way mapping runs staged, at a tenth of
+ * the link: notes/cuda-ipc.md), the GPUs have one SM count and compute capability 9+, each
+ * rank gets a receive area on its GPU that every other rank's kernels write into. Otherwise
+ * (or PDSERVE_CUDA_TP_FUSED=0) none, and decode steps run op by op with NCCL's all-reduce. */
+static void tp_setup(nccl_comm *c, pd_backend *const *ranks)
+{
+    const char *env = getenv("PDSERVE_CUDA_TP_FUSED");
+    if (env && !strcmp(env, "0")) {
+        PD_LOGI("tensor parallel: fused decode steps off (PDSERVE_CUDA_TP_FUSED=0)");
+        return;
+    }
+    if (c->n < 2 || c->n > PD_CUDA_TP_MAX) return;
+    const pd_cuda_ctx *x0 = (const pd_cuda_ctx *)ranks[0]->ctx;
+    for (int32_t r = 0; r < c->n; r++) {
+        const pd_cuda_ctx *x = (const pd_cuda_ctx *)ranks[r]->ctx;
+        if (x->cc_major < 9 || x->sm_count != x0->sm_count) {
+            PD_LOGI("tensor parallel: fused decode steps off (GPU %d: compute capability %d, "
+                    "%d SMs; GPU %d: %d SMs)", x->device, x->cc_major, x->sm_count,
+                    x0->device, x0->sm_count);
+            return;
+        }
+    }
+    for (int32_t i = 0; i < c->n; i++)
+        for (int32_t j = 0; j < c->n; j++) {
+            int ok = 0;
+            if (i == j) continue;
+            if (cudaDeviceCanAccessPeer(&ok, c->devices[i], c->devices[j]) != cudaSuccess || !ok) {
+                (void)cudaGetLastError();
+                PD_LOGI("tensor parallel: fused decode steps off (GPU %d cannot reach GPU %d's "
+                        "memory)", c->devices[i], c->devices[j]);
+                return;
+            }
+        }
+    for (int32_t i = 0; i < c->n; i++) {
+        if (cudaSetDevice(c->devices[i]) != cudaSuccess) return;
+        for (int32_t j = 0; j < c->n; j++) {
+            if (i == j) continue;
+            const cudaError_t e = cudaDeviceEnablePeerAccess(c->devices[j], 0);
+            if (e != cudaSuccess) (void)cudaGetLastError();
+            if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
+                PD_LOGW("tensor parallel: fused decode steps off (peer access GPU %d -> %d: "
+                        "%s)", c->devices[i], c->devices[j], cudaGetErrorString(e));
+                return;
+            }
+        }
+    }
+    const size_t bytes = (size_t)16 * c->n * PD_CUDA_TP_MAX_ROWS * PD_CUDA_TP_MAX_HIDDEN;
+    c->tp_area = (void **)calloc((size_t)c->n, sizeof *c->tp_area);
+    c->tp = (pd_cuda_tp *)calloc((size_t)c->n, sizeof *c->tp);
+    void *dev_abort = NULL;
+    bool ok = c->tp_area && c->tp &&
+              cudaHostAlloc((void **)&c->tp_abort, sizeof *c->tp_abort,
+                            cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess;
+    if (ok) {
+        *(volatile uint32_t *)c->tp_abort = 0;
+        ok = cudaHostGetDevicePointer(&dev_abort, c->tp_abort, 0) == cudaSuccess;
+    }
+    for (int32_t r = 0; ok && r < c->n; r++)
+        ok = cudaSetDevice(c->devices[r]) == cudaSuccess &&
+             cudaMalloc(&c->tp_area[r], bytes) == cudaSuccess &&
+             cudaMemset(c->tp_area[r], 0, bytes) == cudaSuccess &&
+             cudaDeviceSynchronize() == cudaSuccess;
+    if (!ok) {
+        (void)cudaGetLastError();
+        PD_LOGW("tensor parallel: fused decode steps off (cannot allocate %zu MiB a GPU for "
+                "the ranks' sums)", bytes >> 20);
+        for (int32_t r = 0; c->tp_area && r < c->n; r++)
+            if (c->tp_area[r]) {
+                (void)cudaSetDevice(c->devices[r]);
+                (void)cudaFree(c->tp_area[r]);
+            }
+        if (c->tp_abort) (void)cudaFreeHost(c->tp_abort);
+        free(c->tp_area);
+        free(c->tp);
+        c->tp_area = NULL;
+        c->tp = NULL;
+        c->tp_abort = NULL;
+        return;
+    }
+    for (int32_t r = 0; r < c->n; r++) {
+        pd_cuda_tp *t = &c->tp[r];
+        t->rank = r;
+        t->n = c->n;
+        t->sm_count = x0->sm_count;
+        for (int32_t k = 0; k < c->n; k++) t->recv[k] = c->tp_area[k];
+        t->recv_bytes = bytes;
+        t->abort = (const volatile uint32_t *)dev_abort;
+    }
+    PD_LOGI("tensor parallel: small decode steps may run fused, the ranks' sums through peer "
+            "memory (%zu MiB a GPU)", bytes >> 20);
+}
+
+static void *comm_fused_handle(void *ctx, int32_t rank)
+{
+    nccl_comm *c = (nccl_comm *)ctx;
+    if (!c->tp || rank < 0 || rank >= c->n) return NULL;
+    return &c->tp[rank];
 }
 
 static int comm_all_reduce_sum(void *ctx, int32_t rank, void *buf, pd_dtype dtype, size_t n)
@@ -200,6 +305,9 @@ static void comm_abort(void *ctx)
     nccl_comm *c = (nccl_comm *)ctx;
     int was = __atomic_exchange_n(&c->aborted, 1, __ATOMIC_ACQ_REL);
     if (was) return;
+    if (c->tp_abort) { /* the fused ops stop waiting for the other ranks */
+        __atomic_store_n(c->tp_abort, 1u, __ATOMIC_SEQ_CST);
+    }
     PD_LOGE("nccl: aborting the communicator of %d GPUs (a rank failed)", c->n);
     abort_state *st = (abort_state *)calloc(1, sizeof *st);
     if (!st) { /* no memory for threads: one after the other, as a last resort */
@@ -263,6 +371,14 @@ static void comm_destroy(void *ctx)
             (void)cudaFree(c->one[r]);
         }
     }
+    for (int32_t r = 0; c->tp_area && r < c->n; r++)
+        if (c->tp_area[r]) {
+            (void)cudaSetDevice(c->devices[r]);
+            (void)cudaFree(c->tp_area[r]);
+        }
+    if (c->tp_abort) (void)cudaFreeHost(c->tp_abort);
+    free(c->tp_area);
+    free(c->tp);
     free(c->comms);
     free(c->devices);
     free(c->streams);
@@ -272,6 +388,7 @@ static void comm_destroy(void *ctx)
 
 static const pd_comm_ops k_nccl_ops = {
     "nccl", comm_destroy, comm_all_reduce_sum, comm_all_gather, comm_barrier, comm_abort,
+    comm_fused_handle,
 };
 
 extern "C" int pd_cuda__comm_create(pd_backend *const *ranks, int32_t n_ranks, pd_comm **out,
@@ -327,6 +444,7 @@ extern "C" int pd_cuda__comm_create(pd_backend *const *ranks, int32_t n_ranks, p
     PD_LOGI("nccl %d.%d.%d: communicator of %d GPUs (%d .. %d)", g_nccl.version / 10000,
             g_nccl.version / 100 % 100, g_nccl.version % 100, n_ranks, c->devices[0],
             c->devices[n_ranks - 1]);
+    tp_setup(c, ranks);
     pc->ops = &k_nccl_ops;
     pc->ctx = c;
     pc->n_ranks = n_ranks;

@@ -83,6 +83,23 @@ typedef struct {
  * PD_EBACKEND. */
 int pd_cuda__copyq_done(pd_copyq *q, void **done);
 
+/* Tensor parallelism between the GPUs of this process (cuda_comm.cu makes one a rank when
+ * every pair of the group's GPUs has peer access; decode_layers sums its partial products
+ * through it, pd_decode_args.tp). Each rank's receive area lies on its GPU, zeroed at
+ * creation, and every rank writes into the others' through peer memory: [2 stage kinds (o_proj,
+ * down)][source rank][row][hidden / 2] flagged lines of two floats. */
+#define PD_CUDA_TP_MAX 8
+#define PD_CUDA_TP_MAX_ROWS 8       /* rows a step (decode_layers' most) */
+#define PD_CUDA_TP_MAX_HIDDEN 16384 /* hidden size the areas are sized for */
+typedef struct {
+    int32_t rank, n;
+    int sm_count;                   /* every rank's GPU has as many (decode_layers' grid) */
+    void *recv[PD_CUDA_TP_MAX];     /* rank r's receive area, on its GPU */
+    size_t recv_bytes;              /* each */
+    const volatile uint32_t *abort; /* host memory mapped on every GPU: nonzero once the
+                                     * communicator is aborted (the ops stop waiting) */
+} pd_cuda_tp;
+
 /* PDSERVE_CUDA_STEP_TIMING=1 (diagnostics): where a graph step's time goes, with events on the
  * stream at its points (PD_ST_*) and the host's clock around it; averages to stderr every 256
  * steps. mark records point k (PD_ST_START only when no step is open); end closes the step

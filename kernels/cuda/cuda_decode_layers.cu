@@ -35,7 +35,17 @@
  * (PDSERVE_CUDA_FUSED_DECODE=N: up to N).
  *
  * The grid is cooperative (every block resident, so that polling blocks never wait for one
- * that is not running); the last block out resets the done counter and moves the epoch. */
+ * that is not running); the last block out resets the done counter and moves the epoch.
+ *
+ * Tensor parallelism (pd_decode_args.tp): every rank of a group runs this kernel on its GPU
+ * with its shard, the same grid on every GPU, so block b makes the same residual columns on
+ * every rank. S3's and S5's products are then partial sums: block b sends its columns' partial
+ * sums (in float) as flagged lines into every other rank's receive area through peer memory
+ * and adds the ranks' sums in rank order (tp_sum): the all-reduce of a layer's two products is
+ * an exchange between the blocks that need it, with no launch, no barrier and no bf16 rounding
+ * of the parts (the op-by-op path's NCCL all-reduce sums in bf16). Each rank's epoch moves
+ * with its launches: every rank launches it as many times (a group decides for all its ranks,
+ * engine/model_runner.c), so the flags match. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -118,6 +128,11 @@ struct dl_params {
     int32_t inflight;                     /* the layers' slots in flight at most (0: the ring;
                                            * pace_of) */
     unsigned long long *ts;               /* debug 16: [stage][block][8] marks and waits */
+    /* tensor parallelism (tp_n > 1, pd_cuda_tp): S3's and S5's partial sums go to every
+     * rank's receive area, tp_sum */
+    int32_t tp_rank, tp_n;
+    uint4 *tp_recv[PD_CUDA_TP_MAX];
+    const volatile uint32_t *tp_abort;
     dl_layer layer[DL_MAX_LAYERS];
 };
 
@@ -412,7 +427,68 @@ struct dl_out {
     bf16 *plain;
     int32_t ld;
     float *own;
+    int tp_st;          /* DL_ADD under tensor parallelism: 0 S3, 1 S5 (tp_sum); -1 none */
 };
+
+/* A rank that waits this long for another's sums traps (its CUDA context is lost, the forward
+ * fails): better than a GPU spinning forever behind a rank that never launched. */
+#define DL_TP_TIMEOUT_NS 20000000000ull
+
+/* Tensor parallelism: this rank's partial sums r[4] of row q, columns col0 .. col0 + 3 (S3's
+ * or S5's product, before the residual add), to every other rank's receive area; then the
+ * ranks' sums added in rank order (this rank's own from r), in float, into r: every rank gets
+ * the same bits. A line carries two floats, each half with the stage's flag (ll_store), as
+ * NCCL's LL protocol does over NVLink. The lines of (stage kind, source rank) are rewritten a
+ * layer later, when every rank is past reading them: a rank's next stage of that kind needs
+ * its norm of the whole residual stream after the stage between, hence every rank's sums of
+ * that one, which each rank sends only after it read these. Polls until the lines come or the
+ * communicator is aborted (then r is garbage: the forward fails anyway). */
+static __device__ __forceinline__ void tp_sum(const dl_params &p, int st, int32_t q, int32_t col0,
+                                           uint32_t flag, float (&r)[4])
+{
+    const int32_t N = p.tp_n, me = p.tp_rank;
+    const size_t per_src = (size_t)p.n * (p.hidden / 2);
+    const size_t line = ((size_t)st * N * p.n + q) * (p.hidden / 2) + col0 / 2;
+    for (int32_t d = 1; d < N; d++) {
+        const int32_t peer = me + d < N ? me + d : me + d - N;
+        uint4 *dst = p.tp_recv[peer] + line + (size_t)me * per_src;
+        ll_store(dst, __float_as_uint(r[0]), __float_as_uint(r[1]), flag);
+        ll_store(dst + 1, __float_as_uint(r[2]), __float_as_uint(r[3]), flag);
+    }
+    /* the sources one after the other (two lines live: holding every source's cost the
+     * kernel's consumers their registers, and spills); the first wait takes the link's
+     * latency and the ranks' skew, the later ones mostly a load each */
+    const uint4 *in = p.tp_recv[me] + line;
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 1
+    for (int32_t s = 0; s < N; s++) {
+        if (s == me) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) sum[e] += r[e];
+            continue;
+        }
+        const uint4 *l = in + (size_t)s * per_src;
+        uint4 v0 = ll_issue4(l), v1 = ll_issue4(l + 1);
+        unsigned spins = 0;
+        unsigned long long t0 = 0;
+        while (v0.y != flag || v0.w != flag || v1.y != flag || v1.w != flag) {
+            if (v0.y != flag || v0.w != flag) v0 = ll_issue4(l);
+            if (v1.y != flag || v1.w != flag) v1 = ll_issue4(l + 1);
+            if ((++spins & 1023u) == 0) {
+                if (*p.tp_abort) break;
+                const unsigned long long t = dl_now();
+                if (!t0) t0 = t;
+                else if (t - t0 > DL_TP_TIMEOUT_NS) __trap();
+            }
+        }
+        sum[0] += __uint_as_float(v0.x);
+        sum[1] += __uint_as_float(v0.z);
+        sum[2] += __uint_as_float(v1.x);
+        sum[3] += __uint_as_float(v1.z);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; e++) r[e] = sum[e];
+}
 
 /* One stage's products for this block: the slots of its columns as the producer filled them.
  * On the tensor cores: a warp step covers 32 k of the 8 weight rows, lane (g, t) holding 8
@@ -555,6 +631,7 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                 }
                 r[e] = v;
             }
+            if (o.mode == DL_ADD && o.tp_st >= 0) tp_sum(p, o.tp_st, q, col0, o.flag, r);
             if (o.mode == DL_ADD)
 #pragma unroll
                 for (int e = 0; e < 4; e++)
@@ -1143,7 +1220,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         if constexpr (dl_early<NMAX, MAXG>())
 #pragma unroll
             for (int r = 0; r < PF; r++) kv_load<HD / 32>(L, off0[r], kvp[r]);
-        o = {DL_STORE, L.qkv_bias, p.ll_qkv, f0, last ? p.qkv : NULL, s.m, NULL};
+        o = {DL_STORE, L.qkv_bias, p.ll_qkv, f0, last ? p.qkv : NULL, s.m, NULL, -1};
         consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0);
         dl_mark(p, m0, 3);
         dl_mark(p, m0 + 1, 0);
@@ -1170,7 +1247,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_mark(p, m0 + 2, 0);
         copy_rows(p.ll_attn, f0 + 1, p.n, s.k, xs);
         dl_mark(p, m0 + 2, 1);
-        o = {DL_ADD, L.o_bias, p.ll_r3, f0 + 2, NULL, p.hidden, own};
+        o = {DL_ADD, L.o_bias, p.ll_r3, f0 + 2, NULL, p.hidden, own, p.tp_n > 1 ? 0 : -1};
         consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 2);
         dl_mark(p, m0 + 2, 3);
         /* S4 */
@@ -1178,7 +1255,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_mark(p, m0 + 3, 0);
         norm_rows<NMAX>(p, L.mlp_norm, p.ll_r3, f0 + 2, xs);
         dl_mark(p, m0 + 3, 1);
-        o = {DL_SWIGLU, NULL, p.ll_act, f0 + 3, last ? p.act : NULL, p.inter, NULL};
+        o = {DL_SWIGLU, NULL, p.ll_act, f0 + 3, last ? p.act : NULL, p.inter, NULL, -1};
         consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 3);
         dl_mark(p, m0 + 3, 3);
         /* S5 */
@@ -1186,7 +1263,8 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_mark(p, m0 + 4, 0);
         copy_rows(p.ll_act, f0 + 3, p.n, p.inter, xs);
         dl_mark(p, m0 + 4, 1);
-        o = {DL_ADD, NULL, p.ll_r5, f0 + 4, last ? p.resid : NULL, p.hidden, own};
+        o = {DL_ADD, NULL, p.ll_r5, f0 + 4, last ? p.resid : NULL, p.hidden, own,
+             p.tp_n > 1 ? 1 : -1};
         consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 4);
         dl_mark(p, m0 + 4, 3);
     }
@@ -1196,7 +1274,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_mark(p, mh, 0);
         norm_rows<NMAX>(p, p.final_norm, p.ll_r5, base + mh, xs);
         dl_mark(p, mh, 1);
-        const dl_out o = {DL_STORE, NULL, NULL, 0, p.logits, p.vocab, NULL};
+        const dl_out o = {DL_STORE, NULL, NULL, 0, p.logits, p.vocab, NULL, -1};
         consume<NMAX, true>(p, s, xs, o, ring, red, full, empty, pos, mh);
         dl_mark(p, mh, 3);
     }
@@ -1443,6 +1521,13 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     if (a->embed && !aligned16(a->embed)) return PD_EUNSUPPORTED;
     if (a->lm_head && (!aligned16(a->lm_head) || !aligned16(a->final_norm)))
         return PD_EUNSUPPORTED;
+    const pd_cuda_tp *tp = (const pd_cuda_tp *)a->tp;
+    if (tp && (tp->n < 1 || tp->n > PD_CUDA_TP_MAX || tp->rank < 0 || tp->rank >= tp->n))
+        return PD_EINVAL;
+    /* every rank's grid the same, so that block b sums the same columns on every rank */
+    if (tp && (a->lm_head || tp->sm_count != c->sm_count ||
+               (size_t)16 * tp->n * a->n * a->hidden > tp->recv_bytes))
+        return PD_EUNSUPPORTED;
 
     const int32_t nq = a->n_heads * hd;
     int32_t kmax = a->hidden > nq ? a->hidden : nq;
@@ -1491,6 +1576,13 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
         p.ll_r3 = (uint4 *)(ll += q4 * nq);
         p.ll_r5 = (uint4 *)(ll += q4 * a->hidden);
         p.ll_act = (uint4 *)(ll += q4 * a->hidden);
+    }
+    if (a->check_only) return 0;
+    p.tp_n = tp ? tp->n : 1;
+    if (tp) {
+        p.tp_rank = tp->rank;
+        for (int32_t r = 0; r < tp->n; r++) p.tp_recv[r] = (uint4 *)tp->recv[r];
+        p.tp_abort = tp->abort;
     }
     p.bar = c->dl_counters;
     p.positions = a->positions;
