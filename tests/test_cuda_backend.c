@@ -396,10 +396,13 @@ static void test_swiglu(void)
 static void test_rmsnorm(void)
 {
     /* the register kernel of 256 threads up to 4096 elements a row, of 1024 up to 16384, the
-     * looping one above */
-    const int32_t shapes[8][2] = {{3, 64},   {17, 1024}, {5, 4000},  {2, 4096},
-                                  {3, 8193}, {1, 8192},  {2, 16384}, {2, 16390}};
-    for (int s = 0; s < 8; s++) {
+     * looping one above; from as many rows as SMs (132 on an H100) with rows of a multiple of
+     * 8, the 16-byte one (1, 2, 4 and 8 accesses a thread; 600 x 8 shorter than a block) */
+    const int32_t shapes[13][2] = {{3, 64},    {17, 1024},  {5, 4000},   {2, 4096},
+                                   {3, 8193},  {1, 8192},   {2, 16384},  {2, 16390},
+                                   {300, 8192}, {200, 1000}, {140, 4096}, {133, 16384},
+                                   {600, 8}};
+    for (int s = 0; s < 13; s++) {
         const int32_t n = shapes[s][0], dim = shapes[s][1];
         const size_t sz = (size_t)n * dim;
         float *x = hrand(sz, 3.0), *res = hrand(sz, 3.0), *w = hrand((size_t)dim, 1.5);
