@@ -112,7 +112,8 @@ struct mr {
     bool gate_failed;             /* a rank's: ... and learnt there that another rank failed */
     /* Testing (PDSERVE_FAULT_TP_RANK=R:N[:after]): rank R fails the group's N-th forward at
      * the gate (as a failed upload would), or with ":after" half-way through its layers (as
-     * a device error between two collectives would; eager steps only) (-1: off). */
+     * a device error between two collectives would; eager steps only), or in a fused decode
+     * step after the gate without launching (as a failed launch would) (-1: off). */
     int32_t fault_rank;
     int64_t fault_forward;
     bool fault_after;
@@ -733,6 +734,11 @@ static int run_layers_tp_fused(mr *r, int32_t T, bool final, char *err)
     const mc_config *c = &r->m->cfg;
     pd_decode_args da = decode_args(r, T);
     da.tp = r->tp_fused;
+    /* the after-the-gate fault: this rank fails without launching, as a failed launch would;
+     * the others' kernels wait for its sums until the abort word stops them */
+    if (r->fault_now)
+        return pd_errf(err, PD_EBACKEND, "injected rank failure after the launch gate, before "
+                       "its fused step (PDSERVE_FAULT_TP_RANK)");
     const int rc = be->ops->decode_layers(be->ctx, &da);
     if (rc < 0)
         return pd_errf(err, rc, "%s backend: decode_layers (tensor parallel rank %d) failed: %s",
@@ -1250,11 +1256,10 @@ int mr_create_tp(const mr_params *p, const pd_model *const *shards, int32_t n_ra
     g->max_blocks_per_seq = g->ranks[0]->max_blocks_per_seq;
     /* Fused decode steps: the step sizes every rank's decode_layers takes with the ranks'
      * sums inside (its checks only: nothing runs), so that every rank decides alike. Not with
-     * the after-the-gate fault (it fails a rank half-way through the ops) or the diagnostics
-     * of the ops (PDSERVE_TP_DEBUG_*). */
+     * the diagnostics of the ops (PDSERVE_TP_DEBUG_*). */
     uint32_t ns = 0;
     const bool diag = g->ranks[0]->debug_skip_ar || g->ranks[0]->debug_op_timing;
-    for (int32_t n = 1; n < 32 && !g->fault_after && !diag; n++) {
+    for (int32_t n = 1; n < 32 && !diag; n++) {
         bool all = n <= p->max_num_seqs && n <= p->max_num_batched_tokens;
         for (int32_t k = 0; all && k < n_ranks; k++) {
             mr *rk = g->ranks[k];
