@@ -119,6 +119,22 @@ static bool nccl_type(pd_dtype t, ncclDataType_t *out)
  * the link: notes/cuda-ipc.md), the GPUs have one SM count and compute capability 9+, each
  * rank gets a receive area on its GPU that every other rank's kernels write into. Otherwise
  * (or PDSERVE_CUDA_TP_FUSED=0) none, and decode steps run op by op with NCCL's all-reduce. */
+/* Frees what tp_setup made (none: a no-op); the fused ops are then off. */
+static void tp_free(nccl_comm *c)
+{
+    for (int32_t r = 0; c->tp_area && r < c->n; r++)
+        if (c->tp_area[r]) {
+            (void)cudaSetDevice(c->devices[r]);
+            (void)cudaFree(c->tp_area[r]);
+        }
+    if (c->tp_abort) (void)cudaFreeHost(c->tp_abort);
+    free(c->tp_area);
+    free(c->tp);
+    c->tp_area = NULL;
+    c->tp = NULL;
+    c->tp_abort = NULL;
+}
+
 static void tp_setup(nccl_comm *c, pd_backend *const *ranks)
 {
     const char *env = getenv("PDSERVE_CUDA_TP_FUSED");
@@ -181,17 +197,7 @@ static void tp_setup(nccl_comm *c, pd_backend *const *ranks)
         (void)cudaGetLastError();
         PD_LOGW("tensor parallel: fused decode steps off (cannot allocate %zu MiB a GPU for "
                 "the ranks' sums)", bytes >> 20);
-        for (int32_t r = 0; c->tp_area && r < c->n; r++)
-            if (c->tp_area[r]) {
-                (void)cudaSetDevice(c->devices[r]);
-                (void)cudaFree(c->tp_area[r]);
-            }
-        if (c->tp_abort) (void)cudaFreeHost(c->tp_abort);
-        free(c->tp_area);
-        free(c->tp);
-        c->tp_area = NULL;
-        c->tp = NULL;
-        c->tp_abort = NULL;
+        tp_free(c);
         return;
     }
     for (int32_t r = 0; r < c->n; r++) {
@@ -371,14 +377,7 @@ static void comm_destroy(void *ctx)
             (void)cudaFree(c->one[r]);
         }
     }
-    for (int32_t r = 0; c->tp_area && r < c->n; r++)
-        if (c->tp_area[r]) {
-            (void)cudaSetDevice(c->devices[r]);
-            (void)cudaFree(c->tp_area[r]);
-        }
-    if (c->tp_abort) (void)cudaFreeHost(c->tp_abort);
-    free(c->tp_area);
-    free(c->tp);
+    tp_free(c);
     free(c->comms);
     free(c->devices);
     free(c->streams);

@@ -504,7 +504,7 @@ static __device__ __forceinline__ void tp_sum(const dl_params &p, int st, int32_
  * in pieces) the threads add the warps' parts and finish one (column, x row) each. x is [n][k]
  * in shared memory (k % 256 == 0); out rows are `ld` apart. (fp32 FMAs with one conversion
  * per element were instruction-bound at a third of the bandwidth: docs/perf.md.) */
-template <int NMAX, bool PICK = false>
+template <int NMAX, bool PICK = false, bool ADD = false>
 static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16 *xs,
                                const dl_out &o, char *ring, float *wred, uint64_t *full,
                                uint64_t *empty, dl_ring_pos &pos, int32_t mst)
@@ -631,7 +631,9 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                 }
                 r[e] = v;
             }
-            if (o.mode == DL_ADD && o.tp_st >= 0) tp_sum(p, o.tp_st, q, col0, o.flag, r);
+            /* only in the tensor-parallel kernel's residual stages (ADD) */
+            if constexpr (ADD)
+                if (o.mode == DL_ADD && o.tp_st >= 0) tp_sum(p, o.tp_st, q, col0, o.flag, r);
             if (o.mode == DL_ADD)
 #pragma unroll
                 for (int e = 0; e < 4; e++)
@@ -1134,7 +1136,10 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
 
 /* ---- the kernel ---- */
 
-template <int HD, int NMAX, int MAXG>
+/* TP: the tensor-parallel instance (tp_sum in the residual stages), apart so that the
+ * single-GPU one keeps its registers (tp_sum held live beside the attention stage's key
+ * offsets spilled some: a Qwen3-0.6B shape step 6% slower). */
+template <int HD, int NMAX, int MAXG, bool TP>
 static __global__ void __launch_bounds__(DL_THREADS, 1)
 decode_layers_kernel(const __grid_constant__ dl_params p)
 {
@@ -1247,8 +1252,8 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_mark(p, m0 + 2, 0);
         copy_rows(p.ll_attn, f0 + 1, p.n, s.k, xs);
         dl_mark(p, m0 + 2, 1);
-        o = {DL_ADD, L.o_bias, p.ll_r3, f0 + 2, NULL, p.hidden, own, p.tp_n > 1 ? 0 : -1};
-        consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 2);
+        o = {DL_ADD, L.o_bias, p.ll_r3, f0 + 2, NULL, p.hidden, own, TP ? 0 : -1};
+        consume<NMAX, false, TP>(p, s, xs, o, ring, red, full, empty, pos, m0 + 2);
         dl_mark(p, m0 + 2, 3);
         /* S4 */
         s = stage_of(p, l, 2, HD, cols);
@@ -1263,9 +1268,8 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_mark(p, m0 + 4, 0);
         copy_rows(p.ll_act, f0 + 3, p.n, p.inter, xs);
         dl_mark(p, m0 + 4, 1);
-        o = {DL_ADD, NULL, p.ll_r5, f0 + 4, last ? p.resid : NULL, p.hidden, own,
-             p.tp_n > 1 ? 1 : -1};
-        consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 4);
+        o = {DL_ADD, NULL, p.ll_r5, f0 + 4, last ? p.resid : NULL, p.hidden, own, TP ? 1 : -1};
+        consume<NMAX, false, TP>(p, s, xs, o, ring, red, full, empty, pos, m0 + 4);
         dl_mark(p, m0 + 4, 3);
     }
     if (p.lm_head) { /* S6: logits = rmsnorm(resid) * final_norm . lm_head^T */
@@ -1461,7 +1465,8 @@ static int nmax_of(int32_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8;
 template <int HD, int NMAX, int MAXG>
 static cudaError_t launch_t(const dl_params &p, int grid, size_t smem, cudaStream_t stream)
 {
-    auto k = decode_layers_kernel<HD, NMAX, MAXG>;
+    auto k = p.tp_n > 1 ? decode_layers_kernel<HD, NMAX, MAXG, true>
+                        : decode_layers_kernel<HD, NMAX, MAXG, false>;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)smem);
     if (e != cudaSuccess) return e;
