@@ -158,7 +158,7 @@ static int gate_meet(mr *r, bool ok, char *err)
 }
 
 static void meta_layout(mr *r);
-static void capture_graphs(mr *r);
+static int capture_graphs(mr *r);
 static void drop_graphs(mr *r);
 
 mr_params mr_default_params(void)
@@ -361,7 +361,7 @@ static int create_rank(const mr_params *p, const pd_model *m, pd_comm *comm, boo
     }
     free(host_freq);
     host_freq = NULL;
-    if (capture) capture_graphs(r);
+    if (capture) (void)capture_graphs(r);
     PD_LOGD("model runner: %d KV blocks of %d tokens (%.1f MiB), %d tokens x %d seqs per step",
             r->p.n_blocks, p->block_size,
             (double)r->kv_layer_elems * es * 2 * c->n_layers / 1048576.0,
@@ -994,44 +994,85 @@ static int32_t next_bucket(int32_t b)
 /* Captures one decode graph per bucket. Each body runs once eagerly first (libraries pick and
  * load their kernels then, outside the capture) on padding rows, which store no KV. A failure
  * leaves the runner eager: slower, never wrong. */
-static void capture_graphs(mr *r)
+/* Returns 0, or PD_EBACKEND when this rank of a group failed after the gate and aborted the
+ * communicator (the group is then of no use). Otherwise a failure turns the graphs off. */
+static int capture_graphs(mr *r)
 {
     const int32_t gmax = r->p.max_graph_batch;
-    if (gmax <= 0) return;
+    if (gmax <= 0) return 0;
+    bool aborted = false;
     pd_backend *be = r->be;
     char err[PD_ERR_LEN] = "";
     int rc = 0;
-    int32_t b = 1;
-    for (; r->n_graphs < MAX_GRAPHS; b = next_bucket(b)) {
+    int32_t b = 1, failed_b = 0;
+    /* A group's ranks capture at once, each body run eagerly first (its collectives need every
+     * rank): they meet at the gate before each eager run, and a rank that failed since the
+     * last one stops them all there (a rank that left the loop alone would leave the others
+     * waiting in a collective, or at the gate, forever). So every rank makes the same passes
+     * of the loop until the gate says stop; a rank that failed goes on to the next gate
+     * without capturing. */
+    for (int32_t pass = 0; pass < MAX_GRAPHS; pass++, b = next_bucket(b)) {
         if (b > gmax) b = gmax;
-        for (int k = 0; k < (r->d_metas[1] ? 2 : 1) && rc >= 0; k++) { /* one a buffer */
+        for (int k = 0; k < (r->d_metas[1] ? 2 : 1); k++) { /* one a buffer */
             meta_use(r, k);
-            if ((rc = upload_meta(r, NULL, b, b, err)) < 0 || (rc = graph_body(r, b, err)) < 0 ||
-                (rc = be->ops->sync(be->ctx)) < 0)
-                break;
+            if (rc >= 0) rc = upload_meta(r, NULL, b, b, err);
+            if (rc < 0 && !failed_b) failed_b = b;
+            if (r->gate) {
+                char ge[PD_ERR_LEN];
+                if (gate_meet(r, rc >= 0, ge) < 0) {
+                    if (rc >= 0) {
+                        rc = PD_EBACKEND;
+                        snprintf(err, sizeof err, "another rank's capture failed");
+                        failed_b = b;
+                    }
+                    goto out;
+                }
+            } else if (rc < 0) {
+                goto out;
+            }
+            if (rc < 0) continue; /* a rank that failed: to the next gate */
+            if ((rc = graph_body(r, b, err)) < 0 || (rc = be->ops->sync(be->ctx)) < 0) {
+                failed_b = b;
+                /* between the collectives of the eager run: the others may be waiting in
+                 * one for this rank (as rank_forward does after the gate) */
+                if (r->gate && !aborted && r->comm->ops->abort) {
+                    PD_LOGE("model runner: rank %d failed in its eager run of batch %d during "
+                            "graph capture: %s", r->rank, b, err);
+                    r->comm->ops->abort(r->comm->ctx);
+                    aborted = true;
+                }
+                continue;
+            }
             r->meta_inflight = false;
-            if ((rc = be->ops->graph_begin(be->ctx)) < 0) break;
+            if ((rc = be->ops->graph_begin(be->ctx)) < 0) {
+                failed_b = b;
+                continue;
+            }
             rc = graph_body(r, b, err);
             void *g = NULL;
             int rc2 = be->ops->graph_end(be->ctx, &g);
             if (rc >= 0) rc = rc2;
+            if (rc < 0) failed_b = b;
             r->graphs[k][r->n_graphs] = g; /* NULL on failure; drop_graphs takes any */
         }
         meta_use(r, 0);
-        if (rc < 0) break;
-        r->graph_bs[r->n_graphs++] = b;
+        if (rc < 0 && !r->gate) break;
+        if (rc >= 0) r->graph_bs[r->n_graphs++] = b;
         if (b == gmax) break;
     }
+out:
+    meta_use(r, 0);
     if (rc < 0) {
         PD_LOGW("model runner: decode graphs off (capturing batch %d failed: %s%s%s); steps run "
-                "op by op", b, pd_strerror(rc),
+                "op by op", failed_b ? failed_b : b, pd_strerror(rc),
                 err[0] ? ": " : "", err);
         drop_graphs(r);
         (void)be->ops->sync(be->ctx);
         r->meta_inflight = false;
-        return;
+        return aborted ? PD_EBACKEND : 0;
     }
     PD_LOGI("model runner: %d decode graphs captured (batch 1..%d)", r->n_graphs, gmax);
+    return 0;
 }
 
 /* The graph for a pure decode batch whose logits rows are its rows in order, or -1. */
@@ -1176,8 +1217,7 @@ static int group_forward(mr *g, const mr_batch *b, float *logits, const mr_sampl
 static int rank_capture(void *arg, int32_t rank)
 {
     mr *g = arg;
-    capture_graphs(g->ranks[rank]);
-    return 0;
+    return capture_graphs(g->ranks[rank]);
 }
 
 int mr_create_tp(const mr_params *p, const pd_model *const *shards, int32_t n_ranks,
@@ -1281,7 +1321,12 @@ int mr_create_tp(const mr_params *p, const pd_model *const *shards, int32_t n_ra
     }
     /* Graphs: every rank captures at once (an eager run of each body first, whose all-reduces
      * need every rank); a rank that captured other buckets turns them off everywhere. */
-    (void)tp_pool_run(g->pool, rank_capture, g, NULL);
+    int32_t bad = -1;
+    if (tp_pool_run(g->pool, rank_capture, g, &bad) < 0) {
+        rc = pd_errf(err, PD_EBACKEND, "tensor parallel: rank %d failed in an eager run while "
+                     "capturing the decode graphs (the communicator was aborted)", bad);
+        goto fail;
+    }
     for (int32_t k = 1; k < n_ranks; k++)
         if (g->ranks[k]->n_graphs != g->ranks[0]->n_graphs) {
             PD_LOGW("model runner: decode graphs off (rank %d captured %d, rank 0 %d)", k,

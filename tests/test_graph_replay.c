@@ -127,9 +127,15 @@ static int w_gather_rows(void *ctx, const void *x, const int32_t *idx, int32_t n
 /* Anything else queued while recording cannot be in a graph: the capture fails. */
 static int w_sync(void *ctx) { return g_rec ? PD_EBACKEND : g_cpu->sync(ctx); }
 
+/* test_capture_failure: the backend context whose graph_begin fails, and after how many more
+ * calls (tp_side_open sets the context of rank g_fail_rank). */
+static int32_t g_fail_rank = -1;
+static void *g_fail_ctx;
+static int g_fail_left;
+
 static int w_graph_begin(void *ctx)
 {
-    (void)ctx;
+    if (ctx == g_fail_ctx && --g_fail_left == 0) return PD_EBACKEND;
     if (g_rec) return PD_EBACKEND;
     g_rec = calloc(1, sizeof *g_rec);
     return g_rec ? 0 : PD_ENOMEM;
@@ -339,6 +345,7 @@ static int tp_side_open(const char *dir, int32_t n, const mr_params *mp, tp_side
             (rc = pd_model_load_shard(&cfg, dir, PD_LOAD_SAFETENSORS, 0, t->be[k], k, n,
                                       &t->ms[k], err)) < 0)
             return rc;
+    if (g_fail_rank >= 0 && g_fail_rank < n) g_fail_ctx = t->be[g_fail_rank]->ctx;
     return mr_create_tp(mp, (const pd_model *const *)t->ms, n, t->g.comm, &t->r, err);
 }
 
@@ -622,6 +629,51 @@ static void run_pipelined(const char *name)
     tg_close(&gs);
 }
 
+/* A rank whose capture fails after the others' eager runs (its third graph_begin: batch 2's)
+ * while they go on capturing: before the gate, the others ran on to the next bucket's eager
+ * run and waited in its all-reduce for this rank forever. Now every rank stops at the next
+ * gate, the graphs are off on all of them, and the group runs its steps eagerly, giving the
+ * same logits as a group that never had graphs. */
+static void test_capture_failure(const char *name, int32_t n_tp, int32_t fail_rank)
+{
+    char err[PD_ERR_LEN] = "", dir[1024];
+    snprintf(dir, sizeof dir, "%s/testdata/golden/%s", pd_test_shared_dir(), name);
+    tp_side a, b;
+    mr_params mg = side_params(true), me = side_params(false);
+    g_fail_rank = fail_rank;
+    g_fail_left = 3;
+    int rc = tp_side_open(dir, n_tp, &mg, &a, err);
+    g_fail_rank = -1;
+    g_fail_ctx = NULL;
+    CHECK_MSG(rc == 0, "%s TP %d, rank %d's capture failing: %s", name, n_tp, fail_rank, err);
+    if (rc == 0) CHECK_EQ_INT(mr_n_graphs(a.r), 0);
+    int rc2 = tp_side_open(dir, n_tp, &me, &b, err);
+    CHECK_MSG(rc2 == 0, "%s TP %d eager: %s", name, n_tp, err);
+    if (rc == 0 && rc2 == 0) {
+        const int32_t V = a.ms[0]->cfg.vocab_size, width = mr_max_blocks_per_seq(a.r);
+        const int32_t q_lens[N_SEQS] = {9, 23, 5, 17, 31};
+        int32_t *bt = calloc((size_t)N_SEQS * width, sizeof *bt);
+        int32_t ids[128], pos[128], slots[128], rows[128], cu[N_SEQS + 1], ctx[N_SEQS];
+        const int32_t T = make_prompts(N_SEQS, q_lens, 1, width, V, 7u, bt, ids, pos, slots, cu,
+                                       ctx, rows);
+        float *la = malloc((size_t)N_SEQS * V * sizeof *la), *lb = malloc((size_t)N_SEQS * V * sizeof *lb);
+        mr_batch bb = {T, ids, pos, slots, N_SEQS, cu, ctx, bt, width, N_SEQS, rows};
+        CHECK_EQ_INT(mr_forward(a.r, &bb, la, err), 0);
+        CHECK_EQ_INT(mr_forward(b.r, &bb, lb, err), 0);
+        double md = 0, mref = 0;
+        diff(la, lb, (size_t)N_SEQS * V, &md, &mref);
+        CHECK_MSG(md == 0, "%s TP %d: logits after a failed capture differ from eager (%.3g)",
+                  name, n_tp, md);
+        printf("  %s TP %d: rank %d's capture failed at batch 2: graphs off on every rank, "
+               "prefill logits as a group without graphs\n", name, n_tp, fail_rank);
+        free(la);
+        free(lb);
+        free(bt);
+    }
+    tp_side_close(&a);
+    tp_side_close(&b);
+}
+
 int main(void)
 {
     printf("test_graph_replay: decode graphs recorded and replayed on the CPU backend\n");
@@ -632,6 +684,8 @@ int main(void)
     run("llama-tiny", 2);
     run_pipelined("qwen3-tiny");
     run_pipelined("llama-tiny");
+    test_capture_failure("qwen3-tiny", 2, 1);
+    test_capture_failure("qwen3-tiny", 4, 0);
     CHECK(g_replays > 0);
     CHECK(g_pipe_launches > 0);
     return pd_test_result("test_graph_replay");

@@ -208,6 +208,7 @@ static void tp_setup(nccl_comm *c, pd_backend *const *ranks)
         for (int32_t k = 0; k < c->n; k++) t->recv[k] = c->tp_area[k];
         t->recv_bytes = bytes;
         t->abort = (const volatile uint32_t *)dev_abort;
+        t->abort_host = c->tp_abort;
     }
     PD_LOGI("tensor parallel: small decode steps may run fused, the ranks' sums through peer "
             "memory (%zu MiB a GPU)", bytes >> 20);

@@ -98,6 +98,8 @@ typedef struct {
     size_t recv_bytes;              /* each */
     const volatile uint32_t *abort; /* host memory mapped on every GPU: nonzero once the
                                      * communicator is aborted (the ops stop waiting) */
+    const volatile uint32_t *abort_host; /* the same word, the host's address (the ops
+                                          * refuse to launch once it is set) */
 } pd_cuda_tp;
 
 /* PDSERVE_CUDA_STEP_TIMING=1 (diagnostics): where a graph step's time goes, with events on the

@@ -1583,6 +1583,8 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
         p.ll_act = (uint4 *)(ll += q4 * a->hidden);
     }
     if (a->check_only) return 0;
+    /* an aborted group: the kernel would stop waiting at once and leave garbage */
+    if (tp && *tp->abort_host) return PD_EBACKEND;
     p.tp_n = tp ? tp->n : 1;
     if (tp) {
         p.tp_rank = tp->rank;
