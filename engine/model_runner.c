@@ -732,13 +732,13 @@ static int run_layers_tp_fused(mr *r, int32_t T, bool final, char *err)
 {
     pd_backend *be = r->be;
     const mc_config *c = &r->m->cfg;
-    pd_decode_args da = decode_args(r, T);
-    da.tp = r->tp_fused;
     /* the after-the-gate fault: this rank fails without launching, as a failed launch would;
      * the others' kernels wait for its sums until the abort word stops them */
     if (r->fault_now)
         return pd_errf(err, PD_EBACKEND, "injected rank failure after the launch gate, before "
                        "its fused step (PDSERVE_FAULT_TP_RANK)");
+    pd_decode_args da = decode_args(r, T);
+    da.tp = r->tp_fused;
     const int rc = be->ops->decode_layers(be->ctx, &da);
     if (rc < 0)
         return pd_errf(err, rc, "%s backend: decode_layers (tensor parallel rank %d) failed: %s",
@@ -993,9 +993,8 @@ static int32_t next_bucket(int32_t b)
 
 /* Captures one decode graph per bucket. Each body runs once eagerly first (libraries pick and
  * load their kernels then, outside the capture) on padding rows, which store no KV. A failure
- * leaves the runner eager: slower, never wrong. */
-/* Returns 0, or PD_EBACKEND when this rank of a group failed after the gate and aborted the
- * communicator (the group is then of no use). Otherwise a failure turns the graphs off. */
+ * leaves the runner eager: slower, never wrong. Returns 0, or PD_EBACKEND when this rank of a
+ * group failed in an eager run and aborted the communicator (the group is then of no use). */
 static int capture_graphs(mr *r)
 {
     const int32_t gmax = r->p.max_graph_batch;
@@ -1055,7 +1054,6 @@ static int capture_graphs(mr *r)
             if (rc < 0) failed_b = b;
             r->graphs[k][r->n_graphs] = g; /* NULL on failure; drop_graphs takes any */
         }
-        meta_use(r, 0);
         if (rc < 0 && !r->gate) break;
         if (rc >= 0) r->graph_bs[r->n_graphs++] = b;
         if (b == gmax) break;

@@ -4,10 +4,21 @@
 #ifndef PD_TESTS_SVC_TP_UTIL_H
 #define PD_TESTS_SVC_TP_UTIL_H
 
+#include <stdint.h>
 #include <stdio.h>
 
 #include "common/svc/svc.h"
 #include "tests/test_util.h"
+
+/* n random bytes at p from the generator state *rng (an LCG; the bytes its top bits). */
+static inline void svc_tp_fill_random(void *p, size_t n, uint64_t *rng)
+{
+    uint8_t *b = (uint8_t *)p;
+    for (size_t i = 0; i < n; i++) {
+        *rng = *rng * 6364136223846793005ull + 1442695040888963407ull;
+        b[i] = (uint8_t)(*rng >> 56);
+    }
+}
 
 /* stories260k on `backend` at tensor parallel n_tp, a KV pool of kv_mb MiB (threads: CPU
  * threads, 0 = the default), as a prefill instance. Returns svc_model_open's result. */

@@ -32,14 +32,7 @@ static pd_backend *g_dev[MAX_DEV];
 static int32_t g_n_dev;
 static uint64_t g_rng = 0x2545f4914f6cdd1dull;
 
-static void fill_random(void *p, size_t n)
-{
-    uint8_t *b = p;
-    for (size_t i = 0; i < n; i++) {
-        g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
-        b[i] = (uint8_t)(g_rng >> 56);
-    }
-}
+static void fill_random(void *p, size_t n) { svc_tp_fill_random(p, n, &g_rng); }
 
 /* Page-aligned host memory pinned (mapped, portable) through be: a ring slot. */
 static void *pinned(pd_backend *be, size_t bytes)

@@ -504,7 +504,7 @@ static __device__ __forceinline__ void tp_sum(const dl_params &p, int st, int32_
  * in pieces) the threads add the warps' parts and finish one (column, x row) each. x is [n][k]
  * in shared memory (k % 256 == 0); out rows are `ld` apart. (fp32 FMAs with one conversion
  * per element were instruction-bound at a third of the bandwidth: docs/perf.md.) */
-template <int NMAX, bool PICK = false, bool ADD = false>
+template <int NMAX, bool PICK = false, bool TP_SUM = false>
 static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16 *xs,
                                const dl_out &o, char *ring, float *wred, uint64_t *full,
                                uint64_t *empty, dl_ring_pos &pos, int32_t mst)
@@ -631,8 +631,8 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                 }
                 r[e] = v;
             }
-            /* only in the tensor-parallel kernel's residual stages (ADD) */
-            if constexpr (ADD)
+            /* only in the tensor-parallel kernel's residual stages */
+            if constexpr (TP_SUM)
                 if (o.mode == DL_ADD && o.tp_st >= 0) tp_sum(p, o.tp_st, q, col0, o.flag, r);
             if (o.mode == DL_ADD)
 #pragma unroll

@@ -17,14 +17,7 @@
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
 
-static void fill_random(void *p, size_t n)
-{
-    uint8_t *b = p;
-    for (size_t i = 0; i < n; i++) {
-        g_rng = g_rng * 6364136223846793005ull + 1442695040888963407ull;
-        b[i] = (uint8_t)(g_rng >> 56);
-    }
-}
+static void fill_random(void *p, size_t n) { svc_tp_fill_random(p, n, &g_rng); }
 
 /* kvt_tp_part_of on a replicated mapping: 2 KV heads on 8 ranks. */
 static void test_part_of(void)
