@@ -42,7 +42,7 @@ struct st_model {
  * unsupported rather than malformed. */
 static const char *const st_other_dtypes[] = {
     "BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64", "F64",
-    "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "C64",
+    "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "C64",
 };
 
 /* Returns dir + "/" + name in a new string (caller frees), or NULL when out of memory. */
@@ -115,18 +115,19 @@ fail:
 }
 
 /* Maps a dtype string to a pd_dtype. Returns 0, PD_EUNSUPPORTED for a known safetensors dtype
- * other than F32/BF16/F16, PD_EFORMAT for a string that is no safetensors dtype. */
+ * other than F32/BF16/F16/F8_E4M3, PD_EFORMAT for a string that is no safetensors dtype. */
 static int st__dtype(const char *s, const char *name, const char *path, pd_dtype *out,
                      char *err)
 {
     if (strcmp(s, "F32") == 0) *out = PD_DTYPE_F32;
     else if (strcmp(s, "BF16") == 0) *out = PD_DTYPE_BF16;
     else if (strcmp(s, "F16") == 0) *out = PD_DTYPE_F16;
+    else if (strcmp(s, "F8_E4M3") == 0) *out = PD_DTYPE_F8E4M3;
     else {
         for (size_t i = 0; i < sizeof st_other_dtypes / sizeof st_other_dtypes[0]; i++)
             if (strcmp(s, st_other_dtypes[i]) == 0)
                 return pd_errf(err, PD_EUNSUPPORTED, "tensor %s in %s has dtype %s; "
-                               "supported: F32, BF16, F16", name, path, s);
+                               "supported: F32, BF16, F16, F8_E4M3", name, path, s);
         return pd_errf(err, PD_EFORMAT, "tensor %s in %s has unknown dtype \"%s\"", name,
                        path, s);
     }

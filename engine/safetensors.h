@@ -14,7 +14,7 @@
 typedef struct {
     const char *name;          /* tensor name, e.g. "model.layers.0.self_attn.q_proj.weight" */
     const char *file;          /* path of the file it lives in */
-    pd_dtype dtype;            /* F32, BF16 or F16 */
+    pd_dtype dtype;            /* F32, BF16, F16 or F8E4M3 */
     int32_t n_dims;            /* 0..ST_MAX_DIMS */
     int64_t shape[ST_MAX_DIMS];
     int64_t n_elems;           /* product of shape */
@@ -28,7 +28,7 @@ typedef struct st_model st_model; /* opaque */
  * it names is mapped; a tensor listed in the index but absent from its shard is an error),
  * otherwise model.safetensors. Returns 0, PD_EIO (missing/unreadable file), PD_EFORMAT
  * (truncated file, bad header, offsets outside the file, shape/size mismatch, duplicate name),
- * PD_EUNSUPPORTED (a dtype other than F32/BF16/F16, naming the tensor), PD_ENOMEM.
+ * PD_EUNSUPPORTED (a dtype other than F32/BF16/F16/F8_E4M3, naming the tensor), PD_ENOMEM.
  * err receives a message naming the file and tensor. Close with st_close. */
 int st_open(const char *dir, st_model **out, char *err);
 /* Opens one .safetensors file. Same errors as st_open. */

@@ -44,6 +44,8 @@ typedef struct {
     int32_t n_decode;            /* a hint for a mixed batch: its first n_decode sequences have
                                   * one query row each (0 = none or not known), which a backend
                                   * may run as a decode batch; 0 <= n_decode <= n_seqs */
+    float k_scale, v_scale;      /* an FP8 cache's (pd_kv_ops): key = e4m3 * k_scale; value =
+                                  * e4m3 * v_scale; unused by the other ops */
 } pd_attn_args;
 
 /* RoPE on the q and k parts of a fused qkv buffer, then store k and v by slot mapping. With
@@ -64,6 +66,8 @@ typedef struct {
     const void *q_norm;          /* [head_dim] weights, or NULL: no head norm */
     const void *k_norm;          /* [head_dim] weights (set together with q_norm) */
     float norm_eps;
+    float k_scale, v_scale;      /* an FP8 cache's (pd_kv_ops): stores e4m3(k / k_scale) and
+                                  * e4m3(v / v_scale), saturating; unused by the other ops */
 } pd_rope_args;
 
 /* A linear with the fusions around it in a transformer layer (the linear_fused op):
@@ -231,6 +235,56 @@ static inline bool pd_copy_rows_valid(const pd_copy_rows *a)
            a->row_bytes <= a->dst_block_bytes - a->dst_offset - span_d &&
            a->row_bytes <= a->src_block_bytes - a->src_offset - span_s;
 }
+
+/* ---- quantized weights: the weight op sets (docs/quantization.md) ----
+ * A backend offers one op set per weight precision besides its own (act_dtype) ops; the model
+ * loader picks each linear's op set from the checkpoint's quantization_config at load, and the
+ * model runner calls that set's linear_fused for the linear (no format test inside a kernel). */
+
+/* A quantized matrix [m][k] as a weight op set's weight_create takes it (host memory, copied):
+ * element (i, j) is e4m3(w8[i * k + j]) * scale[i * n_groups + j / group], n_groups =
+ * ceil(k / group). group == k: a scale a row (per output channel; a per-tensor scale repeated
+ * on every row); group 128: block-wise checkpoints (a 128 x 128 block's scale repeated on its
+ * rows). The input rows are quantized as act says (pd_fp8_quant_row in common/dtype.h, the
+ * reference every backend's op equals), and the product is
+ *   out[r][i] = sum_j q(x)[r][j] * deq(w)[i][j]   (f32 accumulation, or better). */
+typedef struct {
+    const uint8_t *w8;           /* [m][k] e4m3fn bytes */
+    const float *scale;          /* [m][ceil(k / group)], finite, > 0 */
+    int32_t m, k;                /* output rows, input columns; > 0 */
+    int32_t group;               /* columns a scale covers: k, or 128 (block-wise) */
+    pd_act_quant act;            /* how the input rows are quantized */
+    float in_scale;              /* PD_ACT_STATIC's scale (> 0); else unused */
+} pd_qweight_desc;
+
+/* One KV-cache precision's ops (the KV op sets): the cache holds e4m3(k / k_scale) and
+ * e4m3(v / v_scale) of each layer (pd_rope_args' and pd_attn_args' k_scale and v_scale), and
+ * attention reads e4m3 * scale; everything else as the backend's own ops of those names.
+ * The model runner picks the set once, from --kv-cache-dtype. */
+typedef struct pd_kv_ops {
+    const char *name;            /* "fp8" */
+    pd_dtype dtype;              /* the cache's element type: PD_DTYPE_F8E4M3 */
+    int (*rope_store_kv)(void *ctx, const pd_rope_args *a);
+    int (*attention_prefill)(void *ctx, const pd_attn_args *a);
+    int (*attention_decode)(void *ctx, const pd_attn_args *a);
+} pd_kv_ops;
+
+/* One weight precision's ops. */
+typedef struct pd_wq_ops {
+    const char *name;            /* "fp8" */
+    /* Makes the backend's form of the matrix d describes (it may keep e4m3 bytes and scales,
+     * or dequantize; the product is the same). Returns 0, PD_EINVAL (d breaks its rules),
+     * PD_EUNSUPPORTED (a group or shape this backend takes not), PD_ENOMEM, PD_EBACKEND. */
+    int (*weight_create)(void *ctx, const pd_qweight_desc *d, void **out);
+    void (*weight_destroy)(void *ctx, void *w); /* NULL is a no-op */
+    /* Bytes the backend holds for w (weights and scales), for reports. */
+    size_t (*weight_bytes)(void *ctx, const void *w);
+    /* The backend's linear_fused with a->w a weight_create result (a->m and a->k its m and k,
+     * [2m] rows with swiglu): the input rows (normed, when norm_w is set) are quantized as the
+     * weight's act says, then multiplied as pd_qweight_desc says; the bias, accumulate and
+     * swiglu as in pd_linear_args. Returns 0, PD_EINVAL, PD_EBACKEND. */
+    int (*linear_fused)(void *ctx, const pd_linear_args *a);
+} pd_wq_ops;
 
 struct pd_backend;
 struct pd_comm;
@@ -431,6 +485,12 @@ typedef struct pd_backend_ops {
      * PD_ENOMEM, PD_EBACKEND (err says why). */
     int (*comm_create)(struct pd_backend *const *ranks, int32_t n_ranks, struct pd_comm **out,
                        char *err);
+
+    /* ---- other precisions ----
+     * Optional (NULL = not offered): the FP8 weight op set and the FP8 KV-cache op set
+     * (pd_wq_ops, pd_kv_ops above). */
+    const pd_wq_ops *fp8;
+    const pd_kv_ops *kv_fp8;
 } pd_backend_ops;
 
 #define PD_DEV_EXPORT_BYTES 64 /* an export's opaque bytes (a cudaIpcMemHandle_t) */

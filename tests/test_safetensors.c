@@ -309,9 +309,9 @@ static void test_bad_files(void)
         const char *needle;
     } cases[] = {
         {"i64", "{\"dtype\": \"I64\", \"shape\": [2], \"data_offsets\": [0, 16]}", 16,
-         PD_EUNSUPPORTED, "has dtype I64; supported: F32, BF16, F16"},
-        {"f8", "{\"dtype\": \"F8_E4M3\", \"shape\": [2], \"data_offsets\": [0, 2]}", 2,
-         PD_EUNSUPPORTED, "F8_E4M3"},
+         PD_EUNSUPPORTED, "has dtype I64; supported: F32, BF16, F16, F8_E4M3"},
+        {"f8_e5m2", "{\"dtype\": \"F8_E5M2\", \"shape\": [2], \"data_offsets\": [0, 2]}", 2,
+         PD_EUNSUPPORTED, "F8_E5M2"},
         {"unknown_dtype", "{\"dtype\": \"Q4\", \"shape\": [2], \"data_offsets\": [0, 2]}", 2,
          PD_EFORMAT, "unknown dtype"},
         {"mismatch", "{\"dtype\": \"F32\", \"shape\": [2, 3], \"data_offsets\": [0, 20]}", 24,

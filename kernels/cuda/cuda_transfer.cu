@@ -29,12 +29,16 @@ static void convert_host(void *dst, pd_dtype dst_type, const void *src, pd_dtype
     case PD_DTYPE_BF16:
         memcpy(d, src, n * sizeof(uint16_t));
         break;
+    case PD_DTYPE_F8E4M3:
+        for (size_t i = 0; i < n; i++) d[i] = pd_f32_to_bf16(pd_e4m3_to_f32(((const uint8_t *)src)[i]));
+        break;
     }
 }
 
 static bool valid_dtype(pd_dtype t)
 {
-    return t == PD_DTYPE_F32 || t == PD_DTYPE_BF16 || t == PD_DTYPE_F16 || t == PD_DTYPE_I32;
+    return t == PD_DTYPE_F32 || t == PD_DTYPE_BF16 || t == PD_DTYPE_F16 || t == PD_DTYPE_I32 ||
+           t == PD_DTYPE_F8E4M3;
 }
 
 extern "C" int pd_cuda__upload(void *ctx, void *dst, pd_dtype dst_type, size_t dst_off,
