@@ -2,6 +2,7 @@
  * checking every shape, and uploads (converting) into backend memory. */
 #include "engine/model.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +24,7 @@ static int alloc_w(pd_model *m, size_t n, void **out, char *err)
     if (rc < 0) return pd_errf(err, rc, "cannot allocate %zu weight elements on the %s backend",
                                n, m->be->ops->name);
     m->n_params += (int64_t)n;
+    m->weight_bytes += (int64_t)(n * pd_dtype_size(m->be->ops->act_dtype));
     return 0;
 }
 
@@ -69,6 +71,11 @@ static int put_part(pd_model *m, const loader *L, const char *name, int64_t rows
         return pd_errf(L->err, PD_EFORMAT, "tensor %s in %s has shape [%s], expected [%lld]", name,
                        t->file, got, (long long)rows);
     }
+    if (t->dtype == PD_DTYPE_F8E4M3)
+        return pd_errf(L->err, PD_EFORMAT, "tensor %s in %s is F8_E4M3, but %s", name, t->file,
+                       m->cfg.quant.method == MC_QUANT_NONE
+                           ? "config.json has no quantization_config (FP8 needs its scales)"
+                           : "the quantization_config leaves it unquantized (ignore list)");
     const size_t es = pd_dtype_size(t->dtype), full = (size_t)(cols ? cols : 1);
     const char *src = (const char *)t->data + (size_t)w.r0 * full * es + (size_t)w.c0 * es;
     void *tmp = NULL;
@@ -93,6 +100,222 @@ static int put(pd_model *m, const loader *L, const char *name, int64_t rows, int
                void *dst, int64_t row_off, float center)
 {
     return put_part(m, L, name, rows, cols, whole(rows, cols), dst, row_off, center);
+}
+
+/* ---- quantized linears (docs/quantization.md) ---- */
+
+/* One part of a fused linear: its module ("model.layers.3.self_attn.q_proj"), its whole
+ * shape, and the window of it this shard holds. */
+typedef struct {
+    char module[160];
+    int64_t rows, cols;
+    window w;
+} lin_part;
+
+static uint64_t splitmix(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* A one-element or n-element scale tensor of any float dtype, as f32 into out[n] (one element
+ * is repeated). Every value must be finite and > 0. */
+static int read_scales(const loader *L, const char *name, int64_t n_want, bool one_ok, float *out,
+                       int64_t n_out_max)
+{
+    const st_tensor *t = st_find(L->st, name);
+    if (!t) return pd_errf(L->err, PD_EFORMAT, "tensor %s is missing from the checkpoint", name);
+    if (t->dtype != PD_DTYPE_F32 && t->dtype != PD_DTYPE_BF16 && t->dtype != PD_DTYPE_F16)
+        return pd_errf(L->err, PD_EFORMAT, "tensor %s in %s has dtype %s (a scale is F32, BF16 "
+                       "or F16)", name, t->file, pd_dtype_name(t->dtype));
+    if (t->n_elems != n_want && !(one_ok && t->n_elems == 1))
+        return pd_errf(L->err, PD_EFORMAT, "tensor %s in %s has %lld elements, expected %lld%s",
+                       name, t->file, (long long)t->n_elems, (long long)n_want,
+                       one_ok ? " or 1" : "");
+    if (t->n_elems > n_out_max) return pd_errf(L->err, PD_EFORMAT, "tensor %s: too many", name);
+    pd_convert_to_f32(out, t->data, t->dtype, (size_t)t->n_elems);
+    for (int64_t i = 0; i < t->n_elems; i++)
+        if (!(out[i] > 0) || !isfinite(out[i]))
+            return pd_errf(L->err, PD_EFORMAT, "tensor %s in %s: element %lld is %g (scales "
+                           "must be finite and > 0)", name, t->file, (long long)i, out[i]);
+    for (int64_t i = t->n_elems; i < n_want && t->n_elems == 1; i++) out[i] = out[0];
+    return 0;
+}
+
+/* Part p's rows of the fused matrix: e4m3 bytes into w8 (rows of K), scales into scale (rows of
+ * G groups of `group` columns), the static input scale into *in_scale. */
+static int quant_part(pd_model *m, const loader *L, const lin_part *pt, int32_t group, int32_t K,
+                      int32_t G, uint8_t *w8, float *scale, float *in_scale)
+{
+    const mc_quant *q = &m->cfg.quant;
+    const window w = pt->w;
+    const int64_t nr = w.nr, nc = w.nc;
+    char name[200];
+    if (!L->st) { /* dummy: random e4m3 bytes (no NaN code) and scales of 0.02 / 448 */
+        uint64_t st = L->seed ^ 0x51ed270b27ull;
+        for (const char *c = pt->module; *c; c++) st = (st ^ (uint8_t)*c) * 0x100000001b3ull;
+        st ^= (uint64_t)(w.r0 * 131 + w.c0 + 1);
+        for (int64_t i = 0; i < nr * nc; i += 8) {
+            uint64_t v = splitmix(&st);
+            for (int64_t b = 0; b < 8 && i + b < nr * nc; b++, v >>= 8) {
+                uint8_t c = (uint8_t)v;
+                w8[i + b] = (c & 0x7f) == 0x7f ? (uint8_t)(c - 1) : c;
+            }
+        }
+        for (int64_t i = 0; i < nr * G; i++) scale[i] = 0.02f / PD_FP8_MAX;
+        *in_scale = 1.0f;
+        return 0;
+    }
+    snprintf(name, sizeof name, "%s.weight", pt->module);
+    const st_tensor *t = st_find(L->st, name);
+    if (!t) return pd_errf(L->err, PD_EFORMAT, "tensor %s is missing from the checkpoint", name);
+    if (t->n_dims != 2 || t->shape[0] != pt->rows || t->shape[1] != pt->cols)
+        return pd_errf(L->err, PD_EFORMAT, "tensor %s in %s has not the shape [%lld, %lld]", name,
+                       t->file, (long long)pt->rows, (long long)pt->cols);
+    if (q->method == MC_QUANT_FP8_AT_LOAD) {
+        /* per output channel over the whole row (every shard of a row the same scale) */
+        if (t->dtype == PD_DTYPE_F8E4M3)
+            return pd_errf(L->err, PD_EFORMAT, "tensor %s is already F8_E4M3", name);
+        float *row = malloc((size_t)pt->cols * sizeof *row);
+        if (!row) return pd_errf(L->err, PD_ENOMEM, "out of memory");
+        const size_t es = pd_dtype_size(t->dtype);
+        for (int64_t i = 0; i < nr; i++) {
+            pd_convert_to_f32(row, (const char *)t->data + (size_t)((w.r0 + i) * pt->cols) * es,
+                              t->dtype, (size_t)pt->cols);
+            float amax = 0;
+            for (int64_t j = 0; j < pt->cols; j++) amax = fmaxf(amax, fabsf(row[j]));
+            float s = amax / PD_FP8_MAX;
+            if (!(s >= PD_FP8_MIN_SCALE)) s = PD_FP8_MIN_SCALE;
+            for (int64_t j = 0; j < nc; j++)
+                w8[i * K + j] = pd_f32_to_e4m3(row[w.c0 + j] / s);
+            scale[i * G] = s;
+        }
+        free(row);
+        *in_scale = 1.0f;
+        return 0;
+    }
+    if (t->dtype != PD_DTYPE_F8E4M3)
+        return pd_errf(L->err, PD_EFORMAT, "tensor %s in %s is %s, but the %s quantization_config "
+                       "says it is FP8 (F8_E4M3)", name, t->file, pd_dtype_name(t->dtype), q->name);
+    for (int64_t i = 0; i < nr; i++)
+        memcpy(w8 + i * K, (const uint8_t *)t->data + (w.r0 + i) * pt->cols + w.c0, (size_t)nc);
+    const bool inv = q->method == MC_QUANT_FP8_BLOCK;
+    snprintf(name, sizeof name, "%s.%s", pt->module, inv ? "weight_scale_inv" : "weight_scale");
+    int rc;
+    if (group == 128) {
+        const int64_t br = (pt->rows + 127) / 128, bc = (pt->cols + 127) / 128;
+        float *bs = malloc((size_t)(br * bc) * sizeof *bs);
+        if (!bs) return pd_errf(L->err, PD_ENOMEM, "out of memory");
+        if ((rc = read_scales(L, name, br * bc, false, bs, br * bc)) < 0) {
+            free(bs);
+            return rc;
+        }
+        for (int64_t i = 0; i < nr; i++)
+            for (int32_t g = 0; g < G; g++) scale[i * G + g] = bs[(w.r0 + i) / 128 * bc + w.c0 / 128 + g];
+        free(bs);
+    } else {
+        float *cs = malloc((size_t)pt->rows * sizeof *cs);
+        if (!cs) return pd_errf(L->err, PD_ENOMEM, "out of memory");
+        rc = read_scales(L, name, q->weight_per_tensor ? 1 : pt->rows, !q->weight_per_tensor, cs,
+                         pt->rows);
+        if (rc == 0 && q->weight_per_tensor)
+            for (int64_t i = 1; i < pt->rows; i++) cs[i] = cs[0];
+        for (int64_t i = 0; rc == 0 && i < nr; i++) scale[i * G] = cs[w.r0 + i];
+        free(cs);
+        if (rc < 0) return rc;
+    }
+    *in_scale = 1.0f;
+    if (q->act == PD_ACT_STATIC) {
+        snprintf(name, sizeof name, "%s.input_scale", pt->module);
+        if ((rc = read_scales(L, name, 1, true, in_scale, 1)) < 0) return rc;
+    }
+    return 0;
+}
+
+/* A linear made of n_parts stacked along its rows (q, k, v; gate, up), this shard's windows:
+ * into *dst either act_dtype rows as put_part writes them (*ops NULL), or one quantized weight
+ * of the backend's op set (*ops). The parts are quantized alike or not at all. */
+static int put_linear(pd_model *m, const loader *L, const lin_part *parts, int n_parts,
+                      void **dst, const pd_wq_ops **ops)
+{
+    const mc_quant *q = &m->cfg.quant;
+    const bool quant = !mc_quant_ignored(q, parts[0].module);
+    int64_t M = 0;
+    const int64_t K = parts[0].w.nc;
+    int rc;
+    for (int i = 0; i < n_parts; i++) {
+        if (!mc_quant_ignored(q, parts[i].module) != quant)
+            return pd_errf(L->err, PD_EUNSUPPORTED, "%s and %s are fused, but the %s "
+                           "quantization_config quantizes one of them only", parts[0].module,
+                           parts[i].module, q->name);
+        M += parts[i].w.nr;
+    }
+    *ops = NULL;
+    if (!quant) {
+        if ((rc = alloc_w(m, (size_t)(M * K), dst, L->err)) < 0) return rc;
+        char name[200];
+        for (int i = 0, off = 0; i < n_parts; off += (int)parts[i].w.nr, i++) {
+            snprintf(name, sizeof name, "%s.weight", parts[i].module);
+            if ((rc = put_part(m, L, name, parts[i].rows, parts[i].cols, parts[i].w, *dst, off,
+                               0)) < 0)
+                return rc;
+        }
+        return 0;
+    }
+    const pd_wq_ops *fp8 = m->be->ops->fp8;
+    if (!fp8)
+        return pd_errf(L->err, PD_EUNSUPPORTED, "the %s backend has no FP8 weight ops (the "
+                       "checkpoint is %s FP8)", m->be->ops->name, q->name);
+    const int32_t group = q->weight_group ? q->weight_group : (int32_t)K;
+    const int32_t G = (int32_t)((K + group - 1) / group);
+    if (group < K && parts[0].w.c0 % group != 0)
+        return pd_errf(L->err, PD_EUNSUPPORTED, "%s: this shard's columns start at %lld, not on "
+                       "a block of %d (tensor parallel degree too high for block-wise FP8)",
+                       parts[0].module, (long long)parts[0].w.c0, group);
+    uint8_t *w8 = malloc((size_t)(M * K));
+    float *scale = malloc((size_t)(M * G) * sizeof *scale);
+    if (!w8 || !scale) {
+        free(w8);
+        free(scale);
+        return pd_errf(L->err, PD_ENOMEM, "out of memory");
+    }
+    float in_scale = 0;
+    int64_t off = 0;
+    rc = 0;
+    for (int i = 0; i < n_parts && rc == 0; off += parts[i].w.nr, i++) {
+        float s = 1.0f;
+        rc = quant_part(m, L, &parts[i], group, (int32_t)K, G, w8 + off * K, scale + off * G, &s);
+        in_scale = fmaxf(in_scale, s); /* fused parts share their input: the largest scale */
+    }
+    if (rc == 0) {
+        const pd_qweight_desc d = {.w8 = w8, .scale = scale, .m = (int32_t)M, .k = (int32_t)K,
+                                   .group = group, .act = q->act, .in_scale = in_scale};
+        rc = fp8->weight_create(m->be->ctx, &d, dst);
+        if (rc < 0) {
+            pd_errf(L->err, rc, "%s backend: cannot make the FP8 weight of %s [%lld x %lld]",
+                    m->be->ops->name, parts[0].module, (long long)M, (long long)K);
+        } else {
+            *ops = fp8;
+            m->quantized = true;
+            m->n_params += M * K;
+            m->weight_bytes += (int64_t)fp8->weight_bytes(m->be->ctx, *dst);
+        }
+    }
+    free(w8);
+    free(scale);
+    return rc;
+}
+
+/* An FP8 KV cache's scale of layer li (kv_cache_scheme: self_attn.k_scale / v_scale), else 1. */
+static int kv_scale(const pd_model *m, const loader *L, int32_t li, const char *which, float *out)
+{
+    *out = 1.0f;
+    if (!L->st || !m->cfg.quant.kv_scales) return 0;
+    char name[160];
+    snprintf(name, sizeof name, "model.layers.%d.self_attn.%s", li, which);
+    return read_scales(L, name, 1, true, out, 1);
 }
 
 int pd_shard_of(const mc_config *c, int32_t rank, int32_t n_ranks, pd_shard *out, char *err)
@@ -145,10 +368,14 @@ static int load_layer(pd_model *m, const loader *L, int32_t li, char *err)
     if ((rc = alloc_w(m, (size_t)h, &w->attn_norm, err)) < 0 ||
         (rc = put(m, L, NAME("input_layernorm.weight"), h, 0, w->attn_norm, 0, 1.0f)) < 0)
         return rc;
-    if ((rc = alloc_w(m, (size_t)((nql + 2 * nkl) * h), &w->qkv, err)) < 0 ||
-        (rc = put_part(m, L, NAME("self_attn.q_proj.weight"), nq, h, wq, w->qkv, 0, 0)) < 0 ||
-        (rc = put_part(m, L, NAME("self_attn.k_proj.weight"), nkv, h, wk, w->qkv, nql, 0)) < 0 ||
-        (rc = put_part(m, L, NAME("self_attn.v_proj.weight"), nkv, h, wk, w->qkv, nql + nkl, 0)) < 0)
+    lin_part qkv[3] = {{.rows = nq, .cols = h, .w = wq}, {.rows = nkv, .cols = h, .w = wk},
+                       {.rows = nkv, .cols = h, .w = wk}};
+    snprintf(qkv[0].module, sizeof qkv[0].module, "model.layers.%d.self_attn.q_proj", li);
+    snprintf(qkv[1].module, sizeof qkv[1].module, "model.layers.%d.self_attn.k_proj", li);
+    snprintf(qkv[2].module, sizeof qkv[2].module, "model.layers.%d.self_attn.v_proj", li);
+    if ((rc = put_linear(m, L, qkv, 3, &w->qkv, &w->qkv_ops)) < 0 ||
+        (rc = kv_scale(m, L, li, "k_scale", &w->k_scale)) < 0 ||
+        (rc = kv_scale(m, L, li, "v_scale", &w->v_scale)) < 0)
         return rc;
     if (c->qkv_bias) {
         if ((rc = alloc_w(m, (size_t)(nql + 2 * nkl), &w->qkv_bias, err)) < 0 ||
@@ -165,23 +392,23 @@ static int load_layer(pd_model *m, const loader *L, int32_t li, char *err)
             (rc = put(m, L, NAME("self_attn.k_norm.weight"), hd, 0, w->k_norm, 0, 1.0f)) < 0)
             return rc;
     }
-    if ((rc = alloc_w(m, (size_t)(h * nql), &w->o_proj, err)) < 0 ||
-        (rc = put_part(m, L, NAME("self_attn.o_proj.weight"), h, nq, (window){0, h, q0, nql},
-                       w->o_proj, 0, 0)) < 0)
-        return rc;
+    lin_part o = {.rows = h, .cols = nq, .w = {0, h, q0, nql}};
+    snprintf(o.module, sizeof o.module, "model.layers.%d.self_attn.o_proj", li);
+    if ((rc = put_linear(m, L, &o, 1, &w->o_proj, &w->o_ops)) < 0) return rc;
     if (c->o_bias && sh->rank == 0) { /* the sum of the ranks' products adds it once */
         if ((rc = alloc_w(m, (size_t)h, &w->o_bias, err)) < 0 ||
             (rc = put(m, L, NAME("self_attn.o_proj.bias"), h, 0, w->o_bias, 0, 0)) < 0)
             return rc;
     }
+    lin_part gu[2] = {{.rows = f, .cols = h, .w = wf}, {.rows = f, .cols = h, .w = wf}};
+    lin_part dn = {.rows = h, .cols = f, .w = {0, h, f0, fl}};
+    snprintf(gu[0].module, sizeof gu[0].module, "model.layers.%d.mlp.gate_proj", li);
+    snprintf(gu[1].module, sizeof gu[1].module, "model.layers.%d.mlp.up_proj", li);
+    snprintf(dn.module, sizeof dn.module, "model.layers.%d.mlp.down_proj", li);
     if ((rc = alloc_w(m, (size_t)h, &w->mlp_norm, err)) < 0 ||
         (rc = put(m, L, NAME("post_attention_layernorm.weight"), h, 0, w->mlp_norm, 0, 1.0f)) < 0 ||
-        (rc = alloc_w(m, (size_t)(2 * fl * h), &w->gate_up, err)) < 0 ||
-        (rc = put_part(m, L, NAME("mlp.gate_proj.weight"), f, h, wf, w->gate_up, 0, 0)) < 0 ||
-        (rc = put_part(m, L, NAME("mlp.up_proj.weight"), f, h, wf, w->gate_up, fl, 0)) < 0 ||
-        (rc = alloc_w(m, (size_t)(h * fl), &w->down, err)) < 0 ||
-        (rc = put_part(m, L, NAME("mlp.down_proj.weight"), h, f, (window){0, h, f0, fl}, w->down,
-                       0, 0)) < 0)
+        (rc = put_linear(m, L, gu, 2, &w->gate_up, &w->gate_up_ops)) < 0 ||
+        (rc = put_linear(m, L, &dn, 1, &w->down, &w->down_ops)) < 0)
         return rc;
 #undef NAME
     return 0;
@@ -259,9 +486,11 @@ void pd_model_destroy(pd_model *m)
     if (m->layers) {
         for (int32_t i = 0; i < m->cfg.n_layers; i++) {
             pd_layer_weights *w = &m->layers[i];
-            FREE(w->attn_norm); FREE(w->qkv); FREE(w->qkv_bias); FREE(w->q_norm);
-            FREE(w->k_norm); FREE(w->o_proj); FREE(w->o_bias); FREE(w->mlp_norm);
-            FREE(w->gate_up); FREE(w->down);
+#define WFREE(p, ops) ((ops) ? (ops)->weight_destroy(be->ctx, (p)) : FREE(p))
+            FREE(w->attn_norm); WFREE(w->qkv, w->qkv_ops); FREE(w->qkv_bias); FREE(w->q_norm);
+            FREE(w->k_norm); WFREE(w->o_proj, w->o_ops); FREE(w->o_bias); FREE(w->mlp_norm);
+            WFREE(w->gate_up, w->gate_up_ops); WFREE(w->down, w->down_ops);
+#undef WFREE
         }
         free(m->layers);
     }

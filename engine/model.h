@@ -44,6 +44,11 @@ typedef struct {
     void *mlp_norm;   /* [hidden] post_attention_layernorm */
     void *gate_up;    /* [2 intermediate][hidden]: gate rows, then up rows */
     void *down;       /* [hidden][intermediate] */
+    /* The op set of each linear's weights: NULL = the backend's own (act_dtype buffers above);
+     * else a quantized weight of that set (its weight_create result; docs/quantization.md). */
+    const pd_wq_ops *qkv_ops, *o_ops, *gate_up_ops, *down_ops;
+    float k_scale, v_scale; /* an FP8 KV cache's scales: the checkpoint's k_scale / v_scale,
+                             * else 1 */
 } pd_layer_weights;
 
 typedef struct {
@@ -60,11 +65,16 @@ typedef struct {
                                 * 0 and vocab: the whole head */
     pd_layer_weights *layers;  /* [n_layers] */
     int64_t n_params;          /* elements held */
+    int64_t weight_bytes;      /* bytes held (quantized weights with their scales) */
+    bool quantized;            /* some linear runs a quantized op set (cfg.quant) */
 } pd_model;
 
 /* Loads the weights of the model in dir (whose config is cfg) into backend memory. Every
  * expected tensor must exist with the expected shape; a missing or misshapen tensor is
- * PD_EFORMAT naming it. With PD_LOAD_DUMMY nothing is read and weights are uniform in
+ * PD_EFORMAT naming it. With cfg->quant set, the decoder layers' projections are loaded into
+ * the backend's op set of that precision (PD_EUNSUPPORTED when it has none), with their
+ * scales; the fused q/k/v and gate/up parts must be quantized alike; an F8_E4M3 tensor where
+ * the config expects none is PD_EFORMAT. With PD_LOAD_DUMMY nothing is read and weights are uniform in
  * [-scale, scale) from seed (norm weights around 1). Returns 0 and *out (free with
  * pd_model_destroy), or an error with err set. */
 int pd_model_load(const mc_config *cfg, const char *dir, pd_load_format fmt, uint64_t seed,

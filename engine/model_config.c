@@ -334,6 +334,8 @@ static int parse_config(const json_t *root, mc_config *c, const char *path, char
     }
     if ((rc = parse_dtype(root, c, path, err)) < 0) return rc;
     if ((rc = parse_rope(root, c, path, err)) < 0) return rc;
+    const json_t *qc = json_object_get(root, "quantization_config");
+    if (qc && !json_is_null(qc) && (rc = mc_parse_quant(qc, &c->quant, path, err)) < 0) return rc;
 
     c->bos_token_id = -1;
     if ((rc = pd_json_get_i32(root, "bos_token_id", &c->bos_token_id, path, err)) < 0) return rc;

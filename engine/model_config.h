@@ -12,6 +12,8 @@
 #include "common/dtype.h"
 
 #define MC_MAX_EOS 16
+#define MC_MAX_IGNORE 64      /* modules a quantization_config may leave unquantized */
+#define MC_IGNORE_LEN 160     /* bytes of one such name or pattern, NUL included */
 
 typedef enum {
     MC_ARCH_LLAMA = 0,   /* LlamaForCausalLM */
@@ -26,6 +28,34 @@ typedef enum {
     MC_ROPE_LLAMA3,      /* Llama 3.1 frequency-dependent scaling */
     MC_ROPE_YARN,        /* YaRN ramp + attention factor */
 } mc_rope_type;
+
+/* How the checkpoint's linear weights are quantized (quantization_config in config.json, or
+ * --quantization; docs/quantization.md). Everything but the decoder layers' q/k/v/o and
+ * gate/up/down projections (and what `ignore` names) stays in the checkpoint's dtype. */
+typedef enum {
+    MC_QUANT_NONE = 0,
+    MC_QUANT_CT_FP8,       /* compressed-tensors, format float-quantized: F8_E4M3 weights with
+                            * weight_scale per tensor or per output channel (or per 128 x 128
+                            * block: strategy block) */
+    MC_QUANT_FP8_BLOCK,    /* quant_method "fp8" with weight_block_size [128, 128]: F8_E4M3
+                            * weights, weight_scale_inv per 128 x 128 block */
+    MC_QUANT_FP8_AT_LOAD,  /* --quantization fp8 on an unquantized checkpoint: per-channel
+                            * weights quantized at load, activations dynamic per token */
+} mc_quant_method;
+
+typedef struct {
+    mc_quant_method method;
+    int32_t weight_group;        /* 0: a scale per output channel (a per-tensor scale is
+                                  * repeated on every row); 128: per 128 x 128 block */
+    bool weight_per_tensor;      /* the checkpoint has one weight_scale per tensor */
+    pd_act_quant act;            /* how each linear's input rows are quantized */
+    int32_t n_ignore;            /* modules left unquantized: */
+    char ignore[MC_MAX_IGNORE][MC_IGNORE_LEN]; /* names, or "re:" + a regular expression
+                                  * matched from the name's start (compressed-tensors); */
+    bool ignore_substring;       /* names matched as substrings (modules_to_not_convert) */
+    bool kv_scales;              /* kv_cache_scheme: per-layer k_scale / v_scale tensors */
+    char name[32];               /* "compressed-tensors", "fp8", "fp8 (at load)", "" */
+} mc_quant;
 
 typedef struct {
     mc_arch arch;
@@ -60,6 +90,7 @@ typedef struct {
     bool qkv_bias;               /* q/k/v projections have biases (Qwen2, attention_bias) */
     bool o_bias;                 /* o_proj has a bias (Llama attention_bias) */
     bool qk_norm;                /* per-head q/k RMSNorm (Qwen3) */
+    mc_quant quant;              /* quantization_config (MC_QUANT_NONE when absent) */
 } mc_config;
 
 /* Reads dir/config.json and, if present, dir/generation_config.json. Returns 0, PD_EIO (no
@@ -88,6 +119,22 @@ float mc_rope_inv_freq(const mc_config *cfg, float *inv_freq);
 
 /* True when tok is one of the model's end-of-sequence ids. */
 bool mc_is_eos(const mc_config *cfg, int32_t tok);
+
+/* Parses a quantization_config object (config.json's, borrowed) into *q. Supported:
+ * compressed-tensors float-quantized FP8 (one config group targeting Linear; weights 8-bit
+ * float, strategy tensor, channel or block [128, 128]; input activations null, dynamic per
+ * token, static per tensor, or dynamic in groups of 128 with block weights) and quant_method
+ * "fp8" with e4m3, dynamic activations and weight_block_size [128, 128]. Anything else is
+ * PD_EUNSUPPORTED with err naming what was found (path names the file). */
+int mc_parse_quant(const void *json_obj, mc_quant *q, const char *path, char *err);
+
+/* Applies --quantization: "auto" or "" (the checkpoint's), "none" (refuses a quantized
+ * checkpoint: PD_EINVAL), "fp8" (the checkpoint's FP8 when it has one, else
+ * MC_QUANT_FP8_AT_LOAD). Returns 0, PD_EINVAL (an unknown value) with err. */
+int mc_set_quantization(mc_config *cfg, const char *value, char *err);
+
+/* Whether module (e.g. "model.layers.3.mlp.down_proj") stays unquantized under q. */
+bool mc_quant_ignored(const mc_quant *q, const char *module);
 
 /* Parameters, in elements, of a model of this shape (embeddings counted once when tied). */
 int64_t mc_param_count(const mc_config *cfg);

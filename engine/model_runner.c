@@ -33,6 +33,10 @@ struct mr {
     int32_t qkv_dim;              /* (n_heads + 2 n_kv_heads) head_dim */
     float attn_factor;
     size_t kv_layer_elems;        /* elements in one layer's K (or V) cache */
+    pd_dtype kv_dtype;            /* the cache's element type */
+    const pd_kv_ops *kv_ops;      /* the FP8 cache's op set, or NULL: the backend's own ops */
+    bool fused_ok;                /* decode_layers may run the model (no FP8 weights or KV:
+                                   * the fused kernels know bf16 only) */
     void *kv;                     /* the whole pool: [n_layers][K, V][n_blocks][block elems] */
     void **k_cache, **v_cache;    /* [n_layers] pointers into kv */
     pd_layer_args *dl;            /* [n_layers]: weights and caches for decode_layers */
@@ -243,14 +247,21 @@ static int create_rank(const mr_params *p, const pd_model *m, pd_comm *comm, boo
     if (comm && comm->ops->fused_handle) r->tp_fused = comm->ops->fused_handle(comm->ctx, r->rank);
     const pd_shard *sh = &m->shard; /* this rank's heads and MLP columns */
     const pd_dtype act = r->be->ops->act_dtype;
-    const size_t es = pd_dtype_size(act);
+    int rc = mr_kv_dtype_resolve(p->kv_dtype, m, &r->kv_dtype);
+    if (rc < 0) {
+        free(r);
+        return pd_errf(err, rc, "model runner: the %s backend has no FP8 KV cache",
+                       m->be->ops->name);
+    }
+    if (r->kv_dtype == PD_DTYPE_F8E4M3) r->kv_ops = r->be->ops->kv_fp8;
+    r->fused_ok = !m->quantized && !r->kv_ops;
+    const size_t es = pd_dtype_size(r->kv_dtype);
     const size_t T = (size_t)p->max_num_batched_tokens, S = (size_t)p->max_num_seqs;
     const size_t hs = (size_t)c->hidden_size, hd = (size_t)c->head_dim;
     r->qkv_dim = (sh->n_heads + 2 * sh->n_kv_heads) * c->head_dim;
     r->max_blocks_per_seq = (c->max_position + p->block_size - 1) / p->block_size;
     size_t block_elems = (size_t)p->block_size * (size_t)sh->n_kv_heads * hd;
     const int64_t per_block = (int64_t)(block_elems * es) * 2 * c->n_layers;
-    int rc;
     r->k_cache = calloc((size_t)c->n_layers, sizeof(void *));
     r->v_cache = calloc((size_t)c->n_layers, sizeof(void *));
     r->dl = calloc((size_t)c->n_layers, sizeof *r->dl);
@@ -341,7 +352,8 @@ static int create_rank(const mr_params *p, const pd_model *m, pd_comm *comm, boo
     r->kv_layer_elems = (size_t)r->p.n_blocks * block_elems;
     /* One allocation for every layer's K and V, so that the KV transfer can register (and a
      * peer can address) the whole pool as one region. */
-    if ((rc = be_alloc(r, act, r->kv_layer_elems * 2 * (size_t)c->n_layers, &r->kv, err)) < 0)
+    if ((rc = be_alloc(r, r->kv_dtype, r->kv_layer_elems * 2 * (size_t)c->n_layers, &r->kv,
+                       err)) < 0)
         goto fail;
     for (int32_t l = 0; l < c->n_layers; l++) {
         r->k_cache[l] = (char *)r->kv + (size_t)(2 * l) * r->kv_layer_elems * es;
@@ -447,8 +459,33 @@ void mr_kv_pool(const mr *r, void **base, size_t *bytes)
 {
     if (r->ranks) r = r->ranks[0];
     *base = r->kv;
-    *bytes = r->kv_layer_elems * 2 * (size_t)r->m->cfg.n_layers *
-             pd_dtype_size(r->be->ops->act_dtype);
+    *bytes = r->kv_layer_elems * 2 * (size_t)r->m->cfg.n_layers * pd_dtype_size(r->kv_dtype);
+}
+
+pd_dtype mr_kv_dtype(const mr *r)
+{
+    return r->ranks ? r->ranks[0]->kv_dtype : r->kv_dtype;
+}
+
+int mr_kv_dtype_parse(const char *s, mr_kv_type *out)
+{
+    if (!s || !*s || strcmp(s, "auto") == 0) *out = MR_KV_AUTO;
+    else if (strcmp(s, "bf16") == 0 || strcmp(s, "native") == 0 || strcmp(s, "f32") == 0)
+        *out = MR_KV_NATIVE;
+    else if (strcmp(s, "fp8") == 0 || strcmp(s, "fp8_e4m3") == 0) *out = MR_KV_FP8;
+    else return PD_EINVAL;
+    return 0;
+}
+
+int mr_kv_dtype_resolve(mr_kv_type kv_dtype, const pd_model *m, pd_dtype *out)
+{
+    const pd_backend_ops *o = m->be->ops;
+    *out = o->act_dtype;
+    if (kv_dtype == MR_KV_FP8 || (kv_dtype == MR_KV_AUTO && m->cfg.quant.kv_scales)) {
+        if (!o->kv_fp8) return PD_EUNSUPPORTED;
+        *out = o->kv_fp8->dtype;
+    }
+    return 0;
 }
 
 /* One runner's copy (a rank's, or the only one's): its own pool, its own heads' bytes. */
@@ -457,7 +494,7 @@ static int clone_blocks_one(mr *r, const int32_t *src, const int32_t *dst, int32
     const pd_backend_ops *o = r->be->ops;
     if (!o->kv_blocks_clone)
         return pd_errf(err, PD_EUNSUPPORTED, "%s backend: no kv_blocks_clone op", o->name);
-    const size_t es = pd_dtype_size(o->act_dtype);
+    const size_t es = pd_dtype_size(r->kv_dtype);
     const size_t block_bytes = r->kv_layer_elems / (size_t)r->p.n_blocks * es;
     int rc = o->kv_blocks_clone(r->be->ctx, r->kv, r->kv_layer_elems * es,
                                 2 * r->m->cfg.n_layers, src, dst, n, block_bytes);
@@ -698,6 +735,9 @@ static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err
     return upload_meta_from(r, r->h_meta, false, PD_SAMPLE_SYNC_SLOT, b, T, S, err);
 }
 
+/* A linear's op: its weights' op set's (quantized), else the backend's own. */
+#define LIN(ops) ((ops) ? (ops)->linear_fused : o->linear_fused)
+
 static double mr_now_s(void)
 {
     struct timespec ts;
@@ -759,7 +799,7 @@ static int run_layers_tp_fused(mr *r, int32_t T, bool final, char *err)
  * other). decode_layers is not offered (it has no all-reduce). */
 static int run_layers_tp(mr *r, int32_t T, pd_linear_args *lqkv, pd_rope_args *ra,
                          pd_attn_args *aa, int (*attention)(void *, const pd_attn_args *),
-                         bool final, char *err)
+                         int (*rope_store)(void *, const pd_rope_args *), bool final, char *err)
 {
     pd_backend *be = r->be;
     void *x = be->ctx;
@@ -795,20 +835,22 @@ static int run_layers_tp(mr *r, int32_t T, pd_linear_args *lqkv, pd_rope_args *r
         else TCALL(0, o->rmsnorm(x, r->h, r->a, w->attn_norm, T, hs, c->rms_eps, r->h));
         lqkv->w = w->qkv;
         lqkv->bias = w->qkv_bias;
-        TCALL(1, o->linear_fused(x, lqkv));
+        TCALL(1, LIN(w->qkv_ops)(x, lqkv));
         ra->q_norm = w->q_norm;
         ra->k_norm = w->k_norm;
         ra->k_cache = r->k_cache[l];
         ra->v_cache = r->v_cache[l];
         aa->k_cache = r->k_cache[l];
         aa->v_cache = r->v_cache[l];
-        TCALL(2, o->rope_store_kv(x, ra));
+        ra->k_scale = aa->k_scale = w->k_scale;
+        ra->v_scale = aa->v_scale = w->v_scale;
+        TCALL(2, rope_store(x, ra));
         /* hooked: this rank's event after its store, on its own stream (tp.h) */
         if (r->layer_fn) tp_lsync_stored(r->lsync, r->rank, l);
         TCALL(3, attention(x, aa));
         lo.w = w->o_proj;
         lo.bias = w->o_bias; /* rank 0's only */
-        TCALL(4, o->linear_fused(x, &lo));
+        TCALL(4, LIN(w->o_ops)(x, &lo));
         if (r->fault_now && l == c->n_layers / 2)
             return pd_errf(err, PD_EBACKEND, "injected rank failure after the launch gate "
                            "(PDSERVE_FAULT_TP_RANK)");
@@ -824,9 +866,9 @@ static int run_layers_tp(mr *r, int32_t T, pd_linear_args *lqkv, pd_rope_args *r
         /* MLP block */
         TCALL(0, o->rmsnorm(x, r->h, r->a, w->mlp_norm, T, hs, c->rms_eps, r->h));
         lgu.w = w->gate_up;
-        TCALL(5, o->linear_fused(x, &lgu));
+        TCALL(5, LIN(w->gate_up_ops)(x, &lgu));
         ld.w = w->down;
-        TCALL(6, o->linear_fused(x, &ld));
+        TCALL(6, LIN(w->down_ops)(x, &ld));
         if (!skip_ar)
             TCALL(7, cm->ops->all_reduce_sum(cm->ctx, r->rank, r->h, o->act_dtype, n_sum));
     }
@@ -866,8 +908,11 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
         .n_tokens = T, .n_heads = sh->n_heads, .n_kv_heads = sh->n_kv_heads, .head_dim = hd,
         .attn_factor = r->attn_factor, .norm_eps = c->rms_eps,
     };
+    const pd_kv_ops *kv = r->kv_ops; /* an FP8 cache's ops, else the backend's own */
     int (*attention)(void *, const pd_attn_args *) =
-        max_q == 1 ? o->attention_decode : o->attention_prefill;
+        max_q == 1 ? (kv ? kv->attention_decode : o->attention_decode)
+                   : (kv ? kv->attention_prefill : o->attention_prefill);
+    int (*rope_store)(void *, const pd_rope_args *) = kv ? kv->rope_store_kv : o->rope_store_kv;
 
     /* r->a is the residual stream: each block's input norm is fused into its first product,
      * the residual add into its last (accumulate). */
@@ -882,8 +927,8 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
     if (r->comm && max_q == 1 && T == S && T < 32 && (r->tp_fused_ns >> T & 1u) &&
         !r->layer_fn)
         return run_layers_tp_fused(r, T, final, err);
-    if (r->comm) return run_layers_tp(r, T, &lqkv, &ra, &aa, attention, final, err);
-    if (max_q == 1 && T == S && o->decode_layers && !r->layer_fn) {
+    if (r->comm) return run_layers_tp(r, T, &lqkv, &ra, &aa, attention, rope_store, final, err);
+    if (max_q == 1 && T == S && o->decode_layers && r->fused_ok && !r->layer_fn) {
         /* a small decode step the backend runs whole, the embedding included
          * (PD_EUNSUPPORTED: op by op below) */
         pd_decode_args da = decode_args(r, T);
@@ -909,12 +954,14 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
         lqkv.w = w->qkv;
         lqkv.bias = w->qkv_bias;
         lqkv.norm_w = w->attn_norm;
-        CALL(o->linear_fused(x, &lqkv));
+        CALL(LIN(w->qkv_ops)(x, &lqkv));
         ra.q_norm = w->q_norm; /* Qwen3's per-head norms, fused with the rotation */
         ra.k_norm = w->k_norm;
         ra.k_cache = r->k_cache[l];
         ra.v_cache = r->v_cache[l];
-        CALL(o->rope_store_kv(x, &ra));
+        ra.k_scale = aa.k_scale = w->k_scale;
+        ra.v_scale = aa.v_scale = w->v_scale;
+        CALL(rope_store(x, &ra));
         aa.k_cache = r->k_cache[l];
         aa.v_cache = r->v_cache[l];
         CALL(attention(x, &aa));
@@ -923,13 +970,13 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
                                            * on the same stream, or records an event) */
         lo.w = w->o_proj;
         lo.bias = w->o_bias;
-        CALL(o->linear_fused(x, &lo));
+        CALL(LIN(w->o_ops)(x, &lo));
         /* MLP block */
         lgu.w = w->gate_up;
         lgu.norm_w = w->mlp_norm;
-        CALL(o->linear_fused(x, &lgu));
+        CALL(LIN(w->gate_up_ops)(x, &lgu));
         ld.w = w->down;
-        CALL(o->linear_fused(x, &ld));
+        CALL(LIN(w->down_ops)(x, &ld));
     }
 final_norm:
     if (final) CALL(o->rmsnorm(x, r->a, NULL, r->m->final_norm, T, hs, c->rms_eps, r->h));
@@ -1304,7 +1351,7 @@ int mr_create_tp(const mr_params *p, const pd_model *const *shards, int32_t n_ra
             pd_decode_args da = decode_args(rk, n);
             da.tp = rk->tp_fused;
             da.check_only = true;
-            all = rk->tp_fused && rk->be->ops->decode_layers &&
+            all = rk->tp_fused && rk->fused_ok && rk->be->ops->decode_layers &&
                   rk->be->ops->decode_layers(rk->be->ctx, &da) == 0;
         }
         if (all) ns |= 1u << n;

@@ -10,6 +10,14 @@
 
 #include "engine/model.h"
 
+/* The KV cache's element type (--kv-cache-dtype). */
+typedef enum {
+    MR_KV_AUTO = 0,   /* FP8 when the checkpoint has a kv_cache_scheme, else as MR_KV_NATIVE */
+    MR_KV_NATIVE,     /* the backend's activation type (bf16 on CUDA, f32 on the CPU) */
+    MR_KV_FP8,        /* e4m3 with the checkpoint's per-layer k_scale / v_scale, else 1
+                       * (the backend's kv_fp8 op set; docs/quantization.md) */
+} mr_kv_type;
+
 typedef struct {
     int32_t max_num_batched_tokens; /* query rows one forward may hold; default 2048 */
     int32_t max_num_seqs;           /* sequences one forward may hold; default 256 */
@@ -29,7 +37,15 @@ typedef struct {
                                      * to its bucket; 0 = every step runs op by op (eager);
                                      * default 256 (capped at max_num_seqs and
                                      * max_num_batched_tokens) */
+    mr_kv_type kv_dtype;         /* the KV cache's element type; default MR_KV_AUTO */
 } mr_params;
+
+/* Parses --kv-cache-dtype: "auto", "bf16" (and "native", "f32": MR_KV_NATIVE) or "fp8"
+ * (and "fp8_e4m3"). Returns 0 or PD_EINVAL. */
+int mr_kv_dtype_parse(const char *s, mr_kv_type *out);
+/* The element type a runner with kv_dtype would give m's KV cache on its backend
+ * (PD_EUNSUPPORTED: FP8 on a backend without the kv_fp8 op set). */
+int mr_kv_dtype_resolve(mr_kv_type kv_dtype, const pd_model *m, pd_dtype *out);
 
 mr_params mr_default_params(void);
 
@@ -149,6 +165,8 @@ int mr_layer_events(mr *r, int32_t layer, void **ev);
 int mr_clone_blocks(mr *r, const int32_t *src, const int32_t *dst, int32_t n, char *err);
 
 int32_t mr_n_blocks(const mr *r);
+/* The KV cache's element type (the backend's act_dtype, or PD_DTYPE_F8E4M3). */
+pd_dtype mr_kv_dtype(const mr *r);
 int32_t mr_block_size(const mr *r);
 /* Longest block table a sequence can need: ceil(max_position / block_size). */
 int32_t mr_max_blocks_per_seq(const mr *r);

@@ -369,7 +369,7 @@ void kvt__desc_region(const kvt__desc *d, int32_t r, uint64_t *base, int32_t *rk
 static uint64_t block_bytes_checked(const kvt_layout *l)
 {
     if (l->block_size <= 0 || l->n_kv_heads <= 0 || l->head_dim <= 0 || (int)l->dtype < 0 ||
-        l->dtype > PD_DTYPE_I32)
+        l->dtype > PD_DTYPE_F8E4M3)
         return 0;
     uint64_t v = (uint64_t)l->block_size;
     if (__builtin_mul_overflow(v, (uint64_t)l->n_kv_heads, &v) ||
@@ -447,7 +447,7 @@ static int desc_parse(const void *buf, size_t len, const kvt__secret *secret, kv
     uint32_t nb = rd_u32(&b);
     out->block_bytes = rd_u64(&b);
     if (b.bad) return D_BAD("truncated in the layout (%zu bytes)", len);
-    if (dtype > (uint32_t)PD_DTYPE_I32 || nl == 0 || nl > KVT_DESC_MAX_LAYERS || bs == 0 ||
+    if (dtype > (uint32_t)PD_DTYPE_F8E4M3 || nl == 0 || nl > KVT_DESC_MAX_LAYERS || bs == 0 ||
         bs > INT32_MAX || kvh == 0 || kvh > INT32_MAX || hd == 0 || hd > INT32_MAX || nb == 0 ||
         nb > INT32_MAX)
         return D_BAD("layout out of range (dtype %u, layers %u, block size %u, kv heads %u, "

@@ -139,7 +139,7 @@ static int check_layout(const kvt_layout *l, char *err)
     if (!memchr(l->model_id, 0, sizeof l->model_id))
         return pd_errf(err, PD_EINVAL, "kvt: layout model_id is not NUL-terminated");
     if (l->n_layers <= 0 || l->n_layers > 4096 || l->block_size <= 0 || l->n_kv_heads <= 0 ||
-        l->head_dim <= 0 || (int)l->dtype < 0 || l->dtype > PD_DTYPE_I32)
+        l->head_dim <= 0 || (int)l->dtype < 0 || l->dtype > PD_DTYPE_F8E4M3)
         return pd_errf(err, PD_EINVAL, "kvt: bad layout (layers %d, block size %d, kv heads %d, "
                        "head dim %d, dtype %d)", l->n_layers, l->block_size, l->n_kv_heads,
                        l->head_dim, (int)l->dtype);

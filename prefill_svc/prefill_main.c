@@ -523,8 +523,9 @@ static bool layout_matches(const Pdserve__Internal__V1__KvLayout *l, char *msg, 
                  l->num_kv_heads, l->head_dim, (unsigned long long)l->model_fingerprint,
                  mine.block_size, svc_kv_dtype_name(mine.dtype), mine.num_layers,
                  mine.num_kv_heads, mine.head_dim, (unsigned long long)mine.model_fingerprint,
-                 l->dtype != mine.dtype ? " (the KV dtype is the backend's: prefill and decode "
-                 "must run the same --backend, e.g. both cuda (bf16) or both cpu (f32))" : "");
+                 l->dtype != mine.dtype ? " (the KV dtype is --kv-cache-dtype on the backend's "
+                 "type: prefill and decode must run the same --backend and the same "
+                 "--kv-cache-dtype, e.g. both cuda with fp8)" : "");
         return false;
     }
     /* the degrees need not match (the whole layout moves, each side converts to its ranks),

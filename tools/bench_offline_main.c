@@ -34,6 +34,9 @@ static void usage(FILE *f)
         "  --load-format FMT           safetensors (default) or dummy (random weights)\n"
         "  --backend NAME              auto (default), cpu or cuda\n"
         "  --threads N                 CPU threads for matrix products (default: all cores)\n"
+        "  --quantization Q            auto (the checkpoint's; default), none, or fp8 (linears\n"
+        "                              quantized per channel at load; with dummy weights too)\n"
+        "  --kv-cache-dtype T          auto (default), bf16 (the backend's own) or fp8\n"
         "  --tensor-parallel N         split the model over N ranks (threads; on cuda GPUs 0 ..\n"
         "                              N - 1): the byte and FLOP floors are then per rank\n"
         "                              (rank 0's shard, which also holds the LM head)\n"
@@ -225,7 +228,7 @@ int main(int argc, char **argv)
 {
     enum { O_MODEL = 256, O_FMT, O_BACKEND, O_THREADS, O_N, O_IN, O_OUT, O_SHARED, O_SEED, O_BS,
            O_KV, O_GPU_UTIL, O_MBT, O_MS, O_NOPC, O_NOCP, O_JSON, O_NULL, O_MAX_S, O_NOWARM,
-           O_BW, O_TFLOPS, O_EAGER, O_TP };
+           O_BW, O_TFLOPS, O_EAGER, O_TP, O_QUANT, O_KVD };
     static const struct option opts[] = {
         {"model", 1, 0, O_MODEL}, {"load-format", 1, 0, O_FMT}, {"backend", 1, 0, O_BACKEND},
         {"threads", 1, 0, O_THREADS}, {"num-requests", 1, 0, O_N}, {"input-len", 1, 0, O_IN},
@@ -237,8 +240,9 @@ int main(int argc, char **argv)
         {"max-seconds", 1, 0, O_MAX_S}, {"no-warmup", 0, 0, O_NOWARM},
         {"bandwidth-gbs", 1, 0, O_BW}, {"gemm-tflops", 1, 0, O_TFLOPS},
         {"enforce-eager", 0, 0, O_EAGER}, {"tensor-parallel", 1, 0, O_TP},
+        {"quantization", 1, 0, O_QUANT}, {"kv-cache-dtype", 1, 0, O_KVD},
         {"json", 0, 0, O_JSON}, {"null-model", 0, 0, O_NULL}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
-    const char *model_dir = NULL, *backend = "auto";
+    const char *model_dir = NULL, *backend = "auto", *quant = "auto";
     pd_load_format fmt = PD_LOAD_SAFETENSORS;
     long n_req = 256, threads = 0, shared = 0, seed = 0, v, kv_mb = -1; /* -1: not given */
     long n_tp = 1;
@@ -257,6 +261,13 @@ int main(int argc, char **argv)
             else { fprintf(stderr, "pdserve-bench-offline: unknown --load-format '%s'\n", optarg); return 1; }
             break;
         case O_BACKEND: backend = optarg; break;
+        case O_QUANT: quant = optarg; break;
+        case O_KVD:
+            if (mr_kv_dtype_parse(optarg, &mp.kv_dtype) < 0) {
+                fprintf(stderr, "pdserve-bench-offline: unknown --kv-cache-dtype '%s'\n", optarg);
+                return 1;
+            }
+            break;
         case O_THREADS: if (int_arg("--threads", optarg, 0, 1024, &threads)) return 1; break;
         case O_TP: if (int_arg("--tensor-parallel", optarg, 1, 64, &n_tp)) return 1; break;
         case O_N: if (int_arg("--num-requests", optarg, 1, 1 << 20, &n_req)) return 1; break;
@@ -297,7 +308,7 @@ int main(int argc, char **argv)
     }
     char err[PD_ERR_LEN];
     mc_config cfg;
-    if (mc_load(model_dir, &cfg, err) < 0) {
+    if (mc_load(model_dir, &cfg, err) < 0 || mc_set_quantization(&cfg, quant, err) < 0) {
         fprintf(stderr, "pdserve-bench-offline: %s\n", err);
         return 1;
     }
@@ -350,12 +361,14 @@ int main(int argc, char **argv)
 
     int32_t n_blocks, block_size = mp.block_size;
     eng_executor x;
-    size_t esize;             /* bytes per element of weights and KV */
+    size_t esize;             /* bytes per element of weights and activations */
+    size_t kv_esize;          /* bytes per element of the KV cache */
+    double weight_bytes = 0;  /* bytes the weights hold (0: n_params elements of esize) */
     int64_t n_params;
     if (null_model) {
         int64_t kv_bytes = (kv_mb > 0 ? kv_mb : 2048) << 20;
         /* Same pool size as the real KV cache would have; the forward writes flat logits. */
-        esize = 4;
+        esize = kv_esize = 4;
         int64_t per_block = (int64_t)block_size * cfg.n_kv_heads * cfg.head_dim * 4 * 2 * cfg.n_layers;
         n_blocks = (int32_t)(kv_bytes / per_block);
         n_params = mc_param_count(&cfg);
@@ -393,7 +406,9 @@ int main(int argc, char **argv)
         }
         n_blocks = mr_n_blocks(r);
         esize = pd_dtype_size(be->ops->act_dtype);
+        kv_esize = pd_dtype_size(mr_kv_dtype(r));
         n_params = m->n_params;
+        weight_bytes = (double)m->weight_bytes;
         x = eng_executor_runner(r);
         fprintf(stderr, "pdserve-bench-offline: %s (%s, %.1fM params%s) on %s; %ld requests, input "
                 "%d..%d, output %d..%d; KV pool %d blocks of %d (%.1f MiB%s); %d decode graphs\n",
@@ -439,11 +454,13 @@ int main(int argc, char **argv)
      * embedding table is only looked up (its few rows are noise), and the KV of each decode
      * row's context: 2 (K, V) x layers x KV heads x head_dim elements per token. */
     int64_t emb = (int64_t)cfg.vocab_size * cfg.hidden_size;
-    double w_bytes = (double)(n_params - (cfg.tie_word_embeddings ? 0 : emb)) * (double)esize;
+    double w_bytes = weight_bytes > 0 /* quantized weights: the bytes held */
+                         ? weight_bytes - (cfg.tie_word_embeddings ? 0 : (double)emb * esize)
+                         : (double)(n_params - (cfg.tie_word_embeddings ? 0 : emb)) * (double)esize;
     /* per rank with tensor parallelism: rank 0's KV heads and query heads */
     const int32_t kv_heads = m ? m->shard.n_kv_heads : cfg.n_kv_heads;
     const int32_t q_heads = m ? m->shard.n_heads : cfg.n_heads;
-    double kv_tok_bytes = 2.0 * cfg.n_layers * kv_heads * cfg.head_dim * (double)esize;
+    double kv_tok_bytes = 2.0 * cfg.n_layers * kv_heads * cfg.head_dim * (double)kv_esize;
     double kv_bytes = (double)res.kv_tokens_read * kv_tok_bytes;
     double dec_bytes = w_bytes * (double)res.steps_with_decode + kv_bytes;
     double bw_floor_s = bw_gbs > 0 ? dec_bytes / (bw_gbs * 1e9) : 0;

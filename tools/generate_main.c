@@ -33,6 +33,9 @@ static void usage(FILE *f)
         "  --load-format FMT           safetensors (default) or dummy (random weights)\n"
         "  --backend NAME              auto (default), cpu or cuda\n"
         "  --threads N                 CPU threads for matrix products (default: all cores)\n"
+        "  --quantization Q            auto (the checkpoint's; default), none, or fp8 (the\n"
+        "                              linears quantized per channel at load)\n"
+        "  --kv-cache-dtype T          auto (default), bf16 (the backend's own) or fp8\n"
         "  --tensor-parallel N         split the model over N ranks (one thread each; on cuda\n"
         "                              GPUs 0 .. N - 1 with NCCL); heads and MLP must divide\n"
         "prompts:\n"
@@ -141,7 +144,7 @@ enum {
     OPT_RANDOM_LEN, OPT_REPEAT, OPT_MAX_TOKENS, OPT_MIN_TOKENS, OPT_TEMP, OPT_TOP_P, OPT_TOP_K,
     OPT_MIN_P, OPT_REP_PEN, OPT_PRES_PEN, OPT_FREQ_PEN, OPT_SEED, OPT_STOP_IDS, OPT_IGNORE_EOS,
     OPT_BLOCK_SIZE, OPT_KV_MB, OPT_GPU_UTIL, OPT_MAX_BT, OPT_MAX_SEQS, OPT_EAGER, OPT_JSON, OPT_QUIET,
-    OPT_TP,
+    OPT_TP, OPT_QUANT, OPT_KV_DTYPE,
 };
 
 static const struct option k_opts[] = {
@@ -150,6 +153,8 @@ static const struct option k_opts[] = {
     {"backend", required_argument, 0, OPT_BACKEND},
     {"threads", required_argument, 0, OPT_THREADS},
     {"tensor-parallel", required_argument, 0, OPT_TP},
+    {"quantization", required_argument, 0, OPT_QUANT},
+    {"kv-cache-dtype", required_argument, 0, OPT_KV_DTYPE},
     {"prompt-ids", required_argument, 0, OPT_PROMPT_IDS},
     {"prompt", required_argument, 0, OPT_PROMPT},
     {"random-prompt-len", required_argument, 0, OPT_RANDOM_LEN},
@@ -179,6 +184,7 @@ static const struct option k_opts[] = {
 };
 
 typedef struct {
+    const char *quant;       /* --quantization (NULL: auto) */
     const char *model_dir, *backend;
     pd_load_format fmt;
     int32_t threads;
@@ -224,6 +230,14 @@ static int parse_args(int argc, char **argv, cli *a)
             }
             break;
         case OPT_BACKEND: a->backend = optarg; break;
+        case OPT_QUANT: a->quant = optarg; break;
+        case OPT_KV_DTYPE:
+            if (mr_kv_dtype_parse(optarg, &a->mp.kv_dtype) < 0) {
+                fprintf(stderr, "pdserve-generate: unknown --kv-cache-dtype '%s' (auto, bf16, fp8)\n",
+                        optarg);
+                return -1;
+            }
+            break;
         case OPT_THREADS: if (parse_i64(fl, optarg, 0, 1024, &v)) return -1; a->threads = (int32_t)v; break;
         case OPT_TP: if (parse_i64(fl, optarg, 1, 64, &v)) return -1; a->n_tp = (int32_t)v; break;
         case OPT_PROMPT_IDS: {
@@ -367,7 +381,7 @@ int main(int argc, char **argv)
         goto out;
     }
     mc_config cfg;
-    if (mc_load(a.model_dir, &cfg, err) < 0) {
+    if (mc_load(a.model_dir, &cfg, err) < 0 || mc_set_quantization(&cfg, a.quant, err) < 0) {
         fprintf(stderr, "pdserve-generate: %s\n", err);
         goto out;
     }

@@ -29,6 +29,8 @@ void svc_model_flags_init(svc_model_flags *f)
     f->max_num_batched_tokens = 2048;
     f->max_graph_batch = 256;
     f->tensor_parallel = 1;
+    f->quantization = "auto";
+    f->kv_cache_dtype = "auto";
 }
 
 void svc_model_flags_add(svc_model_flags *f, pd_flag *fl, int *n)
@@ -50,6 +52,8 @@ void svc_model_flags_add(svc_model_flags *f, pd_flag *fl, int *n)
         {"max-graph-batch", PD_FLAG_INT, &f->max_graph_batch, "decode steps of up to this many sequences replay CUDA graphs captured at start (0 = none)", 0, 65536},
         {"enforce-eager", PD_FLAG_BOOL, &f->enforce_eager, "run every step op by op (no CUDA graphs; for debugging)", 1, 0},
         {"device", PD_FLAG_INT, &f->device, "GPU ordinal for --backend cuda (instances that see every GPU can move KV device to device; see --kv-transport)", 0, 1023},
+        {"quantization", PD_FLAG_STRING, &f->quantization, "weights: auto (the checkpoint's quantization_config: FP8 compressed-tensors or block-wise fp8), none, or fp8 (an unquantized checkpoint's linears quantized per channel at load, activations per token); docs/quantization.md", 1, 0},
+        {"kv-cache-dtype", PD_FLAG_STRING, &f->kv_cache_dtype, "KV cache element type: auto (fp8 when the checkpoint has a kv_cache_scheme, else bf16), bf16 (the backend's own: f32 on the CPU), or fp8 (e4m3 with the checkpoint's k/v scales, else 1); prefill and decode instances must agree", 1, 0},
         {"tensor-parallel", PD_FLAG_INT, &f->tensor_parallel, "ranks the model is split over (one thread a rank; on cuda GPUs --device .. --device + N - 1, NCCL between them); the attention heads and the MLP must divide", 1, 64},
     };
     for (size_t i = 0; i < sizeof add / sizeof add[0]; i++) fl[(*n)++] = add[i];
@@ -64,6 +68,11 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
     else if (!strcmp(f->load_format, "dummy")) fmt = PD_LOAD_DUMMY;
     else return pd_errf(err, PD_EINVAL, "unknown --load-format '%s' (safetensors, dummy)", f->load_format);
     if ((rc = mc_load(f->model, &m->cfg, err)) < 0) return rc;
+    if ((rc = mc_set_quantization(&m->cfg, f->quantization, err)) < 0) return rc;
+    mr_kv_type kvt;
+    if (mr_kv_dtype_parse(f->kv_cache_dtype, &kvt) < 0)
+        return pd_errf(err, PD_EINVAL, "unknown --kv-cache-dtype '%s' (auto, bf16, fp8)",
+                       f->kv_cache_dtype);
     pd_backend_params bp = pd_backend_default_params();
     bp.n_threads = (int32_t)f->threads;
     bp.device = (int32_t)f->device;
@@ -79,6 +88,7 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
     m->model = m->tp->models[0];
     mr_params mp = mr_default_params();
     mp.block_size = (int32_t)f->block_size;
+    mp.kv_dtype = kvt;
     /* --kv-cache-mb 0: on a backend that reports device memory the runner sizes the pool from
      * it after the weights and its workspace are allocated; 256 MiB elsewhere. */
     if (f->kv_cache_mb > 0) mp.kv_cache_bytes = f->kv_cache_mb << 20;
@@ -107,15 +117,19 @@ int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *m, char *
         while (start > 0 && base[start - 1] != '/') start--;
         snprintf(m->model_name, sizeof m->model_name, "%.*s", (int)(len - start), base + start);
     }
-    m->fingerprint = svc_model_fingerprint(f->model, f->load_format, m->be->ops->act_dtype);
+    m->fingerprint = svc_model_fingerprint(f->model, f->load_format, mr_kv_dtype(m->runner),
+                                           m->cfg.quant.name);
     {
         void *kv_base;
         size_t kv_bytes;
         mr_kv_pool(m->runner, &kv_base, &kv_bytes);
-        PD_LOGI("model %s (%s, %.1fM params) on %s: %d KV blocks of %d tokens (%.1f MiB)",
-                m->model_name, m->cfg.arch_name, (double)m->model->n_params / 1e6,
-                m->be->ops->name, mr_n_blocks(m->runner), mr_block_size(m->runner),
-                (double)kv_bytes / 1048576.0);
+        PD_LOGI("model %s (%s, %.1fM params, %.1f MiB of weights%s%s) on %s: %d KV blocks of "
+                "%d tokens (%s, %.1f MiB)", m->model_name, m->cfg.arch_name,
+                (double)m->model->n_params / 1e6, (double)m->model->weight_bytes / 1048576.0,
+                m->model->quantized ? ", quantized: " : "",
+                m->model->quantized ? m->cfg.quant.name : "", m->be->ops->name,
+                mr_n_blocks(m->runner), mr_block_size(m->runner),
+                pd_dtype_name(mr_kv_dtype(m->runner)), (double)kv_bytes / 1048576.0);
     }
     return 0;
 fail:
@@ -135,7 +149,7 @@ void svc_kv_layout(const svc_model *m, kvt_layout *out)
     memset(out, 0, sizeof *out);
     snprintf(out->model_id, sizeof out->model_id, "%.40s-%016llx", m->model_name,
              (unsigned long long)m->fingerprint);
-    out->dtype = m->be->ops->act_dtype;
+    out->dtype = mr_kv_dtype(m->runner);
     out->n_layers = m->cfg.n_layers;
     out->block_size = mr_block_size(m->runner);
     /* the whole layout: with tensor parallelism too, every KV head in model order is what
@@ -148,10 +162,11 @@ void svc_kv_layout_to_proto(const svc_model *m, Pdserve__Internal__V1__KvLayout 
 {
     pdserve__internal__v1__kv_layout__init(out);
     out->block_size = (uint32_t)mr_block_size(m->runner);
-    switch (m->be->ops->act_dtype) {
+    switch (mr_kv_dtype(m->runner)) {
     case PD_DTYPE_F32: out->dtype = PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_F32; break;
     case PD_DTYPE_F16: out->dtype = PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_F16; break;
     case PD_DTYPE_BF16: out->dtype = PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_BF16; break;
+    case PD_DTYPE_F8E4M3: out->dtype = PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_F8E4M3; break;
     default: out->dtype = PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_UNSPECIFIED; break;
     }
     out->num_layers = (uint32_t)m->cfg.n_layers;
@@ -187,6 +202,7 @@ const char *svc_kv_dtype_name(int d)
     case PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_F32: return "f32";
     case PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_F16: return "f16";
     case PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_BF16: return "bf16";
+    case PDSERVE__INTERNAL__V1__KV_DTYPE__KV_DTYPE_F8E4M3: return "fp8_e4m3";
     default: return "unspecified";
     }
 }

@@ -61,11 +61,13 @@ typedef struct {
     bool enforce_eager;         /* same as max_graph_batch 0 */
     int64_t device;             /* GPU ordinal (cuda); with every GPU visible, the KV can go
                                  * device to device between instances (--kv-transport) */
+    const char *quantization;   /* auto | none | fp8 (mc_set_quantization) */
+    const char *kv_cache_dtype; /* auto | bf16 | fp8 (mr_kv_dtype_parse) */
     int64_t tensor_parallel;    /* ranks (one thread, on cuda one GPU from device on, each);
                                  * 1 = none (docs/tensor-parallel.md) */
 } svc_model_flags;
 
-/* Defaults, and the flag table entries (appended at flags[*n], at most 17). */
+/* Defaults, and the flag table entries (appended at flags[*n], at most 19). */
 void svc_model_flags_init(svc_model_flags *f);
 void svc_model_flags_add(svc_model_flags *f, pd_flag *flags, int *n);
 
@@ -82,13 +84,15 @@ typedef struct {
 } svc_model;
 
 /* The model fingerprint that KvLayout carries (prefill and decode must agree before KV moves):
- * a hash of dir's config.json, load_format, kv_dtype and, unless load_format is "dummy"
+ * a hash of dir's config.json, load_format, kv_dtype, quant (the weights' quantization as
+ * loaded: mc_quant.name, "" for none) and, unless load_format is "dummy"
  * (whose weights are the same seeded values everywhere), the weights' identity read without a
  * full pass: model.safetensors.index.json when present and, for every *.safetensors file in
  * dir, its name, size, header and 32 chunks of 4 KiB spread over its data. Two fine-tunes of
  * one architecture differ; the same files under another directory give the same value.
  * (svc_fingerprint.c) */
-uint64_t svc_model_fingerprint(const char *dir, const char *load_format, pd_dtype kv_dtype);
+uint64_t svc_model_fingerprint(const char *dir, const char *load_format, pd_dtype kv_dtype,
+                               const char *quant);
 
 /* Loads backend, weights and runner; fills ep for mode. Returns 0 or an error with err. */
 int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *out, char *err);

@@ -77,7 +77,8 @@ static int is_safetensors(const struct dirent *d)
     return n > 12 && !strcmp(d->d_name + n - 12, ".safetensors");
 }
 
-uint64_t svc_model_fingerprint(const char *dir, const char *load_format, pd_dtype kv_dtype)
+uint64_t svc_model_fingerprint(const char *dir, const char *load_format, pd_dtype kv_dtype,
+                               const char *quant)
 {
     XXH64_state_t *st = XXH64_createState();
     if (!st) return 0;
@@ -85,6 +86,7 @@ uint64_t svc_model_fingerprint(const char *dir, const char *load_format, pd_dtyp
     fp_file(st, dir, "config.json");
     XXH64_update(st, load_format, strlen(load_format) + 1);
     XXH64_update(st, &kv_dtype, sizeof kv_dtype);
+    if (quant && *quant) XXH64_update(st, quant, strlen(quant));
     if (strcmp(load_format, "dummy") != 0) { /* dummy: the same seeded weights everywhere */
         fp_file(st, dir, "model.safetensors.index.json");
         struct dirent **ents = NULL;

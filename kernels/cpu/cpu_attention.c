@@ -8,7 +8,18 @@
 #include "common/error.h"
 #include "kernels/cpu/cpu_backend.h"
 
-int pd_cpu__attention(void *ctx, const pd_attn_args *a)
+/* A key or value row of hd elements at element offset off of cache: the f32 row itself, or an
+ * e4m3 row dequantized into buf. */
+static inline const float *kv_row_at(const void *cache, size_t off, int32_t hd, bool fp8,
+                                     float scale, float *buf)
+{
+    if (!fp8) return (const float *)cache + off;
+    const uint8_t *b = (const uint8_t *)cache + off;
+    for (int32_t j = 0; j < hd; j++) buf[j] = pd_e4m3_to_f32(b[j]) * scale;
+    return buf;
+}
+
+static int attention(void *ctx, const pd_attn_args *a, bool fp8)
 {
     pd_cpu_ctx *c = ctx;
     const int32_t bs = a->block_size;
@@ -28,7 +39,10 @@ int pd_cpu__attention(void *ctx, const pd_attn_args *a)
         c->scratch_cap = need;
     }
     float *scores = c->scratch, *acc = c->scratch + (need - (size_t)hd);
-    const float *kc = a->k_cache, *vc = a->v_cache, *qb = a->q;
+    const void *kc = a->k_cache, *vc = a->v_cache;
+    const float *qb = a->q;
+    float row_buf[512];
+    if (fp8 && hd > 512) return PD_EUNSUPPORTED;
     float *ob = a->out;
     for (int32_t s = 0; s < a->n_seqs; s++) {
         const int32_t q0 = a->cu_q[s], q_len = a->cu_q[s + 1] - q0, ctx_len = a->ctx_lens[s];
@@ -56,7 +70,8 @@ int pd_cpu__attention(void *ctx, const pd_attn_args *a)
                     const int32_t lo = p0 < start ? start : p0;
                     const int32_t hi = p0 + bs - 1 < pos ? p0 + bs - 1 : pos;
                     for (int32_t p = lo; p <= hi; p++) {
-                        const float *k = kc + (base + (size_t)(p - p0)) * kv_row + (size_t)kvh * hd;
+                        const float *k = kv_row_at(kc, (base + (size_t)(p - p0)) * kv_row +
+                                                   (size_t)kvh * hd, hd, fp8, a->k_scale, row_buf);
                         float d = 0;
                         for (int32_t j = 0; j < hd; j++) d += q[j] * k[j];
                         d *= a->scale;
@@ -76,7 +91,8 @@ int pd_cpu__attention(void *ctx, const pd_attn_args *a)
                     const int32_t lo = p0 < start ? start : p0;
                     const int32_t hi = p0 + bs - 1 < pos ? p0 + bs - 1 : pos;
                     for (int32_t p = lo; p <= hi; p++) {
-                        const float *v = vc + (base + (size_t)(p - p0)) * kv_row + (size_t)kvh * hd;
+                        const float *v = kv_row_at(vc, (base + (size_t)(p - p0)) * kv_row +
+                                                   (size_t)kvh * hd, hd, fp8, a->v_scale, row_buf);
                         const float w = scores[p - start];
                         for (int32_t j = 0; j < hd; j++) acc[j] += w * v[j];
                     }
@@ -88,3 +104,7 @@ int pd_cpu__attention(void *ctx, const pd_attn_args *a)
     }
     return 0;
 }
+
+int pd_cpu__attention(void *ctx, const pd_attn_args *a) { return attention(ctx, a, false); }
+
+int pd_cpu__attention_fp8(void *ctx, const pd_attn_args *a) { return attention(ctx, a, true); }

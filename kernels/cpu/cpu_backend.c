@@ -15,6 +15,7 @@ static void cpu_destroy(void *ctx)
     pd_cpu_ctx *c = ctx;
     if (!c) return;
     free(c->scratch);
+    free(c->qx);
     free(c);
 }
 
@@ -22,8 +23,9 @@ static int cpu_alloc(void *ctx, pd_dtype dtype, size_t n, void **out)
 {
     (void)ctx;
     *out = NULL;
-    if (dtype != PD_DTYPE_F32 && dtype != PD_DTYPE_I32) return PD_EINVAL;
-    size_t bytes = (n ? n : 1) * 4;
+    if (dtype != PD_DTYPE_F32 && dtype != PD_DTYPE_I32 && dtype != PD_DTYPE_F8E4M3)
+        return PD_EINVAL;
+    size_t bytes = (n ? n : 1) * pd_dtype_size(dtype);
     bytes = (bytes + 63) & ~(size_t)63;
     void *p = NULL;
     if (posix_memalign(&p, 64, bytes) != 0) return PD_ENOMEM;
@@ -112,8 +114,8 @@ static void rmsnorm_row(const float *x, const float *w, int32_t dim, float eps, 
     for (int32_t j = 0; j < dim; j++) out[j] = w[j] * (x[j] * r);
 }
 
-static int cpu_rmsnorm(void *ctx, const void *x, void *residual, const void *w, int32_t n,
-                       int32_t dim, float eps, void *out)
+int pd_cpu__rmsnorm(void *ctx, const void *x, void *residual, const void *w, int32_t n,
+                    int32_t dim, float eps, void *out)
 {
     (void)ctx;
     const float *xf = x;
@@ -170,7 +172,7 @@ static int cpu_swiglu(void *ctx, const void *gate_up, int32_t n, int32_t f, void
 
 /* The fused linear composed: the norm into tmp_x, the product (sgemm with beta 1 when it
  * accumulates), the bias, SwiGLU out of tmp_out. */
-static int cpu_linear_fused(void *ctx, const pd_linear_args *a)
+int pd_cpu__linear_fused(void *ctx, const pd_linear_args *a)
 {
     if (!a || a->n < 0 || a->k <= 0 || a->m <= 0 || !a->x || !a->w || !a->out ||
         (a->norm_w && !a->tmp_x) || (a->swiglu && (!a->tmp_out || a->accumulate)))
@@ -179,7 +181,7 @@ static int cpu_linear_fused(void *ctx, const pd_linear_args *a)
     const int32_t n = a->n, k = a->k, mw = a->swiglu ? 2 * a->m : a->m;
     const float *x = a->x;
     if (a->norm_w) {
-        (void)cpu_rmsnorm(ctx, x, NULL, a->norm_w, n, k, a->norm_eps, a->tmp_x);
+        (void)pd_cpu__rmsnorm(ctx, x, NULL, a->norm_w, n, k, a->norm_eps, a->tmp_x);
         x = a->tmp_x;
     }
     product(x, a->w, a->bias, n, k, mw, a->accumulate ? 1.0f : 0.0f,
@@ -197,7 +199,7 @@ static void rotate(float *v, const float *cs, const float *sn, int32_t half)
     }
 }
 
-static int cpu_rope_store_kv(void *ctx, const pd_rope_args *a)
+int pd_cpu__rope_store(void *ctx, const pd_rope_args *a, bool fp8)
 {
     const int32_t hd = a->head_dim, half = hd / 2;
     const int64_t row = (int64_t)(a->n_heads + 2 * a->n_kv_heads) * hd;
@@ -229,10 +231,24 @@ static int cpu_rope_store_kv(void *ctx, const pd_rope_args *a)
         for (int32_t h = 0; h < a->n_kv_heads; h++) rotate(k + (size_t)h * hd, cs, sn, half);
         int32_t slot = a->slot_mapping[t];
         if (slot < 0) continue;
+        if (fp8) { /* e4m3(k / k_scale), e4m3(v / v_scale) */
+            uint8_t *kc = (uint8_t *)a->k_cache + (size_t)slot * kv_row;
+            uint8_t *vc = (uint8_t *)a->v_cache + (size_t)slot * kv_row;
+            for (int64_t j = 0; j < kv_row; j++) {
+                kc[j] = pd_f32_to_e4m3(k[j] / a->k_scale);
+                vc[j] = pd_f32_to_e4m3(v[j] / a->v_scale);
+            }
+            continue;
+        }
         memcpy((float *)a->k_cache + (size_t)slot * kv_row, k, (size_t)kv_row * sizeof(float));
         memcpy((float *)a->v_cache + (size_t)slot * kv_row, v, (size_t)kv_row * sizeof(float));
     }
     return 0;
+}
+
+static int cpu_rope_store_kv(void *ctx, const pd_rope_args *a)
+{
+    return pd_cpu__rope_store(ctx, a, false);
 }
 
 static int cpu_swiglu(void *ctx, const void *gate_up, int32_t n, int32_t f, void *out)
@@ -425,14 +441,14 @@ static const pd_backend_ops k_cpu_ops = {
     .fill_uniform = cpu_fill_uniform,
     .sync = cpu_sync,
     .embedding = cpu_embedding,
-    .rmsnorm = cpu_rmsnorm,
+    .rmsnorm = pd_cpu__rmsnorm,
     .head_rmsnorm = cpu_head_rmsnorm,
     .linear = cpu_linear,
     .rope_store_kv = cpu_rope_store_kv,
     .attention_prefill = pd_cpu__attention,
     .attention_decode = pd_cpu__attention,
     .swiglu = cpu_swiglu,
-    .linear_fused = cpu_linear_fused,
+    .linear_fused = pd_cpu__linear_fused,
     .gather_rows = cpu_gather_rows,
     .kv_blocks_to_host = cpu_kv_to_host,
     .kv_blocks_from_host = cpu_kv_from_host,
@@ -448,6 +464,8 @@ static const pd_backend_ops k_cpu_ops = {
     .copyq_blocks = cpu_copyq_blocks,
     .copyq_rows = cpu_copyq_rows,
     .comm_create = cpu_comm_create,
+    .fp8 = &pd_cpu__fp8_ops,
+    .kv_fp8 = &pd_cpu__kv_fp8_ops,
 };
 
 int pd_backend_cpu_create(const pd_backend_params *p, pd_backend **out, char *err)

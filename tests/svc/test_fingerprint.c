@@ -97,19 +97,22 @@ int main(void)
         sc[k] ^= 0x01; /* the lowest mantissa bit of each f32: a "fine-tune" */
     make_dir(c, cfg, n_cfg, sc, n_st);
 
-    uint64_t fa = svc_model_fingerprint(a, "safetensors", PD_DTYPE_F32);
+    uint64_t fa = svc_model_fingerprint(a, "safetensors", PD_DTYPE_F32, "");
     CHECK(fa != 0);
-    CHECK(fa == svc_model_fingerprint(a, "safetensors", PD_DTYPE_F32)); /* stable */
-    CHECK(fa == svc_model_fingerprint(a2, "safetensors", PD_DTYPE_F32)); /* path-free */
-    CHECK(fa == svc_model_fingerprint(SRC, "safetensors", PD_DTYPE_F32));
-    CHECK_MSG(fa != svc_model_fingerprint(b, "safetensors", PD_DTYPE_F32), "changed header");
-    CHECK_MSG(fa != svc_model_fingerprint(c, "safetensors", PD_DTYPE_F32), "changed tensor");
-    CHECK(fa != svc_model_fingerprint(a, "safetensors", PD_DTYPE_BF16));
+    CHECK(fa == svc_model_fingerprint(a, "safetensors", PD_DTYPE_F32, "")); /* stable */
+    CHECK(fa == svc_model_fingerprint(a2, "safetensors", PD_DTYPE_F32, "")); /* path-free */
+    CHECK(fa == svc_model_fingerprint(SRC, "safetensors", PD_DTYPE_F32, ""));
+    CHECK_MSG(fa != svc_model_fingerprint(b, "safetensors", PD_DTYPE_F32, ""), "changed header");
+    CHECK_MSG(fa != svc_model_fingerprint(c, "safetensors", PD_DTYPE_F32, ""), "changed tensor");
+    CHECK(fa != svc_model_fingerprint(a, "safetensors", PD_DTYPE_BF16, ""));
+    CHECK(fa != svc_model_fingerprint(a, "safetensors", PD_DTYPE_F8E4M3, ""));
+    CHECK_MSG(fa != svc_model_fingerprint(a, "safetensors", PD_DTYPE_F32, "fp8 (at load)"),
+              "weights quantized at load");
     /* dummy: its own value, the same for every copy of the config whatever the weights. */
-    uint64_t fd = svc_model_fingerprint(a, "dummy", PD_DTYPE_F32);
+    uint64_t fd = svc_model_fingerprint(a, "dummy", PD_DTYPE_F32, "");
     CHECK(fd != fa);
-    CHECK(fd == svc_model_fingerprint(c, "dummy", PD_DTYPE_F32));
-    CHECK(fd == svc_model_fingerprint(b, "dummy", PD_DTYPE_F32));
+    CHECK(fd == svc_model_fingerprint(c, "dummy", PD_DTYPE_F32, ""));
+    CHECK(fd == svc_model_fingerprint(b, "dummy", PD_DTYPE_F32, ""));
 
     remove_dir(a);
     remove_dir(a2);
