@@ -145,7 +145,8 @@ static int read_scales(const loader *L, const char *name, int64_t n_want, bool o
 }
 
 /* Part p's rows of the fused matrix: e4m3 bytes into w8 (rows of K), scales into scale (rows of
- * G groups of `group` columns), the static input scale into *in_scale. */
+ * G groups of `group` columns: K per channel, 128 block-wise), the static input scale into
+ * *in_scale. */
 static int quant_part(pd_model *m, const loader *L, const lin_part *pt, int32_t group, int32_t K,
                       int32_t G, uint8_t *w8, float *scale, float *in_scale)
 {
@@ -204,7 +205,7 @@ static int quant_part(pd_model *m, const loader *L, const lin_part *pt, int32_t 
     const bool inv = q->method == MC_QUANT_FP8_BLOCK;
     snprintf(name, sizeof name, "%s.%s", pt->module, inv ? "weight_scale_inv" : "weight_scale");
     int rc;
-    if (group == 128) {
+    if (q->weight_group) { /* block-wise (group is then the block size, 128) */
         const int64_t br = (pt->rows + 127) / 128, bc = (pt->cols + 127) / 128;
         float *bs = malloc((size_t)(br * bc) * sizeof *bs);
         if (!bs) return pd_errf(L->err, PD_ENOMEM, "out of memory");

@@ -425,6 +425,111 @@ static void test_json_load_file(void)
     CHECK_EQ_INT(rmdir(dir), 0);
 }
 
+/* e4m3fn against its definition: every byte decodes to (-1)^s 2^(e-7) (1 + m/8) (subnormal
+ * 2^-6 m/8), 0x7f/0xff NaN; encoding is the nearest value with ties to an even mantissa,
+ * saturating at 448, checked against a brute-force nearest search in double. */
+static void test_e4m3(void)
+{
+    CHECK_EQ_INT(pd_dtype_size(PD_DTYPE_F8E4M3), 1);
+    CHECK(strcmp(pd_dtype_name(PD_DTYPE_F8E4M3), "F8_E4M3") == 0);
+    double val[256];
+    int bad = 0;
+    for (int b = 0; b < 256; b++) {
+        const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+        double v = e == 0 ? ldexp(m / 8.0, -6) : ldexp(1 + m / 8.0, e - 7);
+        if (s) v = -v;
+        val[b] = v;
+        const float got = pd_e4m3_to_f32((uint8_t)b);
+        if ((b & 0x7f) == 0x7f) bad += !isnan(got);
+        else bad += got != (float)v;
+    }
+    CHECK_MSG(bad == 0, "%d bytes decode wrong", bad);
+    CHECK(val[0x7e] == 448.0);
+    /* encode: random values over the whole range, and every midpoint */
+    uint64_t st = 12345;
+    int wrong = 0;
+    for (int i = 0; i < 200000 + 254; i++) {
+        float x;
+        if (i < 254) { /* midpoints between neighbours (positive codes 0..0x7e) */
+            const int b = i % 127;
+            x = (float)((val[b] + val[b + 1]) / 2);
+            if (i >= 127) x = -x;
+        } else {
+            st = st * 6364136223846793005ull + 1442695040888963407ull;
+            const double u = (double)(st >> 11) / 9007199254740992.0;
+            x = (float)((u - 0.5) * ldexp(1.0, (int)(st % 24) - 12) * 2);
+        }
+        /* nearest finite value, ties to the even code */
+        int best = 0;
+        double bd = INFINITY;
+        for (int b = 0; b < 256; b++) {
+            if ((b & 0x7f) == 0x7f) continue;
+            const double d = fabs(val[b] - (double)x);
+            if (d < bd || (d == bd && ((b & 1) == 0 && (best & 1) == 1))) { bd = d; best = b; }
+        }
+        if (fabs((double)x) >= 448) best = x < 0 ? 0xfe : 0x7e;
+        const uint8_t got = pd_f32_to_e4m3(x);
+        if (got != best && !(val[got] == 0 && val[best] == 0)) {
+            if (wrong++ < 5) fprintf(stderr, "  e4m3(%.9g) = %02x, want %02x\n", x, got, best);
+        }
+    }
+    CHECK_MSG(wrong == 0, "%d values encode to another e4m3 than the nearest-even one", wrong);
+    CHECK_EQ_INT(pd_f32_to_e4m3(1e9f), 0x7e);
+    CHECK_EQ_INT(pd_f32_to_e4m3(-INFINITY), 0xfe);
+    CHECK_EQ_INT(pd_f32_to_e4m3(NAN), 0x7f);
+    CHECK_EQ_INT(pd_f32_to_e4m3(ldexpf(1, -10)), 0);    /* half the smallest subnormal: even */
+    CHECK_EQ_INT(pd_f32_to_e4m3(ldexpf(3, -11)), 1);    /* 1.5 steps: rounds to 2^-9 */
+    float buf[3] = {1.0f, 2.0f, 3.0f};
+    float out[3];
+    pd_convert_to_f32(out, (const uint8_t[]){0x38, 0x40, 0xc4}, PD_DTYPE_F8E4M3, 3);
+    CHECK(out[0] == 1.0f && out[1] == 2.0f && out[2] == -3.0f);
+    (void)buf;
+}
+
+/* The activation quantization rule (pd_fp8_quant_row), recomputed here from its statement. */
+static void test_fp8_quant_row(void)
+{
+    enum { K = 300 };
+    float x[K], out[K];
+    uint64_t st = 99;
+    for (int i = 0; i < K; i++) {
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        x[i] = (float)(((double)(st >> 11) / 9007199254740992.0 - 0.5) * (i % 7 + 1));
+    }
+    for (int mode = 0; mode < 4; mode++) {
+        const int32_t group = mode == 1 ? 128 : K;
+        const pd_act_quant act = mode == 2 ? PD_ACT_STATIC : mode == 3 ? PD_ACT_NONE : PD_ACT_DYNAMIC;
+        const float in_scale = 0.002f; /* static: 448 * 0.002 < max |x|: some saturate */
+        pd_fp8_quant_row(x, out, K, group, act, in_scale);
+        int bad = 0, sat = 0;
+        for (int g0 = 0; g0 < K; g0 += group) {
+            const int g1 = g0 + group < K ? g0 + group : K;
+            float amax = 0;
+            for (int j = g0; j < g1; j++) amax = fmaxf(amax, fabsf(x[j]));
+            const float s = act == PD_ACT_STATIC ? in_scale : amax / 448.0f;
+            for (int j = g0; j < g1; j++) {
+                float want = x[j];
+                if (act != PD_ACT_NONE) {
+                    float q = x[j] / s;
+                    if (fabsf(q) >= 448) { q = copysignf(448, q); sat++; }
+                    want = pd_e4m3_to_f32(pd_f32_to_e4m3(q)) * s;
+                    /* within half an e4m3 step (2^-4 relative) of the value, or saturated */
+                    if (fabsf(x[j] / s) < 448 && fabsf(want - x[j]) > fabsf(x[j]) / 16 + s * 1e-3f)
+                        bad++;
+                }
+                bad += out[j] != want;
+            }
+        }
+        CHECK_MSG(bad == 0, "mode %d: %d elements differ from the rule", mode, bad);
+        if (act == PD_ACT_STATIC) CHECK(sat > 0);
+        if (act == PD_ACT_DYNAMIC) CHECK(sat <= K / group + 1); /* only the amax itself */
+    }
+    /* a zero row takes the smallest scale (no division by zero), and stays zero */
+    float z[4] = {0, 0, 0, 0};
+    pd_fp8_quant_row(z, z, 4, 4, PD_ACT_DYNAMIC, 0);
+    CHECK(z[0] == 0 && z[3] == 0 && !signbit(z[1]));
+}
+
 int main(void)
 {
     test_errors();
@@ -432,6 +537,8 @@ int main(void)
     test_bf16();
     test_f16();
     test_convert();
+    test_e4m3();
+    test_fp8_quant_row();
     test_json_getters();
     test_json_load_file();
     return pd_test_result("test_common");

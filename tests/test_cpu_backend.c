@@ -664,6 +664,170 @@ static void test_kv_blocks_roundtrip(void)
     HOST_FREE(got);
 }
 
+/* The FP8 weight op set against its definition (backend.h pd_qweight_desc): rows quantized by
+ * pd_fp8_quant_row (the rule, tested in test_common), weights dequantized, products in
+ * double; with the norm, bias, accumulate and swiglu fusions. */
+static void test_fp8_linear(void)
+{
+    const pd_backend_ops *o = g_be->ops;
+    const pd_wq_ops *q8 = o->fp8;
+    CHECK(q8 != NULL);
+    if (!q8) return;
+    static const struct { int32_t m, k, group; } shapes[] = {{37, 200, 200}, {70, 300, 128},
+                                                             {16, 96, 128}, {5, 7, 7}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (int act = PD_ACT_NONE; act <= PD_ACT_STATIC; act++)
+            for (int fuse = 0; fuse < 4; fuse++) { /* plain+bias, norm, accumulate, swiglu */
+                const int32_t k = shapes[si].k, group = shapes[si].group, n = 5;
+                const int32_t m = shapes[si].m, mw = fuse == 3 ? 2 * m : m;
+                const int32_t G = (k + group - 1) / group;
+                uint8_t *w8 = malloc((size_t)mw * k);
+                float *sc = hmalloc((size_t)mw * G), *x = hmalloc((size_t)n * k);
+                float *bias = hmalloc((size_t)mw), *nw = hmalloc((size_t)k);
+                float *out0 = hmalloc((size_t)n * m);
+                if (!w8) abort();
+                for (int32_t i = 0; i < mw * k; i++) {
+                    uint8_t b = (uint8_t)(urand() * 256);
+                    w8[i] = (b & 0x7f) == 0x7f ? 0 : b;
+                }
+                for (int32_t i = 0; i < mw * G; i++) sc[i] = (float)(0.001 + 0.01 * urand());
+                fill_rand(x, (size_t)n * k, 3.0);
+                fill_rand(bias, (size_t)mw, 1.0);
+                fill_rand(out0, (size_t)n * m, 1.0);
+                for (int32_t j = 0; j < k; j++) nw[j] = (float)(0.5 + urand());
+                const float in_scale = 0.004f;
+                pd_qweight_desc d = {.w8 = w8, .scale = sc, .m = mw, .k = k, .group = group,
+                                     .act = (pd_act_quant)act, .in_scale = in_scale};
+                void *w = NULL;
+                CHECK_EQ_INT(q8->weight_create(g_be->ctx, &d, &w), 0);
+                if (!w) continue;
+                CHECK(q8->weight_bytes(g_be->ctx, w) > 0);
+                void *dx = dev_f32(x, (size_t)n * k), *dout = dev_f32(out0, (size_t)n * m);
+                void *dbias = dev_f32(bias, (size_t)mw), *dnw = dev_f32(nw, (size_t)k);
+                void *tmp_x = dev_alloc(PD_DTYPE_F32, (size_t)n * k);
+                void *tmp_out = dev_alloc(PD_DTYPE_F32, (size_t)n * mw);
+                pd_linear_args a = {.x = dx, .w = w, .bias = fuse == 0 ? dbias : NULL,
+                                    .out = dout, .n = n, .k = k, .m = m,
+                                    .norm_w = fuse == 1 ? dnw : NULL, .norm_eps = 1e-5f,
+                                    .swiglu = fuse == 3, .accumulate = fuse == 2,
+                                    .tmp_x = tmp_x, .tmp_out = tmp_out};
+                CHECK_EQ_INT(q8->linear_fused(g_be->ctx, &a), 0);
+                /* reference */
+                float *xn = hmalloc((size_t)n * k), *xq = hmalloc((size_t)k);
+                memcpy(xn, x, (size_t)n * k * sizeof *xn);
+                if (fuse == 1) CHECK_EQ_INT(o->rmsnorm(g_be->ctx, x, NULL, nw, n, k, 1e-5f, xn), 0);
+                double *ref = calloc((size_t)n * m, sizeof *ref);
+                double *prod = calloc((size_t)mw, sizeof *prod);
+                if (!ref || !prod) abort();
+                for (int32_t r = 0; r < n; r++) {
+                    pd_fp8_quant_row(xn + (size_t)r * k, xq, k, group, (pd_act_quant)act, in_scale);
+                    for (int32_t i = 0; i < mw; i++) {
+                        double acc = 0;
+                        for (int32_t j = 0; j < k; j++)
+                            acc += (double)xq[j] * ((double)pd_e4m3_to_f32(w8[(size_t)i * k + j]) *
+                                                    (double)sc[(size_t)i * G + j / group]);
+                        prod[i] = acc + (fuse == 0 ? bias[i] : 0);
+                    }
+                    for (int32_t i = 0; i < m; i++) {
+                        double v = prod[i];
+                        if (fuse == 3) v = prod[i] / (1 + exp(-prod[i])) * prod[m + i];
+                        if (fuse == 2) v += out0[(size_t)r * m + i];
+                        ref[(size_t)r * m + i] = v;
+                    }
+                }
+                float *got = dl(dout, (size_t)n * m);
+                char what[96];
+                snprintf(what, sizeof what, "fp8 linear m %d k %d group %d act %d fuse %d", m, k,
+                         group, act, fuse);
+                check_close(what, got, ref, (size_t)n * m);
+                q8->weight_destroy(g_be->ctx, w);
+                DEV_FREE(dx, dout, dbias, dnw, tmp_x, tmp_out);
+                HOST_FREE(sc, x, bias, nw, out0, xn, xq, got);
+                free(ref);
+                free(prod);
+                free(w8);
+            }
+    /* what the op refuses */
+    uint8_t b8[4] = {0};
+    float s1[4] = {1, 1, 1, 1};
+    void *w = NULL;
+    pd_qweight_desc bad = {.w8 = b8, .scale = s1, .m = 2, .k = 2, .group = 3, .act = PD_ACT_NONE};
+    CHECK_EQ_INT(q8->weight_create(g_be->ctx, &bad, &w), PD_EINVAL);
+    bad.group = 2;
+    bad.act = PD_ACT_STATIC; /* without its scale */
+    CHECK_EQ_INT(q8->weight_create(g_be->ctx, &bad, &w), PD_EINVAL);
+    bad.act = PD_ACT_NONE;
+    CHECK_EQ_INT(q8->weight_create(g_be->ctx, &bad, &w), 0);
+    pd_linear_args wrong = {.x = b8, .w = w, .out = s1, .n = 1, .k = 3, .m = 2};
+    CHECK_EQ_INT(q8->linear_fused(g_be->ctx, &wrong), PD_EINVAL); /* k is not the weight's */
+    q8->weight_destroy(g_be->ctx, w);
+    q8->weight_destroy(g_be->ctx, NULL);
+}
+
+/* The FP8 KV cache's ops: the store writes e4m3(k / k_scale) of exactly what the f32 op
+ * stores, and attention over it equals the f32 attention over the dequantized cache. */
+static void test_fp8_kv(void)
+{
+    const pd_backend_ops *o = g_be->ops;
+    const pd_kv_ops *kv = o->kv_fp8;
+    CHECK(kv != NULL && kv->dtype == PD_DTYPE_F8E4M3);
+    if (!kv) return;
+    enum { T = 6, H = 4, KVH = 2, HD = 8, HALF = HD / 2, ROW = (H + 2 * KVH) * HD };
+    enum { BS = 4, NB = 4, KVROW = KVH * HD, CACHE = NB * BS * KVROW };
+    const int32_t pos[T] = {0, 1, 2, 3, 4, 5}, slots[T] = {4, 5, 6, 7, 8, 9};
+    float inv_freq[HALF];
+    for (int i = 0; i < HALF; i++) inv_freq[i] = (float)pow(10000.0, -2.0 * i / HD);
+    float qkv[T * ROW];
+    fill_rand(qkv, T * ROW, 3.0);
+    void *dfreq = dev_f32(inv_freq, HALF), *q1 = dev_f32(qkv, T * ROW), *q2 = dev_f32(qkv, T * ROW);
+    int32_t *dpos = dev_i32(pos, T), *dslots = dev_i32(slots, T);
+    float *kf = dev_alloc(PD_DTYPE_F32, CACHE), *vf = dev_alloc(PD_DTYPE_F32, CACHE);
+    uint8_t *k8 = dev_alloc(PD_DTYPE_F8E4M3, CACHE), *v8 = dev_alloc(PD_DTYPE_F8E4M3, CACHE);
+    const float ks = 0.002f, vs = 0.0031f;
+    pd_rope_args a = {.qkv = q1, .positions = dpos, .slot_mapping = dslots, .inv_freq = dfreq,
+                      .k_cache = kf, .v_cache = vf, .n_tokens = T, .n_heads = H,
+                      .n_kv_heads = KVH, .head_dim = HD, .attn_factor = 1, .k_scale = ks,
+                      .v_scale = vs};
+    CHECK_EQ_INT(o->rope_store_kv(g_be->ctx, &a), 0);
+    a.qkv = q2;
+    a.k_cache = k8;
+    a.v_cache = v8;
+    CHECK_EQ_INT(kv->rope_store_kv(g_be->ctx, &a), 0);
+    int bad = 0, sat = 0;
+    for (int i = 0; i < CACHE; i++) {
+        bad += k8[i] != pd_f32_to_e4m3(kf[i] / ks) || v8[i] != pd_f32_to_e4m3(vf[i] / vs);
+        sat += (k8[i] & 0x7f) == 0x7e;
+    }
+    CHECK_MSG(bad == 0, "fp8 store: %d elements differ from e4m3(x / scale)", bad);
+    CHECK(sat > 0); /* the scale is small enough that some saturate */
+    a.k_scale = 0;
+    CHECK_EQ_INT(kv->rope_store_kv(g_be->ctx, &a), PD_EINVAL);
+    /* attention: the dequantized cache through the f32 op is the reference */
+    for (int i = 0; i < CACHE; i++) {
+        kf[i] = pd_e4m3_to_f32(k8[i]) * ks;
+        vf[i] = pd_e4m3_to_f32(v8[i]) * vs;
+    }
+    const int32_t cu[3] = {0, 4, 6}, ctx[2] = {6, 10}, bt[2 * 3] = {1, 2, 0, 2, 0, 1};
+    int32_t *dcu = dev_i32(cu, 3), *dctx = dev_i32(ctx, 2), *dbt = dev_i32(bt, 6);
+    void *o1 = dev_alloc(PD_DTYPE_F32, T * H * HD), *o2 = dev_alloc(PD_DTYPE_F32, T * H * HD);
+    pd_attn_args at = {.q = q1, .q_row_stride = ROW, .k_cache = kf, .v_cache = vf, .out = o1,
+                       .cu_q = dcu, .ctx_lens = dctx, .block_tables = dbt, .n_seqs = 2,
+                       .n_tokens = T, .max_q_len = 4, .max_ctx_len = 10,
+                       .max_blocks_per_seq = 3, .n_heads = H, .n_kv_heads = KVH, .head_dim = HD,
+                       .block_size = BS, .scale = 0.35f, .k_scale = ks, .v_scale = vs};
+    CHECK_EQ_INT(o->attention_prefill(g_be->ctx, &at), 0);
+    at.k_cache = k8;
+    at.v_cache = v8;
+    at.out = o2;
+    CHECK_EQ_INT(kv->attention_prefill(g_be->ctx, &at), 0);
+    const float *r1 = o1, *r2 = o2;
+    int diff = 0;
+    for (int i = 0; i < T * H * HD; i++) diff += r1[i] != r2[i];
+    CHECK_MSG(diff == 0, "fp8 attention: %d outputs differ from f32 over the dequantized cache",
+              diff);
+    DEV_FREE(dfreq, q1, q2, dpos, dslots, kf, vf, k8, v8, dcu, dctx, dbt, o1, o2);
+}
+
 int main(void)
 {
     char err[PD_ERR_LEN] = "";
@@ -682,6 +846,8 @@ int main(void)
     test_rope_store_kv();
     test_attention();
     test_kv_blocks_roundtrip();
+    test_fp8_linear();
+    test_fp8_kv();
     pd_backend_destroy(g_be);
     return pd_test_result("test_cpu_backend");
 }

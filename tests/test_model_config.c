@@ -688,6 +688,138 @@ static void test_param_count(void)
     CHECK_EQ_INT(mc_param_count(&c), 596049920LL + 28LL * 4096);
 }
 
+/* quantization_config: the published FP8 formats parse into what the loader needs; anything
+ * else is refused naming what was found. */
+static void test_quantization(void)
+{
+    mc_config c;
+    char err[PD_ERR_LEN];
+    /* compressed-tensors FP8_DYNAMIC as llm-compressor writes it */
+    const char *ct =
+        "{\"config_groups\": {\"group_0\": {\"input_activations\": {\"actorder\": null, "
+        "\"block_structure\": null, \"dynamic\": true, \"group_size\": null, \"num_bits\": 8, "
+        "\"observer\": null, \"observer_kwargs\": {}, \"strategy\": \"token\", \"symmetric\": true, "
+        "\"type\": \"float\"}, \"output_activations\": null, \"targets\": [\"Linear\"], "
+        "\"weights\": {\"actorder\": null, \"block_structure\": null, \"dynamic\": false, "
+        "\"group_size\": null, \"num_bits\": 8, \"observer\": \"minmax\", \"observer_kwargs\": {}, "
+        "\"strategy\": \"channel\", \"symmetric\": true, \"type\": \"float\"}}}, "
+        "\"format\": \"float-quantized\", \"global_compression_ratio\": 1.46, "
+        "\"ignore\": [\"lm_head\", \"re:.*layers\\\\.1\\\\..*down_proj\"], \"kv_cache_scheme\": null, "
+        "\"quant_method\": \"compressed-tensors\", \"quantization_status\": \"compressed\"}";
+    CHECK_EQ_INT(load_with("quantization_config", ct, &c, err), 0);
+    CHECK_EQ_INT(c.quant.method, MC_QUANT_CT_FP8);
+    CHECK_EQ_INT(c.quant.weight_group, 0);
+    CHECK(!c.quant.weight_per_tensor && !c.quant.kv_scales);
+    CHECK_EQ_INT(c.quant.act, PD_ACT_DYNAMIC);
+    CHECK(mc_quant_ignored(&c.quant, "lm_head"));
+    CHECK(mc_quant_ignored(&c.quant, "model.layers.1.mlp.down_proj"));
+    CHECK(!mc_quant_ignored(&c.quant, "model.layers.11.mlp.down_proj"));
+    CHECK(!mc_quant_ignored(&c.quant, "model.layers.1.mlp.up_proj"));
+    CHECK(!mc_quant_ignored(&c.quant, "model.layers.0.self_attn.q_proj"));
+    /* static per-tensor weights and activations, an FP8 KV cache */
+    const char *st =
+        "{\"quant_method\": \"compressed-tensors\", \"format\": \"float-quantized\", "
+        "\"config_groups\": {\"g\": {\"targets\": [\"Linear\"], \"weights\": {\"num_bits\": 8, "
+        "\"type\": \"float\", \"strategy\": \"tensor\", \"symmetric\": true, \"dynamic\": false}, "
+        "\"input_activations\": {\"num_bits\": 8, \"type\": \"float\", \"strategy\": \"tensor\", "
+        "\"symmetric\": true, \"dynamic\": false}}}, \"kv_cache_scheme\": {\"num_bits\": 8, "
+        "\"type\": \"float\", \"strategy\": \"tensor\", \"dynamic\": false, \"symmetric\": true}}";
+    CHECK_EQ_INT(load_with("quantization_config", st, &c, err), 0);
+    CHECK(c.quant.weight_per_tensor && c.quant.kv_scales);
+    CHECK_EQ_INT(c.quant.act, PD_ACT_STATIC);
+    CHECK(!mc_quant_ignored(&c.quant, "lm_head")); /* nothing ignored: the loader keeps the head */
+    /* weight-only */
+    const char *wo =
+        "{\"quant_method\": \"compressed-tensors\", \"format\": \"float-quantized\", "
+        "\"config_groups\": {\"g\": {\"targets\": [\"Linear\"], \"weights\": {\"num_bits\": 8, "
+        "\"type\": \"float\", \"strategy\": \"channel\"}, \"input_activations\": null}}}";
+    CHECK_EQ_INT(load_with("quantization_config", wo, &c, err), 0);
+    CHECK_EQ_INT(c.quant.act, PD_ACT_NONE);
+    /* block-wise: Qwen3-*-FP8 / DeepSeek-V3, and compressed-tensors FP8_BLOCK */
+    const char *bw = "{\"activation_scheme\": \"dynamic\", \"fmt\": \"e4m3\", \"quant_method\": "
+                     "\"fp8\", \"weight_block_size\": [128, 128], \"modules_to_not_convert\": "
+                     "[\"gate\"]}";
+    CHECK_EQ_INT(load_with("quantization_config", bw, &c, err), 0);
+    CHECK_EQ_INT(c.quant.method, MC_QUANT_FP8_BLOCK);
+    CHECK_EQ_INT(c.quant.weight_group, 128);
+    CHECK_EQ_INT(c.quant.act, PD_ACT_DYNAMIC);
+    CHECK(mc_quant_ignored(&c.quant, "model.layers.2.mlp.gate")); /* substring */
+    CHECK(mc_quant_ignored(&c.quant, "model.layers.2.mlp.gate_proj")); /* (substring, as HF) */
+    CHECK(!mc_quant_ignored(&c.quant, "model.layers.2.mlp.down_proj"));
+    const char *cb =
+        "{\"quant_method\": \"compressed-tensors\", \"format\": \"float-quantized\", "
+        "\"config_groups\": {\"g\": {\"targets\": [\"Linear\"], \"weights\": {\"num_bits\": 8, "
+        "\"type\": \"float\", \"strategy\": \"block\", \"block_structure\": [128, 128]}, "
+        "\"input_activations\": {\"num_bits\": 8, \"type\": \"float\", \"strategy\": \"group\", "
+        "\"group_size\": 128, \"dynamic\": true}}}}";
+    CHECK_EQ_INT(load_with("quantization_config", cb, &c, err), 0);
+    CHECK_EQ_INT(c.quant.weight_group, 128);
+    /* refusals name what they found */
+    static const struct {
+        const char *qc, *needle;
+    } bad[] = {
+        {"{\"quant_method\": \"gptq\", \"bits\": 4}", "quant_method gptq"},
+        {"{\"quant_method\": \"awq\"}", "quant_method awq"},
+        {"{\"quant_method\": \"fbgemm_fp8\", \"activation_scale_ub\": 1200}", "fbgemm_fp8"},
+        {"{\"quant_method\": \"compressed-tensors\", \"format\": \"pack-quantized\"}", "pack-quantized"},
+        {"{\"quant_method\": \"compressed-tensors\", \"format\": \"float-quantized\", "
+         "\"config_groups\": {\"g\": {\"targets\": [\"Linear\"], \"weights\": {\"num_bits\": 4, "
+         "\"type\": \"int\", \"strategy\": \"group\"}}}}", "4 bits of type int"},
+        {"{\"quant_method\": \"compressed-tensors\", \"format\": \"float-quantized\", "
+         "\"config_groups\": {\"g\": {\"targets\": [\"Linear\"], \"weights\": {\"num_bits\": 8, "
+         "\"type\": \"float\", \"strategy\": \"channel\"}, \"input_activations\": {\"num_bits\": 8, "
+         "\"type\": \"float\", \"strategy\": \"tensor\", \"dynamic\": true}}}}", "dynamic tensor"},
+        {"{\"quant_method\": \"compressed-tensors\", \"format\": \"float-quantized\", "
+         "\"config_groups\": {\"a\": {\"targets\": [\"Linear\"]}, \"b\": {\"targets\": "
+         "[\"Linear\"]}}}", "2 config_groups"},
+        {"{\"quant_method\": \"compressed-tensors\", \"format\": \"float-quantized\", "
+         "\"config_groups\": {\"g\": {\"targets\": [\"re:.*mlp.*\"], \"weights\": {\"num_bits\": 8, "
+         "\"type\": \"float\", \"strategy\": \"channel\"}}}}", "targets other than"},
+        {"{\"quant_method\": \"fp8\", \"activation_scheme\": \"static\", \"weight_block_size\": "
+         "[128, 128]}", "activation_scheme static"},
+        {"{\"quant_method\": \"fp8\", \"activation_scheme\": \"dynamic\"}", "weight_block_size"},
+        {"{\"quant_method\": \"fp8\", \"fmt\": \"e5m2\", \"activation_scheme\": \"dynamic\", "
+         "\"weight_block_size\": [128, 128]}", "fmt e5m2"},
+        {"{\"quant_method\": \"fp8\", \"activation_scheme\": \"dynamic\", \"weight_block_size\": "
+         "[64, 64]}", "weight_block_size"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc = load_with("quantization_config", bad[i].qc, &c, err);
+        CHECK_MSG(rc == PD_EUNSUPPORTED && strstr(err, bad[i].needle),
+                  "case %zu: rc %d, err \"%s\", want \"%s\"", i, rc, err, bad[i].needle);
+    }
+    CHECK_EQ_INT(load_with("quantization_config", "[1]", &c, err), PD_EFORMAT);
+    CHECK_EQ_INT(load_with("quantization_config",
+                           "{\"quant_method\": \"fp8\", \"activation_scheme\": \"dynamic\", "
+                           "\"weight_block_size\": [128, 128], \"modules_to_not_convert\": 3}",
+                           &c, err), PD_EFORMAT);
+    CHECK_EQ_INT(load_with("quantization_config",
+                           "{\"quant_method\": \"compressed-tensors\", \"format\": "
+                           "\"float-quantized\", \"ignore\": [\"re:(\"], \"config_groups\": "
+                           "{\"g\": {\"targets\": [\"Linear\"], \"weights\": {\"num_bits\": 8, "
+                           "\"type\": \"float\", \"strategy\": \"channel\"}}}}", &c, err),
+                 PD_EFORMAT);
+    CHECK(strstr(err, "regular expression") != NULL);
+    /* --quantization */
+    CHECK_EQ_INT(load_with("quantization_config", NULL, &c, err), 0);
+    CHECK_EQ_INT(c.quant.method, MC_QUANT_NONE);
+    CHECK(mc_quant_ignored(&c.quant, "model.layers.0.mlp.down_proj"));
+    CHECK_EQ_INT(mc_set_quantization(&c, "auto", err), 0);
+    CHECK_EQ_INT(c.quant.method, MC_QUANT_NONE);
+    CHECK_EQ_INT(mc_set_quantization(&c, "none", err), 0);
+    CHECK_EQ_INT(mc_set_quantization(&c, "int4", err), PD_EINVAL);
+    CHECK(strstr(err, "int4") != NULL);
+    CHECK_EQ_INT(mc_set_quantization(&c, "fp8", err), 0);
+    CHECK_EQ_INT(c.quant.method, MC_QUANT_FP8_AT_LOAD);
+    CHECK_EQ_INT(c.quant.act, PD_ACT_DYNAMIC);
+    CHECK(mc_quant_ignored(&c.quant, "lm_head"));
+    CHECK(!mc_quant_ignored(&c.quant, "model.layers.0.mlp.down_proj"));
+    CHECK_EQ_INT(load_with("quantization_config", bw, &c, err), 0);
+    CHECK_EQ_INT(mc_set_quantization(&c, "fp8", err), 0); /* already FP8: kept */
+    CHECK_EQ_INT(c.quant.method, MC_QUANT_FP8_BLOCK);
+    CHECK_EQ_INT(mc_set_quantization(&c, "none", err), PD_EINVAL);
+}
+
 int main(void)
 {
     snprintf(g_dir, sizeof g_dir, "/tmp/pd_test_mc_XXXXXX");
@@ -706,6 +838,7 @@ int main(void)
     test_fuzz_regressions();
     test_inv_freq();
     test_param_count();
+    test_quantization();
 
     unlink(g_cfg_path);
     unlink(g_gen_path);
