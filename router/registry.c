@@ -455,6 +455,37 @@ rtr_instance *rtr_pick_prefill(rtr_registry *r, const Pdserve__Internal__V1__KvL
     return best;
 }
 
+/* A KvDtype value's name as the proto spells it ("KV_DTYPE_F8E4M3"). */
+static const char *dtype_name(int d)
+{
+    const ProtobufCEnumValue *v =
+        protobuf_c_enum_descriptor_get_value(&pdserve__internal__v1__kv_dtype__descriptor, d);
+    return v ? v->name : "KV_DTYPE_?";
+}
+
+bool rtr_prefill_layout_mismatch(rtr_registry *r, const Pdserve__Internal__V1__KvLayout *layout,
+                                 char *msg, size_t n)
+{
+    if (!layout) return false;
+    bool found = false;
+    pthread_mutex_lock(&r->mu);
+    for (int i = 0; i < r->n_inst && !found; i++) {
+        const rtr_instance *in = r->inst[i];
+        if (!in->prefill || !usable(in) || !in->has_layout || same_layout(layout, &in->layout))
+            continue;
+        found = true;
+        snprintf(msg, n, "no prefill instance has the decode instance's KV layout (decode: %s, "
+                 "block %u, model %016llx; prefill %s: %s, block %u, model %016llx): prefill and "
+                 "decode must run the same model, --kv-cache-dtype, --quantization, --backend "
+                 "and --block-size", dtype_name(layout->dtype), layout->block_size,
+                 (unsigned long long)layout->model_fingerprint, in->addr,
+                 dtype_name(in->layout.dtype), in->layout.block_size,
+                 (unsigned long long)in->layout.model_fingerprint);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return found;
+}
+
 void rtr_note_prefix(rtr_registry *r, uint64_t key, rtr_instance *inst)
 {
     if (!key || !inst) return;

@@ -50,6 +50,11 @@ void rtr_registry_destroy(rtr_registry *r); /* NULL is a no-op */
 rtr_instance *rtr_pick_decode(rtr_registry *r, const rtr_instance *exclude);
 /* Picks a prefill instance whose KV layout equals layout (may be NULL: any), preferring the
  * one that last served the same prefix key when it is not much busier; NULL when none. */
+/* After rtr_pick_prefill found none: true (and msg says which dtypes, block sizes and models
+ * differ) when a healthy prefill instance was passed over only because its KV layout is not
+ * layout. */
+bool rtr_prefill_layout_mismatch(rtr_registry *r, const Pdserve__Internal__V1__KvLayout *layout,
+                                 char *msg, size_t n);
 rtr_instance *rtr_pick_prefill(rtr_registry *r, const Pdserve__Internal__V1__KvLayout *layout,
                                uint64_t prefix_key, int32_t n_prompt, const rtr_instance *exclude);
 /* Remembers that prefix_key was prefilled on inst (by its id: inst may leave the registry

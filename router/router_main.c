@@ -660,6 +660,12 @@ static void start_prefill(rreq *r, const Pdserve__Internal__V1__KvTarget *kv, co
 {
     rtr_instance *p = rtr_pick_prefill(g.reg, kv->layout, r->prefix_key, r->n_prompt, exclude);
     if (!p) {
+        char why[512];
+        if (rtr_prefill_layout_mismatch(g.reg, kv->layout, why, sizeof why)) {
+            PD_LOGW("request %s: %s", r->request_id, why);
+            finish_locked(r, RPC_STATUS_FAILED_PRECONDITION, why);
+            return;
+        }
         finish_locked(r, RPC_STATUS_UNAVAILABLE, "no prefill instance can serve this model now");
         return;
     }
