@@ -721,6 +721,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-decode: %s\n", err);
         goto out;
     }
+    svc_model_info_metric(&g.model, svc_metrics_registry(g.metrics));
     /* Decode-only requests come through reservations, colocated ones as plain requests (a
      * local prefill is an ordinary admission). */
     pd_metrics *reg = svc_metrics_registry(g.metrics);

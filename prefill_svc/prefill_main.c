@@ -668,6 +668,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-prefill: %s\n", err);
         goto out;
     }
+    svc_model_info_metric(&g.model, svc_metrics_registry(g.metrics));
     g_staged = svc_kv_staged(&g.model);
     eng_kv_listener kl = {on_prompt_step, on_layer, NULL};
     g.inst.metrics = g.metrics;

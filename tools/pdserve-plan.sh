@@ -8,10 +8,12 @@
 set -uo pipefail
 BIN=$(cd "$(dirname "$0")" && pwd)
 MODEL="" GPUS="" SPLITS="" OUT="" BENCH_ARGS="" INST_ARGS="" ROUTER_ARGS="" COLOCATED=1
+QUANT="auto" KV_DTYPE="auto"
 usage() {
     cat <<USAGE
 usage: pdserve-plan --model DIR --gpus LIST [--splits P:D,...] [--no-colocated] [--out DIR]
                     [--bench-args "ARGS"] [--instance-args "ARGS"] [--router-args "ARGS"]
+                    [--quantization auto|none|fp8] [--kv-cache-dtype auto|bf16|fp8]
 
 For the GPUs in LIST (e.g. 0,1,2,3: N = 4), measures the goodput of each split P:D with
 P + D = N (default all, 1:N-1 .. N-1:1) and of N colocated instances (unless
@@ -21,7 +23,9 @@ P + D = N (default all, 1:N-1 .. N-1:1) and of N colocated instances (unless
 120 --seed 1"); --instance-args to every instance (e.g. "--load-format dummy --kv-cache-mb
 16384"). Results in --out (default ./pdserve-plan-<date>): one folder per deployment with the
 search's JSON and plots, every instance's metrics after the search (metrics/), plan.json,
-plan.svg; the table and the recommendation on stdout.
+plan.svg; the table and the recommendation on stdout. --quantization and --kv-cache-dtype
+(docs/quantization.md) go to every instance, prefill, decode and colocated alike (the KV
+layouts of a split must match), and are recorded in plan.json.
 The router of each deployment runs with its defaults (conditional disaggregation on) and the
 SLO of --bench-args (its --slo-ttft-ms and --slo-tpot-ms, which the busy rule uses), plus
 --router-args; put PDSERVE_PREFILL_POLICY=remote in the environment (or --prefill-policy
@@ -38,6 +42,8 @@ while [ $# -gt 0 ]; do
         --bench-args) BENCH_ARGS=$2; shift 2 ;;
         --instance-args) INST_ARGS=$2; shift 2 ;;
         --router-args) ROUTER_ARGS=$2; shift 2 ;;
+        --quantization) QUANT=$2; shift 2 ;;
+        --kv-cache-dtype) KV_DTYPE=$2; shift 2 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "pdserve-plan: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
     esac
@@ -63,7 +69,9 @@ done
 OUT=${OUT:-./pdserve-plan-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 # shellcheck disable=SC2206
-IA=($INST_ARGS)
+case "$QUANT" in auto|none|fp8) ;; *) echo "pdserve-plan: --quantization $QUANT: give auto, none or fp8" >&2; exit 2 ;; esac
+case "$KV_DTYPE" in auto|bf16|fp8) ;; *) echo "pdserve-plan: --kv-cache-dtype $KV_DTYPE: give auto, bf16 or fp8" >&2; exit 2 ;; esac
+IA=($INST_ARGS --quantization "$QUANT" --kv-cache-dtype "$KV_DTYPE")
 # shellcheck disable=SC2206
 BA=($BENCH_ARGS)
 # The routers get the searches' objectives (as deployed: the busy rule and the goodput metric
@@ -144,7 +152,7 @@ for dep in "${DEPS[@]}"; do
 done
 
 # The table, the recommendation, plan.json and plan.svg.
-printf '%s\n' "${RESULTS[@]}" | awk -v n="$N" -v out="$OUT" '
+printf '%s\n' "${RESULTS[@]}" | awk -v n="$N" -v out="$OUT" -v quant="$QUANT" -v kvd="$KV_DTYPE" '
 { name[NR] = $1; g[NR] = $2 + 0; lb[NR] = ($2 ~ /\+$/); secs[NR] = $3; if ($1 ~ /^colocated/) col = $2 + 0 }
 END {
     best = 1  # ties go to colocated: the same goodput with one kind of instance
@@ -169,7 +177,7 @@ END {
     }
     # plan.json
     f = out "/plan.json"
-    printf "{\"gpus\": %d, \"deployments\": [", n > f
+    printf "{\"gpus\": %d, \"quantization\": \"%s\", \"kv_cache_dtype\": \"%s\", \"deployments\": [", n, quant, kvd > f
     for (i = 1; i <= NR; i++)
         printf "%s{\"name\": \"%s\", \"goodput_rps\": %s, \"seconds\": %s}", (i > 1 ? ", " : ""), name[i], (g[i] < 0 ? "null" : g[i]), secs[i] > f
     printf "], \"best\": \"%s\"}\n", name[best] > f

@@ -137,6 +137,21 @@ fail:
     return rc;
 }
 
+void svc_model_info_metric(const svc_model *m, void *reg)
+{
+    char lb[512] = "", tp[16];
+    snprintf(tp, sizeof tp, "%d", mr_n_ranks(m->runner));
+    pd_metrics_label(lb, sizeof lb, "model", m->model_name);
+    pd_metrics_label(lb, sizeof lb, "backend", m->be->ops->name);
+    pd_metrics_label(lb, sizeof lb, "quantization",
+                     m->model->quantized ? m->cfg.quant.name : "none");
+    pd_metrics_label(lb, sizeof lb, "kv_cache_dtype", pd_dtype_name(mr_kv_dtype(m->runner)));
+    pd_metrics_label(lb, sizeof lb, "tensor_parallel", tp);
+    pd_metric_set(pd_metrics_gauge(reg, "pdserve_model_info", lb,
+                                   "the served model: name, backend, weight quantization, KV "
+                                   "cache element type, tensor-parallel degree (always 1)"), 1);
+}
+
 void svc_model_close(svc_model *m)
 {
     mr_destroy(m->runner);

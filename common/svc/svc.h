@@ -97,6 +97,9 @@ uint64_t svc_model_fingerprint(const char *dir, const char *load_format, pd_dtyp
 /* Loads backend, weights and runner; fills ep for mode. Returns 0 or an error with err. */
 int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *out, char *err);
 void svc_model_close(svc_model *m);
+/* Registers pdserve_model_info{model, backend, quantization, kv_cache_dtype, tensor_parallel}
+ * = 1 in reg (a pd_metrics registry: svc_metrics_registry). */
+void svc_model_info_metric(const svc_model *m, void *reg);
 
 /* The KV layout of the model (for kvtransfer and for the KvLayout message). */
 void svc_kv_layout(const svc_model *m, kvt_layout *out);

@@ -266,6 +266,31 @@ hpa = du.find(tp_docs, "HorizontalPodAutoscaler", "pdserve-decode")["spec"]
 check(tp and hpa["maxReplicas"] * tp <= base_m[("HorizontalPodAutoscaler", "pdserve-decode")]["spec"]["maxReplicas"],
       "tp-decode overlay: decode HPA at most %d pods = %d GPUs, no more than the base's" % (hpa["maxReplicas"], hpa["maxReplicas"] * (tp or 0)))
 
+# Prefill and decode agree on --quantization and --kv-cache-dtype in the base and in every
+# overlay that can be merged here (their KV layouts must match); the fp8 overlay sets both
+# pools to fp8 and changes nothing else.
+def engine_flags(docs):
+    out = {}
+    for n in ("pdserve-prefill", "pdserve-decode"):
+        e = du.container_env(docs, du.find(docs, "Deployment", n)["spec"]["template"]["spec"]["containers"][0])
+        out[n] = (e.get("PDSERVE_QUANTIZATION", "auto"), e.get("PDSERVE_KV_CACHE_DTYPE", "auto"))
+    return out
+for name in ("base", "tp-decode", "fp8"):
+    d = os.path.join(DEPLOY, "k8s", "base" if name == "base" else os.path.join("overlays", name))
+    f = engine_flags(du.merge_overlay(d))
+    check(f["pdserve-prefill"] == f["pdserve-decode"],
+          "%s: prefill and decode run the same --quantization and --kv-cache-dtype %s" % (name, f))
+fp8_dir = os.path.join(DEPLOY, "k8s", "overlays", "fp8")
+fp8_docs = du.merge_overlay(fp8_dir)
+check_set(fp8_docs, "fp8 overlay")
+check(engine_flags(fp8_docs)["pdserve-decode"] == ("fp8", "fp8"), "fp8 overlay: --quantization fp8 --kv-cache-dtype fp8")
+changed = sorted(k for k in set(base_m) | {key(d) for d in fp8_docs} if base_m.get(k) not in [d for d in fp8_docs if key(d) == k])
+check(changed == [("Deployment", "pdserve-decode"), ("Deployment", "pdserve-prefill")],
+      "fp8 overlay: only the prefill and decode Deployments differ from the base %s" % changed)
+rendered = du.render_overlay(fp8_dir)
+if rendered is not None:
+    check(sorted(rendered, key=key) == sorted(fp8_docs, key=key), "fp8 overlay: kubectl kustomize gives what the offline merge gives")
+
 df = open(os.path.join(DEPLOY, "Dockerfile")).read()
 check(re.search(r"^FROM nvidia/cuda:\S+-devel\S* AS build$", df, re.M) and re.search(r"^FROM nvidia/cuda:\S+-runtime", df, re.M)
       and all(b in df for b in ROLES), "Dockerfile: CUDA devel build stage, CUDA runtime stage, the three binaries")

@@ -4,7 +4,8 @@
 # pdserve-up and searched with pdserve-bench --find-goodput (small and bounded); the table must
 # have both rows with a goodput, a recommendation and its Kubernetes replica counts, and
 # plan.json / plan.svg must be written and well formed; the routers get the SLO of --bench-args,
-# every instance's metrics are kept after its search.
+# every instance's metrics are kept after its search. FP8 weights and KV cache on every instance
+# (--quantization / --kv-cache-dtype), recorded in plan.json.
 # usage: test_plan.sh BIN_DIR SHARED_DIR
 set -uo pipefail
 BIN=$1 SHARED=$2
@@ -16,6 +17,7 @@ export UCX_WARN_UNUSED_ENV_VARS=n PDSERVE_LOG_LEVEL=warn
 fail=0
 check() { if eval "$1"; then echo "ok   $2"; else echo "FAIL $2"; fail=1; fi; }
 PDSERVE_METRICS_PORT=0 timeout 240 "$BIN/pdserve-plan" --model "$MODEL" --gpus 0,1 --out "$OUT/plan" \
+    --quantization fp8 --kv-cache-dtype fp8 \
     --instance-args "--backend cpu --threads 1 --kv-cache-mb 32" \
     --bench-args "--input-len 16:32 --output-len 8:16 --rate 10 --num-requests 24 --warmup-requests 2 --slo-ttft-ms 500 --slo-tpot-ms 50 --max-probes 3 --goodput-tolerance 0.3 --seed 1" \
     >"$OUT/stdout" 2>"$OUT/stderr"
@@ -26,7 +28,10 @@ check "grep -Eq '^1P1D +(>=)?[0-9.]+ req/s' '$OUT/stdout'" "the 1P1D row has a g
 check "grep -Eq '^colocated-x2 +(>=)?[0-9.]+ req/s' '$OUT/stdout'" "the colocated x2 row has a goodput"
 check "grep -q '^deploy: ' '$OUT/stdout'" "a recommendation"
 check "grep -Eq '^kubernetes: ' '$OUT/stdout'" "its Kubernetes replica counts"
-check "python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d[\"gpus\"]==2 and len(d[\"deployments\"])==2 and d[\"best\"]' '$OUT/plan/plan.json'" "plan.json is well formed"
+check "python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d[\"gpus\"]==2 and len(d[\"deployments\"])==2 and d[\"best\"] and d[\"quantization\"]==\"fp8\" and d[\"kv_cache_dtype\"]==\"fp8\"' '$OUT/plan/plan.json'" "plan.json is well formed, with the quantization and KV dtype"
+check "grep -q 'pdserve_model_info{.*quantization=\"fp8 (at load)\",kv_cache_dtype=\"F8_E4M3\"' '$OUT/plan/1P1D/metrics/prefill-0.prom' && grep -q 'quantization=\"fp8 (at load)\",kv_cache_dtype=\"F8_E4M3\"' '$OUT/plan/1P1D/metrics/decode-0.prom'" "the instances ran FP8 weights and KV cache (pdserve_model_info)"
+"$BIN/pdserve-plan" --model "$MODEL" --gpus 0,1 --kv-cache-dtype fp4 >"$OUT/bad" 2>&1
+check "[ $? -eq 2 ] && grep -q 'kv-cache-dtype fp4' '$OUT/bad'" "a bad --kv-cache-dtype is refused naming it"
 check "python3 -c 'import sys, xml.dom.minidom as m; m.parse(sys.argv[1])' '$OUT/plan/plan.svg'" "plan.svg is well-formed XML"
 check "[ -f '$OUT/plan/1P1D/result.json' ] && [ -f '$OUT/plan/colocated-x2/result.json' ]" "each search's JSON is kept"
 # The routers ran with the searches' objectives, and every instance's metrics were kept.
