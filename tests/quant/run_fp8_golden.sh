@@ -37,6 +37,9 @@ PY=${PYTHON:-/usr/bin/python3}
 REF="$PY $HERE/fp8_ref.py"
 TOL_W=${FP8_TOL_WEIGHT_ONLY:-1e-3}
 TOL_A=${FP8_TOL_ACT:-0.6}
+# Weight-only with an FP8 KV cache: a key or value on an e4m3 midpoint may round the other way
+# (no activation quantization downstream to cascade it): measured <= 6.7e-4 std.
+TOL_KV=${FP8_TOL_KV:-0.02}
 # With quantized activations, also the first prompt row of each case (<= 33 tokens): a gross
 # check. One e4m3 rounding that falls the other way (float32 here against float64 in the
 # reference, at a value on a midpoint) cascades through these tiny random models: pdserve's
@@ -61,7 +64,7 @@ VARIANTS=(
   "block|--scheme block||$ROW0| $TOL_A"
   "dequant-f32|--scheme dequant-f32||| $TOL_W"
   "ct-channel-dynamic-kv|--scheme ct-channel-dynamic --kv-scales|--kv-fp8|--kv-fp8| $TOL_A"
-  "ct-weight-only-kv|--scheme ct-weight-only --kv-scales|--kv-fp8|--kv-fp8| $TOL_A"
+  "ct-weight-only-kv|--scheme ct-weight-only --kv-scales|--kv-fp8|--kv-fp8| $TOL_KV"
 )
 
 fail=0
