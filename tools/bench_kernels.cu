@@ -26,7 +26,7 @@ static void usage(FILE *f)
 {
     fprintf(f,
         "usage: pdserve-bench-kernels [--floor] [--linear] [--attention] [--sample] [--all]\n"
-        "                             [--all-reduce N] [--device N] [--json]\n"
+        "                             [--fp8] [--all-reduce N] [--device N] [--json]\n"
         "\n"
         "Times the CUDA backend's decode-path ops through its op table on random data, and the\n"
         "device's physical floors in the same run. Sections (none given = --all):\n"
@@ -43,6 +43,12 @@ static void usage(FILE *f)
         "               bytes read per second, %% of the copy\n"
         "  --sample     the sample op (if offered) on 1 / 32 / 256 rows of 151,936 logits, greedy\n"
         "               and temperature 1 + top-p 0.9 + top-k 50\n"
+        "  --fp8        the FP8 weight op set's linear_fused (pd_backend_ops.fp8, dynamic\n"
+        "               per-token activations) on Llama-3-8B's products: at n = 256 and 2048\n"
+        "               (cuBLASLt's FP8 GEMM with the quantization kernel; per-channel and\n"
+        "               128 x 128 block scales) TFLOP/s next to the bf16 linear's and the GEMM\n"
+        "               floor; at n = 1 .. 8 (the weight-streaming kernel) us per call next to\n"
+        "               the floor, the weight's bytes over the copy rate. Not part of --all.\n"
         "  --all-reduce N\n"
         "               the communicator of tensor parallelism (pd_comm: NCCL, loaded as the\n"
         "               services load it) over devices 0 .. N-1, one thread a rank: all_reduce_sum\n"
@@ -67,6 +73,7 @@ static void usage(FILE *f)
 
 typedef struct {
     bool floor, linear, attention, sample; /* sections */
+    bool fp8;                              /* --fp8 */
     int all_reduce;                        /* ranks of --all-reduce (0: not run) */
     bool json;                             /* JSON lines instead of tables */
     int device;                            /* CUDA ordinal */
@@ -387,6 +394,165 @@ static int bench_linear(const bk_opts *opt, pd_backend *be, const bk_floor *fl)
         o->free(be->ctx, out);
     }
     return 0;
+}
+
+/* ---- the FP8 weight op set (--fp8) ---- */
+
+static const lin_shape k_fp8_shapes[] = {
+    {"llama3-8b", "qkv", 4096, 6144},     {"llama3-8b", "o_proj", 4096, 4096},
+    {"llama3-8b", "gate_up", 4096, 28672}, {"llama3-8b", "down", 14336, 4096},
+};
+static const int32_t k_fp8_gemm_n[] = {256, 2048};
+static const int32_t k_fp8_gemv_n[] = {1, 2, 4, 8};
+#define FP8_MAX_COPIES 16
+
+typedef struct {
+    const void *x;
+    void *out;
+    void *w[FP8_MAX_COPIES]; /* weight_create results, rotated over */
+    int copies;
+    int32_t n, k, m;
+} fp8_arg;
+
+static int fp8_call(pd_backend *be, void *arg, int i)
+{
+    const fp8_arg *a = (const fp8_arg *)arg;
+    pd_linear_args l;
+    memset(&l, 0, sizeof l);
+    l.x = a->x;
+    l.w = a->w[i % a->copies];
+    l.out = a->out;
+    l.n = a->n;
+    l.k = a->k;
+    l.m = a->m;
+    return be->ops->fp8->linear_fused(be->ctx, &l);
+}
+
+/* One shape's FP8 weights (copies of random codes and scales: per row, or per 128 x 128
+ * block) and the bf16 weights of the same shape; times every n of both lists. */
+static int bench_fp8_shape(const bk_opts *opt, pd_backend *be, const bk_floor *fl,
+                           const lin_shape *sh, int32_t group, void *x, void *out)
+{
+    const pd_backend_ops *o = be->ops;
+    const size_t welems = (size_t)sh->m * sh->k;
+    const int32_t ng = (sh->k + group - 1) / group;
+    const size_t wbytes = welems + (size_t)sh->m * ng * sizeof(float);
+    int copies = (int)((ROTATE_BYTES + wbytes - 1) / wbytes);
+    if (copies > FP8_MAX_COPIES) copies = FP8_MAX_COPIES;
+    fp8_arg a;
+    memset(&a, 0, sizeof a);
+    uint8_t *w8 = (uint8_t *)malloc(welems);
+    float *scale = (float *)malloc((size_t)sh->m * ng * sizeof(float));
+    int bcopies = (int)((ROTATE_BYTES + 2 * welems - 1) / (2 * welems));
+    if (bcopies > 64) bcopies = 64;
+    void *wb = NULL;
+    int rc = -1;
+    if (!w8 || !scale) goto fail;
+    for (int c = 0; c < copies; c++) {
+        for (size_t i = 0; i < welems; i++) {
+            uint8_t b = (uint8_t)(rnd() >> 56);
+            if ((b & 0x7f) == 0x7f) b ^= 1; /* never NaN */
+            w8[i] = b & 0xbf; /* |value| < 2: sums stay moderate */
+        }
+        for (int32_t i = 0; i < sh->m; i++)
+            for (int32_t g = 0; g < ng; g++)
+                scale[(size_t)i * ng + g] =
+                    group == sh->k || i % 128 == 0 ? 1e-3f * (float)(1 + rnd() % 7)
+                                                   : scale[(size_t)(i / 128 * 128) * ng + g];
+        pd_qweight_desc d = {w8, scale, sh->m, sh->k, group, PD_ACT_DYNAMIC, 0.0f};
+        BK_OP(o->fp8->weight_create(be->ctx, &d, &a.w[c]));
+        a.copies = c + 1;
+    }
+    if (group == sh->k && !(wb = rand_buf(be, PD_DTYPE_BF16, welems * bcopies, 500, -0.05f, 0.05f)))
+        goto fail;
+    a.x = x;
+    a.out = out;
+    a.k = sh->k;
+    a.m = sh->m;
+    for (int pass = 0; pass < 2; pass++) {
+        const int32_t *ns = pass ? k_fp8_gemv_n : k_fp8_gemm_n;
+        const size_t nn = pass ? sizeof k_fp8_gemv_n / sizeof k_fp8_gemv_n[0]
+                               : sizeof k_fp8_gemm_n / sizeof k_fp8_gemm_n[0];
+        for (size_t j = 0; j < nn; j++) {
+            a.n = ns[j];
+            BK_OP(fp8_call(be, &a, 0)); /* its workspaces grown outside the capture */
+            BK_OP(o->sync(be->ctx));
+            bool graphed = false;
+            const int calls = batch_calls((double)wbytes + (double)a.n * sh->k * 3, copies);
+            const double t = time_batch(be, fp8_call, &a, calls, &graphed);
+            if (t <= 0) goto fail;
+            const double tflops = 2.0 * a.n * (double)welems / t / 1e12;
+            double tb = 0.0; /* the bf16 linear, per-channel pass only */
+            if (wb && !pass) {
+                lin_arg la = {x, wb, out, a.n, sh->k, sh->m, bcopies, welems};
+                bool g2 = false;
+                tb = time_batch(be, lin_call, &la, batch_calls(2.0 * welems, bcopies), &g2);
+                if (tb <= 0) goto fail;
+            }
+            const double floor_us = (double)wbytes / (fl->copy_gbps * 1e9) * 1e6;
+            if (opt->json) {
+                printf("{\"bench\":\"fp8\",\"model\":\"%s\",\"op\":\"%s\",\"k\":%d,"
+                       "\"m\":%d,\"n\":%d,\"group\":%d,\"us\":%.2f,\"tflops\":%.2f,"
+                       "\"pct_gemm\":%.1f,\"floor_us\":%.2f,\"bf16_us\":%.2f,"
+                       "\"bf16_tflops\":%.2f,\"graph\":%s}\n",
+                       sh->model, sh->op, sh->k, sh->m, a.n, group, t * 1e6, tflops,
+                       100.0 * tflops / fl->gemm_tflops, floor_us, tb * 1e6,
+                       tb > 0 ? 2.0 * a.n * (double)welems / tb / 1e12 : 0.0,
+                       graphed ? "true" : "false");
+            } else if (!pass) {
+                printf("%-10s %-8s %6d %6d %5d %6s %10.2f %8.1f %6.1f%%", sh->model, sh->op,
+                       sh->k, sh->m, a.n, group == sh->k ? "k" : "128", t * 1e6, tflops,
+                       100.0 * tflops / fl->gemm_tflops);
+                if (tb > 0)
+                    printf(" %10.2f %8.1f %6.2fx\n", tb * 1e6,
+                           2.0 * a.n * (double)welems / tb / 1e12, tb / t);
+                else
+                    printf("\n");
+            } else {
+                printf("%-10s %-8s %6d %6d %5d %6s %10.2f %10.2f %7.1f%%  (floor, %% of it)\n",
+                       sh->model, sh->op, sh->k, sh->m, a.n, group == sh->k ? "k" : "128",
+                       t * 1e6, floor_us, 100.0 * floor_us / (t * 1e6));
+            }
+            fflush(stdout);
+        }
+    }
+    rc = 0;
+fail:
+    for (int c = 0; c < a.copies; c++) o->fp8->weight_destroy(be->ctx, a.w[c]);
+    o->free(be->ctx, wb);
+    free(w8);
+    free(scale);
+    return rc;
+}
+
+static int bench_fp8(const bk_opts *opt, pd_backend *be, const bk_floor *fl)
+{
+    const pd_backend_ops *o = be->ops;
+    if (!o->fp8) {
+        fprintf(stderr, "pdserve-bench-kernels: this backend has no fp8 op set\n");
+        return -1;
+    }
+    const int32_t n_max = 2048, k_max = 14336, m_max = 28672;
+    void *x = rand_buf(be, PD_DTYPE_BF16, (size_t)n_max * k_max, 600, -1.0f, 1.0f);
+    void *out = rand_buf(be, PD_DTYPE_BF16, (size_t)n_max * m_max, 601, -1.0f, 1.0f);
+    int rc = x && out ? 0 : -1;
+    if (!opt->json && rc == 0)
+        printf("\n## fp8 (linear_fused of the fp8 op set, e4m3 weights, dynamic per-token "
+               "e4m3 activations; group k = per-channel, 128 = 128 x 128 blocks)\n"
+               "rows: us per call incl. the activation quantization, TFLOP/s, %% of the bf16 "
+               "GEMM floor; then the bf16 linear's us, TFLOP/s and its time over fp8's;\n"
+               "decode rows (n <= 8): us, the floor (weight + scale bytes / copy rate), %% of "
+               "the floor reached\n"
+               "%-10s %-8s %6s %6s %5s %6s %10s %8s %7s %10s %8s %7s\n",
+               "model", "op", "k", "m", "n", "group", "us/call", "TFLOP/s", "%gemm", "bf16 us",
+               "TFLOP/s", "speedup");
+    for (size_t s = 0; rc == 0 && s < sizeof k_fp8_shapes / sizeof k_fp8_shapes[0]; s++)
+        for (int gi = 0; rc == 0 && gi < 2; gi++)
+            rc = bench_fp8_shape(opt, be, fl, &k_fp8_shapes[s], gi ? 128 : k_fp8_shapes[s].k, x,
+                                 out);
+    o->free(be->ctx, x);
+    o->free(be->ctx, out);
+    return rc;
 }
 
 /* ---- attention_decode ---- */
@@ -777,6 +943,8 @@ int main(int argc, char **argv)
             opt.attention = any = true;
         } else if (!strcmp(a, "--sample")) {
             opt.sample = any = true;
+        } else if (!strcmp(a, "--fp8")) {
+            opt.fp8 = any = true;
         } else if (!strcmp(a, "--all")) {
             opt.floor = opt.linear = opt.attention = opt.sample = any = true;
         } else if (!strcmp(a, "--all-reduce") && i + 1 < argc) {
@@ -841,6 +1009,7 @@ int main(int argc, char **argv)
     if (rc == 0 && opt.linear && bench_linear(&opt, be, &fl) != 0) rc = 1;
     if (rc == 0 && opt.attention && bench_attention(&opt, be, &fl) != 0) rc = 1;
     if (rc == 0 && opt.sample && bench_sample(&opt, be) != 0) rc = 1;
+    if (rc == 0 && opt.fp8 && bench_fp8(&opt, be, &fl) != 0) rc = 1;
     if (rc == 0 && opt.all_reduce && bench_all_reduce(&opt) != 0) rc = 1;
     if (fl.copy_gbps > 0) printf("FLOOR copy_gbps=%.1f gemm_tflops=%.1f\n", fl.copy_gbps,
                                  fl.gemm_tflops);

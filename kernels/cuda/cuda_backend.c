@@ -7,6 +7,16 @@
 #include "common/error.h"
 #include "kernels/cuda/cuda_ops.h"
 
+/* The FP8 weight op set (cuda_fp8_linear.cu): e4m3 weights with f32 scales, products through
+ * cuBLASLt's FP8 GEMM (large n) or a weight-streaming kernel (decode). */
+static const pd_wq_ops k_cuda_fp8_ops = {
+    .name = "fp8",
+    .weight_create = pd_cuda__fp8_weight_create,
+    .weight_destroy = pd_cuda__fp8_weight_destroy,
+    .weight_bytes = pd_cuda__fp8_weight_bytes,
+    .linear_fused = pd_cuda__fp8_linear_fused,
+};
+
 static const pd_backend_ops k_cuda_ops = {
     .name = "cuda",
     .act_dtype = PD_DTYPE_BF16,
@@ -57,6 +67,7 @@ static const pd_backend_ops k_cuda_ops = {
     .copyq_blocks = pd_cuda__copyq_blocks,
     .copyq_rows = pd_cuda__copyq_rows,
     .comm_create = pd_cuda__comm_create,
+    .fp8 = &k_cuda_fp8_ops,
 };
 
 int pd_backend_cuda_create(const pd_backend_params *p, pd_backend **out, char *err)

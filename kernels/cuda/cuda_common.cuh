@@ -66,6 +66,9 @@ typedef struct {
     void *cublas_ws;       /* cuBLAS's workspace, given explicitly so that captures need no
                             * allocation */
     void *sample_state;    /* cuda_sample.cu's buffers, made on first use (NULL until then) */
+    void *fp8_state;       /* the FP8 weight op set's (cuda_fp8_linear.cu: cuBLASLt handle,
+                            * workspaces), made by the first FP8 weight_create (NULL until
+                            * then) */
     /* upload_rows_overlap (cuda_graph.cu), made on first use: the side stream its copies go
      * on, the event a copy records */
     cudaStream_t side;

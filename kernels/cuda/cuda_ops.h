@@ -106,6 +106,19 @@ int pd_cuda__sample_launch(void *ctx, void *logits, int32_t n, int32_t vocab,
 int pd_cuda__sample_collect(void *ctx, int slot, int32_t *tokens, float *logprobs,
                             pd_top_logprob *top);
 void pd_cuda__sample_free(void *state); /* NULL is a no-op */
+/* cuda_fp8_linear.cu: the FP8 weight op set (pd_backend_ops.fp8, pd_wq_ops in
+ * kernels/backend.h); its per-context state is freed with the context. */
+int pd_cuda__fp8_weight_create(void *ctx, const pd_qweight_desc *d, void **out);
+void pd_cuda__fp8_weight_destroy(void *ctx, void *w);
+size_t pd_cuda__fp8_weight_bytes(void *ctx, const void *w);
+int pd_cuda__fp8_linear_fused(void *ctx, const pd_linear_args *a);
+void pd_cuda__fp8_free(void *state); /* NULL is a no-op */
+/* cuda_fp8_quant.cu: the activation quantization of the FP8 set, for tests: the n bf16 rows
+ * x[n][k] (device) quantized as pd_fp8_quant_row does (group, act, in_scale), by the kernel
+ * linear_fused uses, and written dequantized (e4m3 * scale, f32) into out[n][k] (a device F32
+ * buffer). Returns 0, PD_EINVAL, PD_EBACKEND. */
+int pd_cuda__fp8_quant_rows_f32(void *ctx, const void *x, int32_t n, int32_t k, int32_t group,
+                                pd_act_quant act, float in_scale, float *out);
 
 #ifdef __cplusplus
 }

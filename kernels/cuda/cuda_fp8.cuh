@@ -1,0 +1,74 @@
+/* cuda_fp8.cuh -- Internal to the FP8 weight op set's files (cuda_fp8_linear.cu: the op set
+ * and its cuBLASLt products; cuda_fp8_quant.cu: the activation quantization and the weight
+ * dequantization; cuda_fp8_gemv.cu: the small-n and the any-shape product kernels): the device
+ * form of an FP8 weight and the launchers the files share. Never included by C code. */
+#ifndef PD_CUDA_FP8_CUH
+#define PD_CUDA_FP8_CUH
+
+#include <cublasLt.h>
+#include <cuda_fp8.h>
+
+#include "kernels/cuda/cuda_common.cuh"
+
+/* An FP8 weight as weight_create leaves it (pd_qweight_desc's matrix on the device). */
+typedef struct {
+    uint8_t *w8;           /* [m][k] e4m3fn bytes */
+    float *scale;          /* [m][ng]: element (i, j) is e4m3(w8[i][j]) * scale[i][j / group] */
+    float *blk_scale;      /* group 128 with equal scales on every 128-row band: the band's
+                            * scales [ceil(m / 128)][ng] (cuBLASLt's BLK128x128_32F); else NULL */
+    int32_t m, k;          /* rows, columns */
+    int32_t group, ng;     /* columns a scale covers (> 0), scales a row = ceil(k / group) */
+    pd_act_quant act;      /* how linear_fused quantizes its input rows */
+    float in_scale;        /* PD_ACT_STATIC's scale */
+    size_t bytes;          /* device bytes held (weight_bytes) */
+    /* cuBLASLt's plan for the last n (linear_fused queries the heuristic when n or the
+     * output's alignment changes) */
+    bool lt_off;           /* cuBLASLt refused this weight's scale modes: the tile kernel */
+    int32_t lt_n;          /* n of lt_algo, 0 = none */
+    uint32_t lt_align;     /* the output's alignment it was chosen for */
+    cublasLtMatmulAlgo_t lt_algo;
+} pd_fp8_weight;
+
+/* The quantization of pd_fp8_quant_row on n bf16 rows x[n][k] (row stride k): e4m3 codes into
+ * q[n][k] and each (row, group)'s scale into s[g * n + row] (group-major: cuBLASLt's
+ * OUTER_VEC_32F for ng = 1, VEC128_32F for group 128). act must not be PD_ACT_NONE. */
+cudaError_t pd_cuda__fp8_launch_quant(const bf16 *x, int32_t n, int32_t k, int32_t group,
+                                      pd_act_quant act, float in_scale, uint8_t *q, float *s,
+                                      cudaStream_t stream);
+
+/* out[r][j] = q[r][j] * s[(j / group) * n + r] in f32 (the quantized rows as values). */
+cudaError_t pd_cuda__fp8_launch_expand(const uint8_t *q, const float *s, int32_t n, int32_t k,
+                                       int32_t group, float *out, cudaStream_t stream);
+
+/* The whole weight dequantized into bf16: out[i][j] = bf16(e4m3(w8[i][j]) * scale). */
+cudaError_t pd_cuda__fp8_launch_dequant(const pd_fp8_weight *w, bf16 *out, cudaStream_t stream);
+
+/* out[r][j] += bias[j] over [n][m], in f32, rounded once. */
+cudaError_t pd_cuda__fp8_launch_bias(bf16 *out, const bf16 *bias, int32_t n, int32_t m,
+                                     cudaStream_t stream);
+
+/* The product's input rows: the quantized codes and scales (xq, xs as launch_quant writes
+ * them) or, for PD_ACT_NONE, the bf16 rows xb. */
+typedef struct {
+    const uint8_t *xq;     /* [n][k] codes, or NULL: xb */
+    const float *xs;       /* [ng][n] scales (with xq) */
+    const bf16 *xb;        /* [n][k] bf16 rows (without xq) */
+} pd_fp8_input;
+
+/* Small n (<= PD_FP8_GEMV_MAX_N): out[n][m] = f(x . w^T + bias), the weight streamed once in
+ * 16-byte loads; f as pd_linear_args (swiglu: w has 2m rows; accumulate). Needs k % 16 == 0
+ * and 16-byte aligned rows (pd_cuda__fp8_gemv_can). */
+#define PD_FP8_GEMV_MAX_N 8
+bool pd_cuda__fp8_gemv_can(const pd_fp8_weight *w, const pd_fp8_input *in, int32_t n);
+cudaError_t pd_cuda__fp8_launch_gemv(const pd_fp8_weight *w, const pd_fp8_input *in,
+                                     const bf16 *bias, bf16 *out, int32_t n, int32_t m,
+                                     bool swiglu, bool accumulate, cudaStream_t stream);
+
+/* Any shape, any group (the fallback where cuBLASLt takes a product not): out[n][w->m] =
+ * x . w^T (+ bias) (+ out when accumulate), f32 products of the dequantized values, rounded
+ * once. */
+cudaError_t pd_cuda__fp8_launch_tile(const pd_fp8_weight *w, const pd_fp8_input *in,
+                                     const bf16 *bias, bf16 *out, int32_t n, bool accumulate,
+                                     cudaStream_t stream);
+
+#endif

@@ -1,0 +1,179 @@
+/* cuda_fp8_quant.cu -- The FP8 weight op set's element-wise kernels: the activation
+ * quantization (pd_fp8_quant_row's rule, bit for bit: bf16 rows to e4m3 codes and f32 scales),
+ * its expansion back to values (for tests), the weight's dequantization to bf16 (the
+ * weight-only product of large n) and the bias add. */
+#include <math.h>
+
+#include "kernels/cuda/cuda_fp8.cuh"
+
+/* One element of the rule: e4m3(x / s) with IEEE division (no fast math in this build),
+ * round to nearest even, saturating at +-448 (pd_f32_to_e4m3). */
+static __device__ __forceinline__ uint8_t quant1(float x, float s)
+{
+    return (uint8_t)__nv_cvt_float_to_fp8(x / s, __NV_SATFINITE, __NV_E4M3);
+}
+
+/* The scale of a group with largest magnitude amax (pd_fp8_quant_row: f32 division, floor
+ * PD_FP8_MIN_SCALE, which a NaN also takes). */
+static __device__ __forceinline__ float dyn_scale(float amax)
+{
+    float s = amax / PD_FP8_MAX;
+    if (!(s >= PD_FP8_MIN_SCALE)) s = PD_FP8_MIN_SCALE;
+    return s;
+}
+
+static __device__ __forceinline__ float e4m3_val(uint8_t b)
+{
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3)));
+}
+
+/* Small groups (group 128): one warp per (row, group); warp w of the grid takes row w / ng,
+ * group w % ng. */
+static __global__ void quant_warp_kernel(const bf16 *x, int32_t n, int32_t k, int32_t group,
+                                         int32_t ng, bool dynamic, float in_scale, uint8_t *q,
+                                         float *s)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t wid = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (wid >= (int64_t)n * ng) return;
+    const int32_t r = (int32_t)(wid / ng), g = (int32_t)(wid % ng);
+    const int32_t j0 = g * group, j1 = min(k, j0 + group);
+    const bf16 *xr = x + (int64_t)r * k;
+    float sc = in_scale;
+    if (dynamic) {
+        float amax = 0.0f;
+        for (int32_t j = j0 + lane; j < j1; j += 32) amax = fmaxf(amax, fabsf(pd_ld(xr + j)));
+        sc = dyn_scale(pd_warp_max(amax));
+    }
+    uint8_t *qr = q + (int64_t)r * k;
+    for (int32_t j = j0 + lane; j < j1; j += 32) qr[j] = quant1(pd_ld(xr + j), sc);
+    if (lane == 0) s[(int64_t)g * n + r] = sc;
+}
+
+/* Large groups (group k: a scale a row): one block per (row, group). */
+#define QUANT_THREADS 256
+static __global__ void __launch_bounds__(QUANT_THREADS)
+quant_block_kernel(const bf16 *x, int32_t n, int32_t k, int32_t group, int32_t ng, bool dynamic,
+                   float in_scale, uint8_t *q, float *s)
+{
+    __shared__ float part[QUANT_THREADS / 32];
+    const int32_t r = blockIdx.x / ng, g = blockIdx.x % ng;
+    const int32_t j0 = g * group, j1 = min(k, j0 + group);
+    const bf16 *xr = x + (int64_t)r * k;
+    float sc = in_scale;
+    if (dynamic) {
+        float amax = 0.0f;
+        for (int32_t j = j0 + threadIdx.x; j < j1; j += blockDim.x)
+            amax = fmaxf(amax, fabsf(pd_ld(xr + j)));
+        amax = pd_warp_max(amax);
+        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = amax;
+        __syncthreads();
+        amax = 0.0f;
+        for (int i = 0; i < (int)(blockDim.x >> 5); i++) amax = fmaxf(amax, part[i]);
+        sc = dyn_scale(amax);
+    }
+    uint8_t *qr = q + (int64_t)r * k;
+    for (int32_t j = j0 + threadIdx.x; j < j1; j += blockDim.x) qr[j] = quant1(pd_ld(xr + j), sc);
+    if (threadIdx.x == 0) s[(int64_t)g * n + r] = sc;
+}
+
+cudaError_t pd_cuda__fp8_launch_quant(const bf16 *x, int32_t n, int32_t k, int32_t group,
+                                      pd_act_quant act, float in_scale, uint8_t *q, float *s,
+                                      cudaStream_t stream)
+{
+    const int32_t ng = (k + group - 1) / group;
+    const bool dynamic = act == PD_ACT_DYNAMIC;
+    const int64_t units = (int64_t)n * ng;
+    if (group <= 512) {
+        const int warps = 8;
+        const unsigned blocks = (unsigned)((units + warps - 1) / warps);
+        quant_warp_kernel<<<blocks, warps * 32, 0, stream>>>(x, n, k, group, ng, dynamic,
+                                                             in_scale, q, s);
+    } else {
+        quant_block_kernel<<<(unsigned)units, QUANT_THREADS, 0, stream>>>(x, n, k, group, ng,
+                                                                          dynamic, in_scale, q, s);
+    }
+    return cudaGetLastError();
+}
+
+static __global__ void expand_kernel(const uint8_t *q, const float *s, int32_t n, int32_t k,
+                                     int32_t group, float *out)
+{
+    const size_t total = (size_t)n * k;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int32_t r = (int32_t)(i / k), j = (int32_t)(i % k);
+        out[i] = e4m3_val(q[i]) * s[(int64_t)(j / group) * n + r];
+    }
+}
+
+cudaError_t pd_cuda__fp8_launch_expand(const uint8_t *q, const float *s, int32_t n, int32_t k,
+                                       int32_t group, float *out, cudaStream_t stream)
+{
+    expand_kernel<<<pd_cuda__blocks((size_t)n * k, 256), 256, 0, stream>>>(q, s, n, k, group,
+                                                                           out);
+    return cudaGetLastError();
+}
+
+static __global__ void dequant_kernel(const uint8_t *w8, const float *scale, int32_t m,
+                                      int32_t k, int32_t group, int32_t ng, bf16 *out)
+{
+    const size_t total = (size_t)m * k;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / (size_t)k;
+        const int32_t j = (int32_t)(i - r * (size_t)k);
+        pd_st(out + i, e4m3_val(w8[i]) * scale[r * ng + j / group]);
+    }
+}
+
+cudaError_t pd_cuda__fp8_launch_dequant(const pd_fp8_weight *w, bf16 *out, cudaStream_t stream)
+{
+    dequant_kernel<<<pd_cuda__blocks((size_t)w->m * w->k, 256), 256, 0, stream>>>(
+        w->w8, w->scale, w->m, w->k, w->group, w->ng, out);
+    return cudaGetLastError();
+}
+
+static __global__ void bias_kernel(bf16 *out, const bf16 *bias, size_t total, int32_t m)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x)
+        pd_st(out + i, pd_ld(out + i) + pd_ld(bias + i % m));
+}
+
+cudaError_t pd_cuda__fp8_launch_bias(bf16 *out, const bf16 *bias, int32_t n, int32_t m,
+                                     cudaStream_t stream)
+{
+    const size_t total = (size_t)n * m;
+    bias_kernel<<<pd_cuda__blocks(total, 256), 256, 0, stream>>>(out, bias, total, m);
+    return cudaGetLastError();
+}
+
+extern "C" int pd_cuda__fp8_quant_rows_f32(void *ctx, const void *x, int32_t n, int32_t k,
+                                           int32_t group, pd_act_quant act, float in_scale,
+                                           float *out)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    if (n == 0) return 0;
+    if (n < 0 || k <= 0 || group <= 0 || !x || !out || act == PD_ACT_NONE ||
+        (act != PD_ACT_DYNAMIC && act != PD_ACT_STATIC) ||
+        (act == PD_ACT_STATIC && !(in_scale > 0.0f && isfinite(in_scale))))
+        return PD_EINVAL;
+    const int32_t ng = (k + group - 1) / group;
+    uint8_t *q = NULL;
+    float *s = NULL;
+    int rc = 0;
+    cudaError_t e = cudaMallocAsync((void **)&q, (size_t)n * k, c->stream);
+    if (e == cudaSuccess) e = cudaMallocAsync((void **)&s, (size_t)n * ng * sizeof(float), c->stream);
+    if (e == cudaSuccess)
+        e = pd_cuda__fp8_launch_quant((const bf16 *)x, n, k, group, act, in_scale, q, s,
+                                      c->stream);
+    if (e == cudaSuccess) e = pd_cuda__fp8_launch_expand(q, s, n, k, group, out, c->stream);
+    if (e != cudaSuccess) {
+        pd_cuda__report("pd_cuda__fp8_quant_rows_f32", cudaGetErrorString(e), __FILE__, __LINE__);
+        rc = e == cudaErrorMemoryAllocation ? PD_ENOMEM : PD_EBACKEND;
+    }
+    if (q) (void)cudaFreeAsync(q, c->stream);
+    if (s) (void)cudaFreeAsync(s, c->stream);
+    return rc;
+}
