@@ -18,6 +18,7 @@ PKGS=(
   python3 python3-grpcio python3-protobuf          # external test client
   python3-yaml python3-prometheus-client           # deploy manifests, /metrics parser (tests)
   python3-jinja2                                   # chat-template vectors (tests/chat)
+  python3-numpy                                    # independent FP8 references (test_quantize_cli.sh)
   iproute2                                         # network-namespace tests
   clang libclang-rt-14-dev                         # fuzz targets (libFuzzer is in clang-rt)
   openssl                                          # test certificates (TLS tests)
