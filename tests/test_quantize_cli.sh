@@ -230,7 +230,9 @@ verify "$TMP/in-qwen3-tiny" "$TMP/out/ignore" fp8-block \
     && grep -q "warning: --ignore model.layers.9.nope matches no quantizable module" "$TMP/err" \
     && echo "ok   an --ignore that matches nothing is warned about" || { echo "FAIL unmatched --ignore"; cat "$TMP/err"; fails=$((fails+1)); }
 
-# 3. --force over a sharded checkpoint: one file now, the stale shards and index removed.
+# 3. --force over a sharded checkpoint: one file now, the stale shards and index removed, and
+# the temporary files of an interrupted run.
+echo partial >"$TMP/out/sharded/model-00009-of-00012.safetensors.pdserve-tmp"
 "$Q" --model "$TMP/in-llama-tiny" --out "$TMP/out/sharded" --scheme fp8-weight-only --force 2>"$TMP/err" \
     || { echo "FAIL --force"; cat "$TMP/err"; fails=$((fails+1)); }
 verify "$TMP/in-llama-tiny" "$TMP/out/sharded" fp8-weight-only '["lm_head"]' 1

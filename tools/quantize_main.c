@@ -632,20 +632,21 @@ static int prepare_out(const q_args *a, bool *created)
     return 0;
 }
 
-/* With --force: removes the weight files of an earlier checkpoint in out that the new one
- * does not replace (shards of another count), so that no stale shard stays beside the
- * index. */
+/* With --force, once the new files have their final names: removes the weight files of an
+ * earlier checkpoint in out that the new one did not replace (shards of another count), so
+ * that no stale shard stays beside the index, and the temporary files of an interrupted
+ * run. */
 static void remove_stale(const q_args *a, const stw_ckpt *w)
 {
     DIR *d = opendir(a->out);
     if (!d) return;
     struct dirent *e;
     while ((e = readdir(d))) {
-        if (!ends_with(e->d_name, ".safetensors") &&
+        if (!ends_with(e->d_name, ".safetensors") && !ends_with(e->d_name, TMP_SUFFIX) &&
             strcmp(e->d_name, "model.safetensors.index.json") != 0)
             continue;
         bool ours = false;
-        for (int32_t i = 0; i < stw_ckpt_n_files(w); i++)
+        for (int32_t i = 0; w && i < stw_ckpt_n_files(w); i++)
             ours |= strcmp(stw_ckpt_file_name(w, i), e->d_name) == 0;
         if (ours) continue;
         char *p = path_join(a->out, e->d_name, "");
@@ -814,7 +815,6 @@ static int run(q_args *a)
     }
     if (copy_extras(a, &extra) || write_config(a, config, qc, &extra)) goto done;
     /* commit: weights, copies, config.json last */
-    if (a->force) remove_stale(a, w);
     if (stw_ckpt_commit(w, err) != 0) {
         fprintf(stderr, PROG ": %s\n", err);
         goto done;
@@ -829,6 +829,7 @@ static int run(q_args *a)
         free(fin);
         if (r) goto done;
     }
+    if (a->force) remove_stale(a, w);
     uint64_t out_bytes = stw_ckpt_total_bytes(w);
     fprintf(stderr, PROG ": %s: %d tensors (%d quantized, %s), %.3f GB in %d file%s -> %s "
             "(%.1f s)\n", a->model, (int)n, (int)n_quant, k_scheme_names[a->scheme],
