@@ -4,9 +4,13 @@
 # safetensors layout parsed by hand, e4m3 decoded from its bit layout and encoded again with
 # round-to-nearest-even): codes, scales, untouched tensors, config.json and copied files; then
 # every bad input giving a clear message, a non-zero exit and no checkpoint left behind.
-# usage: test_quantize_cli.sh PATH/TO/pdserve-quantize SHARED_DIR
+# With PATH/TO/pdserve-generate: every scheme of stories260k loads and generates on the CPU, and
+# fp8-dynamic gives the tokens of the bf16 checkpoint quantized at load (--quantization fp8:
+# the same per-channel rule).
+# usage: test_quantize_cli.sh PATH/TO/pdserve-quantize SHARED_DIR [PATH/TO/pdserve-generate]
 set -u
 Q=$1
+GEN=${3:-}
 SHARED=$(cd "$2" && pwd)
 PY=/usr/bin/python3
 GOLDEN=$SHARED/testdata/golden
@@ -288,6 +292,24 @@ open(sys.argv[1], "wb").write(struct.pack("<Q", len(h)) + h + struct.pack("<2f",
 PY
 expect_fail "nothing to quantize" "to quantize" --model "$TMP/nolayers" --out "$TMP/x" --scheme fp8-dynamic
 [ ! -e "$TMP/x" ] && echo "ok   still no --out" || { echo "FAIL $TMP/x left behind"; fails=$((fails+1)); }
+
+if [ -n "$GEN" ]; then
+    S=$SHARED/models/stories260k
+    gen() { "$GEN" --backend cpu --prompt "Once upon a time" --max-tokens 48 --temperature 0 --json "$@" 2>"$TMP/gen.err"; }
+    want=$(gen --model "$S" --quantization fp8)
+    for scheme in fp8-dynamic fp8-weight-only fp8-block; do
+        "$Q" --model "$S" --out "$TMP/st-$scheme" --scheme $scheme --quiet 2>"$TMP/q.err" ||
+            { echo "FAIL quantize stories260k $scheme:"; cat "$TMP/q.err"; fails=$((fails+1)); continue; }
+        got=$(gen --model "$TMP/st-$scheme")
+        n=$(printf '%s' "$got" | $PY -c 'import json,sys; d=json.loads(sys.stdin.read()); print(len(d["token_ids"]))' 2>/dev/null)
+        if [ "${n:-0}" -eq 48 ]; then echo "ok   stories260k $scheme loads in pdserve and generates 48 tokens"
+        else echo "FAIL stories260k $scheme: pdserve-generate gave '$got'"; cat "$TMP/gen.err"; fails=$((fails+1)); fi
+        if [ $scheme = fp8-dynamic ]; then
+            [ -n "$want" ] && [ "$got" = "$want" ] && echo "ok   fp8-dynamic = the bf16 checkpoint with --quantization fp8 (48 greedy tokens)" ||
+                { echo "FAIL fp8-dynamic '$got' vs --quantization fp8 '$want'"; fails=$((fails+1)); }
+        fi
+    done
+fi
 
 if [ $fails -ne 0 ]; then echo "$fails failures"; exit 1; fi
 echo "all quantize CLI checks passed"

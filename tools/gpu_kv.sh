@@ -19,6 +19,10 @@
 #             colocated (one colocated instance per GPU), same seed, workload and SLO, 120
 #             requests a probe: A: input U[256,2048], output U[64,256], TTFT <= 300 ms, TPOT
 #             <= 15 ms; B: input U[1024,3072], output U[64,256], TTFT <= 1000 ms, TPOT <= 10 ms
+#             A deployment named with "-fp8" (GOODPUT_DEPS="disagg disagg-fp8 colocated-fp8")
+#             runs every instance with --quantization fp8 --kv-cache-dtype fp8 (issue #37)
+#   goodputL  the same search for a long-output workload (input U[512,4096], output
+#             U[128,512], TTFT <= 1500 ms, TPOT <= 20 ms): the decode KV pool binds
 #   goodputS  the same search for a shared-prefix workload (8 prefixes of 1024 tokens, then
 #             256 - 1024 tokens each, out U[64,256], TTFT <= 300 ms, TPOT <= 15 ms): prefix
 #             caches on both sides and decode-side prefix reuse; prints the caches' counters
@@ -253,16 +257,19 @@ goodput() { # goodput WORKLOAD [DEPLOYMENTS...]: goodput searches (default: disa
         # prefix caches on both sides, decode-side prefix reuse.
         S) in=256:1024 slo=(--slo-ttft-ms 300 --slo-tpot-ms 15) rate=24
            wlargs=(--workload shared-prefix --prefix-groups 8 --prefix-len 1024) ;;
+        L) in=512:4096 slo=(--slo-ttft-ms 1500 --slo-tpot-ms 20) rate=12
+           wlargs=(--output-len 128:512) ;;
     esac
-    local COMMON=(--load-format dummy --backend cuda --kv-cache-mb 16384 --metrics-port 0)
     for dep in "${deps[@]}"; do
+        local COMMON=(--load-format dummy --backend cuda --kv-cache-mb 16384 --metrics-port 0)
+        case $dep in *-fp8) COMMON+=(--quantization fp8 --kv-cache-dtype fp8) ;; esac
         # The router knows the objectives (goodput metric; the busy rule's TPOT bound).
         local args=(--model tools/shapes/llama3-8b --gpus 0,1 --router-args "${slo[*]}")
-        [ $dep = colocated ] && args+=(--colocated --decode 2)
+        case $dep in colocated*) args+=(--colocated --decode 2) ;; esac
         if up "gp$wl-$dep" "${args[@]}" -- "${COMMON[@]}"; then
             mkdir -p "$OUT/gp$wl-$dep"
             env -u LD_LIBRARY_PATH LD_LIBRARY_PATH="$LD_LIBRARY_PATH" "$G/bin/pdserve-bench" \
-                --addr "$ADDR" --input-len "$in" --output-len 64:256 --rate "$rate" "${wlargs[@]}" \
+                --addr "$ADDR" --input-len "$in" --output-len 64:256 --rate "${GOODPUT_RATE:-$rate}" "${wlargs[@]}" \
                 --num-requests 120 --warmup-requests 10 --seed 1 --find-goodput "${slo[@]}" \
                 --slo-attainment 0.9 --goodput-tolerance 0.1 --max-probes ${GOODPUT_PROBES:-6} \
                 --json "$OUT/gp$wl-$dep/result.json" --plot-dir "$OUT/gp$wl-$dep/plots" \
@@ -288,6 +295,8 @@ has goodputA && [ -n "$MODES" ] && goodput A ${GOODPUT_DEPS:-}
 has goodputB && [ -n "$MODES" ] && goodput B ${GOODPUT_DEPS:-}
 # shellcheck disable=SC2086
 has goodputS && [ -n "$MODES" ] && goodput S ${GOODPUT_DEPS:-}
+# shellcheck disable=SC2086
+has goodputL && [ -n "$MODES" ] && goodput L ${GOODPUT_DEPS:-}
 if has policy && [ -n "$MODES" ]; then
     # Conditional disaggregation (issue #28): workload A with the router computing prompts on
     # the decode instance while the prefill backlog is deep; then short prompts (64 tokens in,

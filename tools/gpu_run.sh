@@ -52,6 +52,14 @@
 #             BOS the golden story's, for at least their first 16 (bf16 drifts where margins
 #             are small, as in tp); one line per pair (ok / DIFFERS, with the counts), logs in
 #             $OUT/tpkv-*/. NCCL as for tp.
+#   fp8       issue #37 on one GPU: test_cuda_fp8 and test_cuda_kv_fp8 (the FP8 op sets against
+#             the CPU's), stories260k --quantization fp8 --kv-cache-dtype fp8 on cuda against the
+#             CPU backend's tokens; pdserve-bench-kernels --floor --fp8 (FP8 products beside
+#             bf16's and the floors) and --attention --kv-fp8; the Llama-3-8B shape (dummy) at
+#             bf16, FP8 weights and FP8 weights + KV: batch-1 decode (128 in, 256 out) next to
+#             its weight + KV floor at the copy rate, prefill of 2k-token prompts next to the
+#             GEMM rate, and the KV pool's blocks at the same --kv-cache-mb. Logs in $OUT/fp8/,
+#             a summary at the end. FP8_SKIP="tests bench 8b" leaves parts out.
 # Logs go to $OUT (default /tmp/pd-gpu). PD_GPU_DIR names the package folder (default .gpu). Exit status: 0 when every step passed.
 #   tools/gpu_run.sh [bench] [kvshare] [profile] [sanitize] [services] [perf] [tp] [tpbench] [tpkv]
 set -uo pipefail
@@ -129,6 +137,83 @@ if has sanitize; then
         "$G/bin/test_cuda_backend"
     TAIL=12 step sanitize_golden compute-sanitizer --tool memcheck --error-exitcode 9 \
         "$G/bin/test_cuda_golden"
+fi
+if has fp8; then
+    F="$OUT/fp8"
+    mkdir -p "$F"
+    skip() { case " ${FP8_SKIP:-} " in *" $1 "*) return 0 ;; esac; return 1; }
+    fstep() { # fstep NAME COMMAND...: output in $F/NAME.log
+        local name=$1 r
+        shift
+        echo "== fp8 $name: $*"
+        "$@" >"$F/$name.log" 2>&1
+        r=$?
+        grep -E '^\{|tok/s|FLOOR|error|failed|FAIL|passed|KV pool|fp8|e4m3' "$F/$name.log" | tail -n "${FTAIL:-6}"
+        [ "$r" -eq 0 ] || { echo "== fp8 $name: exit $r"; rc=1; }
+    }
+    M="$PDSERVE_SHARED/models/stories260k"
+    if ! skip tests; then
+        FTAIL=12 fstep test_cuda_fp8 "$G/bin/test_cuda_fp8"
+        [ -x "$G/bin/test_cuda_kv_fp8" ] && FTAIL=12 fstep test_cuda_kv_fp8 "$G/bin/test_cuda_kv_fp8"
+        for be in cpu cuda; do
+            "$G/bin/pdserve-generate" --model "$M" --backend $be --quantization fp8 \
+                --kv-cache-dtype fp8 --prompt "Once upon a time" --max-tokens 64 --temperature 0 \
+                --json >"$F/story-$be.json" 2>"$F/story-$be.log" || rc=1
+        done
+        env -u LD_LIBRARY_PATH python3 - "$F/story-cpu.json" "$F/story-cuda.json" <<'PY' || rc=1
+import json, sys
+a, b = [json.loads(open(f).read().strip().splitlines()[-1]) for f in sys.argv[1:3]]
+ta, tb = a.get("token_ids") or a.get("tokens"), b.get("token_ids") or b.get("tokens")
+n = next((i for i in range(min(len(ta), len(tb))) if ta[i] != tb[i]), min(len(ta), len(tb)))
+print("== fp8 story: cuda FP8 weights + KV equal the CPU reference for %d of %d tokens" % (n, len(ta)))
+sys.exit(0 if n >= 16 else 1)
+PY
+    fi
+    if ! skip bench && [ -x "$G/bin/pdserve-bench-kernels" ]; then
+        FTAIL=40 fstep kernels "$G/bin/pdserve-bench-kernels" --floor --fp8
+        FTAIL=30 fstep attention "$G/bin/pdserve-bench-kernels" --attention --kv-fp8
+    fi
+    if ! skip 8b; then
+        "$G/bin/pdserve-bench-kernels" --floor >"$F/floor.log" 2>&1
+        BW=$(sed -n 's/.*FLOOR copy_gbps=\([0-9.]*\).*/\1/p' "$F/floor.log" | tail -n 1)
+        TF=$(sed -n 's/.*FLOOR.*gemm_tflops=\([0-9.]*\).*/\1/p' "$F/floor.log" | tail -n 1)
+        FL=()
+        [ -n "$BW" ] && FL+=(--bandwidth-gbs "$BW")
+        [ -n "$TF" ] && FL+=(--gemm-tflops "$TF")
+        L8=tools/shapes/llama3-8b
+        for v in bf16 fp8w fp8; do
+            case $v in
+                bf16) VA=() ;;
+                fp8w) VA=(--quantization fp8) ;;
+                fp8) VA=(--quantization fp8 --kv-cache-dtype fp8) ;;
+            esac
+            FTAIL=3 fstep "decode_$v" "$G/bin/pdserve-bench-offline" --model "$L8" --load-format dummy \
+                --backend cuda --kv-cache-mb 4096 --num-requests 1 --input-len 128 --output-len 256 \
+                --max-num-seqs 1 "${FL[@]}" "${VA[@]}" --json
+            FTAIL=3 fstep "prefill2k_$v" "$G/bin/pdserve-bench-offline" --model "$L8" --load-format dummy \
+                --backend cuda --kv-cache-mb 8192 --num-requests 8 --input-len 2048 --output-len 1 \
+                --max-num-batched-tokens 2048 "${FL[@]}" "${VA[@]}" --json
+            FTAIL=3 fstep "batch64_$v" "$G/bin/pdserve-bench-offline" --model "$L8" --load-format dummy \
+                --backend cuda --kv-cache-mb 16384 --num-requests 64 --input-len 1024 --output-len 256 \
+                --max-num-seqs 64 "${FL[@]}" "${VA[@]}" --json
+        done
+        echo "== fp8 summary (Llama-3-8B shape; floors from this run: copy $BW GB/s, GEMM $TF TFLOP/s)"
+        env -u LD_LIBRARY_PATH python3 - "$F" <<'PY'
+import json, os, sys
+F = sys.argv[1]
+def j(n):
+    try:
+        return json.loads([l for l in open(os.path.join(F, n + ".log")) if l.startswith("{")][-1])
+    except Exception:
+        return None
+for v in ("bf16", "fp8w", "fp8"):
+    d, p, b = j("decode_" + v), j("prefill2k_" + v), j("batch64_" + v)
+    print("%-5s decode b1 %s tok/s (%.2f ms; floor ratio %s) | prefill 2k %s tok/s | batch 64 %s tok/s | KV blocks %s" % (
+        v, d and d.get("decode_tok_s"), 1e3 / d["decode_tok_s"] if d and d.get("decode_tok_s") else 0,
+        d and d.get("floor_ratio", d.get("bandwidth_ratio")), p and p.get("prefill_tok_s"),
+        b and b.get("output_tok_s"), b and b.get("kv_blocks")))
+PY
+    fi
 fi
 if has services; then
     M="$PDSERVE_SHARED/models/stories260k"
