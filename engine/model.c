@@ -214,7 +214,8 @@ static int quant_part(pd_model *m, const loader *L, const lin_part *pt, int32_t 
             return rc;
         }
         for (int64_t i = 0; i < nr; i++)
-            for (int32_t g = 0; g < G; g++) scale[i * G + g] = bs[(w.r0 + i) / 128 * bc + w.c0 / 128 + g];
+            for (int32_t g = 0; g < G; g++)
+                scale[i * G + g] = bs[(w.r0 + i) / 128 * bc + (w.c0 + (int64_t)g * 128) / 128];
         free(bs);
     } else {
         float *cs = malloc((size_t)pt->rows * sizeof *cs);
@@ -271,10 +272,16 @@ static int put_linear(pd_model *m, const loader *L, const lin_part *parts, int n
                        "checkpoint is %s FP8)", m->be->ops->name, q->name);
     const int32_t group = q->weight_group ? q->weight_group : (int32_t)K;
     const int32_t G = (int32_t)((K + group - 1) / group);
-    if (group < K && parts[0].w.c0 % group != 0)
-        return pd_errf(L->err, PD_EUNSUPPORTED, "%s: this shard's columns start at %lld, not on "
-                       "a block of %d (tensor parallel degree too high for block-wise FP8)",
-                       parts[0].module, (long long)parts[0].w.c0, group);
+    /* block-wise: each group of 128 of this shard's columns (its activations' groups) must lie
+     * in one of the checkpoint's 128-column blocks */
+    for (int64_t g0 = 0, c0 = parts[0].w.c0; q->weight_group && g0 < K; g0 += group) {
+        const int64_t g1 = g0 + group < K ? g0 + group : K;
+        if ((c0 + g0) / group != (c0 + g1 - 1) / group)
+            return pd_errf(L->err, PD_EUNSUPPORTED, "%s: this shard's columns %lld .. %lld are "
+                           "not on a block of %d of the checkpoint's (a tensor-parallel degree "
+                           "whose column split misses the blocks)", parts[0].module,
+                           (long long)(c0 + g0), (long long)(c0 + g1 - 1), group);
+    }
     uint8_t *w8 = malloc((size_t)(M * K));
     float *scale = malloc((size_t)(M * G) * sizeof *scale);
     if (!w8 || !scale) {
