@@ -7,6 +7,15 @@
 #include "common/error.h"
 #include "kernels/cuda/cuda_ops.h"
 
+/* The FP8 KV cache's ops: the cache holds e4m3 bytes (alloc takes PD_DTYPE_F8E4M3). */
+static const pd_kv_ops k_cuda_kv_fp8 = {
+    .name = "fp8",
+    .dtype = PD_DTYPE_F8E4M3,
+    .rope_store_kv = pd_cuda__rope_store_kv_fp8,
+    .attention_prefill = pd_cuda__attention_fp8,
+    .attention_decode = pd_cuda__attention_decode_fp8,
+};
+
 static const pd_backend_ops k_cuda_ops = {
     .name = "cuda",
     .act_dtype = PD_DTYPE_BF16,
@@ -57,6 +66,7 @@ static const pd_backend_ops k_cuda_ops = {
     .copyq_blocks = pd_cuda__copyq_blocks,
     .copyq_rows = pd_cuda__copyq_rows,
     .comm_create = pd_cuda__comm_create,
+    .kv_fp8 = &k_cuda_kv_fp8,
 };
 
 int pd_backend_cuda_create(const pd_backend_params *p, pd_backend **out, char *err)
