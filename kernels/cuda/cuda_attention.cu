@@ -128,7 +128,7 @@ attention_kernel(const bf16 *q, int64_t q_row_stride, const KV *k_cache, const K
         f[w] = s_max[w] == -INFINITY ? 0.0f : expf(s_max[w] - gmax);
         total += s_sum[w] * f[w];
     }
-    const float inv = v_scale / total;
+    const float inv = (sizeof(KV) == 1 ? v_scale : 1.0f) / total;
     bf16 *o = out + (size_t)t * ((size_t)n_heads * head_dim) + (size_t)h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += WARPS * 32) {
         float v = 0.0f;

@@ -54,7 +54,7 @@ struct __align__(16) bf16x8 { __nv_bfloat162 h[4]; };
 template <typename KV> struct kv_io;
 template <> struct kv_io<bf16> {
     typedef uint4 vec;
-    static __device__ __forceinline__ bf16x8 unpack(const vec &v)
+    static __device__ __forceinline__ bf16x8 unpack(vec v)
     {
         return *reinterpret_cast<const bf16x8 *>(&v);
     }
@@ -65,7 +65,7 @@ template <> struct kv_io<bf16> {
 };
 template <> struct kv_io<pd_fp8> {
     typedef uint2 vec;
-    static __device__ __forceinline__ bf16x8 unpack(const vec &v)
+    static __device__ __forceinline__ bf16x8 unpack(vec v)
     {
         const uint4 u = pd_e4m3x8_to_bf16x8(v);
         return *reinterpret_cast<const bf16x8 *>(&u);
@@ -290,9 +290,9 @@ merge_groups(float *sm, bf16 *__restrict__ out, float *__restrict__ part,
         combine_inline(sm, out, part, count, row, n_used, n_seqs, n_heads, G, HD);
 }
 
-/* The CUDA-core kernels' end: every lane group's state into shared memory (the outputs times
- * v_scale: an FP8 cache's value scale, applied once, 1 for bf16), then merged. */
-template <int TPK, int MAXG>
+/* The CUDA-core kernels' end: every lane group's state into shared memory (an FP8 cache's
+ * outputs times v_scale, its value scale, applied once), then merged. */
+template <typename KV, int TPK, int MAXG>
 static __device__ __forceinline__ void
 finish_chunk(float *sm, const float (&acc)[MAXG][8], const float (&m)[MAXG],
              const float (&l)[MAXG], bf16 *__restrict__ out, float *__restrict__ part,
@@ -309,7 +309,10 @@ finish_chunk(float *sm, const float (&acc)[MAXG][8], const float (&m)[MAXG],
     for (int g = 0; g < MAXG; g++) {
         if (g >= G) break;
 #pragma unroll
-        for (int e = 0; e < 8; e++) sm_acc[gid][g][sub * 8 + e] = acc[g][e] * v_scale;
+        for (int e = 0; e < 8; e++) {
+            if constexpr (sizeof(KV) == 1) sm_acc[gid][g][sub * 8 + e] = acc[g][e] * v_scale;
+            else sm_acc[gid][g][sub * 8 + e] = acc[g][e];
+        }
         if (sub == 0) {
             sm_m[gid][g] = m[g];
             sm_l[gid][g] = l[g];
@@ -385,8 +388,8 @@ static __global__ void __launch_bounds__(NW * 32) split_kernel(PD_SPLIT_PARAMS)
         }
         attend<TPK, MAXG, UNROLL>(qf, acc, m, l, kr, vr, ok, G);
     }
-    finish_chunk<TPK, MAXG>(sm, acc, m, l, out, part, count, ci.row, ci.n_used, n_seqs, n_heads,
-                            G, v_scale);
+    finish_chunk<KV, TPK, MAXG>(sm, acc, m, l, out, part, count, ci.row, ci.n_used, n_seqs,
+                                n_heads, G, v_scale);
 }
 
 /* Pipelined kernel: each lane streams its own keys' K/V through a ring of STAGES slots in
@@ -464,8 +467,10 @@ split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of sha
         bool ok[R];
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            kr[r] = kv_io<KV>::unpack(ring[((slot * R + r) * 2) * SLOT]);
-            vr[r] = kv_io<KV>::unpack(ring[((slot * R + r) * 2 + 1) * SLOT]);
+            const vec kv = ring[((slot * R + r) * 2) * SLOT];
+            const vec vv = ring[((slot * R + r) * 2 + 1) * SLOT];
+            kr[r] = kv_io<KV>::unpack(kv);
+            vr[r] = kv_io<KV>::unpack(vv);
             ok[r] = k0 + t * TILE + r * KPW < k_end;
         }
         attend<TPK, MAXG, R>(qf, acc, m, l, kr, vr, ok, G);
@@ -477,8 +482,8 @@ split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of sha
     }
     pd_cp_wait<0>();
     __syncthreads(); /* the ring becomes the merge's scratch */
-    finish_chunk<TPK, MAXG>(reinterpret_cast<float *>(dyn), acc, m, l, out, part, count, ci.row,
-                            ci.n_used, n_seqs, n_heads, G, v_scale);
+    finish_chunk<KV, TPK, MAXG>(reinterpret_cast<float *>(dyn), acc, m, l, out, part, count,
+                                ci.row, ci.n_used, n_seqs, n_heads, G, v_scale);
 }
 
 /* Tensor-core kernel (sm_90; head sizes 64 and 128, up to 8 query heads per KV head): the
@@ -688,8 +693,12 @@ static __global__ void __launch_bounds__(NW * 32) split_mma_kernel(PD_SPLIT_PARA
     if (g < G) {
 #pragma unroll
         for (int j = 0; j < NB; j++) {
-            sm_acc[warp][g][j * 8 + 2 * q4] = o[j][0] * v_scale;
-            sm_acc[warp][g][j * 8 + 2 * q4 + 1] = o[j][1] * v_scale;
+            if constexpr (FP8) {
+                o[j][0] *= v_scale;
+                o[j][1] *= v_scale;
+            }
+            sm_acc[warp][g][j * 8 + 2 * q4] = o[j][0];
+            sm_acc[warp][g][j * 8 + 2 * q4 + 1] = o[j][1];
         }
         if (q4 == 0) {
             sm_m[warp][g] = m;

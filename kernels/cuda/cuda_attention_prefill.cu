@@ -289,7 +289,7 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
     for (int h = 0; h < 2; h++) {
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-        const float inv = v_scale / l[h]; /* v_scale: 1 but for an FP8 cache */
+        const float inv = FP8 ? v_scale / l[h] : 1.0f / l[h];
         const int r = warp * 16 + g + 8 * h;
 #pragma unroll
         for (int n = 0; n < HD / 8; n++)
