@@ -25,8 +25,8 @@ extern "C" {
 static void usage(FILE *f)
 {
     fprintf(f,
-        "usage: pdserve-bench-kernels [--floor] [--linear] [--attention] [--sample] [--all]\n"
-        "                             [--fp8] [--all-reduce N] [--device N] [--json]\n"
+        "usage: pdserve-bench-kernels [--floor] [--linear] [--attention] [--kv-fp8] [--sample]\n"
+        "                             [--all] [--fp8] [--all-reduce N] [--device N] [--json]\n"
         "\n"
         "Times the CUDA backend's decode-path ops through its op table on random data, and the\n"
         "device's physical floors in the same run. Sections (none given = --all):\n"
@@ -41,6 +41,10 @@ static void usage(FILE *f)
         "               of 16), batch 256 x context 1024 (also with max_ctx_len = 0), batch\n"
         "               1 / 32 at contexts 128 / 1024 / 8192, batch 128 at 128 / 512: us, KV\n"
         "               bytes read per second, %% of the copy\n"
+        "  --kv-fp8     attention_decode with a bf16 and an FP8 KV cache (the backend's kv_fp8\n"
+        "               op set), the same heads, batch 1 / 32 / 64 at contexts 1024 / 8192: us\n"
+        "               per call of each next to its floor (KV bytes read / the copy's rate),\n"
+        "               and the FP8 cache's speed-up\n"
         "  --sample     the sample op (if offered) on 1 / 32 / 256 rows of 151,936 logits, greedy\n"
         "               and temperature 1 + top-p 0.9 + top-k 50\n"
         "  --fp8        the FP8 weight op set's linear_fused (pd_backend_ops.fp8, dynamic\n"
@@ -74,6 +78,7 @@ static void usage(FILE *f)
 typedef struct {
     bool floor, linear, attention, sample; /* sections */
     bool fp8;                              /* --fp8 */
+    bool kv_fp8;                           /* the bf16 / FP8 cache comparison (--kv-fp8) */
     int all_reduce;                        /* ranks of --all-reduce (0: not run) */
     bool json;                             /* JSON lines instead of tables */
     int device;                            /* CUDA ordinal */
@@ -565,6 +570,7 @@ static int bench_fp8(const bk_opts *opt, pd_backend *be, const bk_floor *fl)
 
 typedef struct {
     pd_attn_args a;       /* block_tables: set 0; the others follow */
+    const pd_kv_ops *kv;  /* an FP8 cache's op set, or NULL: the backend's own op */
     const int32_t *bt;    /* [sets][batch][max_blocks] */
     int sets;
     size_t set_entries;   /* batch * max_blocks */
@@ -575,7 +581,7 @@ static int att_call(pd_backend *be, void *arg, int i)
     const att_arg *t = (const att_arg *)arg;
     pd_attn_args a = t->a;
     a.block_tables = t->bt + (size_t)(i % t->sets) * t->set_entries;
-    return be->ops->attention_decode(be->ctx, &a);
+    return t->kv ? t->kv->attention_decode(be->ctx, &a) : be->ops->attention_decode(be->ctx, &a);
 }
 
 static int bench_attention(const bk_opts *opt, pd_backend *be, const bk_floor *fl)
@@ -697,6 +703,173 @@ static int bench_attention(const bk_opts *opt, pd_backend *be, const bk_floor *f
 done:
     o->free(be->ctx, kc);
     o->free(be->ctx, vc);
+    o->free(be->ctx, q);
+    o->free(be->ctx, out);
+    free(perm);
+    return rc;
+}
+
+/* ---- attention_decode, bf16 and FP8 KV caches (--kv-fp8) ---- */
+
+#define KV8_POOL_BLOCKS 32768 /* per cache: batch 64 x 8192 once (1 GiB of bf16 each) */
+
+/* An FP8 cache of n bytes holding random e4m3 values (no NaN), uploaded from host memory. */
+static void *fp8_buf(pd_backend *be, size_t n)
+{
+    const size_t chunk = (size_t)16 << 20;
+    uint8_t *h = (uint8_t *)malloc(chunk);
+    void *p = NULL;
+    if (!h || be->ops->alloc(be->ctx, PD_DTYPE_F8E4M3, n, &p) != 0) {
+        fprintf(stderr, "pdserve-bench-kernels: alloc of %zu e4m3 bytes failed\n", n);
+        free(h);
+        return NULL;
+    }
+    for (size_t i = 0; i < chunk; i++) {
+        uint8_t b = (uint8_t)(rnd() >> 56);
+        if ((b & 0x7f) == 0x7f) b = 0x30; /* NaN -> 0.5 */
+        h[i] = b;
+    }
+    for (size_t off = 0; off < n; off += chunk) {
+        const size_t m = n - off < chunk ? n - off : chunk;
+        if (be->ops->upload(be->ctx, p, PD_DTYPE_F8E4M3, off, h, PD_DTYPE_F8E4M3, m) != 0) {
+            be->ops->free(be->ctx, p);
+            p = NULL;
+            break;
+        }
+    }
+    free(h);
+    return p;
+}
+
+/* One case at both cache types: the same q, block tables and contexts; each cache type its own
+ * pool. Prints a row (or a JSON line per cache type). Returns 0 or -1. */
+static int kv8_case(const bk_opts *opt, pd_backend *be, const bk_floor *fl, int32_t batch,
+                    int32_t ctx, void *const pools[2][2], void *q, void *out, int32_t *perm)
+{
+    const pd_backend_ops *o = be->ops;
+    const int32_t mb = (ctx + ATT_BLOCK - 1) / ATT_BLOCK, need = batch * mb;
+    int sets = KV8_POOL_BLOCKS / need;
+    if (sets > MAX_CALLS) sets = MAX_CALLS;
+    const size_t entries = (size_t)need * sets;
+    int32_t *bt = (int32_t *)malloc(entries * sizeof(int32_t));
+    int32_t *lens = (int32_t *)malloc((size_t)batch * sizeof(int32_t));
+    int32_t *cu = (int32_t *)malloc(((size_t)batch + 1) * sizeof(int32_t));
+    void *d_bt = NULL, *d_lens = NULL, *d_cu = NULL;
+    int rc = -1;
+    double us[2] = {-1, -1}, floor_us[2], kv_bytes[2];
+    if (!bt || !lens || !cu || sets < 1) goto done;
+    for (int32_t i = KV8_POOL_BLOCKS - 1; i > 0; i--) {
+        const int32_t j = (int32_t)(rnd() % (uint64_t)(i + 1)), tmp = perm[i];
+        perm[i] = perm[j];
+        perm[j] = tmp;
+    }
+    for (size_t e = 0; e < entries; e++) bt[e] = perm[e];
+    for (int32_t i = 0; i < batch; i++) lens[i] = ctx;
+    for (int32_t i = 0; i <= batch; i++) cu[i] = i;
+    if (o->alloc(be->ctx, PD_DTYPE_I32, entries, &d_bt) != 0 ||
+        o->alloc(be->ctx, PD_DTYPE_I32, (size_t)batch, &d_lens) != 0 ||
+        o->alloc(be->ctx, PD_DTYPE_I32, (size_t)batch + 1, &d_cu) != 0 ||
+        o->upload(be->ctx, d_bt, PD_DTYPE_I32, 0, bt, PD_DTYPE_I32, entries) != 0 ||
+        o->upload(be->ctx, d_lens, PD_DTYPE_I32, 0, lens, PD_DTYPE_I32, batch) != 0 ||
+        o->upload(be->ctx, d_cu, PD_DTYPE_I32, 0, cu, PD_DTYPE_I32, batch + 1) != 0)
+        goto done;
+    for (int f = 0; f < 2; f++) { /* 0: bf16, 1: FP8 */
+        att_arg t;
+        memset(&t, 0, sizeof t);
+        t.kv = f ? o->kv_fp8 : NULL;
+        t.a.q = q;
+        t.a.q_row_stride = ATT_HEADS * ATT_HEAD_DIM;
+        t.a.k_cache = pools[f][0];
+        t.a.v_cache = pools[f][1];
+        t.a.out = out;
+        t.a.cu_q = (const int32_t *)d_cu;
+        t.a.ctx_lens = (const int32_t *)d_lens;
+        t.a.block_tables = (const int32_t *)d_bt;
+        t.a.n_seqs = t.a.n_tokens = batch;
+        t.a.max_q_len = 1;
+        t.a.max_ctx_len = ctx;
+        t.a.max_blocks_per_seq = mb;
+        t.a.n_heads = ATT_HEADS;
+        t.a.n_kv_heads = ATT_KV_HEADS;
+        t.a.head_dim = ATT_HEAD_DIM;
+        t.a.block_size = ATT_BLOCK;
+        t.a.scale = 1.0f / sqrtf((float)ATT_HEAD_DIM);
+        t.a.k_scale = 1.0f / 256;
+        t.a.v_scale = 1.0f / 256;
+        t.bt = (const int32_t *)d_bt;
+        t.sets = sets;
+        t.set_entries = (size_t)need;
+        kv_bytes[f] = (double)batch * ctx * ATT_KV_HEADS * ATT_HEAD_DIM * 2 * (f ? 1 : 2);
+        floor_us[f] = kv_bytes[f] / (fl->copy_gbps * 1e9) * 1e6;
+        const int first = t.kv ? t.kv->attention_decode(be->ctx, &t.a)
+                               : o->attention_decode(be->ctx, &t.a);
+        if (first != 0 || o->sync(be->ctx) != 0) {
+            fprintf(stderr, "pdserve-bench-kernels: attention_decode (%s cache) failed\n",
+                    f ? "fp8" : "bf16");
+            goto done;
+        }
+        bool graphed = false;
+        const int calls = batch_calls(kv_bytes[f], sets);
+        const double tm = time_batch(be, att_call, &t, calls, &graphed);
+        if (tm <= 0) goto done;
+        us[f] = tm * 1e6;
+        if (opt->json)
+            printf("{\"bench\":\"attention_decode_kv\",\"cache\":\"%s\",\"batch\":%d,\"ctx\":%d,"
+                   "\"us\":%.2f,\"kv_bytes\":%.0f,\"floor_us\":%.2f,\"pct_floor\":%.1f,"
+                   "\"graph\":%s,\"calls\":%d}\n",
+                   f ? "fp8" : "bf16", batch, ctx, us[f], kv_bytes[f], floor_us[f],
+                   100.0 * floor_us[f] / us[f], graphed ? "true" : "false", calls);
+    }
+    if (!opt->json)
+        printf("%5d %7d %10.2f %10.2f %6.1f%% %10.2f %10.2f %6.1f%% %8.2fx\n", batch, ctx, us[0],
+               floor_us[0], 100.0 * floor_us[0] / us[0], us[1], floor_us[1],
+               100.0 * floor_us[1] / us[1], us[0] / us[1]);
+    fflush(stdout);
+    rc = 0;
+done:
+    (void)cudaGetLastError();
+    o->free(be->ctx, d_bt);
+    o->free(be->ctx, d_lens);
+    o->free(be->ctx, d_cu);
+    free(bt);
+    free(lens);
+    free(cu);
+    return rc;
+}
+
+static int bench_attention_kv8(const bk_opts *opt, pd_backend *be, const bk_floor *fl)
+{
+    static const int32_t batches[3] = {1, 32, 64}, ctxs[2] = {1024, 8192};
+    const pd_backend_ops *o = be->ops;
+    if (!o->kv_fp8) {
+        fprintf(stderr, "pdserve-bench-kernels: --kv-fp8: the backend has no FP8 KV ops\n");
+        return -1;
+    }
+    const size_t blk_elems = (size_t)ATT_BLOCK * ATT_KV_HEADS * ATT_HEAD_DIM;
+    const size_t n = blk_elems * KV8_POOL_BLOCKS;
+    const int32_t q_dim = ATT_HEADS * ATT_HEAD_DIM;
+    void *pools[2][2] = {{rand_buf(be, PD_DTYPE_BF16, n, 410, -1.0f, 1.0f),
+                          rand_buf(be, PD_DTYPE_BF16, n, 411, -1.0f, 1.0f)},
+                         {fp8_buf(be, n), fp8_buf(be, n)}};
+    void *q = rand_buf(be, PD_DTYPE_BF16, (size_t)64 * q_dim, 412, -1.0f, 1.0f);
+    void *out = rand_buf(be, PD_DTYPE_BF16, (size_t)64 * q_dim, 413, -1.0f, 1.0f);
+    int32_t *perm = (int32_t *)malloc(KV8_POOL_BLOCKS * sizeof(int32_t));
+    int rc = -1;
+    if (!pools[0][0] || !pools[0][1] || !pools[1][0] || !pools[1][1] || !q || !out || !perm)
+        goto done;
+    for (int32_t i = 0; i < KV8_POOL_BLOCKS; i++) perm[i] = i;
+    if (!opt->json)
+        printf("\n## attention_decode, bf16 vs FP8 KV cache (16 q heads, 8 KV heads, head_dim "
+               "128, blocks of 16; floor = KV bytes / copy rate)\n%5s %7s %10s %10s %7s %10s "
+               "%10s %7s %9s\n", "batch", "ctx", "bf16 us", "floor us", "%floor", "fp8 us",
+               "floor us", "%floor", "speed-up");
+    for (int b = 0; b < 3; b++)
+        for (int c = 0; c < 2; c++)
+            if (kv8_case(opt, be, fl, batches[b], ctxs[c], pools, q, out, perm) != 0) goto done;
+    rc = 0;
+done:
+    for (int f = 0; f < 2; f++)
+        for (int k = 0; k < 2; k++) o->free(be->ctx, pools[f][k]);
     o->free(be->ctx, q);
     o->free(be->ctx, out);
     free(perm);
@@ -941,6 +1114,8 @@ int main(int argc, char **argv)
             opt.linear = any = true;
         } else if (!strcmp(a, "--attention")) {
             opt.attention = any = true;
+        } else if (!strcmp(a, "--kv-fp8")) {
+            opt.kv_fp8 = any = true;
         } else if (!strcmp(a, "--sample")) {
             opt.sample = any = true;
         } else if (!strcmp(a, "--fp8")) {
@@ -1008,6 +1183,7 @@ int main(int argc, char **argv)
     if (bench_floor(&opt, be, &fl) != 0) rc = 1;
     if (rc == 0 && opt.linear && bench_linear(&opt, be, &fl) != 0) rc = 1;
     if (rc == 0 && opt.attention && bench_attention(&opt, be, &fl) != 0) rc = 1;
+    if (rc == 0 && opt.kv_fp8 && bench_attention_kv8(&opt, be, &fl) != 0) rc = 1;
     if (rc == 0 && opt.sample && bench_sample(&opt, be) != 0) rc = 1;
     if (rc == 0 && opt.fp8 && bench_fp8(&opt, be, &fl) != 0) rc = 1;
     if (rc == 0 && opt.all_reduce && bench_all_reduce(&opt) != 0) rc = 1;

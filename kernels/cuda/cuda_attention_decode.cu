@@ -36,7 +36,7 @@
 
 #include <math.h>
 
-#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_kv_fp8.cuh"
 
 #define NW 4            /* warps per block */
 #define UNROLL 2        /* key rounds per loop iteration (4: slower, fewer blocks fit) */
@@ -47,6 +47,34 @@
 #define INLINE_SPLITS 128 /* most splits (the last block combines them in shared memory) */
 
 struct __align__(16) bf16x8 { __nv_bfloat162 h[4]; };
+
+/* How the kernels read a cache of element type KV (bf16, or pd_fp8: an FP8 cache): a lane's 8
+ * elements of a key's row are one `vec` (16 bytes of bf16, 8 of e4m3), copied into shared
+ * memory by cp, and unpack gives them as 8 bf16 (e4m3 converts exactly). */
+template <typename KV> struct kv_io;
+template <> struct kv_io<bf16> {
+    typedef uint4 vec;
+    static __device__ __forceinline__ bf16x8 unpack(vec v)
+    {
+        return *reinterpret_cast<const bf16x8 *>(&v);
+    }
+    static __device__ __forceinline__ void cp(void *dst, const void *src, bool ok)
+    {
+        pd_cp16(dst, src, ok);
+    }
+};
+template <> struct kv_io<pd_fp8> {
+    typedef uint2 vec;
+    static __device__ __forceinline__ bf16x8 unpack(vec v)
+    {
+        const uint4 u = pd_e4m3x8_to_bf16x8(v);
+        return *reinterpret_cast<const bf16x8 *>(&u);
+    }
+    static __device__ __forceinline__ void cp(void *dst, const void *src, bool ok)
+    {
+        pd_cp8(dst, src, ok);
+    }
+};
 
 /* Element e (a constant after unrolling) of 8 packed bf16: K and V stay packed in registers
  * until used, half the registers of floats, so more blocks fit on an SM. */
@@ -262,13 +290,14 @@ merge_groups(float *sm, bf16 *__restrict__ out, float *__restrict__ part,
         combine_inline(sm, out, part, count, row, n_used, n_seqs, n_heads, G, HD);
 }
 
-/* The CUDA-core kernels' end: every lane group's state into shared memory, then merged. */
-template <int TPK, int MAXG>
+/* The CUDA-core kernels' end: every lane group's state into shared memory (an FP8 cache's
+ * outputs times v_scale, its value scale, applied once), then merged. */
+template <typename KV, int TPK, int MAXG>
 static __device__ __forceinline__ void
 finish_chunk(float *sm, const float (&acc)[MAXG][8], const float (&m)[MAXG],
              const float (&l)[MAXG], bf16 *__restrict__ out, float *__restrict__ part,
              int32_t *__restrict__ count, int32_t row, int32_t n_used, int32_t n_seqs,
-             int32_t n_heads, int32_t G)
+             int32_t n_heads, int32_t G, float v_scale)
 {
     constexpr int HD = TPK * 8, KPW = 32 / TPK, GROUPS = NW * KPW;
     float(*sm_acc)[MAXG][HD] = reinterpret_cast<float(*)[MAXG][HD]>(sm);
@@ -280,7 +309,10 @@ finish_chunk(float *sm, const float (&acc)[MAXG][8], const float (&m)[MAXG],
     for (int g = 0; g < MAXG; g++) {
         if (g >= G) break;
 #pragma unroll
-        for (int e = 0; e < 8; e++) sm_acc[gid][g][sub * 8 + e] = acc[g][e];
+        for (int e = 0; e < 8; e++) {
+            if constexpr (sizeof(KV) == 1) sm_acc[gid][g][sub * 8 + e] = acc[g][e] * v_scale;
+            else sm_acc[gid][g][sub * 8 + e] = acc[g][e];
+        }
         if (sub == 0) {
             sm_m[gid][g] = m[g];
             sm_l[gid][g] = l[g];
@@ -289,17 +321,20 @@ finish_chunk(float *sm, const float (&acc)[MAXG][8], const float (&m)[MAXG],
     merge_groups<GROUPS, MAXG, HD>(sm, out, part, count, row, n_used, n_seqs, n_heads, G);
 }
 
+/* KV: the cache's element type. scale_log2 includes an FP8 cache's key scale, v_scale is its
+ * value scale (1 for bf16). */
 #define PD_SPLIT_PARAMS                                                                        \
-    const bf16 *__restrict__ q, int64_t q_row_stride, const bf16 *__restrict__ k_cache,        \
-        const bf16 *__restrict__ v_cache, bf16 *__restrict__ out, float *__restrict__ part,    \
+    const bf16 *__restrict__ q, int64_t q_row_stride, const KV *__restrict__ k_cache,          \
+        const KV *__restrict__ v_cache, bf16 *__restrict__ out, float *__restrict__ part,      \
         int32_t *__restrict__ count, const int32_t *__restrict__ cu_q,                         \
         const int32_t *__restrict__ ctx_lens, const int32_t *__restrict__ block_tables,        \
         int32_t n_seqs, int32_t max_blocks_per_seq, int32_t n_heads, int32_t n_kv_heads,       \
-        int32_t G, int32_t block_size, int32_t sliding_window, int32_t chunk, float scale_log2
+        int32_t G, int32_t block_size, int32_t sliding_window, int32_t chunk, float scale_log2,  \
+        float v_scale
 
 /* Register kernel: K/V loaded straight into registers, TPK lanes per key (head_dim = 8 TPK),
  * MAXG >= G query heads per KV head. */
-template <int TPK, int MAXG>
+template <typename KV, int TPK, int MAXG>
 static __global__ void __launch_bounds__(NW * 32) split_kernel(PD_SPLIT_PARAMS)
 {
     constexpr int HD = TPK * 8, KPW = 32 / TPK, GROUPS = NW * KPW;
@@ -342,8 +377,9 @@ static __global__ void __launch_bounds__(NW * 32) split_kernel(PD_SPLIT_PARAMS)
             if (ok[u]) {
                 const int64_t off = ((int64_t)cur[u] * block_size + k % block_size) * kv_row +
                                     col;
-                kr[u] = *reinterpret_cast<const bf16x8 *>(k_cache + off);
-                vr[u] = *reinterpret_cast<const bf16x8 *>(v_cache + off);
+                typedef typename kv_io<KV>::vec vec;
+                kr[u] = kv_io<KV>::unpack(*reinterpret_cast<const vec *>(k_cache + off));
+                vr[u] = kv_io<KV>::unpack(*reinterpret_cast<const vec *>(v_cache + off));
             } else {
                 const __nv_bfloat162 z = __float2bfloat162_rn(0.0f);
 #pragma unroll
@@ -352,8 +388,8 @@ static __global__ void __launch_bounds__(NW * 32) split_kernel(PD_SPLIT_PARAMS)
         }
         attend<TPK, MAXG, UNROLL>(qf, acc, m, l, kr, vr, ok, G);
     }
-    finish_chunk<TPK, MAXG>(sm, acc, m, l, out, part, count, ci.row, ci.n_used, n_seqs, n_heads,
-                            G);
+    finish_chunk<KV, TPK, MAXG>(sm, acc, m, l, out, part, count, ci.row, ci.n_used, n_seqs,
+                                n_heads, G, v_scale);
 }
 
 /* Pipelined kernel: each lane streams its own keys' K/V through a ring of STAGES slots in
@@ -362,18 +398,19 @@ static __global__ void __launch_bounds__(NW * 32) split_kernel(PD_SPLIT_PARAMS)
  * copied itself: no barrier in the loop. Warp w takes keys [t * NW + w) * KS, + KS) of tile
  * t, KS = R rounds of 32 / TPK keys. */
 #define ASYNC_R 2
-template <int TPK, int STAGES>
+template <typename KV, int TPK, int STAGES>
 static constexpr size_t async_ring_bytes(void)
 {
-    return (size_t)STAGES * ASYNC_R * 2 * NW * 32 * sizeof(uint4);
+    return (size_t)STAGES * ASYNC_R * 2 * NW * 32 * sizeof(typename kv_io<KV>::vec);
 }
 
-template <int TPK, int MAXG, int STAGES>
+template <typename KV, int TPK, int MAXG, int STAGES>
 static __global__ void __launch_bounds__(NW * 32, MAXG <= 2 ? 6 : 1)
 split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of shared memory) */
 {
     constexpr int HD = TPK * 8, KPW = 32 / TPK, R = ASYNC_R, KS = R * KPW, TILE = NW * KS;
-    constexpr int SLOT = NW * 32; /* uint4s between a lane's consecutive ring entries */
+    constexpr int SLOT = NW * 32; /* vecs between a lane's consecutive ring entries */
+    typedef typename kv_io<KV>::vec vec;
     extern __shared__ uint4 dyn[];
     pd_pdl_wait();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = lane / TPK;
@@ -388,7 +425,7 @@ split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of sha
     const int64_t col = (int64_t)blockIdx.y * HD + (lane % TPK) * 8;
     const int32_t n_tiles = k_end > ci.k_begin ? (k_end - ci.k_begin + TILE - 1) / TILE : 0;
     const int32_t k0 = ci.k_begin + warp * KS + grp; /* this lane's key in round 0 of tile 0 */
-    uint4 *ring = dyn + threadIdx.x;
+    vec *ring = reinterpret_cast<vec *>(dyn) + threadIdx.x;
 
     /* Table entries of tile t (-1: past the chunk), loaded a tile before they are used. */
     int32_t cur[R], nxt[R];
@@ -407,8 +444,8 @@ split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of sha
                 const bool ok = b[r] >= 0;
                 const int64_t off =
                     ok ? ((int64_t)b[r] * block_size + k % block_size) * kv_row + col : 0;
-                pd_cp16(ring + ((slot * R + r) * 2) * SLOT, k_cache + off, ok);
-                pd_cp16(ring + ((slot * R + r) * 2 + 1) * SLOT, v_cache + off, ok);
+                kv_io<KV>::cp(ring + ((slot * R + r) * 2) * SLOT, k_cache + off, ok);
+                kv_io<KV>::cp(ring + ((slot * R + r) * 2 + 1) * SLOT, v_cache + off, ok);
             }
         }
         pd_cp_commit(); /* a group per tile, empty or not: the wait counts groups */
@@ -430,10 +467,10 @@ split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of sha
         bool ok[R];
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            const uint4 kv = ring[((slot * R + r) * 2) * SLOT];
-            const uint4 vv = ring[((slot * R + r) * 2 + 1) * SLOT];
-            kr[r] = *reinterpret_cast<const bf16x8 *>(&kv);
-            vr[r] = *reinterpret_cast<const bf16x8 *>(&vv);
+            const vec kv = ring[((slot * R + r) * 2) * SLOT];
+            const vec vv = ring[((slot * R + r) * 2 + 1) * SLOT];
+            kr[r] = kv_io<KV>::unpack(kv);
+            vr[r] = kv_io<KV>::unpack(vv);
             ok[r] = k0 + t * TILE + r * KPW < k_end;
         }
         attend<TPK, MAXG, R>(qf, acc, m, l, kr, vr, ok, G);
@@ -445,8 +482,8 @@ split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of sha
     }
     pd_cp_wait<0>();
     __syncthreads(); /* the ring becomes the merge's scratch */
-    finish_chunk<TPK, MAXG>(reinterpret_cast<float *>(dyn), acc, m, l, out, part, count, ci.row,
-                            ci.n_used, n_seqs, n_heads, G);
+    finish_chunk<KV, TPK, MAXG>(reinterpret_cast<float *>(dyn), acc, m, l, out, part, count,
+                                ci.row, ci.n_used, n_seqs, n_heads, G, v_scale);
 }
 
 /* Tensor-core kernel (sm_90; head sizes 64 and 128, up to 8 query heads per KV head): the
@@ -458,7 +495,10 @@ split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of sha
  * run on mma.m16n8k16 with the GQA group's query heads as the rows (rows G .. 15 are zero),
  * P in bf16, the online softmax in fp32 (base 2) on the quad of lanes that holds a row.
  * Shared-memory rows are padded by 16 bytes, so the 8 rows an ldmatrix reads fall in
- * different banks. About 6 instructions per key and head. */
+ * different banks. About 6 instructions per key and head. With an FP8 cache (KV = pd_fp8) the
+ * ring holds e4m3 rows (half the bytes); once a tile has landed each lane converts its own row
+ * into the warp's bf16 tile (exact) and refills the slot at once, and the same mma code reads
+ * that tile. */
 #define MMA_KT 16 /* keys per tile: a lane per K row, a lane per V row */
 
 template <int HD>
@@ -467,17 +507,30 @@ static constexpr __host__ __device__ int mma_pitch(void) /* bf16 elements per sh
     return HD + 8;
 }
 
-template <int HD, int STAGES>
-static constexpr size_t mma_ring_bytes(void)
+/* Elements of KV per ring row: a row and 16 bytes. */
+template <typename KV, int HD>
+static constexpr __host__ __device__ int mma_ring_pitch(void)
 {
-    return (size_t)NW * STAGES * 2 * MMA_KT * mma_pitch<HD>() * sizeof(bf16);
+    return HD + 16 / (int)sizeof(KV);
 }
 
-template <int HD, int STAGES>
+/* The rings of the block's warps, then (FP8 cache) each warp's bf16 tile. */
+template <typename KV, int HD, int STAGES>
+static constexpr size_t mma_ring_bytes(void)
+{
+    constexpr bool FP8 = sizeof(KV) == 1;
+    return (size_t)NW * STAGES * 2 * MMA_KT * mma_ring_pitch<KV, HD>() * sizeof(KV) +
+           (FP8 ? (size_t)NW * 2 * MMA_KT * mma_pitch<HD>() * sizeof(bf16) : 0);
+}
+
+template <typename KV, int HD, int STAGES>
 static __global__ void __launch_bounds__(NW * 32) split_mma_kernel(PD_SPLIT_PARAMS)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr int P = mma_pitch<HD>(), TILE = 2 * MMA_KT * P, KS = HD / 16, NB = HD / 8;
+    constexpr bool FP8 = sizeof(KV) == 1;
+    constexpr int P = mma_pitch<HD>(), KS = HD / 16, NB = HD / 8;
+    constexpr int PK = mma_ring_pitch<KV, HD>(), TILE = 2 * MMA_KT * PK; /* in KV elements */
+    constexpr int ROW_BYTES = HD * (int)sizeof(KV);
     extern __shared__ __align__(128) uint4 dyn[];
     __shared__ __align__(8) uint64_t bars[NW][STAGES];
     pd_pdl_wait();
@@ -491,7 +544,12 @@ static __global__ void __launch_bounds__(NW * 32) split_mma_kernel(PD_SPLIT_PARA
     const int32_t *table = block_tables + (size_t)s * max_blocks_per_seq;
     const int32_t n_tiles = k_end > k_begin ? (k_end - k_begin + MMA_KT - 1) / MMA_KT : 0;
     const int32_t mine = n_tiles > warp ? (n_tiles - warp + NW - 1) / NW : 0;
-    bf16 *ring = reinterpret_cast<bf16 *>(dyn) + (size_t)warp * STAGES * TILE;
+    KV *ring = reinterpret_cast<KV *>(dyn) + (size_t)warp * STAGES * TILE;
+    /* FP8: the warp's bf16 tile, after every warp's ring */
+    bf16 *stage =
+        reinterpret_cast<bf16 *>(reinterpret_cast<KV *>(dyn) + (size_t)NW * STAGES * TILE) +
+        (size_t)warp * 2 * MMA_KT * P;
+    (void)stage;
     uint64_t *bar = bars[warp];
     if (lane == 0) {
         for (int i = 0; i < STAGES; i++) pd_mbar_init(&bar[i], 1);
@@ -504,7 +562,7 @@ static __global__ void __launch_bounds__(NW * 32) split_mma_kernel(PD_SPLIT_PARA
      * stale NaN would not be). */
     const int64_t kv_row = (int64_t)n_kv_heads * HD;
     const int32_t my_key = lane & 15;
-    const bf16 *cache = (lane < 16 ? k_cache : v_cache) + (int64_t)kvh * HD;
+    const KV *cache = (lane < 16 ? k_cache : v_cache) + (int64_t)kvh * HD;
     auto entry_of = [&](int32_t i) -> int32_t {
         const int32_t k = k_begin + (warp + i * NW) * MMA_KT + my_key;
         return i < mine && k < k_end ? table[k / block_size] : 0;
@@ -513,17 +571,16 @@ static __global__ void __launch_bounds__(NW * 32) split_mma_kernel(PD_SPLIT_PARA
         if (i >= mine) return;
         const int slot = i % STAGES;
         const int32_t kb = k_begin + (warp + i * NW) * MMA_KT, k = kb + my_key;
-        bf16 *dst = ring + slot * TILE + (lane >> 4) * MMA_KT * P + my_key * P;
+        KV *dst = ring + slot * TILE + lane * PK; /* row lane: K rows, then V rows */
         if (lane == 0)
-            pd_mbar_expect_tx(&bar[slot], (uint32_t)(min(MMA_KT, k_end - kb) * 2 * HD *
-                                                     (int)sizeof(bf16)));
+            pd_mbar_expect_tx(&bar[slot], (uint32_t)(min(MMA_KT, k_end - kb) * 2 * ROW_BYTES));
         __syncwarp(); /* the expected bytes are set before any copy can land */
         if (k < k_end) {
             pd_bulk_load(dst, cache + ((int64_t)entry * block_size + k % block_size) * kv_row,
-                         HD * sizeof(bf16), &bar[slot]);
+                         ROW_BYTES, &bar[slot]);
         } else {
 #pragma unroll
-            for (int c = 0; c < HD / 8; c++)
+            for (int c = 0; c < ROW_BYTES / 16; c++)
                 reinterpret_cast<uint4 *>(dst)[c] = make_uint4(0u, 0u, 0u, 0u);
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         }
@@ -558,7 +615,24 @@ static __global__ void __launch_bounds__(NW * 32) split_mma_kernel(PD_SPLIT_PARA
         const int slot = i % STAGES;
         pd_mbar_wait(&bar[slot], (uint32_t)((i / STAGES) & 1));
         __syncwarp(); /* zeroed rows of other lanes are visible */
-        const bf16 *sk = ring + slot * TILE, *sv = sk + MMA_KT * P;
+        const bf16 *sk;
+        if constexpr (FP8) {
+            /* this lane's row of the slot into the bf16 tile; then the slot is free */
+            const uint4 *src = reinterpret_cast<const uint4 *>(ring + slot * TILE + lane * PK);
+            uint4 *dst = reinterpret_cast<uint4 *>(stage + lane * P);
+#pragma unroll
+            for (int c = 0; c < ROW_BYTES / 16; c++) {
+                const uint4 v = src[c];
+                dst[2 * c] = pd_e4m3x8_to_bf16x8(make_uint2(v.x, v.y));
+                dst[2 * c + 1] = pd_e4m3x8_to_bf16x8(make_uint2(v.z, v.w));
+            }
+            __syncwarp(); /* every row converted; every lane done with the slot */
+            issue(i + STAGES, next);
+            sk = stage;
+        } else {
+            sk = reinterpret_cast<const bf16 *>(ring + slot * TILE);
+        }
+        const bf16 *sv = sk + MMA_KT * P;
         float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
         for (int ks = 0; ks < KS; ks++) {
@@ -603,8 +677,8 @@ static __global__ void __launch_bounds__(NW * 32) split_mma_kernel(PD_SPLIT_PARA
             mma_bf16(o[j], pa0, 0u, pa2, 0u, b[0], b[1]);
             mma_bf16(o[j + 1], pa0, 0u, pa2, 0u, b[2], b[3]);
         }
-        __syncwarp(); /* every lane is done with the slot before it is refilled */
-        issue(i + STAGES, next);
+        __syncwarp(); /* every lane is done with the slot (the tile) before it is refilled */
+        if constexpr (!FP8) issue(i + STAGES, next);
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -619,6 +693,10 @@ static __global__ void __launch_bounds__(NW * 32) split_mma_kernel(PD_SPLIT_PARA
     if (g < G) {
 #pragma unroll
         for (int j = 0; j < NB; j++) {
+            if constexpr (FP8) {
+                o[j][0] *= v_scale;
+                o[j][1] *= v_scale;
+            }
             sm_acc[warp][g][j * 8 + 2 * q4] = o[j][0];
             sm_acc[warp][g][j * 8 + 2 * q4 + 1] = o[j][1];
         }
@@ -633,100 +711,123 @@ static __global__ void __launch_bounds__(NW * 32) split_mma_kernel(PD_SPLIT_PARA
 #endif
 }
 
-template <int TPK, int MAXG, int STAGES>
+/* The scales as the kernels take them: scale_log2 with an FP8 cache's key scale folded in
+ * (exact to apply to the dot product once), and its value scale (applied to the output once);
+ * a bf16 cache's scales are not read (backend.h: unused by the other ops). */
+struct kv_scales {
+    float scale_log2, v_scale;
+};
+
+template <typename KV>
+static kv_scales scales_of(const pd_attn_args *a)
+{
+    const float log2e = 1.4426950408889634f;
+    if constexpr (sizeof(KV) == 1) return {a->scale * log2e * a->k_scale, a->v_scale};
+    else return {a->scale * log2e, 1.0f};
+}
+
+template <typename KV, int TPK, int MAXG, int STAGES>
 static cudaError_t launch_tg(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
                              int chunk, cudaStream_t stream)
 {
     constexpr int HD = TPK * 8, GROUPS = NW * (32 / TPK);
     const dim3 grid((unsigned)n_splits, (unsigned)a->n_kv_heads, (unsigned)a->n_seqs);
-    const float log2e = 1.4426950408889634f;
+    const kv_scales sc = scales_of<KV>(a);
 #define PD_SPLIT_ARGS                                                                          \
-    (const bf16 *)a->q, a->q_row_stride, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache,   \
-        (bf16 *)a->out, part, count, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs,   \
+    (const bf16 *)a->q, a->q_row_stride, (const KV *)a->k_cache, (const KV *)a->v_cache,       \
+        (bf16 *)a->out, part, count, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs,         \
         a->max_blocks_per_seq, a->n_heads, a->n_kv_heads, a->n_heads / a->n_kv_heads,          \
-        a->block_size, a->sliding_window, chunk, a->scale * log2e
+        a->block_size, a->sliding_window, chunk, sc.scale_log2, sc.v_scale
     cudaError_t e;
     if constexpr (STAGES == 0) {
-        e = pd_cuda__launch(split_kernel<TPK, MAXG>, grid, dim3(NW * 32), 0, stream,
+        e = pd_cuda__launch(split_kernel<KV, TPK, MAXG>, grid, dim3(NW * 32), 0, stream,
                             PD_SPLIT_ARGS);
     } else {
-        const size_t ring = async_ring_bytes<TPK, STAGES>();
+        const size_t ring = async_ring_bytes<KV, TPK, STAGES>();
         const size_t merge = (size_t)GROUPS * MAXG * (HD + 2) * sizeof(float);
-        e = pd_cuda__launch(split_async_kernel<TPK, MAXG, STAGES>, grid,
+        e = pd_cuda__launch(split_async_kernel<KV, TPK, MAXG, STAGES>, grid,
                             dim3(NW * 32), ring > merge ? ring : merge, stream, PD_SPLIT_ARGS);
     }
 #undef PD_SPLIT_ARGS
     return e;
 }
 
-template <int TPK, int STAGES>
+template <typename KV, int TPK, int STAGES>
 static cudaError_t launch_ts(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
                              int chunk, cudaStream_t stream)
 {
     const int G = a->n_heads / a->n_kv_heads;
-    if (G <= 1) return launch_tg<TPK, 1, STAGES>(a, part, count, n_splits, chunk, stream);
-    if (G <= 2) return launch_tg<TPK, 2, STAGES>(a, part, count, n_splits, chunk, stream);
-    if (G <= 4) return launch_tg<TPK, 4, STAGES>(a, part, count, n_splits, chunk, stream);
-    return launch_tg<TPK, 8, STAGES>(a, part, count, n_splits, chunk, stream);
+    if (G <= 1) return launch_tg<KV, TPK, 1, STAGES>(a, part, count, n_splits, chunk, stream);
+    if (G <= 2) return launch_tg<KV, TPK, 2, STAGES>(a, part, count, n_splits, chunk, stream);
+    if (G <= 4) return launch_tg<KV, TPK, 4, STAGES>(a, part, count, n_splits, chunk, stream);
+    return launch_tg<KV, TPK, 8, STAGES>(a, part, count, n_splits, chunk, stream);
 }
 
-template <int HD, int STAGES>
+template <typename KV, int HD, int STAGES>
 static cudaError_t launch_mma(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
                               int chunk, cudaStream_t stream)
 {
-    const size_t ring = mma_ring_bytes<HD, STAGES>();
+    const size_t ring = mma_ring_bytes<KV, HD, STAGES>();
     const size_t merge = (size_t)NW * MAX_G * (HD + 2) * sizeof(float);
     const size_t smem = ring > merge ? ring : merge;
     /* above 48 KiB allowed explicitly, per device: on every launch (cuda_attention_prefill.cu) */
-    cudaError_t e = cudaFuncSetAttribute(split_mma_kernel<HD, STAGES>,
+    cudaError_t e = cudaFuncSetAttribute(split_mma_kernel<KV, HD, STAGES>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned)n_splits, (unsigned)a->n_kv_heads, (unsigned)a->n_seqs);
-    const float log2e = 1.4426950408889634f;
-    return pd_cuda__launch(split_mma_kernel<HD, STAGES>, grid, dim3(NW * 32), smem, stream,
-                           (const bf16 *)a->q, a->q_row_stride, (const bf16 *)a->k_cache,
-                           (const bf16 *)a->v_cache, (bf16 *)a->out, part, count, a->cu_q,
+    const kv_scales sc = scales_of<KV>(a);
+    return pd_cuda__launch(split_mma_kernel<KV, HD, STAGES>, grid, dim3(NW * 32), smem, stream,
+                           (const bf16 *)a->q, a->q_row_stride, (const KV *)a->k_cache,
+                           (const KV *)a->v_cache, (bf16 *)a->out, part, count, a->cu_q,
                            a->ctx_lens, a->block_tables, a->n_seqs, a->max_blocks_per_seq,
                            a->n_heads, a->n_kv_heads, a->n_heads / a->n_kv_heads, a->block_size,
-                           a->sliding_window, chunk, a->scale * log2e);
+                           a->sliding_window, chunk, sc.scale_log2, sc.v_scale);
 }
 
 /* Head sizes 64 and 128: the tensor-core kernel on sm_90 (mma_stages 2 - 4: its ring; 0 =
  * off), else the pipelined kernel (stages 2 or 4; others round down: 2, the default, measured
  * best on an H200, 4 as good on an H100, 6 slower); the register kernel otherwise and with
  * stages 0. */
-template <int TPK>
+template <typename KV, int TPK>
 static cudaError_t launch_t(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
                             int chunk, int stages, int mma_stages, cudaStream_t stream)
 {
     if constexpr (TPK == 8 || TPK == 16) {
-        if (mma_stages >= 4) return launch_mma<TPK * 8, 4>(a, part, count, n_splits, chunk, stream);
-        if (mma_stages == 3) return launch_mma<TPK * 8, 3>(a, part, count, n_splits, chunk, stream);
-        if (mma_stages > 0) return launch_mma<TPK * 8, 2>(a, part, count, n_splits, chunk, stream);
-        if (stages >= 4) return launch_ts<TPK, 4>(a, part, count, n_splits, chunk, stream);
-        if (stages >= 2) return launch_ts<TPK, 2>(a, part, count, n_splits, chunk, stream);
+        constexpr int HD = TPK * 8;
+        if (mma_stages >= 4) return launch_mma<KV, HD, 4>(a, part, count, n_splits, chunk, stream);
+        if (mma_stages == 3) return launch_mma<KV, HD, 3>(a, part, count, n_splits, chunk, stream);
+        if (mma_stages > 0) return launch_mma<KV, HD, 2>(a, part, count, n_splits, chunk, stream);
+        if (stages >= 4) return launch_ts<KV, TPK, 4>(a, part, count, n_splits, chunk, stream);
+        if (stages >= 2) return launch_ts<KV, TPK, 2>(a, part, count, n_splits, chunk, stream);
     }
     (void)mma_stages;
-    return launch_ts<TPK, 0>(a, part, count, n_splits, chunk, stream);
+    return launch_ts<KV, TPK, 0>(a, part, count, n_splits, chunk, stream);
 }
 
+template <typename KV>
 static cudaError_t launch_split(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
                                 int chunk, int stages, int mma_stages, cudaStream_t stream)
 {
     switch (a->head_dim) {
-    case 8: return launch_t<1>(a, part, count, n_splits, chunk, 0, 0, stream);
-    case 16: return launch_t<2>(a, part, count, n_splits, chunk, 0, 0, stream);
-    case 32: return launch_t<4>(a, part, count, n_splits, chunk, 0, 0, stream);
-    case 64: return launch_t<8>(a, part, count, n_splits, chunk, stages, mma_stages, stream);
-    case 128: return launch_t<16>(a, part, count, n_splits, chunk, stages, mma_stages, stream);
-    default: return launch_t<32>(a, part, count, n_splits, chunk, 0, 0, stream);
+    case 8: return launch_t<KV, 1>(a, part, count, n_splits, chunk, 0, 0, stream);
+    case 16: return launch_t<KV, 2>(a, part, count, n_splits, chunk, 0, 0, stream);
+    case 32: return launch_t<KV, 4>(a, part, count, n_splits, chunk, 0, 0, stream);
+    case 64: return launch_t<KV, 8>(a, part, count, n_splits, chunk, stages, mma_stages, stream);
+    case 128: return launch_t<KV, 16>(a, part, count, n_splits, chunk, stages, mma_stages, stream);
+    default: return launch_t<KV, 32>(a, part, count, n_splits, chunk, 0, 0, stream);
     }
 }
 
-extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
+/* The decode op for a cache of element type KV (the bf16 op and the FP8 cache's). */
+template <typename KV>
+static int attention_decode(void *ctx, const pd_attn_args *a)
 {
+    constexpr bool FP8 = sizeof(KV) == 1;
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     if (!a) return PD_EINVAL;
+    if (FP8 && (!(a->k_scale > 0) || !(a->v_scale > 0) || !isfinite(a->k_scale) ||
+                !isfinite(a->v_scale)))
+        return PD_EINVAL;
     const int32_t hd = a->head_dim;
     const bool shape_ok = a->n_tokens > 0 && a->n_seqs > 0 && a->n_tokens == a->n_seqs &&
         a->max_q_len == 1 && a->max_ctx_len >= 0 && a->n_kv_heads > 0 && a->n_heads > 0 &&
@@ -740,7 +841,7 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
     if (!c->split_kv || !shape_ok || !c->attn_part) {
         /* The general kernel needs the longest context to size its grid. */
         if (a->max_ctx_len == 0) return PD_EINVAL;
-        return pd_cuda__attention(ctx, a);
+        return FP8 ? pd_cuda__attention_fp8(ctx, a) : pd_cuda__attention(ctx, a);
     }
 
     /* Splits: about per_sm blocks per SM, chunks of at least MIN_CHUNK keys,
@@ -782,7 +883,18 @@ extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
         chunk = (int32_t)((n_keys + ns - 1) / ns);
         n_splits = (int)((n_keys + chunk - 1) / chunk);
     }
-    PD_CUDA_CHECK(launch_split(a, c->attn_part, c->attn_count, n_splits, chunk,
-                               c->decode_stages, mma_stages, c->stream));
+    PD_CUDA_CHECK(launch_split<KV>(a, c->attn_part, c->attn_count, n_splits, chunk,
+                                   c->decode_stages, mma_stages, c->stream));
     return 0;
+}
+
+extern "C" int pd_cuda__attention_decode(void *ctx, const pd_attn_args *a)
+{
+    return attention_decode<bf16>(ctx, a);
+}
+
+/* The FP8 cache's (pd_kv_ops.attention_decode): keys and values e4m3 * k_scale, * v_scale. */
+extern "C" int pd_cuda__attention_decode_fp8(void *ctx, const pd_attn_args *a)
+{
+    return attention_decode<pd_fp8>(ctx, a);
 }

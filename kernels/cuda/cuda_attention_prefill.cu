@@ -9,12 +9,15 @@
  * on the tiles that need them (the causal diagonal, the sliding window's edge); no score
  * matrix leaves the registers. Head sizes 64 and 128 and up to 8 query heads per KV head are
  * handled; everything else, and PDSERVE_CUDA_FLASH_PREFILL=0, stays with the general kernel
- * (cuda_attention.cu, which routes here). */
+ * (cuda_attention.cu, which routes here). With an FP8 cache (the kernel's KV = pd_fp8) the
+ * tiles arrive as e4m3 bytes (half the copies) and are converted into one bf16 K/V tile
+ * (exact) before the same mma code reads it; the key scale is folded into the softmax scale,
+ * the value scale into the final normalisation. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_kv_fp8.cuh"
 
 #define KT 64    /* keys per K/V tile */
 #define STAGES 3 /* K/V tiles in shared memory: two load while one is computed */
@@ -31,14 +34,15 @@ static __device__ __forceinline__ int swz(int r, int c)
 
 /* Copies K/V tile j (keys kb .. kb + KT - 1) of one KV head into shared memory. Keys past
  * last (the tile's newest query position) are not read: they are masked anyway and may lie
- * past the context, where the block table holds no block. */
-template <int HD, int NT>
-static __device__ __forceinline__ void load_kv(bf16 *sk, bf16 *sv, const bf16 *k_cache,
-                                               const bf16 *v_cache, const int32_t *table,
+ * past the context, where the block table holds no block. bf16 lands swizzled (swz), e4m3
+ * bytes as they are ([KT][HD] bytes; convert_kv makes the bf16 tile of them). */
+template <typename KV, int HD, int NT>
+static __device__ __forceinline__ void load_kv(KV *sk, KV *sv, const KV *k_cache,
+                                               const KV *v_cache, const int32_t *table,
                                                int32_t block_size, int64_t kv_row,
                                                int64_t head_col, int32_t kb, int32_t last)
 {
-    constexpr int CH = HD / 8;
+    constexpr int EPC = 16 / (int)sizeof(KV), CH = HD / EPC; /* elements a chunk, chunks a row */
 #pragma unroll
     for (int i = 0; i < KT * CH / NT; i++) {
         const int id = (int)threadIdx.x + i * NT, r = id / CH, c = id % CH;
@@ -47,32 +51,69 @@ static __device__ __forceinline__ void load_kv(bf16 *sk, bf16 *sv, const bf16 *k
         int64_t off = 0;
         if (ok)
             off = ((int64_t)table[p / block_size] * block_size + p % block_size) * kv_row +
-                  head_col + c * 8;
-        pd_cp16(sk + swz<HD>(r, c), k_cache + off, ok);
-        pd_cp16(sv + swz<HD>(r, c), v_cache + off, ok);
+                  head_col + c * EPC;
+        const int at = sizeof(KV) == 1 ? r * HD + c * EPC : swz<HD>(r, c);
+        pd_cp16(sk + at, k_cache + off, ok);
+        pd_cp16(sv + at, v_cache + off, ok);
     }
+}
+
+/* An FP8 cache's tile ([KT][HD] e4m3 bytes of K and of V) into the bf16 tiles the mma code
+ * reads (swizzled as load_kv lays out bf16), by the whole block. */
+template <int HD, int NT>
+static __device__ __forceinline__ void convert_kv(bf16 *dk, bf16 *dv, const pd_fp8 *sk,
+                                                  const pd_fp8 *sv)
+{
+    constexpr int CH = HD / 16; /* 16-byte chunks of e4m3 a row */
+#pragma unroll
+    for (int i = 0; i < KT * CH / NT; i++) {
+        const int id = (int)threadIdx.x + i * NT, r = id / CH, c = id % CH;
+        const uint4 k = *reinterpret_cast<const uint4 *>(sk + r * HD + c * 16);
+        const uint4 v = *reinterpret_cast<const uint4 *>(sv + r * HD + c * 16);
+        *reinterpret_cast<uint4 *>(dk + swz<HD>(r, 2 * c)) =
+            pd_e4m3x8_to_bf16x8(make_uint2(k.x, k.y));
+        *reinterpret_cast<uint4 *>(dk + swz<HD>(r, 2 * c + 1)) =
+            pd_e4m3x8_to_bf16x8(make_uint2(k.z, k.w));
+        *reinterpret_cast<uint4 *>(dv + swz<HD>(r, 2 * c)) =
+            pd_e4m3x8_to_bf16x8(make_uint2(v.x, v.y));
+        *reinterpret_cast<uint4 *>(dv + swz<HD>(r, 2 * c + 1)) =
+            pd_e4m3x8_to_bf16x8(make_uint2(v.z, v.w));
+    }
+}
+
+/* Shared memory of a block: the Q tile, the K/V ring, and with an FP8 cache the bf16 K/V tile. */
+template <typename KV, int HD, int NW>
+static constexpr size_t prefill_smem(void)
+{
+    return (size_t)NW * 16 * HD * sizeof(bf16) + (size_t)2 * STAGES * KT * HD * sizeof(KV) +
+           (sizeof(KV) == 1 ? (size_t)2 * KT * HD * sizeof(bf16) : 0);
 }
 
 /* Grid (query tile, KV head). Tiles are numbered per sequence from cu_q[s] / TQ + s (TQ = M / G
  * tokens a tile), which leaves each sequence at least as many numbers as it has tiles; a block
  * whose number falls past its sequence's last tile exits. Blocks run in reverse: the last
  * tiles of a sequence see the most keys and should start first. */
-template <int HD, int NW>
+template <typename KV, int HD, int NW>
 static __global__ void __launch_bounds__(NW * 32, 1)
 flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
-                     const bf16 *__restrict__ k_cache, const bf16 *__restrict__ v_cache,
+                     const KV *__restrict__ k_cache, const KV *__restrict__ v_cache,
                      bf16 *__restrict__ out, const int32_t *__restrict__ cu_q,
                      const int32_t *__restrict__ ctx_lens, const int32_t *__restrict__ block_tables,
                      int32_t n_seqs, int32_t max_blocks_per_seq, int32_t n_heads,
                      int32_t n_kv_heads, int32_t G, int32_t block_size, int32_t sliding_window,
-                     float scale_log2)
+                     float scale_log2, float v_scale)
 {
 #if __CUDA_ARCH__ >= 800
+    constexpr bool FP8 = sizeof(KV) == 1;
     constexpr int M = NW * 16, CH = HD / 8, NT = NW * 32;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16 *sq = reinterpret_cast<bf16 *>(smem_raw); /* [M][HD]; later the output staging */
-    bf16 *sk = sq + M * HD;                        /* [STAGES][KT][HD] */
-    bf16 *sv = sk + STAGES * KT * HD;              /* [STAGES][KT][HD] */
+    KV *sk = reinterpret_cast<KV *>(sq + M * HD);  /* [STAGES][KT][HD] */
+    KV *sv = sk + STAGES * KT * HD;                /* [STAGES][KT][HD] */
+    bf16 *ck = reinterpret_cast<bf16 *>(sv + STAGES * KT * HD); /* FP8: the bf16 tiles */
+    bf16 *cv = ck + KT * HD;
+    (void)ck;
+    (void)cv;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int kvh = blockIdx.y;
     const int32_t tile = (int32_t)(gridDim.x - 1 - blockIdx.x);
@@ -109,12 +150,12 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
                   (size_t)(kvh * G + r % G) * HD + c * 8;
         pd_cp16(sq + swz<HD>(r, c), src, ok);
     }
-    load_kv<HD, NT>(sk, sv, k_cache, v_cache, table, block_size, kv_row, head_col, kstart,
-                    pos_hi);
+    load_kv<KV, HD, NT>(sk, sv, k_cache, v_cache, table, block_size, kv_row, head_col, kstart,
+                        pos_hi);
     pd_cp_commit();
     if (n_tiles > 1)
-        load_kv<HD, NT>(sk + KT * HD, sv + KT * HD, k_cache, v_cache, table, block_size, kv_row,
-                        head_col, kstart + KT, pos_hi);
+        load_kv<KV, HD, NT>(sk + KT * HD, sv + KT * HD, k_cache, v_cache, table, block_size,
+                            kv_row, head_col, kstart + KT, pos_hi);
     pd_cp_commit(); /* one group per tile, empty or not: the wait below counts groups */
 
     /* This thread's two rows in the mma layout: g and g + 8 of the warp's 16. Padding rows
@@ -147,12 +188,22 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
         const int32_t kb = kstart + j * KT;
         if (j + 2 < n_tiles) {
             const int nb = (j + 2) % STAGES;
-            load_kv<HD, NT>(sk + nb * KT * HD, sv + nb * KT * HD, k_cache, v_cache, table,
-                            block_size, kv_row, head_col, kb + 2 * KT, pos_hi);
+            load_kv<KV, HD, NT>(sk + nb * KT * HD, sv + nb * KT * HD, k_cache, v_cache, table,
+                                block_size, kv_row, head_col, kb + 2 * KT, pos_hi);
         }
         pd_cp_commit();
         const int cb = j % STAGES;
-        const bf16 *kt = sk + cb * KT * HD, *vt = sv + cb * KT * HD;
+        const bf16 *kt, *vt;
+        if constexpr (FP8) {
+            /* every warp is past tile j - 1's bf16 tiles (the barrier above) */
+            convert_kv<HD, NT>(ck, cv, sk + cb * KT * HD, sv + cb * KT * HD);
+            __syncthreads();
+            kt = ck;
+            vt = cv;
+        } else {
+            kt = sk + cb * KT * HD;
+            vt = sv + cb * KT * HD;
+        }
 
         /* S = Q K^T: 16 rows x KT keys per warp. */
         float sc[KT / 8][4];
@@ -238,7 +289,7 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
     for (int h = 0; h < 2; h++) {
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
         l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-        const float inv = 1.0f / l[h];
+        const float inv = FP8 ? v_scale / l[h] : 1.0f / l[h];
         const int r = warp * 16 + g + 8 * h;
 #pragma unroll
         for (int n = 0; n < HD / 8; n++)
@@ -259,33 +310,38 @@ flash_prefill_kernel(const bf16 *__restrict__ q, int64_t q_row_stride,
 #endif
 }
 
-template <int HD, int NW>
+template <typename KV, int HD, int NW>
 static cudaError_t launch_hw(const pd_attn_args *a, cudaStream_t stream)
 {
     constexpr int M = NW * 16;
-    /* 128 KiB at most (head_dim 128, 8 warps); 112 KiB with 4 warps, two blocks an SM. */
-    constexpr size_t smem = (size_t)(M * HD + 2 * STAGES * KT * HD) * sizeof(bf16);
+    constexpr bool FP8 = sizeof(KV) == 1;
+    /* 128 KiB at most (head_dim 128, 8 warps); 112 KiB with 4 warps, two blocks an SM. FP8:
+     * 112 and 96 KiB. */
+    constexpr size_t smem = prefill_smem<KV, HD, NW>();
     const int32_t G = a->n_heads / a->n_kv_heads;
     const unsigned n_tiles = (unsigned)(a->n_tokens / (M / G) + a->n_seqs);
     /* Above 48 KiB a kernel's dynamic shared memory must be allowed explicitly (per device,
      * hence on every launch: it costs about as much as the launch's own checks). */
-    cudaError_t e = cudaFuncSetAttribute(flash_prefill_kernel<HD, NW>,
+    cudaError_t e = cudaFuncSetAttribute(flash_prefill_kernel<KV, HD, NW>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
     const dim3 grid(n_tiles, (unsigned)a->n_kv_heads);
-    flash_prefill_kernel<HD, NW><<<grid, NW * 32, smem, stream>>>(
-        (const bf16 *)a->q, a->q_row_stride, (const bf16 *)a->k_cache, (const bf16 *)a->v_cache,
+    const float scale_log2 = a->scale * 1.4426950408889634f; /* a bf16 cache's scales unread */
+    flash_prefill_kernel<KV, HD, NW><<<grid, NW * 32, smem, stream>>>(
+        (const bf16 *)a->q, a->q_row_stride, (const KV *)a->k_cache, (const KV *)a->v_cache,
         (bf16 *)a->out, a->cu_q, a->ctx_lens, a->block_tables, a->n_seqs, a->max_blocks_per_seq,
         a->n_heads, a->n_kv_heads, G, a->block_size, a->sliding_window,
-        a->scale * 1.4426950408889634f);
+        FP8 ? scale_log2 * a->k_scale : scale_log2, FP8 ? a->v_scale : 1.0f);
     return cudaGetLastError();
 }
 
 /* tall: 8 warps (128 rows a tile), else 4. head_dim is 64 or 128. */
+template <typename KV>
 static cudaError_t launch_flash(const pd_attn_args *a, bool tall, cudaStream_t stream)
 {
-    if (a->head_dim == 64) return tall ? launch_hw<64, 8>(a, stream) : launch_hw<64, 4>(a, stream);
-    return tall ? launch_hw<128, 8>(a, stream) : launch_hw<128, 4>(a, stream);
+    if (a->head_dim == 64)
+        return tall ? launch_hw<KV, 64, 8>(a, stream) : launch_hw<KV, 64, 4>(a, stream);
+    return tall ? launch_hw<KV, 128, 8>(a, stream) : launch_hw<KV, 128, 4>(a, stream);
 }
 
 /* Whether the tensor-core kernel is on: PDSERVE_CUDA_FLASH_PREFILL=0 (or false, no) turns it
@@ -303,8 +359,10 @@ static bool flash_enabled(void)
  * MAX_G query heads per KV head, 16-byte aligned q, caches and output with q rows a whole
  * number of 16-byte chunks apart, compute capability 8.0 or later, the switch on. Called by
  * pd_cuda__attention once it has validated the arguments. Returns 0 when launched, 1 when the
- * batch is not one it takes (the caller runs the general kernel), PD_EBACKEND. */
-extern "C" int pd_cuda__attention_prefill(void *ctx, const pd_attn_args *a)
+ * batch is not one it takes (the caller runs the general kernel), PD_EBACKEND. KV: the cache's
+ * element type (bf16; pd_fp8 for pd_cuda__attention_fp8, which validated the scales). */
+template <typename KV>
+static int attention_prefill(void *ctx, const pd_attn_args *a)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     const int32_t hd = a->head_dim, G = a->n_heads / a->n_kv_heads;
@@ -321,6 +379,16 @@ extern "C" int pd_cuda__attention_prefill(void *ctx, const pd_attn_args *a)
     const int64_t blocks128 =
         ((int64_t)a->n_tokens * G / 128 + a->n_seqs) * (int64_t)a->n_kv_heads;
     const bool tall = (int64_t)a->max_q_len * G > 64 && blocks128 >= 4 * (int64_t)c->sm_count;
-    PD_CUDA_CHECK(launch_flash(a, tall, c->stream));
+    PD_CUDA_CHECK(launch_flash<KV>(a, tall, c->stream));
     return 0;
+}
+
+extern "C" int pd_cuda__attention_prefill(void *ctx, const pd_attn_args *a)
+{
+    return attention_prefill<bf16>(ctx, a);
+}
+
+extern "C" int pd_cuda__attention_prefill_fp8(void *ctx, const pd_attn_args *a)
+{
+    return attention_prefill<pd_fp8>(ctx, a);
 }

@@ -17,6 +17,15 @@ static const pd_wq_ops k_cuda_fp8_ops = {
     .linear_fused = pd_cuda__fp8_linear_fused,
 };
 
+/* The FP8 KV cache's ops: the cache holds e4m3 bytes (alloc takes PD_DTYPE_F8E4M3). */
+static const pd_kv_ops k_cuda_kv_fp8 = {
+    .name = "fp8",
+    .dtype = PD_DTYPE_F8E4M3,
+    .rope_store_kv = pd_cuda__rope_store_kv_fp8,
+    .attention_prefill = pd_cuda__attention_fp8,
+    .attention_decode = pd_cuda__attention_decode_fp8,
+};
+
 static const pd_backend_ops k_cuda_ops = {
     .name = "cuda",
     .act_dtype = PD_DTYPE_BF16,
@@ -68,6 +77,7 @@ static const pd_backend_ops k_cuda_ops = {
     .copyq_rows = pd_cuda__copyq_rows,
     .comm_create = pd_cuda__comm_create,
     .fp8 = &k_cuda_fp8_ops,
+    .kv_fp8 = &k_cuda_kv_fp8,
 };
 
 int pd_backend_cuda_create(const pd_backend_params *p, pd_backend **out, char *err)

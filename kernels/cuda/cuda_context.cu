@@ -176,7 +176,9 @@ extern "C" int pd_cuda__alloc(void *ctx, pd_dtype dtype, size_t n, void **out)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     *out = NULL;
-    if (dtype != PD_DTYPE_BF16 && dtype != PD_DTYPE_F32 && dtype != PD_DTYPE_I32)
+    /* F8E4M3: an FP8 KV cache (the backend's kv_fp8 op set), a byte an element */
+    if (dtype != PD_DTYPE_BF16 && dtype != PD_DTYPE_F32 && dtype != PD_DTYPE_I32 &&
+        dtype != PD_DTYPE_F8E4M3)
         return PD_EINVAL;
     size_t bytes = (n ? n : 1) * pd_dtype_size(dtype);
     void *p = NULL;

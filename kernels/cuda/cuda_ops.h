@@ -40,6 +40,12 @@ int pd_cuda__linear(void *ctx, const void *x, const void *w, const void *bias, i
                     int32_t k, int32_t m, void *out);
 /* cuda_rope.cu */
 int pd_cuda__rope_store_kv(void *ctx, const pd_rope_args *a);
+/* The FP8 KV cache's ops (the kv_fp8 op set, pd_kv_ops): each the template instance of its bf16
+ * op above or below, in the same file, for e4m3 cache elements. */
+int pd_cuda__rope_store_kv_fp8(void *ctx, const pd_rope_args *a);
+int pd_cuda__attention_fp8(void *ctx, const pd_attn_args *a);
+int pd_cuda__attention_prefill_fp8(void *ctx, const pd_attn_args *a);
+int pd_cuda__attention_decode_fp8(void *ctx, const pd_attn_args *a);
 /* cuda_attention.cu: prefill and decode batches (block per query row and head). */
 int pd_cuda__attention(void *ctx, const pd_attn_args *a);
 /* cuda_attention_prefill.cu: prefill batches on the tensor cores, called by

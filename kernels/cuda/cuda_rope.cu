@@ -6,16 +6,49 @@
  * holds head_dim / 32 elements, element i and its rotation partner i + head_dim / 2 in the
  * same lane, so norm, rotation and stores need no shared memory and every head of a batch of
  * one is in flight at once (decode steps are latency-bound here). Other sizes: one block per
- * token, the norms by the head_rmsnorm op before it. */
-#include "kernels/cuda/cuda_common.cuh"
+ * token, the norms by the head_rmsnorm op before it.
+ * Both kernels are templates on the cache's element type. With an FP8 cache (pd_fp8: the
+ * kv_fp8 op set's rope_store_kv) the cache gets e4m3(k / k_scale) and e4m3(v / v_scale), k as
+ * the CPU's reference computes it in f32 (cpu_backend.c): the head norm's sum of squares in
+ * double and its output not rounded to bf16, the rotation without fused multiply-adds, an
+ * IEEE division; so the bytes equal the CPU's on the same inputs (the warp kernel's; the
+ * other one's norm is head_rmsnorm's, rounded to bf16). q and the qkv row are as with bf16. */
+#include "kernels/cuda/cuda_kv_fp8.cuh"
 
 #define THREADS 128
 #define MAX_HALF 256 /* head_dim up to 512 */
 
+/* A cache element from an f32 value: bf16 as rounded, or e4m3(x / scale). */
+static __device__ __forceinline__ void kv_put(bf16 *p, float x, float scale)
+{
+    (void)scale;
+    *p = __float2bfloat16_rn(x);
+}
+static __device__ __forceinline__ void kv_put(pd_fp8 *p, float x, float scale)
+{
+    p->x = pd_f32_to_e4m3_dev(__fdiv_rn(x, scale));
+}
+
+/* The rotation of (x1, x2) by (cs, sn): contracted into fused multiply-adds as nvcc does for
+ * bf16 (unchanged), each product and sum rounded for an FP8 cache (the CPU's order). */
+template <typename KV>
+static __device__ __forceinline__ void rotate(float x1, float x2, float cs, float sn, float *o1,
+                                              float *o2)
+{
+    if constexpr (sizeof(KV) == 1) {
+        *o1 = __fsub_rn(__fmul_rn(x1, cs), __fmul_rn(x2, sn));
+        *o2 = __fadd_rn(__fmul_rn(x2, cs), __fmul_rn(x1, sn));
+    } else {
+        *o1 = x1 * cs - x2 * sn;
+        *o2 = x2 * cs + x1 * sn;
+    }
+}
+
+template <typename KV>
 static __global__ void __launch_bounds__(THREADS)
 rope_kernel(bf16 *qkv, const int32_t *positions, const int32_t *slots, const float *inv_freq,
-            bf16 *k_cache, bf16 *v_cache, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
-            float attn_factor)
+            KV *k_cache, KV *v_cache, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
+            float attn_factor, float k_scale, float v_scale)
 {
     __shared__ float cs[MAX_HALF], sn[MAX_HALF];
     const int32_t t = blockIdx.x, half = head_dim / 2;
@@ -31,26 +64,27 @@ rope_kernel(bf16 *qkv, const int32_t *positions, const int32_t *slots, const flo
     bf16 *row = qkv + (size_t)t * ((size_t)(n_heads + 2 * n_kv_heads) * head_dim);
     const bf16 *v = row + (size_t)(n_heads + n_kv_heads) * head_dim;
     const int32_t slot = slots[t];
-    bf16 *kd = slot >= 0 ? k_cache + (size_t)slot * kv_row : NULL;
+    KV *kd = slot >= 0 ? k_cache + (size_t)slot * kv_row : NULL;
     /* q heads then k heads are consecutive in the row: head h of either is at h * head_dim. */
     const int32_t pairs = (n_heads + n_kv_heads) * half;
     for (int32_t j = threadIdx.x; j < pairs; j += THREADS) {
         const int32_t h = j / half, i = j % half;
         bf16 *p = row + (size_t)h * head_dim;
         const float x1 = pd_ld(p + i), x2 = pd_ld(p + i + half);
-        const bf16 o1 = __float2bfloat16_rn(x1 * cs[i] - x2 * sn[i]);
-        const bf16 o2 = __float2bfloat16_rn(x2 * cs[i] + x1 * sn[i]);
-        p[i] = o1;
-        p[i + half] = o2;
+        float o1, o2;
+        rotate<KV>(x1, x2, cs[i], sn[i], &o1, &o2);
+        p[i] = __float2bfloat16_rn(o1);
+        p[i + half] = __float2bfloat16_rn(o2);
         if (kd && h >= n_heads) {
-            bf16 *kh = kd + (size_t)(h - n_heads) * head_dim;
-            kh[i] = o1;
-            kh[i + half] = o2;
+            KV *kh = kd + (size_t)(h - n_heads) * head_dim;
+            kv_put(kh + i, o1, k_scale);
+            kv_put(kh + i + half, o2, k_scale);
         }
     }
     if (kd) {
-        bf16 *vd = v_cache + (size_t)slot * kv_row;
-        for (int32_t j = threadIdx.x; j < kv_row; j += THREADS) vd[j] = v[j];
+        KV *vd = v_cache + (size_t)slot * kv_row;
+        for (int32_t j = threadIdx.x; j < kv_row; j += THREADS)
+            kv_put(vd + j, pd_ld(v + j), v_scale);
     }
 }
 
@@ -58,14 +92,15 @@ rope_kernel(bf16 *qkv, const int32_t *positions, const int32_t *slots, const flo
 
 /* NR = head_dim / 32 elements per lane (even). Items are (token, head) over the q, k and v
  * heads of each row: a v head is only copied to the cache. */
-template <int NR>
+template <typename KV, int NR>
 static __global__ void __launch_bounds__(WARPS * 32)
 rope_warp_kernel(bf16 *qkv, const int32_t *positions, const int32_t *slots,
-                 const float *inv_freq, bf16 *k_cache, bf16 *v_cache, int32_t n_heads,
+                 const float *inv_freq, KV *k_cache, KV *v_cache, int32_t n_heads,
                  int32_t n_kv_heads, float attn_factor, const bf16 *q_norm, const bf16 *k_norm,
-                 float eps, int64_t n_items)
+                 float eps, int64_t n_items, float k_scale, float v_scale)
 {
     constexpr int HD = NR * 32, HALF = HD / 2, NP = NR / 2;
+    constexpr bool FP8 = sizeof(KV) == 1;
     pd_pdl_enter();
     const int64_t item = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -78,16 +113,31 @@ rope_warp_kernel(bf16 *qkv, const int32_t *positions, const int32_t *slots,
     const int64_t kv_row = (int64_t)n_kv_heads * HD;
     if (h >= n_heads + n_kv_heads) { /* a v head: to the cache as it is */
         if (slot < 0) return;
-        bf16 *vd = v_cache + (size_t)slot * kv_row + (size_t)(h - n_heads - n_kv_heads) * HD;
+        KV *vd = v_cache + (size_t)slot * kv_row + (size_t)(h - n_heads - n_kv_heads) * HD;
 #pragma unroll
-        for (int r = 0; r < NR; r++) vd[lane + 32 * r] = p[lane + 32 * r];
+        for (int r = 0; r < NR; r++) {
+            if constexpr (FP8) kv_put(vd + lane + 32 * r, pd_ld(p + lane + 32 * r), v_scale);
+            else vd[lane + 32 * r] = p[lane + 32 * r];
+        }
         return;
     }
+    /* an FP8 cache's k head: computed as the CPU does (the file's comment) */
+    const bool exact = FP8 && h >= n_heads;
     float x[NR];
 #pragma unroll
     for (int r = 0; r < NR; r++) x[r] = pd_ld(p + lane + 32 * r);
     const bf16 *nw = h < n_heads ? q_norm : k_norm;
-    if (nw) { /* rounded to bf16 as the unfused norm stores it */
+    if (nw && exact) { /* the sum in double (exact for bf16 inputs), no rounding to bf16 */
+        double ss = 0.0;
+#pragma unroll
+        for (int r = 0; r < NR; r++) ss += (double)x[r] * x[r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float rr = (float)(1.0 / sqrt(ss / HD + eps));
+#pragma unroll
+        for (int r = 0; r < NR; r++)
+            x[r] = __fmul_rn(pd_ld(nw + lane + 32 * r), __fmul_rn(x[r], rr));
+    } else if (nw) { /* rounded to bf16 as the unfused norm stores it */
         float ss = 0.0f;
 #pragma unroll
         for (int r = 0; r < NR; r++) ss += x[r] * x[r];
@@ -98,8 +148,8 @@ rope_warp_kernel(bf16 *qkv, const int32_t *positions, const int32_t *slots,
             x[r] = __bfloat162float(__float2bfloat16_rn(pd_ld(nw + lane + 32 * r) * (x[r] * rr)));
     }
     const float pos = (float)positions[t];
-    bf16 *kd = h >= n_heads && slot >= 0
-                   ? k_cache + (size_t)slot * kv_row + (size_t)(h - n_heads) * HD : NULL;
+    KV *kd = h >= n_heads && slot >= 0
+                 ? k_cache + (size_t)slot * kv_row + (size_t)(h - n_heads) * HD : NULL;
 #pragma unroll
     for (int r = 0; r < NP; r++) {
         const int i = lane + 32 * r;
@@ -107,53 +157,70 @@ rope_warp_kernel(bf16 *qkv, const int32_t *positions, const int32_t *slots,
         sincos((double)(pos * inv_freq[i]), &sd, &cd);
         const float cs = (float)cd * attn_factor, sn = (float)sd * attn_factor;
         const float x1 = x[r], x2 = x[r + NP];
-        const bf16 o1 = __float2bfloat16_rn(x1 * cs - x2 * sn);
-        const bf16 o2 = __float2bfloat16_rn(x2 * cs + x1 * sn);
-        p[i] = o1;
-        p[i + HALF] = o2;
+        float o1, o2;
+        if (exact) rotate<KV>(x1, x2, cs, sn, &o1, &o2);
+        else rotate<bf16>(x1, x2, cs, sn, &o1, &o2);
+        p[i] = __float2bfloat16_rn(o1);
+        p[i + HALF] = __float2bfloat16_rn(o2);
         if (kd) {
-            kd[i] = o1;
-            kd[i + HALF] = o2;
+            kv_put(kd + i, o1, k_scale);
+            kv_put(kd + i + HALF, o2, k_scale);
         }
     }
 }
 
-template <int NR>
+/* An FP8 cache's scales (a bf16 cache's are not read: backend.h). */
+template <typename KV>
+static float2 scales_of(const pd_rope_args *a)
+{
+    return sizeof(KV) == 1 ? make_float2(a->k_scale, a->v_scale) : make_float2(1.0f, 1.0f);
+}
+
+template <typename KV, int NR>
 static cudaError_t launch_warp_t(const pd_rope_args *a, cudaStream_t stream)
 {
     const int64_t items = (int64_t)a->n_tokens * (a->n_heads + 2 * a->n_kv_heads);
     const unsigned blocks = (unsigned)((items + WARPS - 1) / WARPS);
-    return pd_cuda__launch(rope_warp_kernel<NR>, dim3(blocks), dim3(WARPS * 32), 0, stream,
+    const float2 sc = scales_of<KV>(a);
+    return pd_cuda__launch(rope_warp_kernel<KV, NR>, dim3(blocks), dim3(WARPS * 32), 0, stream,
                            (bf16 *)a->qkv, a->positions, a->slot_mapping, a->inv_freq,
-                           (bf16 *)a->k_cache, (bf16 *)a->v_cache, a->n_heads, a->n_kv_heads,
+                           (KV *)a->k_cache, (KV *)a->v_cache, a->n_heads, a->n_kv_heads,
                            a->attn_factor, (const bf16 *)a->q_norm, (const bf16 *)a->k_norm,
-                           a->norm_eps, items);
+                           a->norm_eps, items, sc.x, sc.y);
 }
 
 /* The warp kernel for its head sizes; cudaErrorNotSupported for the others. */
+template <typename KV>
 static cudaError_t launch_warp(const pd_rope_args *a, cudaStream_t stream)
 {
     switch (a->head_dim) {
-    case 64: return launch_warp_t<2>(a, stream);
-    case 128: return launch_warp_t<4>(a, stream);
-    case 192: return launch_warp_t<6>(a, stream);
-    case 256: return launch_warp_t<8>(a, stream);
+    case 64: return launch_warp_t<KV, 2>(a, stream);
+    case 128: return launch_warp_t<KV, 4>(a, stream);
+    case 192: return launch_warp_t<KV, 6>(a, stream);
+    case 256: return launch_warp_t<KV, 8>(a, stream);
     default: return cudaErrorNotSupported;
     }
 }
 
+template <typename KV>
 static cudaError_t launch_rope(const pd_rope_args *a, cudaStream_t stream)
 {
-    rope_kernel<<<a->n_tokens, THREADS, 0, stream>>>(
-        (bf16 *)a->qkv, a->positions, a->slot_mapping, a->inv_freq, (bf16 *)a->k_cache,
-        (bf16 *)a->v_cache, a->n_heads, a->n_kv_heads, a->head_dim, a->attn_factor);
+    const float2 sc = scales_of<KV>(a);
+    rope_kernel<KV><<<a->n_tokens, THREADS, 0, stream>>>(
+        (bf16 *)a->qkv, a->positions, a->slot_mapping, a->inv_freq, (KV *)a->k_cache,
+        (KV *)a->v_cache, a->n_heads, a->n_kv_heads, a->head_dim, a->attn_factor, sc.x, sc.y);
     return cudaGetLastError();
 }
 
-extern "C" int pd_cuda__rope_store_kv(void *ctx, const pd_rope_args *a)
+/* The op for a cache of element type KV (the bf16 op and the FP8 cache's). */
+template <typename KV>
+static int rope_store_kv(void *ctx, const pd_rope_args *a)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     if (!a) return PD_EINVAL;
+    if (sizeof(KV) == 1 && (!(a->k_scale > 0) || !(a->v_scale > 0) || !isfinite(a->k_scale) ||
+                            !isfinite(a->v_scale)))
+        return PD_EINVAL;
     if (a->n_tokens == 0) return 0;
     if (a->n_tokens < 0 || a->n_heads <= 0 || a->n_kv_heads <= 0 || a->head_dim <= 0 ||
         a->head_dim % 2 || !a->qkv || !a->positions || !a->slot_mapping || !a->inv_freq ||
@@ -163,7 +230,7 @@ extern "C" int pd_cuda__rope_store_kv(void *ctx, const pd_rope_args *a)
     if (!a->q_norm != !a->k_norm) return PD_EINVAL;
     const int64_t items = (int64_t)a->n_tokens * (a->n_heads + 2 * a->n_kv_heads);
     if (a->head_dim % 64 == 0 && a->head_dim <= 256 && (items + WARPS - 1) / WARPS < INT32_MAX) {
-        PD_CUDA_CHECK(launch_warp(a, c->stream));
+        PD_CUDA_CHECK(launch_warp<KV>(a, c->stream));
         return 0;
     }
     if (a->q_norm) {
@@ -176,6 +243,17 @@ extern "C" int pd_cuda__rope_store_kv(void *ctx, const pd_rope_args *a)
                                        a->norm_eps);
         if (rc < 0) return rc;
     }
-    PD_CUDA_CHECK(launch_rope(a, c->stream));
+    PD_CUDA_CHECK(launch_rope<KV>(a, c->stream));
     return 0;
+}
+
+extern "C" int pd_cuda__rope_store_kv(void *ctx, const pd_rope_args *a)
+{
+    return rope_store_kv<bf16>(ctx, a);
+}
+
+/* The FP8 cache's (pd_kv_ops.rope_store_kv). */
+extern "C" int pd_cuda__rope_store_kv_fp8(void *ctx, const pd_rope_args *a)
+{
+    return rope_store_kv<pd_fp8>(ctx, a);
 }

@@ -1,7 +1,7 @@
 /* cuda_transfer.cu -- Host <-> device copies with type conversion: upload (F32/BF16/F16/I32
- * host data into BF16, F32 or I32 buffers) and download_f32. Same-type copies go straight
- * through cudaMemcpyAsync; converting ones are converted on the host in chunks through the
- * context's pinned staging buffer. */
+ * host data into BF16, F32 or I32 buffers; e4m3 bytes into F8E4M3 ones) and download_f32.
+ * Same-type copies go straight through cudaMemcpyAsync; converting ones are converted on the
+ * host in chunks through the context's pinned staging buffer. */
 #include <string.h>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -48,9 +48,12 @@ extern "C" int pd_cuda__upload(void *ctx, void *dst, pd_dtype dst_type, size_t d
     c->pick.on = false; /* a forward's metadata: the last one's picks are not this one's */
     if (n == 0) return 0;
     if (!dst || !src || !valid_dtype(src_type)) return PD_EINVAL;
-    if (dst_type != PD_DTYPE_BF16 && dst_type != PD_DTYPE_F32 && dst_type != PD_DTYPE_I32)
+    if (dst_type != PD_DTYPE_BF16 && dst_type != PD_DTYPE_F32 && dst_type != PD_DTYPE_I32 &&
+        dst_type != PD_DTYPE_F8E4M3)
         return PD_EINVAL;
-    if (dst_type == PD_DTYPE_I32 && src_type != PD_DTYPE_I32) return PD_EINVAL;
+    /* integers and e4m3 bytes (an FP8 KV cache) only from their own type: as they are */
+    if ((dst_type == PD_DTYPE_I32 || dst_type == PD_DTYPE_F8E4M3) && src_type != dst_type)
+        return PD_EINVAL;
     const size_t es = pd_dtype_size(dst_type);
     char *d = (char *)dst + dst_off * es;
     if (src_type == dst_type) {
@@ -77,7 +80,8 @@ extern "C" int pd_cuda__download_f32(void *ctx, float *dst, const void *src, pd_
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
     if (n == 0) return 0;
     if (!dst || !src) return PD_EINVAL;
-    if (src_type != PD_DTYPE_BF16 && src_type != PD_DTYPE_F32 && src_type != PD_DTYPE_I32)
+    if (src_type != PD_DTYPE_BF16 && src_type != PD_DTYPE_F32 && src_type != PD_DTYPE_I32 &&
+        src_type != PD_DTYPE_F8E4M3)
         return PD_EINVAL;
     const size_t es = pd_dtype_size(src_type);
     const char *s = (const char *)src + src_off * es;
