@@ -239,7 +239,11 @@ static void run_case(void *wdev, const host_weight *h, pd_act_quant act, float i
     double *wd = xmalloc((size_t)n_wr * k * sizeof *wd);
     for (int32_t c = 0; c < n_wr; c++) {
         const int32_t i = c < n_cols ? cols[c] : m + cols[c - n_cols];
-        for (int32_t t = 0; t < k; t++) wd[(size_t)c * k + t] = deq(h, i, t);
+        /* weight-only products of more rows than the small-n kernel takes run the bf16
+         * product of the weight dequantized to bf16: the bf16-dequantized model, exactly */
+        const bool bf16_w = act == PD_ACT_NONE && n > 8;
+        for (int32_t t = 0; t < k; t++)
+            wd[(size_t)c * k + t] = bf16_w ? bf16_round((float)deq(h, i, t)) : deq(h, i, t);
     }
     int n_nonfinite = 0;
     for (size_t i = 0; i < (size_t)n * m; i++) n_nonfinite += !isfinite(got[i]);

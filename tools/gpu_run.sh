@@ -214,6 +214,7 @@ for v in ("bf16", "fp8w", "fp8"):
         b and b.get("output_tok_s"), b and b.get("kv_blocks")))
 PY
     fi
+    tar -czf "$OUT/fp8-logs.tgz" -C "$OUT" fp8 2>/dev/null # every log in one file back
 fi
 if has services; then
     M="$PDSERVE_SHARED/models/stories260k"

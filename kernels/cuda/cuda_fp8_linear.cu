@@ -31,6 +31,10 @@ typedef struct {
     size_t xs_bytes;
     bf16 *wdq;             /* a weight-only weight dequantized [m][k] */
     size_t wdq_bytes;
+    /* Workspaces outgrown: kept until the context goes, as a CUDA graph captured before the
+     * growth (a decode step's) still names them and reads them at every replay. */
+    void *retired[64];
+    int n_retired;
 } fp8_state;
 
 extern "C" void pd_cuda__fp8_free(void *state)
@@ -42,6 +46,7 @@ extern "C" void pd_cuda__fp8_free(void *state)
     if (st->xq) (void)cudaFree(st->xq);
     if (st->xs) (void)cudaFree(st->xs);
     if (st->wdq) (void)cudaFree(st->wdq);
+    for (int i = 0; i < st->n_retired; i++) (void)cudaFree(st->retired[i]);
     free(st);
 }
 
@@ -69,10 +74,14 @@ static int state_get(pd_cuda_ctx *c, fp8_state **out)
     return 0;
 }
 
-/* Makes the workspace *buf (*have bytes) at least `bytes`. Outside a capture only: the old
- * buffer is freed after the stream's queued work, which may still read it. Returns 0,
- * PD_ENOMEM, PD_EBACKEND (inside a capture, logged: run the shape once outside first). */
-static int ws_grow(pd_cuda_ctx *c, void **buf, size_t *have, size_t bytes, const char *what)
+/* Makes the workspace *buf (*have bytes) at least `bytes`. Outside a capture only. The old
+ * buffer is not freed but retired until the context goes: graphs captured before (decode
+ * steps, whose rows are few) name it and read it at every replay, after this growth too
+ * (freeing it was an illegal access at the next replay once a long prompt had grown it).
+ * It at least doubles, so few are retired. Returns 0, PD_ENOMEM, PD_EBACKEND (inside a
+ * capture, logged: run the shape once outside first). */
+static int ws_grow(pd_cuda_ctx *c, fp8_state *st, void **buf, size_t *have, size_t bytes,
+                   const char *what)
 {
     if (bytes <= *have) return 0;
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
@@ -82,11 +91,15 @@ static int ws_grow(pd_cuda_ctx *c, void **buf, size_t *have, size_t bytes, const
                 "capture; run this many rows once outside a capture first", what, *have, bytes);
         return PD_EBACKEND;
     }
-    PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-    if (*buf) PD_CUDA_CHECK(cudaFree(*buf));
-    *buf = NULL;
-    *have = 0;
-    PD_CUDA_CHECK(cudaMalloc(buf, bytes));
+    if (*buf && st->n_retired == (int)(sizeof st->retired / sizeof st->retired[0])) {
+        PD_LOGE("cuda fp8: the %s workspace grew too often", what);
+        return PD_ENOMEM;
+    }
+    if (bytes < 2 * *have) bytes = 2 * *have;
+    void *nb = NULL;
+    PD_CUDA_CHECK(cudaMalloc(&nb, bytes));
+    if (*buf) st->retired[st->n_retired++] = *buf;
+    *buf = nb;
     *have = bytes;
     return 0;
 }
@@ -94,9 +107,9 @@ static int ws_grow(pd_cuda_ctx *c, void **buf, size_t *have, size_t bytes, const
 /* The quantized-input workspace for n rows of w's width. */
 static int ws_input(pd_cuda_ctx *c, fp8_state *st, const pd_fp8_weight *w, int32_t n)
 {
-    int rc = ws_grow(c, (void **)&st->xq, &st->xq_bytes, (size_t)n * w->k, "input");
+    int rc = ws_grow(c, st, (void **)&st->xq, &st->xq_bytes, (size_t)n * w->k, "input");
     if (rc < 0) return rc;
-    return ws_grow(c, (void **)&st->xs, &st->xs_bytes, (size_t)n * w->ng * sizeof(float),
+    return ws_grow(c, st, (void **)&st->xs, &st->xs_bytes, (size_t)n * w->ng * sizeof(float),
                    "input scale");
 }
 
@@ -186,7 +199,7 @@ extern "C" int pd_cuda__fp8_weight_create(void *ctx, const pd_qweight_desc *d, v
     }
     /* the workspaces its products need, so that captures find them large enough */
     if (d->act == PD_ACT_NONE)
-        rc = ws_grow(c, (void **)&st->wdq, &st->wdq_bytes, wbytes * sizeof(bf16), "dequant");
+        rc = ws_grow(c, st, (void **)&st->wdq, &st->wdq_bytes, wbytes * sizeof(bf16), "dequant");
     else
         rc = ws_input(c, st, w, WS_ROWS);
     if (rc < 0) goto fail;
@@ -369,7 +382,7 @@ extern "C" int pd_cuda__fp8_linear_fused(void *ctx, const pd_linear_args *a)
             return 0;
         }
         /* weight-only, larger n: the bf16 product of the dequantized weight */
-        rc = ws_grow(c, (void **)&st->wdq, &st->wdq_bytes, (size_t)mw * k * sizeof(bf16),
+        rc = ws_grow(c, st, (void **)&st->wdq, &st->wdq_bytes, (size_t)mw * k * sizeof(bf16),
                      "dequant");
         if (rc < 0) return rc;
         PD_CUDA_CHECK(pd_cuda__fp8_launch_dequant(w, st->wdq, c->stream));
