@@ -29,6 +29,11 @@
  * moves one term by one e4m3 step. A wrong scale, group or layout is off by O(1). */
 #define TOL_SCALE 1e-2
 #define TOL_REL (1.0 / 128)
+/* With SwiGLU: gate and up are each rounded to bf16 before silu(gate) * up, so a product that
+ * lands on the other side of a bf16 rounding boundary than the reference's moves the output
+ * by one bf16 step of gate or up (2^-8), and silu's slope can double that: measured on the H100
+ * up to 2.6 bf16 steps of the output (3184 vs 3141.75, 1.3%). */
+#define TOL_REL_SWIGLU (1.0 / 32)
 #define TOL_L2 5e-3
 #define SAMPLE_COLS 48 /* output columns checked per row for large products */
 
@@ -295,7 +300,7 @@ static void run_case(void *wdev, const host_weight *h, pd_act_quant act, float i
             const double rv = ref[(size_t)r * n_cols + c], gv = got[(size_t)r * m + cols[c]];
             const double e = fabs(gv - rv);
             se += e * e;
-            if (!(e <= TOL_SCALE * rms + TOL_REL * fabs(rv))) {
+            if (!(e <= TOL_SCALE * rms + (swiglu ? TOL_REL_SWIGLU : TOL_REL) * fabs(rv))) {
                 if (n_bad++ < 3)
                     fprintf(stderr, "  %s n %d flags %d: out[%d][%d] = %.6g, reference %.6g "
                             "(rms %.3g)\n", shape, n, flags, r, cols[c], gv, rv, rms);
@@ -303,7 +308,7 @@ static void run_case(void *wdev, const host_weight *h, pd_act_quant act, float i
             if (e / rms > worst) worst = e / rms;
         }
     const double l2 = sqrt(se / ((double)n * n_cols)) / rms;
-    const bool ok = rc == 0 && n_bad == 0 && n_nonfinite == 0 && l2 < TOL_L2;
+    const bool ok = rc == 0 && n_bad == 0 && n_nonfinite == 0 && l2 < (swiglu ? 2 * TOL_L2 : TOL_L2);
     CHECK_MSG(ok, "%s act %d n %d flags %d: %d elements off, %d not finite, rel L2 %.3g", shape,
               (int)act, n, flags, n_bad, n_nonfinite, l2);
     st->n_cases++;
