@@ -74,6 +74,18 @@ static int state_get(pd_cuda_ctx *c, fp8_state **out)
     return 0;
 }
 
+/* PDSERVE_CUDA_FP8_FAST_ACCUM=1: cuBLASLt's FP8 fast accumulation (the tensor cores' own
+ * accumulator throughout, without the periodic promotion to f32: faster, less precise over
+ * long k), read once; default off. */
+static int8_t fast_accum(void)
+{
+    static const int8_t v = [] {
+        const char *e = getenv("PDSERVE_CUDA_FP8_FAST_ACCUM");
+        return (int8_t)(e && *e == '1');
+    }();
+    return v;
+}
+
 /* Makes the workspace *buf (*have bytes) at least `bytes`. Outside a capture only. The old
  * buffer is not freed but retired until the context goes: graphs captured before (decode
  * steps, whose rows are few) name it and read it at every replay, after this growth too
@@ -284,6 +296,9 @@ static int lt_product(pd_cuda_ctx *c, fp8_state *st, pd_fp8_weight *w, const uin
                                                    sizeof ta));
     PD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb,
                                                    sizeof tb));
+    const int8_t fast = fast_accum();
+    PD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast,
+                                                   sizeof fast));
     PD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
                                                    &amode, sizeof amode));
     PD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(o.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
