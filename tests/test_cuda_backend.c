@@ -14,20 +14,13 @@
 #include "common/error.h"
 #include "kernels/backend.h"
 #include "tests/test_util.h"
+#define PD_TEST_SEED 0x243f6a8885a308d3ull
+#include "tests/test_rand.h"
 
 #define SENTINEL 1000.0f /* exact in bf16, far outside the data: memory an op must leave alone */
 #define TOL_BF16 1e-2   /* relative L2 error of an op whose output is rounded to bf16 */
 
 static pd_backend *g_cpu, *g_gpu;
-static uint64_t g_rng = 0x243f6a8885a308d3ull;
-
-static double urand(void) /* [0, 1) */
-{
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (double)(g_rng >> 11) * (1.0 / 9007199254740992.0);
-}
 
 static float *hmalloc(size_t n)
 {
@@ -35,8 +28,6 @@ static float *hmalloc(size_t n)
     if (!p) abort();
     return p;
 }
-
-static float bf16_round(float x) { return pd_bf16_to_f32(pd_f32_to_bf16(x)); }
 
 /* n random values of magnitude in [0.1, 1) * amp with random signs, rounded to bf16. */
 static float *hrand(size_t n, double amp)

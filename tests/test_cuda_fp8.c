@@ -19,6 +19,8 @@
 #include "kernels/cuda/cuda_ops.h"
 #endif
 #include "tests/test_util.h"
+#define PD_TEST_SEED 0x9e3779b97f4a7c15ull
+#include "tests/test_rand.h"
 
 /* An element passes when |gpu - ref| <= TOL_SCALE * rms(ref over the case) + TOL_REL * |ref|,
  * and the case's relative L2 error is below TOL_L2. The sources of difference: the bf16
@@ -38,24 +40,6 @@
 #define SAMPLE_COLS 48 /* output columns checked per row for large products */
 
 static pd_backend *g_gpu;
-static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
-
-static double urand(void) /* [0, 1) */
-{
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (double)(g_rng >> 11) * (1.0 / 9007199254740992.0);
-}
-
-static void *xmalloc(size_t bytes)
-{
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) abort();
-    return p;
-}
-
-static float bf16_round(float x) { return pd_bf16_to_f32(pd_f32_to_bf16(x)); }
 
 /* n bf16 values of magnitude (0.1 .. 1) * amp, random signs; every 37th times 20 (outliers:
  * the groups' maxima differ). */

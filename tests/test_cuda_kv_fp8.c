@@ -16,6 +16,8 @@
 #include "common/error.h"
 #include "kernels/backend.h"
 #include "tests/test_util.h"
+#define PD_TEST_SEED 0x452821e638d01377ull
+#include "tests/test_rand.h"
 
 #define TOL_BF16 1e-2  /* relative L2 error of an attention output rounded to bf16 */
 /* FP8 against bf16 keys and values (per-tensor scales max|x| / 448): the e4m3 rounding (3
@@ -24,24 +26,6 @@
 #define TOL_FP8_VS_BF16 5e-2
 
 static pd_backend *g_cpu, *g_gpu;
-static uint64_t g_rng = 0x452821e638d01377ull;
-
-static double urand(void) /* [0, 1) */
-{
-    g_rng ^= g_rng << 13;
-    g_rng ^= g_rng >> 7;
-    g_rng ^= g_rng << 17;
-    return (double)(g_rng >> 11) * (1.0 / 9007199254740992.0);
-}
-
-static void *xmalloc(size_t bytes)
-{
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) abort();
-    return p;
-}
-
-static float bf16_round(float x) { return pd_bf16_to_f32(pd_f32_to_bf16(x)); }
 
 /* n values of magnitude [0.1, 1) * amp with random signs, rounded to bf16. */
 static float *hrand(size_t n, double amp)
