@@ -35,8 +35,9 @@ struct mr {
     size_t kv_layer_elems;        /* elements in one layer's K (or V) cache */
     pd_dtype kv_dtype;            /* the cache's element type */
     const pd_kv_ops *kv_ops;      /* the FP8 cache's op set, or NULL: the backend's own ops */
-    bool fused_ok;                /* decode_layers may run the model (no FP8 weights or KV:
-                                   * the fused kernels know bf16 only) */
+    bool fused_ok;                /* decode_layers may be asked (a bf16 KV cache, each layer's
+                                   * products of one precision: pd_layer_args.wq); it may still
+                                   * answer PD_EUNSUPPORTED */
     void *kv;                     /* the whole pool: [n_layers][K, V][n_blocks][block elems] */
     void **k_cache, **v_cache;    /* [n_layers] pointers into kv */
     pd_layer_args *dl;            /* [n_layers]: weights and caches for decode_layers */
@@ -254,7 +255,7 @@ static int create_rank(const mr_params *p, const pd_model *m, pd_comm *comm, boo
                        m->be->ops->name);
     }
     if (r->kv_dtype == PD_DTYPE_F8E4M3) r->kv_ops = r->be->ops->kv_fp8;
-    r->fused_ok = !m->quantized && !r->kv_ops;
+    r->fused_ok = !r->kv_ops; /* (and the layers' products alike: below) */
     const size_t es = pd_dtype_size(r->kv_dtype);
     const size_t T = (size_t)p->max_num_batched_tokens, S = (size_t)p->max_num_seqs;
     const size_t hs = (size_t)c->hidden_size, hd = (size_t)c->head_dim;
@@ -363,7 +364,10 @@ static int create_rank(const mr_params *p, const pd_model *m, pd_comm *comm, boo
             .attn_norm = w->attn_norm, .qkv = w->qkv, .qkv_bias = w->qkv_bias,
             .q_norm = w->q_norm, .k_norm = w->k_norm, .o_proj = w->o_proj, .o_bias = w->o_bias,
             .mlp_norm = w->mlp_norm, .gate_up = w->gate_up, .down = w->down,
-            .k_cache = r->k_cache[l], .v_cache = r->v_cache[l]};
+            .k_cache = r->k_cache[l], .v_cache = r->v_cache[l], .wq = w->qkv_ops};
+        /* the fused step takes a layer's four products of one precision only */
+        if (w->o_ops != w->qkv_ops || w->gate_up_ops != w->qkv_ops || w->down_ops != w->qkv_ops)
+            r->fused_ok = false;
     }
     r->attn_factor = mc_rope_inv_freq(c, host_freq);
     if ((rc = r->be->ops->upload(r->be->ctx, r->inv_freq, PD_DTYPE_F32, 0, host_freq,

@@ -96,6 +96,11 @@ typedef struct {
     const void *attn_norm, *qkv, *qkv_bias, *q_norm, *k_norm;
     const void *o_proj, *o_bias, *mlp_norm, *gate_up, *down;
     void *k_cache, *v_cache;
+    /* NULL: qkv, o_proj, gate_up and down are act_dtype buffers; else all four are weights of
+     * this op set of the backend's (pd_backend_ops.fp8: weight_create results), computed as
+     * its linear_fused computes them. A backend whose decode_layers does not take them (or
+     * not with their group or act) answers PD_EUNSUPPORTED. */
+    const struct pd_wq_ops *wq;
 } pd_layer_args;
 
 /* Every layer of a decode step in one op (the decode_layers op): n single-token sequences, row

@@ -1517,6 +1517,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
         if (!L->attn_norm || !L->qkv || !L->o_proj || !L->mlp_norm || !L->gate_up || !L->down ||
             !L->k_cache || !L->v_cache || !L->q_norm != !L->k_norm)
             return PD_EINVAL;
+        if (L->wq) return PD_EUNSUPPORTED; /* bf16 weights only */
         if (!aligned16(L->qkv) || !aligned16(L->o_proj) || !aligned16(L->gate_up) ||
             !aligned16(L->down) || !aligned16(L->attn_norm) || !aligned16(L->mlp_norm))
             return PD_EUNSUPPORTED;
