@@ -360,13 +360,27 @@ void rpc__call_on_recv(rpc_call *c, bool ok)
 
     pthread_mutex_lock(&c->mu);
     bool news = false, run = false, bad = false;
+    rpc_cancel_fn bad_fn = NULL;
+    void *bad_user = NULL;
     if (!ok) { /* client cancel or reset, deadline, shutdown, a request over the size limit */
         if (!c->finish_queued) news = call_mark_cancelled_locked(c);
     } else if (c->finish_queued || c->app_finished || atomic_load(&c->cancelled)) {
         /* finished or cancelled meanwhile: the message is dropped, no handler runs */
     } else if (drc != 0) {
-        bad = true; /* ends the call as a server-side cancel with INVALID_ARGUMENT */
-        news = call_mark_cancelled_locked(c);
+        /* A bad message ends the call with INVALID_ARGUMENT, but after the replies to the
+         * messages before it that are queued already: the status is queued behind them (a
+         * cancel would drop them; the client then saw the error without the replies it was
+         * owed). The application hears of it through its cancel callback, once; its later
+         * sends are refused (PD_ESTATE). */
+        bad = true;
+        if (c->cancel_fn && !c->cancel_fired) {
+            bad_fn = c->cancel_fn;
+            bad_user = c->cancel_user;
+            c->cancel_fired = true;
+            c->cb_running = true;
+            c->cb_thread = pthread_self();
+        }
+        call_finish_locked(c, RPC_STATUS_INVALID_ARGUMENT, msg);
     } else {
         run = true;
         c->h_running = true;
@@ -377,7 +391,13 @@ void rpc__call_on_recv(rpc_call *c, bool ok)
     if (bad) {
         atomic_fetch_add(&c->srv->n_bad_request, 1);
         PD_LOGD("rpc: call %llu: %s", (unsigned long long)c->id, msg);
-        grpc_call_cancel_with_status(c->call, GRPC_STATUS_INVALID_ARGUMENT, msg, NULL);
+        if (bad_fn) {
+            bad_fn(c, bad_user);
+            pthread_mutex_lock(&c->mu);
+            c->cb_running = false;
+            pthread_cond_broadcast(&c->cv);
+            pthread_mutex_unlock(&c->mu);
+        }
     }
     if (news) call_fire_cancel(c);
     if (run) c->m->handler(c, req, c->m->user); /* req NULL: the client half-closed */
