@@ -56,10 +56,12 @@ typedef struct {
 } pd_fp8_input;
 
 /* Small n (<= PD_FP8_GEMV_MAX_N): out[n][m] = f(x . w^T + bias), the weight streamed once in
- * 16-byte loads; f as pd_linear_args (swiglu: w has 2m rows; accumulate). Needs k % 16 == 0
- * and 16-byte aligned rows (pd_cuda__fp8_gemv_can). */
+ * 16-byte loads, the products on the tensor cores; f as pd_linear_args (swiglu: w has 2m rows;
+ * accumulate). Needs compute capability 8.0 and up, k % 16 == 0, a group of k (ng == 1) or a
+ * multiple of 128, and 16-byte aligned rows (pd_cuda__fp8_gemv_can). */
 #define PD_FP8_GEMV_MAX_N 8
-bool pd_cuda__fp8_gemv_can(const pd_fp8_weight *w, const pd_fp8_input *in, int32_t n);
+bool pd_cuda__fp8_gemv_can(const pd_cuda_ctx *c, const pd_fp8_weight *w, const pd_fp8_input *in,
+                           int32_t n);
 cudaError_t pd_cuda__fp8_launch_gemv(const pd_fp8_weight *w, const pd_fp8_input *in,
                                      const bf16 *bias, bf16 *out, int32_t n, int32_t m,
                                      bool swiglu, bool accumulate, cudaStream_t stream);

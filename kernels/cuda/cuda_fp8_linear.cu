@@ -391,7 +391,7 @@ extern "C" int pd_cuda__fp8_linear_fused(void *ctx, const pd_linear_args *a)
     pd_fp8_input in = {NULL, NULL, (const bf16 *)x};
     const bool small = n <= gemv_max_n();
     if (w->act == PD_ACT_NONE) {
-        if (small && pd_cuda__fp8_gemv_can(w, &in, n)) {
+        if (small && pd_cuda__fp8_gemv_can(c, w, &in, n)) {
             PD_CUDA_CHECK(pd_cuda__fp8_launch_gemv(w, &in, bias, out, n, m, a->swiglu,
                                                    a->accumulate, c->stream));
             return 0;
@@ -413,7 +413,7 @@ extern "C" int pd_cuda__fp8_linear_fused(void *ctx, const pd_linear_args *a)
                                             w->in_scale, st->xq, st->xs, c->stream));
     in.xq = st->xq;
     in.xs = st->xs;
-    if (small && pd_cuda__fp8_gemv_can(w, &in, n)) {
+    if (small && pd_cuda__fp8_gemv_can(c, w, &in, n)) {
         PD_CUDA_CHECK(pd_cuda__fp8_launch_gemv(w, &in, bias, out, n, m, a->swiglu, a->accumulate,
                                                c->stream));
         return 0;

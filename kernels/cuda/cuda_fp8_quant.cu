@@ -27,12 +27,17 @@ static __device__ __forceinline__ float e4m3_val(uint8_t b)
     return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3)));
 }
 
+/* The quantization kernels come between a decode step's products: launched with PDL (when it
+ * is on) and letting their successor be scheduled at once, so that the next small-n product
+ * streams its weight while they run (it waits for them before it reads the codes). */
+
 /* Small groups (group 128): one warp per (row, group); warp w of the grid takes row w / ng,
  * group w % ng. */
 static __global__ void quant_warp_kernel(const bf16 *x, int32_t n, int32_t k, int32_t group,
                                          int32_t ng, bool dynamic, float in_scale, uint8_t *q,
                                          float *s)
 {
+    pd_pdl_enter();
     const int lane = threadIdx.x & 31;
     const int64_t wid = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (wid >= (int64_t)n * ng) return;
@@ -57,6 +62,7 @@ quant_block_kernel(const bf16 *x, int32_t n, int32_t k, int32_t group, int32_t n
                    float in_scale, uint8_t *q, float *s)
 {
     __shared__ float part[QUANT_THREADS / 32];
+    pd_pdl_enter();
     const int32_t r = blockIdx.x / ng, g = blockIdx.x % ng;
     const int32_t j0 = g * group, j1 = min(k, j0 + group);
     const bf16 *xr = x + (int64_t)r * k;
@@ -87,13 +93,11 @@ cudaError_t pd_cuda__fp8_launch_quant(const bf16 *x, int32_t n, int32_t k, int32
     if (group <= 512) {
         const int warps = 8;
         const unsigned blocks = (unsigned)((units + warps - 1) / warps);
-        quant_warp_kernel<<<blocks, warps * 32, 0, stream>>>(x, n, k, group, ng, dynamic,
-                                                             in_scale, q, s);
-    } else {
-        quant_block_kernel<<<(unsigned)units, QUANT_THREADS, 0, stream>>>(x, n, k, group, ng,
-                                                                          dynamic, in_scale, q, s);
+        return pd_cuda__launch(quant_warp_kernel, dim3(blocks), dim3(warps * 32), 0, stream, x,
+                               n, k, group, ng, dynamic, in_scale, q, s);
     }
-    return cudaGetLastError();
+    return pd_cuda__launch(quant_block_kernel, dim3((unsigned)units), dim3(QUANT_THREADS), 0,
+                           stream, x, n, k, group, ng, dynamic, in_scale, q, s);
 }
 
 static __global__ void expand_kernel(const uint8_t *q, const float *s, int32_t n, int32_t k,
