@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# gpu_fp8.sh -- The FP8 kernels' A/B runs on the lent GPU machine (issue #37), over what
+# tools/gpu_package.sh packed (PD_GPU_DIR): test_cuda_fp8 (and test_cuda_fp8_fused, when
+# packed) and test_cuda_golden; pdserve-bench-kernels --fp8 as it is, with programmatic
+# dependent launches (PDSERVE_CUDA_PDL=1) and with cuBLASLt's FP8 fast accumulation
+# (PDSERVE_CUDA_FP8_FAST_ACCUM=1); the Llama-3-8B shape (dummy) batch-1 decode at bf16 and
+# with FP8 weights (as it is and with PDL), and FP8 prefill of 2k-token prompts with and
+# without fast accumulation, each next to the floors of this run. Logs in $OUT/fp8ab/ and
+# $OUT/fp8ab.tgz; a summary at the end. FP8AB_SKIP="tests kernels 8b" leaves parts out.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+. tools/gpu_env.sh
+F="$OUT/fp8ab"
+mkdir -p "$F"
+rc=0
+skip() { case " ${FP8AB_SKIP:-} " in *" $1 "*) return 0 ;; esac; return 1; }
+run() { # run NAME [ENV=V ...] COMMAND...: output in $F/NAME.log
+    local name=$1 r
+    shift
+    echo "== $name: $*"
+    env "$@" >"$F/$name.log" 2>&1
+    r=$?
+    grep -E 'FAILED|passed|cases|exit|error' "$F/$name.log" | tail -n 4
+    [ "$r" -eq 0 ] || { echo "== $name: exit $r"; rc=1; }
+}
+if ! skip tests; then
+    run test_cuda_fp8 "$G/bin/test_cuda_fp8"
+    [ -x "$G/bin/test_cuda_fp8_fused" ] && run test_cuda_fp8_fused "$G/bin/test_cuda_fp8_fused"
+    run test_cuda_golden "$G/bin/test_cuda_golden"
+fi
+if ! skip kernels; then
+    run kernels "$G/bin/pdserve-bench-kernels" --floor --fp8
+    run kernels_pdl PDSERVE_CUDA_PDL=1 "$G/bin/pdserve-bench-kernels" --fp8
+    run kernels_fast PDSERVE_CUDA_FP8_FAST_ACCUM=1 "$G/bin/pdserve-bench-kernels" --fp8
+    grep -E 'llama3-8b' "$F/kernels.log" | awk '$5 <= 8 || $5 == 2048'
+    echo "-- with PDSERVE_CUDA_PDL=1"
+    grep -E 'llama3-8b' "$F/kernels_pdl.log" | awk '$5 <= 8'
+    echo "-- with PDSERVE_CUDA_FP8_FAST_ACCUM=1"
+    grep -E 'llama3-8b' "$F/kernels_fast.log" | awk '$5 == 2048'
+fi
+if ! skip 8b; then
+    BW=$(sed -n 's/.*FLOOR copy_gbps=\([0-9.]*\).*/\1/p' "$F/kernels.log" | tail -n 1)
+    TF=$(sed -n 's/.*FLOOR.*gemm_tflops=\([0-9.]*\).*/\1/p' "$F/kernels.log" | tail -n 1)
+    FL=()
+    [ -n "$BW" ] && FL+=(--bandwidth-gbs "$BW")
+    [ -n "$TF" ] && FL+=(--gemm-tflops "$TF")
+    L8=tools/shapes/llama3-8b
+    DEC=(--model "$L8" --load-format dummy --backend cuda --kv-cache-mb 4096 --num-requests 1
+         --input-len 128 --output-len 256 --max-num-seqs 1 "${FL[@]}" --json)
+    PRE=(--model "$L8" --load-format dummy --backend cuda --kv-cache-mb 8192 --num-requests 8
+         --input-len 2048 --output-len 1 --max-num-batched-tokens 2048 "${FL[@]}" --json)
+    run decode_bf16 "$G/bin/pdserve-bench-offline" "${DEC[@]}"
+    run decode_fp8 "$G/bin/pdserve-bench-offline" "${DEC[@]}" --quantization fp8
+    run decode_fp8_pdl PDSERVE_CUDA_PDL=1 "$G/bin/pdserve-bench-offline" "${DEC[@]}" --quantization fp8
+    run decode_fp8_ops PDSERVE_CUDA_FUSED_DECODE=0 "$G/bin/pdserve-bench-offline" "${DEC[@]}" --quantization fp8
+    run prefill_bf16 "$G/bin/pdserve-bench-offline" "${PRE[@]}"
+    run prefill_fp8 "$G/bin/pdserve-bench-offline" "${PRE[@]}" --quantization fp8
+    run prefill_fp8_fast PDSERVE_CUDA_FP8_FAST_ACCUM=1 "$G/bin/pdserve-bench-offline" "${PRE[@]}" --quantization fp8
+    echo "== summary (Llama-3-8B shape; copy $BW GB/s, GEMM $TF TFLOP/s in this run)"
+    for f in decode_bf16 decode_fp8 decode_fp8_pdl decode_fp8_ops prefill_bf16 prefill_fp8 prefill_fp8_fast; do
+        env -u LD_LIBRARY_PATH python3 -c '
+import json, sys
+try:
+    d = json.loads([l for l in open(sys.argv[1]) if l.startswith("{")][-1])
+except Exception:
+    print("%-18s (no result)" % sys.argv[2]); sys.exit(0)
+if sys.argv[2].startswith("decode"):
+    ms = 1e3 / d["decode_tok_s"]
+    fl = d["weight_bytes_per_step"] / (d["bandwidth_gbs"] * 1e9) * 1e3
+    print("%-18s %.3f ms/token, weights at the copy rate %.3f ms: %.2fx" % (sys.argv[2], ms, fl, ms / fl))
+else:
+    print("%-18s %.0f prompt tok/s" % (sys.argv[2], d["prefill_tok_s"]))' "$F/$f.log" "$f"
+    done
+fi
+tar -czf "$OUT/fp8ab.tgz" -C "$OUT" fp8ab 2>/dev/null
+exit $rc
