@@ -326,6 +326,7 @@ static void *poller(void *arg)
             resolve(r);
             next_resolve = now_ms() + r->p.resolve_ms;
         }
+        if (r->p.on_poll) r->p.on_poll(r->p.on_poll_arg);
         pthread_mutex_lock(&r->mu);
         if (!r->stop) {
             struct timespec ts;

@@ -36,6 +36,9 @@ typedef struct {
                                      the list (the DNS name, not the address it resolved to) */
     rtr_resolve_fn resolve;       /* NULL = getaddrinfo (tests inject a fake) */
     void *resolve_arg;            /* passed to resolve; borrowed, must outlive the registry */
+    void (*on_poll)(void *arg);   /* optional: called on the poller thread after each round of
+                                     load reports (no lock held), e.g. to update health */
+    void *on_poll_arg;
 } rtr_registry_params;
 
 /* Defaults: no instances, poll 500 ms, resolve 10 s, report timeout 2 s, getaddrinfo. */

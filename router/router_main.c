@@ -1222,6 +1222,29 @@ static int http_decode_up(void *user)
     return d != NULL;
 }
 
+/* gRPC health tells what HTTP /health tells: SERVING while a decode instance can serve (and
+ * the router is not draining), NOT_SERVING otherwise; updated after each round of load
+ * reports (the registry's poller thread). g_health_mu orders it with the drain: once draining
+ * is set under it, no update turns health back to SERVING. */
+static pthread_mutex_t g_health_mu = PTHREAD_MUTEX_INITIALIZER;
+static bool g_health_on;       /* the server started: updates may set its health */
+static int g_health_last = -1; /* what was last set: -1 none, 0 NOT_SERVING, 1 SERVING */
+
+static void update_health(void *user)
+{
+    (void)user;
+    pthread_mutex_lock(&g_health_mu);
+    if (g_health_on && !g.draining) {
+        const int up = http_decode_up(NULL);
+        rpc_server_set_serving(g.server, up != 0);
+        if (g_health_last >= 0 && up != g_health_last)
+            PD_LOGI("health: %s (%s)", up ? "SERVING" : "NOT_SERVING",
+                    up ? "a decode instance is up" : "no decode instance can serve");
+        g_health_last = up;
+    }
+    pthread_mutex_unlock(&g_health_mu);
+}
+
 static int http_setup(const char *http_listen, const char *listen, bool tls, rtr_http **out,
                       char *err)
 {
@@ -1454,6 +1477,7 @@ int main(int argc, char **argv)
     rp.poll_ms = poll_ms;
     rp.resolve_ms = resolve_ms;
     rp.tls = itls;
+    rp.on_poll = update_health;
     if (rtr_registry_create(&rp, &g.reg, err) < 0) {
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
@@ -1478,6 +1502,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
     }
+    pthread_mutex_lock(&g_health_mu);
+    g_health_on = true;
+    pthread_mutex_unlock(&g_health_mu);
+    update_health(NULL); /* from now on after every round of load reports */
     if (g.prefill_queue_tokens > 0) {
         if (pthread_create(&g_gate.th, NULL, gate_loop, NULL) != 0) {
             fprintf(stderr, "pdserve-router: cannot start the prefill gate's thread\n");
@@ -1503,7 +1531,9 @@ int main(int argc, char **argv)
     }
     int sig = svc_wait_signal();
     PD_LOGI("signal %d: draining (grace %lld ms)", sig, (long long)grace_ms);
+    pthread_mutex_lock(&g_health_mu); /* no health update turns it back to SERVING */
     g.draining = 1;
+    pthread_mutex_unlock(&g_health_mu);
     rtr_http_drain(http); /* new HTTP requests: 503 */
     int cancelled = rpc_server_shutdown(g.server);
     PD_LOGI("drained; %d calls cancelled", cancelled);
