@@ -539,19 +539,12 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
                               g.model.cfg.vocab_size);
             return;
         }
-    if (q->logprobs > PD_MAX_TOP_LOGPROBS) {
-        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "logprobs: at most %d (got %u)",
-                          PD_MAX_TOP_LOGPROBS, q->logprobs);
-        return;
-    }
-    if (svc_sampling_from_proto(q->sampling, &er.sampling, err) < 0 ||
+    /* the public API's limits (an internal port is no way around them) */
+    if (svc_request_limits_check(q->request_id, q->stopping, q->logprobs, q->n,
+                                 ENG_MAX_CHOICES, err) < 0 ||
+        svc_sampling_from_proto(q->sampling, &er.sampling, err) < 0 ||
         svc_stopping_from_proto(q->stopping, (int32_t)g.default_max_tokens, &er.stop, err) < 0) {
         rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
-        return;
-    }
-    if (q->n > ENG_MAX_CHOICES) {
-        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "n: at most %d choices (got %u)",
-                          ENG_MAX_CHOICES, q->n);
         return;
     }
     int32_t *prompt = malloc(q->n_prompt_token_ids * sizeof *prompt);

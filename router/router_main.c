@@ -1003,10 +1003,11 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
 #endif
         return;
     }
-    /* Strings arrive valid UTF-8 without NUL bytes (the rpc layer checks the wire). */
-    size_t id_len = q->request_id ? strlen(q->request_id) : 0;
-    if (id_len > 128) {
-        reject(call, RPC_STATUS_INVALID_ARGUMENT, "request_id: at most 128 bytes (got %zu)", id_len);
+    /* Strings arrive valid UTF-8 without NUL bytes (the rpc layer checks the wire). The
+     * limits are the instances' too (svc_request_limits_check). */
+    if (svc_request_limits_check(q->request_id, q->stopping, q->logprobs, q->n,
+                                 RTR_MAX_CHOICES, err) < 0) {
+        reject(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
         return;
     }
     smp_params sp;
@@ -1015,32 +1016,6 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
         svc_stopping_from_proto(q->stopping, 1, &ss, err) < 0) {
         reject(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
         return;
-    }
-    if (q->logprobs > 20) {
-        reject(call, RPC_STATUS_INVALID_ARGUMENT, "logprobs: at most 20 (got %u)", q->logprobs);
-        return;
-    }
-    if (q->n > RTR_MAX_CHOICES) {
-        reject(call, RPC_STATUS_INVALID_ARGUMENT, "n: at most %d choices (got %u)",
-               RTR_MAX_CHOICES, q->n);
-        return;
-    }
-    if (q->stopping && q->stopping->n_stop > 16) {
-        reject(call, RPC_STATUS_INVALID_ARGUMENT, "stopping.stop: at most 16 stop "
-                          "strings (got %zu)", q->stopping->n_stop);
-        return;
-    }
-    for (size_t i = 0; q->stopping && i < q->stopping->n_stop; i++) {
-        size_t len = q->stopping->stop[i] ? strlen(q->stopping->stop[i]) : 0;
-        if (len == 0) {
-            reject(call, RPC_STATUS_INVALID_ARGUMENT, "stopping.stop[%zu] is empty", i);
-            return;
-        }
-        if (len > 256) {
-            reject(call, RPC_STATUS_INVALID_ARGUMENT, "stopping.stop[%zu]: at most 256 bytes "
-                   "(got %zu)", i, len);
-            return;
-        }
     }
     if (atomic_fetch_add(&g.pending, 1) >= g.max_pending) {
         atomic_fetch_sub(&g.pending, 1);

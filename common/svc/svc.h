@@ -30,6 +30,16 @@ void svc_sampling_to_proto(const smp_params *p, Pdserve__V1__SamplingParams *m);
  * PD_EINVAL with err. */
 int svc_stopping_from_proto(const Pdserve__V1__StoppingCriteria *m, int32_t default_max_tokens,
                             seq_stopping *out, char *err);
+/* The limits every request is held to, at the public API and at the internal ports alike:
+ * request_id at most SVC_MAX_REQUEST_ID bytes, logprobs at most PD_MAX_TOP_LOGPROBS, n at most
+ * max_choices, at most SVC_MAX_STOP stop strings, each non-empty and at most
+ * SVC_MAX_STOP_BYTES bytes. stopping and request_id may be NULL. Returns 0, or PD_EINVAL with a
+ * message for the client in err. */
+#define SVC_MAX_REQUEST_ID 128
+#define SVC_MAX_STOP 16
+#define SVC_MAX_STOP_BYTES 256
+int svc_request_limits_check(const char *request_id, const Pdserve__V1__StoppingCriteria *stopping,
+                             uint32_t logprobs, uint32_t n, int32_t max_choices, char *err);
 /* A token's log-probabilities as a TokenLogprob message: token_id, logprob and top[0..n_top)
  * (best first, as the engine reports them), all in one allocation. Returns it (caller frees
  * with free()) or NULL when out of memory. */

@@ -157,3 +157,28 @@ Pdserve__V1__TokenLogprob *svc_token_logprob_new(uint32_t token, float logprob,
     m->top = n ? pp : NULL;
     return m;
 }
+
+int svc_request_limits_check(const char *request_id, const Pdserve__V1__StoppingCriteria *st,
+                             uint32_t logprobs, uint32_t n, int32_t max_choices, char *err)
+{
+    const size_t id_len = request_id ? strlen(request_id) : 0;
+    if (id_len > SVC_MAX_REQUEST_ID)
+        return pd_errf(err, PD_EINVAL, "request_id: at most %d bytes (got %zu)",
+                       SVC_MAX_REQUEST_ID, id_len);
+    if (logprobs > PD_MAX_TOP_LOGPROBS)
+        return pd_errf(err, PD_EINVAL, "logprobs: at most %d (got %u)", PD_MAX_TOP_LOGPROBS,
+                       logprobs);
+    if (n > (uint32_t)max_choices)
+        return pd_errf(err, PD_EINVAL, "n: at most %d choices (got %u)", max_choices, n);
+    if (st && st->n_stop > SVC_MAX_STOP)
+        return pd_errf(err, PD_EINVAL, "stopping.stop: at most %d stop strings (got %zu)",
+                       SVC_MAX_STOP, st->n_stop);
+    for (size_t i = 0; st && i < st->n_stop; i++) {
+        const size_t len = st->stop[i] ? strlen(st->stop[i]) : 0;
+        if (len == 0) return pd_errf(err, PD_EINVAL, "stopping.stop[%zu] is empty", i);
+        if (len > SVC_MAX_STOP_BYTES)
+            return pd_errf(err, PD_EINVAL, "stopping.stop[%zu]: at most %d bytes (got %zu)", i,
+                           SVC_MAX_STOP_BYTES, len);
+    }
+    return 0;
+}

@@ -54,6 +54,35 @@ try:
         check(e.code() == grpc.StatusCode.INVALID_ARGUMENT and "out of range" in e.details(),
               "Decode with an out-of-range token id: INVALID_ARGUMENT (%s: %s)" % (e.code().name, e.details()))
     check(dec.p.poll() is None, "the decode instance is alive")
+    # The public API's limits hold at the internal ports too (issue #38 item 7: 100,000 stop
+    # strings and a 10 KB request_id were accepted, and held calls grew the RSS by gigabytes).
+    pstub = ppbg.PrefillStub(grpc.insecure_channel("127.0.0.1:%d" % pre.port))
+    for what, req, want in (
+            ("a 10 KB request_id", dict(request_id="x" * 10240), "request_id: at most 128 bytes"),
+            ("100,000 stop strings", dict(stop=["s%d" % i for i in range(100000)]), "at most 16 stop strings"),
+            ("a 1 KB stop string", dict(stop=["y" * 1024]), "at most 256 bytes"),
+            ("logprobs 21", dict(logprobs=21), "logprobs: at most 20"),
+            ("n 17", dict(n=17), "n: at most 16 choices")):
+        for side, call in (("Decode", lambda r: list(dstub.Decode(r, timeout=10))),
+                           ("Prefill", lambda r: pstub.Prefill(r, timeout=10))):
+            base = dreq([1, 5, 9]) if side == "Decode" else ppb.PrefillRequest(
+                request_id="probe", prompt_token_ids=[1, 5, 9], sampling=pb.SamplingParams(temperature=0))
+            if "request_id" in req: base.request_id = req["request_id"]
+            if "stop" in req: base.stopping.stop.extend(req["stop"])
+            if "logprobs" in req: base.logprobs = req["logprobs"]
+            if "n" in req: base.n = req["n"]
+            if side == "Prefill":  # past the KV target's checks to the request's own
+                base.kv_target.kv_descriptor = b"\0" * 64
+                base.kv_target.block_ids.extend([0])
+                base.kv_target.layout.CopyFrom(load(pre).kv_layout)
+            try:
+                call(base)
+                code, det = "OK", ""
+            except grpc.RpcError as e:
+                code, det = e.code().name, e.details()
+            check(code == "INVALID_ARGUMENT" and want in det,
+                  "internal %s with %s: INVALID_ARGUMENT (%s: %s)" % (side, what, code, det[:100]))
+    check(dec.p.poll() is None and pre.p.poll() is None, "both instances are alive")
 
     # 2. A reservation flood from one caller.
     l0 = load(dec)
