@@ -36,6 +36,9 @@
  * by one bf16 step of gate or up (2^-8), and silu's slope can double that: measured on the H100
  * up to 2.6 bf16 steps of the output (3184 vs 3141.75, 1.3%). */
 #define TOL_REL_SWIGLU (1.0 / 32)
+/* ... and 3 x TOL_SCALE of the output's rms: where silu(gate) is small but gate and up large
+ * (gate -3, up 50), one step of gate moves the output by about up / 128 (seen: 0.93 at rms 55
+ * on the cuBLASLt path of n = 600). */
 #define TOL_L2 5e-3
 #define SAMPLE_COLS 48 /* output columns checked per row for large products */
 
@@ -284,7 +287,7 @@ static void run_case(void *wdev, const host_weight *h, pd_act_quant act, float i
             const double rv = ref[(size_t)r * n_cols + c], gv = got[(size_t)r * m + cols[c]];
             const double e = fabs(gv - rv);
             se += e * e;
-            if (!(e <= TOL_SCALE * rms + (swiglu ? TOL_REL_SWIGLU : TOL_REL) * fabs(rv))) {
+            if (!(e <= (swiglu ? 3 : 1) * TOL_SCALE * rms + (swiglu ? TOL_REL_SWIGLU : TOL_REL) * fabs(rv))) {
                 if (n_bad++ < 3)
                     fprintf(stderr, "  %s n %d flags %d: out[%d][%d] = %.6g, reference %.6g "
                             "(rms %.3g)\n", shape, n, flags, r, cols[c], gv, rv, rms);

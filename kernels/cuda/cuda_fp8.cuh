@@ -65,6 +65,12 @@ bool pd_cuda__fp8_gemv_can(const pd_cuda_ctx *c, const pd_fp8_weight *w, const p
 cudaError_t pd_cuda__fp8_launch_gemv(const pd_fp8_weight *w, const pd_fp8_input *in,
                                      const bf16 *bias, bf16 *out, int32_t n, int32_t m,
                                      bool swiglu, bool accumulate, cudaStream_t stream);
+/* n <= PD_FP8_GEMV_ROWS_MAX_N (cuda_fp8_gemv_rows.cu): a warp a 4 whole weight rows, faster at
+ * one or two rows than the k-split kernel; pd_cuda__fp8_launch_gemv hands such n to it. */
+#define PD_FP8_GEMV_ROWS_MAX_N 2
+cudaError_t pd_cuda__fp8_launch_gemv_rows(const pd_fp8_weight *w, const pd_fp8_input *in,
+                                          const bf16 *bias, bf16 *out, int32_t n, int32_t m,
+                                          bool swiglu, bool accumulate, cudaStream_t stream);
 
 /* Any shape, any group (the fallback where cuBLASLt takes a product not): out[n][w->m] =
  * x . w^T (+ bias) (+ out when accumulate), f32 products of the dequantized values, rounded

@@ -300,6 +300,8 @@ cudaError_t pd_cuda__fp8_launch_gemv(const pd_fp8_weight *w, const pd_fp8_input 
                                      const bf16 *bias, bf16 *out, int32_t n, int32_t m,
                                      bool swiglu, bool accumulate, cudaStream_t stream)
 {
+    if (n <= PD_FP8_GEMV_ROWS_MAX_N) /* one or two rows: the whole-row kernel is faster */
+        return pd_cuda__fp8_launch_gemv_rows(w, in, bias, out, n, m, swiglu, accumulate, stream);
     return in->xq ? launch_gemv_t<true>(w, in, bias, out, n, m, swiglu, accumulate, stream)
                   : launch_gemv_t<false>(w, in, bias, out, n, m, swiglu, accumulate, stream);
 }
