@@ -37,6 +37,16 @@
  * The grid is cooperative (every block resident, so that polling blocks never wait for one
  * that is not running); the last block out resets the done counter and moves the epoch.
  *
+ * FP8 weights (pd_layer_args.wq: this backend's pd_fp8_weight with a scale per output row,
+ * act PD_ACT_DYNAMIC or PD_ACT_NONE; the kernel's WQ, instances apart from the bf16 ones): a
+ * slot holds the same 16 KiB, so twice the k, and the stream moves the same bytes in flight
+ * for half the step. The products are what the FP8 op set's linear_fused computes: with
+ * dynamic activations each stage's input rows (the bf16 rows the op path would write) are
+ * quantized per token in shared memory (quant_rows) and multiplied e4m3 by e4m3 on the tensor
+ * cores in f32; weight-only, each code becomes its bf16 value and meets the bf16 rows; either
+ * way the sums are scaled once by the row's weight scale (times the token's). The head and
+ * the embedding stay bf16; group 128, static activations and tensor parallelism are refused.
+ *
  * Tensor parallelism (pd_decode_args.tp): every rank of a group runs this kernel on its GPU
  * with its shard, the same grid on every GPU, so block b makes the same residual columns on
  * every rank. S3's and S5's products are then partial sums: block b sends its columns' partial
@@ -50,7 +60,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_fp8.cuh"
 
 /* Built with -DPD_DL_TIMING=1, PDSERVE_CUDA_DL_DEBUG=16 prints where the stages' time goes
  * (ts_report); otherwise the timing code is not compiled in (it costs registers). */
@@ -59,7 +69,7 @@
 #endif
 #define DL_TIMED(p) (PD_DL_TIMING && ((p).debug & 16))
 
-#define DL_MAX_LAYERS 128  /* layer table in the kernel parameters (96 B a layer) */
+#define DL_MAX_LAYERS 128  /* layer table in the kernel parameters (128 B a layer) */
 #define DL_MAX_N 8         /* sequences a launch takes */
 #define DL_MAX_G 8         /* query heads per KV head */
 #define DL_CW 8            /* consumer warps */
@@ -92,10 +102,21 @@ template <int NMAX, int MAXG> static constexpr __host__ __device__ bool dl_early
 #define DL_SLOT_STEPS (DL_SLOT_BYTES / (8 * 2 * 32 * DL_CW)) /* a warp's mma steps a slot */
 #define DL_WRED_FLOATS 4096 /* the warps' partial sums of a chunk of output columns (16 KiB) */
 
+/* The layers' weights (the kernel's WQ): bf16; FP8 (e4m3 bytes, a f32 scale per output row:
+ * pd_fp8_weight with group k) with each product's input rows quantized per token
+ * (PD_ACT_DYNAMIC); FP8 weight-only (PD_ACT_NONE: the bf16 rows times the weights). A slot
+ * holds as many bytes either way, so FP8 streams twice the k a slot. The head stays bf16. */
+enum { DL_W_BF16, DL_W_F8, DL_W_F8W };
+
 struct dl_layer {
-    const bf16 *attn_norm, *qkv, *qkv_bias, *q_norm, *k_norm;
-    const bf16 *o, *o_bias, *mlp_norm, *gate_up, *down;
+    const bf16 *attn_norm;
+    const void *qkv;         /* bf16, or FP8's e4m3 bytes (the WQ of the launch) */
+    const bf16 *qkv_bias, *q_norm, *k_norm;
+    const void *o;
+    const bf16 *o_bias, *mlp_norm;
+    const void *gate_up, *down;
     bf16 *k_cache, *v_cache;
+    const float *qkv_s, *o_s, *gate_up_s, *down_s; /* FP8: the rows' scales [m]; else NULL */
 };
 
 struct dl_params {
@@ -249,7 +270,7 @@ struct dl_ring_pos {
 };
 
 struct dl_stage {
-    const bf16 *w;
+    const void *w;      /* bf16, or e4m3 bytes (stage_of's esz) */
     int32_t k, m;       /* row length, output columns */
     bool swiglu;        /* w is [2m][k]: a group takes 4 gate rows and the matching up rows */
     int32_t c0, c1;     /* this block's output columns */
@@ -273,9 +294,12 @@ static __host__ __device__ __forceinline__ int32_t stage_k(const dl_params &p, i
     return st == 1 ? p.n_heads * hd : st == 3 ? p.inter : p.hidden;
 }
 
-static __host__ __device__ __forceinline__ int32_t slot_k(const dl_params &p, int32_t k)
+static __host__ __device__ __forceinline__ int32_t slot_k(const dl_params &p, int32_t k,
+                                                          int esz = 2)
 {
-    return min(k, (p.slot_bytes / (8 * 2)) / 256 * 256);
+    /* bf16: a multiple of 256 (a warp step 32 k, 8 warps); e4m3 (esz 1): of 512 (64 k) */
+    const int32_t q = esz == 1 ? 512 : 256;
+    return min(k, (p.slot_bytes / (8 * esz)) / q * q);
 }
 
 /* This block's columns of stage st, in 8s (whole flagged lines of 4), the last block to the
@@ -291,9 +315,10 @@ static __device__ __forceinline__ int2 stage_cols(const dl_params &p, int st, in
     return make_int2(c0, c1);
 }
 
-/* Stage st of layer l (the head: l any), with this block's columns from cols (stage_cols). */
+/* Stage st of layer l (the head: l any), with this block's columns from cols (stage_cols);
+ * esz the bytes of a weight element (1: the FP8 layers' stages, never the head's). */
 static __device__ __forceinline__ dl_stage stage_of(const dl_params &p, int32_t l, int st,
-                                                    int32_t hd, const int2 *cols)
+                                                    int32_t hd, const int2 *cols, int esz = 2)
 {
     const dl_layer &L = p.layer[l];
     dl_stage s;
@@ -310,7 +335,7 @@ static __device__ __forceinline__ dl_stage stage_of(const dl_params &p, int32_t 
     s.c0 = cols[st].x;
     s.c1 = cols[st].y;
     s.cpg = s.swiglu ? 4 : 8;
-    s.kslice = slot_k(p, s.k);
+    s.kslice = slot_k(p, s.k, esz);
     return s;
 }
 
@@ -325,7 +350,7 @@ static __device__ __forceinline__ int64_t unit_row(const dl_stage &s, int32_t c,
 
 /* ---- producer ---- */
 
-template <int HD>
+template <int HD, int WQ>
 static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, uint64_t *empty,
                                const int2 *cols)
 {
@@ -338,11 +363,12 @@ static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, u
     for (int32_t l = 0; l < p.n_layers; l++) {
         const int stages = l + 1 == p.n_layers && p.lm_head ? 5 : 4; /* the head after the last */
         for (int st = 0; st < stages; st++) {
-            const dl_stage s = stage_of(p, l, st, HD, cols);
+            const int esz = WQ != DL_W_BF16 && st < 4 ? 1 : 2; /* the head is bf16 */
+            const dl_stage s = stage_of(p, l, st, HD, cols, esz);
             unsigned long long waited = 0, t_last = 0;
             for (int32_t c = s.c0; c < s.c1; c += s.cpg)
                 for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, pos.next(p.n_slots)) {
-                    const uint32_t len = (uint32_t)min(s.kslice, s.k - k0) * 2;
+                    const uint32_t len = (uint32_t)min(s.kslice, s.k - k0) * esz;
                     const unsigned long long tw = DL_TIMED(p) ? dl_now() : 0;
                     pd_mbar_wait(&empty[pos.slot()], pos.ph() ^ 1);
                     if (p.inflight > 0 && st < 4) { /* paced: see pace_of */
@@ -360,7 +386,9 @@ static __device__ void produce(const dl_params &p, char *ring, uint64_t *full, u
                     char *dst = ring + (size_t)pos.slot() * p.slot_bytes;
                     pd_mbar_expect_tx(&full[pos.slot()], 8 * len);
                     for (int j = 0; j < 8; j++)
-                        pd_bulk_load_hint(dst + (size_t)j * len, s.w + unit_row(s, c, j) * s.k + k0,
+                        pd_bulk_load_hint(dst + (size_t)j * len,
+                                          static_cast<const char *>(s.w) +
+                                              (unit_row(s, c, j) * s.k + k0) * esz,
                                           len, &full[pos.slot()], pol);
                 }
             if (DL_TIMED(p)) {
@@ -490,6 +518,122 @@ static __device__ __forceinline__ void tp_sum(const dl_params &p, int st, int32_
     for (int e = 0; e < 4; e++) r[e] = sum[e];
 }
 
+/* d += A . B for a 16x32 e4m3 A (rows g and g + 8 in a0/a2 and a1/a3: 4 k each, a2 / a3 the
+ * second 16 k) and a 32x8 e4m3 B (b0, b1), in f32 (the products of two e4m3 are exact). */
+static __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1,
+                                                uint32_t a2, uint32_t a3, uint32_t b0,
+                                                uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* Four e4m3 codes (the lowest byte first) as two bf16 pairs, exactly (every e4m3 value is a
+ * bf16 value): each byte sign-extended into a 16-bit half (prmt), its 7 magnitude bits moved
+ * under the bf16 exponent's low 4 bits and the sign kept, which is the value times 2^-120
+ * (a bf16 subnormal for the e4m3 subnormals), then multiplied by 2^120 (exact). */
+static __device__ __forceinline__ uint2 e4m3x4_bf16(uint32_t w)
+{
+    uint32_t lo, hi;
+    asm("prmt.b32 %0, %2, 0, 0x9180;\n\tprmt.b32 %1, %2, 0, 0xB3A2;" : "=r"(lo), "=r"(hi) : "r"(w));
+    lo = (lo << 4) & 0x87f087f0u;
+    hi = (hi << 4) & 0x87f087f0u;
+    asm("mul.rn.bf16x2 %0, %0, %2;\n\tmul.rn.bf16x2 %1, %1, %2;"
+        : "+r"(lo), "+r"(hi)
+        : "r"(0x7b807b80u)); /* 2^120 in each half */
+    return make_uint2(lo, hi);
+}
+
+/* consume's products of one slot of FP8 weights (len bytes of each of the 8 rows, at k0 of
+ * rows of k) into the warp's two chains d, the layouts of the bf16 ones (below) with a lane's
+ * 16 bytes for 16 k: DL_W_F8 one m16n8k32 a step up to 4 x rows (two from 5), on xs's codes;
+ * DL_W_F8W the codes made bf16 and twice the bf16 mma (four from 5), on xs's bf16 rows. */
+template <int NMAX, int WQ>
+static __device__ __forceinline__ void dl_products_f8(float (&d)[2][4], const char *slot,
+                                                      const bf16 *xs, int32_t len, int32_t k0,
+                                                      int32_t k, int32_t n)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int32_t per = len / (64 * DL_CW);
+    const uint4 *wrow = reinterpret_cast<const uint4 *>(slot) + (size_t)g * (len / 16) + t;
+    uint4 wv[DL_SLOT_STEPS];
+#pragma unroll
+    for (int i = 0; i < DL_SLOT_STEPS; i++)
+        if (i < per) wv[i] = wrow[(warp + i * DL_CW) * 4];
+    if constexpr (WQ == DL_W_F8) {
+        const uint8_t *xq = reinterpret_cast<const uint8_t *>(xs);
+        if constexpr (NMAX <= 4) {
+            /* the weights as A (row g bytes 0 - 7, row g + 8 bytes 8 - 15 of the lane's 16);
+             * x as B, column 2q + h x row q's bytes 8h .. 8h + 7 */
+            const uint2 *xh = reinterpret_cast<const uint2 *>(xq + (size_t)min(g >> 1, n - 1) * k) +
+                              k0 / 8 + 2 * t + (g & 1);
+            uint2 xv[DL_SLOT_STEPS];
+#pragma unroll
+            for (int i = 0; i < DL_SLOT_STEPS; i++)
+                if (i < per) xv[i] = g < 2 * n ? xh[(warp + i * DL_CW) * 8] : make_uint2(0u, 0u);
+#pragma unroll
+            for (int i = 0; i < DL_SLOT_STEPS; i++)
+                if (i < per)
+                    mma_e4m3(d[i & 1], wv[i].x, wv[i].z, wv[i].y, wv[i].w, xv[i].x, xv[i].y);
+        } else {
+            const uint4 *xr =
+                reinterpret_cast<const uint4 *>(xq + (size_t)min(g, n - 1) * k) + k0 / 16 + t;
+            uint4 xv[DL_SLOT_STEPS];
+#pragma unroll
+            for (int i = 0; i < DL_SLOT_STEPS; i++)
+                if (i < per) xv[i] = xr[(warp + i * DL_CW) * 4];
+#pragma unroll
+            for (int i = 0; i < DL_SLOT_STEPS; i++)
+                if (i < per) {
+                    mma_e4m3(d[i & 1], xv[i].x, 0u, xv[i].y, 0u, wv[i].x, wv[i].y);
+                    mma_e4m3(d[i & 1], xv[i].z, 0u, xv[i].w, 0u, wv[i].z, wv[i].w);
+                }
+        }
+    } else {
+        if constexpr (NMAX <= 4) {
+            /* mma 1: row g takes k 0 - 3 of the lane's 16, row g + 8 k 8 - 11; mma 2: 4 - 7
+             * and 12 - 15; x column 2q + h x row q's k 8h .. 8h + 7 */
+            const uint4 *xh = reinterpret_cast<const uint4 *>(xs + (size_t)min(g >> 1, n - 1) * k) +
+                              k0 / 8 + 2 * t + (g & 1);
+            uint4 xv[DL_SLOT_STEPS];
+#pragma unroll
+            for (int i = 0; i < DL_SLOT_STEPS; i++)
+                if (i < per)
+                    xv[i] = g < 2 * n ? xh[(warp + i * DL_CW) * 8] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+            for (int i = 0; i < DL_SLOT_STEPS; i++)
+                if (i < per) {
+                    const uint2 p0 = e4m3x4_bf16(wv[i].x), p1 = e4m3x4_bf16(wv[i].y);
+                    const uint2 p2 = e4m3x4_bf16(wv[i].z), p3 = e4m3x4_bf16(wv[i].w);
+                    mma_bf16(d[i & 1], p0.x, p2.x, p0.y, p2.y, xv[i].x, xv[i].y);
+                    mma_bf16(d[i & 1], p1.x, p3.x, p1.y, p3.y, xv[i].z, xv[i].w);
+                }
+        } else {
+            const uint4 *xr =
+                reinterpret_cast<const uint4 *>(xs + (size_t)min(g, n - 1) * k) + k0 / 8 + 2 * t;
+            uint4 xa[DL_SLOT_STEPS], xb[DL_SLOT_STEPS];
+#pragma unroll
+            for (int i = 0; i < DL_SLOT_STEPS; i++)
+                if (i < per) {
+                    xa[i] = xr[(warp + i * DL_CW) * 8];
+                    xb[i] = xr[(warp + i * DL_CW) * 8 + 1];
+                }
+#pragma unroll
+            for (int i = 0; i < DL_SLOT_STEPS; i++)
+                if (i < per) {
+                    const uint2 p0 = e4m3x4_bf16(wv[i].x), p1 = e4m3x4_bf16(wv[i].y);
+                    const uint2 p2 = e4m3x4_bf16(wv[i].z), p3 = e4m3x4_bf16(wv[i].w);
+                    mma_bf16(d[i & 1], xa[i].x, 0u, xa[i].y, 0u, p0.x, p0.y);
+                    mma_bf16(d[i & 1], xa[i].z, 0u, xa[i].w, 0u, p1.x, p1.y);
+                    mma_bf16(d[i & 1], xb[i].x, 0u, xb[i].y, 0u, p2.x, p2.y);
+                    mma_bf16(d[i & 1], xb[i].z, 0u, xb[i].w, 0u, p3.x, p3.y);
+                }
+        }
+    }
+}
+
 /* One stage's products for this block: the slots of its columns as the producer filled them.
  * On the tensor cores: a warp step covers 32 k of the 8 weight rows, lane (g, t) holding 8
  * consecutive k of row g (16 bytes). Up to 4 x rows the weights are mma.m16n8k16's A, one mma
@@ -503,11 +647,20 @@ static __device__ __forceinline__ void tp_sum(const dl_params &p, int st, int32_
  * atomics, which contended 8 ways); after a chunk of groups (all of a layer's stage, the head
  * in pieces) the threads add the warps' parts and finish one (column, x row) each. x is [n][k]
  * in shared memory (k % 256 == 0); out rows are `ld` apart. (fp32 FMAs with one conversion
- * per element were instruction-bound at a third of the bandwidth: docs/perf.md.) */
-template <int NMAX, bool PICK = false, bool TP_SUM = false>
+ * per element were instruction-bound at a third of the bandwidth: docs/perf.md.)
+ * FP8 weights (WQ, dl_layer): a lane's 16 bytes of a row are 16 k, a warp step 64 k, as many
+ * steps a slot. DL_W_F8: xs holds the rows' e4m3 codes [n][k] (quant_rows) and the mma is
+ * m16n8k32 on e4m3, laid out as the bf16 one with bytes for elements; DL_W_F8W: xs is bf16,
+ * each code becomes a bf16 (e4m3x4_bf16) and a step takes twice the bf16 mma. The sums are
+ * then scaled once per (column, row): by the row's weight scale (ws, staged into wsc at the
+ * stage's start: [columns], then the up rows' with SwiGLU) times, for DL_W_F8, the x row's
+ * scale (xsc), as the FP8 op set's linear_fused scales them. */
+template <int NMAX, bool PICK = false, bool TP_SUM = false, int WQ = DL_W_BF16>
 static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16 *xs,
                                const dl_out &o, char *ring, float *wred, uint64_t *full,
-                               uint64_t *empty, dl_ring_pos &pos, int32_t mst)
+                               uint64_t *empty, dl_ring_pos &pos, int32_t mst,
+                               const float *ws = nullptr, float *wsc = nullptr,
+                               const float *xsc = nullptr)
 {
     constexpr int32_t CH = DL_WRED_FLOATS / (DL_CW * NMAX); /* units a chunk */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -526,6 +679,11 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
         for (int q = 0; q < NMAX; q++) best[q] = 0ull;
         if (threadIdx.x < NMAX) sbest[threadIdx.x] = 0ull; /* before the first cons_sync */
     }
+    if constexpr (WQ != DL_W_BF16) { /* read after the first chunk's cons_sync */
+        const int32_t nc = s.c1 - s.c0;
+        for (int32_t i = threadIdx.x; i < (s.swiglu ? 2 * nc : nc); i += DL_CW * 32)
+            wsc[i] = __ldg(ws + (i < nc ? s.c0 + i : s.m + s.c0 + i - nc));
+    }
     for (int32_t cb = s.c0; cb < s.c1; cb += chunk) {
         const int32_t ncols = min(chunk, s.c1 - cb);
         for (int32_t c = cb; c < cb + ncols; c += s.cpg) {
@@ -539,7 +697,10 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                     waited += dl_now() - tw;
                     n_wait++;
                 }
-                if (!(p.debug & 9)) {
+                if (WQ != DL_W_BF16 && !(p.debug & 9)) {
+                    dl_products_f8<NMAX, WQ>(d, ring + (size_t)pos.slot() * p.slot_bytes, xs, len,
+                                             k0, s.k, n);
+                } else if (!(p.debug & 9)) {
                     const uint4 *wrow = reinterpret_cast<const uint4 *>(
                                             ring + (size_t)pos.slot() * p.slot_bytes) +
                                         (size_t)g * (len / 8) + t;
@@ -616,11 +777,16 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                 float v = 0.0f;
 #pragma unroll
                 for (int w = 0; w < DL_CW; w++) v += wred[((size_t)w * CH + j) * NMAX + q];
+                /* FP8: the weight row's scale times the x row's (1 weight-only) */
+                if constexpr (WQ != DL_W_BF16)
+                    v *= wsc[col - s.c0] * (WQ == DL_W_F8 ? xsc[q] : 1.0f);
                 if (o.mode == DL_SWIGLU) {
                     float u = 0.0f;
 #pragma unroll
                     for (int w = 0; w < DL_CW; w++)
                         u += wred[((size_t)w * CH + ncols + j) * NMAX + q];
+                    if constexpr (WQ != DL_W_BF16)
+                        u *= wsc[s.c1 - s.c0 + col - s.c0] * (WQ == DL_W_F8 ? xsc[q] : 1.0f);
                     const float bg = o.bias ? pd_ld(o.bias + col) : 0.0f;
                     const float bu = o.bias ? pd_ld(o.bias + s.m + col) : 0.0f;
                     const float gt = __bfloat162float(__float2bfloat16_rn(v + bg));
@@ -754,6 +920,80 @@ static __device__ void copy_rows(const uint4 *src_ll, uint32_t flag, int32_t n, 
                                  bf16 *xs)
 {
     ll_copy(src_ll, flag, n * k / 4, reinterpret_cast<uint2 *>(xs), false);
+    cons_sync();
+}
+
+/* FP8 with PD_ACT_DYNAMIC: the n bf16 rows xs [n][k] (as the op path's bf16 buffer holds
+ * them: normed and rounded) quantized per token as pd_fp8_quant_row does, in place: each row's
+ * scale s = max(amax / 448, PD_FP8_MIN_SCALE) into xsc[row], its codes e4m3(x / s) (IEEE
+ * division, RNE, satfinite) into xs as bytes [n][k]. The amax is a pass over the rows in
+ * shared memory; the codes are written in rounds, each read whole before the barrier and then
+ * written: a round's codes land on bf16 elements at half their index, which this or an
+ * earlier round read. */
+template <int NMAX>
+static __device__ void quant_rows(const dl_params &p, int32_t k, bf16 *xs, float *xsc)
+{
+    constexpr int32_t T = DL_CW * 32, R = 4; /* 16-byte reads of a thread a round */
+    __shared__ float red[NMAX][DL_CW];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int32_t kc = k / 8, n = p.n;
+    const uint4 *x4 = reinterpret_cast<const uint4 *>(xs);
+#pragma unroll
+    for (int q = 0; q < NMAX; q++) {
+        if (q >= n) break;
+        float m = 0.0f;
+        for (int32_t i = threadIdx.x; i < kc; i += T) {
+            const uint4 v = x4[(size_t)q * kc + i];
+            const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                m = fmaxf(m, fmaxf(fabsf(pd_bf16_lo(u[e])), fabsf(pd_bf16_hi(u[e]))));
+        }
+        m = pd_warp_max(m);
+        if (lane == 0) red[q][warp] = m;
+    }
+    cons_sync();
+    float sc[NMAX];
+#pragma unroll
+    for (int q = 0; q < NMAX; q++) {
+        float m = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DL_CW; w++) m = fmaxf(m, q < n ? red[q][w] : 0.0f);
+        float v = m / PD_FP8_MAX; /* a NaN takes the floor, as the op's */
+        if (!(v >= PD_FP8_MIN_SCALE)) v = PD_FP8_MIN_SCALE;
+        sc[q] = v;
+        if (threadIdx.x == q) xsc[q] = v; /* read after the closing cons_sync */
+    }
+    uint2 *c2 = reinterpret_cast<uint2 *>(xs);
+    const int32_t total = n * kc;
+    for (int32_t b = 0; b < total; b += R * T) { /* every thread every round: the barrier */
+        uint2 c[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const int32_t i = b + r * T + (int32_t)threadIdx.x;
+            if (i >= total) break;
+            const int32_t q = i / kc;
+            float sv = sc[0];
+#pragma unroll
+            for (int qq = 1; qq < NMAX; qq++)
+                if (qq == q) sv = sc[qq];
+            const uint4 v = x4[i];
+            const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+            uint32_t w[2] = {0u, 0u};
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float2 f = make_float2(__fdiv_rn(pd_bf16_lo(u[e]), sv),
+                                             __fdiv_rn(pd_bf16_hi(u[e]), sv));
+                w[e >> 1] |= (uint32_t)__nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, __NV_E4M3)
+                             << (16 * (e & 1));
+            }
+            c[r] = make_uint2(w[0], w[1]);
+        }
+        cons_sync(); /* the round's bf16 read before any of its codes land */
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            if (b + r * T + (int32_t)threadIdx.x < total) c2[b + r * T + (int32_t)threadIdx.x] = c[r];
+    }
     cons_sync();
 }
 
@@ -1136,10 +1376,26 @@ static __device__ void attend_unit(const dl_params &p, const dl_layer &L, const 
 
 /* ---- the kernel ---- */
 
+/* FP8 (the tail of shared memory after the block's residual columns, as the host sizes it):
+ * the x rows' scales (DL_MAX_N floats, quant_rows), then a stage's weight-row scales (consume's
+ * wsc). */
+template <int NMAX>
+static __device__ __forceinline__ float *f8_xsc(const dl_params &p, float *own)
+{
+    return own + (size_t)8 * ((p.hidden / 8 + gridDim.x - 1) / gridDim.x) * NMAX;
+}
+
+template <int NMAX>
+static __device__ __forceinline__ float *f8_wsc(const dl_params &p, float *own)
+{
+    return f8_xsc<NMAX>(p, own) + DL_MAX_N;
+}
+
 /* TP: the tensor-parallel instance (tp_sum in the residual stages), apart so that the
  * single-GPU one keeps its registers (tp_sum held live beside the attention stage's key
- * offsets spilled some: a Qwen3-0.6B shape step 6% slower). */
-template <int HD, int NMAX, int MAXG, bool TP>
+ * offsets spilled some: a Qwen3-0.6B shape step 6% slower). WQ: the layers' weights (DL_W_*;
+ * the FP8 ones single-GPU only), instances apart for the same reason. */
+template <int HD, int NMAX, int MAXG, bool TP, int WQ>
 static __global__ void __launch_bounds__(DL_THREADS, 1)
 decode_layers_kernel(const __grid_constant__ dl_params p)
 {
@@ -1162,7 +1418,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
     __syncthreads();
     if (warp >= DL_CW) { /* the producer: one thread of the last warpgroup */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(DL_PROD_REGS));
-        if (warp == DL_CW && lane == 0 && !(p.debug & 8)) produce<HD>(p, ring, full, empty, cols);
+        if (warp == DL_CW && lane == 0 && !(p.debug & 8)) produce<HD, WQ>(p, ring, full, empty, cols);
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(DL_CONS_REGS));
@@ -1206,6 +1462,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         }
     }
     cons_sync(); /* the rotations, the residual columns */
+    constexpr int ESZ = WQ == DL_W_BF16 ? 2 : 1; /* the layers' weight bytes an element */
     for (int32_t l = 0; l < p.n_layers; l++) {
         const dl_layer &L = p.layer[l];
         const bool last = l + 1 == p.n_layers;
@@ -1214,11 +1471,12 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_stage s;
         dl_out o = {};
         /* S1 */
-        s = stage_of(p, l, 0, HD, cols);
+        s = stage_of(p, l, 0, HD, cols, ESZ);
         dl_mark(p, m0, 0);
         if ((int32_t)blockIdx.x == l % (int32_t)gridDim.x && !(p.debug & 128))
             prefetch_small(p, l, HD);
         norm_rows<NMAX>(p, L.attn_norm, l ? p.ll_r5 : NULL, f0 - 1, xs);
+        if constexpr (WQ == DL_W_F8) quant_rows<NMAX>(p, p.hidden, xs, f8_xsc<NMAX>(p, own));
         dl_mark(p, m0, 1);
         /* the first S2 unit's first key batches, loaded during this stage's products */
         uint32_t kvp[PF][DL_KEYS_PER_WARP][2][HD / 64];
@@ -1226,7 +1484,11 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
 #pragma unroll
             for (int r = 0; r < PF; r++) kv_load<HD / 32>(L, off0[r], kvp[r]);
         o = {DL_STORE, L.qkv_bias, p.ll_qkv, f0, last ? p.qkv : NULL, s.m, NULL, -1};
-        consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0);
+        if constexpr (WQ == DL_W_BF16)
+            consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0);
+        else
+            consume<NMAX, false, false, WQ>(p, s, xs, o, ring, red, full, empty, pos, m0,
+                                            L.qkv_s, f8_wsc<NMAX>(p, own), f8_xsc<NMAX>(p, own));
         dl_mark(p, m0, 3);
         dl_mark(p, m0 + 1, 0);
         /* S2 */
@@ -1248,28 +1510,44 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         }
         dl_mark(p, m0 + 1, 3);
         /* S3 */
-        s = stage_of(p, l, 1, HD, cols);
+        s = stage_of(p, l, 1, HD, cols, ESZ);
         dl_mark(p, m0 + 2, 0);
         copy_rows(p.ll_attn, f0 + 1, p.n, s.k, xs);
+        if constexpr (WQ == DL_W_F8) quant_rows<NMAX>(p, s.k, xs, f8_xsc<NMAX>(p, own));
         dl_mark(p, m0 + 2, 1);
         o = {DL_ADD, L.o_bias, p.ll_r3, f0 + 2, NULL, p.hidden, own, TP ? 0 : -1};
-        consume<NMAX, false, TP>(p, s, xs, o, ring, red, full, empty, pos, m0 + 2);
+        if constexpr (WQ == DL_W_BF16)
+            consume<NMAX, false, TP>(p, s, xs, o, ring, red, full, empty, pos, m0 + 2);
+        else
+            consume<NMAX, false, false, WQ>(p, s, xs, o, ring, red, full, empty, pos, m0 + 2,
+                                            L.o_s, f8_wsc<NMAX>(p, own), f8_xsc<NMAX>(p, own));
         dl_mark(p, m0 + 2, 3);
         /* S4 */
-        s = stage_of(p, l, 2, HD, cols);
+        s = stage_of(p, l, 2, HD, cols, ESZ);
         dl_mark(p, m0 + 3, 0);
         norm_rows<NMAX>(p, L.mlp_norm, p.ll_r3, f0 + 2, xs);
+        if constexpr (WQ == DL_W_F8) quant_rows<NMAX>(p, p.hidden, xs, f8_xsc<NMAX>(p, own));
         dl_mark(p, m0 + 3, 1);
         o = {DL_SWIGLU, NULL, p.ll_act, f0 + 3, last ? p.act : NULL, p.inter, NULL, -1};
-        consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 3);
+        if constexpr (WQ == DL_W_BF16)
+            consume<NMAX>(p, s, xs, o, ring, red, full, empty, pos, m0 + 3);
+        else
+            consume<NMAX, false, false, WQ>(p, s, xs, o, ring, red, full, empty, pos, m0 + 3,
+                                            L.gate_up_s, f8_wsc<NMAX>(p, own),
+                                            f8_xsc<NMAX>(p, own));
         dl_mark(p, m0 + 3, 3);
         /* S5 */
-        s = stage_of(p, l, 3, HD, cols);
+        s = stage_of(p, l, 3, HD, cols, ESZ);
         dl_mark(p, m0 + 4, 0);
         copy_rows(p.ll_act, f0 + 3, p.n, p.inter, xs);
+        if constexpr (WQ == DL_W_F8) quant_rows<NMAX>(p, p.inter, xs, f8_xsc<NMAX>(p, own));
         dl_mark(p, m0 + 4, 1);
         o = {DL_ADD, NULL, p.ll_r5, f0 + 4, last ? p.resid : NULL, p.hidden, own, TP ? 1 : -1};
-        consume<NMAX, false, TP>(p, s, xs, o, ring, red, full, empty, pos, m0 + 4);
+        if constexpr (WQ == DL_W_BF16)
+            consume<NMAX, false, TP>(p, s, xs, o, ring, red, full, empty, pos, m0 + 4);
+        else
+            consume<NMAX, false, false, WQ>(p, s, xs, o, ring, red, full, empty, pos, m0 + 4,
+                                            L.down_s, f8_wsc<NMAX>(p, own), f8_xsc<NMAX>(p, own));
         dl_mark(p, m0 + 4, 3);
     }
     if (p.lm_head) { /* S6: logits = rmsnorm(resid) * final_norm . lm_head^T */
@@ -1428,7 +1706,7 @@ static void ts_report(const unsigned long long *ts, int32_t n_stages, int grid)
  * slots in flight, and from a ring's worth on (a stream-bound layer, e.g. Llama-3-8B's 206
  * slots a block) none is held back: one slot in flight cost those shapes half their speed.
  * The head is never paced. PDSERVE_CUDA_DL_INFLIGHT=N sets it (0: none). */
-static int32_t pace_of(const dl_params &p, int32_t hd, int grid)
+static int32_t pace_of(const dl_params &p, int32_t hd, int grid, int esz)
 {
     static int v = -2; /* -1: not set (racy first reads all compute the same value) */
     if (v == -2) {
@@ -1440,7 +1718,7 @@ static int32_t pace_of(const dl_params &p, int32_t hd, int grid)
         int64_t slots = 0; /* a layer's slots for the block with the most columns (stage_cols) */
         for (int st = 0; st < 4; st++) {
             const int64_t cols = 8 * (((int64_t)stage_m(p, st, hd) / 8 + grid - 1) / grid);
-            const int64_t cpg = st == 2 ? 4 : 8, k = stage_k(p, st, hd), ks = slot_k(p, k);
+            const int64_t cpg = st == 2 ? 4 : 8, k = stage_k(p, st, hd), ks = slot_k(p, k, esz);
             slots += (cols + cpg - 1) / cpg * ((k + ks - 1) / ks);
         }
         f = slots / p.n_slots < 1 ? 1 : slots / p.n_slots;
@@ -1463,10 +1741,13 @@ static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 static int nmax_of(int32_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8; }
 
 template <int HD, int NMAX, int MAXG>
-static cudaError_t launch_t(const dl_params &p, int grid, size_t smem, cudaStream_t stream)
+static cudaError_t launch_t(const dl_params &p, int wq, int grid, size_t smem,
+                            cudaStream_t stream)
 {
-    auto k = p.tp_n > 1 ? decode_layers_kernel<HD, NMAX, MAXG, true>
-                        : decode_layers_kernel<HD, NMAX, MAXG, false>;
+    auto k = wq == DL_W_F8    ? decode_layers_kernel<HD, NMAX, MAXG, false, DL_W_F8>
+             : wq == DL_W_F8W ? decode_layers_kernel<HD, NMAX, MAXG, false, DL_W_F8W>
+             : p.tp_n > 1     ? decode_layers_kernel<HD, NMAX, MAXG, true, DL_W_BF16>
+                              : decode_layers_kernel<HD, NMAX, MAXG, false, DL_W_BF16>;
     cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)smem);
     if (e != cudaSuccess) return e;
@@ -1478,23 +1759,60 @@ static cudaError_t launch_t(const dl_params &p, int grid, size_t smem, cudaStrea
 }
 
 /* Instantiations: head size 64 / 128, x rows up to 1, 2, 4, 8, query heads per KV head up
- * to 2, 4, 8 (the attention stage's registers are sized by the last). */
+ * to 2, 4, 8 (the attention stage's registers are sized by the last), the weights (wq:
+ * DL_W_*). */
 template <int HD, int MAXG>
-static cudaError_t launch_g(const dl_params &p, int grid, size_t smem, cudaStream_t stream)
+static cudaError_t launch_g(const dl_params &p, int wq, int grid, size_t smem,
+                            cudaStream_t stream)
 {
-    if (p.n <= 1) return launch_t<HD, 1, MAXG>(p, grid, smem, stream);
-    if (p.n <= 2) return launch_t<HD, 2, MAXG>(p, grid, smem, stream);
-    if (p.n <= 4) return launch_t<HD, 4, MAXG>(p, grid, smem, stream);
-    return launch_t<HD, 8, MAXG>(p, grid, smem, stream);
+    if (p.n <= 1) return launch_t<HD, 1, MAXG>(p, wq, grid, smem, stream);
+    if (p.n <= 2) return launch_t<HD, 2, MAXG>(p, wq, grid, smem, stream);
+    if (p.n <= 4) return launch_t<HD, 4, MAXG>(p, wq, grid, smem, stream);
+    return launch_t<HD, 8, MAXG>(p, wq, grid, smem, stream);
 }
 
 template <int HD>
-static cudaError_t launch_hd(const dl_params &p, int grid, size_t smem, cudaStream_t stream)
+static cudaError_t launch_hd(const dl_params &p, int wq, int grid, size_t smem,
+                             cudaStream_t stream)
 {
     const int32_t G = p.n_heads / p.n_kv_heads;
-    if (G <= 2) return launch_g<HD, 2>(p, grid, smem, stream);
-    if (G <= 4) return launch_g<HD, 4>(p, grid, smem, stream);
-    return launch_g<HD, 8>(p, grid, smem, stream);
+    if (G <= 2) return launch_g<HD, 2>(p, wq, grid, smem, stream);
+    if (G <= 4) return launch_g<HD, 4>(p, wq, grid, smem, stream);
+    return launch_g<HD, 8>(p, wq, grid, smem, stream);
+}
+
+/* The layers' weights as the kernel's WQ takes them: DL_W_BF16 (every wq NULL), DL_W_F8 or
+ * DL_W_F8W (every layer's four products this backend's FP8 weights with a scale per row, all
+ * with the same act, of the step's shapes); -1: not taken (PD_EUNSUPPORTED: mixed layers,
+ * group 128, static activations, another backend's op set). */
+static int weights_of(const pd_decode_args *a)
+{
+    const int32_t hd = a->head_dim, nq = a->n_heads * hd;
+    const int32_t dims[4][2] = {{(a->n_heads + 2 * a->n_kv_heads) * hd, a->hidden},
+                                {a->hidden, nq},
+                                {2 * a->intermediate, a->hidden},
+                                {a->hidden, a->intermediate}}; /* m, k */
+    int wq = -2;
+    for (int32_t l = 0; l < a->n_layers; l++) {
+        const pd_layer_args *L = &a->layers[l];
+        int lw = DL_W_BF16;
+        if (L->wq) {
+            if (L->wq->linear_fused != pd_cuda__fp8_linear_fused) return -1;
+            const void *ws[4] = {L->qkv, L->o_proj, L->gate_up, L->down};
+            for (int st = 0; st < 4; st++) {
+                const pd_fp8_weight *w = (const pd_fp8_weight *)ws[st];
+                if (w->ng != 1 || w->m != dims[st][0] || w->k != dims[st][1] ||
+                    (w->act != PD_ACT_DYNAMIC && w->act != PD_ACT_NONE) || !aligned16(w->w8))
+                    return -1;
+                const int kind = w->act == PD_ACT_DYNAMIC ? DL_W_F8 : DL_W_F8W;
+                if (st && kind != lw) return -1;
+                lw = kind;
+            }
+        }
+        if (wq != -2 && lw != wq) return -1;
+        wq = lw;
+    }
+    return wq;
 }
 
 extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
@@ -1517,10 +1835,10 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
         if (!L->attn_norm || !L->qkv || !L->o_proj || !L->mlp_norm || !L->gate_up || !L->down ||
             !L->k_cache || !L->v_cache || !L->q_norm != !L->k_norm)
             return PD_EINVAL;
-        if (L->wq) return PD_EUNSUPPORTED; /* bf16 weights only */
-        if (!aligned16(L->qkv) || !aligned16(L->o_proj) || !aligned16(L->gate_up) ||
-            !aligned16(L->down) || !aligned16(L->attn_norm) || !aligned16(L->mlp_norm))
+        if (!L->wq && (!aligned16(L->qkv) || !aligned16(L->o_proj) || !aligned16(L->gate_up) ||
+                       !aligned16(L->down)))
             return PD_EUNSUPPORTED;
+        if (!aligned16(L->attn_norm) || !aligned16(L->mlp_norm)) return PD_EUNSUPPORTED;
     }
     if (!aligned16(a->attn) || !aligned16(a->act)) return PD_EUNSUPPORTED;
     if (a->lm_head && (!a->final_norm || !a->logits || a->vocab <= 0)) return PD_EINVAL;
@@ -1533,6 +1851,11 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     /* every rank's grid the same, so that block b sums the same columns on every rank */
     if (tp && (a->lm_head || tp->sm_count != c->sm_count ||
                (size_t)16 * tp->n * a->n * a->hidden > tp->recv_bytes))
+        return PD_EUNSUPPORTED;
+    /* FP8 layers: single-GPU, and rows of whole warp steps (64 k a lane group of 4) */
+    const int wq = weights_of(a);
+    if (wq < 0 || (wq != DL_W_BF16 && (tp || a->hidden % 512 || a->intermediate % 512 ||
+                                       (a->n_heads * hd) % 512)))
         return PD_EUNSUPPORTED;
 
     const int32_t nq = a->n_heads * hd;
@@ -1550,8 +1873,19 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     /* the warps' sums, the rotations, the block's residual columns (at most 8 ceil(hidden / 8
      * / grid) of them, as stage_of splits) */
     const size_t own_cols = 8 * (size_t)((a->hidden / 8 + c->sm_count - 1) / c->sm_count);
-    const size_t tail_bytes = DL_WRED_FLOATS * sizeof(float) + (size_t)a->n * hd / 2 * 8 +
-                              own_cols * nmax_of(a->n) * sizeof(float);
+    size_t tail_bytes = DL_WRED_FLOATS * sizeof(float) + (size_t)a->n * hd / 2 * 8 +
+                        own_cols * nmax_of(a->n) * sizeof(float);
+    if (wq != DL_W_BF16) { /* the x rows' scales, a stage's weight-row scales (f8_xsc) */
+        const int64_t ms[4] = {(int64_t)(a->n_heads + 2 * a->n_kv_heads) * hd, a->hidden,
+                               2 * (int64_t)a->intermediate, a->hidden};
+        int64_t most = 0;
+        for (int st = 0; st < 4; st++) { /* a block's columns at most (stage_cols) */
+            const int64_t m = st == 2 ? ms[st] / 2 : ms[st];
+            const int64_t cols = (st == 2 ? 2 : 1) * 8 * ((m / 8 + grid - 1) / grid);
+            if (cols > most) most = cols;
+        }
+        tail_bytes += (DL_MAX_N + (size_t)most) * sizeof(float);
+    }
     const size_t avail = (size_t)c->smem_optin - 2048; /* the static mbarriers and sums */
     if (x_bytes + tail_bytes + DL_MIN_SLOTS * slot > avail) return PD_EUNSUPPORTED;
     size_t n_slots = (avail - x_bytes - tail_bytes) / slot;
@@ -1622,7 +1956,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     p.n_slots = (int32_t)n_slots;
     p.x_bytes = (int32_t)x_bytes;
     p.debug = debug_bits();
-    p.inflight = pace_of(p, hd, grid);
+    p.inflight = pace_of(p, hd, grid, wq == DL_W_BF16 ? 2 : 1);
     const bool picks = a->lm_head && a->pick_ids && a->pick_slot && c->pick_dev &&
                        a->n <= PD_PICK_ROWS && picks_on();
     if (picks) {
@@ -1635,15 +1969,29 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
         const pd_layer_args *L = &a->layers[l];
         dl_layer &d = p.layer[l];
         d.attn_norm = (const bf16 *)L->attn_norm;
-        d.qkv = (const bf16 *)L->qkv;
+        d.qkv = L->qkv;
         d.qkv_bias = (const bf16 *)L->qkv_bias;
         d.q_norm = (const bf16 *)L->q_norm;
         d.k_norm = (const bf16 *)L->k_norm;
-        d.o = (const bf16 *)L->o_proj;
+        d.o = L->o_proj;
         d.o_bias = (const bf16 *)L->o_bias;
         d.mlp_norm = (const bf16 *)L->mlp_norm;
-        d.gate_up = (const bf16 *)L->gate_up;
-        d.down = (const bf16 *)L->down;
+        d.gate_up = L->gate_up;
+        d.down = L->down;
+        if (wq != DL_W_BF16) { /* the device bytes and scales of the FP8 weights */
+            const pd_fp8_weight *w[4] = {(const pd_fp8_weight *)L->qkv,
+                                         (const pd_fp8_weight *)L->o_proj,
+                                         (const pd_fp8_weight *)L->gate_up,
+                                         (const pd_fp8_weight *)L->down};
+            d.qkv = w[0]->w8;
+            d.o = w[1]->w8;
+            d.gate_up = w[2]->w8;
+            d.down = w[3]->w8;
+            d.qkv_s = w[0]->scale;
+            d.o_s = w[1]->scale;
+            d.gate_up_s = w[2]->scale;
+            d.down_s = w[3]->scale;
+        }
         d.k_cache = (bf16 *)L->k_cache;
         d.v_cache = (bf16 *)L->v_cache;
     }
@@ -1667,8 +2015,8 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
     } else {
         p.debug &= ~16;
     }
-    PD_CUDA_CHECK(hd == 64 ? launch_hd<64>(p, grid, smem, c->stream)
-                           : launch_hd<128>(p, grid, smem, c->stream));
+    PD_CUDA_CHECK(hd == 64 ? launch_hd<64>(p, wq, grid, smem, c->stream)
+                           : launch_hd<128>(p, wq, grid, smem, c->stream));
     {   /* the picks this launch (or the graph being captured) leaves for the sample ops */
         const pd_cuda_pick k = {picks, a->logits, a->n, a->vocab, a->pick_ids};
         if (cap == cudaStreamCaptureStatusActive) c->cap_pick = k;
