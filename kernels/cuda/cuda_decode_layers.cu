@@ -90,10 +90,11 @@ template <int MAXG> static constexpr __host__ __device__ int dl_pf() { return MA
 /* Whether those batches load during S1's products rather than at S2's start (their bytes then
  * arrive while the block multiplies, not while it polls for q / k / v: +2% after 400 and 1000
  * tokens, docs/perf.md, fourteenth pass); not with 3 - 4 query heads a KV head, or 8 sequences
- * at 2, where the registers held through S1 spill. */
-template <int NMAX, int MAXG> static constexpr __host__ __device__ bool dl_early()
+ * at 2, where the registers held through S1 spill; nor with FP8 weights (WQ), whose products
+ * need more registers (held through them, the batches spilled 28 - 180 bytes). */
+template <int NMAX, int MAXG, int WQ = 0> static constexpr __host__ __device__ bool dl_early()
 {
-    return MAXG != 4 && !(NMAX == 8 && MAXG == 2);
+    return WQ == 0 && MAXG != 4 && !(NMAX == 8 && MAXG == 2);
 }
 #define DL_MIN_CHUNK 16    /* keys of a split, at least: more splits of one key batch each (against
                             * 32: +7% at batch 1 after short prompts; 8: as 16) */
@@ -1480,7 +1481,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         dl_mark(p, m0, 1);
         /* the first S2 unit's first key batches, loaded during this stage's products */
         uint32_t kvp[PF][DL_KEYS_PER_WARP][2][HD / 64];
-        if constexpr (dl_early<NMAX, MAXG>())
+        if constexpr (dl_early<NMAX, MAXG, WQ>())
 #pragma unroll
             for (int r = 0; r < PF; r++) kv_load<HD / 32>(L, off0[r], kvp[r]);
         o = {DL_STORE, L.qkv_bias, p.ll_qkv, f0, last ? p.qkv : NULL, s.m, NULL, -1};
@@ -1494,7 +1495,7 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         /* S2 */
         for (int32_t u = blockIdx.x; u < units; u += gridDim.x) {
             dl_unit a = u0;
-            if (!dl_early<NMAX, MAXG>() && u == blockIdx.x)
+            if (!dl_early<NMAX, MAXG, WQ>() && u == blockIdx.x)
 #pragma unroll
                 for (int r = 0; r < PF; r++) kv_load<HD / 32>(L, off0[r], kvp[r]);
             if (u != blockIdx.x) {
