@@ -80,8 +80,6 @@ void rtr_instance_failed(rtr_instance *i);
 int64_t rtr_registry_resolve_failures(rtr_registry *r);
 
 /* Instances known (for logs and metrics): prefill, decode, and how many are healthy. */
-/* Prefill instances that can take a prompt now (up, healthy, not draining). */
-int rtr_prefill_usable(rtr_registry *r);
 void rtr_registry_counts(rtr_registry *r, int *n_prefill, int *n_decode, int *healthy);
 
 /* One instance's state as the router sees it (metrics). */

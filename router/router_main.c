@@ -837,13 +837,6 @@ static bool prefill_local(const rreq *r, const rtr_instance *d, const char **why
         *why = rtr_instance_colocated(d) ? "colocated" : "no_prefill";
         return true;
     }
-    /* The prefill pool is down (none of its instances is up: killed, frozen past the load
-     * reports' timeout, draining): the decode instance computes the prompt, whatever the
-     * policy, rather than the request failing (issue #38 item 2). */
-    if (rtr_prefill_usable(g.reg) == 0) {
-        *why = "prefill_down";
-        return true;
-    }
     if (g.prefill_policy != PREFILL_AUTO) {
         *why = "forced";
         return g.prefill_policy == PREFILL_LOCAL;
