@@ -415,6 +415,36 @@ void eng_set_kv_listener(eng *e, const eng_kv_listener *l)
 
 /* ---- requests ---- */
 
+/* The resumed choices of r (n_resume > 0): see eng_request. */
+static int validate_resume(eng *e, const eng_request *r, char *err)
+{
+    const int32_t nc = r->n > 1 ? r->n : 1;
+    if (r->n_resume == 0) return 0;
+    if (r->n_resume < 0 || r->n_resume > nc || !r->resume_choice || !r->resume_len)
+        return pd_errf(err, PD_EINVAL, "resume: %d choices of a request of %d", r->n_resume, nc);
+    uint32_t seen = 0;
+    int64_t off = 0;
+    for (int32_t k = 0; k < r->n_resume; k++) {
+        const int32_t c = r->resume_choice[k], len = r->resume_len[k];
+        if (c < 0 || c >= nc || (seen >> c & 1u))
+            return pd_errf(err, PD_EINVAL, "resume: choice %d is out of range [0, %d) or given "
+                           "twice", c, nc);
+        seen |= 1u << c;
+        if (len < 0 || len >= r->stop.max_tokens)
+            return pd_errf(err, PD_EINVAL, "resume: choice %d has %d tokens; it may have 0 to "
+                           "max_tokens - 1 (%d)", c, len, r->stop.max_tokens - 1);
+        for (int32_t i = 0; i < len; i++)
+            if (!r->resume_tokens || r->resume_tokens[off + i] < 0 ||
+                r->resume_tokens[off + i] >= e->cfg.vocab_size)
+                return pd_errf(err, PD_EINVAL, "resume: choice %d's token %d is out of range "
+                               "[0, %d)", c, i, e->cfg.vocab_size);
+        off += len;
+    }
+    if (e->p.mode == ENG_MODE_PREFILL)
+        return pd_errf(err, PD_ESTATE, "a prefill-only engine does not resume requests");
+    return 0;
+}
+
 static int validate(eng *e, const eng_request *r, char *err)
 {
     const int32_t V = e->cfg.vocab_size, L = e->p.max_model_len;
@@ -456,10 +486,18 @@ static int validate(eng *e, const eng_request *r, char *err)
                        e->p.max_num_seqs);
     char e2[PD_ERR_LEN];
     if (smp_validate(&r->sampling, e2) < 0) return pd_errf(err, PD_EINVAL, "%s", e2);
-    return 0;
+    return validate_resume(e, r, err);
 }
 
+static int seq_new_mapped(eng *e, const eng_request *r, bool map, pd_seq **out, char *err);
+
 static int seq_new(eng *e, const eng_request *r, pd_seq **out, char *err)
+{
+    return seq_new_mapped(e, r, true, out, err);
+}
+
+/* A new sequence for r; map: the id map names the request by it (else it joins a ring). */
+static int seq_new_mapped(eng *e, const eng_request *r, bool map, pd_seq **out, char *err)
 {
     pd_seq *s = calloc(1, sizeof *s);
     if (!s) return pd_errf(err, PD_ENOMEM, "out of memory");
@@ -487,7 +525,7 @@ static int seq_new(eng *e, const eng_request *r, pd_seq **out, char *err)
         }
     }
     if (!s->tokens || !s->block_table || (s->n_fork > 0 && !s->choice_seeds) ||
-        map_put(&e->map, s->id, s) < 0) {
+        (map && map_put(&e->map, s->id, s) < 0)) {
         seq_free(s);
         return pd_errf(err, PD_ENOMEM, "out of memory");
     }
@@ -513,10 +551,54 @@ static int seq_new(eng *e, const eng_request *r, pd_seq **out, char *err)
     return 0;
 }
 
+/* A validated resumed request (n_resume > 0): a sequence per choice, the first mapped, the
+ * others in its ring, each waiting to compute its context like a preempted sequence. */
+static int add_resumed(eng *e, const eng_request *r, char *err)
+{
+    const int32_t nc = r->n > 1 ? r->n : 1;
+    pd_seq *seqs[ENG_MAX_CHOICES];
+    int64_t off = 0;
+    int rc = 0;
+    int32_t k = 0;
+    for (; k < r->n_resume; k++) {
+        const int32_t c = r->resume_choice[k], len = r->resume_len[k];
+        eng_request one = *r;
+        one.n = 1;
+        /* choice c's stream, as seq_new gives a new request's choices */
+        if (c > 0 && r->sampling.has_seed) one.sampling.seed += (uint64_t)c;
+        else if (c > 0) one.sampling.has_seed = false;
+        pd_seq *s;
+        if ((rc = seq_new_mapped(e, &one, k == 0, &s, err)) < 0) break;
+        memcpy(s->tokens + s->n_prompt, r->resume_tokens + off, (size_t)len * sizeof(int32_t));
+        s->n_tokens += len;
+        off += len;
+        s->choice = c;
+        s->n_choices = nc;
+        if (k > 0) { /* into the ring, after the choices before it */
+            pd_seq *h = seqs[0];
+            s->sib_prev = h->sib_prev;
+            s->sib_next = h;
+            h->sib_prev->sib_next = s;
+            h->sib_prev = s;
+        }
+        seqs[k] = s;
+    }
+    if (rc < 0) {
+        while (k-- > 0) {
+            unmap(e, seqs[k]);
+            seq_free(seqs[k]);
+        }
+        return rc;
+    }
+    for (k = 0; k < r->n_resume; k++) sched_add_waiting(e->sch, seqs[k]);
+    return 0;
+}
+
 int eng_add_request(eng *e, const eng_request *r, char *err)
 {
     int rc = validate(e, r, err);
     if (rc < 0) return rc;
+    if (r->n_resume > 0) return add_resumed(e, r, err);
     pd_seq *s;
     if ((rc = seq_new(e, r, &s, err)) < 0) return rc;
     sched_add_waiting(e->sch, s);

@@ -91,6 +91,17 @@ typedef struct {
                                        and copy its last partial block. Choice i draws from seed
                                        + i when sampling.has_seed, else from a seed of its own;
                                        each choice's tokens carry their own logprobs and top */
+    /* Resuming a request that another engine began (the router's migration after its decode
+     * instance died or froze): n_resume > 0 lists the choices that go on, each with the tokens
+     * it already generated (prompt stays the request's prompt). Each becomes a sequence of
+     * its own (no fork) that computes prompt + its tokens (their full blocks shared through
+     * the prefix cache, when on) and continues exactly as choice c of the request would have:
+     * seed + c, the draw at output position len, penalties and min/max_tokens counting the
+     * tokens given. The request is done when those choices are. */
+    int32_t n_resume;               /* choices resumed, 0 = a new request; <= max(n, 1) */
+    const int32_t *resume_choice;   /* [n_resume] distinct choice indices, each < max(n, 1) */
+    const int32_t *resume_len;      /* [n_resume] tokens each generated, 0 <= len < max_tokens */
+    const int32_t *resume_tokens;   /* those tokens, choice after choice (sum of resume_len) */
 } eng_request;
 
 /* One sequence's news from a step. A request of n choices has one sequence per choice: its

@@ -143,7 +143,9 @@ static void push(ew *w, cmd *c)
 static cmd *cmd_with_request(cmd_kind kind, const eng_request *r, void *user)
 {
     size_t n = (size_t)(r->n_prompt > 0 ? r->n_prompt : 0);
-    cmd *c = malloc(sizeof *c + n * sizeof(int32_t));
+    size_t nr = (size_t)(r->n_resume > 0 ? r->n_resume : 0), nt = 0;
+    for (size_t k = 0; k < nr; k++) nt += (size_t)(r->resume_len[k] > 0 ? r->resume_len[k] : 0);
+    cmd *c = malloc(sizeof *c + (n + 2 * nr + nt) * sizeof(int32_t));
     if (!c) return NULL;
     memset(c, 0, sizeof *c);
     c->kind = kind;
@@ -151,6 +153,15 @@ static cmd *cmd_with_request(cmd_kind kind, const eng_request *r, void *user)
     int32_t *copy = (int32_t *)(c + 1);
     if (n) memcpy(copy, r->prompt, n * sizeof(int32_t));
     c->req.prompt = copy;
+    if (nr) { /* the resumed choices (eng_request.n_resume) after the prompt */
+        int32_t *rc = copy + n, *rl = rc + nr, *rt = rl + nr;
+        memcpy(rc, r->resume_choice, nr * sizeof(int32_t));
+        memcpy(rl, r->resume_len, nr * sizeof(int32_t));
+        if (nt) memcpy(rt, r->resume_tokens, nt * sizeof(int32_t));
+        c->req.resume_choice = rc;
+        c->req.resume_len = rl;
+        c->req.resume_tokens = rt;
+    }
     c->user = user;
     c->id = r->id;
     return c;

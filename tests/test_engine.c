@@ -867,6 +867,161 @@ static void test_bad_requests(void)
     free(f.kv);
 }
 
+/* Resumed requests (eng_request.n_resume, the router's migration): a request cut after some
+ * tokens of each choice and resumed, with a subset of its choices, on another engine (small
+ * pools: preemption; prefix cache on and off; the host sampler, forward_sample and pipelined
+ * steps) continues every resumed choice exactly as the request alone would have: the same
+ * tokens, logprobs and finish, with penalties and min/max_tokens counting the tokens given.
+ * Several resumed requests run at once; every block comes back. */
+static void test_resume(int n_cases)
+{
+    int64_t resumed = 0, preempt = 0;
+    for (int cs = 0; cs < n_cases; cs++) {
+        uint64_t rs = (uint64_t)cs * 0x2545f4914f6cdd1dull + 3;
+        eng_params p = {ENG_MODE_COLOCATED, 12 + (int32_t)(rng_next(&rs) % 20), 4,
+                        8 + (int32_t)(rng_next(&rs) % 40), 1 + (int32_t)(rng_next(&rs) % 6), 0,
+                        rng_next(&rs) % 2 == 0, true, false};
+        enum { NR = 4 };
+        static req rq[NR];
+        static chout ref[NR][4];
+        int32_t cut[NR][4], sel[NR][4], n_sel[NR], toks[NR][4 * 64], len[NR][4];
+        memset(rq, 0, sizeof rq);
+        for (int i = 0; i < NR; i++) {
+            req *r = &rq[i];
+            r->n_prompt = 1 + (int32_t)(rng_next(&rs) % 30);
+            for (int j = 0; j < r->n_prompt; j++) r->prompt[j] = 1 + (int32_t)(rng_next(&rs) % (V - 1));
+            r->rq = (eng_request){.id = 500 + (uint64_t)i, .prompt = r->prompt,
+                                  .n_prompt = r->n_prompt, .sampling = smp_default_params()};
+            smp_params *sp = &r->rq.sampling;
+            if (rng_next(&rs) % 3 == 0) sp->temperature = 0;
+            switch (rng_next(&rs) % 4) {
+            case 0: sp->repetition_penalty = 1.3f; sp->top_k = 5; break;
+            case 1: sp->presence_penalty = 0.5f; sp->frequency_penalty = 0.4f; break;
+            default: break;
+            }
+            sp->seed = rng_next(&rs);
+            sp->has_seed = true;
+            r->rq.logprobs = rng_next(&rs) % 3 == 0;
+            r->rq.top_logprobs = r->rq.logprobs ? (int32_t)(rng_next(&rs) % 6) : 0;
+            r->rq.stop.max_tokens = 2 + (int32_t)(rng_next(&rs) % 20);
+            r->rq.stop.min_tokens = (int32_t)(rng_next(&rs) % 3);
+            r->rq.stop.ignore_eos = rng_next(&rs) % 2;
+            r->rq.n = rng_next(&rs) % 2 ? 1 + (int32_t)(rng_next(&rs) % 4) : 0;
+            if (r->rq.n > p.max_num_seqs) r->rq.n = p.max_num_seqs;
+            while ((r->n_prompt + r->rq.stop.max_tokens + 3) / 4 > p.n_blocks) r->rq.stop.max_tokens--;
+            const int32_t nc = r->rq.n > 1 ? r->rq.n : 1;
+            n_sel[i] = 0;
+            int32_t off = 0;
+            for (int32_t c = 0; c < nc; c++) {
+                memset(&ref[i][c], 0, sizeof ref[i][c]);
+                eng_request one = choice_alone(&r->rq, c);
+                run_alone(&one, &ref[i][c]);
+                /* a choice that was still going after `cut` tokens may be resumed */
+                if (ref[i][c].n_out < 1 || rng_next(&rs) % 4 == 0) continue;
+                const int32_t k = n_sel[i]++;
+                sel[i][k] = c;
+                cut[i][k] = (int32_t)(rng_next(&rs) % (uint64_t)ref[i][c].n_out);
+                len[i][k] = cut[i][k];
+                memcpy(toks[i] + off, ref[i][c].out, (size_t)cut[i][k] * sizeof(int32_t));
+                off += cut[i][k];
+            }
+            r->rq.n_resume = n_sel[i];
+            r->rq.resume_choice = sel[i];
+            r->rq.resume_len = len[i];
+            r->rq.resume_tokens = toks[i];
+        }
+        mc_config cfg = fake_cfg();
+        fake f = {calloc((size_t)p.n_blocks * 4, sizeof(int64_t)), (int64_t)p.n_blocks * 4, 0, 0};
+        eng_executor x = {fake_forward, &f, NULL, cs % 2 ? fake_forward_sample : NULL, NULL,
+                          NULL, fake_clone_blocks};
+        fake_pipe fp = {0};
+        fp.f = &f;
+        if (cs % 4 == 3) {
+            x = (eng_executor){fake_pipe_forward, &fp, NULL, fake_pipe_forward_sample,
+                               fake_pipe_launch, fake_pipe_collect, fake_pipe_clone_blocks};
+            p.async_steps = true;
+        }
+        eng *e;
+        char err[PD_ERR_LEN];
+        CHECK(eng_create(&p, &cfg, x, &e, err) == 0);
+        static chout got[NR][4];
+        memset(got, 0, sizeof got);
+        int32_t done[NR] = {0};
+        for (int i = 0; i < NR; i++)
+            if (n_sel[i] > 0) CHECK_MSG(eng_add_request(e, &rq[i].rq, err) == 0, "%s", err);
+        while (eng_has_work(e)) {
+            const eng_output *o;
+            int32_t k;
+            CHECK(eng_step(e, &o, &k, err) == 0);
+            for (int32_t j = 0; j < k; j++) {
+                const int i = (int)(o[j].id - 500);
+                if (o[j].token >= 0) keep(&got[i][o[j].choice], &o[j]);
+                if (o[j].finish) got[i][o[j].choice].finish = o[j].finish;
+                done[i] += o[j].done;
+            }
+            CHECK(eng_check(e) == 0);
+        }
+        preempt += eng_stats_get(e)->preemptions;
+        for (int i = 0; i < NR; i++) {
+            if (n_sel[i] == 0) continue;
+            CHECK_EQ_INT(done[i], 1);
+            for (int32_t k = 0; k < n_sel[i]; k++) {
+                const int32_t c = sel[i][k], m = cut[i][k];
+                const chout *a = &got[i][c], *b = &ref[i][c];
+                bool same = a->n_out == b->n_out - m && a->finish == b->finish &&
+                            !memcmp(a->out, b->out + m, (size_t)a->n_out * sizeof(int32_t));
+                for (int32_t t = 0; same && rq[i].rq.logprobs && t < a->n_out; t++)
+                    same = a->lp[t] == b->lp[m + t] && a->n_top[t] == b->n_top[m + t];
+                CHECK_MSG(same, "case %d request %d choice %d resumed after %d of %d tokens: got "
+                          "%d tokens (finish %d), want %d (finish %d)", cs, i, c, m, b->n_out,
+                          a->n_out, a->finish, b->n_out - m, b->finish);
+                resumed++;
+            }
+        }
+        CHECK_EQ_INT(bm_n_free(eng_block_manager(e)), p.n_blocks);
+        CHECK_EQ_INT(f.corrupt, 0);
+        eng_destroy(e);
+        free(f.kv);
+    }
+    fprintf(stderr, "test_engine: %lld choices resumed (%lld preemptions)\n", (long long)resumed,
+            (long long)preempt);
+    CHECK(resumed > n_cases);
+    /* bad resumptions are refused, naming the problem */
+    mc_config cfg = fake_cfg();
+    fake f = {calloc(64 * 4, sizeof(int64_t)), 64 * 4, 0, 0};
+    eng_params p = {ENG_MODE_COLOCATED, 64, 4, 64, 8, 0, true, true, false};
+    eng *e;
+    char err[PD_ERR_LEN];
+    CHECK(eng_create(&p, &cfg, (eng_executor){fake_forward, &f, NULL, NULL, NULL, NULL, NULL}, &e, err) == 0);
+    int32_t prompt[3] = {1, 2, 3}, ch[2] = {0, 1}, ln[2] = {1, 1}, tk[2] = {4, 5};
+    eng_request q = {.id = 9, .prompt = prompt, .n_prompt = 3, .sampling = smp_default_params(),
+                     .n = 2, .n_resume = 2, .resume_choice = ch, .resume_len = ln,
+                     .resume_tokens = tk};
+    q.stop.max_tokens = 4;
+    ch[1] = 2;
+    CHECK_EQ_INT(eng_add_request(e, &q, err), PD_EINVAL);
+    CHECK_STR_CONTAINS(err, "choice 2");
+    ch[1] = 0;
+    CHECK_EQ_INT(eng_add_request(e, &q, err), PD_EINVAL);
+    CHECK_STR_CONTAINS(err, "twice");
+    ch[1] = 1;
+    ln[1] = 4;
+    CHECK_EQ_INT(eng_add_request(e, &q, err), PD_EINVAL);
+    CHECK_STR_CONTAINS(err, "max_tokens");
+    ln[1] = 1;
+    tk[1] = V;
+    CHECK_EQ_INT(eng_add_request(e, &q, err), PD_EINVAL);
+    CHECK_STR_CONTAINS(err, "out of range");
+    tk[1] = 5;
+    CHECK(eng_add_request(e, &q, err) == 0);
+    CHECK_EQ_INT(eng_n_waiting(e), 2);
+    CHECK(eng_abort(e, 9) == 0);
+    CHECK_EQ_INT(eng_n_waiting(e), 0);
+    CHECK_EQ_INT(bm_n_free(eng_block_manager(e)), 64);
+    eng_destroy(e);
+    free(f.kv);
+}
+
 int main(int argc, char **argv)
 {
     int n_seeds = argc > 1 ? atoi(argv[1]) : 2000;
@@ -891,5 +1046,6 @@ int main(int argc, char **argv)
     test_choices();
     test_pipelined_lifecycle();
     test_bad_requests();
+    test_resume(argc > 1 ? n_seeds / 4 + 1 : 400);
     return pd_test_result("test_engine");
 }
