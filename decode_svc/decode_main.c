@@ -547,7 +547,39 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
         rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
         return;
     }
-    int32_t *prompt = malloc(q->n_prompt_token_ids * sizeof *prompt);
+    /* Migration: the choices that go on and their tokens (the engine checks them too). */
+    const int32_t n_choices = q->n > 1 ? (int32_t)q->n : 1;
+    size_t n_resumed_tokens = 0;
+    if (q->n_resume > 0 && !(q->local_prefill || g.colocated)) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "resume needs local_prefill");
+        return;
+    }
+    if (q->n_resume > (size_t)n_choices) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "resume lists %zu choices of %d",
+                          q->n_resume, n_choices);
+        return;
+    }
+    for (size_t k = 0; k < q->n_resume; k++) {
+        const Pdserve__Internal__V1__ResumeChoice *rc = q->resume[k];
+        if (!rc || rc->index >= (uint32_t)n_choices ||
+            rc->n_token_ids >= (size_t)er.stop.max_tokens) {
+            rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "resume[%zu]: choice %u with %zu "
+                              "tokens (choices 0 .. %d, fewer than max_tokens = %d tokens)", k,
+                              rc ? rc->index : 0, rc ? rc->n_token_ids : 0, n_choices - 1,
+                              er.stop.max_tokens);
+            return;
+        }
+        for (size_t i = 0; i < rc->n_token_ids; i++)
+            if (rc->token_ids[i] >= (uint32_t)g.model.cfg.vocab_size) {
+                rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "resume[%zu].token_ids[%zu] "
+                                  "= %u is out of range [0, %d)", k, i, rc->token_ids[i],
+                                  g.model.cfg.vocab_size);
+                return;
+            }
+        n_resumed_tokens += rc->n_token_ids;
+    }
+    int32_t *prompt = malloc((q->n_prompt_token_ids + 2 * q->n_resume + n_resumed_tokens) *
+                             sizeof *prompt);
     dreq *r = calloc(1, sizeof *r);
     if (!prompt || !r) {
         free(prompt);
@@ -588,6 +620,20 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
     er.logprobs = r->want_logprobs;
     er.top_logprobs = r->n_top;
     er.n = r->n_choices;
+    if (q->n_resume > 0) { /* after the prompt in the same allocation */
+        int32_t *rch = prompt + r->n_prompt, *rlen = rch + q->n_resume, *rtok = rlen + q->n_resume;
+        size_t off = 0;
+        for (size_t k = 0; k < q->n_resume; k++) {
+            rch[k] = (int32_t)q->resume[k]->index;
+            rlen[k] = (int32_t)q->resume[k]->n_token_ids;
+            for (size_t i = 0; i < q->resume[k]->n_token_ids; i++)
+                rtok[off++] = (int32_t)q->resume[k]->token_ids[i];
+        }
+        er.n_resume = (int32_t)q->n_resume;
+        er.resume_choice = rch;
+        er.resume_len = rlen;
+        er.resume_tokens = rtok;
+    }
     /* A local prefill has no reservation message: the tokens follow directly. */
     int rc = r->local_prefill ? ew_submit(g.worker, &er, r) : ew_reserve(g.worker, &er, r);
     free(prompt);

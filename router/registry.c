@@ -607,6 +607,15 @@ double rtr_prefill_wait_min(rtr_registry *r, int64_t extra_tokens)
     return best;
 }
 
+int rtr_prefill_usable(rtr_registry *r)
+{
+    pthread_mutex_lock(&r->mu);
+    int n = 0;
+    for (int i = 0; i < r->n_inst; i++) n += r->inst[i]->prefill && usable(r->inst[i]);
+    pthread_mutex_unlock(&r->mu);
+    return n;
+}
+
 void rtr_registry_counts(rtr_registry *r, int *n_prefill, int *n_decode, int *healthy)
 {
     pthread_mutex_lock(&r->mu);

@@ -79,6 +79,9 @@ void rtr_instance_failed(rtr_instance *i);
 /* Lookups that failed since start (each kept the name's last known addresses). */
 int64_t rtr_registry_resolve_failures(rtr_registry *r);
 
+/* Prefill instances that can take a prompt now (up, healthy, not draining). */
+int rtr_prefill_usable(rtr_registry *r);
+
 /* Instances known (for logs and metrics): prefill, decode, and how many are healthy. */
 void rtr_registry_counts(rtr_registry *r, int *n_prefill, int *n_decode, int *healthy);
 

@@ -90,6 +90,8 @@ typedef struct {
     svc_metrics *metrics;
     pd_metric *m_ttft, *m_tpot, *m_e2e, *m_prompt, *m_completion, *m_slo, *m_in_flight;
     pd_metric *m_retry_prefill, *m_retry_decode, *m_dns_fail;
+    int64_t max_migrations;          /* --max-migrations: restarts of one request elsewhere */
+    pd_mfamily *m_migrations;        /* pdserve_router_migrations_total{reason} */
     pd_mfamily *m_success;           /* by finish_reason */
     pd_mfamily *m_inst[10];           /* per-instance families (collector) */
 } router;
@@ -109,6 +111,10 @@ typedef struct {
     int held_finish;                 /* finish reason that arrived with held tokens */
     Pdserve__V1__Usage held_usage;
     bool have_held_usage;
+    uint32_t *sent;                  /* the tokens sent to the client ([n_sent]): a migration
+                                        resumes the choice from them */
+    size_t n_sent, cap_sent;
+    bool sent_lost;                  /* out of memory recording them: not resumable */
 } rchoice;
 
 typedef struct rreq {
@@ -138,6 +144,10 @@ typedef struct rreq {
     bool fin_pending;                /* finish_locked decided; rreq_unlock sends the status */
     int fin_code;                    /* rpc_status_code to send */
     char fin_msg[PD_ERR_LEN];        /* its details ("" = none) */
+    int migrations;                  /* restarts on another instance (--max-migrations) */
+    bool resume;                     /* the next Decode call resumes the choices from their
+                                        sent tokens (local prefill) */
+    bool force_local;                /* the next Decode call computes the prompt itself */
     int32_t n_choices;               /* GenerateRequest.n, 1 .. 16 */
     int32_t n_ended;                 /* choices whose last message was sent */
     rchoice *ch;                     /* [n_choices] */
@@ -345,6 +355,7 @@ static void rreq_unref(rreq *r)
         free(r->ch[c].held);
         for (size_t i = 0; i < r->ch[c].n_held && r->ch[c].held_lp; i++) free(r->ch[c].held_lp[i]);
         free(r->ch[c].held_lp);
+        free(r->ch[c].sent);
     }
     free(r->ch);
     free(r->prompt);
@@ -504,6 +515,20 @@ static void emit_locked(rreq *r, int32_t c, const uint32_t *ids,
         }
         if (st2) finish = PDSERVE__V1__FINISH_REASON__FINISH_REASON_STOP;
     }
+    if (n_keep > 0 && ch->n_sent + n_keep > ch->cap_sent) {
+        size_t cap = (ch->n_sent + n_keep) * 2 + 16;
+        uint32_t *ns = realloc(ch->sent, cap * sizeof *ns);
+        if (ns) {
+            ch->sent = ns;
+            ch->cap_sent = cap;
+        }
+    }
+    if (ch->n_sent + n_keep <= ch->cap_sent) {
+        if (n_keep) memcpy(ch->sent + ch->n_sent, ids, n_keep * sizeof *ids);
+        ch->n_sent += n_keep;
+    } else {
+        ch->sent_lost = true; /* out of memory: this choice cannot be resumed */
+    }
     r->completion += (uint32_t)n_keep;
     ch->completion += (uint32_t)n_keep;
     if (ch->completion > r->max_completion) r->max_completion = ch->completion;
@@ -586,13 +611,18 @@ static bool start_internal_call(rreq *r, rtr_instance *inst, const char *path,
 /* ---- prefill call ---- */
 
 static void start_prefill(rreq *r, const Pdserve__Internal__V1__KvTarget *kv, const rtr_instance *exclude);
+static bool migrate_locked(rreq *r, const char *reason, const rtr_instance *exclude, bool local);
 
 static void pre_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user)
 {
-    (void)c;
     rreq *r = user;
     const Pdserve__Internal__V1__PrefillResponse *p = (const void *)msg;
     pthread_mutex_lock(&r->mu);
+    if (c != r->pcall || r->finished) { /* abandoned (the request moved on) or over */
+        rreq_unlock(r);
+        protobuf_c_message_free_unpacked(msg, NULL);
+        return;
+    }
     r->cached_tokens = p->cached_prompt_tokens;
     r->first_sent = true;
     if (r->n_choices > 1 && p->n_first_token_ids != (size_t)r->n_choices) {
@@ -623,10 +653,14 @@ static void pre_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user
 
 static void pre_on_done(rpc_client_call *c, const rpc_status *st, void *user)
 {
-    (void)c;
     rreq *r = user;
     bool retried = false;
     pthread_mutex_lock(&r->mu);
+    if (c != r->pcall) { /* abandoned by a migration: the request went on without it */
+        rreq_unlock(r);
+        rreq_unref(r);
+        return;
+    }
     if (st->code == RPC_STATUS_UNAVAILABLE && !r->finished && !r->first_sent && r->kv &&
         r->prefill_tries < 3) {
         /* The prefill instance is gone or refused before answering: the decode side's
@@ -644,12 +678,21 @@ static void pre_on_done(rpc_client_call *c, const rpc_status *st, void *user)
             rtr_instance_failed(r->pre);
         PD_LOGW("request %s: prefill on %s failed: %s: %s", r->request_id,
                 rtr_instance_addr(r->pre), rpc_status_name(st->code), st->details);
-        char pub[PD_ERR_LEN];
-        rtr_public_detail(st->code, st->details, "prefill", pub, sizeof pub);
-        finish_locked(r, st->code == RPC_STATUS_INVALID_ARGUMENT || st->code == RPC_STATUS_CANCELLED ||
-                                 st->code == RPC_STATUS_INTERNAL
-                             ? (rpc_status_code)st->code : RPC_STATUS_UNAVAILABLE,
-                      pub);
+        /* Before the first token, an instance's failure (not the request's) restarts it with
+         * the prompt computed on a decode instance. */
+        const bool restart = !r->first_sent && (st->code == RPC_STATUS_UNAVAILABLE ||
+                                                st->code == RPC_STATUS_DEADLINE_EXCEEDED ||
+                                                st->code == RPC_STATUS_CANCELLED);
+        if (restart && migrate_locked(r, "prefill_failed", NULL, true)) {
+            retried = true;
+        } else {
+            char pub[PD_ERR_LEN];
+            rtr_public_detail(st->code, st->details, "prefill", pub, sizeof pub);
+            finish_locked(r, st->code == RPC_STATUS_INVALID_ARGUMENT || st->code == RPC_STATUS_CANCELLED ||
+                                     st->code == RPC_STATUS_INTERNAL
+                                 ? (rpc_status_code)st->code : RPC_STATUS_UNAVAILABLE,
+                          pub);
+        }
     }
     rreq_unlock(r);
     if (!retried) gate_release(r); /* the prompt is no longer the prefill pool's */
@@ -666,7 +709,10 @@ static void start_prefill(rreq *r, const Pdserve__Internal__V1__KvTarget *kv, co
             finish_locked(r, RPC_STATUS_FAILED_PRECONDITION, why);
             return;
         }
-        finish_locked(r, RPC_STATUS_UNAVAILABLE, "no prefill instance can serve this model now");
+        /* The prefill pool is down (none up: killed, frozen, draining): the prompt is
+         * computed on a decode instance instead (issue #38). */
+        if (!migrate_locked(r, "prefill_down", NULL, true))
+            finish_locked(r, RPC_STATUS_UNAVAILABLE, "no prefill instance can serve this model now");
         return;
     }
     rtr_instance_unref(r->pre);
@@ -693,10 +739,14 @@ static void start_prefill(rreq *r, const Pdserve__Internal__V1__KvTarget *kv, co
 
 static void dec_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user)
 {
-    (void)c;
     rreq *r = user;
     const Pdserve__Internal__V1__DecodeResponse *d = (const void *)msg;
     pthread_mutex_lock(&r->mu);
+    if (c != r->dcall) { /* abandoned by a migration */
+        rreq_unlock(r);
+        protobuf_c_message_free_unpacked(msg, NULL);
+        return;
+    }
     r->decode_answered = true;
     if (r->finished) {
         /* nothing */
@@ -755,9 +805,13 @@ static bool start_decode(rreq *r, const rtr_instance *exclude);
 
 static void dec_on_done(rpc_client_call *c, const rpc_status *st, void *user)
 {
-    (void)c;
     rreq *r = user;
     pthread_mutex_lock(&r->mu);
+    if (c != r->dcall) { /* abandoned by a migration: the request went on without it */
+        rreq_unlock(r);
+        rreq_unref(r);
+        return;
+    }
     if (!r->finished && !r->decode_answered && r->decode_tries < 3 &&
         (st->code == RPC_STATUS_UNAVAILABLE || st->code == RPC_STATUS_RESOURCE_EXHAUSTED)) {
         /* Refused before it reserved anything (gone, draining, or full): nothing was sent
@@ -783,9 +837,19 @@ static void dec_on_done(rpc_client_call *c, const rpc_status *st, void *user)
             if (st->code == RPC_STATUS_UNAVAILABLE) rtr_instance_failed(r->dec);
             PD_LOGW("request %s: decode on %s failed: %s: %s", r->request_id,
                     rtr_instance_addr(r->dec), rpc_status_name(st->code), st->details);
-            char pub[PD_ERR_LEN];
-            rtr_public_detail(st->code, st->details, "decode", pub, sizeof pub);
-            finish_locked(r, (rpc_status_code)st->code, pub);
+            /* The instance's failure, not the request's: gone or failed (UNAVAILABLE), or it
+             * ended the call itself (CANCELLED: shutting down past its grace period; the
+             * router's own cancels finish the request first). The stream moves elsewhere. */
+            const char *why = st->code == RPC_STATUS_UNAVAILABLE ? "unavailable"
+                              : st->code == RPC_STATUS_CANCELLED ? "cancelled" : NULL;
+            rtr_instance *prev = r->dec;
+            rtr_instance_ref(prev);
+            if (!why || !migrate_locked(r, why, prev, false)) {
+                char pub[PD_ERR_LEN];
+                rtr_public_detail(st->code, st->details, "decode", pub, sizeof pub);
+                finish_locked(r, (rpc_status_code)st->code, pub);
+            }
+            rtr_instance_unref(prev);
         }
     }
     rreq_unlock(r);
@@ -837,6 +901,13 @@ static bool prefill_local(const rreq *r, const rtr_instance *d, const char **why
         *why = rtr_instance_colocated(d) ? "colocated" : "no_prefill";
         return true;
     }
+    /* The prefill pool is down (none of its instances is up: killed, frozen past the load
+     * reports' timeout, draining): the decode instance computes the prompt, whatever the
+     * policy, rather than the request failing. */
+    if (rtr_prefill_usable(g.reg) == 0) {
+        *why = "prefill_down";
+        return true;
+    }
     if (g.prefill_policy != PREFILL_AUTO) {
         *why = "forced";
         return g.prefill_policy == PREFILL_LOCAL;
@@ -873,8 +944,9 @@ static bool start_decode(rreq *r, const rtr_instance *exclude)
 {
     rtr_instance *d = rtr_pick_decode(g.reg, exclude);
     if (!d) return false;
-    const char *why;
-    r->local_prefill = prefill_local(r, d, &why);
+    const char *why = "resume";
+    if (r->force_local && !r->resume) why = "restart";
+    r->local_prefill = r->resume || r->force_local || prefill_local(r, d, &why);
     if (!r->local_prefill && g.prefill_queue_tokens > 0 && !r->gate_passed) {
         if (!gate_admit(r)) { /* waits for the prefill pool, holding nothing */
             rtr_instance_unref(d);
@@ -908,10 +980,85 @@ static bool start_decode(rreq *r, const rtr_instance *exclude)
     r->end_key = 0;
     while (r->n_choices > 1 && !r->end_key) r->end_key = pd_random_u64(); /* a new one per call */
     q.end_key = r->end_key;
+    /* A migration resumes every choice still going from the tokens it sent (see
+     * migrate_locked): the choices that ended are over. */
+    Pdserve__Internal__V1__ResumeChoice rc[RTR_MAX_CHOICES], *rcp[RTR_MAX_CHOICES];
+    if (r->resume) {
+        for (int32_t c = 0; c < r->n_choices; c++) {
+            if (r->ch[c].ended) continue;
+            Pdserve__Internal__V1__ResumeChoice *x = &rc[q.n_resume];
+            pdserve__internal__v1__resume_choice__init(x);
+            x->index = (uint32_t)c;
+            x->n_token_ids = r->ch[c].n_sent;
+            x->token_ids = r->ch[c].sent;
+            rcp[q.n_resume++] = x;
+        }
+        q.resume = rcp;
+    }
     rpc_client_callbacks cb = {dec_on_message, dec_on_done, r};
     start_internal_call(r, d, "/pdserve.internal.v1.Decode/Decode", &q.base,
                         &pdserve__internal__v1__decode_response__descriptor, &cb, &r->dcall,
                         "decode");
+    return true;
+}
+
+/* Restarts r elsewhere after an instance failed it (mu held; r not finished): the calls in
+ * flight are abandoned (cancelled; their callbacks find another call in their slot and only
+ * drop their references), tokens held for the first one are dropped, and a new Decode call
+ * starts on a decode instance other than exclude. When the client has tokens already, that
+ * call resumes every choice still going from the tokens it was sent (DecodeRequest.resume,
+ * the prompt computed there): the engine continues each exactly as it would have gone on
+ * (same seed stream, output positions, penalties, limits), the detokenizers and stop-string
+ * matchers here go on as they were, so the client sees one stream, nothing missing or
+ * repeated. Before the first token the request simply starts again (local: on the decode
+ * instance, whatever the policy). reason labels pdserve_router_migrations_total. Returns
+ * false (nothing changed) past --max-migrations or when a choice cannot be resumed; true
+ * otherwise (no decode instance to go to finishes the request UNAVAILABLE). */
+static bool migrate_locked(rreq *r, const char *reason, const rtr_instance *exclude, bool local)
+{
+    if (r->finished || r->migrations >= g.max_migrations) return false;
+    bool any_sent = r->first_sent;
+    for (int32_t c = 0; c < r->n_choices; c++) {
+        if (r->ch[c].sent_lost && !r->ch[c].ended) return false;
+        any_sent |= r->ch[c].n_sent > 0;
+    }
+    r->migrations++;
+    char l[96] = "";
+    pd_metrics_label(l, sizeof l, "reason", reason);
+    pd_metric_add(pd_mfamily_series(g.m_migrations, l), 1);
+    PD_LOGW("request %s: %s on %s; %s (migration %d of at most %lld)", r->request_id, reason,
+            exclude ? rtr_instance_addr(exclude) : r->pre ? rtr_instance_addr(r->pre) : "?",
+            any_sent ? "resuming elsewhere from the tokens sent" : "starting again",
+            r->migrations, (long long)g.max_migrations);
+    if (r->dcall) {
+        rpc_client_call_cancel(r->dcall);
+        rpc_client_call_release(r->dcall);
+        r->dcall = NULL;
+    }
+    if (r->pcall) {
+        rpc_client_call_cancel(r->pcall);
+        rpc_client_call_release(r->pcall);
+        r->pcall = NULL;
+    }
+    gate_release(r);
+    r->gate_passed = false;
+    if (r->kv) protobuf_c_message_free_unpacked(&r->kv->base, NULL);
+    r->kv = NULL;
+    for (int32_t c = 0; c < r->n_choices; c++) {
+        rchoice *ch = &r->ch[c];
+        for (size_t i = 0; i < ch->n_held && ch->held_lp; i++) free(ch->held_lp[i]);
+        ch->n_held = 0;
+        ch->held_finish = 0;
+        ch->have_held_usage = false;
+    }
+    r->decode_answered = false;
+    r->decode_tries = 0;
+    r->prefill_tries = 0;
+    r->resume = any_sent;
+    r->force_local = local;
+    if (!start_decode(r, exclude))
+        finish_locked(r, RPC_STATUS_UNAVAILABLE, "its decode instance failed and no other decode "
+                      "instance is available");
     return true;
 }
 
@@ -1278,6 +1425,12 @@ static int metrics_setup(const char *listen, int64_t port, char *err)
                                             "internal calls retried on another instance", NULL, 0);
     g.m_retry_prefill = pd_mfamily_series(retries, "role=\"prefill\"");
     g.m_retry_decode = pd_mfamily_series(retries, "role=\"decode\"");
+    g.m_migrations = pd_metrics_family(m, PD_METRIC_COUNTER, "pdserve_router_migrations_total",
+                                       "Requests restarted on another instance after theirs "
+                                       "failed, froze or drained: reason unavailable (gone or "
+                                       "failed), cancelled (it ended the call: shutting down), "
+                                       "stalled (no progress), prefill_failed, prefill_down",
+                                       NULL, 0);
     g.m_where = pd_metrics_family(m, PD_METRIC_COUNTER, "pdserve_router_prefill_decisions_total",
                                   "where prompts were computed: local (on the decode instance) or "
                                   "remote (a prefill instance), and why", NULL, 0);
@@ -1328,6 +1481,7 @@ int main(int argc, char **argv)
      * 4096 busy tokens workload A's goodput went from 22.5 to 39 req/s and B's from 18 to 12
      * (both above colocated: 27 and 8). */
     int64_t local_max_tokens = 64, prefill_busy_tokens = 4096, prefill_queue_tokens = 16384;
+    int64_t max_migrations = 3;
     double busy_tpot_fraction = 0.8, busy_ttft_fraction = 0.5;
     pd_flag flags[] = {
         {"model", PD_FLAG_STRING, &model, "model directory (tokenizer.json, config.json)", 1, 0},
@@ -1352,6 +1506,7 @@ int main(int argc, char **argv)
         {"prefill-busy-ttft-fraction", PD_FLAG_DOUBLE, &busy_ttft_fraction, "auto, with --slo-ttft-ms: the prefill pool counts as busy (for the --prefill-busy-tokens rule) when a prompt sent now would wait this fraction of the TTFT objective at every prefill instance (its queued prompt tokens over the prefill rate it measured); 0 = by --prefill-busy-tokens alone", 0, 10},
         {"prefill-busy-tpot-fraction", PD_FLAG_DOUBLE, &busy_tpot_fraction, "auto, with --slo-tpot-ms: the --prefill-busy-tokens rule computes a prompt on a decode instance only while the TPOT of the requests it decoded (a moving average) is below this fraction of the objective", 0, 10},
         {"prefill-queue-tokens", PD_FLAG_INT, &prefill_queue_tokens, "reserve late: prompt tokens per prefill instance that may be admitted (decode blocks reserved, sent to prefill) and not yet prefilled; later requests wait in the router holding nothing (0 = admit at once)", 0, 1ll << 40},
+        {"max-migrations", PD_FLAG_INT, &max_migrations, "times one request may be restarted on another instance after its instance died, froze, drained or failed a step (streams resume from the tokens sent, token-exact; 0 = never: the request fails)", 0, 100},
         {"http-listen", PD_FLAG_STRING, &http_listen, "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on host:port (port 0 = any free port, printed as HTTP_PORT; unset = off)", 1, 0},
         {"metrics-port", PD_FLAG_INT, &metrics_port, "Prometheus /metrics HTTP port on the --listen host (-1 = off, 0 = any free port)", -1, 65535},
         {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
@@ -1383,6 +1538,7 @@ int main(int argc, char **argv)
     rtr_http *http = NULL;
     g.default_max_tokens = max_tokens;
     g.max_pending = max_pending;
+    g.max_migrations = max_migrations;
     g.call_timeout_ms = timeout_ms;
     g.slo_ttft_s = slo_ttft_ms / 1000.0;
     if (!strcmp(prefill_policy, "auto")) g.prefill_policy = PREFILL_AUTO;

@@ -92,7 +92,9 @@ rpc_status_code svc_status_for(int e)
     case PD_EUNSUPPORTED: return RPC_STATUS_UNIMPLEMENTED;
     case PD_ETIMEDOUT: return RPC_STATUS_DEADLINE_EXCEEDED;
     case PD_ECANCELED: return RPC_STATUS_CANCELLED;
-    case PD_EUNAVAILABLE: case PD_ESTATE: return RPC_STATUS_UNAVAILABLE;
+    /* PD_EBACKEND: the engine failed a step (a broken device): this instance cannot serve,
+     * the request can elsewhere (the router moves it) */
+    case PD_EUNAVAILABLE: case PD_ESTATE: case PD_EBACKEND: return RPC_STATUS_UNAVAILABLE;
     case PD_EMISMATCH: return RPC_STATUS_FAILED_PRECONDITION;
     case PD_EPERM: return RPC_STATUS_PERMISSION_DENIED;
     default: return RPC_STATUS_INTERNAL;
