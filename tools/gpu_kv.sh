@@ -378,6 +378,7 @@ if has kill && [ -n "$MODES" ]; then
             kill -STOP "$UP"
             faults kill --victim "$victim" --logs "$OUT/up-kill-$victim" --out "$OUT/kill" \
                 --concurrency "${KILL_CLIENTS:-16}" --duration-s "${KILL_LOAD_S:-6}" \
+                --fast-s "${KILL_FAST_S:-5}" \
                 --log "$OUT/kill-$victim.log" || rc=1
             fault_down "kill-$victim"
         fi
