@@ -37,6 +37,13 @@ struct rtr_instance {
     int64_t local_blocks, local_tokens; /* routed since the last report */
     double tpot_ewma;             /* seconds; mean TPOT of the requests it decoded (0 = none) */
     double prefill_rate;          /* prompt tokens/s it reported (0 = not measured yet) */
+    /* Stall detection (guarded by the registry mutex): */
+    uint64_t steps;               /* engine steps in its last report */
+    int64_t progress_ms;          /* when a report last showed progress: its steps advanced,
+                                     or it held no running sequence (now_ms clock) */
+    bool stalled;                 /* last seen stalled by rtr_registry_stalled (its log) */
+    bool polling;                 /* a LoadReport call is in flight (the poller's) */
+    int64_t next_poll_ms;         /* when the next one is due */
     atomic_llong routed, errors;  /* metrics */
 };
 
@@ -54,6 +61,7 @@ struct rtr_registry {
     uint64_t last_id;             /* ids handed out (resolve only) */
     atomic_llong resolve_failures; /* lookups that failed (their names kept their instances) */
     bool has_prefill;
+    int n_polls;                  /* LoadReport calls in flight (mu; destroy waits for 0) */
 };
 
 static int64_t now_ms(void)
@@ -190,6 +198,7 @@ static rtr_instance *instance_new(rtr_registry *r, const found_addr *a)
     snprintf(in->name, sizeof in->name, "%s", a->name);
     in->prefill = a->prefill;
     in->present = true;
+    in->progress_ms = now_ms();
     rpc_channel_params cp = rpc_channel_default_params();
     cp.target = in->addr;
     cp.tls = r->p.tls;
@@ -259,19 +268,17 @@ static void resolve(rtr_registry *r)
     free(L);
 }
 
-static void poll_one(rtr_registry *r, rtr_instance *in)
+/* Applies one load report of in (resp NULL: the call failed, st says why). */
+static void apply_report(rtr_registry *r, rtr_instance *in, const ProtobufCMessage *resp,
+                         const rpc_status *st)
 {
-    Pdserve__Internal__V1__LoadReportRequest q = PDSERVE__INTERNAL__V1__LOAD_REPORT_REQUEST__INIT;
-    ProtobufCMessage *resp = NULL;
-    rpc_status st;
-    int rc = rpc_unary_call(in->ch, "/pdserve.internal.v1.Instance/LoadReport", &q.base,
-                            &pdserve__internal__v1__load_report_response__descriptor,
-                            r->p.report_timeout_ms, &resp, &st);
     pthread_mutex_lock(&r->mu);
     bool was = in->healthy;
-    if (rc == 0 && resp) {
+    if (resp) {
         const Pdserve__Internal__V1__LoadReportResponse *l = (const void *)resp;
         in->healthy = true;
+        if (l->steps != in->steps || l->running_seqs == 0) in->progress_ms = now_ms();
+        in->steps = l->steps;
         in->draining = l->draining;
         in->role = l->role;
         in->free_blocks = l->free_blocks;
@@ -294,45 +301,135 @@ static void poll_one(rtr_registry *r, rtr_instance *in)
     pthread_mutex_unlock(&r->mu);
     if (was != now)
         PD_LOGI("instance %s is %s%s%s", in->addr, now ? "up" : "down", now ? "" : ": ",
-                now ? "" : st.details);
+                now ? "" : st->details);
+}
+
+/* A blocking load report (rtr_registry_create's first round). */
+static void poll_one(rtr_registry *r, rtr_instance *in)
+{
+    Pdserve__Internal__V1__LoadReportRequest q = PDSERVE__INTERNAL__V1__LOAD_REPORT_REQUEST__INIT;
+    ProtobufCMessage *resp = NULL;
+    rpc_status st;
+    int rc = rpc_unary_call(in->ch, "/pdserve.internal.v1.Instance/LoadReport", &q.base,
+                            &pdserve__internal__v1__load_report_response__descriptor,
+                            r->p.report_timeout_ms, &resp, &st);
+    apply_report(r, in, rc == 0 ? resp : NULL, &st);
     if (resp) protobuf_c_message_free_unpacked(resp, NULL);
+}
+
+/* The poller's reports are asynchronous, one call per instance at a time, each on its own
+ * schedule: an instance that does not answer (frozen, unreachable) delays nobody else's
+ * reports, so the others never look stalled. A call holds a reference to its instance; the
+ * registry is destroyed only once no call is in flight (n_polls). */
+typedef struct {
+    rtr_registry *r;
+    rtr_instance *in;
+    bool got;
+} poll_ctx;
+
+static void poll_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user)
+{
+    (void)c;
+    poll_ctx *x = user;
+    x->got = true;
+    rpc_status ok = {RPC_STATUS_OK, ""};
+    apply_report(x->r, x->in, msg, &ok);
+    protobuf_c_message_free_unpacked(msg, NULL);
+}
+
+static void poll_on_done(rpc_client_call *c, const rpc_status *st, void *user)
+{
+    (void)c;
+    poll_ctx *x = user;
+    rtr_registry *r = x->r;
+    if (!x->got) {
+        rpc_status bad = *st;
+        if (bad.code == RPC_STATUS_OK) bad.code = RPC_STATUS_INTERNAL; /* (no message) */
+        apply_report(r, x->in, NULL, &bad);
+    }
+    pthread_mutex_lock(&r->mu);
+    x->in->polling = false;
+    x->in->next_poll_ms = now_ms() + r->p.poll_ms;
+    r->n_polls--;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    rtr_instance_unref(x->in);
+    free(x);
+}
+
+/* Starts the reports that are due (no lock held). */
+static void poll_due(rtr_registry *r)
+{
+    rtr_instance *due[MAX_INST];
+    int n = 0;
+    const int64_t t = now_ms();
+    pthread_mutex_lock(&r->mu);
+    for (int i = 0; i < r->n_inst && !r->stop; i++) {
+        rtr_instance *in = r->inst[i];
+        if (in->polling || t < in->next_poll_ms) continue;
+        in->polling = true;
+        r->n_polls++;
+        rtr_instance_ref(in);
+        due[n++] = in;
+    }
+    pthread_mutex_unlock(&r->mu);
+    Pdserve__Internal__V1__LoadReportRequest q = PDSERVE__INTERNAL__V1__LOAD_REPORT_REQUEST__INIT;
+    for (int i = 0; i < n; i++) {
+        poll_ctx *x = calloc(1, sizeof *x);
+        rpc_client_call *call = NULL;
+        char err[PD_ERR_LEN] = "out of memory";
+        int rc = PD_ENOMEM;
+        if (x) {
+            *x = (poll_ctx){r, due[i], false};
+            rpc_client_callbacks cb = {poll_on_message, poll_on_done, x};
+            rc = rpc_client_call_start(due[i]->ch, "/pdserve.internal.v1.Instance/LoadReport",
+                                       &q.base, &pdserve__internal__v1__load_report_response__descriptor,
+                                       r->p.report_timeout_ms, &cb, &call, err);
+        }
+        if (rc == 0) {
+            rpc_client_call_release(call); /* it runs on; its callbacks clean up */
+            continue;
+        }
+        rpc_status st = {RPC_STATUS_INTERNAL, ""};
+        snprintf(st.details, sizeof st.details, "%s", err);
+        apply_report(r, due[i], NULL, &st);
+        pthread_mutex_lock(&r->mu);
+        due[i]->polling = false;
+        due[i]->next_poll_ms = now_ms() + r->p.poll_ms;
+        r->n_polls--;
+        pthread_cond_broadcast(&r->cv);
+        pthread_mutex_unlock(&r->mu);
+        rtr_instance_unref(due[i]);
+        free(x);
+    }
 }
 
 static void *poller(void *arg)
 {
     rtr_registry *r = arg;
-    int64_t next_resolve = now_ms() + r->p.resolve_ms;
+    int64_t next_resolve = now_ms() + r->p.resolve_ms, next_round = now_ms();
+    /* Wakes often enough to start each instance's report on time (and to notice stalls). */
+    const int64_t tick = r->p.poll_ms < 50 ? r->p.poll_ms : 50;
     for (;;) {
         pthread_mutex_lock(&r->mu);
-        if (r->stop) {
-            pthread_mutex_unlock(&r->mu);
-            break;
-        }
-        int n = r->n_inst;
-        rtr_instance *snap[MAX_INST];
-        for (int i = 0; i < n; i++) {
-            snap[i] = r->inst[i];
-            rtr_instance_ref(snap[i]);
-        }
+        bool stop = r->stop;
         pthread_mutex_unlock(&r->mu);
-        for (int i = 0; i < n; i++) {
-            pthread_mutex_lock(&r->mu);
-            bool stop = r->stop;
-            pthread_mutex_unlock(&r->mu);
-            if (!stop) poll_one(r, snap[i]); /* stopping: skip, an instance may be draining */
-            rtr_instance_unref(snap[i]);
-        }
+        if (stop) break;
+        poll_due(r);
         if (now_ms() >= next_resolve) {
             resolve(r);
             next_resolve = now_ms() + r->p.resolve_ms;
         }
-        if (r->p.on_poll) r->p.on_poll(r->p.on_poll_arg);
+        if (r->p.on_poll && now_ms() >= next_round) {
+            r->p.on_poll(r->p.on_poll_arg);
+            next_round = now_ms() + r->p.poll_ms;
+        }
         pthread_mutex_lock(&r->mu);
         if (!r->stop) {
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += (long)(r->p.poll_ms % 1000) * 1000000;
-            ts.tv_sec += r->p.poll_ms / 1000 + ts.tv_nsec / 1000000000;
+            ts.tv_nsec += (long)(tick % 1000) * 1000000;
+            ts.tv_sec += tick / 1000 + ts.tv_nsec / 1000000000;
             ts.tv_nsec %= 1000000000;
             pthread_cond_timedwait(&r->cv, &r->mu, &ts);
         }
@@ -391,13 +488,54 @@ void rtr_registry_destroy(rtr_registry *r)
     pthread_cond_broadcast(&r->cv);
     pthread_mutex_unlock(&r->mu);
     if (running) pthread_join(r->thread, NULL);
+    /* Reports in flight end within their deadline (report_timeout_ms). */
+    pthread_mutex_lock(&r->mu);
+    while (r->n_polls > 0) pthread_cond_wait(&r->cv, &r->mu);
+    pthread_mutex_unlock(&r->mu);
     for (int i = 0; i < r->n_inst; i++) rtr_instance_unref(r->inst[i]);
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cv);
     free(r);
 }
 
-static bool usable(const rtr_instance *i) { return i->present && i->healthy && !i->draining; }
+/* No progress for stall_ms (mu held): no report got through, or its engine's steps stood
+ * still while it had running sequences. */
+static bool stalled(const rtr_registry *r, const rtr_instance *i)
+{
+    return r->p.stall_ms > 0 && now_ms() - i->progress_ms > r->p.stall_ms;
+}
+
+/* Whether i can take work now (mu held). */
+static bool usable(const rtr_registry *r, const rtr_instance *i)
+{
+    return i->present && i->healthy && !i->draining && !stalled(r, i);
+}
+
+bool rtr_instance_stalled(rtr_registry *r, rtr_instance *i)
+{
+    pthread_mutex_lock(&r->mu);
+    bool s = stalled(r, i);
+    pthread_mutex_unlock(&r->mu);
+    return s;
+}
+
+int rtr_registry_stalled(rtr_registry *r)
+{
+    pthread_mutex_lock(&r->mu);
+    int n = 0;
+    for (int k = 0; k < r->n_inst; k++) {
+        rtr_instance *i = r->inst[k];
+        const bool s = stalled(r, i);
+        n += s;
+        if (s == i->stalled) continue;
+        i->stalled = s; /* logged once per episode */
+        if (s) PD_LOGW("instance %s made no progress for %lld ms: stalled (its requests move "
+                       "elsewhere)", i->addr, (long long)r->p.stall_ms);
+        else PD_LOGI("instance %s makes progress again", i->addr);
+    }
+    pthread_mutex_unlock(&r->mu);
+    return n;
+}
 
 rtr_instance *rtr_pick_decode(rtr_registry *r, const rtr_instance *exclude)
 {
@@ -406,7 +544,7 @@ rtr_instance *rtr_pick_decode(rtr_registry *r, const rtr_instance *exclude)
     int64_t best_score = INT64_MIN;
     for (int i = 0; i < r->n_inst; i++) {
         rtr_instance *in = r->inst[i];
-        if (in->prefill || !usable(in) || in == exclude) continue;
+        if (in->prefill || !usable(r, in) || in == exclude) continue;
         if (in->role == PDSERVE__INTERNAL__V1__ROLE__ROLE_PREFILL) continue;
         int64_t score = (in->free_blocks - in->local_blocks) * 1024 - (in->running + in->waiting);
         if (score > best_score) {
@@ -437,7 +575,7 @@ rtr_instance *rtr_pick_prefill(rtr_registry *r, const Pdserve__Internal__V1__KvL
     for (int i = 0; i < r->n_inst; i++) {
         rtr_instance *in = r->inst[i];
         if (aff_id && in->id == aff_id) aff = in; /* still registered */
-        if (!in->prefill || !usable(in) || in == exclude) continue;
+        if (!in->prefill || !usable(r, in) || in == exclude) continue;
         if (layout && in->has_layout && !same_layout(layout, &in->layout)) continue;
         int64_t load = in->queued_tokens + in->local_tokens;
         if (load < best_load) {
@@ -447,7 +585,7 @@ rtr_instance *rtr_pick_prefill(rtr_registry *r, const Pdserve__Internal__V1__KvL
     }
     /* Prefix affinity: the instance that computed this prefix last has it in its cache; take
      * it unless it is busier than the best by more than the work the cache saves. */
-    if (aff && aff->prefill && aff != best && aff != exclude && usable(aff) &&
+    if (aff && aff->prefill && aff != best && aff != exclude && usable(r, aff) &&
         (!layout || !aff->has_layout || same_layout(layout, &aff->layout)) &&
         aff->queued_tokens + aff->local_tokens <= best_load + n_prompt)
         best = aff;
@@ -472,7 +610,7 @@ bool rtr_prefill_layout_mismatch(rtr_registry *r, const Pdserve__Internal__V1__K
     pthread_mutex_lock(&r->mu);
     for (int i = 0; i < r->n_inst && !found; i++) {
         const rtr_instance *in = r->inst[i];
-        if (!in->prefill || !usable(in) || !in->has_layout || same_layout(layout, &in->layout))
+        if (!in->prefill || !usable(r, in) || !in->has_layout || same_layout(layout, &in->layout))
             continue;
         found = true;
         snprintf(msg, n, "no prefill instance has the decode instance's KV layout (decode: %s, "
@@ -509,6 +647,7 @@ rtr_registry_params rtr_registry_default_params(void)
     p.poll_ms = 500;
     p.resolve_ms = 10000;
     p.report_timeout_ms = 2000;
+    p.stall_ms = 1500;
     return p;
 }
 
@@ -581,7 +720,7 @@ int64_t rtr_prefill_backlog_min(rtr_registry *r)
     int64_t best = INT64_MAX;
     for (int i = 0; i < r->n_inst; i++) {
         const rtr_instance *in = r->inst[i];
-        if (!in->prefill || !usable(in)) continue;
+        if (!in->prefill || !usable(r, in)) continue;
         int64_t load = in->queued_tokens + in->local_tokens;
         if (load < best) best = load;
     }
@@ -595,7 +734,7 @@ double rtr_prefill_wait_min(rtr_registry *r, int64_t extra_tokens)
     double best = -1.0;
     for (int i = 0; i < r->n_inst; i++) {
         const rtr_instance *in = r->inst[i];
-        if (!in->prefill || !usable(in)) continue;
+        if (!in->prefill || !usable(r, in)) continue;
         if (!(in->prefill_rate > 0)) { /* one without a measured rate: no estimate */
             best = -1.0;
             break;
@@ -611,7 +750,7 @@ int rtr_prefill_usable(rtr_registry *r)
 {
     pthread_mutex_lock(&r->mu);
     int n = 0;
-    for (int i = 0; i < r->n_inst; i++) n += r->inst[i]->prefill && usable(r->inst[i]);
+    for (int i = 0; i < r->n_inst; i++) n += r->inst[i]->prefill && usable(r, r->inst[i]);
     pthread_mutex_unlock(&r->mu);
     return n;
 }
@@ -622,7 +761,7 @@ void rtr_registry_counts(rtr_registry *r, int *n_prefill, int *n_decode, int *he
     *n_prefill = *n_decode = *healthy = 0;
     for (int i = 0; i < r->n_inst; i++) {
         if (r->inst[i]->prefill) (*n_prefill)++; else (*n_decode)++;
-        if (usable(r->inst[i])) (*healthy)++;
+        if (usable(r, r->inst[i])) (*healthy)++;
     }
     pthread_mutex_unlock(&r->mu);
 }

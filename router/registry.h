@@ -30,6 +30,10 @@ typedef struct {
     int64_t poll_ms;              /* load report period */
     int64_t resolve_ms;           /* DNS re-resolution period */
     int64_t report_timeout_ms;    /* a load report slower than this marks the instance down */
+    int64_t stall_ms;             /* no progress this long (no report got through, or its
+                                     engine steps stood still with sequences running): the
+                                     instance is stalled, unusable until it progresses again
+                                     (0 = never) */
     rpc_client_tls tls;           /* TLS of the channels to instances (strings borrowed, must
                                      outlive the registry); ca_file unset = plaintext. Without
                                      server_name, each channel expects the host as written in
@@ -41,7 +45,8 @@ typedef struct {
     void *on_poll_arg;
 } rtr_registry_params;
 
-/* Defaults: no instances, poll 500 ms, resolve 10 s, report timeout 2 s, getaddrinfo. */
+/* Defaults: no instances, poll 500 ms, resolve 10 s, report timeout 2 s, stall 1.5 s,
+ * getaddrinfo. */
 rtr_registry_params rtr_registry_default_params(void);
 
 int rtr_registry_create(const rtr_registry_params *p, rtr_registry **out, char *err);
@@ -78,6 +83,12 @@ void rtr_instance_failed(rtr_instance *i);
 
 /* Lookups that failed since start (each kept the name's last known addresses). */
 int64_t rtr_registry_resolve_failures(rtr_registry *r);
+
+/* Whether i made no progress for stall_ms (see rtr_registry_params): its requests should
+ * move elsewhere. */
+bool rtr_instance_stalled(rtr_registry *r, rtr_instance *i);
+/* Instances stalled now (logs each one's changes). */
+int rtr_registry_stalled(rtr_registry *r);
 
 /* Prefill instances that can take a prompt now (up, healthy, not draining). */
 int rtr_prefill_usable(rtr_registry *r);

@@ -156,6 +156,7 @@ typedef struct rreq {
     uint32_t max_completion;         /* of the longest choice (TPOT) */
     bool where_counted;              /* the prefill decision went into the metric */
     bool gate_passed;                /* admitted by the prefill gate (mu) */
+    struct rreq *live_next, *live_prev; /* the list of live requests (g_live.mu) */
     /* The prefill gate's (under g_gate.mu): */
     struct rreq *gate_next, *gate_prev;
     bool gate_queued;                /* in the waiting list (holding a reference) */
@@ -340,9 +341,12 @@ static void reject(rpc_call *call, rpc_status_code code, const char *fmt, ...)
     rpc_stream_finish(call, code, "%s", msg);
 }
 
+static void live_remove(rreq *r);
+
 static void rreq_unref(rreq *r)
 {
     if (atomic_fetch_sub(&r->refs, 1) != 1) return;
+    live_remove(r); /* before the memory goes: the watcher may be looking at it */
     gate_release(r);
     rtr_instance_unref(r->dec);
     rtr_instance_unref(r->pre);
@@ -1062,6 +1066,112 @@ static bool migrate_locked(rreq *r, const char *reason, const rtr_instance *excl
     return true;
 }
 
+/* ---- stall watch ----
+ * Every live request is in a list, so that when an instance stalls (no progress for
+ * --stall-timeout-ms: frozen, unreachable, or its engine stuck; see the registry) the watcher
+ * thread moves the requests it holds: a Decode stream resumes elsewhere (migrate_locked,
+ * "stalled"), a prompt waiting on a stalled prefill instance starts again. The frozen
+ * instance's calls are cancelled; when it runs again it frees what they held.
+ *
+ * Lock order: g_live.mu is a leaf. The watcher takes a reference to a listed request only
+ * while its count is above zero, and the last unref removes the request under g_live.mu
+ * before freeing it, so the watcher never revives a request being freed; it locks requests
+ * one at a time, with g_live.mu released. */
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    rreq *head;
+    bool stop, started;
+    pthread_t th;
+} g_live = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static void live_add(rreq *r)
+{
+    pthread_mutex_lock(&g_live.mu);
+    r->live_prev = NULL;
+    r->live_next = g_live.head;
+    if (g_live.head) g_live.head->live_prev = r;
+    g_live.head = r;
+    pthread_mutex_unlock(&g_live.mu);
+}
+
+static void live_remove(rreq *r)
+{
+    pthread_mutex_lock(&g_live.mu);
+    if (r->live_prev) r->live_prev->live_next = r->live_next;
+    else if (g_live.head == r) g_live.head = r->live_next;
+    if (r->live_next) r->live_next->live_prev = r->live_prev;
+    r->live_next = r->live_prev = NULL;
+    pthread_mutex_unlock(&g_live.mu);
+}
+
+/* Takes a reference unless the count already reached zero (the request is being freed). */
+static bool try_ref(rreq *r)
+{
+    int n = atomic_load(&r->refs);
+    while (n > 0)
+        if (atomic_compare_exchange_weak(&r->refs, &n, n + 1)) return true;
+    return false;
+}
+
+/* Moves r off a stalled instance (see above). */
+static void unstall(rreq *r)
+{
+    pthread_mutex_lock(&r->mu);
+    if (!r->finished && r->dcall && r->dec && rtr_instance_stalled(g.reg, r->dec)) {
+        rtr_instance *prev = r->dec;
+        rtr_instance_ref(prev);
+        if (!migrate_locked(r, "stalled", prev, false))
+            finish_locked(r, RPC_STATUS_UNAVAILABLE, "its decode instance stopped making progress");
+        rtr_instance_unref(prev);
+    } else if (!r->finished && r->pcall && !r->first_sent && r->pre &&
+               rtr_instance_stalled(g.reg, r->pre)) {
+        if (!migrate_locked(r, "stalled", NULL, false))
+            finish_locked(r, RPC_STATUS_UNAVAILABLE, "its prefill instance stopped making progress");
+    }
+    rreq_unlock(r);
+}
+
+static void *watch_loop(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&g_live.mu);
+    while (!g_live.stop) {
+        pthread_mutex_unlock(&g_live.mu);
+        if (rtr_registry_stalled(g.reg) > 0) {
+            /* the listed requests, referenced, then each on its own */
+            size_t n = 0, cap = 0;
+            rreq **v = NULL;
+            pthread_mutex_lock(&g_live.mu);
+            for (rreq *r = g_live.head; r; r = r->live_next) {
+                if (n == cap) {
+                    size_t nc = cap ? 2 * cap : 256;
+                    rreq **nv = realloc(v, nc * sizeof *nv);
+                    if (!nv) break; /* out of memory: the rest next time */
+                    v = nv;
+                    cap = nc;
+                }
+                if (try_ref(r)) v[n++] = r;
+            }
+            pthread_mutex_unlock(&g_live.mu);
+            for (size_t i = 0; i < n; i++) {
+                unstall(v[i]);
+                rreq_unref(v[i]);
+            }
+            free(v);
+        }
+        pthread_mutex_lock(&g_live.mu);
+        if (g_live.stop) break;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 100 * 1000000;
+        if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
+        pthread_cond_timedwait(&g_live.cv, &g_live.mu, &ts);
+    }
+    pthread_mutex_unlock(&g_live.mu);
+    return NULL;
+}
+
 /* ---- public API ---- */
 
 static void on_cancel(rpc_call *call, void *user)
@@ -1178,6 +1288,7 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
     }
     atomic_init(&r->refs, 1);
     pthread_mutex_init(&r->mu, NULL);
+    live_add(r);
     r->t_arrival = t_arrival;
     if (q->request_id && q->request_id[0]) snprintf(r->request_id, sizeof r->request_id, "%s", q->request_id);
     else snprintf(r->request_id, sizeof r->request_id, "req-%llu", (unsigned long long)atomic_fetch_add(&g.next_id, 1));
@@ -1481,7 +1592,7 @@ int main(int argc, char **argv)
      * 4096 busy tokens workload A's goodput went from 22.5 to 39 req/s and B's from 18 to 12
      * (both above colocated: 27 and 8). */
     int64_t local_max_tokens = 64, prefill_busy_tokens = 4096, prefill_queue_tokens = 16384;
-    int64_t max_migrations = 3;
+    int64_t max_migrations = 3, stall_ms = 1500;
     double busy_tpot_fraction = 0.8, busy_ttft_fraction = 0.5;
     pd_flag flags[] = {
         {"model", PD_FLAG_STRING, &model, "model directory (tokenizer.json, config.json)", 1, 0},
@@ -1507,6 +1618,7 @@ int main(int argc, char **argv)
         {"prefill-busy-tpot-fraction", PD_FLAG_DOUBLE, &busy_tpot_fraction, "auto, with --slo-tpot-ms: the --prefill-busy-tokens rule computes a prompt on a decode instance only while the TPOT of the requests it decoded (a moving average) is below this fraction of the objective", 0, 10},
         {"prefill-queue-tokens", PD_FLAG_INT, &prefill_queue_tokens, "reserve late: prompt tokens per prefill instance that may be admitted (decode blocks reserved, sent to prefill) and not yet prefilled; later requests wait in the router holding nothing (0 = admit at once)", 0, 1ll << 40},
         {"max-migrations", PD_FLAG_INT, &max_migrations, "times one request may be restarted on another instance after its instance died, froze, drained or failed a step (streams resume from the tokens sent, token-exact; 0 = never: the request fails)", 0, 100},
+        {"stall-timeout-ms", PD_FLAG_INT, &stall_ms, "an instance with no progress this long (its load reports stop, or its engine steps stand still while it has running sequences) is stalled: no new work, and its requests move elsewhere (0 = off; keep it above the longest engine step)", 0, 3600000},
         {"http-listen", PD_FLAG_STRING, &http_listen, "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on host:port (port 0 = any free port, printed as HTTP_PORT; unset = off)", 1, 0},
         {"metrics-port", PD_FLAG_INT, &metrics_port, "Prometheus /metrics HTTP port on the --listen host (-1 = off, 0 = any free port)", -1, 65535},
         {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
@@ -1609,6 +1721,7 @@ int main(int argc, char **argv)
     rp.resolve_ms = resolve_ms;
     rp.tls = itls;
     rp.on_poll = update_health;
+    rp.stall_ms = stall_ms;
     if (rtr_registry_create(&rp, &g.reg, err) < 0) {
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
@@ -1644,6 +1757,11 @@ int main(int argc, char **argv)
         }
         g_gate.started = true;
     }
+    if (pthread_create(&g_live.th, NULL, watch_loop, NULL) != 0) {
+        fprintf(stderr, "pdserve-router: cannot start the stall watcher's thread\n");
+        goto out;
+    }
+    g_live.started = true;
     int np, nd, nh;
     rtr_registry_counts(g.reg, &np, &nd, &nh);
     PD_LOGI("pdserve-router serving %s on port %d: %d prefill, %d decode instances (%d up)%s",
@@ -1677,6 +1795,13 @@ out:
         pthread_cond_signal(&g_gate.cv);
         pthread_mutex_unlock(&g_gate.mu);
         pthread_join(g_gate.th, NULL);
+    }
+    if (g_live.started) {
+        pthread_mutex_lock(&g_live.mu);
+        g_live.stop = true;
+        pthread_cond_signal(&g_live.cv);
+        pthread_mutex_unlock(&g_live.mu);
+        pthread_join(g_live.th, NULL);
     }
     rtr_http_stop(http); /* after the drain: its calls ended */
     rpc_server_destroy(g.server);

@@ -389,6 +389,7 @@ static void load_report(rpc_call *call, const ProtobufCMessage *req, void *user)
     r.waiting_seqs = (uint32_t)l.n_waiting;
     r.queued_prefill_tokens = (uint64_t)l.queued_prompt_tokens;
     r.prefill_tokens_per_second = l.prefill_tok_per_s;
+    r.steps = (uint64_t)l.stats.steps;
     /* Reservations wait for their KV: they are queued work the router must see. */
     int64_t nres = atomic_load(&inst->reservations);
     r.waiting_seqs = (uint32_t)(l.n_waiting + (nres > 0 ? nres : 0));
