@@ -18,6 +18,12 @@
 
 #define KVT_OP_CHUNK 256
 #define KVT_TICK_NS 1000000000ll /* rescan at least this often while transfers are active */
+/* A deadline check that runs this much later than planned means this process itself was
+ * frozen (SIGSTOP, a stopped VM) or starved: not its peers' fault. Deadlines then wait
+ * KVT_GRACE_NS more, so that what the peers sent meanwhile (aborts, completions, the router's
+ * cancels) is read before any of them is blamed. */
+#define KVT_LATE_NS 1000000000ll
+#define KVT_GRACE_NS 2000000000ll
 
 kvt_params kvt_default_params(void)
 {
@@ -328,7 +334,17 @@ int kvt_progress(kvt_ctx *ctx)
     int total = 0;
     if (ctx->next_deadline_check != INT64_MAX) {
         int64_t now = kvt__now_ns();
-        if (now >= ctx->next_deadline_check) check_deadlines(ctx, now);
+        if (ctx->next_deadline_check > 0 && now - ctx->next_deadline_check > KVT_LATE_NS) {
+            PD_LOGW("kvt[%s]: this process ran %.1f s late (frozen or starved): its transfer "
+                    "deadlines wait %.0f s more before blaming a peer", ctx->name,
+                    (double)(now - ctx->next_deadline_check) / 1e9, (double)KVT_GRACE_NS / 1e9);
+            ctx->grace_until = now + KVT_GRACE_NS;
+            ctx->st.late_wakeups++;
+        }
+        if (now >= ctx->next_deadline_check) {
+            if (now < ctx->grace_until) ctx->next_deadline_check = ctx->grace_until;
+            else check_deadlines(ctx, now);
+        }
     }
     for (int round = 0; round < 64; round++) {
         int n = 0;

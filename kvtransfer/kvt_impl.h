@@ -413,6 +413,7 @@ struct kvt_ctx {
     uint32_t next_gen;
     uint64_t next_pool_id;
     int64_t next_deadline_check;
+    int64_t grace_until;    /* ns: no deadline fires before (this process ran late) */
     kvt_stats st;
     int32_t peers_by_transport[5];
     bool has_shm;   /* a shared-memory transport is loaded */

@@ -225,6 +225,8 @@ typedef struct {
     kvt_transport last_transport;        /* of the most recently established connection */
     kvt_path last_path;                  /* sender: the data path of the newest target */
     char last_transport_name[64];        /* e.g. "sysv/memory" or "tcp/lo" */
+    uint64_t late_wakeups;               /* deadline checks that ran > 1 s late: this process
+                                            was frozen or starved, and its deadlines waited */
 } kvt_stats;
 void kvt_ctx_stats(const kvt_ctx *ctx, kvt_stats *out);
 

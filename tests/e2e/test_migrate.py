@@ -8,13 +8,17 @@ a few OpenAI HTTP streams run once unfaulted, then again while one decode instan
   - killed with SIGKILL once every stream has its first token ("kill"), or
   - frozen with SIGSTOP for 10 s ("stop"; the router must see the stall by itself: its load
     reports stop, and migrate the streams), then continued with SIGCONT;
-every stream must complete with exactly the unfaulted tokens, text, finish reason and usage
+The same for the only prefill instance ("prefill-kill", "prefill-stop"; prefill slowed and
+fed 256 tokens a step, so that prompts wait there at the fault): the prompts move to the
+decode instances (the prefill pool is down); after SIGCONT a prefill instance that had
+transfers in flight blames no peer for its own freeze (its deadlines wait: "ran ... late").
+Every stream must complete with exactly the unfaulted tokens, text, finish reason and usage
 (the client sees one stream: nothing missing or repeated), the router must count the
 migrations, and afterwards every KV block is free on the surviving instances (a SIGCONT'ed
 instance frees the requests the router cancelled on it). The largest gap between two messages
 of a stream is printed (not asserted: no timing in tests).
 
-usage: test_migrate.py BIN_DIR SHARED_DIR PROTO_DIR [kill|stop ...]"""
+usage: test_migrate.py BIN_DIR SHARED_DIR PROTO_DIR [kill|stop|prefill-kill|prefill-stop ...]"""
 import http.client, json, os, signal, sys, threading, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -24,7 +28,7 @@ H = eu.Harness(sys.argv[:4])
 pb, pbg, check = H.pb, H.pbg, H.check
 import grpc
 
-SCENARIOS = sys.argv[4:] or ["kill", "stop"]
+SCENARIOS = sys.argv[4:] or ["kill", "stop", "prefill-kill", "prefill-stop"]
 N = 200
 N_HTTP = 8
 MAX_TOKENS = 40
@@ -84,9 +88,10 @@ def run_http(port, k, out):
     except Exception as e:  # noqa: BLE001 -- reported as a failed stream
         out[k] = ("error", str(e), None)
 
-def run_all(rtr_port, http_port, fault=None):
+def run_all(rtr_port, http_port, fault=None, early=False):
     """Runs every stream at once; fault(progress) is called once every gRPC stream has its
-    first token (or ended). Returns (grpc results, http results, what fault returned)."""
+    first token (or ended), or with early once any has. Returns (grpc results, http results,
+    what fault returned)."""
     ch = grpc.insecure_channel("127.0.0.1:%d" % rtr_port)
     stub = pbg.GenerationStub(ch)
     out, progress, hout = [None] * N, [0] * N, [None] * N_HTTP
@@ -96,7 +101,8 @@ def run_all(rtr_port, http_port, fault=None):
         t.start()
     got = None
     if fault:
-        eu.wait_until(lambda: all(p != 0 for p in progress), 60)
+        eu.wait_until(lambda: any(p != 0 for p in progress) if early
+                      else all(p != 0 for p in progress), 60)
         got = fault(progress)
     for t in ths:
         t.join(180)
@@ -110,9 +116,15 @@ def scenario(name):
     common = ["--model", H.model, "--backend", "cpu", "--listen", "127.0.0.1:0", "--metrics-port", "0",
               "--kv-cache-mb", "64"]
     slow = dict(H.env, PDSERVE_FAULT_STEP_DELAY_MS="40")
-    pre = H.start("pdserve-prefill", *common, tag="prefill-" + name)
+    on_prefill = name.startswith("prefill")
+    pre = H.start("pdserve-prefill", *common,
+                  *(["--max-num-batched-tokens", "256"] if on_prefill else []), tag="prefill-" + name,
+                  env=dict(H.env, PDSERVE_FAULT_STEP_DELAY_MS="300") if on_prefill else None)
+    victim = pre if on_prefill else None
     d1 = H.start("pdserve-decode", *common, tag="decode1-" + name, env=slow)
     d2 = H.start("pdserve-decode", *common, tag="decode2-" + name, env=slow)
+    victim = victim or d1
+    frozen = name.endswith("stop")
     rtr = H.start("pdserve-router", "--model", H.model, "--listen", "127.0.0.1:0", "--metrics-port", "0",
                   "--prefill", "127.0.0.1:%d" % pre.port,
                   "--decode", "127.0.0.1:%d,127.0.0.1:%d" % (d1.port, d2.port),
@@ -128,20 +140,21 @@ def scenario(name):
 
     def fault(progress):
         running = sum(1 for p in progress if p > 0)
-        if name == "kill":
-            d1.p.send_signal(signal.SIGKILL)
-            d1.p.wait()
+        waiting = sum(1 for p in progress if p == 0)
+        if frozen:
+            victim.p.send_signal(signal.SIGSTOP)
         else:
-            d1.p.send_signal(signal.SIGSTOP)
-        t0 = time.time()
-        return running, t0
+            victim.p.send_signal(signal.SIGKILL)
+            victim.p.wait()
+        return running, waiting, time.time()
 
-    out, hout, (running, t_fault) = run_all(rtr.port, http_port, fault)
-    print("%s: %d streams had tokens and were going at the fault" % (name, running))
-    if name == "stop":
-        # the frozen instance's streams went elsewhere while it slept: continue it
+    out, hout, (running, waiting, t_fault) = run_all(rtr.port, http_port, fault, early=on_prefill)
+    print("%s: at the fault %d streams had tokens and were going, %d had none yet"
+          % (name, running, waiting))
+    if frozen:
+        # the frozen instance's work went elsewhere while it slept: continue it
         time.sleep(max(0.0, 10 - (time.time() - t_fault)))
-        d1.p.send_signal(signal.SIGCONT)
+        victim.p.send_signal(signal.SIGCONT)
     errs = [(i, out[i]) for i in range(N) if out[i] is None or out[i][0] == "error"]
     check(not errs, "%s: all %d streams complete (%d failed: %s)" % (name, N, len(errs), errs[:3]))
     def same(a, b):
@@ -164,15 +177,19 @@ def scenario(name):
         max(o[5] for o in out if o and o[0] != "error")))
     check(moved >= 1, "%s: the router counts the streams it moved (pdserve_router_migrations_total "
           "= %d)" % (name, moved))
-    survivors = [pre, d2] + ([d1] if name == "stop" else [])
+    survivors = [p for p in (pre, d1, d2) if frozen or p is not victim]
     check(eu.wait_until(lambda: free_blocks_back(survivors), 20),
           "%s: every KV block is free afterwards on %d instances" % (name, len(survivors)))
-    if name == "stop":
-        check(d1.p.poll() is None, "stop: the frozen instance runs on after SIGCONT")
+    if frozen:
+        check(victim.p.poll() is None, "%s: the frozen instance runs on after SIGCONT" % name)
         ok = eu.generate(pb, pbg.GenerationStub(grpc.insecure_channel("127.0.0.1:%d" % rtr.port)),
                          timeout=60, **request(4))[0]
-        check(ok == ref[4][0][0], "stop: the router serves again after SIGCONT")
-    H.stop([rtr, pre, d2] + ([d1] if name == "stop" else []))
+        check(ok == ref[4][0][0], "%s: the router serves again after SIGCONT" % name)
+    if name == "prefill-stop":  # (only when a transfer was in flight at the SIGSTOP)
+        late = "late (frozen or starved)" in open(victim.log).read()
+        print("prefill-stop: the prefill instance %s its own freeze" % ("noticed" if late else
+                                                                        "had no transfer deadline at"))
+    H.stop([rtr] + survivors)
 
 try:
     for s in SCENARIOS:
