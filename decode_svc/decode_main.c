@@ -25,6 +25,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/svc/svc.h"
+#include "common/svc/svc_auth.h"
 #include "common/svc/svc_kvt.h"
 #include "common/svc/svc_metrics.h"
 #include "common/svc/svc_serve.h"
@@ -62,6 +63,7 @@ typedef struct dreq {
     /* EndChoice (under g.keys_mu): */
     uint64_t end_key;           /* DecodeRequest.end_key; 0 = not in the table */
     char peer[64];              /* the Decode caller's host: only it may end choices */
+    char who[SVC_IDENTITY_LEN]; /* the caller's identity (svc_auth.h): its reservation share */
     struct dreq *key_next;      /* its bucket's chain */
     struct dchoice {            /* engine thread only */
         uint32_t *pend;         /* tokens not yet sent (the stream queue was full) */
@@ -73,10 +75,10 @@ typedef struct dreq {
 /* Buckets of the end_key table (a chain each). */
 #define KEY_BUCKETS 1024
 
-/* Reserved blocks per caller (peer host), for the per-caller limit. */
+/* Reserved blocks per caller (its identity: svc_auth.h), for the per-caller limit. */
 #define MAX_CALLERS 256
 typedef struct {
-    char host[64];
+    char host[SVC_IDENTITY_LEN]; /* the caller's identity (svc_auth_identity) */
     int64_t blocks;             /* blocks of this caller's reservations waiting for KV */
     int64_t n;                  /* those reservations */
 } caller_slot;
@@ -95,6 +97,7 @@ typedef struct {
     atomic_uint_fast64_t next_id;
     int64_t default_max_tokens;
     bool colocated;
+    bool auth_secret;           /* --kv-secret-file: callers identify with signed tokens */
     /* Admission of reservations (--max-reserved-share*, --reservation-timeout-ms). */
     double resv_share, resv_share_caller;
     int64_t resv_timeout_ms;
@@ -600,13 +603,19 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
     r->n_choices = q->n > 1 ? (int32_t)q->n : 1;
     snprintf(r->peer, sizeof r->peer, "?");
     rpc_call_peer(call, r->peer, sizeof r->peer);
+    /* Reservation shares by identity: a verified certificate or a caller token signed with
+     * the shared secret has a share of its own; with the secret set, every caller without
+     * one (any process that reaches the port) shares a single share, so none of them can
+     * take an authenticated router's (issue #38). Without either, by host address. */
+    svc_auth_identity(call, r->who, sizeof r->who);
+    if (g.auth_secret && !strncmp(r->who, "addr:", 5)) snprintf(r->who, sizeof r->who, "anonymous");
     if (!r->local_prefill) {
         /* Admission: reservations hold blocks until a prefill instance fills them, so each
          * caller gets a bounded share of the pool (the prompt's blocks and the first token). */
         int32_t bs = g.model.ep.block_size;
-        if (resv_take(r, r->peer, (r->n_prompt + 1 + bs - 1) / bs, err) < 0) {
+        if (resv_take(r, r->who, (r->n_prompt + 1 + bs - 1) / bs, err) < 0) {
             pd_metric_add(g.m_resv_refused, 1);
-            PD_LOGD("decode request %s from %s refused: %s", q->request_id, r->peer, err);
+            PD_LOGD("decode request %s from %s (%s) refused: %s", q->request_id, r->peer, r->who, err);
             finish_call(r, RPC_STATUS_RESOURCE_EXHAUSTED, err);
             free(prompt);
             dreq_unref(r);
@@ -743,6 +752,12 @@ int main(int argc, char **argv)
     const char *listen = sf.listen;
     char err[PD_ERR_LEN];
     int status = 1;
+    if (svc_auth_load_secret(sf.kv_secret_file, err) < 0) {
+        fprintf(stderr, "pdserve-decode: --kv-secret-file: %s\n", err);
+        pd_flags_free();
+        return 2;
+    }
+    g.auth_secret = sf.kv_secret_file && sf.kv_secret_file[0];
     g.colocated = colocated;
     g.default_max_tokens = sf.default_max_tokens;
     g.resv_share = resv_share;

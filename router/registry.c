@@ -26,6 +26,9 @@ struct rtr_instance {
     char name[RTR_ADDR_LEN];      /* the list entry it was resolved from ("host:port") */
     bool prefill;                 /* from the --prefill list */
     rpc_channel *ch;
+    rpc_channel *rch;             /* load reports: a channel (and completion thread) of their
+                                     own, so that a flood of token messages on ch never delays
+                                     a report into a false stall */
     /* guarded by the registry mutex */
     bool present;                 /* still resolved */
     bool healthy;                 /* last load report succeeded */
@@ -76,6 +79,7 @@ void rtr_instance_ref(rtr_instance *i) { atomic_fetch_add(&i->refs, 1); }
 void rtr_instance_unref(rtr_instance *i)
 {
     if (!i || atomic_fetch_sub(&i->refs, 1) != 1) return;
+    rpc_channel_destroy(i->rch);
     rpc_channel_destroy(i->ch);
     free(i);
 }
@@ -205,8 +209,9 @@ static rtr_instance *instance_new(rtr_registry *r, const found_addr *a)
     if (cp.tls.ca_file && *cp.tls.ca_file && !(cp.tls.server_name && *cp.tls.server_name))
         cp.tls.server_name = a->host; /* the name the certificate carries */
     char err[PD_ERR_LEN];
-    if (rpc_channel_create(&cp, &in->ch, err) < 0) {
+    if (rpc_channel_create(&cp, &in->ch, err) < 0 || rpc_channel_create(&cp, &in->rch, err) < 0) {
         PD_LOGE("instance %s: %s", a->addr, err);
+        rpc_channel_destroy(in->ch);
         free(in);
         return NULL;
     }
@@ -310,7 +315,7 @@ static void poll_one(rtr_registry *r, rtr_instance *in)
     Pdserve__Internal__V1__LoadReportRequest q = PDSERVE__INTERNAL__V1__LOAD_REPORT_REQUEST__INIT;
     ProtobufCMessage *resp = NULL;
     rpc_status st;
-    int rc = rpc_unary_call(in->ch, "/pdserve.internal.v1.Instance/LoadReport", &q.base,
+    int rc = rpc_unary_call(in->rch, "/pdserve.internal.v1.Instance/LoadReport", &q.base,
                             &pdserve__internal__v1__load_report_response__descriptor,
                             r->p.report_timeout_ms, &resp, &st);
     apply_report(r, in, rc == 0 ? resp : NULL, &st);
@@ -382,7 +387,7 @@ static void poll_due(rtr_registry *r)
         if (x) {
             *x = (poll_ctx){r, due[i], false};
             rpc_client_callbacks cb = {poll_on_message, poll_on_done, x};
-            rc = rpc_client_call_start(due[i]->ch, "/pdserve.internal.v1.Instance/LoadReport",
+            rc = rpc_client_call_start(due[i]->rch, "/pdserve.internal.v1.Instance/LoadReport",
                                        &q.base, &pdserve__internal__v1__load_report_response__descriptor,
                                        r->p.report_timeout_ms, &cb, &call, err);
         }
@@ -505,10 +510,13 @@ static bool stalled(const rtr_registry *r, const rtr_instance *i)
     return r->p.stall_ms > 0 && now_ms() - i->progress_ms > r->p.stall_ms;
 }
 
-/* Whether i can take work now (mu held). */
+/* Up: present, its reports get through, not draining (mu held). */
+static bool up(const rtr_instance *i) { return i->present && i->healthy && !i->draining; }
+
+/* Whether i can take work now (mu held): up and not stalled. */
 static bool usable(const rtr_registry *r, const rtr_instance *i)
 {
-    return i->present && i->healthy && !i->draining && !stalled(r, i);
+    return up(i) && !stalled(r, i);
 }
 
 bool rtr_instance_stalled(rtr_registry *r, rtr_instance *i)
@@ -542,16 +550,20 @@ rtr_instance *rtr_pick_decode(rtr_registry *r, const rtr_instance *exclude)
     pthread_mutex_lock(&r->mu);
     rtr_instance *best = NULL;
     int64_t best_score = INT64_MIN;
-    for (int i = 0; i < r->n_inst; i++) {
-        rtr_instance *in = r->inst[i];
-        if (in->prefill || !usable(r, in) || in == exclude) continue;
-        if (in->role == PDSERVE__INTERNAL__V1__ROLE__ROLE_PREFILL) continue;
-        int64_t score = (in->free_blocks - in->local_blocks) * 1024 - (in->running + in->waiting);
-        if (score > best_score) {
-            best_score = score;
-            best = in;
+    /* A stalled instance only when no other is up: a slow instance (its steps, or its
+     * reports, late under load) still serves; a frozen one is soon down (its reports time
+     * out). */
+    for (int pass = 0; pass < 2 && !best; pass++)
+        for (int i = 0; i < r->n_inst; i++) {
+            rtr_instance *in = r->inst[i];
+            if (in->prefill || !up(in) || in == exclude || (pass == 0 && stalled(r, in))) continue;
+            if (in->role == PDSERVE__INTERNAL__V1__ROLE__ROLE_PREFILL) continue;
+            int64_t score = (in->free_blocks - in->local_blocks) * 1024 - (in->running + in->waiting);
+            if (score > best_score) {
+                best_score = score;
+                best = in;
+            }
         }
-    }
     if (best) rtr_instance_ref(best);
     pthread_mutex_unlock(&r->mu);
     return best;
@@ -746,6 +758,16 @@ double rtr_prefill_wait_min(rtr_registry *r, int64_t extra_tokens)
     return best;
 }
 
+int rtr_decode_usable(rtr_registry *r, const rtr_instance *exclude)
+{
+    pthread_mutex_lock(&r->mu);
+    int n = 0;
+    for (int i = 0; i < r->n_inst; i++)
+        n += !r->inst[i]->prefill && r->inst[i] != exclude && usable(r, r->inst[i]);
+    pthread_mutex_unlock(&r->mu);
+    return n;
+}
+
 int rtr_prefill_usable(rtr_registry *r)
 {
     pthread_mutex_lock(&r->mu);
@@ -761,7 +783,7 @@ void rtr_registry_counts(rtr_registry *r, int *n_prefill, int *n_decode, int *he
     *n_prefill = *n_decode = *healthy = 0;
     for (int i = 0; i < r->n_inst; i++) {
         if (r->inst[i]->prefill) (*n_prefill)++; else (*n_decode)++;
-        if (usable(r, r->inst[i])) (*healthy)++;
+        if (up(r->inst[i])) (*healthy)++;
     }
     pthread_mutex_unlock(&r->mu);
 }

@@ -53,8 +53,8 @@ int rtr_registry_create(const rtr_registry_params *p, rtr_registry **out, char *
 void rtr_registry_destroy(rtr_registry *r); /* NULL is a no-op */
 
 /* Picks a decode instance (healthy, not draining, most free blocks net of what the router
- * has in flight there) and takes a reference on it; NULL when none can serve. exclude (may
- * be NULL) is skipped. */
+ * has in flight there; a stalled one only when no other is up) and takes a reference on it;
+ * NULL when none can serve. exclude (may be NULL) is skipped. */
 rtr_instance *rtr_pick_decode(rtr_registry *r, const rtr_instance *exclude);
 /* Picks a prefill instance whose KV layout equals layout (may be NULL: any), preferring the
  * one that last served the same prefix key when it is not much busier; NULL when none. */
@@ -90,10 +90,14 @@ bool rtr_instance_stalled(rtr_registry *r, rtr_instance *i);
 /* Instances stalled now (logs each one's changes). */
 int rtr_registry_stalled(rtr_registry *r);
 
+/* Decode (or colocated) instances other than exclude (may be NULL) that can take a request
+ * now. */
+int rtr_decode_usable(rtr_registry *r, const rtr_instance *exclude);
 /* Prefill instances that can take a prompt now (up, healthy, not draining). */
 int rtr_prefill_usable(rtr_registry *r);
 
-/* Instances known (for logs and metrics): prefill, decode, and how many are healthy. */
+/* Instances known (for logs and metrics): prefill, decode, and how many are up (reports
+ * get through, not draining; stalled ones count: they may only be slow). */
 void rtr_registry_counts(rtr_registry *r, int *n_prefill, int *n_decode, int *healthy);
 
 /* One instance's state as the router sees it (metrics). */

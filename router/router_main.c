@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common/error.h"
 #include "common/flags.h"
@@ -42,6 +43,7 @@
 #include "common/random.h"
 #include "common/rpc/rpc.h"
 #include "common/svc/svc.h"
+#include "common/svc/svc_auth.h"
 #include "common/svc/svc_metrics.h"
 #include "engine/block_manager.h"
 #include "engine/model_config.h"
@@ -91,6 +93,7 @@ typedef struct {
     pd_metric *m_ttft, *m_tpot, *m_e2e, *m_prompt, *m_completion, *m_slo, *m_in_flight;
     pd_metric *m_retry_prefill, *m_retry_decode, *m_dns_fail;
     int64_t max_migrations;          /* --max-migrations: restarts of one request elsewhere */
+    char caller_token[160];          /* x-pdserve-caller of the internal calls ("" = none) */
     pd_mfamily *m_migrations;        /* pdserve_router_migrations_total{reason} */
     pd_mfamily *m_success;           /* by finish_reason */
     pd_mfamily *m_inst[10];           /* per-instance families (collector) */
@@ -601,8 +604,11 @@ static bool start_internal_call(rreq *r, rtr_instance *inst, const char *path,
 {
     char err[PD_ERR_LEN];
     atomic_fetch_add(&r->refs, 1);
-    if (rpc_client_call_start(rtr_instance_channel(inst), path, msg, resp, g.call_timeout_ms, cb,
-                              slot, err) < 0) {
+    rpc_metadata md = {SVC_CALLER_MD, g.caller_token};
+    rpc_call_opts opts = {.timeout_ms = g.call_timeout_ms, .md = g.caller_token[0] ? &md : NULL,
+                          .n_md = g.caller_token[0] ? 1 : 0};
+    if (rpc_client_call_start_opts(rtr_instance_channel(inst), path, msg, resp, &opts, cb, slot,
+                                   err) < 0) {
         atomic_fetch_sub(&r->refs, 1);
         char detail[PD_ERR_LEN + 32];
         snprintf(detail, sizeof detail, "cannot call %s: %.400s", what, err);
@@ -1119,15 +1125,19 @@ static void unstall(rreq *r)
 {
     pthread_mutex_lock(&r->mu);
     if (!r->finished && r->dcall && r->dec && rtr_instance_stalled(g.reg, r->dec)) {
-        rtr_instance *prev = r->dec;
-        rtr_instance_ref(prev);
-        if (!migrate_locked(r, "stalled", prev, false))
-            finish_locked(r, RPC_STATUS_UNAVAILABLE, "its decode instance stopped making progress");
-        rtr_instance_unref(prev);
+        /* Only to a decode instance that can take it: with none, the stream waits for its
+         * own to go on (a slow instance is not a dead one). */
+        /* Past --max-migrations too: a stalled instance is not a failed one (a dead one
+         * fails the call, and that ends the request). */
+        if (rtr_decode_usable(g.reg, r->dec) > 0) {
+            rtr_instance *prev = r->dec;
+            rtr_instance_ref(prev);
+            (void)migrate_locked(r, "stalled", prev, false);
+            rtr_instance_unref(prev);
+        }
     } else if (!r->finished && r->pcall && !r->first_sent && r->pre &&
-               rtr_instance_stalled(g.reg, r->pre)) {
-        if (!migrate_locked(r, "stalled", NULL, false))
-            finish_locked(r, RPC_STATUS_UNAVAILABLE, "its prefill instance stopped making progress");
+               rtr_instance_stalled(g.reg, r->pre) && rtr_decode_usable(g.reg, NULL) > 0) {
+        (void)migrate_locked(r, "stalled", NULL, false);
     }
     rreq_unlock(r);
 }
@@ -1586,7 +1596,7 @@ int main(int argc, char **argv)
     int64_t grace_ms = 30000, health_drain_ms = 0, timeout_ms = 600000, port = -1;
     int64_t metrics_port = -1;
     double slo_ttft_ms = 0, slo_tpot_ms = 0;
-    const char *prefill_policy = "auto", *http_listen = "";
+    const char *prefill_policy = "auto", *http_listen = "", *kv_secret_file = "", *caller_name = "";
     /* Defaults from the measurements in docs/perf.md (2 x H100, Llama-3-8B shape): a 64-token
      * prompt computed on the decode instance answers 0.9 ms sooner and no TPOT moved; with
      * 4096 busy tokens workload A's goodput went from 22.5 to 39 req/s and B's from 18 to 12
@@ -1619,6 +1629,8 @@ int main(int argc, char **argv)
         {"prefill-queue-tokens", PD_FLAG_INT, &prefill_queue_tokens, "reserve late: prompt tokens per prefill instance that may be admitted (decode blocks reserved, sent to prefill) and not yet prefilled; later requests wait in the router holding nothing (0 = admit at once)", 0, 1ll << 40},
         {"max-migrations", PD_FLAG_INT, &max_migrations, "times one request may be restarted on another instance after its instance died, froze, drained or failed a step (streams resume from the tokens sent, token-exact; 0 = never: the request fails)", 0, 100},
         {"stall-timeout-ms", PD_FLAG_INT, &stall_ms, "an instance with no progress this long (its load reports stop, or its engine steps stand still while it has running sequences) is stalled: no new work, and its requests move elsewhere (0 = off; keep it above the longest engine step)", 0, 3600000},
+        {"kv-secret-file", PD_FLAG_STRING, &kv_secret_file, "the instances' shared secret (their --kv-secret-file): the router signs its internal calls with it, so that the decode instances give it a reservation share of its own that no other process can take (without it, or mutual TLS, shares are by host address)", 1, 0},
+        {"caller-name", PD_FLAG_STRING, &caller_name, "with --kv-secret-file: this router's name in its signed calls (default: host name and process id); routers with one name share a reservation share", 1, 0},
         {"http-listen", PD_FLAG_STRING, &http_listen, "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on host:port (port 0 = any free port, printed as HTTP_PORT; unset = off)", 1, 0},
         {"metrics-port", PD_FLAG_INT, &metrics_port, "Prometheus /metrics HTTP port on the --listen host (-1 = off, 0 = any free port)", -1, 65535},
         {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
@@ -1651,6 +1663,29 @@ int main(int argc, char **argv)
     g.default_max_tokens = max_tokens;
     g.max_pending = max_pending;
     g.max_migrations = max_migrations;
+    if (svc_auth_load_secret(kv_secret_file, err) < 0) {
+        fprintf(stderr, "pdserve-router: --kv-secret-file: %s\n", err);
+        goto out;
+    }
+    if (kv_secret_file[0]) {
+        char name[72];
+        if (caller_name[0]) {
+            snprintf(name, sizeof name, "%s", caller_name);
+        } else {
+            char host[48] = "router";
+            gethostname(host, sizeof host);
+            host[sizeof host - 1] = 0;
+            for (char *p = host; *p; p++)
+                if (*p <= ' ' || *p > '~' || *p == ':') *p = '_';
+            snprintf(name, sizeof name, "%s-%ld", host, (long)getpid());
+        }
+        if (svc_auth_caller_token(name, g.caller_token, sizeof g.caller_token) < 0) {
+            fprintf(stderr, "pdserve-router: --caller-name '%s': 1 to 64 printable characters "
+                    "without spaces or ':'\n", name);
+            goto out;
+        }
+        PD_LOGI("internal calls signed as caller %s (--kv-secret-file)", name);
+    }
     g.call_timeout_ms = timeout_ms;
     g.slo_ttft_s = slo_ttft_ms / 1000.0;
     if (!strcmp(prefill_policy, "auto")) g.prefill_policy = PREFILL_AUTO;

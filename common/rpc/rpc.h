@@ -321,6 +321,11 @@ int rpc_call_metadata(const rpc_call *c, const char *key, char *buf, size_t len)
  * a unix socket's path) into buf (NUL-terminated, truncated to len - 1 bytes), for per-caller
  * limits and logs. Returns its full length (>= 0), or PD_ENOTFOUND. */
 int rpc_call_peer(const rpc_call *c, char *buf, size_t len);
+/* Copies the identity of a caller that presented a client certificate the server verified
+ * (mutual TLS: the certificate's subject alternative name, else its common name) into buf
+ * (NUL-terminated, truncated to len). Returns its length; 0 when the caller is not
+ * authenticated that way (plaintext, or TLS without a client certificate). */
+int rpc_call_peer_identity(const rpc_call *c, char *buf, size_t len);
 
 /* A number unique to the call within the process (for logs). */
 uint64_t rpc_call_id(const rpc_call *c);

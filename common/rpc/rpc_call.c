@@ -25,6 +25,7 @@
 #include <string.h>
 #include <time.h>
 
+#include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
 
 #include "common/log.h"
@@ -648,4 +649,23 @@ int rpc_call_peer(const rpc_call *c, char *buf, size_t len)
     if (len > 0) snprintf(buf, len, "%.*s", (int)n, h);
     gpr_free(peer);
     return (int)n;
+}
+
+int rpc_call_peer_identity(const rpc_call *c, char *buf, size_t len)
+{
+    if (len > 0) buf[0] = 0;
+    grpc_auth_context *ctx = c->call ? grpc_call_auth_context(c->call) : NULL;
+    if (!ctx) return 0;
+    int n = 0;
+    if (grpc_auth_context_peer_is_authenticated(ctx)) {
+        /* the verified client certificate's identity (its SAN, else its common name) */
+        grpc_auth_property_iterator it = grpc_auth_context_peer_identity(ctx);
+        const grpc_auth_property *p = grpc_auth_property_iterator_next(&it);
+        if (p && p->value && p->value_length > 0) {
+            n = (int)p->value_length;
+            if (len > 0) snprintf(buf, len, "%.*s", n, p->value);
+        }
+    }
+    grpc_auth_context_release(ctx);
+    return n;
 }

@@ -7,6 +7,9 @@ Python grpcio straight at the instances, as anyone who can reach the ports could
     --max-reserved-share-per-caller 0.25 the caller's reservations hold at most a quarter of
     the pool (plus one request), later calls get RESOURCE_EXHAUSTED naming the flag; the load
     report counts the reservations (reserved_blocks, waiting_seqs) and /metrics shows them;
+  - that flood cannot starve the router (issue #38 item 7): every instance and the router share
+    --kv-secret-file, the router signs its calls with it and so has a reservation share of
+    its own; while the flood holds its share, requests through the router still succeed;
   - a reservation nobody fills expires after --reservation-timeout-ms and its blocks are free;
   - a Prefill call with a corrupted KV descriptor (bytes flipped in the decode instance's real
     descriptor) is refused and the prefill instance keeps serving;
@@ -35,13 +38,18 @@ def dreq(ids, max_tokens=4):
 
 try:
     MODEL = H.model
-    common = ["--model", MODEL, "--listen", "127.0.0.1:0", "--metrics-port", "0"]
+    secret = os.path.join(H.tmp, "kv.secret")
+    with open(secret, "w") as f:
+        f.write("a shared secret of this deployment, 48 bytes ok\n")
+    common = ["--model", MODEL, "--listen", "127.0.0.1:0", "--metrics-port", "0",
+              "--kv-secret-file", secret]
     # 8 MiB of KV for stories260k: 16-token blocks; the pool size is read from the load report.
     dec = H.start("pdserve-decode", *common, "--kv-cache-mb", "8", "--max-reserved-share-per-caller",
                 "0.25", "--reservation-timeout-ms", "3000", tag="decode")
     pre = H.start("pdserve-prefill", *common, tag="prefill")
     rtr = H.start("pdserve-router", "--model", MODEL, "--listen", "127.0.0.1:0", "--metrics-port", "0",
-                "--prefill", "127.0.0.1:%d" % pre.port, "--decode", "127.0.0.1:%d" % dec.port, tag="router")
+                "--prefill", "127.0.0.1:%d" % pre.port, "--decode", "127.0.0.1:%d" % dec.port,
+                "--kv-secret-file", secret, tag="router")
     dch = grpc.insecure_channel("127.0.0.1:%d" % dec.port)
     dstub = dpbg.DecodeStub(dch)
     vocab = 512
@@ -123,6 +131,21 @@ try:
     m = eu.Scrape(dec.mport)
     check(m.get("pdserve_kv_reservations") == held and m.get("pdserve_kv_reservations_refused_total") >= len(refused),
           "/metrics shows the reservations and the refusals")
+
+    # The router's own share: requests through it succeed while the flood holds its own.
+    rstub = pbg.GenerationStub(grpc.insecure_channel("127.0.0.1:%d" % rtr.port))
+    outs = []
+    for k in range(6):
+        try:
+            ids = eu.generate(pb, rstub, timeout=30, prompt_token_ids=[1] + [(11 * j + k) % 400 + 3 for j in range(60)],
+                              sampling=pb.SamplingParams(temperature=0),
+                              stopping=pb.StoppingCriteria(max_tokens=4, ignore_eos=True))[0]
+            outs.append("OK" if len(ids) == 4 else "short")
+        except grpc.RpcError as e:
+            outs.append("%s: %s" % (e.code().name, e.details()))
+    check(outs == ["OK"] * 6, "while a third process holds its share in reservations, requests "
+          "through the router (signed with the shared secret: a share of its own) succeed (%s)" % outs[:2])
+    check(load(dec).reserved_blocks == held * 4, "and the flood's reservations are still held")
 
     # 3. A corrupted descriptor at the prefill port (taken from a real reservation).
     kv = first_msgs[0].reservation.kv_target

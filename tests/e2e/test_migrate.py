@@ -113,6 +113,17 @@ def free_blocks_back(procs):
     return all(eu.Scrape(p.mport).get("pdserve_kv_cache_used_blocks") == 0 for p in procs)
 
 def scenario(name):
+    fails0 = H.failures
+    try:
+        run_scenario(name)
+    finally:
+        if H.failures > fails0:  # the logs say why
+            for f in sorted(os.listdir(H.tmp)):
+                if f.endswith(".log") and name in f:
+                    lines = [l for l in open(os.path.join(H.tmp, f)) if " W request " not in l]
+                    print("--- %s (tail)\n%s" % (f, "".join(lines[-30:])))
+
+def run_scenario(name):
     common = ["--model", H.model, "--backend", "cpu", "--listen", "127.0.0.1:0", "--metrics-port", "0",
               "--kv-cache-mb", "64"]
     slow = dict(H.env, PDSERVE_FAULT_STEP_DELAY_MS="40")
