@@ -44,6 +44,8 @@ struct rtr_instance {
     uint64_t steps;               /* engine steps in its last report */
     int64_t progress_ms;          /* when a report last showed progress: its steps advanced,
                                      or it held no running sequence (now_ms clock) */
+    int64_t report_ms;            /* when its last report arrived */
+    int64_t poll_started_ms;      /* when the report in flight (polling) was asked for */
     bool stalled;                 /* last seen stalled by rtr_registry_stalled (its log) */
     bool polling;                 /* a LoadReport call is in flight (the poller's) */
     int64_t next_poll_ms;         /* when the next one is due */
@@ -202,7 +204,7 @@ static rtr_instance *instance_new(rtr_registry *r, const found_addr *a)
     snprintf(in->name, sizeof in->name, "%s", a->name);
     in->prefill = a->prefill;
     in->present = true;
-    in->progress_ms = now_ms();
+    in->progress_ms = in->report_ms = now_ms();
     rpc_channel_params cp = rpc_channel_default_params();
     cp.target = in->addr;
     cp.tls = r->p.tls;
@@ -282,7 +284,8 @@ static void apply_report(rtr_registry *r, rtr_instance *in, const ProtobufCMessa
     if (resp) {
         const Pdserve__Internal__V1__LoadReportResponse *l = (const void *)resp;
         in->healthy = true;
-        if (l->steps != in->steps || l->running_seqs == 0) in->progress_ms = now_ms();
+        in->report_ms = now_ms();
+        if (l->steps != in->steps || l->running_seqs == 0) in->progress_ms = in->report_ms;
         in->steps = l->steps;
         in->draining = l->draining;
         in->role = l->role;
@@ -373,6 +376,7 @@ static void poll_due(rtr_registry *r)
         rtr_instance *in = r->inst[i];
         if (in->polling || t < in->next_poll_ms) continue;
         in->polling = true;
+        in->poll_started_ms = t;
         r->n_polls++;
         rtr_instance_ref(in);
         due[n++] = in;
@@ -503,11 +507,15 @@ void rtr_registry_destroy(rtr_registry *r)
     free(r);
 }
 
-/* No progress for stall_ms (mu held): no report got through, or its engine's steps stood
- * still while it had running sequences. */
+/* No progress for stall_ms (mu held): the report asked for has not come back for that long
+ * (frozen, unreachable), or its reports show its engine's steps standing still that long
+ * while it had running sequences (a stuck engine). Judged only from reports asked for, so a
+ * long --load-poll-ms never makes an idle wait look like a stall. */
 static bool stalled(const rtr_registry *r, const rtr_instance *i)
 {
-    return r->p.stall_ms > 0 && now_ms() - i->progress_ms > r->p.stall_ms;
+    if (r->p.stall_ms <= 0) return false;
+    if (i->polling && now_ms() - i->poll_started_ms > r->p.stall_ms) return true;
+    return i->report_ms - i->progress_ms > r->p.stall_ms;
 }
 
 /* Up: present, its reports get through, not draining (mu held). */
@@ -659,7 +667,7 @@ rtr_registry_params rtr_registry_default_params(void)
     p.poll_ms = 500;
     p.resolve_ms = 10000;
     p.report_timeout_ms = 2000;
-    p.stall_ms = 1500;
+    p.stall_ms = 1400;
     return p;
 }
 

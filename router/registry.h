@@ -30,10 +30,10 @@ typedef struct {
     int64_t poll_ms;              /* load report period */
     int64_t resolve_ms;           /* DNS re-resolution period */
     int64_t report_timeout_ms;    /* a load report slower than this marks the instance down */
-    int64_t stall_ms;             /* no progress this long (no report got through, or its
-                                     engine steps stood still with sequences running): the
-                                     instance is stalled, unusable until it progresses again
-                                     (0 = never) */
+    int64_t stall_ms;             /* no progress this long (a report asked for did not come
+                                     back, or reports show its engine steps standing still
+                                     with sequences running): the instance is stalled, picked
+                                     last until it progresses again (0 = never) */
     rpc_client_tls tls;           /* TLS of the channels to instances (strings borrowed, must
                                      outlive the registry); ca_file unset = plaintext. Without
                                      server_name, each channel expects the host as written in
@@ -45,7 +45,7 @@ typedef struct {
     void *on_poll_arg;
 } rtr_registry_params;
 
-/* Defaults: no instances, poll 500 ms, resolve 10 s, report timeout 2 s, stall 1.5 s,
+/* Defaults: no instances, poll 500 ms, resolve 10 s, report timeout 2 s, stall 1.4 s,
  * getaddrinfo. */
 rtr_registry_params rtr_registry_default_params(void);
 

@@ -1602,7 +1602,7 @@ int main(int argc, char **argv)
      * 4096 busy tokens workload A's goodput went from 22.5 to 39 req/s and B's from 18 to 12
      * (both above colocated: 27 and 8). */
     int64_t local_max_tokens = 64, prefill_busy_tokens = 4096, prefill_queue_tokens = 16384;
-    int64_t max_migrations = 3, stall_ms = 1500;
+    int64_t max_migrations = 3, stall_ms = 1400;
     double busy_tpot_fraction = 0.8, busy_ttft_fraction = 0.5;
     pd_flag flags[] = {
         {"model", PD_FLAG_STRING, &model, "model directory (tokenizer.json, config.json)", 1, 0},
