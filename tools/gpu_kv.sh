@@ -48,6 +48,8 @@
 #             every process is alive and SERVING, a request through the router succeeds, and
 #             every process is at rest (KV blocks in use on both sides back to 0, nothing in
 #             flight) within 10 s; logs in $OUT/storm/
+#   migrate   issue #38: kill -9 of one of two colocated Llama-3-8B-shape instances under
+#             workload A at 80% of its goodput: every request completes (see the step)
 #   itl       decode ITL with and without transfers landing (tools/gpu_faults.py itl): Llama-3-8B
 #             shape (dummy, --kv-cache-mb 16384) on --gpus 0,1, device path, every prompt through
 #             prefill; A: 32 streams of 128 tokens in, 512 out, started at once, alone; B: the
@@ -343,6 +345,56 @@ if has plan && [ -n "$MODES" ]; then
     for d in "$OUT/plan${PLAN_TAG:-}"/*/; do # every probe of every search
         grep -h '^probe' "$d/bench.txt" 2>/dev/null | sed "s|^|$(basename "$d"): |"
         rm -rf "$d/logs" # keep what comes back small
+    done
+fi
+if has migrate && [ -n "$MODES" ]; then
+    # Issue #38: kill -9 of one of 2 decode instances under load. Two colocated instances of
+    # the Llama-3-8B shape (GPUs 0 and 1), workload A (in U[256,2048], out U[64,256], TTFT <=
+    # 300 ms, TPOT <= 15 ms) open-loop at MIGRATE_RATE (22 req/s: 80% of the 27 req/s
+    # goodput measured for this deployment) for MIGRATE_N requests; once unfaulted ("base"),
+    # once with kill -9 of the instance on GPU 1 MIGRATE_KILL_S (12) s into the load ("kill"):
+    # every request must complete (its streams move to the survivor); the SLO attainment of
+    # both runs says what the fault cost. Lines "== migrate-base:" and "== migrate-kill:".
+    for run in base kill; do
+        if up "mig-$run" --model tools/shapes/llama3-8b --gpus 0,1 --colocated --decode 2 \
+            --router-args "--slo-ttft-ms 300 --slo-tpot-ms 15 --metrics-port 0" -- \
+            --load-format dummy --backend cuda --kv-cache-mb 16384 --metrics-port 0; then
+            env -u LD_LIBRARY_PATH LD_LIBRARY_PATH="$LD_LIBRARY_PATH" "$G/bin/pdserve-bench" \
+                --addr "$ADDR" --input-len 256:2048 --output-len 64:256 --rate "${MIGRATE_RATE:-22}" \
+                --num-requests "${MIGRATE_N:-660}" --warmup-requests 0 --seed 1 \
+                --slo-ttft-ms 300 --slo-tpot-ms 15 --csv "$OUT/mig-$run.csv" >"$OUT/mig-$run.log" 2>&1 &
+            BP=$!
+            if [ "$run" = kill ]; then
+                sleep "${MIGRATE_KILL_S:-12}"
+                VP=$(pgrep -P "$UP" -f 'pdserve-decode' | sort -n | tail -1)
+                echo "migrate-kill: kill -9 of pid $VP ($(tr '\0' ' ' <"/proc/$VP/cmdline" 2>/dev/null | grep -oE -- '--device [0-9]+|--gpus? [0-9,]+' | head -1))"
+                kill -9 "$VP"
+            fi
+            wait "$BP"
+            brc=$?
+            grep -E 'TTFT \(ms\)|TPOT \(ms\)|attainment|goodput|errors|failed' "$OUT/mig-$run.log" | head -8 | sed "s|^|migrate-$run: |"
+            env -u LD_LIBRARY_PATH python3 - "$OUT/mig-$run.csv" "$run" "$brc" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+st = {}
+for r in rows:
+    st[r["status"]] = st.get(r["status"], 0) + 1
+ok = st.get("OK", 0)
+print("== migrate-%s: %s (%d requests: %s; bench exit %s)" % (
+    sys.argv[2], "PASS" if rows and ok == len(rows) else "FAIL", len(rows),
+    ", ".join("%s %d" % kv for kv in sorted(st.items())), sys.argv[3]))
+sys.exit(0 if rows and ok == len(rows) else 1)
+PY
+            [ $? -eq 0 ] || rc=1
+            for f in "$OUT/up-mig-$run"/*.out; do
+                p=$(awk '/^METRICS_PORT /{print $2; exit}' "$f")
+                [ -n "$p" ] && env -u LD_LIBRARY_PATH python3 -c 'import sys, urllib.request
+print(urllib.request.urlopen("http://127.0.0.1:%s/metrics" % sys.argv[1], timeout=5).read().decode())' "$p" 2>/dev/null |
+                    grep -E '^pdserve_router_(migrations|retries)_total|^pdserve_requests_within_slo_total' |
+                    sed "s|^|migrate-$run $(basename "$f" .out): |"
+            done
+            fault_down "migrate-$run"
+        fi
     done
 fi
 # Issue #27's faults and interference (tools/gpu_faults.py; python3 without the packed
