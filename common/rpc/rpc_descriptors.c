@@ -152,9 +152,10 @@ static char *copy_str(ctx *c, const uint8_t *s, size_t n, int *rc)
 static int find_name(ctx *c, const uint8_t *p, size_t n, const uint8_t **name, size_t *len)
 {
     wire w = {p, p + n};
-    wire_field fl;
+    wire_field fl = {0};
     int r;
     *name = NULL;
+    *len = 0;
     while ((r = wire_next(&w, &fl)) == 1) {
         if (fl.num == 1 && fl.type == 2) {
             *name = fl.val;
@@ -195,7 +196,7 @@ static int add_symbol(ctx *c, const char *scope, const uint8_t *name, size_t n, 
 static int read_named(ctx *c, const char *scope, const uint8_t *p, size_t n)
 {
     const uint8_t *name;
-    size_t len;
+    size_t len = 0;
     int rc = find_name(c, p, n, &name, &len);
     return rc ? rc : add_symbol(c, scope, name, len, false, NULL);
 }
@@ -237,7 +238,7 @@ static int read_extension(ctx *c, const char *scope, const uint8_t *p, size_t n)
 static int read_enum(ctx *c, const char *scope, const uint8_t *p, size_t n)
 {
     const uint8_t *name;
-    size_t len;
+    size_t len = 0;
     int rc = find_name(c, p, n, &name, &len);
     if (rc || (rc = add_symbol(c, scope, name, len, false, NULL))) return rc;
     wire w = {p, p + n};
@@ -252,7 +253,7 @@ static int read_message(ctx *c, const char *scope, const uint8_t *p, size_t n, i
 {
     if (depth > MAX_DEPTH) return bad(c, "messages nested too deep");
     const uint8_t *name;
-    size_t len;
+    size_t len = 0;
     const char *full;
     int rc = find_name(c, p, n, &name, &len);
     if (rc || (rc = add_symbol(c, scope, name, len, true, &full))) return rc;
@@ -277,7 +278,7 @@ static int read_message(ctx *c, const char *scope, const uint8_t *p, size_t n, i
 static int read_service(ctx *c, const char *scope, const uint8_t *p, size_t n)
 {
     const uint8_t *name;
-    size_t len;
+    size_t len = 0;
     const char *full;
     int rc = find_name(c, p, n, &name, &len);
     if (rc || (rc = add_symbol(c, scope, name, len, false, &full))) return rc;
