@@ -355,7 +355,7 @@ if has migrate && [ -n "$MODES" ]; then
     # once with kill -9 of the instance on GPU 1 MIGRATE_KILL_S (12) s into the load ("kill"):
     # every request must complete (its streams move to the survivor); the SLO attainment of
     # both runs says what the fault cost. Lines "== migrate-base:" and "== migrate-kill:".
-    for run in base kill; do
+    for run in ${MIGRATE_RUNS:-base kill}; do
         if up "mig-$run" --model tools/shapes/llama3-8b --gpus 0,1 --colocated --decode 2 \
             --router-args "--slo-ttft-ms 300 --slo-tpot-ms 15 --metrics-port 0" -- \
             --load-format dummy --backend cuda --kv-cache-mb 16384 --metrics-port 0; then
@@ -366,6 +366,9 @@ if has migrate && [ -n "$MODES" ]; then
             BP=$!
             if [ "$run" = kill ]; then
                 sleep "${MIGRATE_KILL_S:-12}"
+                # pdserve-up stops the whole stack when one of its processes dies: its watch
+                # loop is stopped until down (SIGTERM, SIGCONT).
+                kill -STOP "$UP"
                 VP=$(pgrep -P "$UP" -f 'pdserve-decode' | sort -n | tail -1)
                 echo "migrate-kill: kill -9 of pid $VP ($(tr '\0' ' ' <"/proc/$VP/cmdline" 2>/dev/null | grep -oE -- '--device [0-9]+|--gpus? [0-9,]+' | head -1))"
                 kill -9 "$VP"
