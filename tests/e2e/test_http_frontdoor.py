@@ -7,22 +7,26 @@ and two routers with --http-listen and small limits set by the flags:
     (its connection suspended, no byte flowing) is answered, not closed as idle; a kept-alive
     connection with nothing to do is closed by the idle timeout;
   - router "door" (--http-request-timeout-s 2, --http-per-ip-connections 150,
-    --http-max-connections 1400, --http-threads 2): while 1000 slow HTTP connections (from ten
-    client addresses, 127.0.0.2 - 127.0.0.11: partial headers, a fifth of them sending a header
-    byte a second, a tenth complete headers and a body byte a second; each reopened as soon as
-    the router closes it) and 200 raw TCP connections to its gRPC port that send nothing are
-    held, new /v1/completions requests and gRPC Generate calls (from 127.0.0.1) are answered
+    --http-max-connections 1400, --http-threads 2, --http-idle-timeout-s 120): while 1000
+    slow HTTP connections (from ten client addresses, 127.0.0.2 - 127.0.0.11: partial headers,
+    a fifth of them sending a header byte a second, a tenth complete headers and a body byte a
+    second; each reopened as soon as the router closes it) and 200 raw TCP connections to its
+    gRPC port that send nothing are held, new /v1/completions requests and gRPC Generate calls (from 127.0.0.1) are answered
     with the greedy text of the quiet stack (10 s timeouts, no latency bound; p50 / p99 with
     and without the slow connections are printed, not checked); the router has fewer than 100
     threads and no more descriptors than --http-max-connections allows; every slow connection
     is closed by the request deadline, each within a generous 30 s of opening
     (pdserve_http_request_timeouts_total counts them); per client address: with 150 kept-alive
     connections from 127.0.0.12 (each answered once, so neither deadline closes them soon),
-    the 151st from there is closed unanswered while one from 127.0.0.13 is answered.
-Afterwards the router's descriptors return to where they were, nothing is left in flight, and
-every process exits 0 after SIGTERM (leak-free under ASan). Nothing is timed tighter than
+    the 151st from there is closed unanswered while one from 127.0.0.13 is answered; the silent
+    gRPC connections are closed by the gRPC server's handshake timeout (10 s).
+Afterwards the router's descriptors return to where they were and nothing is left in flight;
+320 requests whose clients hang up at random times (streamed or not, FIN or reset, many while
+their connection is suspended) leave nothing in flight and every KV block free; and every
+process exits 0 after SIGTERM (leak-free under ASan), the door with 10 requests waiting for
+tokens (--shutdown-grace-ms 0: suspended connections are resumed before libmicrohttpd stops). Nothing is timed tighter than
 "within 30 s". usage: test_http_frontdoor.py BIN_DIR SHARED_DIR PROTO_DIR"""
-import http.client, json, math, os, resource, selectors, socket, sys, threading, time
+import http.client, json, math, os, random, resource, selectors, socket, struct, sys, threading, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_util as eu
@@ -38,6 +42,17 @@ WANT_FDS = N_SLOW + N_GRPC_RAW + PER_IP + 400
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 if hard != resource.RLIM_INFINITY and hard < WANT_FDS:
     eu.skip("RLIMIT_NOFILE hard limit %d < %d" % (hard, WANT_FDS))
+try:  # the slow clients come from other loopback addresses (the per-address limit)
+    _l = socket.socket()
+    _l.bind(("127.0.0.1", 0))
+    _l.listen()
+    _c = socket.socket()
+    _c.bind(("127.0.0.2", 0))
+    _c.connect(_l.getsockname())
+    _c.close()
+    _l.close()
+except OSError as e:
+    eu.skip("cannot connect from 127.0.0.2 (%s)" % e)
 if soft != resource.RLIM_INFINITY and soft < 8192:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(8192, hard) if hard != resource.RLIM_INFINITY else 8192, hard))
 
@@ -138,6 +153,7 @@ class Attack(threading.Thread):
         self.stop_ev, self.full = threading.Event(), threading.Event()
         self.lock = threading.Lock()
         self.lives = {"hdr": [], "trickle": [], "body": [], "raw": []}  # seconds, closed by the server
+        self.first_closed = [False] * len(slots)  # the slot's first connection was closed
         self.opened, self.open_now, self.errors = 0, 0, 0
 
     def open_slot(self, i):
@@ -184,6 +200,7 @@ class Attack(threading.Thread):
                 s.close()
                 with self.lock:
                     self.lives[self.slots[i][2]].append(time.time() - self.opened_at[i])
+                    self.first_closed[i] = True
                     self.socks[i] = None
                     self.open_now -= 1
                 if not self.stop_ev.is_set():
@@ -212,6 +229,44 @@ class Attack(threading.Thread):
         with self.lock:
             return sum(len(self.lives[k]) for k in ("hdr", "trickle", "body"))
 
+    def first_all_closed(self, kinds):
+        """Whether the first connection of every slot of these kinds was closed."""
+        with self.lock:
+            return all(c for c, sl in zip(self.first_closed, self.slots) if sl[2] in kinds)
+
+
+def hang_up_storm(port, threads=16, per_thread=20):
+    """Requests (streamed or not, n 1 or 2) whose clients hang up after 1 - 300 ms, half with
+    a reset (SO_LINGER 0), many while their connection waits suspended."""
+    def worker(k):
+        rng = random.Random(k)
+        for _ in range(per_thread):
+            body = json.dumps({"prompt": PROMPT, "max_tokens": rng.randint(1, 64), "ignore_eos": True,
+                               "stream": rng.random() < 0.6, "n": rng.choice([1, 1, 2])}).encode()
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=10)
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                s.settimeout(10 ** rng.uniform(-3, -0.5))
+                try:
+                    while s.recv(65536):
+                        pass
+                except socket.timeout:
+                    pass
+                if rng.random() < 0.5:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+            except OSError:
+                pass
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def in_flight(router):
+    return eu.Scrape(router.mport).get("pdserve_http_requests_in_flight")
+
 
 def quiet(router):
     s = eu.Scrape(router.mport)
@@ -226,9 +281,11 @@ try:
                   env=dict(H.env, PDSERVE_FAULT_STEP_DELAY_MS="10"))
     inst = ["--decode", "127.0.0.1:%d" % dec.port]
     idle = start_router(*common, *inst, "--http-listen", "127.0.0.1:0", "--http-idle-timeout-s", "1", tag="router-idle")
+    # (--http-idle-timeout-s 120: the kept-alive connections of the per-address check stay.)
     door = start_router(*common, *inst, "--http-listen", "127.0.0.1:0", "--http-request-timeout-s", "2",
+                        "--http-idle-timeout-s", "120",
                         "--http-per-ip-connections", str(PER_IP), "--http-max-connections", str(MAX_CONNS),
-                        "--http-threads", "2", tag="router-door")
+                        "--http-threads", "2", "--shutdown-grace-ms", "0", tag="router-door")
     def health_ok(port):
         s, st = get_health("127.0.0.1", port)
         s.close()
@@ -326,20 +383,24 @@ try:
     check(st == 200, "a kept-alive one from 127.0.0.12 still serves")
 
     # ---- the request deadline closed every slow connection ----
-    ok = eu.wait_until(lambda: attack.closed_http() >= N_SLOW, 60)
+    ok = eu.wait_until(lambda: attack.first_all_closed(("hdr", "trickle", "body")), 60)
     oldest = attack.oldest_open()
     with attack.lock:
         lives = {k: list(v) for k, v in attack.lives.items()}
     longest = max(lives["hdr"] + lives["trickle"] + lives["body"] or [0])
     print("closed by the router: %d partial headers, %d header tricklers, %d body tricklers (lives %.1f - %.1f s, "
-          "--http-request-timeout-s 2), %d silent gRPC connections (handshake timeout)"
-          % (len(lives["hdr"]), len(lives["trickle"]), len(lives["body"]),
-             min(lives["hdr"] + lives["trickle"] + lives["body"] or [0]), longest, len(lives["raw"])), flush=True)
+          "--http-request-timeout-s 2)" % (len(lives["hdr"]), len(lives["trickle"]), len(lives["body"]),
+                                            min(lives["hdr"] + lives["trickle"] + lives["body"] or [0]), longest), flush=True)
     check(ok and len(lives["trickle"]) >= N_SLOW // 5 and len(lives["body"]) >= N_SLOW // 10,
-          "every kind of slow connection was closed by the router (%d in all)" % attack.closed_http())
+          "every slow connection was closed by the router (%d in all)" % attack.closed_http())
     check(longest <= 30 and oldest <= 30, "each within 30 s of opening (longest %.1f s, oldest still open %.1f s)" % (longest, oldest))
     m = eu.Scrape(door.mport).get("pdserve_http_request_timeouts_total") - m0
     check(m >= N_SLOW, "pdserve_http_request_timeouts_total counts them (%d)" % m)
+    ok = eu.wait_until(lambda: attack.first_all_closed(("raw",)), 60)
+    with attack.lock:
+        raw = list(attack.lives["raw"])
+    check(ok, "the %d silent gRPC connections are closed by the gRPC server's handshake timeout (10 s; lives %.1f - %.1f s)"
+          % (N_GRPC_RAW, min(raw or [0]), max(raw or [0])))
     attack.stop_ev.set()
     attack.join(30)
     for s in keep:
@@ -350,6 +411,20 @@ try:
     check(eu.wait_until(lambda: quiet(door) and quiet(idle), 10), "nothing in flight")
     st, v = completion(door.hport, req)
     check(st == 200 and v["choices"][0]["text"] == ref, "the door still answers")
+
+    # ---- hang-ups by the hundred; SIGTERM with requests waiting for tokens ----
+    hang_up_storm(door.hport)
+    check(eu.wait_until(lambda: quiet(door), 10), "320 requests hung up at random times (streamed or not, FIN or "
+          "reset): nothing left in flight")
+    check(eu.wait_until(lambda: eu.Scrape(dec.mport).get("pdserve_kv_cache_used_blocks") == 0, 10),
+          "the decode instance's KV blocks are free")
+    for i in range(10):
+        s = socket.create_connection(("127.0.0.1", door.hport), timeout=10)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": i % 2 == 0}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        keep.append(s)
+    check(eu.wait_until(lambda: in_flight(door) == 10, 10), "10 requests in flight when SIGTERM comes "
+          "(--shutdown-grace-ms 0: their calls are cancelled, their suspended connections resumed and closed)")
     H.stop()
 finally:
     if attack is not None:
