@@ -21,7 +21,6 @@
 #include "router/rtr_http.h"
 
 #include <arpa/inet.h>
-#include <errno.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <stdio.h>
