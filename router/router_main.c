@@ -28,12 +28,14 @@
  * mean gap between later tokens, end to end) and token counts of every public call are
  * recorded once, where the call is finished (finish_locked, on_cancel, reject); the
  * instances' load comes from the registry at scrape time. */
+#include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -1488,10 +1490,10 @@ static void update_health(void *user)
     pthread_mutex_unlock(&g_health_mu);
 }
 
-static int http_setup(const char *http_listen, const char *listen, bool tls, rtr_http **out,
-                      char *err)
+/* hp: the front door's limits from the flags; the rest is filled here. */
+static int http_setup(rtr_http_params hp, const char *http_listen, const char *listen, bool tls,
+                      rtr_http **out, char *err)
 {
-    rtr_http_params hp = rtr_http_default_params();
     char target[300];
     if (tls)
         return pd_errf(err, PD_EINVAL, "--http-listen serves plain HTTP through the gRPC port, "
@@ -1512,6 +1514,23 @@ static int http_setup(const char *http_listen, const char *listen, bool tls, rtr
     printf("HTTP_PORT %d\n", rtr_http_port(*out));
     fflush(stdout);
     return 0;
+}
+
+/* Raises the soft RLIMIT_NOFILE to the hard limit: every HTTP and gRPC connection holds a
+ * descriptor, and the usual soft default (1024) is far below what a front door holds
+ * (--http-max-connections). */
+static void raise_nofile(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= rl.rlim_max) return;
+    const unsigned long long was = (unsigned long long)rl.rlim_cur;
+    rl.rlim_cur = rl.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &rl) == 0)
+        PD_LOGI("RLIMIT_NOFILE: soft limit raised from %llu to the hard limit %llu", was,
+                (unsigned long long)rl.rlim_max);
+    else
+        PD_LOGW("RLIMIT_NOFILE: cannot raise the soft limit %llu to %llu: %s", was,
+                (unsigned long long)rl.rlim_max, strerror(errno));
 }
 
 static int metrics_setup(const char *listen, int64_t port, char *err)
@@ -1597,6 +1616,10 @@ int main(int argc, char **argv)
     int64_t metrics_port = -1;
     double slo_ttft_ms = 0, slo_tpot_ms = 0;
     const char *prefill_policy = "auto", *http_listen = "", *kv_secret_file = "", *caller_name = "";
+    const rtr_http_params hd = rtr_http_default_params();
+    int64_t http_max_conns = hd.max_connections, http_per_ip = hd.per_ip_connections;
+    int64_t http_idle_s = hd.idle_timeout_s, http_request_s = hd.request_timeout_s;
+    int64_t http_threads = hd.n_threads;
     /* Defaults from the measurements in docs/perf.md (2 x H100, Llama-3-8B shape): a 64-token
      * prompt computed on the decode instance answers 0.9 ms sooner and no TPOT moved; with
      * 4096 busy tokens workload A's goodput went from 22.5 to 39 req/s and B's from 18 to 12
@@ -1632,6 +1655,11 @@ int main(int argc, char **argv)
         {"kv-secret-file", PD_FLAG_STRING, &kv_secret_file, "the instances' shared secret (their --kv-secret-file): the router signs its internal calls with it, so that the decode instances give it a reservation share of its own that no other process can take (without it, or mutual TLS, shares are by host address)", 1, 0},
         {"caller-name", PD_FLAG_STRING, &caller_name, "with --kv-secret-file: this router's name in its signed calls (default: host name and process id); routers with one name share a reservation share", 1, 0},
         {"http-listen", PD_FLAG_STRING, &http_listen, "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on host:port (port 0 = any free port, printed as HTTP_PORT; unset = off)", 1, 0},
+        {"http-max-connections", PD_FLAG_INT, &http_max_conns, "HTTP: open connections at most (lowered to what RLIMIT_NOFILE allows, less 256; the router raises its soft limit to the hard one); more wait in the listen backlog", 16, 1 << 20},
+        {"http-per-ip-connections", PD_FLAG_INT, &http_per_ip, "HTTP: open connections from one client address at most (more are closed at once; 0 = no limit; raise it behind a proxy that funnels clients through few addresses)", 0, 1 << 20},
+        {"http-idle-timeout-s", PD_FLAG_INT, &http_idle_s, "HTTP: close a connection with no traffic for this long (one whose request waits for tokens is not idle)", 1, 86400},
+        {"http-request-timeout-s", PD_FLAG_INT, &http_request_s, "HTTP: close a connection whose request (headers and body) is not in this long after it opened (kept alive: after the previous response plus --http-idle-timeout-s); 0 = no deadline", 0, 86400},
+        {"http-threads", PD_FLAG_INT, &http_threads, "HTTP: event-loop threads (no thread per connection)", 1, 64},
         {"metrics-port", PD_FLAG_INT, &metrics_port, "Prometheus /metrics HTTP port on the --listen host (-1 = off, 0 = any free port)", -1, 65535},
         {"log-level", PD_FLAG_STRING, &log_level, "error, warn, info, debug", 1, 0},
     };
@@ -1653,6 +1681,7 @@ int main(int argc, char **argv)
     }
     pd_log_level lv;
     if (pd_log_parse_level(log_level, &lv) == 0) pd_log_set_level(lv);
+    raise_nofile();
     char err[PD_ERR_LEN], listen_buf[64];
     if (port >= 0) {
         snprintf(listen_buf, sizeof listen_buf, "0.0.0.0:%lld", (long long)port);
@@ -1809,7 +1838,13 @@ int main(int argc, char **argv)
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
     }
-    if (http_listen[0] && http_setup(http_listen, listen, stls.cert[0] != 0, &http, err) < 0) {
+    rtr_http_params hp = rtr_http_default_params();
+    hp.max_connections = (int)http_max_conns;
+    hp.per_ip_connections = (int)http_per_ip;
+    hp.idle_timeout_s = (int)http_idle_s;
+    hp.request_timeout_s = (int)http_request_s;
+    hp.n_threads = (int)http_threads;
+    if (http_listen[0] && http_setup(hp, http_listen, listen, stls.cert[0] != 0, &http, err) < 0) {
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
     }

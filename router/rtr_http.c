@@ -1,23 +1,32 @@
-/* rtr_http.c -- The OpenAI-compatible HTTP server of the router (see rtr_http.h): libmicrohttpd
- * with a thread per connection. A generation request starts one Generate call per prompt (its
- * n choices: GenerateRequest.n) on the loopback channel; the calls' callbacks (the channel's completion thread) only queue
- * their messages on the request, and the connection's thread turns them into JSON or SSE
- * chunks. While it waits the thread looks at the socket every 100 ms, so a client that hangs
- * up cancels its calls even when no token is flowing; a write that fails does too (the
- * request-completed callback cancels).
+/* rtr_http.c -- The OpenAI-compatible HTTP server of the router (see rtr_http.h): libmicrohttpd's
+ * event loop on a few threads (MHD_OPTION_THREAD_POOL_SIZE), no thread per connection. A
+ * generation request starts one Generate call per prompt (its n choices: GenerateRequest.n) on
+ * the loopback channel; the calls' callbacks (the channel's completion thread) only queue their
+ * messages on the request and resume its connection, and MHD's thread turns them into JSON or
+ * SSE chunks. With nothing to send the connection is suspended (MHD_suspend_connection: out of
+ * the event loop, not subject to the idle timeout), from the access handler before the response
+ * exists and from the content reader of a stream. A suspended socket is not polled by MHD, so
+ * the watcher (rtr_http_watch.c) looks for hang-ups (EPOLLRDHUP) on it and resumes it; MHD then
+ * closes the connection and the request-completed callback cancels the calls. The watcher also
+ * closes connections that have not sent a complete request by a deadline (slow headers or body),
+ * while MHD closes idle ones (MHD_OPTION_CONNECTION_TIMEOUT) and limits connections in all and
+ * per client address.
  *
  * A request (hreq) is freed when its last reference goes: MHD's (dropped in the request-
- * completed callback), a streamed response's (its free callback) and one per call until its
- * on_done ran. The calls' handles are released then. */
+ * completed callback), a streamed response's (its free callback), one per call until its
+ * on_done ran, and the watcher's while it reports a hang-up. The calls' handles are released
+ * then. Lock order: a request's mu, then the watcher's, then MHD's own (suspend and resume
+ * take the daemon's cleanup mutex; MHD holds a response's mutex while it calls the content
+ * reader, which takes the request's). Whoever clears hreq.suspended under mu resumes. */
 #include "router/rtr_http.h"
 
 #include <arpa/inet.h>
-#include <errno.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 
@@ -32,6 +41,7 @@ static const char *const ep_names[EP_N] = {"other", "/v1/completions", "/v1/chat
 struct rtr_http {
     oai_ctx ctx;
     struct MHD_Daemon *d;
+    hwatch *w;
     rpc_channel *ch;
     int port;
     int64_t timeout_ms, max_body;
@@ -40,7 +50,13 @@ struct rtr_http {
     void *user;
     pd_mfamily *m_req;              /* pdserve_http_requests_total{endpoint,code} */
     pd_metric *m_live;              /* pdserve_http_requests_in_flight */
+    pd_metric *m_conns;             /* pdserve_http_connections */
+    pd_metric *m_timeouts;          /* pdserve_http_request_timeouts_total */
 };
+
+/* File descriptors kept for the rest of the router (instance channels, logs, /metrics) when
+ * the connection limit is fitted to RLIMIT_NOFILE. */
+enum { FD_RESERVE = 256 };
 
 static const char GEN_PATH[] = "/pdserve.v1.Generation/Generate";
 
@@ -50,7 +66,11 @@ rtr_http_params rtr_http_default_params(void)
     memset(&p, 0, sizeof p);
     p.timeout_ms = 600000;
     p.max_body_bytes = 4 << 20;
-    p.max_connections = 256;
+    p.max_connections = 4096;
+    p.per_ip_connections = 1024;
+    p.n_threads = 2;
+    p.idle_timeout_s = 30;
+    p.request_timeout_s = 10;
     p.max_choices = 16;
     return p;
 }
@@ -65,9 +85,10 @@ static hreq *hreq_new(rtr_http *h, struct MHD_Connection *c)
     r->h = h;
     r->ctx = &h->ctx;
     r->conn = c;
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    r->hc = ci ? ci->socket_context : NULL;
     r->job.logprobs = -1;
     pthread_mutex_init(&r->mu, NULL);
-    pthread_cond_init(&r->cv, NULL);
     pd_metric_add(h->m_live, 1);
     return r;
 }
@@ -92,7 +113,6 @@ static void hreq_unref(hreq *r)
     free(r->body);
     free(r->out);
     pthread_mutex_destroy(&r->mu);
-    pthread_cond_destroy(&r->cv);
     free(r);
 }
 
@@ -112,14 +132,57 @@ void hreq_out(hreq *r, const char *s, size_t len)
     r->out_len += len;
 }
 
-/* Marks the request over and cancels its calls that still run (their events are dropped). */
-static void hreq_cancel(hreq *r)
+/* Resumes the request's connection when it is suspended; r->mu held. MHD then calls the
+ * access handler or the content reader again. */
+static void wake(hreq *r)
 {
-    pthread_mutex_lock(&r->mu);
+    if (!r->suspended) return;
+    r->suspended = false;
+    MHD_resume_connection(r->conn);
+}
+
+/* Marks the request over and cancels its calls that still run (their events are dropped);
+ * r->mu held. */
+static void cancel_locked(hreq *r)
+{
     r->gone = true;
     for (int i = 0; i < r->n_choices; i++)
         if (r->choices[i].call) rpc_client_call_cancel(r->choices[i].call); /* never blocks */
+}
+
+static void hreq_cancel(hreq *r)
+{
+    pthread_mutex_lock(&r->mu);
+    cancel_locked(r);
     pthread_mutex_unlock(&r->mu);
+}
+
+/* ---- the watcher's callbacks (rtr_http_watch.c) ---- */
+
+static void watch_ref(void *obj) { atomic_fetch_add(&((hreq *)obj)->refs, 1); }
+
+/* The client of a watched request hung up: cancel its calls now, and let MHD close the
+ * connection (resumed, the handler or the reader sees hup). */
+static void watch_hangup(void *obj)
+{
+    hreq *r = obj;
+    pthread_mutex_lock(&r->mu);
+    r->hup = true;
+    cancel_locked(r);
+    wake(r);
+    pthread_mutex_unlock(&r->mu);
+    hreq_unref(r); /* the watcher's */
+}
+
+/* rtr_http_stop: no connection may stay suspended when MHD stops (stopping is set, so none
+ * suspends again). */
+static void stop_resume(void *obj)
+{
+    hreq *r = obj;
+    pthread_mutex_lock(&r->mu);
+    wake(r);
+    pthread_mutex_unlock(&r->mu);
+    hreq_unref(r);
 }
 
 /* ---- the calls' callbacks (the channel's completion thread; they never block) ---- */
@@ -130,7 +193,7 @@ static void push_event(hreq *r, oai_event *e)
     if (r->tail) r->tail->next = e;
     else r->head = e;
     r->tail = e;
-    pthread_cond_signal(&r->cv);
+    wake(r);
 }
 
 static void cb_message(rpc_client_call *call, ProtobufCMessage *msg, void *user)
@@ -153,7 +216,7 @@ static void cb_message(rpc_client_call *call, ProtobufCMessage *msg, void *user)
         msg = NULL;
     } else if (!e) {
         r->ev_oom = true;
-        pthread_cond_signal(&r->cv);
+        wake(r);
         rpc_client_call_cancel(call);
     }
     pthread_mutex_unlock(&r->mu);
@@ -175,30 +238,16 @@ static void cb_done(rpc_client_call *call, const rpc_status *st, void *user)
         snprintf(e->detail, sizeof e->detail, "%s", st->details);
         push_event(r, e);
         e = NULL;
-    } else if (!e) {
-        r->ev_oom = true;
-        pthread_cond_signal(&r->cv);
+    } else {
+        if (!e) r->ev_oom = true;
+        wake(r); /* (a request whose events are dropped is not suspended: wake for safety) */
     }
     pthread_mutex_unlock(&r->mu);
     free(e);
     hreq_unref(r); /* the call's reference */
 }
 
-/* ---- the connection's thread ---- */
-
-/* True when the client closed the connection or it broke (a pipelined request in the
- * socket does not count). */
-static bool client_gone(hreq *r)
-{
-    const union MHD_ConnectionInfo *ci =
-        MHD_get_connection_info(r->conn, MHD_CONNECTION_INFO_CONNECTION_FD);
-    if (!ci) return true;
-    char b;
-    ssize_t n = recv(ci->connect_fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n > 0) return false;
-    if (n == 0) return true;
-    return !(errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR);
-}
+/* ---- MHD's threads ---- */
 
 static bool all_done(const hreq *r) { return r->n_done == r->n_choices; }
 
@@ -247,40 +296,35 @@ static void process_events(hreq *r)
     }
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* Waits for events. Returns 0 when some are queued (or the calls are over), -1 when the
- * client is gone or the server stops. The socket is looked at every 100 ms, tokens flowing
- * or not. */
-static int wait_events(hreq *r)
+/* True when the client hung up or the server stops: the connection is to be closed. */
+static bool hreq_gone(hreq *r)
 {
     pthread_mutex_lock(&r->mu);
-    while (!r->head && !r->ev_oom && r->n_live > 0 && !atomic_load(&r->h->stopping)) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100 * 1000000;
-        if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
-        pthread_cond_timedwait(&r->cv, &r->mu, &ts);
-        if (now_s() - r->t_checked >= 0.1) break;
-    }
-    bool stop = atomic_load(&r->h->stopping) && !r->head;
+    const bool hup = r->hup;
     pthread_mutex_unlock(&r->mu);
-    if (stop) return -1;
-    double t = now_s();
-    if (t - r->t_checked >= 0.1) {
-        r->t_checked = t;
-        if (client_gone(r)) return -1;
+    return hup || atomic_load(&r->h->stopping);
+}
+
+/* Suspends the connection until an event arrives (a callback resumes it), unless one is
+ * queued already, the calls are over, the client hung up or the server stops. Returns true
+ * when it suspended. Called from the access handler or the content reader only (MHD's rule). */
+static bool hreq_suspend(hreq *r)
+{
+    bool ok = false;
+    pthread_mutex_lock(&r->mu);
+    if (!r->head && !r->ev_oom && r->n_live > 0 && !r->hup && !atomic_load(&r->h->stopping)) {
+        r->suspended = true;
+        MHD_suspend_connection(r->conn);
+        ok = true;
     }
-    return 0;
+    pthread_mutex_unlock(&r->mu);
+    return ok;
 }
 
 static enum MHD_Result reply(hreq *r, unsigned status, const char *type, char *body)
 {
+    /* (A response queued before the body is in makes MHD read no more of the connection.) */
+    hw_conn_serving(r->h->w, r->hc);
     if (!body) {
         static char oom[] = "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\","
                             "\"param\":null,\"code\":null}}";
@@ -321,7 +365,8 @@ static enum MHD_Result reply_errf(hreq *r, int status, const char *param, const 
     return reply_error(r, &e);
 }
 
-/* The content reader of a streamed response: hands out r->out, waiting for more. */
+/* The content reader of a streamed response: hands out r->out; with nothing to hand out it
+ * suspends the connection and returns 0 (a callback resumes it, and MHD calls again). */
 static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
 {
     (void)pos;
@@ -341,11 +386,13 @@ static ssize_t sse_read(void *cls, uint64_t pos, char *buf, size_t max)
             r->sse_closed = true;
             continue;
         }
-        if (wait_events(r) < 0) {
+        if (hreq_gone(r)) {
             hreq_cancel(r);
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
         process_events(r);
+        if (r->out_len > 0 || all_done(r) || r->failed) continue;
+        if (hreq_suspend(r)) return 0;
     }
 }
 
@@ -373,12 +420,16 @@ static void make_id(hreq *r, const char *prefix)
     r->created = (int64_t)time(NULL);
 }
 
+static enum MHD_Result respond(hreq *r);
+
 /* POST /v1/completions and /v1/chat/completions (the body is complete). */
 static enum MHD_Result generate(hreq *r, int kind)
 {
     rtr_http *h = r->h;
     if (atomic_load(&h->draining))
         return reply_errf(r, 503, NULL, NULL, "the server is shutting down; retry on another replica");
+    if (!r->hc) /* (never: on_connection shuts a connection without a slot down) */
+        return reply_errf(r, 503, NULL, NULL, "the server is out of connection slots; retry");
     oai_err e;
     if (oai_parse(&h->ctx, kind, r->body ? r->body : "", r->body_len, &r->job, &e) != 0)
         return reply_error(r, &e);
@@ -418,14 +469,28 @@ static enum MHD_Result generate(hreq *r, int kind)
         }
     }
     oai_job_free_inputs(&r->job);
-    /* Streamed: wait for the first chunk (an error before it is an ordinary HTTP error).
-     * Not streamed: wait for every choice. */
-    while (!r->failed && !all_done(r) && !(r->job.stream && r->out_len > 0)) {
-        if (wait_events(r) < 0) {
+    r->started = true;
+    /* Watched until completed: hang-ups, and rtr_http_stop resumes it. (Should epoll fail,
+     * a hang-up is noticed when a write fails or the calls end.) */
+    if (hw_watch(h->w, r->hc, r) == PD_EIO) PD_LOGW("http %s: cannot watch for a hang-up", r->id);
+    r->watched = true;
+    return respond(r);
+}
+
+/* The response of a generation whose calls started: called right after they started and
+ * again after every resume. Streamed: waits for the first chunk (an error before it is an
+ * ordinary HTTP error). Not streamed: waits for every choice. Waiting is a suspension. */
+static enum MHD_Result respond(hreq *r)
+{
+    rtr_http *h = r->h;
+    for (;;) {
+        if (hreq_gone(r)) {
             hreq_cancel(r);
-            return MHD_NO; /* the client is gone: close */
+            return MHD_NO; /* the client is gone or the server stops: close */
         }
         process_events(r);
+        if (r->failed || all_done(r) || (r->job.stream && r->out_len > 0)) break;
+        if (hreq_suspend(r)) return MHD_YES; /* no response yet: MHD calls again on resume */
     }
     if (r->failed) return reply_error(r, &r->err);
     if (!r->job.stream) return reply(r, 200, "application/json", oai_final_body(r));
@@ -500,6 +565,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         if (r->too_large) goto too_large;
         return MHD_YES;
     }
+    if (r->started) return respond(r); /* resumed */
     if (*upload_size) { /* a piece of the body */
         size_t n = *upload_size;
         *upload_size = 0;
@@ -520,6 +586,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         r->body[r->body_len] = 0;
         return MHD_YES;
     }
+    hw_conn_serving(h->w, r->hc); /* the request is in: no deadline until it is answered */
     if (r->too_large) goto too_large;
     if (r->endpoint == EP_COMPLETIONS) return generate(r, OAI_COMPLETIONS);
     if (r->endpoint == EP_CHAT) return generate(r, OAI_CHAT);
@@ -530,17 +597,44 @@ too_large:;
     return reply_errf(r, 413, NULL, "request_too_large", msg);
 }
 
+/* The request ended: answered, or the connection closes (the client went, a write failed,
+ * the server stops). Its calls are cancelled; the connection may carry another request. */
 static void on_completed(void *cls, struct MHD_Connection *conn, void **state,
                          enum MHD_RequestTerminationCode toe)
 {
-    (void)cls;
     (void)conn;
     (void)toe;
+    rtr_http *h = cls;
     hreq *r = *state;
     if (!r) return;
     *state = NULL;
+    if (r->watched) hw_unwatch(h->w, r->hc);
+    hw_conn_waiting(h->w, r->hc);
     hreq_cancel(r);
     hreq_unref(r); /* MHD's */
+}
+
+/* A connection opens or closes (MHD calls CLOSED before it closes the socket): its watcher
+ * slot. Without a slot (never: the slots are as many as the connection limit) it is shut
+ * down at once. */
+static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_context,
+                          enum MHD_ConnectionNotificationCode code)
+{
+    rtr_http *h = cls;
+    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+        hw_conn *c = ci ? hw_conn_open(h->w, ci->connect_fd) : NULL;
+        if (!c && ci) {
+            PD_LOGW("http: no connection slot left: closing a new connection");
+            shutdown(ci->connect_fd, SHUT_RDWR);
+        }
+        *socket_context = c;
+        pd_metric_add(h->m_conns, 1);
+    } else if (code == MHD_CONNECTION_NOTIFY_CLOSED) {
+        hw_conn_close(h->w, *socket_context);
+        *socket_context = NULL;
+        pd_metric_add(h->m_conns, -1);
+    }
 }
 
 /* ---- server ---- */
@@ -585,8 +679,20 @@ int rtr_http_start(const rtr_http_params *p, rtr_http **out, char *err)
         return pd_errf(err, PD_EINVAL, "--http-listen %s: give host:port ([v6]:port)",
                        p->listen ? p->listen : "(null)");
     if (!p->grpc_target || !p->grpc_target[0] || p->timeout_ms < 1 || p->max_body_bytes < 1 ||
-        p->max_connections < 1 || p->max_choices < 1)
+        p->max_connections < 1 || p->per_ip_connections < 0 || p->n_threads < 1 ||
+        p->idle_timeout_s < 1 || p->request_timeout_s < 0 || p->max_choices < 1)
         return pd_errf(err, PD_EINVAL, "http: bad parameters");
+    /* Every connection holds a descriptor: fit the limit to what RLIMIT_NOFILE leaves. */
+    int max_conns = p->max_connections;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+        (rlim_t)max_conns + FD_RESERVE > rl.rlim_cur) {
+        max_conns = rl.rlim_cur > (rlim_t)FD_RESERVE + 16 ? (int)(rl.rlim_cur - FD_RESERVE) : 16;
+        PD_LOGW("http: %d connections need more file descriptors than RLIMIT_NOFILE (%llu) "
+                "allows; serving at most %d (raise the limit: ulimit -n)", p->max_connections,
+                (unsigned long long)rl.rlim_cur, max_conns);
+    }
+    if (max_conns < p->n_threads) max_conns = p->n_threads; /* (MHD: one per thread at least) */
     struct addrinfo hints, *res = NULL;
     memset(&hints, 0, sizeof hints);
     hints.ai_socktype = SOCK_STREAM;
@@ -620,6 +726,11 @@ int rtr_http_start(const rtr_http_params *p, rtr_http **out, char *err)
                                      "status code (a stream counts when its headers go out)", NULL, 0);
         h->m_live = pd_metrics_gauge(p->metrics, "pdserve_http_requests_in_flight", NULL,
                                      "OpenAI-compatible HTTP requests being served");
+        h->m_conns = pd_metrics_gauge(p->metrics, "pdserve_http_connections", NULL,
+                                      "open connections of the OpenAI-compatible HTTP server");
+        h->m_timeouts = pd_metrics_counter(p->metrics, "pdserve_http_request_timeouts_total", NULL,
+                                           "HTTP connections closed because their request "
+                                           "(headers and body) was not in by its deadline");
     }
     rpc_channel_params cp = rpc_channel_default_params();
     cp.target = p->grpc_target;
@@ -629,13 +740,29 @@ int rtr_http_start(const rtr_http_params *p, rtr_http **out, char *err)
         rtr_http_stop(h);
         return rc;
     }
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL;
+    hw_params wp = {.max_conns = max_conns,
+                    .request_timeout_ms = (int64_t)p->request_timeout_s * 1000,
+                    .idle_timeout_ms = (int64_t)p->idle_timeout_s * 1000,
+                    .ref = watch_ref,
+                    .hangup = watch_hangup,
+                    .m_timeouts = h->m_timeouts};
+    if ((rc = hw_create(&wp, &h->w, err)) < 0) {
+        freeaddrinfo(res);
+        rtr_http_stop(h);
+        return rc;
+    }
+    /* MHD_USE_AUTO: epoll on Linux (no FD_SETSIZE bound). */
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO | MHD_ALLOW_SUSPEND_RESUME;
     if (res->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     h->d = MHD_start_daemon(flags, (uint16_t)port, NULL, NULL, on_request, h,
                             MHD_OPTION_SOCK_ADDR, res->ai_addr,
+                            MHD_OPTION_THREAD_POOL_SIZE, (unsigned)p->n_threads,
                             MHD_OPTION_NOTIFY_COMPLETED, on_completed, h,
-                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)300,
-                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)p->max_connections,
+                            MHD_OPTION_NOTIFY_CONNECTION, on_connection, h,
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)p->idle_timeout_s,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)max_conns,
+                            MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)p->per_ip_connections,
+                            MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)1024,
                             MHD_OPTION_END);
     freeaddrinfo(res);
     if (!h->d) {
@@ -644,6 +771,9 @@ int rtr_http_start(const rtr_http_params *p, rtr_http **out, char *err)
     }
     const union MHD_DaemonInfo *info = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
     h->port = info ? info->port : port;
+    PD_LOGI("http: serving on port %d: %d threads, at most %d connections (%d per client "
+            "address), idle timeout %d s, request deadline %d s", h->port, p->n_threads,
+            max_conns, p->per_ip_connections, p->idle_timeout_s, p->request_timeout_s);
     *out = h;
     return 0;
 }
@@ -660,7 +790,12 @@ void rtr_http_stop(rtr_http *h)
     if (!h) return;
     atomic_store(&h->draining, 1);
     atomic_store(&h->stopping, 1);
+    /* A suspended request is watched (from its calls' start): resume them all, for MHD
+     * aborts when it stops with a connection suspended. One that would suspend later sees
+     * stopping first. */
+    hw_each_watched(h->w, stop_resume);
     if (h->d) MHD_stop_daemon(h->d); /* every request completed: their calls are cancelled */
+    hw_destroy(h->w);                /* (after MHD: the connections' slots are back) */
     rpc_channel_destroy(h->ch);      /* waits for the calls' on_done: the last requests go */
     free(h);
 }

@@ -3,8 +3,11 @@
  * Each generation is a call of the router's own public Generate RPC over a loopback gRPC
  * channel, so validation, chat templates, routing, stop strings and detokenization are the
  * gRPC path's.
- * libmicrohttpd serves it with one thread per connection (which blocks while it waits for
- * tokens); a client that goes away cancels its calls. docs/api.md describes the endpoints. */
+ * libmicrohttpd serves it from an event loop on n_threads threads; a connection waiting for
+ * tokens is suspended (it holds a socket, no thread); a client that goes away cancels its
+ * calls. Connections that do not send a complete request by a deadline, idle ones, and those
+ * over the limits (in all, per client address) are closed, so that slow or idle clients
+ * cannot starve the others. docs/api.md describes the endpoints. */
 #ifndef PD_ROUTER_RTR_HTTP_H
 #define PD_ROUTER_RTR_HTTP_H
 
@@ -28,7 +31,17 @@ typedef struct {
     int64_t timeout_ms;           /* deadline of a request's Generate calls, ms, >= 1 (a
                                      shorter X-Stainless-Timeout header wins) */
     int64_t max_body_bytes;       /* largest request body, bytes (larger: 413); default 4 MiB */
-    int max_connections;          /* open connections (each has a thread); default 256 */
+    int max_connections;          /* open connections at most (each holds a descriptor: lowered
+                                     to RLIMIT_NOFILE less 256); default 4096 */
+    int per_ip_connections;       /* open connections from one client address at most, 0 = no
+                                     limit; default 1024 */
+    int n_threads;                /* libmicrohttpd's event-loop threads, >= 1; default 2 */
+    int idle_timeout_s;           /* a connection with no traffic this long is closed (one
+                                     waiting for tokens is not idle), >= 1; default 30 */
+    int request_timeout_s;        /* a request's headers and body must be in this long after
+                                     the connection opened (on a kept-alive connection: after
+                                     the previous response plus idle_timeout_s), else the
+                                     connection is closed; 0 = no deadline; default 10 */
     int max_choices;              /* prompts x n per request, at most; default 16 */
     /* Optional: the number of decode instances that are up (/health says 503 at 0). */
     int (*instances_up)(void *user);
@@ -50,7 +63,7 @@ int rtr_http_port(const rtr_http *h);
  * in progress go on. Thread-safe. */
 void rtr_http_drain(rtr_http *h);
 
-/* Closes every connection (their calls are cancelled), waits for the connection threads and
+/* Closes every connection (their calls are cancelled), waits for the server's threads and
  * the calls, and frees everything. Call it after the gRPC server has drained. NULL is a
  * no-op. */
 void rtr_http_stop(rtr_http *h);

@@ -1,6 +1,6 @@
 /* rtr_http_impl.h -- Internals shared by rtr_http.c (the HTTP server, one request's calls and
- * events) and rtr_openai.c (OpenAI request parsing and response JSON). Not for use outside
- * router/. */
+ * events), rtr_http_watch.c (request deadlines, hang-ups of suspended connections) and
+ * rtr_openai.c (OpenAI request parsing and response JSON). Not for use outside router/. */
 #ifndef PD_ROUTER_RTR_HTTP_IMPL_H
 #define PD_ROUTER_RTR_HTTP_IMPL_H
 
@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "common/error.h"
+#include "common/metrics.h"
 #include "common/rpc/rpc.h"
 #include "engine/tokenizer.h"
 #include "pdserve/v1/generation.pb-c.h"
@@ -67,7 +68,7 @@ typedef struct oai_choice {
     int index;
     rpc_client_call *call;          /* j = 0: the prompt's call, released when the request is
                                        freed; NULL for the others */
-    /* Connection thread only: */
+    /* MHD's thread only: */
     bool done;                      /* its call ended (status processed) */
     int finish;                     /* FinishReason of its last message, 0 until then */
     uint32_t prompt_tokens, completion_tokens, cached_tokens;
@@ -90,24 +91,34 @@ typedef struct oai_event {
     char detail[PD_ERR_LEN];
 } oai_event;
 
+struct hw_conn;
+
 /* One HTTP request (MHD's per-request state). Freed when the last reference goes: MHD's (the
- * request-completed callback), a streamed response's and one per call not yet ended. */
+ * request-completed callback), a streamed response's, one per call not yet ended, and the
+ * watcher's while it reports a hang-up. While its connection is suspended (nothing to send
+ * yet) MHD does not call it; the calls' callbacks and the watcher resume it. */
 typedef struct hreq {
     atomic_int refs;
     struct rtr_http *h;
     const oai_ctx *ctx;
-    pthread_mutex_t mu;             /* guards the event list, n_live, gone and ev_oom */
-    pthread_cond_t cv;              /* signalled when an event arrives */
+    pthread_mutex_t mu;             /* guards the event list, n_live, gone, ev_oom, hup and
+                                       suspended */
     oai_event *head, *tail;
     int n_live;                     /* calls whose on_done has not run */
     bool gone;                      /* the request ended (client gone, stop): drop events */
     bool ev_oom;                    /* a callback could not queue an event */
-    /* Connection thread only: */
+    bool hup;                       /* the client hung up (the watcher saw it): close */
+    bool suspended;                 /* the connection is suspended: whoever clears this
+                                       resumes it (MHD_resume_connection), exactly once */
+    /* MHD's thread only: */
     struct MHD_Connection *conn;
+    struct hw_conn *hc;             /* the connection's watcher slot (NULL = none) */
     int endpoint;                   /* EP_* of rtr_http.c */
     char *body;
     size_t body_len, body_cap;
     bool too_large;
+    bool started;                   /* the calls started: MHD calls again after a resume */
+    bool watched;                   /* the watcher looks for a hang-up (until completed) */
     oai_job job;
     char id[48];                    /* cmpl-... / chatcmpl-... */
     int64_t created;
@@ -120,8 +131,50 @@ typedef struct hreq {
     char *out;                      /* streamed bytes not yet handed to MHD */
     size_t out_len, out_off, out_cap;
     bool oom;                       /* out of memory while formatting */
-    double t_checked;               /* when the socket was last looked at (monotonic s) */
 } hreq;
+
+/* ---- rtr_http_watch.c ---- */
+
+/* The watcher: a thread that shuts down connections which have not sent a complete request
+ * (headers and body) by their deadline, and reports clients that hang up (the peer closed or
+ * reset the socket) while their request is watched. One slot per connection, allocated up
+ * front. */
+typedef struct hwatch hwatch;
+typedef struct hw_conn hw_conn;     /* a connection's slot */
+
+typedef struct {
+    int max_conns;                  /* slots: connections open at once, at most */
+    int64_t request_timeout_ms;     /* a connection's first request must be in (headers and
+                                       body) this long after it opened; 0 = no deadline */
+    int64_t idle_timeout_ms;        /* later requests: the previous one's end + this + the
+                                       request timeout (MHD closes idle connections itself) */
+    void (*ref)(void *obj);         /* takes a reference on a watched object; called with the
+                                       watcher's lock held: must not block or lock */
+    void (*hangup)(void *obj);      /* obj's client hung up; on the watcher's thread, holding
+                                       the reference ref took (hangup drops it) */
+    pd_metric *m_timeouts;          /* counter of deadline closes; borrowed, NULL = none */
+} hw_params;
+
+/* Starts the watcher's thread. Returns 0, PD_EINVAL, PD_ENOMEM or PD_EIO; err says why. */
+int hw_create(const hw_params *p, hwatch **out, char *err);
+/* Stops the thread and frees everything; every connection closed. NULL is a no-op. */
+void hw_destroy(hwatch *w);
+/* A new connection (MHD's NOTIFY_STARTED; fd borrowed until hw_conn_close): its request
+ * deadline starts now. NULL when every slot is taken. */
+hw_conn *hw_conn_open(hwatch *w, int fd);
+/* The connection closes (NOTIFY_CLOSED, before MHD closes fd); ends its watch. NULL: no-op. */
+void hw_conn_close(hwatch *w, hw_conn *c);
+/* Its request was received in full: no deadline until hw_conn_waiting. */
+void hw_conn_serving(hwatch *w, hw_conn *c);
+/* Its request was answered: the next one's deadline starts (idle + request timeout). */
+void hw_conn_waiting(hwatch *w, hw_conn *c);
+/* Reports a hang-up of c's client to p.hangup(obj) (once) until hw_unwatch or the close;
+ * obj must stay valid until then. Returns 0, PD_EINVAL (c NULL) or PD_EIO (epoll: obj is
+ * watched, for hw_each_watched, but its hang-up is not noticed). */
+int hw_watch(hwatch *w, hw_conn *c, void *obj);
+void hw_unwatch(hwatch *w, hw_conn *c);
+/* Calls fn(obj) for every watched object, holding a reference taken by p.ref (fn drops it). */
+void hw_each_watched(hwatch *w, void (*fn)(void *obj));
 
 /* ---- rtr_openai.c ---- */
 
