@@ -37,7 +37,7 @@
 #             instance must survive, stay SERVING and come back to rest (KV blocks in use back to
 #             the pre-load value, no transfer, reservation, sequence or request left) within 10 s;
 #             requests that ended before the kill all OK, none hangs (none DEADLINE_EXCEEDED, each
-#             in flight at the kill ended within 10 s), those started after it OK or UNAVAILABLE
+#             in flight at the kill OK, or failed within 10 s), those started after it OK or UNAVAILABLE
 #             within 5 s; then the same with kill -9 of the decode process mid-receive (recv
 #             transfers in flight), the prefill instance surviving. Lines "== kill-prefill:" and
 #             "== kill-decode:"; logs in $OUT/kill/ and $OUT/up-kill-*/

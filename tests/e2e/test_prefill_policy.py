@@ -139,7 +139,10 @@ try:
           d.get(("remote", "default"), 0) - d0.get(("remote", "default"), 0) == 8,
           "an objective far beyond the queue's wait: every prompt remote, though the backlog "
           "passes --prefill-busy-tokens")
-    outs_t = storm(tight, 12)
+    # 24 at once: a prompt goes local once four wait at the prefill instance (the busy rule's
+    # quarter), which 24 concurrent prompts reach however spread out their arrival is on a
+    # loaded machine (the instance takes one per 150 ms step).
+    outs_t = storm(tight, 24)
     d = decisions(tight)
     print("busy by time, TTFT objective 20 ms: %s" % d)
     check(d.get(("local", "prefill_busy"), 0) >= 1,
