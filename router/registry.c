@@ -46,6 +46,7 @@ struct rtr_instance {
                                      or it held no running sequence (now_ms clock) */
     int64_t report_ms;            /* when its last report arrived */
     int64_t poll_started_ms;      /* when the report in flight (polling) was asked for */
+    bool report_failed;           /* its last report failed (timed out, refused) */
     bool stalled;                 /* last seen stalled by rtr_registry_stalled (its log) */
     bool polling;                 /* a LoadReport call is in flight (the poller's) */
     int64_t next_poll_ms;         /* when the next one is due */
@@ -284,6 +285,7 @@ static void apply_report(rtr_registry *r, rtr_instance *in, const ProtobufCMessa
     if (resp) {
         const Pdserve__Internal__V1__LoadReportResponse *l = (const void *)resp;
         in->healthy = true;
+        in->report_failed = false;
         in->report_ms = now_ms();
         if (l->steps != in->steps || l->running_seqs == 0) in->progress_ms = in->report_ms;
         in->steps = l->steps;
@@ -303,6 +305,7 @@ static void apply_report(rtr_registry *r, rtr_instance *in, const ProtobufCMessa
         }
     } else {
         in->healthy = false;
+        in->report_failed = true;
         atomic_fetch_add(&in->errors, 1);
     }
     bool now = in->healthy;
@@ -507,14 +510,18 @@ void rtr_registry_destroy(rtr_registry *r)
     free(r);
 }
 
-/* No progress for stall_ms (mu held): the report asked for has not come back for that long
- * (frozen, unreachable), or its reports show its engine's steps standing still that long
- * while it had running sequences (a stuck engine). Judged only from reports asked for, so a
- * long --load-poll-ms never makes an idle wait look like a stall. */
+/* No progress for stall_ms (mu held): the report asked for has not come back for that long,
+ * or its reports have failed since a good one that long ago (frozen, unreachable), or its
+ * reports show its engine's steps standing still that long while it had running sequences
+ * (a stuck engine). Judged only from reports asked for, so a long --load-poll-ms never makes
+ * an idle wait look like a stall. */
 static bool stalled(const rtr_registry *r, const rtr_instance *i)
 {
     if (r->p.stall_ms <= 0) return false;
-    if (i->polling && now_ms() - i->poll_started_ms > r->p.stall_ms) return true;
+    const int64_t t = now_ms();
+    if (i->polling && t - i->poll_started_ms > r->p.stall_ms) return true;
+    /* reports failing (timed out, refused) since the last good one, that long ago */
+    if (i->report_failed && t - i->report_ms > r->p.stall_ms) return true;
     return i->report_ms - i->progress_ms > r->p.stall_ms;
 }
 
