@@ -83,20 +83,21 @@ stop() { # stop [EXIT CODE]: stops every process, router first; exits with the c
 }
 trap 'stop 0' INT TERM
 
-# start NAME LOG ARGS...: runs NAME in the background, sets PORT_OUT from its "PORT n" line.
+# start NAME LOG ARGS...: runs NAME in the background, sets PORT_OUT from its "PORT n" line
+# (waiting PDSERVE_UP_START_S, default 120 s: a 70B model with dummy FP8 weights takes longer).
 start() {
     local name=$1 log=$2; shift 2
     "$BIN/$name" "$@" >"$LOGS/$log.out" 2>"$LOGS/$log.log" &
     local pid=$!
     PIDS+=("$pid")
-    for _ in $(seq 1200); do
+    for _ in $(seq $((${PDSERVE_UP_START_S:-120} * 10))); do
         if grep -q '^PORT ' "$LOGS/$log.out" 2>/dev/null; then
             PORT_OUT=$(awk '/^PORT /{print $2; exit}' "$LOGS/$log.out"); return 0
         fi
         kill -0 "$pid" 2>/dev/null || break
         sleep 0.1
     done
-    echo "pdserve-up: $log did not start; its log ($LOGS/$log.log):" >&2
+    echo "pdserve-up: $log did not start (no PORT line within ${PDSERVE_UP_START_S:-120} s, or it exited; PDSERVE_UP_START_S waits longer); its log ($LOGS/$log.log):" >&2
     tail -20 "$LOGS/$log.log" >&2
     stop 1
 }
