@@ -338,6 +338,19 @@ typedef struct {
     bool got;
 } poll_ctx;
 
+/* A report of in ended (answered or not): the next one is due a period later; drops the
+ * call's reference to in. */
+static void poll_end(rtr_registry *r, rtr_instance *in)
+{
+    pthread_mutex_lock(&r->mu);
+    in->polling = false;
+    in->next_poll_ms = now_ms() + r->p.poll_ms;
+    r->n_polls--;
+    pthread_cond_broadcast(&r->cv);
+    pthread_mutex_unlock(&r->mu);
+    rtr_instance_unref(in);
+}
+
 static void poll_on_message(rpc_client_call *c, ProtobufCMessage *msg, void *user)
 {
     (void)c;
@@ -358,13 +371,7 @@ static void poll_on_done(rpc_client_call *c, const rpc_status *st, void *user)
         if (bad.code == RPC_STATUS_OK) bad.code = RPC_STATUS_INTERNAL; /* (no message) */
         apply_report(r, x->in, NULL, &bad);
     }
-    pthread_mutex_lock(&r->mu);
-    x->in->polling = false;
-    x->in->next_poll_ms = now_ms() + r->p.poll_ms;
-    r->n_polls--;
-    pthread_cond_broadcast(&r->cv);
-    pthread_mutex_unlock(&r->mu);
-    rtr_instance_unref(x->in);
+    poll_end(r, x->in);
     free(x);
 }
 
@@ -405,13 +412,7 @@ static void poll_due(rtr_registry *r)
         rpc_status st = {RPC_STATUS_INTERNAL, ""};
         snprintf(st.details, sizeof st.details, "%s", err);
         apply_report(r, due[i], NULL, &st);
-        pthread_mutex_lock(&r->mu);
-        due[i]->polling = false;
-        due[i]->next_poll_ms = now_ms() + r->p.poll_ms;
-        r->n_polls--;
-        pthread_cond_broadcast(&r->cv);
-        pthread_mutex_unlock(&r->mu);
-        rtr_instance_unref(due[i]);
+        poll_end(r, due[i]);
         free(x);
     }
 }

@@ -169,6 +169,16 @@ typedef struct rreq {
     double t_gate;                   /* when it began to wait */
 } rreq;
 
+/* Waits on cv (mu held) at most ms (< 1000) milliseconds. */
+static void cond_wait_ms(pthread_cond_t *cv, pthread_mutex_t *mu, long ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += ms * 1000000;
+    if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
+    pthread_cond_timedwait(cv, mu, &ts);
+}
+
 static double now_s(void)
 {
     struct timespec ts;
@@ -297,11 +307,7 @@ static void *gate_loop(void *arg)
             continue;
         }
         /* Woken by a release; the timeout covers instances coming back (the budget grows). */
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 20 * 1000000;
-        if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
-        pthread_cond_timedwait(&g_gate.cv, &g_gate.mu, &ts);
+        cond_wait_ms(&g_gate.cv, &g_gate.mu, 20);
     }
     pthread_mutex_unlock(&g_gate.mu);
     return NULL;
@@ -1174,11 +1180,7 @@ static void *watch_loop(void *arg)
         }
         pthread_mutex_lock(&g_live.mu);
         if (g_live.stop) break;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100 * 1000000;
-        if (ts.tv_nsec >= 1000000000) ts.tv_sec++, ts.tv_nsec -= 1000000000;
-        pthread_cond_timedwait(&g_live.cv, &g_live.mu, &ts);
+        cond_wait_ms(&g_live.cv, &g_live.mu, 100);
     }
     pthread_mutex_unlock(&g_live.mu);
     return NULL;
