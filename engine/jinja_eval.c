@@ -31,6 +31,9 @@ int jinja__raise(jx *x, const char *msg, size_t len)
 {
     if (x->failed) return PD_EINVAL;
     x->failed = true;
+    len = strnlen(msg, len); /* the message ends at an embedded NUL, as the error text does */
+    if (!len) /* raise_exception("") or of an undefined value: still a message that says so */
+        return pd_errf(x->err, PD_EINVAL, "the template raised an exception with an empty message");
     pd_errf(x->err, PD_EINVAL, "%.*s", (int)(len > PD_ERR_LEN - 1 ? PD_ERR_LEN - 1 : len), msg);
     return PD_EINVAL;
 }

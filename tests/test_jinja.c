@@ -153,6 +153,10 @@ static void test_api(void)
                "Roles must alternate: 3");
     CHECK(render_str("{{ raise_exception('boom') }}", NULL, NULL, true, &out, err) == PD_EINVAL &&
           strcmp(err, "boom") == 0);
+    /* an empty message (or an undefined one, a NUL first) still says what happened */
+    CHECK_FAIL("{{ raise_exception('') }}", NULL, NULL, PD_EINVAL, "empty message");
+    CHECK_FAIL("{{- raise_exception(nothing) -}}", NULL, NULL, PD_EINVAL, "empty message");
+    CHECK_FAIL("{{ raise_exception('\\0after') }}", NULL, NULL, PD_EINVAL, "empty message");
     /* other errors name the line */
     CHECK_FAIL("\n\n{{ x.y }}", NULL, NULL, PD_EINVAL, "line 3: 'x' is undefined");
     CHECK_FAIL("{{ [1].append(2) }}", NULL, NULL, PD_EINVAL, "unsafe");
