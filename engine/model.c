@@ -3,9 +3,11 @@
 #include "engine/model.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -144,6 +146,64 @@ static int read_scales(const loader *L, const char *name, int64_t n_want, bool o
     return 0;
 }
 
+/* Dummy FP8 weights: n random e4m3 codes (never a NaN code) into w8, chunk c of DUMMY_CHUNK
+ * bytes from a stream of its own (seed, c), so the bytes do not depend on how many threads
+ * write them. Threads: a 70B model's 70 GB took over 100 s in one. */
+#define DUMMY_CHUNK ((int64_t)1 << 22)
+typedef struct {
+    uint8_t *w8;
+    int64_t n;
+    uint64_t seed;
+    int32_t t, n_threads;
+} dummy_job;
+
+static void dummy_chunk(uint8_t *w8, int64_t n, uint64_t seed, int64_t c)
+{
+    uint64_t st = seed ^ ((uint64_t)(c + 1) * 0x9e3779b97f4a7c15ull);
+    const int64_t i0 = c * DUMMY_CHUNK, i1 = i0 + DUMMY_CHUNK < n ? i0 + DUMMY_CHUNK : n;
+    for (int64_t i = i0; i < i1; i += 8) {
+        uint64_t v = splitmix(&st);
+        for (int64_t b = 0; b < 8 && i + b < i1; b++, v >>= 8) {
+            uint8_t code = (uint8_t)v;
+            w8[i + b] = (code & 0x7f) == 0x7f ? (uint8_t)(code - 1) : code;
+        }
+    }
+}
+
+static void *dummy_thread(void *arg)
+{
+    const dummy_job *j = arg;
+    const int64_t n_chunks = (j->n + DUMMY_CHUNK - 1) / DUMMY_CHUNK;
+    for (int64_t c = j->t; c < n_chunks; c += j->n_threads) dummy_chunk(j->w8, j->n, j->seed, c);
+    return NULL;
+}
+
+static void dummy_e4m3(uint8_t *w8, int64_t n, uint64_t seed)
+{
+    enum { MAX_THREADS = 32 };
+    if (n <= 0) return;
+    const int64_t n_chunks = (n + DUMMY_CHUNK - 1) / DUMMY_CHUNK;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int32_t n_threads = (int32_t)(cpus < 1 ? 1 : cpus > MAX_THREADS ? MAX_THREADS : cpus);
+    if (n_threads > n_chunks) n_threads = (int32_t)n_chunks;
+    pthread_t th[MAX_THREADS];
+    dummy_job jobs[MAX_THREADS];
+    int32_t started = 0;
+    for (int32_t t = 1; t < n_threads; t++) { /* thread 0's chunks: this one */
+        jobs[t] = (dummy_job){.w8 = w8, .n = n, .seed = seed, .t = t, .n_threads = n_threads};
+        if (pthread_create(&th[t], NULL, dummy_thread, &jobs[t]) != 0) break;
+        started = t;
+    }
+    /* chunks of threads that did not start are done here */
+    for (int32_t t = started + 1; t < n_threads; t++) {
+        jobs[t] = (dummy_job){.w8 = w8, .n = n, .seed = seed, .t = t, .n_threads = n_threads};
+        dummy_thread(&jobs[t]);
+    }
+    jobs[0] = (dummy_job){.w8 = w8, .n = n, .seed = seed, .t = 0, .n_threads = n_threads};
+    dummy_thread(&jobs[0]);
+    for (int32_t t = 1; t <= started; t++) pthread_join(th[t], NULL);
+}
+
 /* Part p's rows of the fused matrix: e4m3 bytes into w8 (rows of K), scales into scale (rows of
  * G groups of `group` columns: K per channel, 128 block-wise), the static input scale into
  * *in_scale. */
@@ -158,13 +218,7 @@ static int quant_part(pd_model *m, const loader *L, const lin_part *pt, int32_t 
         uint64_t st = L->seed ^ 0x51ed270b27ull;
         for (const char *c = pt->module; *c; c++) st = (st ^ (uint8_t)*c) * 0x100000001b3ull;
         st ^= (uint64_t)(w.r0 * 131 + w.c0 + 1);
-        for (int64_t i = 0; i < nr * nc; i += 8) {
-            uint64_t v = splitmix(&st);
-            for (int64_t b = 0; b < 8 && i + b < nr * nc; b++, v >>= 8) {
-                uint8_t c = (uint8_t)v;
-                w8[i + b] = (c & 0x7f) == 0x7f ? (uint8_t)(c - 1) : c;
-            }
-        }
+        dummy_e4m3(w8, nr * nc, st);
         for (int64_t i = 0; i < nr * G; i++) scale[i] = 0.02f / PD_FP8_MAX;
         *in_scale = 1.0f;
         return 0;

@@ -8,12 +8,13 @@
 set -uo pipefail
 BIN=$(cd "$(dirname "$0")" && pwd)
 MODEL="" GPUS="" SPLITS="" OUT="" BENCH_ARGS="" INST_ARGS="" ROUTER_ARGS="" COLOCATED=1
-QUANT="auto" KV_DTYPE="auto"
+QUANT="auto" KV_DTYPE="auto" PTP=1 DTP=1
 usage() {
     cat <<USAGE
 usage: pdserve-plan --model DIR --gpus LIST [--splits P:D,...] [--no-colocated] [--out DIR]
                     [--bench-args "ARGS"] [--instance-args "ARGS"] [--router-args "ARGS"]
                     [--quantization auto|none|fp8] [--kv-cache-dtype auto|bf16|fp8]
+                    [--tensor-parallel T | --prefill-tp T --decode-tp T]
 
 For the GPUs in LIST (e.g. 0,1,2,3: N = 4), measures the goodput of each split P:D with
 P + D = N (default all, 1:N-1 .. N-1:1) and of N colocated instances (unless
@@ -25,7 +26,11 @@ P + D = N (default all, 1:N-1 .. N-1:1) and of N colocated instances (unless
 search's JSON and plots, every instance's metrics after the search (metrics/), plan.json,
 plan.svg; the table and the recommendation on stdout. --quantization and --kv-cache-dtype
 (docs/quantization.md) go to every instance, prefill, decode and colocated alike (the KV
-layouts of a split must match), and are recorded in plan.json.
+layouts of a split must match), and are recorded in plan.json. --prefill-tp and --decode-tp
+(--tensor-parallel: both) run each prefill or decode instance over T consecutive GPUs of LIST
+(pdserve-up's): a split P:D then takes P x T_prefill + D x T_decode GPUs (the default splits:
+every P with the most decode instances that fit), colocated N / T_decode instances; the
+deployments' names end in -tpP.D (e.g. 1P1D-tp2.2).
 The router of each deployment runs with its defaults (conditional disaggregation on) and the
 SLO of --bench-args (its --slo-ttft-ms and --slo-tpot-ms, which the busy rule uses), plus
 --router-args; put PDSERVE_PREFILL_POLICY=remote in the environment (or --prefill-policy
@@ -44,6 +49,9 @@ while [ $# -gt 0 ]; do
         --router-args) ROUTER_ARGS=$2; shift 2 ;;
         --quantization) QUANT=$2; shift 2 ;;
         --kv-cache-dtype) KV_DTYPE=$2; shift 2 ;;
+        --tensor-parallel) PTP=$2; DTP=$2; shift 2 ;;
+        --prefill-tp) PTP=$2; shift 2 ;;
+        --decode-tp) DTP=$2; shift 2 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "pdserve-plan: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
     esac
@@ -52,25 +60,32 @@ done
 [ -n "$GPUS" ] || { echo "pdserve-plan: --gpus LIST is required (e.g. 0,1)" >&2; exit 2; }
 IFS=, read -r -a GL <<<"$GPUS"
 N=${#GL[@]}
-[ "$N" -ge 2 ] || { echo "pdserve-plan: a split needs at least 2 GPUs" >&2; exit 2; }
-if [ -z "$SPLITS" ]; then
-    for ((p = 1; p < N; p++)); do SPLITS+="${SPLITS:+,}$p:$((N - p))"; done
+for t in "$PTP" "$DTP"; do
+    [[ $t =~ ^[1-9][0-9]*$ ]] || { echo "pdserve-plan: tensor-parallel degree '$t' is not a number >= 1" >&2; exit 2; }
+done
+[ "$N" -ge $((PTP + DTP)) ] ||
+    { echo "pdserve-plan: a split needs at least $((PTP + DTP)) GPUs (a prefill instance at TP $PTP and a decode instance at TP $DTP)" >&2; exit 2; }
+if [ -z "$SPLITS" ]; then # every split that fits: P prefill and D decode instances, GPUs P*PTP + D*DTP
+    for ((p = 1; p * PTP + DTP <= N; p++)); do SPLITS+="${SPLITS:+,}$p:$(((N - p * PTP) / DTP))"; done
 fi
 DEPS=()
 IFS=, read -r -a SL <<<"$SPLITS"
 for s in "${SL[@]}"; do
     [[ $s =~ ^([0-9]+):([0-9]+)$ ]] || { echo "pdserve-plan: split '$s' is not P:D" >&2; exit 2; }
-    [ $((BASH_REMATCH[1] + BASH_REMATCH[2])) -le "$N" ] && [ "${BASH_REMATCH[1]}" -ge 1 ] &&
+    [ $((BASH_REMATCH[1] * PTP + BASH_REMATCH[2] * DTP)) -le "$N" ] && [ "${BASH_REMATCH[1]}" -ge 1 ] &&
         [ "${BASH_REMATCH[2]}" -ge 1 ] ||
-        { echo "pdserve-plan: split $s needs 1..$N GPUs with P, D >= 1" >&2; exit 2; }
+        { echo "pdserve-plan: split $s needs P, D >= 1 and P x $PTP + D x $DTP <= $N GPUs" >&2; exit 2; }
     DEPS+=("$s")
 done
+NCOL=$((N / DTP)) # colocated instances, each at the decode degree
 [ "$COLOCATED" = 1 ] && DEPS+=("colocated")
+TPS="" # the deployments' names carry the degrees when any is above 1
+[ "$PTP" -gt 1 ] || [ "$DTP" -gt 1 ] && TPS="-tp$PTP.$DTP"
+case "$QUANT" in auto|none|fp8) ;; *) echo "pdserve-plan: --quantization $QUANT: give auto, none or fp8" >&2; exit 2 ;; esac
+case "$KV_DTYPE" in auto|bf16|fp8) ;; *) echo "pdserve-plan: --kv-cache-dtype $KV_DTYPE: give auto, bf16 or fp8" >&2; exit 2 ;; esac
 OUT=${OUT:-./pdserve-plan-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 # shellcheck disable=SC2206
-case "$QUANT" in auto|none|fp8) ;; *) echo "pdserve-plan: --quantization $QUANT: give auto, none or fp8" >&2; exit 2 ;; esac
-case "$KV_DTYPE" in auto|bf16|fp8) ;; *) echo "pdserve-plan: --kv-cache-dtype $KV_DTYPE: give auto, bf16 or fp8" >&2; exit 2 ;; esac
 IA=($INST_ARGS --quantization "$QUANT" --kv-cache-dtype "$KV_DTYPE")
 # shellcheck disable=SC2206
 BA=($BENCH_ARGS)
@@ -112,10 +127,10 @@ sys.stdout.write(urllib.request.urlopen("http://%s/metrics" % sys.argv[1], timeo
 RESULTS=()
 for dep in "${DEPS[@]}"; do
     if [ "$dep" = colocated ]; then
-        name="colocated-x$N" up=(--colocated --decode "$N")
+        name="colocated-x$NCOL${TPS:+-tp$DTP}" up=(--colocated --decode "$NCOL" --decode-tp "$DTP")
     else
         p=${dep%:*} d=${dep#*:}
-        name="${p}P${d}D" up=(--prefill "$p" --decode "$d")
+        name="${p}P${d}D$TPS" up=(--prefill "$p" --decode "$d" --prefill-tp "$PTP" --decode-tp "$DTP")
     fi
     dir="$OUT/$name"
     mkdir -p "$dir"
@@ -152,7 +167,7 @@ for dep in "${DEPS[@]}"; do
 done
 
 # The table, the recommendation, plan.json and plan.svg.
-printf '%s\n' "${RESULTS[@]}" | awk -v n="$N" -v out="$OUT" -v quant="$QUANT" -v kvd="$KV_DTYPE" '
+printf '%s\n' "${RESULTS[@]}" | awk -v n="$N" -v out="$OUT" -v quant="$QUANT" -v kvd="$KV_DTYPE" -v ptp="$PTP" -v dtp="$DTP" -v ncol="$NCOL" '
 { name[NR] = $1; g[NR] = $2 + 0; lb[NR] = ($2 ~ /\+$/); secs[NR] = $3; if ($1 ~ /^colocated/) col = $2 + 0 }
 END {
     best = 1  # ties go to colocated: the same goodput with one kind of instance
@@ -167,17 +182,17 @@ END {
     if (g[best] <= 0) { print "deploy: no deployment met the SLO at any rate searched"; exit }
     for (i = 1; i <= NR; i++) if (lb[i]) { print "note: >= marks a lower bound (every probed rate met the SLO): raise --rate or --max-probes in --bench-args to compare"; break }
     printf "deploy: %s (goodput %.2f req/s", name[best], g[best]
-    if (col > 0) printf ", %.2fx colocated x%d", g[best] / col, n
+    if (col > 0) printf ", %.2fx colocated x%d", g[best] / col, ncol
     printf ")\n"
     if (name[best] ~ /P[0-9]+D$/) {
         split(name[best], a, /[PD]/)
-        printf "kubernetes: per %d-GPU host, prefill replicas %d and decode replicas %d (deploy/k8s: the prefill and decode Deployments), one GPU each\n", n, a[1], a[2]
+        printf "kubernetes: per %d-GPU host, prefill replicas %d and decode replicas %d (deploy/k8s: the prefill and decode Deployments), %s\n", n, a[1], a[2], (ptp == 1 && dtp == 1) ? "one GPU each" : sprintf("%d GPUs a prefill replica and %d a decode replica (--tensor-parallel)", ptp, dtp)
     } else {
-        printf "kubernetes: %d colocated decode replicas (pdserve-decode --colocated, no prefill Deployment)\n", n
+        printf "kubernetes: %d colocated decode replicas (pdserve-decode --colocated, no prefill Deployment)%s\n", ncol, (dtp > 1 ? sprintf(", %d GPUs each (--tensor-parallel %d)", dtp, dtp) : "")
     }
     # plan.json
     f = out "/plan.json"
-    printf "{\"gpus\": %d, \"quantization\": \"%s\", \"kv_cache_dtype\": \"%s\", \"deployments\": [", n, quant, kvd > f
+    printf "{\"gpus\": %d, \"quantization\": \"%s\", \"kv_cache_dtype\": \"%s\", \"tensor_parallel\": {\"prefill\": %d, \"decode\": %d}, \"deployments\": [", n, quant, kvd, ptp, dtp > f
     for (i = 1; i <= NR; i++)
         printf "%s{\"name\": \"%s\", \"goodput_rps\": %s, \"seconds\": %s}", (i > 1 ? ", " : ""), name[i], (g[i] < 0 ? "null" : g[i]), secs[i] > f
     printf "], \"best\": \"%s\"}\n", name[best] > f

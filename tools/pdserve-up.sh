@@ -7,18 +7,24 @@
 set -uo pipefail
 BIN=$(cd "$(dirname "$0")" && pwd)
 MODEL=${PDSERVE_MODEL:-}
-PORT=50051 N_PREFILL=1 N_DECODE=1 COLOCATED=0 EXTRA=() GPUS="" ROUTER_ARGS=""
+PORT=50051 N_PREFILL=1 N_DECODE=1 COLOCATED=0 EXTRA=() GPUS="" ROUTER_ARGS="" DRY_RUN=0
+PREFILL_TP=1 DECODE_TP=1
 usage() {
     cat <<USAGE
 usage: pdserve-up --model DIR [--port P] [--colocated] [--prefill N] [--decode M]
-                  [--gpus LIST] [--router-args "ARGS"] [-- ARGS...]
+                  [--gpus LIST] [--tensor-parallel T | --prefill-tp T --decode-tp T]
+                  [--router-args "ARGS"] [--dry-run] [-- ARGS...]
 
 Starts pdserve on loopback: N prefill instances (default 1) and M decode instances (default
 1), or with --colocated M decode instances that also compute prompts, plus the router on
 port P (default 50051; 0 = any free port). --gpus 0,1,... places the instances on those GPUs,
 one per GPU in turn (prefill instances first, then decode), each with --device N and every
 GPU visible, so that KV moves device to device between them (--kv-transport); each instance
-then sizes its pool from --gpu-memory-utilization unless ARGS size it. ARGS after -- go to
+then sizes its pool from --gpu-memory-utilization unless ARGS size it. --prefill-tp and
+--decode-tp (--tensor-parallel: both) split each prefill or decode instance over T GPUs
+(--tensor-parallel T): with --gpus it takes the next T of LIST, which must be consecutive
+ordinals (the instance runs on --device D .. D + T - 1). --dry-run prints each process's
+command line and exits. ARGS after -- go to
 every instance (e.g. --kv-cache-mb 512 --backend cpu); --router-args to the router (e.g.
 "--metrics-port 0 --http-listen 127.0.0.1:8000"). Prints where the router listens ("ROUTER
 host:port"), for each process started with --metrics-port where its /metrics is, and with
@@ -35,6 +41,10 @@ while [ $# -gt 0 ]; do
         --colocated) COLOCATED=1; shift ;;
         --gpus) GPUS=$2; shift 2 ;;
         --router-args) ROUTER_ARGS=$2; shift 2 ;;
+        --tensor-parallel) PREFILL_TP=$2; DECODE_TP=$2; shift 2 ;;
+        --prefill-tp) PREFILL_TP=$2; shift 2 ;;
+        --decode-tp) DECODE_TP=$2; shift 2 ;;
+        --dry-run) DRY_RUN=1; shift ;;
         -h|--help) usage; exit 0 ;;
         --) shift; EXTRA=("$@"); break ;;
         *) echo "pdserve-up: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
@@ -42,9 +52,11 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$MODEL" ] || { echo "pdserve-up: --model DIR is required" >&2; exit 2; }
 [ -f "$MODEL/config.json" ] || { echo "pdserve-up: $MODEL/config.json not found" >&2; exit 2; }
-for n in "$N_PREFILL" "$N_DECODE" "$PORT"; do
+for n in "$N_PREFILL" "$N_DECODE" "$PORT" "$PREFILL_TP" "$DECODE_TP"; do
     [[ $n =~ ^[0-9]+$ ]] || { echo "pdserve-up: '$n' is not a number" >&2; exit 2; }
 done
+[ "$PREFILL_TP" -ge 1 ] && [ "$DECODE_TP" -ge 1 ] ||
+    { echo "pdserve-up: a tensor-parallel degree is at least 1" >&2; exit 2; }
 if [ "$COLOCATED" = 1 ]; then N_PREFILL=0; fi
 IFS=, read -r -a GPU_LIST <<<"$GPUS"
 for d in "${GPU_LIST[@]}"; do
@@ -52,25 +64,50 @@ for d in "${GPU_LIST[@]}"; do
 done
 # Several instances share this host (and its GPU): give each a fixed KV pool unless the caller
 # sized it (a GPU instance otherwise takes --gpu-memory-utilization 0.9 of the card). With --gpus each instance has
-# a GPU of its own (when there are as many as instances).
-if [ ${#GPU_LIST[@]} -eq 0 ] || [ ${#GPU_LIST[@]} -lt $((N_PREFILL + N_DECODE)) ]; then
+# GPUs of its own (when there are as many as its instances need).
+NEED_GPUS=$((N_PREFILL * PREFILL_TP + N_DECODE * DECODE_TP))
+if [ ${#GPU_LIST[@]} -gt 0 ] && [ ${#GPU_LIST[@]} -lt "$NEED_GPUS" ] &&
+    { [ "$PREFILL_TP" -gt 1 ] || [ "$DECODE_TP" -gt 1 ]; }; then
+    echo "pdserve-up: --gpus $GPUS has ${#GPU_LIST[@]} GPUs; $N_PREFILL prefill at TP $PREFILL_TP and $N_DECODE decode at TP $DECODE_TP need $NEED_GPUS" >&2
+    exit 2
+fi
+if [ ${#GPU_LIST[@]} -eq 0 ] || [ ${#GPU_LIST[@]} -lt "$NEED_GPUS" ]; then
     case " ${EXTRA[*]} " in
         *" --kv-cache-mb"*|*" --gpu-memory-utilization"*) ;;
         *) EXTRA=(--kv-cache-mb 256 "${EXTRA[@]}") ;;
     esac
 fi
 NEXT_GPU=0
-gpu_args() { # sets DEV to (--device N) for the next instance, or () without --gpus
+gpu_args() { # gpu_args TP: sets DEV to the next instance's (--device N [--tensor-parallel TP])
+    local tp=$1 first j
     DEV=()
     if [ ${#GPU_LIST[@]} -gt 0 ]; then
-        DEV=(--device "${GPU_LIST[$((NEXT_GPU % ${#GPU_LIST[@]}))]}")
-        NEXT_GPU=$((NEXT_GPU + 1))
+        first=${GPU_LIST[$((NEXT_GPU % ${#GPU_LIST[@]}))]}
+        for ((j = 1; j < tp; j++)); do # a TP instance's GPUs: --device .. --device + TP - 1
+            if [ "${GPU_LIST[$(((NEXT_GPU + j) % ${#GPU_LIST[@]}))]}" != $((first + j)) ]; then
+                echo "pdserve-up: --gpus $GPUS: an instance at TP $tp takes $tp consecutive GPUs from $first (it runs on GPUs $first .. $((first + tp - 1)))" >&2
+                exit 2
+            fi
+        done
+        DEV=(--device "$first")
+        NEXT_GPU=$((NEXT_GPU + tp))
     fi
+    [ "$tp" -gt 1 ] && DEV+=(--tensor-parallel "$tp")
+    return 0
+}
+gpus_of() { # where the instance of DEV runs, for the log
+    [ ${#DEV[@]} -gt 0 ] && [ "${DEV[0]}" = --device ] || return 0
+    local tp=1
+    [ ${#DEV[@]} -ge 4 ] && tp=${DEV[3]}
+    if [ "$tp" -gt 1 ]; then echo "GPUs ${DEV[1]} .. $((DEV[1] + tp - 1)) (TP $tp)"; else echo "GPU ${DEV[1]}"; fi
 }
 [ "$N_DECODE" -ge 1 ] || { echo "pdserve-up: at least one decode instance" >&2; exit 2; }
 
-LOGS=${PDSERVE_LOG_DIR:-$(mktemp -d /tmp/pdserve-up.XXXXXX)}
-mkdir -p "$LOGS"
+LOGS=${PDSERVE_LOG_DIR:-}
+if [ "$DRY_RUN" = 0 ]; then
+    [ -n "$LOGS" ] || LOGS=$(mktemp -d /tmp/pdserve-up.XXXXXX)
+    mkdir -p "$LOGS"
+fi
 export UCX_WARN_UNUSED_ENV_VARS=${UCX_WARN_UNUSED_ENV_VARS:-n}
 PIDS=()
 stopping=0
@@ -85,8 +122,14 @@ trap 'stop 0' INT TERM
 
 # start NAME LOG ARGS...: runs NAME in the background, sets PORT_OUT from its "PORT n" line
 # (waiting PDSERVE_UP_START_S, default 120 s: a 70B model with dummy FP8 weights takes longer).
+# --dry-run: prints the command instead (PORT_OUT a placeholder).
 start() {
     local name=$1 log=$2; shift 2
+    if [ "$DRY_RUN" = 1 ]; then
+        printf '%s' "$log:"; printf ' %q' "$BIN/$name" "$@"; printf '\n'
+        PORT_OUT="<$log-port>"
+        return 0
+    fi
     "$BIN/$name" "$@" >"$LOGS/$log.out" 2>"$LOGS/$log.log" &
     local pid=$!
     PIDS+=("$pid")
@@ -103,23 +146,26 @@ start() {
 }
 PREFILLS="" DECODES=""
 for ((i=0; i<N_PREFILL; i++)); do
-    gpu_args
+    gpu_args "$PREFILL_TP"
     start pdserve-prefill "prefill-$i" --model "$MODEL" --listen 127.0.0.1:0 --instance-id "prefill-$i" "${DEV[@]}" "${EXTRA[@]}"
     PREFILLS+="${PREFILLS:+,}127.0.0.1:$PORT_OUT"
-    [ ${#DEV[@]} -gt 0 ] && echo "pdserve-up: prefill-$i on GPU ${DEV[1]}" >&2
+    where=$(gpus_of)
+    [ -n "$where" ] && echo "pdserve-up: prefill-$i on $where" >&2
 done
 for ((i=0; i<N_DECODE; i++)); do
     if [ "$COLOCATED" = 1 ]; then col=(--colocated); else col=(); fi
-    gpu_args
+    gpu_args "$DECODE_TP"
     start pdserve-decode "decode-$i" --model "$MODEL" --listen 127.0.0.1:0 --instance-id "decode-$i" "${col[@]}" "${DEV[@]}" "${EXTRA[@]}"
     DECODES+="${DECODES:+,}127.0.0.1:$PORT_OUT"
-    [ ${#DEV[@]} -gt 0 ] && echo "pdserve-up: decode-$i on GPU ${DEV[1]}" >&2
+    where=$(gpus_of)
+    [ -n "$where" ] && echo "pdserve-up: decode-$i on $where" >&2
 done
 ARGS=(--model "$MODEL" --listen "127.0.0.1:$PORT" --decode "$DECODES")
 [ -n "$PREFILLS" ] && ARGS+=(--prefill "$PREFILLS")
 # shellcheck disable=SC2206
 [ -n "$ROUTER_ARGS" ] && ARGS+=($ROUTER_ARGS)
 start pdserve-router router "${ARGS[@]}"
+[ "$DRY_RUN" = 1 ] && exit 0
 ROUTER=$PORT_OUT
 for _ in $(seq 100); do
     "$BIN/pdserve-cli" health --addr "127.0.0.1:$ROUTER" >/dev/null 2>&1 && break

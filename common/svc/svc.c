@@ -149,7 +149,7 @@ void svc_model_info_metric(const svc_model *m, void *reg)
     pd_metrics_label(lb, sizeof lb, "tensor_parallel", tp);
     pd_metric_set(pd_metrics_gauge(reg, "pdserve_model_info", lb,
                                    "the served model: name, backend, weight quantization, KV "
-                                   "cache element type, tensor-parallel degree (always 1)"), 1);
+                                   "cache element type, tensor-parallel degree"), 1);
 }
 
 void svc_model_close(svc_model *m)

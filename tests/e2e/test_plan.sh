@@ -32,6 +32,11 @@ check "python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d[\"g
 check "grep -q 'pdserve_model_info{.*quantization=\"fp8 (at load)\",kv_cache_dtype=\"F8_E4M3\"' '$OUT/plan/1P1D/metrics/prefill-0.prom' && grep -q 'quantization=\"fp8 (at load)\",kv_cache_dtype=\"F8_E4M3\"' '$OUT/plan/1P1D/metrics/decode-0.prom'" "the instances ran FP8 weights and KV cache (pdserve_model_info)"
 "$BIN/pdserve-plan" --model "$MODEL" --gpus 0,1 --kv-cache-dtype fp4 >"$OUT/bad" 2>&1
 check "[ $? -eq 2 ] && grep -q 'kv-cache-dtype fp4' '$OUT/bad'" "a bad --kv-cache-dtype is refused naming it"
+"$BIN/pdserve-plan" --model "$MODEL" --gpus 0,1,2 --tensor-parallel 2 >"$OUT/bad2" 2>&1
+check "[ $? -eq 2 ] && grep -q 'at least 4 GPUs' '$OUT/bad2'" "tensor-parallel degrees that do not fit the GPUs are refused"
+"$BIN/pdserve-plan" --model "$MODEL" --gpus 0,1,2,3 --prefill-tp 2 --splits 2:1 >"$OUT/bad3" 2>&1
+check "[ $? -eq 2 ] && grep -q 'split 2:1 needs' '$OUT/bad3'" "a split that needs more GPUs at its degrees is refused"
+check "python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d[\"tensor_parallel\"]=={\"prefill\": 1, \"decode\": 1}' '$OUT/plan/plan.json'" "plan.json records the tensor-parallel degrees"
 check "python3 -c 'import sys, xml.dom.minidom as m; m.parse(sys.argv[1])' '$OUT/plan/plan.svg'" "plan.svg is well-formed XML"
 check "[ -f '$OUT/plan/1P1D/result.json' ] && [ -f '$OUT/plan/colocated-x2/result.json' ]" "each search's JSON is kept"
 # The routers ran with the searches' objectives, and every instance's metrics were kept.

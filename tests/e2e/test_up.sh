@@ -33,4 +33,34 @@ kill -TERM $up
 wait $up
 rc=$?
 check "[ $rc -eq 0 ]" "SIGTERM: the stack stops, exit 0 (got $rc)"
+
+# Tensor parallelism: each instance at TP 2 (the CPU backend's ranks are threads), a completion
+# streams through prefill and decode, and each instance says it runs 2 ranks.
+PDSERVE_LOG_DIR=$TMP/tp "$BIN/pdserve-up" --model "$MODEL" --port 0 --tensor-parallel 2 \
+    --router-args "--prefill-policy remote" -- --backend cpu --threads 1 --metrics-port 0 \
+    >"$TMP/tp.out" 2>"$TMP/tp.err" &
+up=$!
+for _ in $(seq 600); do grep -q '^METRICS ' "$TMP/tp.out" 2>/dev/null && break; sleep 0.1; done
+raddr=$(awk '/^ROUTER /{print $2; exit}' "$TMP/tp.out")
+timeout 60 "$BIN/pdserve-cli" generate --addr "$raddr" --max-tokens 8 --temperature 0 "Once upon a time" \
+    >"$TMP/tp.gen" 2>&1
+check "[ $? -eq 0 ] && [ -s '$TMP/tp.gen' ]" "TP 2: a completion streams ($(head -c 80 "$TMP/tp.gen" | tr '\n' ' '))"
+for inst in prefill-0 decode-0; do
+    p=$(grep -o "$inst 127.0.0.1:[0-9]*" "$TMP/tp.out" | head -1 | sed 's/.*://')
+    check "python3 -c 'import sys,urllib.request; t=urllib.request.urlopen(\"http://127.0.0.1:%s/metrics\" % sys.argv[1], timeout=5).read().decode(); assert \"tensor_parallel=\\\"2\\\"\" in t, t[:300]' '$p'" "TP 2: $inst runs 2 ranks (pdserve_model_info)"
+done
+kill -TERM $up
+wait $up
+check "[ $? -eq 0 ]" "TP 2: SIGTERM stops the stack"
+
+# Placement with --gpus (--dry-run: the command lines, nothing started): each TP instance takes
+# the next T consecutive GPUs; a list that cannot give them, or too few GPUs, is refused.
+"$BIN/pdserve-up" --model "$MODEL" --gpus 0,1,2,3 --prefill-tp 2 --decode-tp 2 --dry-run >"$TMP/dry.out" 2>&1
+check "[ $? -eq 0 ] && grep -Eq '^prefill-0: .* --device 0 --tensor-parallel 2' '$TMP/dry.out' && grep -Eq '^decode-0: .* --device 2 --tensor-parallel 2' '$TMP/dry.out'" "--dry-run: prefill on GPUs 0-1, decode on 2-3"
+"$BIN/pdserve-up" --model "$MODEL" --gpus 0,1,2,3 --prefill 2 --decode-tp 2 --dry-run >"$TMP/dry2.out" 2>&1
+check "[ $? -eq 0 ] && grep -Eq '^prefill-1: .* --device 1\$' '$TMP/dry2.out' && grep -Eq '^decode-0: .* --device 2 --tensor-parallel 2' '$TMP/dry2.out'" "--dry-run: 2 prefill at TP 1 on GPUs 0, 1, decode at TP 2 on 2-3"
+"$BIN/pdserve-up" --model "$MODEL" --gpus 0,2,1,3 --tensor-parallel 2 --dry-run >"$TMP/dry3.out" 2>&1
+check "[ $? -eq 2 ] && grep -q 'consecutive' '$TMP/dry3.out'" "GPUs that are not consecutive for a TP instance are refused"
+"$BIN/pdserve-up" --model "$MODEL" --gpus 0,1 --tensor-parallel 2 --dry-run >"$TMP/dry4.out" 2>&1
+check "[ $? -eq 2 ] && grep -q 'need 4' '$TMP/dry4.out'" "too few GPUs for the degrees is refused"
 exit $fail
