@@ -320,11 +320,16 @@ if has plan && [ -n "$MODES" ]; then
     # PLAN_SPLITS (P:D,...; default every split), PLAN_NOCOLO=1 (no colocated run),
     # PLAN_DURATION_S (> 0: each probe sends for this long instead of 120 requests),
     # PLAN_RATE (first probe), PLAN_TOL (search tolerance, default 0.1), PLAN_PROBES (5),
-    # PLAN_TAG (results in $OUT/plan$PLAN_TAG). Every process serves /metrics (the planner
-    # keeps a snapshot of each after its search).
+    # PLAN_TAG (results in $OUT/plan$PLAN_TAG), PLAN_MODEL (a shape folder, default
+    # tools/shapes/llama3-8b), PLAN_TP ("T" or "Tp.Td": --prefill-tp / --decode-tp),
+    # PLAN_QUANT / PLAN_KV (--quantization / --kv-cache-dtype, default auto), PLAN_KV_MB (16384),
+    # PLAN_GPUS (default every GPU). Workload B70: B with TTFT <= 1.5 s, TPOT <= 30 ms (issue
+    # #37's 70B goal). Every process serves /metrics (the planner keeps a snapshot of each
+    # after its search).
     NG=$(nvidia-smi -L | wc -l)
-    GL=$(seq -s, 0 $((NG - 1)))
+    GL=${PLAN_GPUS:-$(seq -s, 0 $((NG - 1)))}
     case ${PLAN_WORKLOAD:-B} in
+        B70) WL="--input-len 1024:3072 --slo-ttft-ms 1500 --slo-tpot-ms 30 --rate ${PLAN_RATE:-4}" ;;
         A) WL="--input-len 256:2048 --slo-ttft-ms 300 --slo-tpot-ms 15 --rate ${PLAN_RATE:-24}" ;;
         B) WL="--input-len 1024:3072 --slo-ttft-ms 1000 --slo-tpot-ms 10 --rate ${PLAN_RATE:-16}" ;;
         S) WL="--workload shared-prefix --prefix-groups 8 --prefix-len 1024 --input-len 256:1024 --slo-ttft-ms 300 --slo-tpot-ms 15 --rate ${PLAN_RATE:-24}" ;;
@@ -337,9 +342,14 @@ if has plan && [ -n "$MODES" ]; then
     PX=()
     [ -n "${PLAN_SPLITS:-}" ] && PX+=(--splits "$PLAN_SPLITS")
     [ "${PLAN_NOCOLO:-0}" = 1 ] && PX+=(--no-colocated)
-    PDSERVE_METRICS_PORT=0 "$G/bin/pdserve-plan" --model tools/shapes/llama3-8b --gpus "$GL" \
+    if [ -n "${PLAN_TP:-}" ]; then
+        PX+=(--prefill-tp "${PLAN_TP%.*}" --decode-tp "${PLAN_TP#*.}")
+    fi
+    PX+=(--quantization "${PLAN_QUANT:-auto}" --kv-cache-dtype "${PLAN_KV:-auto}")
+    PDSERVE_UP_START_S=300 PDSERVE_METRICS_PORT=0 "$G/bin/pdserve-plan" \
+        --model "${PLAN_MODEL:-tools/shapes/llama3-8b}" --gpus "$GL" \
         --out "$OUT/plan${PLAN_TAG:-}" "${PX[@]}" \
-        --instance-args "--load-format dummy --backend cuda --kv-cache-mb 16384" \
+        --instance-args "--load-format dummy --backend cuda --kv-cache-mb ${PLAN_KV_MB:-16384}" \
         --bench-args "$WL --output-len 64:256 $LEN --seed 1 --slo-attainment 0.9 --goodput-tolerance ${PLAN_TOL:-0.1} --max-probes ${PLAN_PROBES:-5}" \
         2>&1 | grep -v '^$'
     for d in "$OUT/plan${PLAN_TAG:-}"/*/; do # every probe of every search

@@ -141,7 +141,7 @@ for dep in "${DEPS[@]}"; do
         -- "${IA[@]}" >"$dir/up.out" 2>"$dir/up.err" &
     pid=$!
     addr=""
-    for _ in $(seq 3000); do
+    for _ in $(seq $(( (${PDSERVE_UP_START_S:-120} * 2 + 60) * 10 ))); do # pdserve-up gives up on its own first
         addr=$(awk '/^ROUTER /{print $2; exit}' "$dir/up.out" 2>/dev/null)
         [ -n "$addr" ] && break
         kill -0 "$pid" 2>/dev/null || break

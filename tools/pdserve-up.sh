@@ -120,20 +120,26 @@ stop() { # stop [EXIT CODE]: stops every process, router first; exits with the c
 }
 trap 'stop 0' INT TERM
 
-# start NAME LOG ARGS...: runs NAME in the background, sets PORT_OUT from its "PORT n" line
-# (waiting PDSERVE_UP_START_S, default 120 s: a 70B model with dummy FP8 weights takes longer).
-# --dry-run: prints the command instead (PORT_OUT a placeholder).
-start() {
+# launch NAME LOG ARGS...: runs NAME in the background (its pid in LAST_PID); --dry-run prints
+# the command line instead. Instances start together (a large model's load takes each a while).
+launch() {
     local name=$1 log=$2; shift 2
+    LAST_PID=""
     if [ "$DRY_RUN" = 1 ]; then
         printf '%s' "$log:"; printf ' %q' "$BIN/$name" "$@"; printf '\n'
-        PORT_OUT="<$log-port>"
         return 0
     fi
     "$BIN/$name" "$@" >"$LOGS/$log.out" 2>"$LOGS/$log.log" &
-    local pid=$!
-    PIDS+=("$pid")
-    for _ in $(seq $((${PDSERVE_UP_START_S:-120} * 10))); do
+    LAST_PID=$!
+    PIDS+=("$LAST_PID")
+}
+# await_port LOG PID: PORT_OUT from the process's "PORT n" line, waited for until DEADLINE
+# (SECONDS; PDSERVE_UP_START_S, default 120 s, after the launch: a 70B model with dummy FP8
+# weights takes longer); a process that exits or misses it stops the stack.
+await_port() {
+    local log=$1 pid=$2
+    if [ "$DRY_RUN" = 1 ]; then PORT_OUT="<$log-port>"; return 0; fi
+    while [ "$SECONDS" -lt "$DEADLINE" ]; do
         if grep -q '^PORT ' "$LOGS/$log.out" 2>/dev/null; then
             PORT_OUT=$(awk '/^PORT /{print $2; exit}' "$LOGS/$log.out"); return 0
         fi
@@ -144,27 +150,38 @@ start() {
     tail -20 "$LOGS/$log.log" >&2
     stop 1
 }
-PREFILLS="" DECODES=""
+PREFILLS="" DECODES="" P_PIDS=() D_PIDS=()
 for ((i=0; i<N_PREFILL; i++)); do
     gpu_args "$PREFILL_TP"
-    start pdserve-prefill "prefill-$i" --model "$MODEL" --listen 127.0.0.1:0 --instance-id "prefill-$i" "${DEV[@]}" "${EXTRA[@]}"
-    PREFILLS+="${PREFILLS:+,}127.0.0.1:$PORT_OUT"
+    launch pdserve-prefill "prefill-$i" --model "$MODEL" --listen 127.0.0.1:0 --instance-id "prefill-$i" "${DEV[@]}" "${EXTRA[@]}"
+    P_PIDS+=("$LAST_PID")
     where=$(gpus_of)
     [ -n "$where" ] && echo "pdserve-up: prefill-$i on $where" >&2
 done
 for ((i=0; i<N_DECODE; i++)); do
     if [ "$COLOCATED" = 1 ]; then col=(--colocated); else col=(); fi
     gpu_args "$DECODE_TP"
-    start pdserve-decode "decode-$i" --model "$MODEL" --listen 127.0.0.1:0 --instance-id "decode-$i" "${col[@]}" "${DEV[@]}" "${EXTRA[@]}"
-    DECODES+="${DECODES:+,}127.0.0.1:$PORT_OUT"
+    launch pdserve-decode "decode-$i" --model "$MODEL" --listen 127.0.0.1:0 --instance-id "decode-$i" "${col[@]}" "${DEV[@]}" "${EXTRA[@]}"
+    D_PIDS+=("$LAST_PID")
     where=$(gpus_of)
     [ -n "$where" ] && echo "pdserve-up: decode-$i on $where" >&2
+done
+DEADLINE=$((SECONDS + ${PDSERVE_UP_START_S:-120}))
+for ((i=0; i<N_PREFILL; i++)); do
+    await_port "prefill-$i" "${P_PIDS[$i]}"
+    PREFILLS+="${PREFILLS:+,}127.0.0.1:$PORT_OUT"
+done
+for ((i=0; i<N_DECODE; i++)); do
+    await_port "decode-$i" "${D_PIDS[$i]}"
+    DECODES+="${DECODES:+,}127.0.0.1:$PORT_OUT"
 done
 ARGS=(--model "$MODEL" --listen "127.0.0.1:$PORT" --decode "$DECODES")
 [ -n "$PREFILLS" ] && ARGS+=(--prefill "$PREFILLS")
 # shellcheck disable=SC2206
 [ -n "$ROUTER_ARGS" ] && ARGS+=($ROUTER_ARGS)
-start pdserve-router router "${ARGS[@]}"
+launch pdserve-router router "${ARGS[@]}"
+DEADLINE=$((SECONDS + ${PDSERVE_UP_START_S:-120}))
+await_port router "$LAST_PID"
 [ "$DRY_RUN" = 1 ] && exit 0
 ROUTER=$PORT_OUT
 for _ in $(seq 100); do
