@@ -30,7 +30,9 @@
                                       region table (n_rkeys 0); data only by active messages */
 #define KVT_DESC_FLAGS_KNOWN (KVT_DESC_ALLOCATED | KVT_DESC_CUDA | KVT_DESC_SIGNED | \
                               KVT_DESC_DEVICE | KVT_DESC_STAGED)
-#define KVT_DESC_MAX_DEVICE 1024   /* bytes of a device export */
+/* bytes of a device export: the serving layer's has 16 bytes a layer (an 80-layer Llama-3-70B
+ * needs 1,408), so room for every layer KVT_DESC_MAX_LAYERS allows and a head */
+#define KVT_DESC_MAX_DEVICE (16 * KVT_DESC_MAX_LAYERS + 1024)
 
 #define KVT_DESC_MAX_ADDR 8192     /* bytes of a worker address (38-79 B seen; many NICs more) */
 #define KVT_DESC_MAX_RKEY 4096     /* bytes of one packed rkey (10-23 B seen) */

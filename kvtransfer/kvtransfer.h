@@ -257,7 +257,7 @@ typedef struct {
     const void *device_export; /* receiver: opaque bytes a sender's kvt_device_ops.open maps
                                (the device memory holding the same blocks, e.g. a CUDA IPC
                                handle), put in the descriptor (copied); NULL = none */
-    size_t device_export_len;  /* 1 .. 1024 */
+    size_t device_export_len;  /* 1 .. KVT_DESC_MAX_DEVICE (kvt_desc.h: 66,560) */
     bool staged;            /* the blocks are this process's device memory (no k_base /
                                v_base): kvt moves them through a ring of pinned host slots
                                with kvt_params.device's stage_out / stage_in (which the ctx

@@ -354,6 +354,10 @@ if has plan && [ -n "$MODES" ]; then
         2>&1 | grep -v '^$'
     for d in "$OUT/plan${PLAN_TAG:-}"/*/; do # every probe of every search
         grep -h '^probe' "$d/bench.txt" 2>/dev/null | sed "s|^|$(basename "$d"): |"
+        if [ ! -s "$d/bench.txt" ]; then # it did not start: say why
+            tail -5 "$d/up.err" 2>/dev/null | sed "s|^|$(basename "$d") up: |"
+            for l in "$d"/logs/*.log; do tail -4 "$l" 2>/dev/null | sed "s|^|$(basename "$l"): |"; done
+        fi
         rm -rf "$d/logs" # keep what comes back small
     done
 fi

@@ -184,7 +184,7 @@ END {
     printf "deploy: %s (goodput %.2f req/s", name[best], g[best]
     if (col > 0) printf ", %.2fx colocated x%d", g[best] / col, ncol
     printf ")\n"
-    if (name[best] ~ /P[0-9]+D$/) {
+    if (name[best] ~ /^[0-9]+P[0-9]+D/) {
         split(name[best], a, /[PD]/)
         printf "kubernetes: per %d-GPU host, prefill replicas %d and decode replicas %d (deploy/k8s: the prefill and decode Deployments), %s\n", n, a[1], a[2], (ptp == 1 && dtp == 1) ? "one GPU each" : sprintf("%d GPUs a prefill replica and %d a decode replica (--tensor-parallel)", ptp, dtp)
     } else {

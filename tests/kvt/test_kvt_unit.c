@@ -394,11 +394,19 @@ typedef struct fdev_token {
 
 static fake_dev g_fd;
 
+/* The fake export: the device pointer, then a pattern up to the size of an 80-layer model's
+ * export (Llama-3-70B: 1,408 bytes, more than the 1,024 once allowed), every byte checked. */
+#define FDEV_EXPORT_LEN 1408
+static uint8_t fdev_pattern(size_t i) { return (uint8_t)(i * 7 + 3); }
+
 static int fdev_open(void *arg, const void *blob, size_t len, void **remote, char *err)
 {
     fake_dev *f = arg;
     if (f->fail_open) return pd_errf(err, PD_EUNSUPPORTED, "fake: no peer access");
-    if (len != sizeof(void *)) return pd_errf(err, PD_EINVAL, "fake: bad export");
+    if (len != FDEV_EXPORT_LEN) return pd_errf(err, PD_EINVAL, "fake: bad export length %zu", len);
+    for (size_t i = sizeof(void *); i < len; i++)
+        if (((const uint8_t *)blob)[i] != fdev_pattern(i))
+            return pd_errf(err, PD_EINVAL, "fake: export byte %zu changed", i);
     memcpy(remote, blob, sizeof(void *));
     f->opens++;
     return 0;
@@ -520,8 +528,11 @@ static void test_device_path(void)
     kvt_pool_params pp = kvt_pool_default_params();
     pp.layout = l;
     pp.n_blocks = n_dst;
-    pp.device_export = &dev;
-    pp.device_export_len = sizeof dev;
+    uint8_t exp[FDEV_EXPORT_LEN];
+    memcpy(exp, &dev, sizeof dev);
+    for (size_t i = sizeof dev; i < sizeof exp; i++) exp[i] = fdev_pattern(i);
+    pp.device_export = exp;
+    pp.device_export_len = sizeof exp;
     kvt_pool *dst;
     KT_OK(kvt_pool_create(a, &pp, &dst, err), err);
     kvt_pool *src = make_pool(b, l, n_src);
