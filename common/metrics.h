@@ -1,7 +1,7 @@
 /* metrics.h -- A Prometheus metrics registry: counters, gauges and histograms with fixed
  * buckets, grouped in families (one name, help and type; series told apart by labels), and
  * rendering in the Prometheus text exposition format 0.0.4. No I/O here: the HTTP endpoint
- * lives in common/svc/svc_http.h.
+ * lives in svc/svc_http.h.
  *
  * Threading. Updates (pd_metric_add, _set, _observe) are lock-free atomics (histograms take
  * the series' own mutex) and may come from any thread. Creating a family or a series takes

@@ -24,12 +24,12 @@
 
 #include "common/error.h"
 #include "common/log.h"
-#include "common/svc/svc.h"
-#include "common/svc/svc_auth.h"
-#include "common/svc/svc_kvt.h"
-#include "common/svc/svc_metrics.h"
-#include "common/svc/svc_serve.h"
 #include "pdserve/internal/v1/decode.pb-c.h"
+#include "svc/svc.h"
+#include "svc/svc_auth.h"
+#include "svc/svc_kvt.h"
+#include "svc/svc_metrics.h"
+#include "svc/svc_serve.h"
 
 /* A token's log-probabilities while it waits to be sent. */
 typedef struct {

@@ -5,7 +5,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <xxhash.h>
 
 #include "common/error.h"
 
@@ -35,22 +34,6 @@ bm_params bm_default_params(void)
     return p;
 }
 
-uint64_t bm_hash_block(uint64_t prev, const int32_t *tokens, int32_t block_size)
-{
-    uint8_t buf[8 + 4 * 256];
-    uint8_t *heap = NULL, *p = buf;
-    size_t n = 8 + 4 * (size_t)block_size;
-    if (block_size > 256) p = heap = malloc(n);
-    if (!p) abort(); /* block sizes above 256 are not used in practice */
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(prev >> (8 * i));
-    for (int32_t j = 0; j < block_size; j++) {
-        uint32_t t = (uint32_t)tokens[j];
-        for (int i = 0; i < 4; i++) p[8 + 4 * j + i] = (uint8_t)(t >> (8 * i));
-    }
-    uint64_t h = XXH64(p, n, 0);
-    free(heap);
-    return h;
-}
 
 /* ---- hash table ---- */
 
@@ -190,7 +173,7 @@ static int32_t find_hits(const bm *m, const pd_seq *s, int32_t *n_free_hits, uin
     int32_t n = 0;
     for (; n < max_hit; n++) {
         const int32_t *t = s->tokens + (size_t)n * bs;
-        h = bm_hash_block(h, t, bs);
+        h = pd_block_hash(h, t, bs);
         int32_t id = ht_get(m, h);
         if (id < 0 || memcmp(m->tokens + (size_t)id * bs, t, (size_t)bs * sizeof(int32_t)) != 0)
             break;
@@ -279,7 +262,7 @@ void bm_commit(bm *m, pd_seq *s, int32_t n_ready)
     if (n_ready > s->n_tokens) n_ready = s->n_tokens; /* never hash tokens that don't exist */
     while ((s->n_hashed + 1) * bs <= n_ready && s->n_hashed < s->n_blocks) {
         const int32_t *t = s->tokens + (size_t)s->n_hashed * bs;
-        uint64_t h = bm_hash_block(s->last_hash, t, bs);
+        uint64_t h = pd_block_hash(s->last_hash, t, bs);
         int32_t id = s->block_table[s->n_hashed];
         blk *x = &m->b[id];
         if (m->p.enable_prefix_cache && !x->hashed && ht_get(m, h) < 0) {

@@ -2,16 +2,9 @@
  * block ids: no device memory is touched here.
  *
  * Blocks have reference counts. A full block whose KV has been computed is registered in the
- * prefix cache under its chained hash (below); when its last user frees it, it stays cached
- * and reusable, and is evicted only when a fresh block is needed, least recently freed first.
- *
- * Block hash (shared by router, prefill and decode; see docs/kv-blocks.md):
- *   h(-1) = 0
- *   h(i)  = XXH64(le64(h(i-1)) || le32(t[i*B]) || ... || le32(t[i*B + B-1]), seed = 0)
- * where B is the block size and t the sequence's token ids: 8 bytes of the previous hash,
- * little-endian, then the block's B token ids as little-endian 32-bit integers. Equal hashes
- * mean equal whole prefixes (up to 64-bit collisions, which are also checked against the
- * stored token ids before any reuse). */
+ * prefix cache under its chained hash (text/block_hash.h); when its last user frees it, it
+ * stays cached and reusable, and is evicted only when a fresh block is needed, least recently
+ * freed first. Equal hashes are also checked against the stored token ids before any reuse. */
 #ifndef PD_BLOCK_MANAGER_H
 #define PD_BLOCK_MANAGER_H
 
@@ -19,6 +12,7 @@
 #include <stdint.h>
 
 #include "engine/sequence.h"
+#include "text/block_hash.h"
 
 typedef struct {
     int32_t n_blocks;          /* total KV blocks in the pool, > 0 */
@@ -32,9 +26,6 @@ typedef struct bm bm; /* opaque */
 
 int bm_create(const bm_params *p, bm **out);       /* 0, or PD_ENOMEM / PD_EINVAL */
 void bm_destroy(bm *m);                            /* NULL is a no-op */
-
-/* The chained block hash defined above. */
-uint64_t bm_hash_block(uint64_t prev, const int32_t *tokens, int32_t block_size);
 
 /* Admission of a sequence that holds no blocks: counts the leading full blocks of its tokens
  * that are in the prefix cache (at most (n_tokens - 1) / block_size, so that at least one

@@ -96,18 +96,6 @@ static void put_table(eng *e, int32_t k, int32_t width, const pd_seq *s)
     for (int32_t j = s->n_blocks; j < width; j++) row[j] = 0;
 }
 
-const char *seq_finish_name(seq_finish f)
-{
-    switch (f) {
-    case SEQ_FINISH_LENGTH: return "length";
-    case SEQ_FINISH_EOS: return "eos";
-    case SEQ_FINISH_STOP: return "stop";
-    case SEQ_FINISH_ABORTED: return "abort";
-    case SEQ_FINISH_PREFILLED: return "prefilled";
-    case SEQ_FINISH_CANCELLED: return "cancelled";
-    default: return "none";
-    }
-}
 
 /* ---- id map ---- */
 

@@ -10,10 +10,10 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "engine/model_config.h"
 #include "engine/model_runner.h"
 #include "engine/scheduler.h"
 #include "engine/sequence.h"
+#include "text/model_config.h"
 
 /* Most choices (samples of one prompt sharing its KV) a request may ask for. */
 #define ENG_MAX_CHOICES 16

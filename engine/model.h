@@ -6,8 +6,8 @@
 
 #include <stdint.h>
 
-#include "engine/model_config.h"
 #include "kernels/backend.h"
+#include "text/model_config.h"
 
 typedef enum {
     PD_LOAD_SAFETENSORS = 0, /* real weights from the model directory */

@@ -11,25 +11,8 @@
 #include <stdint.h>
 
 #include "kernels/backend.h"
+#include "text/request_params.h"
 
-typedef struct {
-    float temperature;        /* 0 = greedy; > 0 scales logits; default 1.0 */
-    float top_p;              /* nucleus mass in (0, 1]; 1 = off */
-    int32_t top_k;            /* keep the k most likely; 0 or -1 = off */
-    float min_p;              /* drop tokens with p < min_p * p_max; in [0, 1]; 0 = off */
-    float repetition_penalty; /* > 0; 1 = off; HF rule over prompt and output tokens */
-    float presence_penalty;   /* [-2, 2]; subtracted once per token present in the output */
-    float frequency_penalty;  /* [-2, 2]; subtracted per occurrence in the output */
-    uint64_t seed;            /* draw key; meaningful when has_seed, else the engine picks one */
-    bool has_seed;            /* seed was given by the caller */
-} smp_params;
-
-smp_params smp_default_params(void);
-
-/* Checks ranges (temperature >= 0 and finite, 0 < top_p <= 1, top_k >= -1, 0 <= min_p <= 1,
- * repetition_penalty > 0, |presence|, |frequency| <= 2). Returns 0 or PD_EINVAL with err
- * naming the field and value. */
-int smp_validate(const smp_params *p, char *err);
 
 /* Scratch space for smp_sample, sized for a vocabulary. Create once, reuse every step. */
 typedef struct smp_scratch smp_scratch;

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "engine/sampler.h"
+#include "text/request_params.h"
 
 typedef enum {
     SEQ_WAITING = 0,   /* queued for (re)prefill; holds no blocks */
@@ -17,26 +18,6 @@ typedef enum {
     SEQ_FINISHED,
 } seq_status;
 
-typedef enum {
-    SEQ_FINISH_NONE = 0,
-    SEQ_FINISH_LENGTH,     /* max_tokens, or the model's maximum length */
-    SEQ_FINISH_EOS,        /* a model EOS id */
-    SEQ_FINISH_STOP,       /* a caller stop token id */
-    SEQ_FINISH_ABORTED,    /* aborted by the caller */
-    SEQ_FINISH_PREFILLED,  /* prefill-only: first token sampled, blocks handed out */
-    SEQ_FINISH_CANCELLED,  /* this choice was ended by the caller (eng_end_choice); the
-                              request's other choices go on */
-} seq_finish;
-
-const char *seq_finish_name(seq_finish f); /* "length", "eos", "stop", "abort", ... */
-
-typedef struct {
-    int32_t max_tokens;        /* new tokens at most, >= 1 */
-    int32_t min_tokens;        /* EOS / stop ids do not stop before this many new tokens */
-    int32_t stop_ids[16];      /* extra stop token ids */
-    int32_t n_stop_ids;
-    bool ignore_eos;           /* don't stop at the model's EOS ids */
-} seq_stopping;
 
 typedef struct pd_seq {
     uint64_t id;               /* caller's request id, unique among live requests */

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "common/dtype.h"
+#include "text/request_params.h"
 
 /* Paged attention over a batch of sequences with different lengths.
  * Sequence s owns query rows [cu_q[s], cu_q[s+1]) of q; its total context (cached prefix plus
@@ -162,14 +163,6 @@ typedef struct {
 /* pd_decode_args' pick_slot for a step sampled by the sample op (not sample_launch). */
 #define PD_SAMPLE_SYNC_SLOT 2
 
-/* Alternatives reported per token at most (GenerateRequest.logprobs). */
-#define PD_MAX_TOP_LOGPROBS 20
-
-/* One of a row's best tokens under the raw model distribution (see the sample op). */
-typedef struct {
-    int32_t token;               /* token id; -1 ends a row's list early */
-    float logprob;               /* log-softmax of its raw logit */
-} pd_top_logprob;
 
 /* One row's parameters for the optional sample op. The fields mean what smp_params's do
  * (engine/sampler.h); the op picks the token smp_sample would pick from the same logits (up to
@@ -203,7 +196,7 @@ typedef struct {
  *   dst + dst_ids[i] * dst_block_bytes + dst_offset + t * dst_pitch.
  * A tensor-parallel rank's KV heads of a whole-layout block ([block_size][heads][head_dim]) are
  * such rows: block_size runs of its heads' bytes at the whole row's pitch, from its first
- * head's offset (kvtransfer's gather and scatter, common/svc/svc_kvdev.c). The rows of a block
+ * head's offset (kvtransfer's gather and scatter, svc/svc_kvdev.c). The rows of a block
  * must lie inside it on both sides: offset + (rows - 1) * pitch + row_bytes <= block_bytes,
  * pitch >= row_bytes. */
 typedef struct {

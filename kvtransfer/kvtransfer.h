@@ -415,7 +415,7 @@ void kvt_send_destroy(kvt_send *s);
  * model order, as a single-rank pool holds it): such an instance's pool is staged
  * (kvt_pool_params.staged) and its stage_out / stage_in gather from and scatter to the ranks,
  * so any sender degree meets any receiver degree. The services do that with each rank's
- * backend (a strided copy a rank, placed by kvt_tp_part_of; common/svc/svc_kvdev.c);
+ * backend (a strided copy a rank, placed by kvt_tp_part_of; svc/svc_kvdev.c);
  * kvt_tp_gather / kvt_tp_scatter below are the same moves in host memory (the reference). */
 #define KVT_TP_MAX 64
 /* The KV heads rank of n_ranks holds (the engine's rule, pd_shard_of): with n_ranks <=

@@ -17,11 +17,11 @@
 
 #include "common/error.h"
 #include "common/log.h"
-#include "common/svc/svc.h"
-#include "common/svc/svc_kvt.h"
-#include "common/svc/svc_metrics.h"
-#include "common/svc/svc_serve.h"
 #include "pdserve/internal/v1/prefill.pb-c.h"
+#include "svc/svc.h"
+#include "svc/svc_kvt.h"
+#include "svc/svc_metrics.h"
+#include "svc/svc_serve.h"
 
 typedef struct preq {
     atomic_int refs;

@@ -44,22 +44,20 @@
 #include "common/log.h"
 #include "common/random.h"
 #include "common/rpc/rpc.h"
-#include "common/svc/svc.h"
-#include "common/svc/svc_auth.h"
-#include "common/svc/svc_metrics.h"
-#include "engine/block_manager.h"
-#include "engine/model_config.h"
-#include "engine/stopstr.h"
-#include "engine/tokenizer.h"
 #include "pdserve/internal/v1/decode.pb-c.h"
 #include "pdserve/internal/v1/prefill.pb-c.h"
 #include "pdserve/public_descriptors.h"
 #include "router/registry.h"
 #include "router/rtr_errors.h"
-#ifdef PD_HAVE_CHAT_TEMPLATE
-#include "engine/chat_template.h"
-#endif
 #include "router/rtr_http.h"
+#include "svc/svc_auth.h"
+#include "svc/svc_core.h"
+#include "svc/svc_metrics.h"
+#include "text/block_hash.h"
+#include "text/chat_template.h"
+#include "text/model_config.h"
+#include "text/stopstr.h"
+#include "text/tokenizer.h"
 
 /* GenerateRequest.n at most (the engine's ENG_MAX_CHOICES). */
 #define RTR_MAX_CHOICES 16
@@ -1215,7 +1213,7 @@ static uint64_t prefix_key(const int32_t *ids, int32_t n)
     int32_t nb = (n - 1) / bs;
     if (nb > 4) nb = 4;
     uint64_t h = 0;
-    for (int32_t i = 0; i < nb; i++) h = bm_hash_block(h, ids + i * bs, bs);
+    for (int32_t i = 0; i < nb; i++) h = pd_block_hash(h, ids + i * bs, bs);
     return h;
 }
 
@@ -1223,7 +1221,6 @@ static uint64_t prefix_key(const int32_t *ids, int32_t n)
  * turn's opening) and tokenized without added special tokens (the template writes them). */
 static int render_chat(const Pdserve__V1__GenerateRequest *q, int32_t **ids, int32_t *n, char *err)
 {
-#ifdef PD_HAVE_CHAT_TEMPLATE
     chat_message *m = calloc(q->n_messages, sizeof *m);
     if (!m) return pd_errf(err, PD_ENOMEM, "out of memory");
     for (size_t i = 0; i < q->n_messages; i++) {
@@ -1237,10 +1234,6 @@ static int render_chat(const Pdserve__V1__GenerateRequest *q, int32_t **ids, int
     rc = tok_encode(g.tok, text, strlen(text), false, ids, n, err);
     free(text);
     return rc;
-#else
-    (void)q, (void)ids, (void)n;
-    return pd_errf(err, PD_EUNSUPPORTED, "messages: this build has no chat templates");
-#endif
 }
 
 static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *user)
@@ -1266,12 +1259,8 @@ static void handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *u
             return;
         }
     if (has_chat && !g.chat) { /* (the reason, with server paths, is in the router's log) */
-#ifdef PD_HAVE_CHAT_TEMPLATE
         reject(call, RPC_STATUS_FAILED_PRECONDITION, "messages: the served model has no usable "
                "chat template (tokenizer_config.json chat_template)");
-#else
-        reject(call, RPC_STATUS_FAILED_PRECONDITION, "messages: this build has no chat templates");
-#endif
         return;
     }
     /* Strings arrive valid UTF-8 without NUL bytes (the rpc layer checks the wire). The
@@ -1757,7 +1746,6 @@ int main(int argc, char **argv)
         PD_LOGW("%s has no tokenizer.json: only prompt_token_ids are accepted and responses "
                 "carry token ids without text", model);
     }
-#ifdef PD_HAVE_CHAT_TEMPLATE
     {
         chat_template *ct = NULL;
         char cerr[PD_ERR_LEN];
@@ -1769,7 +1757,6 @@ int main(int argc, char **argv)
             else PD_LOGI("%s: GenerateRequest.messages is refused", cerr);
         }
     }
-#endif
     if (model_name[0]) {
         snprintf(g.model_name, sizeof g.model_name, "%s", model_name);
     } else {
@@ -1880,9 +1867,7 @@ out:
     rtr_registry_destroy(g.reg); /* after the server: requests reference instances */
     svc_metrics_destroy(g.metrics); /* after the last request was accounted */
     tok_destroy(g.tok);
-#ifdef PD_HAVE_CHAT_TEMPLATE
     chat_template_destroy(g.chat);
-#endif
     pd_flags_free();
     return status;
 }

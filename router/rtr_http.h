@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 #include "common/metrics.h"
-#include "engine/tokenizer.h"
+#include "text/tokenizer.h"
 
 typedef struct rtr_http rtr_http; /* opaque */
 

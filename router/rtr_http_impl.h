@@ -14,8 +14,8 @@
 #include "common/error.h"
 #include "common/metrics.h"
 #include "common/rpc/rpc.h"
-#include "engine/tokenizer.h"
 #include "pdserve/v1/generation.pb-c.h"
+#include "text/tokenizer.h"
 
 enum { OAI_COMPLETIONS = 1, OAI_CHAT = 2 };
 

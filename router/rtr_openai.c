@@ -325,12 +325,7 @@ static int parse_messages(oai_job *job, const json_t *root, oai_err *e)
         }
         job->msgs[i].content = text;
     }
-#ifndef PD_HAVE_CHAT_TEMPLATE
-    return oai_errf(e, 501, NULL, "not_implemented", "chat completions are not available in this "
-                    "build of pdserve-router (no chat template module); use /v1/completions");
-#else
     return alloc_prompts(job, 1, e);
-#endif
 }
 
 /* stop: a string or a list of strings; stop_token_ids (vLLM's): a list of ids. */

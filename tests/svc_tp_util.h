@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "common/svc/svc.h"
+#include "svc/svc.h"
 #include "tests/test_util.h"
 
 /* n random bytes at p from the generator state *rng (an LCG; the bytes its top bits). */

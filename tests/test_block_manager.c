@@ -92,13 +92,13 @@ static void test_hash(void)
     const uint64_t prev = 0x0123456789abcdefULL;
     uint64_t want = XXH64(bytes, sizeof bytes, 0);
     CHECK(want == 0x700dcff63f4b4961ULL); /* pinned: the cross-service block id must not drift */
-    CHECK(bm_hash_block(prev, t, 4) == want);
+    CHECK(pd_block_hash(prev, t, 4) == want);
     CHECK(ref_hash(prev, t, 4) == want);
 
     /* First block: prev = 0 is 8 zero bytes. */
     const int32_t t1[2] = {7, 300};
     const uint8_t b1[16] = {0, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0x2c, 0x01, 0, 0};
-    CHECK(bm_hash_block(0, t1, 2) == XXH64(b1, sizeof b1, 0));
+    CHECK(pd_block_hash(0, t1, 2) == XXH64(b1, sizeof b1, 0));
 
     /* The example of docs/kv-blocks.md: tokens 1..9, B = 4, two full blocks. */
     const int32_t t9[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
@@ -107,19 +107,19 @@ static void test_hash(void)
     uint8_t d1[24] = {0, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 6, 0, 0, 0, 7, 0, 0, 0, 8, 0, 0, 0};
     for (int i = 0; i < 8; i++) d1[i] = (uint8_t)((h0 >> (8 * i)) & 0xff);
     uint64_t h1 = XXH64(d1, sizeof d1, 0);
-    CHECK(bm_hash_block(0, t9, 4) == h0);
-    CHECK(bm_hash_block(h0, t9 + 4, 4) == h1);
+    CHECK(pd_block_hash(0, t9, 4) == h0);
+    CHECK(pd_block_hash(h0, t9 + 4, 4) == h1);
     CHECK(ref_chain(t9, 2, 4) == h1);
 
     /* Chaining: the same block under a different prefix hashes differently. */
-    uint64_t a = bm_hash_block(0, t, 4), b = bm_hash_block(1, t, 4), c = bm_hash_block(a, t, 4);
+    uint64_t a = pd_block_hash(0, t, 4), b = pd_block_hash(1, t, 4), c = pd_block_hash(a, t, 4);
     CHECK(a != b);
     CHECK(a != c);
     CHECK(b != c);
     CHECK(c == ref_hash(ref_hash(0, t, 4), t, 4));
     /* Order and content matter. */
     const int32_t t2[4] = {2, 1, 0x01020304, -1};
-    CHECK(bm_hash_block(0, t2, 4) != a);
+    CHECK(pd_block_hash(0, t2, 4) != a);
 
     /* Many block sizes, including the heap path above 256 tokens. */
     static int32_t big[1024];
@@ -127,7 +127,7 @@ static void test_hash(void)
     const int32_t sizes[] = {1, 3, 16, 255, 256, 257, 1000, 1024};
     for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
         uint64_t p = 0x9e3779b97f4a7c15ULL * (k + 1);
-        CHECK_MSG(bm_hash_block(p, big, sizes[k]) == ref_hash(p, big, sizes[k]),
+        CHECK_MSG(pd_block_hash(p, big, sizes[k]) == ref_hash(p, big, sizes[k]),
                   "block size %d", sizes[k]);
     }
 }

@@ -1,4 +1,4 @@
-/* test_chat_template.c -- engine/chat_template.h: every chat vector of tests/chat/vectors.json
+/* test_chat_template.c -- text/chat_template.h: every chat vector of tests/chat/vectors.json
  * (the templates of ../shared/testdata/tokenizers and tests/chat/templates over a set of
  * conversations, rendered by Python's jinja2 as transformers renders them) renders to the same
  * bytes or fails as it fails (raise_exception's message verbatim); models without a template
@@ -15,8 +15,8 @@
 #include <unistd.h>
 
 #include "common/error.h"
-#include "engine/chat_template.h"
 #include "test_util.h"
+#include "text/chat_template.h"
 
 static char tmp_root[256];
 

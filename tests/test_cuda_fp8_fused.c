@@ -19,11 +19,11 @@
 
 #include "common/error.h"
 #include "engine/model.h"
-#include "engine/model_config.h"
 #include "engine/model_runner.h"
 #include "kernels/backend.h"
 #include "tests/cuda_golden_util.h"
 #include "tests/test_util.h"
+#include "text/model_config.h"
 
 #define MAX_N 8
 #define PROMPT 21 /* tokens a sequence's prompt (decode steps then start past a block) */

@@ -16,12 +16,12 @@
 
 #include "common/error.h"
 #include "engine/model.h"
-#include "engine/model_config.h"
 #include "engine/model_runner.h"
 #include "kernels/backend.h"
 #include "tests/cuda_golden_util.h"
 #include "tests/golden_util.h"
 #include "tests/test_util.h"
+#include "text/model_config.h"
 
 static int side_open(const char *backend, const char *dir, bool eager, tg_model *s, char *err)
 {

@@ -19,7 +19,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "common/svc/svc.h"
+#include "svc/svc.h"
 #include "tests/nccl_probe.h"
 #include "tests/svc_tp_util.h"
 #include "tests/test_util.h"

@@ -1,4 +1,4 @@
-/* test_fp8_load.c -- Loading FP8 checkpoints (engine/model.c with engine/model_quant.c) on the
+/* test_fp8_load.c -- Loading FP8 checkpoints (engine/model.c with text/model_quant.c) on the
  * CPU backend: tiny Llama checkpoints written here (engine/safetensors_write.h) in the
  * compressed-tensors and block-wise layouts, loaded whole and as tensor-parallel shards, and
  * every malformed variant refused with the error code and a message naming the tensor. */

@@ -18,12 +18,12 @@
 
 #include "common/error.h"
 #include "engine/model.h"
-#include "engine/model_config.h"
 #include "engine/model_runner.h"
 #include "engine/tp.h"
 #include "kernels/backend.h"
 #include "tests/golden_util.h"
 #include "tests/test_util.h"
+#include "text/model_config.h"
 
 /* ---- the recording backend ---- */
 

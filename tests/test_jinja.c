@@ -1,4 +1,4 @@
-/* test_jinja.c -- engine/jinja.h: every language case of tests/chat/vectors.json (rendered by
+/* test_jinja.c -- text/jinja.h: every language case of tests/chat/vectors.json (rendered by
  * Python's jinja2 in transformers' environment) renders to the same bytes, or fails as jinja2
  * fails (a syntax error at parse time, raise_exception with its message); plus what only C
  * can check: parse errors name line and column, every limit (output, memory, steps, call
@@ -10,8 +10,8 @@
 #include <time.h>
 
 #include "common/error.h"
-#include "engine/jinja.h"
 #include "test_util.h"
+#include "text/jinja.h"
 
 static int render_str(const char *src, const char *vars_json, const jinja_render_params *rp,
                       bool hf, char **out, char *err)

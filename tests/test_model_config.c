@@ -1,4 +1,4 @@
-/* test_model_config.c -- Tests for engine/model_config: parsing the shared tiny checkpoints'
+/* test_model_config.c -- Tests for text/model_config: parsing the shared tiny checkpoints'
  * config.json files, old- and new-style RoPE settings, every rejected input (code and message),
  * RoPE inverse frequencies against independent re-implementations, and the parameter count. */
 #include <errno.h>
@@ -9,8 +9,8 @@
 #include <unistd.h>
 
 #include "common/error.h"
-#include "engine/model_config.h"
 #include "test_util.h"
+#include "text/model_config.h"
 
 #ifndef M_PI
 #define M_PI 3.14159265358979323846

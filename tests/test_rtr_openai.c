@@ -166,7 +166,6 @@ static void test_chat_errors(void)
     oai_job job;
     oai_err e;
     int rc = parse(OAI_CHAT, CHAT_OK, &job, &e);
-#ifdef PD_HAVE_CHAT_TEMPLATE
     /* The conversation goes to the router as GenerateRequest.messages (it renders them). */
     CHECK_MSG(rc == 0, "%s", e.message);
     if (rc == 0) {
@@ -182,9 +181,6 @@ static void test_chat_errors(void)
         CHECK_EQ_INT(job.logprobs, 3);
         CHECK_EQ_INT(q.logprobs, 3);
     }
-#else
-    CHECK_MSG(rc == 501 && !strcmp(e.code ? e.code : "", "not_implemented"), "%d %s", rc, e.message);
-#endif
     oai_job_free(&job);
     /* The router's FAILED_PRECONDITION for a chat request: the model has no template. */
     static hreq r;

@@ -2,8 +2,8 @@
 #include <stdlib.h>
 
 #include "common/error.h"
-#include "engine/stopstr.h"
 #include "tests/test_util.h"
+#include "text/stopstr.h"
 
 /* Streams text in pieces of `step` bytes; returns the shown text (caller frees). */
 static char *stream(const char *const *stops, int n, const char *text, size_t step, bool *stopped)

@@ -11,8 +11,8 @@
 #include <unistd.h>
 
 #include "common/error.h"
-#include "engine/tokenizer.h"
 #include "test_util.h"
+#include "text/tokenizer.h"
 
 /* ---- building small tokenizers ---- */
 

@@ -7,8 +7,8 @@
 
 #include "common/error.h"
 #include "common/json_util.h"
-#include "engine/tokenizer.h"
 #include "test_util.h"
+#include "text/tokenizer.h"
 
 static void print_ids(const char *what, const int32_t *v, size_t n)
 {

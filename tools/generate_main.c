@@ -13,10 +13,10 @@
 #include "common/log.h"
 #include "engine/generate.h"
 #include "engine/model.h"
-#include "engine/model_config.h"
 #include "engine/model_runner.h"
 #include "engine/tp.h"
-#include "engine/tokenizer.h"
+#include "text/model_config.h"
+#include "text/tokenizer.h"
 
 #define MAX_PROMPTS 4096
 

@@ -12,8 +12,8 @@
 #include <jansson.h>
 
 #include "common/error.h"
-#include "engine/chat_template.h"
-#include "engine/tokenizer.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 
 static void usage(FILE *f)
 {

@@ -3,10 +3,10 @@
 HF transformers configures it for chat templates, renders for
 
   * "jinja": language cases (a template, its variables, the whitespace flags), the reference for
-    engine/jinja.c (tests/test_jinja.c);
+    text/jinja.c (tests/test_jinja.c);
   * "chat": every chat template of ../shared/testdata/tokenizers/*/tokenizer_config.json and of
     tests/chat/templates/*.jinja, over a set of conversations, with and without the generation
-    prompt, the reference for engine/chat_template.c (tests/test_chat_template.c);
+    prompt, the reference for text/chat_template.c (tests/test_chat_template.c);
   * "no_template": the tokenizer directories without a chat template (a clear error in C).
 
 transformers' environment (utils/chat_template_utils.py, _compile_jinja_template):

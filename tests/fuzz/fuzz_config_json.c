@@ -1,4 +1,4 @@
-/* fuzz_config_json.c -- Fuzzes the model config parser (engine/model_config.h): the input is
+/* fuzz_config_json.c -- Fuzzes the model config parser (text/model_config.h): the input is
  * config.json text, optionally followed by a NUL byte and generation_config.json text. A config
  * that parses must give the engine sane numbers: finite, non-negative RoPE frequencies and a
  * positive parameter count. */
@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "engine/model_config.h"
+#include "text/model_config.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

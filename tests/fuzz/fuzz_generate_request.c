@@ -12,10 +12,10 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "common/svc/svc.h"
-#include "engine/stopstr.h"
-#include "engine/tokenizer.h"
 #include "pdserve/v1/generation.pb-c.h"
+#include "svc/svc.h"
+#include "text/stopstr.h"
+#include "text/tokenizer.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

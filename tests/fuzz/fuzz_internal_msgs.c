@@ -11,12 +11,12 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "common/svc/svc.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "pdserve/internal/v1/decode.pb-c.h"
 #include "pdserve/internal/v1/instance.pb-c.h"
 #include "pdserve/internal/v1/kv.pb-c.h"
 #include "pdserve/internal/v1/prefill.pb-c.h"
+#include "svc/svc.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -1,4 +1,4 @@
-/* fuzz_jinja.c -- Fuzzes the Jinja interpreter (engine/jinja.h): the input is template source,
+/* fuzz_jinja.c -- Fuzzes the Jinja interpreter (text/jinja.h): the input is template source,
  * optionally followed by a NUL byte and a JSON object of variables (otherwise a fixed chat:
  * messages of every kind, tools, special tokens). The input's length picks the whitespace
  * mode (odd: transformers' trim_blocks + lstrip_blocks). A template that parses is rendered
@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "engine/jinja.h"
+#include "text/jinja.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -1,4 +1,4 @@
-/* fuzz_tokenizer_json.c -- Fuzzes the tokenizer.json loader (engine/tokenizer.h): the input is
+/* fuzz_tokenizer_json.c -- Fuzzes the tokenizer.json loader (text/tokenizer.h): the input is
  * tokenizer.json text, optionally followed by a NUL byte and tokenizer_config.json text. When
  * it loads, a few fixed strings are encoded and decoded with it, and the properties the header
  * promises are checked (ids inside the vocabulary, the scratch encoder equal to the plain one,
@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "common/error.h"
-#include "engine/tokenizer.h"
+#include "text/tokenizer.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

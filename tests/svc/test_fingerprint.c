@@ -8,7 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "common/svc/svc.h"
+#include "svc/svc.h"
 #include "tests/test_util.h"
 
 #define SRC PD_SHARED_DIR "/models/stories260k"

@@ -1,4 +1,4 @@
-/* test_kvdev.c -- The staged KV copies of tensor-parallel instances (common/svc/svc_kvdev.c)
+/* test_kvdev.c -- The staged KV copies of tensor-parallel instances (svc/svc_kvdev.c)
  * on the CPU backend: the backend's strided copy (copyq_rows) driven by svc_kv_tp_rows gives
  * exactly kvt_tp_gather / kvt_tp_scatter for divided and replicated heads; a stories260k
  * instance at TP 2 and 4 stages a layer out of and into its ranks' caches as they say; and
@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/svc/svc.h"
+#include "svc/svc.h"
 #include "tests/svc_tp_util.h"
 #include "tests/test_util.h"
 

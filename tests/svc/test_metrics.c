@@ -1,5 +1,5 @@
 /* test_metrics.c -- The metrics registry (common/metrics.h) and its HTTP endpoint
- * (common/svc/svc_http.h): names and types checked, exact text exposition for counters,
+ * (svc/svc_http.h): names and types checked, exact text exposition for counters,
  * gauges, labels with escaping and histograms, hidden series, concurrent updates from
  * several threads, and GET /metrics, / and a 404 over a real socket on loopback. */
 #include <arpa/inet.h>
@@ -13,7 +13,7 @@
 
 #include "common/error.h"
 #include "common/metrics.h"
-#include "common/svc/svc_http.h"
+#include "svc/svc_http.h"
 #include "tests/test_util.h"
 
 static void test_names(void)
