@@ -1500,11 +1500,7 @@ static int http_setup(rtr_http_params hp, const char *http_listen, const char *l
     hp.timeout_ms = g.call_timeout_ms;
     hp.instances_up = http_decode_up;
     hp.metrics = svc_metrics_registry(g.metrics);
-    int rc = rtr_http_start(&hp, out, err);
-    if (rc < 0) return rc;
-    printf("HTTP_PORT %d\n", rtr_http_port(*out));
-    fflush(stdout);
-    return 0;
+    return rtr_http_start(&hp, out, err);
 }
 
 /* Raises the soft RLIMIT_NOFILE to the hard limit: every HTTP and gRPC connection holds a
@@ -1820,8 +1816,6 @@ int main(int argc, char **argv)
     PD_LOGI("pdserve-router serving %s on port %d: %d prefill, %d decode instances (%d up)%s",
             g.model_name, rpc_server_port(g.server), np, nd, nh,
             np ? "" : "; decode instances compute prompts (no prefill instances)");
-    printf("PORT %d\n", rpc_server_port(g.server));
-    fflush(stdout);
     svc_metrics_watch_server(g.metrics, g.server, &g.draining);
     if (svc_metrics_start(g.metrics, err) < 0) {
         fprintf(stderr, "pdserve-router: %s\n", err);
@@ -1836,6 +1830,15 @@ int main(int argc, char **argv)
     if (http_listen[0] && http_setup(hp, http_listen, listen, stls.cert[0] != 0, &http, err) < 0) {
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
+    }
+    /* Ready: every listener is up (launchers wait for this line; a port clash on the metrics
+     * or HTTP port fails before it, not after). */
+    printf("PORT %d\n", rpc_server_port(g.server));
+    fflush(stdout);
+    svc_metrics_announce(g.metrics);
+    if (http) {
+        printf("HTTP_PORT %d\n", rtr_http_port(http));
+        fflush(stdout);
     }
     int sig = svc_wait_signal();
     PD_LOGI("signal %d: draining (grace %lld ms)", sig, (long long)grace_ms);

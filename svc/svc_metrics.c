@@ -210,9 +210,14 @@ int svc_metrics_start(svc_metrics *sm, char *err)
     if (rc < 0) return rc;
     PD_LOGI("metrics on http://%s:%d/metrics", sm->host[0] ? sm->host : "0.0.0.0",
             svc_http_port(sm->http));
+    return 0;
+}
+
+void svc_metrics_announce(const svc_metrics *sm)
+{
+    if (!sm || !sm->http) return;
     printf("METRICS_PORT %d\n", svc_http_port(sm->http));
     fflush(stdout);
-    return 0;
 }
 
 int svc_metrics_port(const svc_metrics *sm) { return sm && sm->http ? svc_http_port(sm->http) : -1; }

@@ -38,9 +38,12 @@ void svc_metrics_watch_server(svc_metrics *sm, rpc_server *server, const volatil
 /* A service's own collector, run at each scrape after the common ones (fn NULL: none). */
 void svc_metrics_set_collector(svc_metrics *sm, pd_metrics_collect_fn fn, void *arg);
 
-/* Starts the HTTP endpoint when the port is >= 0 and prints "METRICS_PORT <n>" on stdout.
- * Returns 0 (also when off), or PD_EIO / PD_EINVAL with err. */
+/* Starts the HTTP endpoint when the port is >= 0. Returns 0 (also when off), or PD_EIO /
+ * PD_EINVAL with err. A service starts it before it says it is ready ("PORT <n>"), then
+ * announces it. */
 int svc_metrics_start(svc_metrics *sm, char *err);
+/* Prints "METRICS_PORT <n>" on stdout when the endpoint runs (after the service's PORT line). */
+void svc_metrics_announce(const svc_metrics *sm);
 /* The bound port, or -1 when no endpoint runs. */
 int svc_metrics_port(const svc_metrics *sm);
 /* Stops the endpoint (the sources are not read after it returns). NULL / repeat: no-op. */

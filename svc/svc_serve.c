@@ -36,10 +36,12 @@ int svc_serve(const svc_serve_params *p, svc_instance *inst, svc_metrics *sm, sv
             p->mode ? ")" : "");
     atomic_store(&inst->server, *server);
     if (atomic_load(&inst->failed)) rpc_server_set_serving(*server, false); /* failed before */
-    printf("PORT %d\n", rpc_server_port(*server));
-    fflush(stdout);
     svc_metrics_watch(sm, *server, inst->worker, kvt, &inst->draining);
     if ((rc = svc_metrics_start(sm, err)) < 0) return rc;
+    /* Ready: every listener is up (a metrics port clash fails before this line). */
+    printf("PORT %d\n", rpc_server_port(*server));
+    fflush(stdout);
+    svc_metrics_announce(sm);
     int sig = svc_wait_signal();
     PD_LOGI("signal %d: draining (grace %lld ms)", sig, (long long)sf->shutdown_grace_ms);
     inst->draining = 1;

@@ -30,9 +30,16 @@ every instance (e.g. --kv-cache-mb 512 --backend cpu); --router-args to the rout
 host:port"), for each process started with --metrics-port where its /metrics is, and with
 --http-listen the OpenAI-compatible base URL ("HTTP http://..."). Ctrl-C or SIGTERM
 stops the stack (exit 0); a process that fails to start or dies stops it too (exit 1).
+Without PDSERVE_LOG_DIR the logs go to a fresh /tmp/pdserve-up.* folder, removed when the
+stack stops cleanly and kept (its path printed) when something failed. The processes started
+die with pdserve-up even when it is killed with SIGKILL (setpriv --pdeathsig, util-linux).
 USAGE
 }
 while [ $# -gt 0 ]; do
+    case "$1" in
+        --model|--port|--prefill|--decode|--gpus|--router-args|--tensor-parallel|--prefill-tp|--decode-tp)
+            [ $# -ge 2 ] || { echo "pdserve-up: $1 needs a value" >&2; usage >&2; exit 2; } ;;
+    esac
     case "$1" in
         --model) MODEL=$2; shift 2 ;;
         --port) PORT=$2; shift 2 ;;
@@ -103,19 +110,32 @@ gpus_of() { # where the instance of DEV runs, for the log
 }
 [ "$N_DECODE" -ge 1 ] || { echo "pdserve-up: at least one decode instance" >&2; exit 2; }
 
-LOGS=${PDSERVE_LOG_DIR:-}
+# Logs: PDSERVE_LOG_DIR, or a fresh folder under /tmp that a clean stop removes (a failure keeps
+# it, and says where).
+LOGS=${PDSERVE_LOG_DIR:-} OWN_LOGS=0
 if [ "$DRY_RUN" = 0 ]; then
-    [ -n "$LOGS" ] || LOGS=$(mktemp -d /tmp/pdserve-up.XXXXXX)
+    [ -n "$LOGS" ] || { LOGS=$(mktemp -d /tmp/pdserve-up.XXXXXX); OWN_LOGS=1; }
     mkdir -p "$LOGS"
 fi
+# The servers die with this launcher, even when it is killed with SIGKILL (no trap runs then):
+# each starts under setpriv --pdeathsig TERM where util-linux has it.
+PDEATH=()
+if command -v setpriv >/dev/null 2>&1 && setpriv --pdeathsig TERM true 2>/dev/null; then
+    PDEATH=(setpriv --pdeathsig TERM --)
+fi
 export UCX_WARN_UNUSED_ENV_VARS=${UCX_WARN_UNUSED_ENV_VARS:-n}
-PIDS=()
+PIDS=() NAMES=()
 stopping=0
 stop() { # stop [EXIT CODE]: stops every process, router first; exits with the code (0)
     [ $stopping = 1 ] && return
     stopping=1
     echo "pdserve-up: stopping (router first, then instances)" >&2
     for ((i=${#PIDS[@]}-1; i>=0; i--)); do kill -TERM "${PIDS[$i]}" 2>/dev/null; wait "${PIDS[$i]}" 2>/dev/null; done
+    if [ "${1:-0}" = 0 ] && [ "$OWN_LOGS" = 1 ]; then
+        rm -rf "$LOGS"
+    elif [ -n "$LOGS" ]; then
+        echo "pdserve-up: logs kept in $LOGS" >&2
+    fi
     exit "${1:-0}"
 }
 trap 'stop 0' INT TERM
@@ -129,9 +149,10 @@ launch() {
         printf '%s' "$log:"; printf ' %q' "$BIN/$name" "$@"; printf '\n'
         return 0
     fi
-    "$BIN/$name" "$@" >"$LOGS/$log.out" 2>"$LOGS/$log.log" &
+    "${PDEATH[@]}" "$BIN/$name" "$@" >"$LOGS/$log.out" 2>"$LOGS/$log.log" &
     LAST_PID=$!
     PIDS+=("$LAST_PID")
+    NAMES+=("$log")
 }
 # await_port LOG PID: PORT_OUT from the process's "PORT n" line, waited for until DEADLINE
 # (SECONDS; PDSERVE_UP_START_S, default 120 s, after the launch: a 70B model with dummy FP8
@@ -206,8 +227,13 @@ HP=$(awk '/^HTTP_PORT /{print $2; exit}' "$LOGS/router.out" 2>/dev/null)
 [ -n "$HP" ] && echo "HTTP http://127.0.0.1:$HP/v1 (OpenAI-compatible)"
 # Wait until a signal, or until any process dies.
 while [ $stopping = 0 ]; do
-    for p in "${PIDS[@]}"; do
-        if ! kill -0 "$p" 2>/dev/null; then echo "pdserve-up: a process exited (pid $p); see $LOGS" >&2; stop 1; fi
+    for i in "${!PIDS[@]}"; do
+        if ! kill -0 "${PIDS[$i]}" 2>/dev/null; then
+            wait "${PIDS[$i]}" 2>/dev/null
+            echo "pdserve-up: ${NAMES[$i]} exited (pid ${PIDS[$i]}, status $?); its log ($LOGS/${NAMES[$i]}.log):" >&2
+            tail -5 "$LOGS/${NAMES[$i]}.log" >&2
+            stop 1
+        fi
     done
     sleep 1 & wait $!
 done

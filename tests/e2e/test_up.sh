@@ -63,4 +63,49 @@ check "[ $? -eq 0 ] && grep -Eq '^prefill-1: .* --device 1\$' '$TMP/dry2.out' &&
 check "[ $? -eq 2 ] && grep -q 'consecutive' '$TMP/dry3.out'" "GPUs that are not consecutive for a TP instance are refused"
 "$BIN/pdserve-up" --model "$MODEL" --gpus 0,1 --tensor-parallel 2 --dry-run >"$TMP/dry4.out" 2>&1
 check "[ $? -eq 2 ] && grep -q 'need 4' '$TMP/dry4.out'" "too few GPUs for the degrees is refused"
+
+# Papercuts (issue #40): a flag without its value is named; an HTTP port clash is reported as the
+# router failing to start, with its reason, and no ROUTER line; a clean stop removes the log
+# folder it made; SIGKILL of the launcher takes its servers down too.
+"$BIN/pdserve-up" --model >"$TMP/noval.out" 2>&1
+check "[ $? -eq 2 ] && grep -q -- '--model needs a value' '$TMP/noval.out'" "--model without a value is named (no bash error)"
+python3 -c 'import socket, sys, time
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
+print(s.getsockname()[1], flush=True); time.sleep(120)' >"$TMP/held.port" &
+holder=$!
+for _ in $(seq 100); do [ -s "$TMP/held.port" ] && break; sleep 0.1; done
+hport=$(head -1 "$TMP/held.port")
+PDSERVE_LOG_DIR=$TMP/clash timeout 60 "$BIN/pdserve-up" --model "$MODEL" --port 0 --colocated \
+    --router-args "--http-listen 127.0.0.1:$hport" -- --backend cpu >"$TMP/clash.out" 2>"$TMP/clash.err"
+rc=$?
+kill $holder 2>/dev/null; wait $holder 2>/dev/null
+check "[ $rc -eq 1 ] && grep -q 'router did not start' '$TMP/clash.err' && grep -q 'address in use' '$TMP/clash.err' && ! grep -q '^ROUTER' '$TMP/clash.out'" "an HTTP port clash: the router did not start, with its reason, no ROUTER line (rc $rc)"
+
+"$BIN/pdserve-up" --model "$MODEL" --port 0 --colocated -- --backend cpu >"$TMP/own.out" 2>"$TMP/own.err" &
+up=$!
+for _ in $(seq 900); do grep -q '^ROUTER ' "$TMP/own.out" 2>/dev/null && break; sleep 0.1; done
+logdir=$(grep -o 'logs in [^)]*' "$TMP/own.out" | sed 's/^logs in //')
+check "[ -n '$logdir' ] && [ -d '$logdir' ]" "without PDSERVE_LOG_DIR the logs go to $logdir"
+kill -TERM $up; wait $up
+check "[ $? -eq 0 ] && [ ! -e '$logdir' ]" "a clean stop removes that folder"
+
+if command -v setpriv >/dev/null 2>&1; then
+    PDSERVE_LOG_DIR=$TMP/k9 "$BIN/pdserve-up" --model "$MODEL" --port 0 -- --backend cpu \
+        >"$TMP/k9.out" 2>"$TMP/k9.err" &
+    up=$!
+    for _ in $(seq 900); do grep -q '^ROUTER ' "$TMP/k9.out" 2>/dev/null && break; sleep 0.1; done
+    kids=$(pgrep -P $up | tr '\n' ' ')
+    kill -KILL $up; wait $up 2>/dev/null
+    left=$kids
+    for _ in $(seq 300); do # bounded: the servers drain (SIGTERM) and exit
+        left=""
+        for k in $kids; do kill -0 "$k" 2>/dev/null && left+="$k "; done
+        [ -z "$left" ] && break
+        sleep 0.1
+    done
+    check "[ -n '$kids' ] && [ -z '$left' ]" "SIGKILL of pdserve-up: its servers ($kids) exit too"
+    for k in $left; do kill -KILL "$k" 2>/dev/null; done
+else
+    echo "note: no setpriv here: the SIGKILL case is not checked"
+fi
 exit $fail
