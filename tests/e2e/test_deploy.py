@@ -116,6 +116,11 @@ def check_set(docs, what):
         listen_port = int(pd.get("PDSERVE_LISTEN", ":0").rsplit(":", 1)[1])
         check(ports.get("grpc") == listen_port and ports.get("metrics") == int(pd.get("PDSERVE_METRICS_PORT", -1)),
               "%s %s: ports grpc %s = --listen, metrics %s = --metrics-port" % (what, n, ports.get("grpc"), ports.get("metrics")))
+        if binary == "pdserve-router" and pd.get("PDSERVE_HTTP_LISTEN"):
+            hport = int(pd["PDSERVE_HTTP_LISTEN"].rsplit(":", 1)[1])
+            check(ports.get("http") == hport and not pd.get("PDSERVE_TLS_CERT"),
+                  "%s %s: the OpenAI HTTP API (--http-listen) is port http %s, without TLS on gRPC"
+                  % (what, n, ports.get("http")))
         probes = [c.get(k) for k in ("startupProbe", "readinessProbe", "livenessProbe")]
         check(all(p and probe_port(p, pd, c) == ports.get("grpc") for p in probes),
               "%s %s: startup, readiness and liveness probes are gRPC health checks on %s%s" % (
