@@ -526,27 +526,11 @@ static void handle_decode(rpc_call *call, const ProtobufCMessage *msg, void *use
     eng_request er;
     memset(&er, 0, sizeof er);
     if (svc_instance_refuse_failed(&g.inst, call)) return;
-    if (q->n_prompt_token_ids == 0) {
-        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "prompt_token_ids is empty");
-        return;
-    }
-    if (q->n_prompt_token_ids >= (size_t)g.model.cfg.max_position) {
-        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "the prompt has %zu tokens; the "
-                          "maximum length is %d", q->n_prompt_token_ids, g.model.cfg.max_position);
-        return;
-    }
-    for (size_t i = 0; i < q->n_prompt_token_ids; i++)
-        if (q->prompt_token_ids[i] >= (uint32_t)g.model.cfg.vocab_size) {
-            rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "prompt_token_ids[%zu] = %u is "
-                              "out of range [0, %d)", i, q->prompt_token_ids[i],
-                              g.model.cfg.vocab_size);
-            return;
-        }
-    /* the public API's limits (an internal port is no way around them) */
-    if (svc_request_limits_check(q->request_id, q->stopping, q->logprobs, q->n,
-                                 ENG_MAX_CHOICES, err) < 0 ||
-        svc_sampling_from_proto(q->sampling, &er.sampling, err) < 0 ||
-        svc_stopping_from_proto(q->stopping, (int32_t)g.default_max_tokens, &er.stop, err) < 0) {
+    /* the public API's checks and limits (an internal port is no way around them) */
+    const svc_request_fields f = {q->request_id, q->prompt_token_ids, q->n_prompt_token_ids,
+                                  q->sampling, q->stopping, q->logprobs, q->n};
+    if (svc_request_check(&f, g.model.cfg.vocab_size, g.model.cfg.max_position, ENG_MAX_CHOICES,
+                          (int32_t)g.default_max_tokens, &er.sampling, &er.stop, err) < 0) {
         rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
         return;
     }

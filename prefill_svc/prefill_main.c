@@ -542,8 +542,12 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
     eng_request er;
     memset(&er, 0, sizeof er);
     if (svc_instance_refuse_failed(&g.inst, call)) return;
-    if (q->n_prompt_token_ids == 0) {
-        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "prompt_token_ids is empty");
+    /* the public API's checks and limits (an internal port is no way around them) */
+    const svc_request_fields f = {q->request_id, q->prompt_token_ids, q->n_prompt_token_ids,
+                                  q->sampling, q->stopping, q->logprobs, q->n};
+    if (svc_request_check(&f, g.model.cfg.vocab_size, g.model.cfg.max_position, ENG_MAX_CHOICES,
+                          (int32_t)g.default_max_tokens, &er.sampling, &er.stop, err) < 0) {
+        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
         return;
     }
     if (!q->kv_target || q->kv_target->kv_descriptor.len == 0 || q->kv_target->n_block_ids == 0) {
@@ -558,14 +562,6 @@ static void handle_prefill(rpc_call *call, const ProtobufCMessage *msg, void *us
     }
     if (!layout_matches(q->kv_target->layout, err, sizeof err)) {
         rpc_stream_finish(call, RPC_STATUS_FAILED_PRECONDITION, "%s", err);
-        return;
-    }
-    /* the public API's limits (an internal port is no way around them) */
-    if (svc_request_limits_check(q->request_id, q->stopping, q->logprobs, q->n,
-                                 ENG_MAX_CHOICES, err) < 0 ||
-        svc_sampling_from_proto(q->sampling, &er.sampling, err) < 0 ||
-        svc_stopping_from_proto(q->stopping, (int32_t)g.default_max_tokens, &er.stop, err) < 0) {
-        rpc_stream_finish(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
         return;
     }
     preq *r = calloc(1, sizeof *r);

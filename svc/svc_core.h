@@ -33,6 +33,27 @@ int svc_stopping_from_proto(const Pdserve__V1__StoppingCriteria *m, int32_t defa
 #define SVC_MAX_STOP_BYTES 256
 int svc_request_limits_check(const char *request_id, const Pdserve__V1__StoppingCriteria *stopping,
                              uint32_t logprobs, uint32_t n, int32_t max_choices, char *err);
+
+/* A request's fields that every service checks the same way (the public Generate once its
+ * prompt is tokens, and the instances' Prefill and Decode, whose ports are no way around the
+ * public limits). */
+typedef struct {
+    const char *request_id;
+    const uint32_t *prompt_token_ids;
+    size_t n_prompt_token_ids;
+    const Pdserve__V1__SamplingParams *sampling;   /* NULL: defaults */
+    const Pdserve__V1__StoppingCriteria *stopping; /* NULL: defaults */
+    uint32_t logprobs, n;
+} svc_request_fields;
+
+/* The one validator of those fields: prompt_token_ids non-empty, each below vocab and fewer
+ * than max_len of them (max_len 0: no bound here), then svc_request_limits_check (n at most
+ * max_choices), svc_sampling_from_proto into *sampling and svc_stopping_from_proto into *stop
+ * (max_tokens default_max_tokens when unset). Returns 0, or PD_EINVAL with a message for the
+ * client in err. */
+int svc_request_check(const svc_request_fields *f, int32_t vocab, int32_t max_len,
+                      int32_t max_choices, int32_t default_max_tokens, smp_params *sampling,
+                      seq_stopping *stop, char *err);
 /* A token's log-probabilities as a TokenLogprob message: token_id, logprob and top[0..n_top)
  * (best first, as the engine reports them), all in one allocation. Returns it (caller frees
  * with free()) or NULL when out of memory. */

@@ -65,6 +65,16 @@ try:
     # The public API's limits hold at the internal ports too (issue #38 item 7: 100,000 stop
     # strings and a 10 KB request_id were accepted, and held calls grew the RSS by gigabytes).
     pstub = ppbg.PrefillStub(grpc.insecure_channel("127.0.0.1:%d" % pre.port))
+    # Prefill checks the prompt with the same validator (svc_request_check), before anything
+    # else of the request.
+    for ids, want in (([1, 5, vocab + 7], "out of range"), ([], "prompt_token_ids is empty"),
+                      ([1] * 100000, "maximum length")):
+        try:
+            pstub.Prefill(ppb.PrefillRequest(prompt_token_ids=ids), timeout=10)
+            check(False, "Prefill with %s is refused" % want)
+        except grpc.RpcError as e:
+            check(e.code() == grpc.StatusCode.INVALID_ARGUMENT and want in e.details(),
+                  "Prefill, %s: INVALID_ARGUMENT (%s: %s)" % (want, e.code().name, e.details()))
     for what, req, want in (
             ("a 10 KB request_id", dict(request_id="x" * 10240), "request_id: at most 128 bytes"),
             ("100,000 stop strings", dict(stop=["s%d" % i for i in range(100000)]), "at most 16 stop strings"),
