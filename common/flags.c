@@ -135,6 +135,39 @@ void pd_flags_print_help(FILE *out, const pd_flag *flags, int n, const char *pro
     fprintf(out, "  %-30s this help\n", "-h, --help");
 }
 
+/* The flag called name[0, len), or -1. */
+static int find_name(const pd_flag *flags, int n, const char *name, size_t len)
+{
+    for (int i = 0; i < n; i++)
+        if (strlen(flags[i].name) == len && !strncmp(flags[i].name, name, len)) return i;
+    return -1;
+}
+
+int pd_flags_find(const pd_flag *flags, int n, const char *arg)
+{
+    if (strncmp(arg, "--", 2) != 0) return -1;
+    const char *name = arg + 2, *eq = strchr(name, '=');
+    return find_name(flags, n, name, eq ? (size_t)(eq - name) : strlen(name));
+}
+
+void pd_flags_print_unknown(const pd_flag *flags, int n, const char *prog, const char *arg)
+{
+    const char *name = strncmp(arg, "--", 2) ? arg : arg + 2, *eq = strchr(name, '=');
+    size_t len = eq ? (size_t)(eq - name) : strlen(name);
+    /* --max_tokens for --max-tokens: the spelling of the API's JSON fields. */
+    char dashed[128];
+    int k = -1;
+    if (len < sizeof dashed && memchr(name, '_', len)) {
+        for (size_t i = 0; i < len; i++) dashed[i] = name[i] == '_' ? '-' : name[i];
+        k = find_name(flags, n, dashed, len);
+    }
+    if (k >= 0)
+        fprintf(stderr, "%s: unknown flag --%.*s (did you mean --%s?)\n", prog, (int)len, name,
+                flags[k].name);
+    else
+        fprintf(stderr, "%s: unknown flag --%.*s (try --help)\n", prog, (int)len, name);
+}
+
 int pd_flags_parse(pd_flag *flags, int n, int argc, char **argv, const char *prog, const char *summary)
 {
     char env[96], src[128];
@@ -158,13 +191,10 @@ int pd_flags_parse(pd_flag *flags, int n, int argc, char **argv, const char *pro
             rc = -1;
             break;
         }
-        const char *name = arg + 2, *eq = strchr(name, '=');
-        size_t len = eq ? (size_t)(eq - name) : strlen(name);
-        int k = -1;
-        for (int i = 0; i < n; i++)
-            if (strlen(flags[i].name) == len && !strncmp(flags[i].name, name, len)) k = i;
+        const char *eq = strchr(arg + 2, '=');
+        int k = pd_flags_find(flags, n, arg);
         if (k < 0) {
-            fprintf(stderr, "%s: unknown flag '--%.*s' (try --help)\n", prog, (int)len, name);
+            pd_flags_print_unknown(flags, n, prog, arg);
             rc = -1;
             break;
         }

@@ -32,6 +32,14 @@ int pd_flags_parse(pd_flag *flags, int n_flags, int argc, char **argv, const cha
                    const char *summary);
 void pd_flags_print_help(FILE *f, const pd_flag *flags, int n_flags, const char *prog,
                          const char *summary);
+/* The index in flags of the flag that arg ("--name" or "--name=value") names, or -1 (also
+ * when arg does not start with "--"). */
+int pd_flags_find(const pd_flag *flags, int n_flags, const char *arg);
+/* Prints "PROG: unknown flag --NAME" for arg ("--name" or "--name=value") on stderr, followed
+ * by "(did you mean --other-name?)" when NAME with every '_' as '-' is a flag, else by
+ * "(try --help)". pd_flags_parse says this of an unknown flag; a program that scans its
+ * arguments itself calls it for the same message. */
+void pd_flags_print_unknown(const pd_flag *flags, int n_flags, const char *prog, const char *arg);
 /* Frees buffers made by pd_flags_parse for repeated LIST flags. */
 void pd_flags_free(void);
 

@@ -100,9 +100,10 @@ static void update_health(void *user)
     pthread_mutex_unlock(&g_health_mu);
 }
 
-/* hp: the front door's limits from the flags; the rest is filled here. */
+/* hp: the front door's limits from the flags; the rest is filled here (model: the --model
+ * directory, for the responses' system_fingerprint). */
 static int http_setup(rtr_http_params hp, const char *http_listen, const char *listen, bool tls,
-                      rtr_http **out, char *err)
+                      const char *model, rtr_http **out, char *err)
 {
     char target[300];
     if (tls)
@@ -114,6 +115,9 @@ static int http_setup(rtr_http_params hp, const char *http_listen, const char *l
     hp.listen = http_listen;
     hp.grpc_target = target;
     hp.model_name = g.model_name;
+    char fingerprint[RTR_HTTP_FINGERPRINT_LEN];
+    rtr_http_system_fingerprint(model, fingerprint, sizeof fingerprint);
+    hp.system_fingerprint = fingerprint;
     hp.tok = g.tok;
     hp.max_model_len = g.cfg.max_position;
     hp.timeout_ms = g.call_timeout_ms;
@@ -438,7 +442,7 @@ int main(int argc, char **argv)
     hp.idle_timeout_s = (int)http_idle_s;
     hp.request_timeout_s = (int)http_request_s;
     hp.n_threads = (int)http_threads;
-    if (http_listen[0] && http_setup(hp, http_listen, listen, stls.cert[0] != 0, &http, err) < 0) {
+    if (http_listen[0] && http_setup(hp, http_listen, listen, stls.cert[0] != 0, model, &http, err) < 0) {
         fprintf(stderr, "pdserve-router: %s\n", err);
         goto out;
     }

@@ -711,6 +711,8 @@ int rtr_http_start(const rtr_http_params *p, rtr_http **out, char *err)
     }
     snprintf(h->ctx.model_name, sizeof h->ctx.model_name, "%s", p->model_name ? p->model_name : "");
     h->ctx.tok = p->tok;
+    snprintf(h->ctx.system_fingerprint, sizeof h->ctx.system_fingerprint, "%s",
+             p->system_fingerprint ? p->system_fingerprint : "");
     h->ctx.max_choices = p->max_choices;
     h->ctx.max_model_len = p->max_model_len;
     h->ctx.created = (int64_t)time(NULL);

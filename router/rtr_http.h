@@ -12,6 +12,7 @@
 #define PD_ROUTER_RTR_HTTP_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "common/metrics.h"
@@ -25,6 +26,9 @@ typedef struct {
     const char *grpc_target;      /* the router's public gRPC address as a client reaches it
                                      over loopback ("127.0.0.1:50051"); required */
     const char *model_name;       /* the served name (responses' model, /v1/models); copied */
+    const char *system_fingerprint; /* responses' and stream chunks' system_fingerprint
+                                     (rtr_http_system_fingerprint); copied, at most
+                                     RTR_HTTP_FINGERPRINT_LEN - 1 bytes; NULL or "" = null */
     const tok_tokenizer *tok;     /* the router's tokenizer (the text of logprobs' tokens);
                                      borrowed, must outlive rtr_http_stop; NULL = none */
     int32_t max_model_len;        /* shown in /v1/models */
@@ -51,6 +55,19 @@ typedef struct {
 } rtr_http_params;
 
 rtr_http_params rtr_http_default_params(void);
+
+/* Room for a system_fingerprint, NUL included. */
+#define RTR_HTTP_FINGERPRINT_LEN 64
+
+/* The system_fingerprint of the OpenAI responses for the model in model_dir:
+ * "pdserve-<version>-<16 hex digits>", the digits an XXH64 of the model fingerprint
+ * (svc_model_fingerprint: config.json and the weights' identity) and of tokenizer.json,
+ * tokenizer_config.json (the chat template), chat_template.jinja and generation_config.json
+ * where present. The same build and model files give the same string on every router (the
+ * directory's path does not count); another pdserve version, config, tokenizer, template or
+ * weights give another. Writes it into out (len >= RTR_HTTP_FINGERPRINT_LEN). Reads the files;
+ * call it once at startup. */
+void rtr_http_system_fingerprint(const char *model_dir, char *out, size_t len);
 
 /* Opens the loopback channel and starts serving. p is copied. Returns 0, PD_EINVAL (bad listen address or params), PD_EIO (cannot
  * bind: address in use), PD_ENOMEM; err (PD_ERR_LEN) says why. */

@@ -15,6 +15,7 @@
 #include "common/metrics.h"
 #include "common/rpc/rpc.h"
 #include "pdserve/v1/generation.pb-c.h"
+#include "router/rtr_http.h"
 #include "text/tokenizer.h"
 
 enum { OAI_COMPLETIONS = 1, OAI_CHAT = 2 };
@@ -26,6 +27,7 @@ typedef struct {
     int max_choices;
     int32_t max_model_len;
     int64_t created;                /* start time (Unix seconds), /v1/models */
+    char system_fingerprint[RTR_HTTP_FINGERPRINT_LEN]; /* responses' and chunks'; "" = null */
 } oai_ctx;
 
 /* A request error in OpenAI's shape: {"error": {message, type, param, code}}. */

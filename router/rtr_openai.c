@@ -1,7 +1,9 @@
 /* rtr_openai.c -- OpenAI's completions and chat completions as pdserve Generate calls: the
- * request body checked field by field (wrong types are 400 naming the field, unsupported
- * features are 400 rather than silently ignored, unknown fields are ignored) and mapped onto
- * GenerateRequest; responses, stream chunks, usage and errors in OpenAI's JSON shapes. */
+ * request body checked field by field (wrong types and values outside OpenAI's ranges are 400
+ * naming the field, unsupported features are 400 rather than silently ignored, unknown fields
+ * are ignored) and mapped onto GenerateRequest; responses, stream chunks, usage, errors and the
+ * system_fingerprint in OpenAI's JSON shapes. */
+#include <float.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
@@ -9,7 +11,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <xxhash.h>
+
 #include "router/rtr_http_impl.h"
+#include "svc/svc_core.h"
+
+#ifndef PD_VERSION
+#define PD_VERSION "unknown"
+#endif
 
 /* ---- errors ---- */
 
@@ -118,6 +127,16 @@ static int get_number(const json_t *o, const char *key, bool *has, double *out, 
     if (!v) return 0;
     if (!json_is_number(v)) return type_err(e, key, "a number", v);
     *out = json_number_value(v);
+    return 0;
+}
+
+/* A number in [lo, hi] (OpenAI's documented range of the field). */
+static int get_number_in(const json_t *o, const char *key, double lo, double hi, bool *has,
+                         double *out, oai_err *e)
+{
+    if (get_number(o, key, has, out, e)) return e->status;
+    if (*has && !(*out >= lo && *out <= hi))
+        return oai_errf(e, 400, key, NULL, "'%s' must be in [%g, %g] (got %g)", key, lo, hi, *out);
     return 0;
 }
 
@@ -248,12 +267,15 @@ static int parse_prompt(oai_job *job, const json_t *root, oai_err *e)
 }
 
 /* The text of a chat message's content: a string, or a list of {"type": "text", "text"}
- * parts (joined with newlines, as vLLM does); null counts as "" for assistant messages. */
+ * parts (the OpenAI SDKs' multi-part input; joined with newlines, as vLLM does: OpenAI does
+ * not say how it joins them); a part of another type (image_url, input_audio, file, ...) is
+ * a 400 naming it. null counts as "" for assistant messages. */
 static int message_text(const json_t *m, size_t i, const char *role, char **out, oai_err *e)
 {
     char param[64];
     snprintf(param, sizeof param, "messages[%zu].content", i);
     json_t *c = json_object_get(m, "content");
+    size_t want = 0; /* the text's length (shorter: it held a NUL) */
     *out = NULL;
     if (!c || json_is_null(c)) {
         if (strcmp(role, "assistant"))
@@ -261,14 +283,23 @@ static int message_text(const json_t *m, size_t i, const char *role, char **out,
         *out = strdup("");
     } else if (json_is_string(c)) {
         *out = strdup(json_string_value(c));
+        want = json_string_length(c);
     } else if (json_is_array(c)) {
         size_t len = 0, k;
         json_t *part;
         json_array_foreach(c, k, part) {
             json_t *type = json_object_get(part, "type"), *text = json_object_get(part, "text");
-            if (!json_is_object(part) || !json_is_string(type) || strcmp(json_string_value(type), "text"))
-                return oai_errf(e, 400, param, NULL, "'%s' item %zu: only text parts ({\"type\": "
-                                "\"text\", \"text\": ...}) are supported", param, k);
+            if (!json_is_object(part))
+                return oai_errf(e, 400, param, NULL, "'%s' item %zu must be a content part (an "
+                                "object with a 'type'), not %s", param, k, jtype(part));
+            if (!json_is_string(type))
+                return oai_errf(e, 400, param, NULL, "'%s' item %zu has no 'type' (a string): "
+                                "only text parts ({\"type\": \"text\", \"text\": ...}) are "
+                                "supported", param, k);
+            if (strcmp(json_string_value(type), "text"))
+                return oai_errf(e, 400, param, "unsupported_content_part", "'%s' item %zu is a "
+                                "content part of type '%s': this model takes text only (parts of "
+                                "type 'text')", param, k, json_string_value(type));
             if (!json_is_string(text)) return type_err(e, param, "a text part with a string 'text'", text ? text : part);
             len += json_string_length(text) + 1;
         }
@@ -277,17 +308,18 @@ static int message_text(const json_t *m, size_t i, const char *role, char **out,
             size_t pos = 0;
             json_array_foreach(c, k, part) {
                 json_t *text = json_object_get(part, "text");
-                if (pos) (*out)[pos++] = '\n';
+                if (k) (*out)[pos++] = '\n';
                 memcpy(*out + pos, json_string_value(text), json_string_length(text));
                 pos += json_string_length(text);
             }
             (*out)[pos] = 0;
+            want = pos;
         }
     } else {
         return type_err(e, param, "a string or an array of content parts", c);
     }
     if (!*out) return oai_errf(e, 500, NULL, NULL, "out of memory");
-    if (strlen(*out) != (c && json_is_string(c) ? json_string_length(c) : strlen(*out)))
+    if (strlen(*out) != want)
         return oai_errf(e, 400, param, NULL, "'%s' contains a NUL character", param);
     return 0;
 }
@@ -402,19 +434,22 @@ static int parse_sampling(oai_job *job, const json_t *root, int kind, oai_err *e
     bool has = false, b = false;
     double d = 0;
     int64_t i = 0;
-    if (get_number(root, "temperature", &has, &d, e)) return e->status;
+    /* OpenAI's ranges: temperature [0, 2], top_p [0, 1], the penalties [-2, 2]. */
+    if (get_number_in(root, "temperature", 0, 2, &has, &d, e)) return e->status;
     if (has) s->temperature_set_case = PDSERVE__V1__SAMPLING_PARAMS__TEMPERATURE_SET_TEMPERATURE, s->temperature = (float)d;
-    if (get_number(root, "top_p", &has, &d, e)) return e->status;
-    if (has) s->top_p_set_case = PDSERVE__V1__SAMPLING_PARAMS__TOP_P_SET_TOP_P, s->top_p = (float)d;
+    if (get_number_in(root, "top_p", 0, 1, &has, &d, e)) return e->status;
+    /* top_p 0 (OpenAI allows it) keeps the likeliest token only, as the smallest nucleus
+     * does: SamplingParams wants top_p > 0. */
+    if (has) s->top_p_set_case = PDSERVE__V1__SAMPLING_PARAMS__TOP_P_SET_TOP_P, s->top_p = d > 0 ? (float)d : FLT_MIN;
     if (get_int(root, "top_k", -1, INT32_MAX, &has, &i, e)) return e->status;
     if (has) s->top_k = (int32_t)i;
     if (get_number(root, "min_p", &has, &d, e)) return e->status;
     if (has) s->min_p = (float)d;
     if (get_number(root, "repetition_penalty", &has, &d, e)) return e->status;
     if (has) s->repetition_penalty_set_case = PDSERVE__V1__SAMPLING_PARAMS__REPETITION_PENALTY_SET_REPETITION_PENALTY, s->repetition_penalty = (float)d;
-    if (get_number(root, "presence_penalty", &has, &d, e)) return e->status;
+    if (get_number_in(root, "presence_penalty", -2, 2, &has, &d, e)) return e->status;
     if (has) s->presence_penalty = (float)d;
-    if (get_number(root, "frequency_penalty", &has, &d, e)) return e->status;
+    if (get_number_in(root, "frequency_penalty", -2, 2, &has, &d, e)) return e->status;
     if (has) s->frequency_penalty = (float)d;
     if (get_int(root, "seed", INT64_MIN, INT64_MAX, &has, &i, e)) return e->status;
     if (has) s->seed_set_case = PDSERVE__V1__SAMPLING_PARAMS__SEED_SET_SEED, s->seed = (uint64_t)i;
@@ -670,11 +705,14 @@ static void lp_merge(json_t *a, json_t *b)
     }
 }
 
-/* {"id", "object", "created", "model"} */
+/* {"id", "object", "created", "model", "system_fingerprint"} (null when the router was given
+ * none) */
 static json_t *envelope(const hreq *r, const char *object)
 {
-    return json_pack("{s:s,s:s,s:I,s:s}", "id", r->id, "object", object, "created",
-                     (json_int_t)r->created, "model", r->ctx->model_name);
+    const char *fp = r->ctx->system_fingerprint;
+    return json_pack("{s:s,s:s,s:I,s:s,s:o}", "id", r->id, "object", object, "created",
+                     (json_int_t)r->created, "model", r->ctx->model_name, "system_fingerprint",
+                     fp[0] ? json_string(fp) : json_null());
 }
 
 static void emit_event(hreq *r, json_t *o)
@@ -694,6 +732,21 @@ static void emit_event(hreq *r, json_t *o)
 static const char *chunk_object(const hreq *r)
 {
     return r->job.kind == OAI_CHAT ? "chat.completion.chunk" : "text_completion";
+}
+
+/* Emits a stream chunk with choices (taken) and usage (taken; NULL = null: every chunk but
+ * the usage chunk of stream_options.include_usage, as OpenAI sends them). */
+static void emit_chunk(hreq *r, json_t *choices, json_t *usage)
+{
+    json_t *o = envelope(r, chunk_object(r));
+    if (o) {
+        json_object_set_new(o, "choices", choices);
+        json_object_set_new(o, "usage", usage ? usage : json_null());
+    } else {
+        json_decref(choices);
+        json_decref(usage);
+    }
+    emit_event(r, o);
 }
 
 void oai_apply(hreq *r, int ci, const Pdserve__V1__GenerateResponse *m)
@@ -734,11 +787,8 @@ void oai_apply(hreq *r, int ci, const Pdserve__V1__GenerateResponse *m)
     }
     if (r->job.kind == OAI_CHAT && !c->role_sent) {
         c->role_sent = true;
-        json_t *o = envelope(r, chunk_object(r));
-        json_object_set_new(o, "choices", json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", ci, "delta",
-                                                    "role", "assistant", "content", "", "logprobs",
-                                                    "finish_reason"));
-        emit_event(r, o);
+        emit_chunk(r, json_pack("[{s:i,s:{s:s,s:s},s:n,s:n}]", "index", ci, "delta", "role",
+                                "assistant", "content", "", "logprobs", "finish_reason"), NULL);
     }
     const char *fin = finish_name(c->finish);
     if (!tlen && !fin && !(lp && m->n_logprobs)) { /* tokens whose text is held back */
@@ -756,9 +806,7 @@ void oai_apply(hreq *r, int ci, const Pdserve__V1__GenerateResponse *m)
     json_object_set_new(ch, "logprobs", lp && m->n_logprobs ? lp : json_null());
     if (lp && !m->n_logprobs) json_decref(lp);
     json_object_set_new(ch, "finish_reason", fin ? json_string(fin) : json_null());
-    json_t *o = envelope(r, chunk_object(r));
-    json_object_set_new(o, "choices", json_pack("[o]", ch));
-    emit_event(r, o);
+    emit_chunk(r, json_pack("[o]", ch), NULL);
 }
 
 bool oai_call_error(const hreq *r, const oai_choice *c, int code, const char *detail, oai_err *e)
@@ -816,12 +864,7 @@ void oai_stream_error(hreq *r)
 
 void oai_stream_end(hreq *r)
 {
-    if (r->job.include_usage && !r->failed) {
-        json_t *o = envelope(r, chunk_object(r));
-        json_object_set_new(o, "choices", json_array());
-        json_object_set_new(o, "usage", usage_json(r));
-        emit_event(r, o);
-    }
+    if (r->job.include_usage && !r->failed) emit_chunk(r, json_array(), usage_json(r));
     hreq_out(r, "data: [DONE]\n\n", 14);
 }
 
@@ -860,4 +903,39 @@ char *oai_models_body(const oai_ctx *ctx, const char *id)
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     return s;
+}
+
+/* ---- system_fingerprint ---- */
+
+/* Hashes a model file's name and contents into st (a missing file: its name only). */
+static void hash_file(XXH64_state_t *st, const char *dir, const char *name)
+{
+    char path[4096], buf[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    XXH64_update(st, name, strlen(name) + 1);
+    FILE *f = fopen(path, "rb");
+    if (!f) return;
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0) XXH64_update(st, buf, n);
+    fclose(f);
+}
+
+void rtr_http_system_fingerprint(const char *model_dir, char *out, size_t len)
+{
+    static const char *const files[] = {"tokenizer.json", "tokenizer_config.json",
+                                        "chat_template.jinja", "generation_config.json"};
+    /* The router knows no KV dtype or quantization: fixed ones (the value is the router's,
+     * not the instances' KvLayout fingerprint). */
+    uint64_t model = svc_model_fingerprint(model_dir, "safetensors", PD_DTYPE_F32, "");
+    uint64_t h = 0;
+    XXH64_state_t *st = XXH64_createState();
+    if (st) {
+        XXH64_reset(st, 0x6f616966); /* "oaif" */
+        XXH64_update(st, PD_VERSION, strlen(PD_VERSION) + 1);
+        XXH64_update(st, &model, sizeof model);
+        for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) hash_file(st, model_dir, files[i]);
+        h = XXH64_digest(st);
+        XXH64_freeState(st);
+    }
+    snprintf(out, len, "pdserve-%s-%016llx", PD_VERSION, (unsigned long long)h);
 }

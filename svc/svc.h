@@ -67,17 +67,6 @@ typedef struct {
     void *kvdev;                /* the device path's sender state (svc_kvdev.c), or NULL */
 } svc_model;
 
-/* The model fingerprint that KvLayout carries (prefill and decode must agree before KV moves):
- * a hash of dir's config.json, load_format, kv_dtype, quant (the weights' quantization as
- * loaded: mc_quant.name, "" for none) and, unless load_format is "dummy"
- * (whose weights are the same seeded values everywhere), the weights' identity read without a
- * full pass: model.safetensors.index.json when present and, for every *.safetensors file in
- * dir, its name, size, header and 32 chunks of 4 KiB spread over its data. Two fine-tunes of
- * one architecture differ; the same files under another directory give the same value.
- * (svc_fingerprint.c) */
-uint64_t svc_model_fingerprint(const char *dir, const char *load_format, pd_dtype kv_dtype,
-                               const char *quant);
-
 /* Loads backend, weights and runner; fills ep for mode. Returns 0 or an error with err. */
 int svc_model_open(const svc_model_flags *f, eng_mode mode, svc_model *out, char *err);
 void svc_model_close(svc_model *m);

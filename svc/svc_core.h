@@ -1,12 +1,14 @@
 /* svc_core.h -- What every service shares, the router included: protobuf <-> request
- * conversions with validation, error -> gRPC status mapping, and the process lifecycle
- * (signals). No engine, kvtransfer or kernels API: the router includes this, not svc.h. */
+ * conversions with validation, error -> gRPC status mapping, the model fingerprint, and the
+ * process lifecycle (signals). No engine, kvtransfer or kernels API: the router includes this,
+ * not svc.h. */
 #ifndef PD_SVC_CORE_H
 #define PD_SVC_CORE_H
 
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/dtype.h"
 #include "common/rpc/rpc.h"
 #include "pdserve/v1/generation.pb-c.h"
 #include "text/request_params.h"
@@ -63,6 +65,19 @@ Pdserve__V1__TokenLogprob *svc_token_logprob_new(uint32_t token, float logprob,
 rpc_status_code svc_status_for(int pd_err);
 /* The public finish reason for an engine finish. */
 Pdserve__V1__FinishReason svc_finish_reason(seq_finish f);
+
+/* ---- the model ---- */
+
+/* The model fingerprint that KvLayout carries (prefill and decode must agree before KV moves):
+ * a hash of dir's config.json, load_format, kv_dtype, quant (the weights' quantization as
+ * loaded: mc_quant.name, "" for none) and, unless load_format is "dummy"
+ * (whose weights are the same seeded values everywhere), the weights' identity read without a
+ * full pass: model.safetensors.index.json when present and, for every *.safetensors file in
+ * dir, its name, size, header and 32 chunks of 4 KiB spread over its data. Two fine-tunes of
+ * one architecture differ; the same files under another directory give the same value.
+ * (svc_fingerprint.c) */
+uint64_t svc_model_fingerprint(const char *dir, const char *load_format, pd_dtype kv_dtype,
+                               const char *quant);
 
 /* ---- lifecycle ---- */
 

@@ -1,7 +1,7 @@
 /* svc_fingerprint.c -- The model fingerprint that prefill and decode compare before they
- * exchange KV (svc_model_fingerprint in svc.h): config, the weights' identity and the KV
+ * exchange KV (svc_model_fingerprint in svc_core.h): config, the weights' identity and the KV
  * dtype, computed without reading the weights in full. */
-#include "svc/svc.h"
+#include "svc/svc_core.h"
 
 #include <dirent.h>
 #include <stdio.h>

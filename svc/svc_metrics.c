@@ -16,8 +16,6 @@
 #define PD_VERSION "unknown"
 #endif
 
-
-
 void svc_metrics_flag_add(int64_t *port, pd_flag *flags, int *n)
 {
     pd_flag f = {"metrics-port", PD_FLAG_INT, port,
@@ -36,9 +34,44 @@ const char *svc_outcome_name(int code)
     return code >= 0 && code < N_OUTCOMES ? names[code] : "unknown";
 }
 
+/* The process_* families: what Prometheus client libraries export for their process, under
+ * the same names, so that the usual dashboards and alerts work on pdserve's services too. */
+static void process_families(svc_metrics *sm)
+{
+    pd_metrics *m = sm->reg;
+    sm->proc_cpu = pd_metrics_counter(m, "process_cpu_seconds_total", NULL,
+                                      "user and system CPU time of the process, seconds");
+    sm->proc_rss = pd_metrics_gauge(m, "process_resident_memory_bytes", NULL,
+                                    "resident memory of the process, bytes");
+    sm->proc_vsize = pd_metrics_gauge(m, "process_virtual_memory_bytes", NULL,
+                                      "virtual memory of the process, bytes");
+    sm->proc_fds = pd_metrics_gauge(m, "process_open_fds", NULL, "open file descriptors");
+    sm->proc_max_fds = pd_metrics_gauge(m, "process_max_fds", NULL,
+                                        "most file descriptors the process may open (RLIMIT_NOFILE)");
+    sm->proc_start = pd_metrics_gauge(m, "process_start_time_seconds", NULL,
+                                      "start time of the process, seconds since the Unix epoch");
+}
+
+/* Samples the process_* families; a figure that cannot be read keeps its last value (the
+ * first failure is logged once). */
+static void process_collect(svc_metrics *sm)
+{
+    svc_process_stats ps;
+    char err[PD_ERR_LEN];
+    if (svc_process_stats_read(&ps, err) < 0 && !atomic_exchange(&sm->proc_warned, true))
+        PD_LOGW("process metrics: %s", err);
+    if (ps.cpu_seconds > 0) pd_metric_set(sm->proc_cpu, ps.cpu_seconds);
+    if (ps.resident_bytes > 0) pd_metric_set(sm->proc_rss, ps.resident_bytes);
+    if (ps.virtual_bytes > 0) pd_metric_set(sm->proc_vsize, ps.virtual_bytes);
+    if (ps.open_fds > 0) pd_metric_set(sm->proc_fds, ps.open_fds);
+    if (ps.max_fds > 0) pd_metric_set(sm->proc_max_fds, ps.max_fds);
+    if (ps.start_time_seconds > 0) pd_metric_set(sm->proc_start, ps.start_time_seconds);
+}
+
 static void collect(pd_metrics *m, void *arg)
 {
     svc_metrics *sm = arg;
+    process_collect(sm);
     if (sm->draining) pd_metric_set(sm->draining_g, *sm->draining ? 1 : 0);
     if (sm->inst_collect) sm->inst_collect(sm);
     if (sm->server) {
@@ -184,6 +217,7 @@ int svc_metrics_create(const svc_metrics_params *p, svc_metrics **out, char *err
     sm->calls_cancelled = pd_metrics_counter(m, "pdserve_grpc_calls_cancelled_total", NULL,
                                              "gRPC calls cancelled before they finished");
     sm->calls_live = pd_metrics_gauge(m, "pdserve_grpc_calls_in_flight", NULL, "gRPC calls alive now");
+    process_families(sm);
     pd_metrics_set_collector(m, collect, sm);
     *out = sm;
     return 0;

@@ -1,5 +1,5 @@
 /* svc_metrics.h -- The metrics every pdserve service exports (docs/deploy.md lists them):
- * a registry with the common families, the /metrics HTTP endpoint on --metrics-port, and
+ * a registry with the common families (the process_* ones included), the /metrics HTTP endpoint on --metrics-port, and
  * collectors that sample, at each scrape, the engine's load snapshot (ew_load_get), the KV
  * transfer counters (svc_kvt_stats, read on the kvt thread) and the gRPC server's counters.
  * Services add their own families to svc_metrics_registry() and count request outcomes with
@@ -55,6 +55,21 @@ void svc_metrics_destroy(svc_metrics *sm);
 const char *svc_outcome_name(int rpc_code);
 /* Counts one finished call of the service's main RPC in pdserve_requests_total{outcome}. */
 void svc_metrics_request(svc_metrics *sm, int rpc_code);
+/* The process's own figures, exported at every scrape as the process_* families of the
+ * Prometheus client conventions (docs/deploy.md). */
+typedef struct {
+    double cpu_seconds;         /* user + system CPU time since the start, s */
+    double resident_bytes;      /* resident set size, bytes */
+    double virtual_bytes;       /* virtual memory size, bytes */
+    double open_fds;            /* open file descriptors */
+    double max_fds;             /* RLIMIT_NOFILE's soft limit (RLIM_INFINITY as it is) */
+    double start_time_seconds;  /* when the process started, Unix seconds (clock ticks) */
+} svc_process_stats;
+/* Reads them from /proc/self/stat (CPU time, memory, start time after /proc/stat's btime),
+ * /proc/self/fd and getrlimit. Returns 0, or PD_EIO with err naming what could not be read
+ * (*out then holds what could). (svc_process.c) */
+int svc_process_stats_read(svc_process_stats *out, char *err);
+
 /* Observes one request's queue time (eng_output.queue_s) in seconds. */
 void svc_metrics_queue_time(svc_metrics *sm, double seconds);
 /* Observes one finished KV transfer's duration (kvt_event elapsed_ns) in seconds. */

@@ -4,6 +4,8 @@
 #ifndef PD_SVC_METRICS_IMPL_H
 #define PD_SVC_METRICS_IMPL_H
 
+#include <stdatomic.h>
+
 #include "svc/svc_http.h"
 #include "svc/svc_metrics.h"
 
@@ -35,6 +37,8 @@ struct svc_metrics {
     pd_metric *kv_bytes, *kv_ok, *kv_fail, *kv_active, *kv_ring, *kv_ring_used, *kv_ring_wait;
     pd_mfamily *kv_peers, *kv_info;
     pd_metric *calls, *calls_cancelled, *calls_live;
+    pd_metric *proc_cpu, *proc_rss, *proc_vsize, *proc_fds, *proc_max_fds, *proc_start;
+    atomic_bool proc_warned; /* a process figure could not be read (logged once) */
 };
 
 #endif

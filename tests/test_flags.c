@@ -45,6 +45,14 @@ int main(void)
     unsetenv("PDSERVE_COLOCATED");
     char *argv7[] = {"prog", "stray", NULL};
     CHECK_EQ_INT(pd_flags_parse(flags, n, 2, argv7, "prog", "test"), -1);
+    /* pd_flags_find: "--name" and "--name=value"; '_' is not '-'. */
+    CHECK_EQ_INT(pd_flags_find(flags, n, "--max-num-seqs"), 1);
+    CHECK_EQ_INT(pd_flags_find(flags, n, "--peer=a:1"), 5);
+    CHECK_EQ_INT(pd_flags_find(flags, n, "--max_num_seqs"), -1);
+    CHECK_EQ_INT(pd_flags_find(flags, n, "--max-num"), -1);
+    CHECK_EQ_INT(pd_flags_find(flags, n, "model"), -1);
+    char *argv9[] = {"prog", "--max_num_seqs", "3", NULL};
+    CHECK_EQ_INT(pd_flags_parse(flags, n, 3, argv9, "prog", "test"), -1);
     char *argv8[] = {"prog", "--help", NULL};
     FILE *saved = stdout;
     stdout = fopen("/dev/null", "w");

@@ -3,11 +3,17 @@
  * max_completion_tokens), prompt forms, wrong types and unsupported features as 400 naming the
  * field, unknown model 404; chat messages (content parts, roles) onto GenerateRequest.messages
  * (501 in a build without chat templates), FAILED_PRECONDITION as a missing template; response
- * bodies, stream chunks, usage and error shapes, statuses. */
+ * bodies, stream chunks, usage and error shapes, statuses; OpenAI's ranges of temperature,
+ * top_p and the penalties; content parts (text joined, other types refused by name);
+ * system_fingerprint in every body and chunk, usage null in every chunk but the usage chunk,
+ * and rtr_http_system_fingerprint over copies of stories260k. */
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "router/rtr_http_impl.h"
 #include "tests/test_util.h"
@@ -19,6 +25,19 @@ static int parse(int kind, const char *body, oai_job *job, oai_err *e)
 {
     memset(e, 0, sizeof *e);
     return oai_parse(&ctx, kind, body, strlen(body), job, e);
+}
+
+/* The "type" of e's error body. */
+static const char *err_type_of(const oai_err *e)
+{
+    static char type[64];
+    char *b = oai_error_body(e);
+    json_t *o = b ? json_loads(b, 0, NULL) : NULL;
+    const char *t = json_string_value(json_object_get(json_object_get(o, "error"), "type"));
+    snprintf(type, sizeof type, "%s", t ? t : "?");
+    json_decref(o);
+    free(b);
+    return type;
 }
 
 static void expect_error(int kind, const char *body, int status, const char *param)
@@ -118,6 +137,37 @@ static void test_completions(void)
     expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"model\":\"other\"}", 404, "model");
     expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"model\":5}", 400, "model");
     expect_error(OAI_COMPLETIONS, "[1]", 400, NULL);
+    /* OpenAI's ranges: temperature [0, 2], top_p [0, 1], penalties [-2, 2]. */
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"temperature\":2.5}", 400, "temperature");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"temperature\":-0.1}", 400, "temperature");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"temperature\":3}", 400,
+                 "temperature");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"top_p\":1.01}", 400, "top_p");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"top_p\":-0.5}", 400, "top_p");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"presence_penalty\":2.5}", 400, "presence_penalty");
+    expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"frequency_penalty\":-2.01}", 400, "frequency_penalty");
+    {
+        oai_err e2;
+        oai_job j2;
+        CHECK_EQ_INT(parse(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"temperature\":2.5}", &j2, &e2), 400);
+        CHECK_MSG(!strcmp(err_type_of(&e2), "invalid_request_error"), "%s", err_type_of(&e2));
+        CHECK_STR_CONTAINS(e2.message, "'temperature' must be in [0, 2] (got 2.5)");
+        oai_job_free(&j2);
+    }
+    /* The bounds themselves are valid; top_p 0 (allowed by OpenAI) keeps the likeliest token. */
+    rc = parse(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"temperature\":2,\"top_p\":0,\"presence_penalty\":-2,"
+               "\"frequency_penalty\":2}", &job, &e);
+    CHECK_MSG(rc == 0, "%s", e.message);
+    oai_job_request(&job, 0, &q, &s);
+    CHECK_NEAR(s.temperature, 2, 0);
+    CHECK_MSG(s.top_p_set_case && s.top_p > 0 && s.top_p < 1e-30, "top_p %g", (double)s.top_p);
+    CHECK_NEAR(s.presence_penalty, -2, 0);
+    CHECK_NEAR(s.frequency_penalty, 2, 0);
+    oai_job_free(&job);
+    rc = parse(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"temperature\":0,\"top_p\":1}", &job, &e);
+    oai_job_request(&job, 0, &q, &s);
+    CHECK(rc == 0 && s.temperature == 0 && s.top_p == 1);
+    oai_job_free(&job);
     expect_error(OAI_COMPLETIONS, "nul", 400, NULL);
     expect_error(OAI_COMPLETIONS, "", 400, NULL);
     expect_error(OAI_COMPLETIONS, "{\"prompt\":\"x\",\"prompt\":\"y\"}", 400, NULL);
@@ -155,6 +205,44 @@ static void test_chat_errors(void)
     expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\"}]}", 400, "messages[0].content");
     expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\"}]}]}", 400,
                  "messages[0].content");
+    /* A part that is not text: 400 naming its type and where it is. */
+    static const char *const other[][2] = {
+        {"{\"type\":\"image_url\",\"image_url\":{\"url\":\"https://x/y.png\"}}", "image_url"},
+        {"{\"type\":\"input_audio\",\"input_audio\":{\"data\":\"AAAA\",\"format\":\"wav\"}}", "input_audio"},
+        {"{\"type\":\"file\",\"file\":{\"file_id\":\"f\"}}", "file"},
+    };
+    for (size_t i = 0; i < sizeof other / sizeof other[0]; i++) {
+        char body[512], want[128];
+        snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"system\",\"content\":\"s\"},{\"role\":"
+                 "\"user\",\"content\":[{\"type\":\"text\",\"text\":\"look:\"},%s]}]}", other[i][0]);
+        oai_job j2;
+        oai_err e2;
+        CHECK_EQ_INT(parse(OAI_CHAT, body, &j2, &e2), 400);
+        CHECK_MSG(!strcmp(e2.param, "messages[1].content"), "%s", e2.param);
+        snprintf(want, sizeof want, "'messages[1].content' item 1 is a content part of type '%s'", other[i][1]);
+        CHECK_STR_CONTAINS(e2.message, want);
+        CHECK_MSG(e2.code && !strcmp(e2.code, "unsupported_content_part"), "%s", e2.code ? e2.code : "null");
+        oai_job_free(&j2);
+    }
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":[\"hi\"]}]}", 400, "messages[0].content");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":[{\"text\":\"hi\"}]}]}", 400,
+                 "messages[0].content");
+    expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":5}]}]}",
+                 400, "messages[0].content");
+    /* Text parts in order, newline-joined (an empty part keeps its place); an empty list is "". */
+    {
+        oai_job j2;
+        oai_err e2;
+        int r2 = parse(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\","
+                       "\"text\":\"\"},{\"type\":\"text\",\"text\":\"b\"},{\"type\":\"text\",\"text\":\"c\"}]},"
+                       "{\"role\":\"assistant\",\"content\":[]}]}", &j2, &e2);
+        CHECK_MSG(r2 == 0, "%s", e2.message);
+        if (r2 == 0) {
+            CHECK_MSG(!strcmp(j2.msgs[0].content, "\nb\nc"), "'%s'", j2.msgs[0].content);
+            CHECK_MSG(!strcmp(j2.msgs[1].content, ""), "'%s'", j2.msgs[1].content);
+        }
+        oai_job_free(&j2);
+    }
     expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":2}", 400, "top_logprobs");
     expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"logprobs\":2}", 400, "logprobs");
     expect_error(OAI_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{}]}", 400, "tools");
@@ -221,6 +309,36 @@ static void apply(hreq *r, int ci, uint32_t id, const char *text, float lp, int 
     oai_apply(r, ci, &m);
 }
 
+/* Checks every "data: {...}" event of the SSE text s: object, system_fingerprint (ctx's),
+ * and usage: null in all but a final usage chunk ("choices": [], usage an object), which
+ * there must be exactly when usage_chunk. Returns the number of chunks. */
+static int check_chunks(const char *s, const char *object, bool usage_chunk)
+{
+    int n = 0, n_usage = 0;
+    for (const char *p = strstr(s, "data: {"); p; p = strstr(p + 1, "data: {")) {
+        const char *end = strstr(p, "\n\n");
+        json_error_t je;
+        json_t *o = end ? json_loadb(p + 6, (size_t)(end - p - 6), 0, &je) : NULL;
+        CHECK_MSG(o != NULL, "chunk %d: %.200s", n, p);
+        if (!o) break;
+        n++;
+        json_t *u = json_object_get(o, "usage"), *fp = json_object_get(o, "system_fingerprint");
+        CHECK_MSG(!strcmp(json_string_value(json_object_get(o, "object")), object), "chunk %d: %.200s", n, p);
+        CHECK_MSG(json_is_string(fp) && !strcmp(json_string_value(fp), ctx.system_fingerprint),
+                  "chunk %d: system_fingerprint: %.300s", n, p);
+        if (json_is_object(u)) {
+            n_usage++;
+            CHECK_MSG(json_array_size(json_object_get(o, "choices")) == 0 && !strstr(end, "data: {"),
+                      "the usage chunk is the last and has no choices: %.300s", p);
+        } else {
+            CHECK_MSG(u && json_is_null(u), "chunk %d: usage must be null: %.300s", n, p);
+        }
+        json_decref(o);
+    }
+    CHECK_EQ_INT(n_usage, usage_chunk ? 1 : 0);
+    return n;
+}
+
 static void test_responses(void)
 {
     static hreq r; /* zeroed; hreq_out grows r.out */
@@ -243,6 +361,9 @@ static void test_responses(void)
     CHECK_MSG(o != NULL, "%s", body);
     CHECK(!strcmp(json_string_value(json_object_get(o, "object")), "text_completion"));
     CHECK(json_integer_value(json_object_get(o, "created")) == 1234);
+    CHECK_MSG(json_is_string(json_object_get(o, "system_fingerprint")) &&
+              !strcmp(json_string_value(json_object_get(o, "system_fingerprint")), ctx.system_fingerprint),
+              "%s", body);
     json_t *c0 = json_array_get(json_object_get(o, "choices"), 0), *c1 = json_array_get(json_object_get(o, "choices"), 1);
     CHECK(!strcmp(json_string_value(json_object_get(c0, "text")), "Hello"));
     CHECK(!strcmp(json_string_value(json_object_get(c0, "finish_reason")), "stop"));
@@ -285,8 +406,51 @@ static void test_responses(void)
     CHECK_STR_CONTAINS(s, "\"choices\":[],\"usage\":{");
     size_t n = strlen(s);
     CHECK_MSG(n > 16 && !strcmp(s + n - 16, "\n\ndata: [DONE]\n\n"), "%s", s);
+    CHECK_EQ_INT(check_chunks(s, "chat.completion.chunk", true), 4); /* role, Hi, finish, usage */
     free(r.out);
     for (int i = 0; i < 1; i++) tok_stream_destroy(ch[i].lp_stream);
+
+    /* Streamed completions, no include_usage: every chunk has usage null, no usage chunk;
+     * a chat request the same; the final chat body has the fingerprint too. */
+    for (int kind = OAI_COMPLETIONS; kind <= OAI_CHAT; kind++) {
+        memset(ch, 0, sizeof ch);
+        r.out = NULL;
+        r.out_len = r.out_cap = 0;
+        r.job.kind = kind;
+        r.job.include_usage = false;
+        apply(&r, 0, 5, "Hi", -0.1f, 0);
+        apply(&r, 0, 6, " you", -0.1f, PDSERVE__V1__FINISH_REASON__FINISH_REASON_STOP);
+        oai_stream_end(&r);
+        hreq_out(&r, "", 1);
+        CHECK_EQ_INT(check_chunks(r.out, kind == OAI_CHAT ? "chat.completion.chunk" : "text_completion", false),
+                     kind == OAI_CHAT ? 3 : 2);
+        free(r.out);
+        r.out = NULL;
+        r.out_len = r.out_cap = 0;
+        tok_stream_destroy(ch[0].lp_stream);
+    }
+    memset(ch, 0, sizeof ch);
+    r.job.stream = false;
+    r.job.kind = OAI_CHAT;
+    apply(&r, 0, 5, "Hi", -0.1f, PDSERVE__V1__FINISH_REASON__FINISH_REASON_STOP);
+    body = oai_final_body(&r);
+    o = json_loads(body, 0, &je);
+    CHECK_MSG(o && !strcmp(json_string_value(json_object_get(o, "object")), "chat.completion") &&
+              !strcmp(json_string_value(json_object_get(o, "system_fingerprint")), ctx.system_fingerprint),
+              "%s", body);
+    json_decref(o);
+    free(body);
+    free(ch[0].text);
+    /* No fingerprint given: null (the field is still there, as OpenAI's may be null). */
+    oai_ctx bare = ctx;
+    bare.system_fingerprint[0] = 0;
+    r.ctx = &bare;
+    body = oai_final_body(&r);
+    o = json_loads(body, 0, &je);
+    CHECK_MSG(o && json_is_null(json_object_get(o, "system_fingerprint")), "%s", body);
+    json_decref(o);
+    free(body);
+    r.ctx = &ctx;
 
     /* Error shape and status mapping. */
     oai_err e;
@@ -426,14 +590,85 @@ static void test_alternatives(void)
     tok_destroy(tok);
 }
 
+/* Copies file name from src to dir; flip changes its last byte and every 512th of its second
+ * half (the weights of a safetensors file, where a fine-tune differs). */
+static void copy_file(const char *src, const char *dir, const char *name, bool flip)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", src, name);
+    FILE *f = fopen(path, "rb");
+    if (!f) return;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc(n > 0 ? (size_t)n : 1);
+    size_t got = buf ? fread(buf, 1, (size_t)n, f) : 0;
+    fclose(f);
+    if (flip && got) {
+        buf[got - 1] ^= 1;
+        for (size_t i = got / 2; i < got; i += 512) buf[i] ^= 1;
+    }
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    f = fopen(path, "wb");
+    if (f && buf) fwrite(buf, 1, got, f);
+    if (f) fclose(f);
+    free(buf);
+}
+
+/* rtr_http_system_fingerprint: its form, stable, the directory's path not counting, and
+ * changed by the tokenizer's files, the chat template, the config and the weights. */
+static void test_fingerprint(void)
+{
+    const char *src = PD_SHARED_DIR "/models/stories260k";
+    static const char *const files[] = {"config.json", "tokenizer.json", "tokenizer_config.json",
+                                        "generation_config.json", "model.safetensors"};
+    enum { N = sizeof files / sizeof files[0] };
+    char fa[RTR_HTTP_FINGERPRINT_LEN], fb[RTR_HTTP_FINGERPRINT_LEN];
+    struct stat st;
+    if (stat(src, &st) != 0) {
+        printf("no %s: fingerprint test skipped\n", src);
+        return;
+    }
+    char root[] = "/tmp/test_rtr_openai_XXXXXX";
+    CHECK(mkdtemp(root) != NULL);
+    char dirs[N + 1][256];
+    for (int d = 0; d <= N; d++) { /* dirs[N]: a plain copy; dirs[i]: file i changed */
+        snprintf(dirs[d], sizeof dirs[d], "%s/m%d", root, d);
+        mkdir(dirs[d], 0700);
+        for (int i = 0; i < N; i++) copy_file(src, dirs[d], files[i], i == d);
+    }
+    rtr_http_system_fingerprint(src, fa, sizeof fa);
+    CHECK_MSG(!strncmp(fa, "pdserve-", 8) && strlen(fa) > 8 + 17 && strspn(fa + strlen(fa) - 16,
+              "0123456789abcdef") == 16 && fa[strlen(fa) - 17] == '-', "%s", fa);
+    rtr_http_system_fingerprint(src, fb, sizeof fb);
+    CHECK_MSG(!strcmp(fa, fb), "not stable: %s, %s", fa, fb);
+    rtr_http_system_fingerprint(dirs[N], fb, sizeof fb);
+    CHECK_MSG(!strcmp(fa, fb), "a copy elsewhere differs: %s, %s", fa, fb);
+    for (int i = 0; i < N; i++) {
+        rtr_http_system_fingerprint(dirs[i], fb, sizeof fb);
+        CHECK_MSG(strcmp(fa, fb), "%s changed, the fingerprint did not: %s", files[i], fb);
+    }
+    for (int d = 0; d <= N; d++) {
+        char path[4096];
+        for (int i = 0; i < N; i++) {
+            snprintf(path, sizeof path, "%s/%s", dirs[d], files[i]);
+            unlink(path);
+        }
+        rmdir(dirs[d]);
+    }
+    rmdir(root);
+}
+
 int main(void)
 {
     snprintf(ctx.model_name, sizeof ctx.model_name, "m");
+    snprintf(ctx.system_fingerprint, sizeof ctx.system_fingerprint, "pdserve-test-0123456789abcdef");
     ctx.max_choices = 16;
     ctx.max_model_len = 512;
     test_completions();
     test_chat_errors();
     test_responses();
     test_alternatives();
+    test_fingerprint();
     return pd_test_result("test_rtr_openai");
 }

@@ -265,14 +265,19 @@ int main(int argc0, char **argv0)
     argv[argc++] = argv0[0];
     for (int i = 2; i < argc0; i++) {
         const char *a = argv0[i];
-        if (!strncmp(a, "--", 2)) {
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             argv[argc++] = argv0[i];
-            const char *eq = strchr(a, '=');
-            size_t len = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
-            for (int k = 0; k < nf && !eq; k++)
-                if (strlen(all[k].name) == len && !strncmp(all[k].name, a + 2, len) &&
-                    all[k].type != PD_FLAG_BOOL && i + 1 < argc0)
-                    argv[argc++] = argv0[++i];
+        } else if (!strncmp(a, "--", 2)) {
+            /* An unknown flag is named here: its value would otherwise be taken for the
+             * prompt, and the prompt for a stray argument. */
+            int k = pd_flags_find(all, nf, a);
+            if (k < 0) {
+                pd_flags_print_unknown(all, nf, "pdserve-cli", a);
+                free(argv);
+                return 2;
+            }
+            argv[argc++] = argv0[i];
+            if (!strchr(a, '=') && all[k].type != PD_FLAG_BOOL && i + 1 < argc0) argv[argc++] = argv0[++i];
         } else if (!prompt[0]) {
             prompt = a;
         } else {

@@ -309,7 +309,7 @@ expect_fail "goodput closed loop" "--find-goodput searches an open-loop rate" --
 expect_fail "bad arrival" "--arrival must be poisson, gamma, constant or closed" --addr "$A" --arrival uniform
 expect_fail "bad length" "--input-len and --output-len take N or MIN:MAX" --addr "$A" --input-len 9:3
 expect_fail "too long for the model" "exceed the model's maximum length 4096" --addr "$A" --input-len 4000 --output-len 200
-expect_fail "unknown flag" "unknown flag '--rps'" --addr "$A" --rps 3
+expect_fail "unknown flag" "unknown flag --rps" --addr "$A" --rps 3
 
 # ---- I. the real CPU stack (stories260k, colocated): a short goodput search ----
 STORIES=$SHARED/models/stories260k

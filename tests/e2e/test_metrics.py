@@ -7,7 +7,8 @@ against the router's SLO flags, decode steps = output tokens - 1 per request, KV
 sides = blocks x per-block bytes from the model's config, prefix-cache hits = the cached tokens
 the client was told, queue and step histograms consistent with the step counters, gauges
 showing a running sequence mid-stream and an idle engine afterwards, per-instance gauges on
-the router, and pdserve_draining = 1 while the router drains after SIGTERM.
+the router, pdserve_draining = 1 while the router drains after SIGTERM, and the process_*
+families of every service equal to what /proc says of its process.
 
 usage: test_metrics.py BIN_DIR SHARED_DIR PROTO_DIR"""
 import json, math, os, re, signal, sys, threading, time
@@ -47,11 +48,47 @@ def hist_ok(s, name, **labels):
     mono = all(b[i][1] <= b[i + 1][1] for i in range(len(b) - 1))
     return mono and b[-1][1] == s.get(name + "_count", **labels) and s.get(name + "_sum", **labels) >= 0
 
+PROCESS = {"process_cpu_seconds_total": "counter", "process_resident_memory_bytes": "gauge",
+           "process_virtual_memory_bytes": "gauge", "process_open_fds": "gauge",
+           "process_max_fds": "gauge", "process_start_time_seconds": "gauge"}
+
+def check_process(p, name, t_before):
+    """p's process_* families against /proc/<pid> (the service runs here): types, the soft
+    descriptor limit, a start time about after t_before and not later than now, descriptors and
+    memory within what /proc shows of the process."""
+    s = eu.Scrape(p.mport)
+    pid = p.p.pid
+    soft = next(l.split()[3] for l in open("/proc/%d/limits" % pid) if l.startswith("Max open files"))
+    n_fds = len(os.listdir("/proc/%d/fd" % pid))
+    vm = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/%d/status" % pid)
+          if l.startswith(("VmRSS", "VmSize", "VmHWM", "VmPeak"))}
+    types_ok = all(s.types.get(n) == t for n, t in PROCESS.items())
+    check(types_ok, "%s: the process_* families with their types %s" % (name, {n: s.types.get(n) for n in PROCESS}))
+    if not types_ok:
+        return
+    fds = s.get("process_open_fds")
+    check(s.get("process_max_fds") == (2.0 ** 64 - 1 if soft == "unlimited" else float(soft)),
+          "%s: process_max_fds %g == soft limit %s" % (name, s.get("process_max_fds"), soft))
+    check(0 < fds <= s.get("process_max_fds") and abs(fds - n_fds) <= 16,
+          "%s: process_open_fds %d (/proc/%d/fd lists %d now)" % (name, fds, pid, n_fds))
+    # (boot time + ticks since boot: /proc/stat's btime is whole seconds, and the clock may have
+    # been stepped since the boot, so a few seconds' slack)
+    check(t_before - 5 <= s.get("process_start_time_seconds") <= time.time() + 5,
+          "%s: process_start_time_seconds %.2f after the test started (%.2f)" %
+          (name, s.get("process_start_time_seconds"), t_before))
+    rss, vsz = s.get("process_resident_memory_bytes"), s.get("process_virtual_memory_bytes")
+    check(0 < rss <= vm["VmHWM"] and rss <= vsz <= vm["VmPeak"],
+          "%s: process_resident_memory_bytes %d <= peak %d, virtual %d <= peak %d" %
+          (name, rss, vm["VmHWM"], vsz, vm["VmPeak"]))
+    check(s.get("process_cpu_seconds_total") > 0, "%s: process_cpu_seconds_total %.2f" %
+          (name, s.get("process_cpu_seconds_total")))
+
 cfg = json.load(open(os.path.join(MODEL, "config.json")))
 heads = cfg["num_attention_heads"]
 KV_BLOCK_BYTES = 2 * cfg["num_hidden_layers"] * 16 * cfg.get("num_key_value_heads", heads) * \
     (cfg["hidden_size"] // heads) * 4  # K and V, every layer, 16 tokens, f32 on the CPU
 
+T_START = time.time()
 try:
     common = ["--model", MODEL, "--listen", "127.0.0.1:0", "--kv-cache-mb", "32"]
     pre = start("pdserve-prefill", *common)
@@ -73,7 +110,7 @@ try:
     for p in (pre, dec, rtr):
         s = eu.Scrape(p.mport)
         names = set(s.types)
-        bad = [n for n in names if not n.startswith("pdserve_")]
+        bad = [n for n in names if not n.startswith("pdserve_") and n not in PROCESS]
         bad += [n for n, t in s.types.items() if (t == "counter") != n.endswith("_total")]
         bad += [n for n in names if re.search(r"_(ms|milliseconds|bytes_total_total)$", n)]
         check(not bad, "%s: %d families, pdserve_ prefix, _total exactly on counters %s" %
@@ -184,6 +221,9 @@ try:
         check(a.get("pdserve_sequences_running") == 0 and a.get("pdserve_kv_cache_used_blocks") == 0 and
               a.get("pdserve_kv_cache_usage_ratio") == 0 and a.get("pdserve_kv_cache_free_blocks") ==
               a.get("pdserve_kv_cache_capacity_blocks") > 0, "%s: idle gauges" % name)
+
+    for p, name in ((pre, "prefill"), (dec, "decode"), (rtr, "router")):
+        check_process(p, name, T_START)
 
     # Mid-stream gauges, then a cancel and a bad request counted by outcome.
     it = stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 5, 6], sampling=pb.SamplingParams(temperature=0),

@@ -12,7 +12,10 @@ decode + prefill + router on stories260k, driven by the official `openai` npm pa
     gRPC Generate of the rendered text tokenized without added special tokens (one BOS), plain,
     streamed (role first), n=2, logprobs, stop strings; the template's raise_exception is a 400.
     A build without the chat template module answers 501, and only that is checked
-  - raw: n = 2 with logprobs 3, plain and streamed: each choice's logprobs and top_logprobs
+  - raw: system_fingerprint in bodies and every chunk ("usage": null in all chunks but the
+    usage chunk), OpenAI's ranges of temperature / top_p / penalties as 400 naming the field,
+    content parts (text joined with newlines, an image_url part a 400 naming its type);
+    n = 2 with logprobs 3, plain and streamed: each choice's logprobs and top_logprobs
     are those of the generation with seed + j alone (gRPC);
     SSE framing (data: lines, blank-line separated, data: [DONE] last), bad JSON, 404,
     405 with Allow, 413 (Content-Length and a chunked upload), /health, /metrics families
@@ -24,7 +27,7 @@ decode + prefill + router on stories260k, driven by the official `openai` npm pa
 
 Without node, npm or the npm registry the openai-package part skips (the rest still runs) and
 the test says so. usage: test_openai_http.py BIN_DIR SHARED_DIR PROTO_DIR"""
-import http.client, json, os, shutil, signal, socket, subprocess, sys, time
+import http.client, json, os, re, shutil, signal, socket, subprocess, sys, time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -424,7 +427,65 @@ try:
           "SSE: every event a 'data: ' line ended by a blank line, [DONE] last")
     chunks = [json.loads(e[6:]) for e in events[:-2]]
     check(chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8 and
-          all(c["usage"] is None for c in chunks[:-1] if "usage" in c), "SSE: the usage chunk last")
+          all("usage" in c and c["usage"] is None for c in chunks[:-1]),
+          "SSE: the usage chunk last, \"usage\": null in every other chunk")
+    # system_fingerprint (issue #40): "pdserve-<version>-<16 hex>", in plain bodies and every
+    # chunk, the same for the same model on every router, another for another model directory
+    fp = chunks[0].get("system_fingerprint") or ""
+    check(re.fullmatch(r"pdserve-[0-9A-Za-z.]+-[0-9a-f]{16}", fp) is not None and
+          all(c.get("system_fingerprint") == fp for c in chunks), "SSE: system_fingerprint %r in every chunk" % fp)
+    st, _, body = request(router.hport, "POST", "/v1/completions",
+                          {"prompt": PROMPT, "max_tokens": 3, "stream": True})
+    chunks = [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: {")]
+    check(st == 200 and chunks and all("usage" in c and c["usage"] is None and c.get("system_fingerprint") == fp
+                                       for c in chunks),
+          "SSE without include_usage: no usage chunk, \"usage\": null and the fingerprint in all %d" % len(chunks))
+    st, _, body = request(router.hport, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    check(st == 200 and json.loads(body).get("system_fingerprint") == fp, "plain: system_fingerprint %s" % fp)
+    # OpenAI's ranges: temperature [0, 2], top_p [0, 1], penalties [-2, 2]
+    for field, bad in (("temperature", 2.5), ("temperature", -0.5), ("top_p", 1.5), ("presence_penalty", 2.5),
+                       ("frequency_penalty", -3)):
+        st, _, body = request(router.hport, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, field: bad})
+        e = json.loads(body).get("error", {}) if st == 400 else {}
+        check(st == 400 and e.get("param") == field and e.get("type") == "invalid_request_error",
+              "%s %s: 400 invalid_request_error naming it (%s)" % (field, bad, e.get("message")))
+    st, _, body = request(router.hport, "POST", "/v1/completions",
+                          {"prompt": PROMPT, "max_tokens": 4, "temperature": 2, "top_p": 0, "seed": 1,
+                           "presence_penalty": 2, "frequency_penalty": -2})
+    g0 = grpc_gen(router, prompt=PROMPT, sampling=sampling(), stopping=pb.StoppingCriteria(max_tokens=4))
+    check(st == 200 and json.loads(body)["choices"][0]["text"] == g0["text"],
+          "the bounds are accepted; top_p 0 keeps the likeliest token (greedy's text, even at temperature 2)")
+    # content parts: text joined, any other part refused by its type
+    parts_msgs = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                                 {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]
+    st, _, body = request(router.hport, "POST", "/v1/chat/completions", {"messages": parts_msgs})
+    e = json.loads(body).get("error", {}) if st == 400 else {}
+    check(st == 400 and e.get("param") == "messages[0].content" and "'image_url'" in e.get("message", "") and
+          e.get("code") == "unsupported_content_part", "an image_url part: 400 naming its type (%s)" % e.get("message"))
+    if chat:
+        st, _, body = request(chat.hport, "POST", "/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+        cfp = json.loads(body).get("system_fingerprint") if st == 200 else None
+        check(cfp and cfp != fp and cfp.startswith(fp[:-16]),
+              "chat model (another tokenizer_config.json): its own fingerprint %s" % cfp)
+        one = [dict(m, content=[{"type": "text", "text": m["content"]}]) for m in CHAT_MESSAGES]
+        st, _, body = request(chat.hport, "POST", "/v1/chat/completions",
+                              {"messages": one, "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 3})
+        c0 = (json.loads(body).get("choices") or [{}])[0] if st == 200 else {}
+        check((c0.get("message") or {}).get("content") == chat_ref["greedy"]["text"],
+              "chat: content as one text part each is the string content (%r)" % (c0.get("message") or {}).get("content"))
+        split = [CHAT_MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "Tell me"},
+                                                                 {"type": "text", "text": "about a cat."}]}]
+        joined = [CHAT_MESSAGES[0], {"role": "user", "content": "Tell me\nabout a cat."}]
+        got = []
+        for msgs in (split, joined):
+            st, _, body = request(chat.hport, "POST", "/v1/chat/completions",
+                                  {"messages": msgs, "max_tokens": 12, "temperature": 0, "stream": True})
+            chunks = [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: {")]
+            got.append("".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]))
+            check(st == 200 and all(c.get("system_fingerprint") == cfp and c["usage"] is None for c in chunks),
+                  "chat streamed: the fingerprint and \"usage\": null in every chunk")
+        check(got[0] == got[1] and got[0], "two text parts are their texts joined by a newline (%r)" % got[0])
     st, hd, body = request(router.hport, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
     check(st == 200 and hd.get("content-type") == "application/json" and len(json.loads(body)["choices"]) == 1,
           "plain: 200 application/json")
@@ -542,6 +603,9 @@ try:
             break
         got += chunk
     check(b"data: " in got, "a stream holds the busy router's one slot")
+    m = re.search(rb'"system_fingerprint":"([^"]*)"', got)
+    check(m is not None and m.group(1).decode() == fp, "another router of the same model: the same "
+          "system_fingerprint (%s)" % (m.group(1).decode() if m else None))
     st, _, body = request(busy.hport, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
     check(st == 429 and is_error_shape(body, "rate_limit_error") and json.loads(body)["error"]["code"] == "rate_limit_exceeded",
           "RESOURCE_EXHAUSTED (--max-pending 1, PDSERVE_HTTP_LISTEN): 429 (%s)" % body[:160])

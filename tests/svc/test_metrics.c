@@ -1,19 +1,26 @@
 /* test_metrics.c -- The metrics registry (common/metrics.h) and its HTTP endpoint
  * (svc/svc_http.h): names and types checked, exact text exposition for counters,
  * gauges, labels with escaping and histograms, hidden series, concurrent updates from
- * several threads, and GET /metrics, / and a 404 over a real socket on loopback. */
+ * several threads, and GET /metrics, / and a 404 over a real socket on loopback; the
+ * process_* figures (svc_process_stats_read) following what this process does, and in the
+ * service metrics set's text. */
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/error.h"
 #include "common/metrics.h"
 #include "svc/svc_http.h"
+#include "svc/svc_metrics.h"
 #include "tests/test_util.h"
 
 static void test_names(void)
@@ -207,8 +214,102 @@ static void test_http(void)
     pd_metrics_destroy(m);
 }
 
+static double cpu_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* The value of the series line "name value" in text, or -1 when absent. */
+static double rendered(const char *text, const char *name)
+{
+    char key[128];
+    snprintf(key, sizeof key, "\n%s ", name);
+    const char *p = strstr(text, key);
+    return p ? strtod(p + strlen(key), NULL) : -1;
+}
+
+/* process_*: each figure follows what the process does (descriptors opened, limit lowered,
+ * memory touched, CPU burnt), and the service metrics set exports them (counter and gauges,
+ * Prometheus's names). Run before any other thread exists, so that descriptors are ours. */
+static void test_process(void)
+{
+    char err[PD_ERR_LEN] = "";
+    svc_process_stats a, b;
+    CHECK_MSG(svc_process_stats_read(&a, err) == 0, "%s", err);
+    CHECK_MSG(a.open_fds >= 3, "open fds %g", a.open_fds);
+    int fds[3];
+    for (int i = 0; i < 3; i++) fds[i] = open("/dev/null", O_RDONLY);
+    CHECK_EQ_INT(svc_process_stats_read(&b, err), 0);
+    CHECK_MSG(b.open_fds == a.open_fds + 3, "open fds %g after opening 3, %g before", b.open_fds, a.open_fds);
+    for (int i = 0; i < 3; i++) close(fds[i]);
+    CHECK_EQ_INT(svc_process_stats_read(&b, err), 0);
+    CHECK_MSG(b.open_fds == a.open_fds, "open fds %g after closing them, %g before", b.open_fds, a.open_fds);
+
+    struct rlimit rl, low;
+    CHECK_EQ_INT(getrlimit(RLIMIT_NOFILE, &rl), 0);
+    CHECK_MSG(a.max_fds == (double)rl.rlim_cur, "max fds %g, RLIMIT_NOFILE %g", a.max_fds, (double)rl.rlim_cur);
+    low = rl;
+    low.rlim_cur = 200;
+    CHECK_EQ_INT(setrlimit(RLIMIT_NOFILE, &low), 0);
+    CHECK_EQ_INT(svc_process_stats_read(&b, err), 0);
+    CHECK_MSG(b.max_fds == 200, "max fds %g after lowering the soft limit to 200", b.max_fds);
+    CHECK_EQ_INT(setrlimit(RLIMIT_NOFILE, &rl), 0);
+
+    CHECK_MSG(a.resident_bytes > 0 && a.virtual_bytes >= a.resident_bytes, "rss %g, vsize %g",
+              a.resident_bytes, a.virtual_bytes);
+    size_t big = 64u << 20;
+    char *mem = malloc(big);
+    CHECK(mem != NULL);
+    if (mem) memset(mem, 1, big);
+    CHECK_EQ_INT(svc_process_stats_read(&b, err), 0);
+    CHECK_MSG(b.resident_bytes >= a.resident_bytes + 48.0 * (1 << 20) &&
+              b.virtual_bytes >= a.virtual_bytes + 60.0 * (1 << 20),
+              "64 MiB touched: rss %g -> %g, vsize %g -> %g", a.resident_bytes, b.resident_bytes,
+              a.virtual_bytes, b.virtual_bytes);
+    /* CPU: burn 0.3 s of this process's CPU time (the kernel's count, not the wall clock). */
+    volatile double x = 0;
+    for (double t0 = cpu_now(); cpu_now() - t0 < 0.3;)
+        for (int i = 0; i < 100000; i++) x += mem ? mem[i % big] : 1;
+    free(mem);
+    CHECK_EQ_INT(svc_process_stats_read(&b, err), 0);
+    CHECK_MSG(b.cpu_seconds >= a.cpu_seconds + 0.25, "cpu %g -> %g after 0.3 s of work", a.cpu_seconds,
+              b.cpu_seconds);
+    double now = (double)time(NULL);
+    CHECK_MSG(a.start_time_seconds > now - 3600 && a.start_time_seconds <= now + 1,
+              "start time %.2f, now %.0f", a.start_time_seconds, now);
+
+    /* The service metrics set (the router's: no engine) exports them. */
+    svc_metrics_params p = {.role = "router", .listen = "127.0.0.1:0", .port = -1};
+    svc_metrics *sm = NULL;
+    CHECK_EQ_INT(svc_metrics_create(&p, &sm, err), 0);
+    char *text = NULL;
+    size_t len = 0;
+    CHECK_EQ_INT(pd_metrics_render(svc_metrics_registry(sm), &text, &len), 0);
+    CHECK_STR_CONTAINS(text, "# TYPE process_cpu_seconds_total counter\n");
+    static const char *const gauges[] = {"process_resident_memory_bytes", "process_virtual_memory_bytes",
+                                         "process_open_fds", "process_max_fds", "process_start_time_seconds"};
+    for (size_t i = 0; i < sizeof gauges / sizeof gauges[0]; i++) {
+        char t[128];
+        snprintf(t, sizeof t, "# TYPE %s gauge\n", gauges[i]);
+        CHECK_STR_CONTAINS(text, t);
+        CHECK_MSG(rendered(text, gauges[i]) > 0, "%s: %g", gauges[i], rendered(text, gauges[i]));
+    }
+    CHECK_MSG(rendered(text, "process_cpu_seconds_total") >= b.cpu_seconds, "rendered cpu %g, read %g",
+              rendered(text, "process_cpu_seconds_total"), b.cpu_seconds);
+    CHECK_MSG(rendered(text, "process_max_fds") == (double)rl.rlim_cur, "rendered max fds %g",
+              rendered(text, "process_max_fds"));
+    CHECK_MSG(fabs(rendered(text, "process_start_time_seconds") - a.start_time_seconds) < 0.5,
+              "rendered start time %.2f, read %.2f", rendered(text, "process_start_time_seconds"),
+              a.start_time_seconds);
+    free(text);
+    svc_metrics_destroy(sm);
+}
+
 int main(void)
 {
+    test_process();
     test_names();
     test_render();
     test_threads();
