@@ -2,6 +2,8 @@
  * lines from different threads do not interleave. */
 #include "common/log.h"
 
+#include "common/env.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,8 +28,7 @@ pd_log_level pd_log_get_level(void)
 {
     if (g_level < 0) {
         pd_log_level l = PD_LOG_INFO;
-        const char *env = getenv("PDSERVE_LOG_LEVEL");
-        if (env && pd_log_parse_level(env, &l) != 0) l = PD_LOG_INFO;
+        if (pd_log_parse_level(pd_env_str("PDSERVE_LOG_LEVEL"), &l) != 0) l = PD_LOG_INFO;
         g_level = (int)l;
     }
     return (pd_log_level)g_level;

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/env.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/random.h"
@@ -237,8 +238,7 @@ eng_executor eng_executor_runner(mr *r)
 
 bool eng_async_steps_default(void)
 {
-    const char *a = getenv("PDSERVE_ASYNC_STEPS");
-    return !(a && *a && atoi(a) == 0);
+    return pd_env_bool("PDSERVE_ASYNC_STEPS");
 }
 
 eng_params eng_default_params(const mr *r)

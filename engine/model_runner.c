@@ -18,6 +18,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/env.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "engine/tp.h"
@@ -1293,12 +1294,12 @@ int mr_create_tp(const mr_params *p, const pd_model *const *shards, int32_t n_ra
         rc = pd_errf(err, PD_ENOMEM, "out of memory");
         goto fail;
     }
-    const char *skip = getenv("PDSERVE_TP_DEBUG_SKIP_ALLREDUCE");
+    const bool skip = pd_env_bool("PDSERVE_TP_DEBUG_SKIP_ALLREDUCE");
     for (int32_t k = 0; k < n_ranks; k++) {
         if ((rc = create_rank(p, shards[k], comm, false, &g->ranks[k], err)) < 0) goto fail;
-        g->ranks[k]->debug_skip_ar = skip && !strcmp(skip, "1");
-        const char *opt = getenv("PDSERVE_TP_DEBUG_OP_TIMING");
-        g->ranks[k]->debug_op_timing = opt && !strcmp(opt, "1") && p->max_graph_batch == 0;
+        g->ranks[k]->debug_skip_ar = skip;
+        g->ranks[k]->debug_op_timing =
+            pd_env_bool("PDSERVE_TP_DEBUG_OP_TIMING") && p->max_graph_batch == 0;
     }
     if ((rc = tp_pool_create(n_ranks, &g->pool, err)) < 0) goto fail;
     if (!(g->gate = calloc(1, sizeof *g->gate))) {
@@ -1310,8 +1311,8 @@ int mr_create_tp(const mr_params *p, const pd_model *const *shards, int32_t n_ra
     g->gate->n = n_ranks;
     for (int32_t k = 0; k < n_ranks; k++) g->ranks[k]->gate = g->gate;
     g->fault_rank = -1;
-    const char *fault = getenv("PDSERVE_FAULT_TP_RANK");
-    if (fault && *fault) {
+    const char *fault = pd_env_str("PDSERVE_FAULT_TP_RANK");
+    if (*fault) {
         int fr = -1;
         long long fn = 0;
         char when[8] = "";

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/env.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "svc/svc_metrics.h"
@@ -228,10 +229,9 @@ bool svc_kv_staged(const svc_model *m)
 {
     /* PDSERVE_KV_STAGING=1 takes the staging path on the CPU too (tests: the backend's copy
      * queue is then a memcpy). */
-    const char *force = getenv("PDSERVE_KV_STAGING");
     /* tensor parallelism: the ranks' heads are gathered / scattered through the ring */
     if (mr_n_ranks(m->runner) > 1) return true;
-    return strcmp(m->be->ops->name, "cpu") != 0 || (force && !strcmp(force, "1"));
+    return strcmp(m->be->ops->name, "cpu") != 0 || pd_env_bool("PDSERVE_KV_STAGING");
 }
 
 int svc_kv_pool_create(kvt_ctx *ctx, svc_model *m, kvt_pool **out, char *err)
@@ -272,9 +272,8 @@ int svc_kv_pool_create(kvt_ctx *ctx, svc_model *m, kvt_pool **out, char *err)
      * that can map the device export goes device to device. PDSERVE_KV_UCX_CUDA=0 keeps the
      * ring where UCX has CUDA support. A tensor-parallel instance always takes the ring (its
      * ranks' caches are not the whole layout that moves). */
-    const char *uc = getenv("PDSERVE_KV_UCX_CUDA");
     bool ucx_cuda = (kvt_ctx_mem_types(ctx) & (1u << KVT_MEM_CUDA)) && strcmp(m->be->ops->name, "cpu") &&
-                    !(uc && !strcmp(uc, "0")) && !tp;
+                    pd_env_bool("PDSERVE_KV_UCX_CUDA") && !tp;
     void **k = NULL, **v = NULL;
     if (ucx_cuda) {
         k = calloc((size_t)L, sizeof *k);
@@ -476,16 +475,15 @@ static int fault_launch(void *ctx, const mr_batch *b, const mr_sampling *smp, bo
 
 static eng_executor maybe_faulty(eng_executor x)
 {
-    const char *v = getenv("PDSERVE_FAULT_FAIL_STEPS_AFTER");
-    const char *d = getenv("PDSERVE_FAULT_STEP_DELAY_MS");
-    g_fault.failing = v && *v;
-    g_fault.delay_ms = d && *d ? atol(d) : 0;
+    const int64_t after = pd_env_int("PDSERVE_FAULT_FAIL_STEPS_AFTER");
+    g_fault.failing = after >= 0;
+    g_fault.delay_ms = (long)pd_env_int("PDSERVE_FAULT_STEP_DELAY_MS");
     if (!g_fault.failing && g_fault.delay_ms <= 0) return x;
     g_fault.real = x;
     if (g_fault.failing) {
-        atomic_store(&g_fault.left, atoll(v));
-        PD_LOGW("PDSERVE_FAULT_FAIL_STEPS_AFTER=%s: every forward after the first %s fails "
-                "(testing)", v, v);
+        atomic_store(&g_fault.left, (long long)after);
+        PD_LOGW("PDSERVE_FAULT_FAIL_STEPS_AFTER=%lld: every forward after the first %lld fails "
+                "(testing)", (long long)after, (long long)after);
     }
     if (g_fault.delay_ms > 0)
         PD_LOGW("PDSERVE_FAULT_STEP_DELAY_MS=%ld: every forward takes that much longer (testing)",

@@ -520,7 +520,7 @@ static void test_linear_small(void)
                                      17, 24, 32, 33};
     static const int32_t n_some[] = {1, 2, 8, 9, 16, 17, 32, 33};
     const int32_t n_max = 33;
-    const int default_crossover = getenv("PDSERVE_CUDA_GEMV_MAX_N") == NULL;
+    const int default_crossover = pd_env_raw("PDSERVE_CUDA_GEMV_MAX_N") == NULL;
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const int32_t k = shapes[s].k, m = shapes[s].m;
         const int32_t *ns = shapes[s].full ? n_full : n_some;
@@ -902,11 +902,11 @@ static void test_decode_kernels(void)
         char err[PD_ERR_LEN] = "";
         pd_backend_params p = pd_backend_default_params();
         pd_backend *b = NULL;
-        setenv("PDSERVE_CUDA_DECODE_MMA", kern[i][0], 1);
-        setenv("PDSERVE_CUDA_DECODE_STAGES", kern[i][1], 1);
+        pd_env_set("PDSERVE_CUDA_DECODE_MMA", kern[i][0]);
+        pd_env_set("PDSERVE_CUDA_DECODE_STAGES", kern[i][1]);
         const int rc = pd_backend_create("cuda", &p, &b, err);
-        unsetenv("PDSERVE_CUDA_DECODE_MMA");
-        unsetenv("PDSERVE_CUDA_DECODE_STAGES");
+        pd_env_set("PDSERVE_CUDA_DECODE_MMA", NULL);
+        pd_env_set("PDSERVE_CUDA_DECODE_STAGES", NULL);
         CHECK_EQ_INT(rc, 0);
         if (rc != 0) continue;
         g_gpu = b;

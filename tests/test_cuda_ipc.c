@@ -110,7 +110,7 @@ static int child(const char *hex, const char *bus, const shape *s, bool bench)
     if (b->ops->event_record(b->ctx, &after) < 0) return 7; /* after the upload, no sync */
     int status = 0;
     for (int mode = 0; mode < 2 && !bench; mode++) { /* kernel, then memcpy runs */
-        if (mode == 1) setenv("PDSERVE_KV_COPY", "memcpy", 1);
+        if (mode == 1) pd_env_set("PDSERVE_KV_COPY", "memcpy");
         void *q = NULL, *done = NULL;
         if (b->ops->copyq_create(b->ctx, &q) < 0) return 8;
         int32_t n = s->n_blocks / 4, dst_ids[1024], src_ids[1024];
@@ -131,7 +131,7 @@ static int child(const char *hex, const char *bus, const shape *s, bool bench)
         for (int32_t i = 0; i < n; i++) seq[i] = i;
         const double bytes = (double)n_layers * 2 * n * (double)s->block_bytes;
         for (int mode = 0; mode < 3; mode++) { /* scattered kernel, scattered memcpy, floor */
-            setenv("PDSERVE_KV_COPY", mode == 0 ? "kernel" : "memcpy", 1);
+            pd_env_set("PDSERVE_KV_COPY", mode == 0 ? "kernel" : "memcpy");
             void *q = NULL;
             if (b->ops->copyq_create(b->ctx, &q) < 0) return 8;
             double best = 1e30;
@@ -200,7 +200,7 @@ static void staged_copies(pd_backend *b, bool bench)
     for (int32_t i = 0; i < per; i++) ids[i] = (int32_t)(((int64_t)i * 37 + 11) % nb);
     for (int32_t i = 0; i < per; i++) back[i] = (int32_t)(((int64_t)i * 53 + 7) % nb);
     for (int mode = 0; mode < 2; mode++) {
-        setenv("PDSERVE_KV_COPY", mode ? "memcpy" : "kernel", 1);
+        pd_env_set("PDSERVE_KV_COPY", mode ? "memcpy" : "kernel");
         void *q = NULL;
         CHECK(o->copyq_create(b->ctx, &q) == 0);
         if (!bench) {
@@ -294,7 +294,7 @@ static void staged_copies(pd_backend *b, bool bench)
         }
         o->copyq_destroy(b->ctx, q);
     }
-    unsetenv("PDSERVE_KV_COPY");
+    pd_env_set("PDSERVE_KV_COPY", NULL);
     o->host_unregister(b->ctx, ring);
     free(ring);
     free(h);

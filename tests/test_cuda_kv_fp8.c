@@ -393,11 +393,11 @@ static void test_decode(void)
         char err[PD_ERR_LEN] = "", name[64];
         pd_backend_params p = pd_backend_default_params();
         pd_backend *b = NULL;
-        setenv("PDSERVE_CUDA_DECODE_MMA", kern[i][0], 1);
-        setenv("PDSERVE_CUDA_DECODE_STAGES", kern[i][1], 1);
+        pd_env_set("PDSERVE_CUDA_DECODE_MMA", kern[i][0]);
+        pd_env_set("PDSERVE_CUDA_DECODE_STAGES", kern[i][1]);
         const int rc = pd_backend_create("cuda", &p, &b, err);
-        unsetenv("PDSERVE_CUDA_DECODE_MMA");
-        unsetenv("PDSERVE_CUDA_DECODE_STAGES");
+        pd_env_set("PDSERVE_CUDA_DECODE_MMA", NULL);
+        pd_env_set("PDSERVE_CUDA_DECODE_STAGES", NULL);
         CHECK_EQ_INT(rc, 0);
         if (rc != 0) continue;
         g_gpu = b;

@@ -111,9 +111,9 @@ static void run_fused(int32_t n_tp, int32_t hidden, int32_t inter, int32_t heads
     if (rc == 0) rc = tp_group_load(&gp, &ga, err);
     if (rc == 0) rc = mr_create_tp(&mp, (const pd_model *const *)ga->models, n_tp, ga->comm,
                                    &fused, err);
-    setenv("PDSERVE_CUDA_TP_FUSED", "0", 1); /* read when a communicator is made */
+    pd_env_set("PDSERVE_CUDA_TP_FUSED", "0"); /* read when a communicator is made */
     if (rc == 0) rc = tp_group_load(&gp, &gb, err);
-    unsetenv("PDSERVE_CUDA_TP_FUSED");
+    pd_env_set("PDSERVE_CUDA_TP_FUSED", NULL);
     if (rc == 0) rc = mr_create_tp(&mp, (const pd_model *const *)gb->models, n_tp, gb->comm,
                                    &ops, err);
     CHECK_MSG(rc == 0, "%s TP %d: %s", name, n_tp, err);

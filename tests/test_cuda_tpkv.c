@@ -218,8 +218,8 @@ static void check_odd(bool memcpy_mode)
 static void test_mappings(bool memcpy_mode)
 {
     /* the copy queues read PDSERVE_KV_COPY when they are made */
-    if (memcpy_mode) setenv("PDSERVE_KV_COPY", "memcpy", 1);
-    else unsetenv("PDSERVE_KV_COPY");
+    if (memcpy_mode) pd_env_set("PDSERVE_KV_COPY", "memcpy");
+    else pd_env_set("PDSERVE_KV_COPY", NULL);
     const int32_t heads[] = {1, 2, 4, 8}, ranks[] = {2, 4, 8};
     int32_t n = 0;
     for (int hi = 0; hi < 4; hi++)
@@ -231,7 +231,7 @@ static void test_mappings(bool memcpy_mode)
         }
     check_mapping(3, 1, 5, 3, PD_DTYPE_F32, memcpy_mode); /* 4-byte words */
     check_odd(memcpy_mode);                                 /* 1-byte words */
-    unsetenv("PDSERVE_KV_COPY");
+    pd_env_set("PDSERVE_KV_COPY", NULL);
     printf("  copyq_rows (%s): %d mappings of 1 - 8 heads on 1 - 8 ranks and an odd-sized "
            "copy, gather and scatter equal to the CPU's\n",
            memcpy_mode ? "cudaMemcpy2DAsync" : "kernel", n + 1);

@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/env.h"
+
 static int pd_test_failures = 0;
 static int pd_test_checks = 0;
 
@@ -77,7 +79,7 @@ static inline int pd_test_result(const char *name)
 /* Directory with the shared test data (../shared beside the repository, or $PDSERVE_SHARED). */
 static inline const char *pd_test_shared_dir(void)
 {
-    const char *env = getenv("PDSERVE_SHARED");
+    const char *env = pd_env_raw("PDSERVE_SHARED");
     return env ? env : PD_SHARED_DIR;
 }
 

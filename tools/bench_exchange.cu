@@ -1,6 +1,6 @@
 /* bench_exchange.cu -- pdserve-bench-exchange: what a block-to-block exchange of a persistent
  * kernel costs on this GPU, for the design of decode_layers
- * (docs/perf.md, issue #8, eleventh pass).
+ * (docs/perf-history.md, issue #8, eleventh pass).
  *
  * Every block of a grid shaped like decode_layers (one block an SM, 12 warps, ~200 KiB of
  * shared memory) runs rounds of an all-gather: each block publishes `lines` flagged 16-byte

@@ -1,7 +1,7 @@
 /* bench_kernels.cu -- pdserve-bench-kernels: times the CUDA backend's decode-path ops (linear,
  * attention_decode, sample) through its op table, against the physical floors measured in the
  * same run: a large device-to-device copy (memory bandwidth) and a large cuBLAS bf16 GEMM
- * (matrix rate). Built with the CUDA backend only; docs/perf.md keeps its results. */
+ * (matrix rate). Built with the CUDA backend only; docs/perf-history.md keeps its results. */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -13,6 +13,7 @@
 #include <time.h>
 
 extern "C" {
+#include "common/env.h"
 #include "common/error.h"
 #include "kernels/backend.h"
 }
@@ -345,7 +346,7 @@ static int bench_linear(const bk_opts *opt, pd_backend *be, const bk_floor *fl)
 {
     const pd_backend_ops *o = be->ops;
     const int32_t n_max = k_lin_n[sizeof k_lin_n / sizeof k_lin_n[0] - 1];
-    const char *env = getenv("PDSERVE_CUDA_GEMV_MAX_N");
+    const char *env = pd_env_raw("PDSERVE_CUDA_GEMV_MAX_N");
     if (!opt->json)
         printf("\n## linear (out[n][m] = x[n][k] . w[m][k]^T, bf16, no bias%s%s)\n"
                "%-11s %-8s %6s %7s %4s %10s %9s %7s %9s %7s %s\n",

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bench_kvt.sh -- Measures the KV transfer (pdserve-kvt-bench) against ucx_perftest on the same
 # transports in the same run, plus the memcpy ceiling of the machine, and prints the figures
-# for docs/perf.md ("KV transfer"). Rounds alternate perftest and kvt so that load from other
-# processes hits both alike; the median over rounds is reported, with the best in brackets.
+# for docs/perf-history.md ("KV transfer"). Rounds alternate perftest and kvt so that load from
+# other processes hits both alike; the median over rounds is reported, with the best in brackets.
 #
 #   tools/bench_kvt.sh [ROUNDS]        (default 5; needs ucx-utils for ucx_perftest)
 #

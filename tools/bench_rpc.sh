@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bench_rpc.sh -- Benchmark of the gRPC layer on loopback: starts pdserve-rpc-testserver, runs
 # pdserve-rpc-bench (our C client) for unary calls/s at several client thread counts and for
-# small-message stream msgs/s, then stops the server. Figures go to docs/perf.md ("gRPC layer").
-# usage: tools/bench_rpc.sh [BIN_DIR (default build-rel/bin)] [SECONDS (default 5)]
+# small-message stream msgs/s, then stops the server. Figures go to docs/perf-history.md ("gRPC
+# layer"). usage: tools/bench_rpc.sh [BIN_DIR (default build-rel/bin)] [SECONDS (default 5)]
 set -euo pipefail
 BIN=${1:-build-rel/bin}
 SECS=${2:-5}

@@ -18,7 +18,7 @@
  * (every head size, and PDSERVE_CUDA_DECODE_STAGES=0) loads K/V straight into registers, two
  * rounds unrolled, the block-table entries a round ahead. Batch 256 x 1k on an H200: 67% of
  * the copy rate with the register kernel, 72 - 75% pipelined, 89% on the tensor cores; on an
- * H100 85% and 93% for the first two (docs/perf.md).
+ * H100 85% and 93% for the first two (docs/perf-history.md).
  *
  * A sequence whose keys fit one chunk is written by split 0 directly; otherwise each split
  * with keys writes its unnormalised partial output, max and sum to the workspace and the last
@@ -863,7 +863,7 @@ static int attention_decode(void *ctx, const pd_attn_args *a)
     const int64_t target = (int64_t)per_sm * c->sm_count;
     /* Rounded up: a batch of 256 x 8 KV heads gets 2 splits, 8% slower on uniform contexts
      * than 1 (rounding to nearest), but the 256-request workload, whose batches pass through
-     * 130 - 260 sequences of varied contexts, runs 3% faster with it (docs/perf.md). */
+     * 130 - 260 sequences of varied contexts, runs 3% faster with it (docs/perf-history.md). */
     int64_t ns = (target + base_blocks - 1) / base_blocks;
     if (n_keys > 0) {
         const int64_t by_len = (n_keys + MIN_CHUNK - 1) / MIN_CHUNK;

@@ -348,10 +348,7 @@ static cudaError_t launch_flash(const pd_attn_args *a, bool tall, cudaStream_t s
  * off for A/B runs. Read once per process (a function-local static: initialised thread-safely). */
 static bool flash_enabled(void)
 {
-    static const bool on = [] {
-        const char *e = getenv("PDSERVE_CUDA_FLASH_PREFILL");
-        return !(e && (!strcmp(e, "0") || !strcmp(e, "false") || !strcmp(e, "no")));
-    }();
+    static const bool on = pd_env_bool("PDSERVE_CUDA_FLASH_PREFILL");
     return on;
 }
 

@@ -45,8 +45,7 @@ static bool nccl_load(void)
 {
     pthread_mutex_lock(&g_nccl_mu);
     if (g_nccl_state == 0) {
-        const char *path = getenv("PDSERVE_NCCL_LIB");
-        if (!path || !*path) path = "libnccl.so.2";
+        const char *path = pd_env_str("PDSERVE_NCCL_LIB");
         void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
         if (!h) {
             snprintf(g_nccl_err, sizeof g_nccl_err, "cannot load NCCL (%s): %s; set "
@@ -137,8 +136,7 @@ static void tp_free(nccl_comm *c)
 
 static void tp_setup(nccl_comm *c, pd_backend *const *ranks)
 {
-    const char *env = getenv("PDSERVE_CUDA_TP_FUSED");
-    if (env && !strcmp(env, "0")) {
+    if (!pd_env_bool("PDSERVE_CUDA_TP_FUSED")) {
         PD_LOGI("tensor parallel: fused decode steps off (PDSERVE_CUDA_TP_FUSED=0)");
         return;
     }

@@ -12,6 +12,7 @@
 
 extern "C" {
 #include "common/dtype.h"
+#include "common/env.h"
 #include "common/error.h"
 #include "common/log.h"
 }

@@ -24,24 +24,18 @@ void pd_cuda__report(const char *call, const char *msg, const char *file, int li
 
 bool pd_cuda__switch_on(const char *name, int *cache)
 {
-    if (*cache < 0) { /* racy first reads all compute the same value */
-        const char *e = getenv(name);
-        *cache = !(e && !strcmp(e, "0"));
-    }
+    if (*cache < 0) *cache = pd_env_bool(name); /* racy first reads all get the same value */
     return *cache != 0;
 }
 
 /* PDL needs sm_90; the kernels are built for sm_90a (PD_CUDA_ARCHS) and the check in them
  * makes the instructions no-ops below that. Off unless PDSERVE_CUDA_PDL=1: on an H200 it made
  * batch-1 and batch-32 decode steps 4-5% faster but the 256-request workload 1.7% slower
- * (docs/perf.md), so it stays an opt-in until that is understood. */
+ * (docs/perf-history.md), so it stays an opt-in until that is understood. */
 bool pd_cuda__pdl_on(void)
 {
-    static int on = -1; /* racy first reads all compute the same value */
-    if (on < 0) {
-        const char *e = getenv("PDSERVE_CUDA_PDL");
-        on = e && (!strcmp(e, "1") || !strcmp(e, "true") || !strcmp(e, "yes"));
-    }
+    static int on = -1; /* racy first reads all get the same value */
+    if (on < 0) on = pd_env_bool("PDSERVE_CUDA_PDL");
     return on != 0;
 }
 
@@ -147,17 +141,12 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
     c->sm_count = prop.multiProcessorCount;
     c->cc_major = prop.major;
     c->smem_optin = (int)prop.sharedMemPerBlockOptin;
-    {
-        const char *e = getenv("PDSERVE_CUDA_SPLIT_KV");
-        c->split_kv = !(e && (!strcmp(e, "0") || !strcmp(e, "false") || !strcmp(e, "no")));
-        /* The decode kernel's split target, for A/B runs (pdserve-bench-kernels). */
-        e = getenv("PDSERVE_CUDA_DECODE_BLOCKS_PER_SM");
-        c->decode_blocks_per_sm = e && atoi(e) >= 1 && atoi(e) <= 64 ? atoi(e) : 0; /* auto */
-        e = getenv("PDSERVE_CUDA_DECODE_STAGES");
-        c->decode_stages = e && atoi(e) >= 0 && atoi(e) <= 4 ? atoi(e) : 2;
-        e = getenv("PDSERVE_CUDA_DECODE_MMA");
-        c->decode_mma_stages = e && atoi(e) >= 0 && atoi(e) <= 4 ? atoi(e) : 2;
-    }
+    c->split_kv = pd_env_bool("PDSERVE_CUDA_SPLIT_KV");
+    /* The decode kernel's split target (0: auto) and pipeline stages, for A/B runs
+     * (pdserve-bench-kernels); common/env.c holds their ranges and defaults. */
+    c->decode_blocks_per_sm = (int)pd_env_int("PDSERVE_CUDA_DECODE_BLOCKS_PER_SM");
+    c->decode_stages = (int)pd_env_int("PDSERVE_CUDA_DECODE_STAGES");
+    c->decode_mma_stages = (int)pd_env_int("PDSERVE_CUDA_DECODE_MMA");
     PD_LOGI("cuda backend: device %d, %s (sm_%d%d, %d SMs, %.1f GiB)", device, prop.name,
             prop.major, prop.minor, prop.multiProcessorCount,
             (double)prop.totalGlobalMem / (1 << 30));

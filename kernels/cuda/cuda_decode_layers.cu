@@ -3,8 +3,8 @@
  *
  * A step of one sequence through a 0.6B-parameter model reads 1.2 GB of weights; op by op that
  * is six launches a layer of 1 - 12 MB each, and each launch pays its start, the latency of its
- * first loads and its tail, which together took 4x the time of the bytes (docs/perf.md). Here
- * one block per SM runs the whole stack. Its products are spread over all blocks by output
+ * first loads and its tail, which together took 4x the time of the bytes (docs/perf-history.md).
+ * Here one block per SM runs the whole stack. Its products are spread over all blocks by output
  * rows; a stage that needs other blocks' results waits for exactly those (flagged lines,
  * below), with no grid barrier:
  *
@@ -29,7 +29,7 @@
  * each on an H100 (their fence waited behind the weight stream's loads) and were 30% of a
  * step; with the lines, the residual columns kept per block and the split merge on flagged
  * partials, a Qwen3-0.6B batch-1 step went from 0.95 to 0.79 ms on an H100 (1.94x its
- * weight-bytes floor) and 0.94 to 0.77 ms on an H200 (docs/perf.md, sixth pass). Batches of
+ * weight-bytes floor) and 0.94 to 0.77 ms on an H200 (docs/perf-history.md, sixth pass). Batches of
  * 2 and 4 gain too, but lost against the op-by-op graphs after long prompts when measured
  * (the attention stage has fewer splits a sequence), hence n = 1 by default
  * (PDSERVE_CUDA_FUSED_DECODE=N: up to N).
@@ -89,9 +89,9 @@
 template <int MAXG> static constexpr __host__ __device__ int dl_pf() { return MAXG <= 4 ? DL_PF_ROUNDS : 2; }
 /* Whether those batches load during S1's products rather than at S2's start (their bytes then
  * arrive while the block multiplies, not while it polls for q / k / v: +2% after 400 and 1000
- * tokens, docs/perf.md, fourteenth pass); not with 3 - 4 query heads a KV head, or 8 sequences
- * at 2, where the registers held through S1 spill; nor with FP8 weights (WQ), whose products
- * need more registers (held through them, the batches spilled 28 - 180 bytes). */
+ * tokens, docs/perf-history.md, fourteenth pass); not with 3 - 4 query heads a KV head, or 8
+ * sequences at 2, where the registers held through S1 spill; nor with FP8 weights (WQ), whose
+ * products need more registers (held through them, the batches spilled 28 - 180 bytes). */
 template <int NMAX, int MAXG, int WQ = 0> static constexpr __host__ __device__ bool dl_early()
 {
     return WQ == 0 && MAXG != 4 && !(NMAX == 8 && MAXG == 2);
@@ -168,7 +168,7 @@ static __device__ __forceinline__ void cons_sync(void)
  * two (bf16 pair, flag) halves, each half written by one 8-byte store, so a reader that sees
  * a half's flag equal to the stage's sees its data. No fence, counter or barrier: a reader
  * polls the lines it needs and goes on once they carry this stage's flag (a grid barrier's
- * fence waited behind the weight stream's loads, 1.6 - 2.5 us on an H100: docs/perf.md).
+ * fence waited behind the weight stream's loads, 1.6 - 2.5 us on an H100: docs/perf-history.md).
  * Flags are (launch epoch << 10) + stage, never 0: the zeroed lines of a new context and the
  * last launch's lines never match. A line is rewritten a layer later, when every block is
  * past reading it (each layer's stages need every block's output of the one before). */
@@ -640,15 +640,15 @@ static __device__ __forceinline__ void dl_products_f8(float (&d)[2][4], const ch
  * consecutive k of row g (16 bytes). Up to 4 x rows the weights are mma.m16n8k16's A, one mma
  * a step: A row g takes 4 of the lane's k, row g + 8 the other 4, and x is B, its column 2q + h
  * x row q's matching 4 k (loaded by lane 2q + h alone), so D[g][2q] + D[g + 8][2q + 1] is unit
- * g's sum for x row q (+1.5% a step against the pair below: docs/perf.md). With more x rows, as
- * the GEMV kernel of cuda_linear.cu does it: an mma pair, the weights as B and the n <= 8 x
+ * g's sum for x row q (+1.5% a step against the pair below: docs/perf-history.md). With more x rows,
+ * as the GEMV kernel of cuda_linear.cu does it: an mma pair, the weights as B and the n <= 8 x
  * rows as A rows g (rows past n feed outputs that are dropped). A slot's steps (at most DL_SLOT_STEPS a warp) are spread over the consumer warps, each
  * loaded before any is multiplied, into accumulators of their own (no chain of dependent
  * mma). Each warp stores its sums of a group in its own part of wred ([warp][unit][NMAX]: no
  * atomics, which contended 8 ways); after a chunk of groups (all of a layer's stage, the head
  * in pieces) the threads add the warps' parts and finish one (column, x row) each. x is [n][k]
  * in shared memory (k % 256 == 0); out rows are `ld` apart. (fp32 FMAs with one conversion
- * per element were instruction-bound at a third of the bandwidth: docs/perf.md.)
+ * per element were instruction-bound at a third of the bandwidth: docs/perf-history.md.)
  * FP8 weights (WQ, dl_layer): a lane's 16 bytes of a row are 16 k, a warp step 64 k, as many
  * steps a slot. DL_W_F8: xs holds the rows' e4m3 codes [n][k] (quant_rows) and the mma is
  * m16n8k32 on e4m3, laid out as the bf16 one with bytes for elements; DL_W_F8W: xs is bf16,
@@ -850,8 +850,8 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
  * double, rounded once to float; here it sits on the chain of every norm of every layer (the
  * two row norms and the q / k head norms, every thread of the block waiting for it), and the
  * double divide, square root and reciprocal took ~0.15 us each time, 2% of a Qwen3-0.6B step
- * (docs/perf.md, fourteenth pass). The float one differs from it by an ulp or two of the scale,
- * before the bf16 rounding of the product it scales. */
+ * (docs/perf-history.md, fourteenth pass). The float one differs from it by an ulp or two of the
+ * scale, before the bf16 rounding of the product it scales. */
 static __device__ __forceinline__ float norm_scale(float ss, float inv_len, float eps)
 {
     return rsqrtf(fmaf(ss, inv_len, eps));
@@ -1589,19 +1589,16 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
 
 /* ---- host ---- */
 
-/* The largest n the fused kernel takes by default: measured on an H200 against the op-by-op
- * graphs (docs/perf.md), batch 1 faster after short and long prompts, 2 and 4 only after
- * short ones. */
-#define DL_DEFAULT_MAX_N 1
-
-/* PDSERVE_CUDA_FUSED_DECODE=N moves it (0 = off, at most DL_MAX_N). */
+/* The largest n the fused kernel takes: by default 1 (PDSERVE_CUDA_FUSED_DECODE's default in
+ * common/env.c), measured on an H200 against the op-by-op graphs (docs/perf-history.md),
+ * batch 1 faster after short and long prompts, 2 and 4 only after short ones.
+ * PDSERVE_CUDA_FUSED_DECODE=N moves it (0 = off, at most DL_MAX_N). */
 static int fused_max_n(void)
 {
-    static int v = -1; /* racy first reads all compute the same value */
+    static int v = -1; /* racy first reads all get the same value */
     if (v < 0) {
-        const char *e = getenv("PDSERVE_CUDA_FUSED_DECODE");
-        int x = e && *e ? atoi(e) : DL_DEFAULT_MAX_N;
-        v = x < 0 ? 0 : x > DL_MAX_N ? DL_MAX_N : x;
+        const int64_t x = pd_env_int("PDSERVE_CUDA_FUSED_DECODE");
+        v = (int)(x < 0 ? 0 : x > DL_MAX_N ? DL_MAX_N : x);
     }
     return v;
 }
@@ -1612,10 +1609,10 @@ static int fused_max_n(void)
  * policy, 128 no L2 prefetch of the small vectors. */
 static int debug_bits(void)
 {
-    static int v = -1; /* racy first reads all compute the same value */
+    static int v = -1; /* racy first reads all get the same value */
     if (v < 0) {
-        const char *e = getenv("PDSERVE_CUDA_DL_DEBUG");
-        v = e && atoi(e) > 0 ? atoi(e) : 0;
+        const int64_t x = pd_env_int("PDSERVE_CUDA_DL_DEBUG");
+        v = x > 0 && x <= INT32_MAX ? (int)x : 0;
     }
     return v;
 }
@@ -1703,16 +1700,16 @@ static void ts_report(const unsigned long long *ts, int32_t n_stages, int grid)
  * paces the stream to a slot a round trip, smoothly; that suits a layer whose weights per
  * block fill about one ring (Qwen3-0.6B: 15 slots a block, 12 in the ring), which then still
  * arrive within the layer: batch 1 +4.7 - 6.0% on an H200, +11% on an H100, +4.4% and +7.8%
- * after a 1000-token prompt (docs/perf.md, twelfth pass). A layer of k rings a block gets k
+ * after a 1000-token prompt (docs/perf-history.md, twelfth pass). A layer of k rings a block gets k
  * slots in flight, and from a ring's worth on (a stream-bound layer, e.g. Llama-3-8B's 206
  * slots a block) none is held back: one slot in flight cost those shapes half their speed.
  * The head is never paced. PDSERVE_CUDA_DL_INFLIGHT=N sets it (0: none). */
 static int32_t pace_of(const dl_params &p, int32_t hd, int grid, int esz)
 {
-    static int v = -2; /* -1: not set (racy first reads all compute the same value) */
+    static int v = -2; /* -1: not set (racy first reads all get the same value) */
     if (v == -2) {
-        const char *e = getenv("PDSERVE_CUDA_DL_INFLIGHT");
-        v = e && *e ? (atoi(e) > 0 ? atoi(e) : 0) : -1;
+        const int64_t x = pd_env_int("PDSERVE_CUDA_DL_INFLIGHT");
+        v = !pd_env_raw("PDSERVE_CUDA_DL_INFLIGHT") ? -1 : x > 0 && x <= INT32_MAX ? (int)x : 0;
     }
     int64_t f = v;
     if (v < 0) {

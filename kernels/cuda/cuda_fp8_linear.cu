@@ -79,10 +79,7 @@ static int state_get(pd_cuda_ctx *c, fp8_state **out)
  * long k), read once; default off. */
 static int8_t fast_accum(void)
 {
-    static const int8_t v = [] {
-        const char *e = getenv("PDSERVE_CUDA_FP8_FAST_ACCUM");
-        return (int8_t)(e && *e == '1');
-    }();
+    static const int8_t v = (int8_t)pd_env_bool("PDSERVE_CUDA_FP8_FAST_ACCUM");
     return v;
 }
 
@@ -359,10 +356,8 @@ static int lt_product(pd_cuda_ctx *c, fp8_state *st, pd_fp8_weight *w, const uin
 static int gemv_max_n(void)
 {
     static const int v = [] {
-        const char *e = getenv("PDSERVE_CUDA_FP8_GEMV_MAX_N");
-        if (!e || !*e) return PD_FP8_GEMV_MAX_N;
-        const int x = atoi(e);
-        return x < 0 ? 0 : x > PD_FP8_GEMV_MAX_N ? PD_FP8_GEMV_MAX_N : x;
+        const int64_t x = pd_env_int("PDSERVE_CUDA_FP8_GEMV_MAX_N"); /* default 8 */
+        return (int)(x < 0 ? 0 : x > PD_FP8_GEMV_MAX_N ? PD_FP8_GEMV_MAX_N : x);
     }();
     return v;
 }

@@ -55,8 +55,7 @@ void pd_cuda__steptime_mark(pd_cuda_ctx *c, int k)
                                      __ATOMIC_ACQUIRE) && first != c)
         return;
     if (st_on < 0) {
-        const char *e = getenv("PDSERVE_CUDA_STEP_TIMING");
-        st_on = e && atoi(e) > 0;
+        st_on = pd_env_bool("PDSERVE_CUDA_STEP_TIMING");
         for (int i = 0; st_on && i < PD_ST_N; i++)
             if (cudaEventCreate(&st_.ev[i]) != cudaSuccess) st_on = 0;
     }
@@ -110,7 +109,7 @@ static cudaError_t copy_rows(void *dst, size_t dst_pitch, const void *src, size_
  * memory itself (unified addressing) costs a launch and one round trip over the bus, less than
  * the copy engine's copy, whether in the stream's order or on a side stream behind a
  * cross-stream wait: a pipelined Qwen3-0.6B batch-1 step on an H200 0.5% and 0.9% faster
- * (docs/perf.md, eleventh pass). Larger uploads keep the copy engine. */
+ * (docs/perf-history.md, eleventh pass). Larger uploads keep the copy engine. */
 #define FETCH_MAX_BYTES (64 << 10)
 #define FETCH_THREADS 256
 

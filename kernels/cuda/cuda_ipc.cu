@@ -164,8 +164,7 @@ extern "C" int pd_cuda__copyq_create(void *ctx, void **out)
     pd_copyq *q = (pd_copyq *)calloc(1, sizeof *q);
     if (!q) return PD_ENOMEM;
     q->device = c->device;
-    const char *m = getenv("PDSERVE_KV_COPY");
-    q->use_memcpy = m && !strcmp(m, "memcpy");
+    q->use_memcpy = !strcmp(pd_env_str("PDSERVE_KV_COPY"), "memcpy");
     cudaError_t e = cudaStreamCreateWithFlags(&q->stream, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
         free(q);

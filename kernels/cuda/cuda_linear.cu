@@ -36,7 +36,8 @@
 #define GEMV_STEPS_PER_WARP 8 /* at least this many steps per warp before k is split further */
 #define GEMV_MAX_WARPS 8     /* warps splitting k in a block */
 #define GEMV_MAX_N 32        /* rows of x the kernels take (two 16-row A tiles) */
-#define GEMV_DEFAULT_MAX_N 32 /* crossover in n to cuBLAS, measured (docs/perf.md) */
+/* The crossover in n to cuBLAS, 32 (measured, docs/perf-history.md "Kernel benchmarks"), is
+ * PDSERVE_CUDA_GEMV_MAX_N's default in common/env.c. */
 #define GEMV_MAX_M 2048      /* products the kernel takes: m <= this and weights <= */
 #define GEMV_MAX_BYTES ((size_t)8 << 20) /* this many bytes (measured, see gemv_takes) */
 
@@ -221,7 +222,7 @@ static cudaError_t launch_gemv(const bf16 *x, const bf16 *w, const bf16 *bias, b
     /* Warps over k: enough steps each to keep GEMV_UNROLL loads in flight, up to 8 warps
      * (small m gets its parallelism from k). From k alone: see the batch invariance above.
      * (Choosing fewer warps where that fits all blocks on the device at once was tried:
-     * slower on Llama-3-8B's m = 4096 products, docs/perf.md.) */
+     * slower on Llama-3-8B's m = 4096 products, docs/perf-history.md.) */
     const int32_t steps = (k / 8 + 3) / 4;
     int32_t warps = steps / GEMV_STEPS_PER_WARP;
     if (warps < 1) warps = 1;
@@ -255,17 +256,15 @@ static cudaError_t launch_gemv(const bf16 *x, const bf16 *w, const bf16 *bias, b
 static int gemv_max_n(void)
 {
     static const int v = [] {
-        const char *e = getenv("PDSERVE_CUDA_GEMV_MAX_N");
-        if (!e || !*e) return GEMV_DEFAULT_MAX_N;
-        const int x = atoi(e);
-        return x < 0 ? 0 : x > GEMV_MAX_N ? GEMV_MAX_N : x;
+        const int64_t x = pd_env_int("PDSERVE_CUDA_GEMV_MAX_N"); /* default 32 */
+        return (int)(x < 0 ? 0 : x > GEMV_MAX_N ? GEMV_MAX_N : x);
     }();
     return v;
 }
 
 /* Whether the streaming kernel takes this product: small n, rows of whole 16-byte chunks,
  * aligned operands, the mma (compute capability 8.0 and up), and a small m. Measured on an
- * H200 (docs/perf.md, "Kernel benchmarks"): for n <= 32, cuBLAS 13.0 runs the m >= 4096
+ * H200 (docs/perf-history.md, "Kernel benchmarks"): for n <= 32, cuBLAS 13.0 runs the m >= 4096
  * products of Qwen3-0.6B (qkv, gate_up, lm_head) and Llama-3-8B as fast as this kernel or
  * faster (n = 1: 1% slower to 7% faster on Qwen3's, 4 to 35% faster on Llama's), but splits k
  * of an m = 1024 product over a second kernel: 12.9 / 7.7 us for Qwen3's o_proj / down at
@@ -334,7 +333,7 @@ extern "C" int pd_cuda__linear(void *ctx, const void *x, const void *w, const vo
 
 /* Whether one GEMV launch takes a whole fused product: what gemv_takes takes, and, where a
  * norm or SwiGLU would otherwise cost launches of their own, larger products at n <= 8 (for
- * these cuBLAS is about as fast as the kernel at n = 1, docs/perf.md, and the fused kernel
+ * these cuBLAS is about as fast as the kernel at n = 1, docs/perf-history.md, and the fused kernel
  * saves one or two launches). */
 #define GEMV_FUSED_MAX_N 8
 #define GEMV_FUSED_MAX_BYTES ((size_t)32 << 20)

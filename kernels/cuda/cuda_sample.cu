@@ -968,9 +968,9 @@ static int state_get(pd_cuda_ctx *c, smp_state **out)
          * PDSERVE_CUDA_SAMPLE_CLUSTER=1|2|4|8 caps the blocks per row (for A/B runs: the
          * results are the same bits whatever the cap). */
         st->max_cluster = major >= 9 && fa.binaryVersion >= 90 ? SMP_MAX_CLUSTER : 1;
-        const char *cap = getenv("PDSERVE_CUDA_SAMPLE_CLUSTER");
-        if (cap && atoi(cap) >= 1)
-            while (st->max_cluster > atoi(cap)) st->max_cluster >>= 1;
+        const int64_t cap = pd_env_int("PDSERVE_CUDA_SAMPLE_CLUSTER");
+        if (cap >= 1)
+            while (st->max_cluster > cap) st->max_cluster >>= 1;
         st->smem_max = (size_t)optin - fa.sharedSizeBytes;
         /* Once for all: the limit only allows; each launch asks for what it needs. */
         e = cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

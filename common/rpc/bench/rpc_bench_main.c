@@ -2,7 +2,7 @@
  * against pdserve-rpc-testserver. Measures unary calls/s (blocking calls from T threads,
  * Tokenize of a short text) and small-message server-stream msgs/s (K concurrent Generate
  * streams of N counter tokens, produced by the server's worker thread). A benchmark, not a
- * test; figures go to docs/perf.md. */
+ * test; figures go to docs/perf-history.md ("gRPC layer"). */
 #include <getopt.h>
 #include <inttypes.h>
 #include <pthread.h>
