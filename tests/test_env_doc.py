@@ -6,7 +6,9 @@
      _int / _str from common/env.h, and add the knob to the table);
   3. every PDSERVE_* name the docs, READMEs, scripts and deployment files mention is a knob,
      a command-line flag's environment name (PDSERVE_<FLAG>), or one of the script variables
-     listed in SCRIPT_VARS.
+     listed in SCRIPT_VARS;
+  4. every pd_env_bool / _int / _double / _str / _raw / _set call in the sources names a knob
+     of the table, of that type.
 usage: test_env_doc.py PATH_OF_pdserve-env SOURCE_DIR"""
 import difflib, os, re, subprocess, sys
 
@@ -79,6 +81,27 @@ for path in walk(DOC_EXTS):
             line = read(path).count("\n", 0, m.start()) + 1
             failures.append("%s:%d mentions %s: neither a knob (docs/env.md), a flag's "
                             "environment name nor a script variable" % (rel, line, name))
+
+# 4. every pd_env_<type>("PDSERVE_...") in the sources names a knob of the table, of that type
+# (a wrong one aborts at run time, perhaps only on a GPU path that CI never runs)
+TYPES = dict(re.findall(r'\{\s*"(PDSERVE_[A-Z0-9_]+)",\s*PD_ENV_([A-Z]+)',
+                        read(os.path.join(ROOT, "common", "env.c"))))
+if len(TYPES) != len(knobs):
+    failures.append("common/env.c's table parsed as %d knobs, docs list %d" % (len(TYPES), len(knobs)))
+WANT = {"bool": "BOOL", "int": "INT", "double": "DOUBLE", "str": "STRING"}
+CALL = re.compile(r'pd_env_(bool|int|double|str|raw|set)\(\s*"(PDSERVE_[A-Z0-9_]+)"')
+for path in walk(SRC_EXTS):
+    rel = os.path.relpath(path, ROOT)
+    if rel == os.path.join("tests", "test_env.c"):
+        continue  # it calls wrong names and types on purpose
+    text = read(path)
+    for m in CALL.finditer(text):
+        fn, name = m.groups()
+        line = text.count("\n", 0, m.start()) + 1
+        if name not in TYPES:
+            failures.append("%s:%d: pd_env_%s(\"%s\"): no such knob in common/env.c" % (rel, line, fn, name))
+        elif fn in WANT and TYPES[name] != WANT[fn]:
+            failures.append("%s:%d: pd_env_%s(\"%s\"): the knob is %s" % (rel, line, fn, name, TYPES[name]))
 
 for f in failures:
     print("FAIL:", f)
