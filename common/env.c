@@ -71,9 +71,11 @@ static const pd_env_knob k_knobs[] = {
      "them."},
     {"PDSERVE_CUDA_FLASH_PREFILL", PD_ENV_BOOL, "1", 0, 0, NULL, "kernels/cuda",
      "The tensor-core prefill attention kernel; 0: the general kernel, for A/B runs."},
-    {"PDSERVE_CUDA_FP8_FAST_ACCUM", PD_ENV_BOOL, "0", 0, 0, NULL, "kernels/cuda",
-     "cuBLASLt's FP8 fast accumulation (no periodic promotion to f32: faster, less precise "
-     "over long k)."},
+    {"PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K", PD_ENV_INT, "4096", 0, INT32_MAX, NULL,
+     "kernels/cuda",
+     "cuBLASLt's FP8 fast accumulation (no periodic promotion to f32, as vLLM's Hopper FP8 "
+     "GEMMs) for per-channel x per-token products of k up to this (0: never). Longer k "
+     "promotes: at k 8192 and 14336 fast accumulation broke test_cuda_fp8's error bound."},
     {"PDSERVE_CUDA_FP8_GEMV_MAX_N", PD_ENV_INT, "8", I64_MIN, I64_MAX, NULL, "kernels/cuda",
      "The FP8 products' crossover in n to the large-n paths (clamped to 0 .. 8; 0: never the "
      "small-n kernel)."},

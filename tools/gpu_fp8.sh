@@ -2,11 +2,13 @@
 # gpu_fp8.sh -- The FP8 kernels' A/B runs on the lent GPU machine (issue #37), over what
 # tools/gpu_package.sh packed (PD_GPU_DIR): test_cuda_fp8 (and test_cuda_fp8_fused, when
 # packed) and test_cuda_golden; pdserve-bench-kernels --fp8 as it is, with programmatic
-# dependent launches (PDSERVE_CUDA_PDL=1) and with cuBLASLt's FP8 fast accumulation
-# (PDSERVE_CUDA_FP8_FAST_ACCUM=1); the Llama-3-8B shape (dummy) batch-1 decode at bf16 and
+# dependent launches (PDSERVE_CUDA_PDL=1) and without cuBLASLt's FP8 fast accumulation
+# (PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K=0); the Llama-3-8B shape (dummy) batch-1 decode at bf16 and
 # with FP8 weights (as it is and with PDL), and FP8 prefill of 2k-token prompts with and
-# without fast accumulation, each next to the floors of this run. Logs in $OUT/fp8ab/ and
-# $OUT/fp8ab.tgz; a summary at the end. FP8AB_SKIP="tests kernels 8b" leaves parts out.
+# without fast accumulation, each next to the floors of this run; "profile": the GPU time of
+# each kernel of one 2048-token prefill at bf16 and FP8 (ncu, when it reads the counters).
+# Logs in $OUT/fp8ab/ and $OUT/fp8ab.tgz; a summary at the end. FP8AB_SKIP="tests kernels 8b
+# profile" leaves parts out.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 . tools/gpu_env.sh
@@ -31,12 +33,12 @@ fi
 if ! skip kernels; then
     run kernels "$G/bin/pdserve-bench-kernels" --floor --fp8
     run kernels_pdl PDSERVE_CUDA_PDL=1 "$G/bin/pdserve-bench-kernels" --fp8
-    run kernels_fast PDSERVE_CUDA_FP8_FAST_ACCUM=1 "$G/bin/pdserve-bench-kernels" --fp8
+    run kernels_promote PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K=0 "$G/bin/pdserve-bench-kernels" --fp8
     grep -E 'llama3-8b' "$F/kernels.log" | awk '$5 <= 8 || $5 == 2048'
     echo "-- with PDSERVE_CUDA_PDL=1"
     grep -E 'llama3-8b' "$F/kernels_pdl.log" | awk '$5 <= 8'
-    echo "-- with PDSERVE_CUDA_FP8_FAST_ACCUM=1"
-    grep -E 'llama3-8b' "$F/kernels_fast.log" | awk '$5 == 2048'
+    echo "-- with PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K=0"
+    grep -E 'llama3-8b' "$F/kernels_promote.log" | awk '$5 == 2048'
 fi
 if ! skip 8b; then
     BW=$(sed -n 's/.*FLOOR copy_gbps=\([0-9.]*\).*/\1/p' "$F/kernels.log" | tail -n 1)
@@ -55,9 +57,9 @@ if ! skip 8b; then
     run decode_fp8_ops PDSERVE_CUDA_FUSED_DECODE=0 "$G/bin/pdserve-bench-offline" "${DEC[@]}" --quantization fp8
     run prefill_bf16 "$G/bin/pdserve-bench-offline" "${PRE[@]}"
     run prefill_fp8 "$G/bin/pdserve-bench-offline" "${PRE[@]}" --quantization fp8
-    run prefill_fp8_fast PDSERVE_CUDA_FP8_FAST_ACCUM=1 "$G/bin/pdserve-bench-offline" "${PRE[@]}" --quantization fp8
+    run prefill_fp8_promote PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K=0 "$G/bin/pdserve-bench-offline" "${PRE[@]}" --quantization fp8
     echo "== summary (Llama-3-8B shape; copy $BW GB/s, GEMM $TF TFLOP/s in this run)"
-    for f in decode_bf16 decode_fp8 decode_fp8_pdl decode_fp8_ops prefill_bf16 prefill_fp8 prefill_fp8_fast; do
+    for f in decode_bf16 decode_fp8 decode_fp8_pdl decode_fp8_ops prefill_bf16 prefill_fp8 prefill_fp8_promote; do
         env -u LD_LIBRARY_PATH python3 -c '
 import json, sys
 try:
@@ -66,10 +68,41 @@ except Exception:
     print("%-18s (no result)" % sys.argv[2]); sys.exit(0)
 if sys.argv[2].startswith("decode"):
     ms = 1e3 / d["decode_tok_s"]
-    fl = d["weight_bytes_per_step"] / (d["bandwidth_gbs"] * 1e9) * 1e3
-    print("%-18s %.3f ms/token, weights at the copy rate %.3f ms: %.2fx" % (sys.argv[2], ms, fl, ms / fl))
+    if d.get("bandwidth_gbs"):
+        fl = d["weight_bytes_per_step"] / (d["bandwidth_gbs"] * 1e9) * 1e3
+        print("%-18s %.3f ms/token, weights at the copy rate %.3f ms: %.2fx" % (sys.argv[2], ms, fl, ms / fl))
+    else:
+        print("%-18s %.3f ms/token, %d weight bytes a step (no floor: kernels skipped)" % (sys.argv[2], ms, d["weight_bytes_per_step"]))
 else:
     print("%-18s %.0f prompt tok/s" % (sys.argv[2], d["prefill_tok_s"]))' "$F/$f.log" "$f"
+    done
+fi
+if ! skip profile; then
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for q in none fp8; do
+        "$NCU" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+            "$G/bin/pdserve-generate" --model tools/shapes/llama3-8b --load-format dummy \
+            --backend cuda --kv-cache-mb 4096 --quantization "$q" --random-prompt-len 2048 \
+            --max-tokens 1 --ignore-eos --temperature 0 >"$F/profile_$q.log" 2>&1
+        echo "== profile $q (one 2048-token prefill; kernel, calls, total us)"
+        env -u LD_LIBRARY_PATH python3 - "$F/profile_$q.log" <<'PY'
+import re, sys
+rows, name, calls = [], None, 0
+for line in open(sys.argv[1], errors="replace"):
+    m = re.match(r"\s{2}(\S.*?) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)", line)
+    if m: name = m.group(1)[:60]
+    m = re.search(r"Invocations\s+(\d+)", line) or re.search(r"^\s*(\d+) invocations", line)
+    if m and name: calls = int(m.group(1))
+    m = re.match(r"\s+gpu__time_duration.sum\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", line)
+    if m and name:
+        unit, avg = m.group(1), float(m.group(3).replace(",", ""))
+        f = {"ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "nsecond": 1e-3}.get(unit, 1.0)
+        rows.append((avg * f * max(calls, 1), calls, name)); name = None
+rows.sort(reverse=True)
+tot = sum(r[0] for r in rows)
+for t, c, n in rows[:18]: print("%-60s %6d %10.0f" % (n, c, t))
+print("%-60s %6s %10.0f" % ("total", "", tot))
+PY
     done
 fi
 tar -czf "$OUT/fp8ab.tgz" -C "$OUT" fp8ab 2>/dev/null

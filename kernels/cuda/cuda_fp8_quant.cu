@@ -55,6 +55,30 @@ static __global__ void quant_warp_kernel(const bf16 *x, int32_t n, int32_t k, in
     if (lane == 0) s[(int64_t)g * n + r] = sc;
 }
 
+/* Groups of 128 (block-wise checkpoints), k a multiple of 128 and the rows 16-byte aligned:
+ * the warp kernel's rule, a lane's four elements in one 8-byte load and one 4-byte store. */
+static __global__ void quant_warp128_kernel(const bf16 *x, int32_t n, int32_t k, int32_t ng,
+                                            bool dynamic, float in_scale, uint8_t *q, float *s)
+{
+    pd_pdl_enter();
+    const int lane = threadIdx.x & 31;
+    const int64_t wid = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (wid >= (int64_t)n * ng) return;
+    const int32_t r = (int32_t)(wid / ng), g = (int32_t)(wid % ng);
+    const int64_t at = (int64_t)r * k + g * 128 + lane * 4;
+    const uint2 v = *reinterpret_cast<const uint2 *>(x + at);
+    const float e[4] = {pd_bf16_lo(v.x), pd_bf16_hi(v.x), pd_bf16_lo(v.y), pd_bf16_hi(v.y)};
+    float sc = in_scale;
+    if (dynamic)
+        sc = dyn_scale(pd_warp_max(fmaxf(fmaxf(fabsf(e[0]), fabsf(e[1])),
+                                         fmaxf(fabsf(e[2]), fabsf(e[3])))));
+    uint32_t o = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) o |= (uint32_t)quant1(e[i], sc) << (8 * i);
+    *reinterpret_cast<uint32_t *>(q + at) = o;
+    if (lane == 0) s[(int64_t)g * n + r] = sc;
+}
+
 /* Large groups (group k: a scale a row): one block per (row, group). */
 #define QUANT_THREADS 256
 static __global__ void __launch_bounds__(QUANT_THREADS)
@@ -83,6 +107,77 @@ quant_block_kernel(const bf16 *x, int32_t n, int32_t k, int32_t group, int32_t n
     if (threadIdx.x == 0) s[(int64_t)g * n + r] = sc;
 }
 
+/* A row's eight elements x[0..7] (a 16-byte chunk) to their codes (8 bytes). */
+static __device__ __forceinline__ uint2 quant8(uint4 v, float sc)
+{
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    uint32_t o[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t lo = quant1(pd_bf16_lo(w[i]), sc), hi = quant1(pd_bf16_hi(w[i]), sc);
+        o[i >> 1] |= (lo | hi << 8) << ((i & 1) * 16);
+    }
+    return make_uint2(o[0], o[1]);
+}
+
+static __device__ __forceinline__ float amax8(uint4 v, float a)
+{
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        a = fmaxf(a, fmaxf(fabsf(pd_bf16_lo(w[i])), fabsf(pd_bf16_hi(w[i]))));
+    return a;
+}
+
+/* A scale a row (group k), k a multiple of 8 and the rows 16-byte aligned: the same rule in
+ * 16-byte loads and 8-byte stores, the row's first QV_REGS chunks a thread kept in registers
+ * between the two passes (rows up to QUANT_THREADS x 8 x QV_REGS elements are read once). */
+#define QV_REGS 8
+static __global__ void __launch_bounds__(QUANT_THREADS)
+quant_row_vec_kernel(const bf16 *x, int32_t n, int32_t k, bool dynamic, float in_scale,
+                     uint8_t *q, float *s)
+{
+    __shared__ float part[QUANT_THREADS / 32];
+    pd_pdl_enter();
+    const int32_t r = blockIdx.x, nc = k / 8;
+    const uint4 *xr = reinterpret_cast<const uint4 *>(x + (int64_t)r * k);
+    uint4 keep[QV_REGS];
+    float sc = in_scale;
+    if (dynamic) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < QV_REGS; i++) {
+            const int32_t c = (int32_t)threadIdx.x + i * QUANT_THREADS;
+            keep[i] = c < nc ? xr[c] : make_uint4(0, 0, 0, 0);
+            amax = amax8(keep[i], amax);
+        }
+        for (int32_t c = (int32_t)threadIdx.x + QV_REGS * QUANT_THREADS; c < nc; c += QUANT_THREADS)
+            amax = amax8(xr[c], amax);
+        amax = pd_warp_max(amax);
+        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = amax;
+        __syncthreads();
+        amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < QUANT_THREADS / 32; i++) amax = fmaxf(amax, part[i]);
+        sc = dyn_scale(amax);
+    } else {
+#pragma unroll
+        for (int i = 0; i < QV_REGS; i++) {
+            const int32_t c = (int32_t)threadIdx.x + i * QUANT_THREADS;
+            keep[i] = c < nc ? xr[c] : make_uint4(0, 0, 0, 0);
+        }
+    }
+    uint2 *qr = reinterpret_cast<uint2 *>(q + (int64_t)r * k);
+#pragma unroll
+    for (int i = 0; i < QV_REGS; i++) {
+        const int32_t c = (int32_t)threadIdx.x + i * QUANT_THREADS;
+        if (c < nc) qr[c] = quant8(keep[i], sc);
+    }
+    for (int32_t c = (int32_t)threadIdx.x + QV_REGS * QUANT_THREADS; c < nc; c += QUANT_THREADS)
+        qr[c] = quant8(xr[c], sc);
+    if (threadIdx.x == 0) s[r] = sc;
+}
+
 cudaError_t pd_cuda__fp8_launch_quant(const bf16 *x, int32_t n, int32_t k, int32_t group,
                                       pd_act_quant act, float in_scale, uint8_t *q, float *s,
                                       cudaStream_t stream)
@@ -90,12 +185,21 @@ cudaError_t pd_cuda__fp8_launch_quant(const bf16 *x, int32_t n, int32_t k, int32
     const int32_t ng = (k + group - 1) / group;
     const bool dynamic = act == PD_ACT_DYNAMIC;
     const int64_t units = (int64_t)n * ng;
+    if (group == 128 && k % 128 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)q & 15) == 0) {
+        const int warps = 8;
+        const unsigned blocks = (unsigned)((units + warps - 1) / warps);
+        return pd_cuda__launch(quant_warp128_kernel, dim3(blocks), dim3(warps * 32), 0, stream,
+                               x, n, k, ng, dynamic, in_scale, q, s);
+    }
     if (group <= 512) {
         const int warps = 8;
         const unsigned blocks = (unsigned)((units + warps - 1) / warps);
         return pd_cuda__launch(quant_warp_kernel, dim3(blocks), dim3(warps * 32), 0, stream, x,
                                n, k, group, ng, dynamic, in_scale, q, s);
     }
+    if (ng == 1 && k % 8 == 0 && ((uintptr_t)x & 15) == 0 && ((uintptr_t)q & 15) == 0)
+        return pd_cuda__launch(quant_row_vec_kernel, dim3((unsigned)n), dim3(QUANT_THREADS), 0,
+                               stream, x, n, k, dynamic, in_scale, q, s);
     return pd_cuda__launch(quant_block_kernel, dim3((unsigned)units), dim3(QUANT_THREADS), 0,
                            stream, x, n, k, group, ng, dynamic, in_scale, q, s);
 }
