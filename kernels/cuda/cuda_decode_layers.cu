@@ -211,7 +211,7 @@ static bool picks_on(void)
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
 
 /* The NMAX a launch of n rows is instantiated with. */
-static int nmax_of(int32_t n) { return n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : 8; }
+static int nmax_of(int32_t n) { return n <= 1 ? 1 : n <= 4 ? 4 : 8; }
 
 /* The instance for head size hd and weights wq (tensor-parallel sums with bf16 weights only). */
 static cudaError_t launch(const dl_params &p, int32_t hd, int wq, int grid, size_t smem,

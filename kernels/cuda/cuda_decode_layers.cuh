@@ -3,8 +3,9 @@
  * instantiate it: the limits, the kernel's parameters (dl_params) and the stage shapes. The
  * kernel's device code is cuda_decode_layers_kernel.cuh; CMake makes one translation unit a
  * (head size, weights) pair from cuda_decode_layers_inst.cu.in, each instantiating
- * dl_launch<HD, TP, WQ> for every row count and GQA group size, so that they compile in
- * parallel (one file of all 96 kernels kept one core busy for over ten minutes). */
+ * dl_launch<HD, TP, WQ> for every row-count bound (1, 4, 8) and GQA group bound (2, 4, 8), so
+ * that they compile in parallel (one file of all the kernels kept one core busy for over ten
+ * minutes). */
 #ifndef PD_CUDA_DECODE_LAYERS_CUH
 #define PD_CUDA_DECODE_LAYERS_CUH
 #include "kernels/cuda/cuda_fp8.cuh"
@@ -134,7 +135,7 @@ static __host__ __device__ __forceinline__ int32_t slot_k(const dl_params &p, in
  * GQA group pick the instance) on a cooperative grid of `grid` blocks with smem bytes of
  * dynamic shared memory. Defined in cuda_decode_layers_kernel.cuh, instantiated for
  * (HD, TP, WQ) in {64, 128} x {(false, DL_W_BF16), (true, DL_W_BF16), (false, DL_W_F8),
- * (false, DL_W_F8W)} by the generated translation units. */
+ * (false, DL_W_F8W)} by the generated translation units, 9 kernels each. */
 template <int HD, bool TP, int WQ>
 cudaError_t dl_launch(const dl_params &p, int grid, size_t smem, cudaStream_t stream);
 

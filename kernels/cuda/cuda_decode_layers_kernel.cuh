@@ -1425,13 +1425,14 @@ static cudaError_t dl_launch_one(const dl_params &p, int grid, size_t smem, cuda
                                  1u, p);
 }
 
-/* Instantiations a (HD, TP, WQ): x rows up to 1, 2, 4, 8, query heads per KV head up to 2, 4,
- * 8 (the attention stage's registers are sized by the last). */
+/* Instantiations a (HD, TP, WQ): x rows up to 1, 4, 8 (nmax_of; two rows take the 4-row
+ * instance: batches above 1 are fused only when PDSERVE_CUDA_FUSED_DECODE raises its default
+ * of 1, and a 2-row instance of every kind cost a quarter of this kernel's build), query heads
+ * per KV head up to 2, 4, 8 (the attention stage's registers are sized by the last). */
 template <int HD, int MAXG, bool TP, int WQ>
 static cudaError_t dl_launch_g(const dl_params &p, int grid, size_t smem, cudaStream_t stream)
 {
     if (p.n <= 1) return dl_launch_one<HD, 1, MAXG, TP, WQ>(p, grid, smem, stream);
-    if (p.n <= 2) return dl_launch_one<HD, 2, MAXG, TP, WQ>(p, grid, smem, stream);
     if (p.n <= 4) return dl_launch_one<HD, 4, MAXG, TP, WQ>(p, grid, smem, stream);
     return dl_launch_one<HD, 8, MAXG, TP, WQ>(p, grid, smem, stream);
 }
