@@ -230,10 +230,10 @@ int main(int argc, char **argv)
     int64_t http_max_conns = hd.max_connections, http_per_ip = hd.per_ip_connections;
     int64_t http_idle_s = hd.idle_timeout_s, http_request_s = hd.request_timeout_s;
     int64_t http_threads = hd.n_threads;
-    /* Defaults from the measurements in docs/perf-history.md (2 x H100, Llama-3-8B shape): a
-     * 64-token prompt computed on the decode instance answers 0.9 ms sooner and no TPOT moved; with
-     * 4096 busy tokens workload A's goodput went from 22.5 to 39 req/s and B's from 18 to 12
-     * (both above colocated: 27 and 8). */
+    /* Defaults from the measurements in docs/perf-history.md ("KV transfer device to device
+     * (issue #27)", its conditional disaggregation): a 64-token prompt computed on the decode
+     * instance answers sooner and moves no TPOT; with 4096 busy tokens the TPOT-loose workload
+     * A gains much goodput and the TPOT-tight B loses some, both staying above colocated. */
     int64_t local_max_tokens = 64, prefill_busy_tokens = 4096, prefill_queue_tokens = 16384;
     int64_t max_migrations = 3, stall_ms = 1400;
     double busy_tpot_fraction = 0.8, busy_ttft_fraction = 0.5;
