@@ -29,36 +29,15 @@
  * mean gap between later tokens, end to end) and token counts of every public call are
  * recorded once, where the call is finished (finish_locked, on_cancel, reject); the
  * instances' load comes from the registry at scrape time. */
-#include <errno.h>
-#include <pthread.h>
 #include <stdarg.h>
-#include <stdatomic.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/resource.h>
 #include <time.h>
-#include <unistd.h>
 
-#include "common/error.h"
-#include "common/flags.h"
-#include "common/log.h"
 #include "common/random.h"
-#include "common/rpc/rpc.h"
 #include "pdserve/internal/v1/decode.pb-c.h"
 #include "pdserve/internal/v1/prefill.pb-c.h"
-#include "pdserve/public_descriptors.h"
-#include "router/registry.h"
 #include "router/rtr_errors.h"
-#include "router/rtr_http.h"
-#include "svc/svc_auth.h"
-#include "svc/svc_core.h"
-#include "svc/svc_metrics.h"
 #include "text/block_hash.h"
-#include "text/chat_template.h"
-#include "text/model_config.h"
 #include "text/stopstr.h"
-#include "text/tokenizer.h"
 
 #include "router/rtr_impl.h"
 
