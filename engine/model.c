@@ -148,7 +148,8 @@ static int read_scales(const loader *L, const char *name, int64_t n_want, bool o
 
 /* Dummy FP8 weights: n random e4m3 codes (never a NaN code) into w8, chunk c of DUMMY_CHUNK
  * bytes from a stream of its own (seed, c), so the bytes do not depend on how many threads
- * write them. Threads: a 70B model's 70 GB took over 100 s in one. */
+ * write them. Threads: one thread took minutes for a 70B model (docs/perf-history.md,
+ * "Llama-3-70B, FP8 vs bf16 on 4 GPUs"). */
 #define DUMMY_CHUNK ((int64_t)1 << 22)
 typedef struct {
     uint8_t *w8;

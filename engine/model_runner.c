@@ -679,9 +679,9 @@ static int upload_meta_from(mr *r, int32_t *h, bool skip_ids, int tag, const mr_
         memcpy(h + r->o_cu_q, b->cu_q, ((size_t)ns + 1) * ib);
         memcpy(h + r->o_ctx, b->ctx_lens, (size_t)ns * ib);
     }
-    /* A few sequences' tables go at the full pitch, so that everything is one copy (a copy
-     * costs its API call and latency, ~5 us, more than 16 KiB more of it); more go packed at
-     * width w and through a copy of their own. */
+    /* A few sequences' tables go at the full pitch, so that everything is one copy (a copy costs
+     * its API call and latency, more than 16 KiB more of it: docs/perf-history.md, issue #8's
+     * ninth pass); more go packed at width w and through a copy of their own. */
     const size_t pitch_n = (size_t)r->max_blocks_per_seq;
     const bool one_copy = o->upload_rows && ns > 0 && (size_t)(ns - 1) * pitch_n + w <= 4096;
     if (one_copy)

@@ -4,7 +4,10 @@
 #ifndef PD_KVT_IMPL_H
 #define PD_KVT_IMPL_H
 
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <ucp/api/ucp.h>
 
 #include "kvtransfer/kvt_desc.h"
@@ -124,6 +127,18 @@ typedef struct {
     uint32_t pad;
     char detail[96]; /* NUL-terminated reason for humans */
 } kvt__msg_ack;
+
+/* Reads an ACK or ABORT header of hlen bytes into *out (zeroed first; a header may end before
+ * the whole detail), its detail NUL-terminated whatever arrived. Returns false for a header too
+ * short to carry the ids and the status, which the handlers ignore. */
+static inline bool kvt__msg_ack_read(const void *hdr, size_t hlen, kvt__msg_ack *out)
+{
+    if (hlen < offsetof(kvt__msg_ack, detail)) return false;
+    memset(out, 0, sizeof *out);
+    memcpy(out, hdr, hlen < sizeof *out ? hlen : sizeof *out);
+    out->detail[sizeof out->detail - 1] = 0;
+    return true;
+}
 
 /* A queued terminal event, embedded in the transfer it reports (no allocation). */
 typedef struct {

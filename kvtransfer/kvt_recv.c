@@ -584,10 +584,7 @@ ucs_status_t kvt__am_abort(void *arg, const void *hdr, size_t hlen, void *data, 
     kvt_ctx *ctx = arg;
     (void)data, (void)len, (void)param;
     kvt__msg_ack h;
-    if (hlen < offsetof(kvt__msg_ack, detail)) return UCS_OK;
-    memset(&h, 0, sizeof h);
-    memcpy(&h, hdr, hlen < sizeof h ? hlen : sizeof h);
-    h.detail[sizeof h.detail - 1] = 0;
+    if (!kvt__msg_ack_read(hdr, hlen, &h)) return UCS_OK;
     for (kvt__list *pi = ctx->pools.next; pi != &ctx->pools; pi = pi->next) {
         kvt_pool *pool = KVT_CONTAINER(pi, kvt_pool, link);
         kvt__resv *r = kvt__resv_find(pool, h.req_id);

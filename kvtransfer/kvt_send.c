@@ -792,10 +792,7 @@ ucs_status_t kvt__am_ack(void *arg, const void *hdr, size_t hlen, void *data, si
     kvt_ctx *ctx = arg;
     (void)data, (void)len, (void)param;
     kvt__msg_ack h;
-    if (hlen < offsetof(kvt__msg_ack, detail)) return UCS_OK;
-    memset(&h, 0, sizeof h);
-    memcpy(&h, hdr, hlen < sizeof h ? hlen : sizeof h);
-    h.detail[sizeof h.detail - 1] = 0;
+    if (!kvt__msg_ack_read(hdr, hlen, &h)) return UCS_OK;
     for (kvt__list *it = ctx->sends.next; it != &ctx->sends; it = it->next) {
         kvt_send *s = KVT_CONTAINER(it, kvt_send, link);
         if (s->xfer_id != h.xfer_id || s->req_id != h.req_id) continue;

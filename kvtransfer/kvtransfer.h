@@ -157,8 +157,9 @@ typedef struct {
                                    block, at most 64 blocks); default 256 (best on tcp here) */
     int32_t am_staging_slots;   /* AM path: slots of am_max_kib into which scattered source
                                    blocks are gathered so that each AM leaves one contiguous
-                                   buffer (UCX 1.13 sends iov data by copying fragments, about
-                                   3x slower); default 32; 0 = send iov */
+                                   buffer (UCX 1.13 sends iov data by copying fragments, much
+                                   slower: docs/perf-history.md, "KV transfer"); default 32;
+                                   0 = send iov */
     int32_t keepalive_ms;       /* UCX keepalive interval when UCX_KEEPALIVE_INTERVAL is
                                    not set; default 1000; 0 = UCX default (20 s) */
     const char *secret_file;    /* file holding the shared KV secret (16 to 4096 bytes, one

@@ -3,35 +3,12 @@
  * drain on SIGTERM. What a request does is in rtr_request.c (rtr_impl.h: the state they
  * share). */
 #include <errno.h>
-#include <pthread.h>
-#include <stdarg.h>
-#include <stdatomic.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 #include <sys/resource.h>
-#include <time.h>
 #include <unistd.h>
 
-#include "common/error.h"
 #include "common/flags.h"
-#include "common/log.h"
-#include "common/random.h"
-#include "common/rpc/rpc.h"
-#include "pdserve/internal/v1/decode.pb-c.h"
-#include "pdserve/internal/v1/prefill.pb-c.h"
 #include "pdserve/public_descriptors.h"
-#include "router/registry.h"
-#include "router/rtr_errors.h"
 #include "router/rtr_http.h"
-#include "svc/svc_auth.h"
-#include "svc/svc_core.h"
-#include "svc/svc_metrics.h"
-#include "text/block_hash.h"
-#include "text/chat_template.h"
-#include "text/model_config.h"
-#include "text/stopstr.h"
-#include "text/tokenizer.h"
 
 #include "router/rtr_impl.h"
 
@@ -230,10 +207,10 @@ int main(int argc, char **argv)
     int64_t http_max_conns = hd.max_connections, http_per_ip = hd.per_ip_connections;
     int64_t http_idle_s = hd.idle_timeout_s, http_request_s = hd.request_timeout_s;
     int64_t http_threads = hd.n_threads;
-    /* Defaults from the measurements in docs/perf-history.md (2 x H100, Llama-3-8B shape): a
-     * 64-token prompt computed on the decode instance answers 0.9 ms sooner and no TPOT moved; with
-     * 4096 busy tokens workload A's goodput went from 22.5 to 39 req/s and B's from 18 to 12
-     * (both above colocated: 27 and 8). */
+    /* Defaults from the measurements in docs/perf-history.md ("KV transfer device to device
+     * (issue #27)", its conditional disaggregation): a 64-token prompt computed on the decode
+     * instance answers sooner and moves no TPOT; with 4096 busy tokens the TPOT-loose workload
+     * A gains much goodput and the TPOT-tight B loses some, both staying above colocated. */
     int64_t local_max_tokens = 64, prefill_busy_tokens = 4096, prefill_queue_tokens = 16384;
     int64_t max_migrations = 3, stall_ms = 1400;
     double busy_tpot_fraction = 0.8, busy_ttft_fraction = 0.5;

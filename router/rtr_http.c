@@ -20,9 +20,7 @@
  * reader, which takes the request's). Whoever clears hreq.suspended under mu resumes. */
 #include "router/rtr_http.h"
 
-#include <arpa/inet.h>
 #include <microhttpd.h>
-#include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +29,7 @@
 #include <time.h>
 
 #include "common/log.h"
+#include "common/net.h"
 #include "common/random.h"
 #include "router/rtr_http_impl.h"
 
@@ -693,17 +692,10 @@ int rtr_http_start(const rtr_http_params *p, rtr_http **out, char *err)
                 (unsigned long long)rl.rlim_cur, max_conns);
     }
     if (max_conns < p->n_threads) max_conns = p->n_threads; /* (MHD: one per thread at least) */
-    struct addrinfo hints, *res = NULL;
-    memset(&hints, 0, sizeof hints);
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-    char ps[16];
-    snprintf(ps, sizeof ps, "%d", port);
-    const char *hh = host[0] && strcmp(host, "0.0.0.0") ? host : NULL;
-    if (!hh) hints.ai_family = AF_INET;
-    int grc = getaddrinfo(hh, ps, &hints, &res);
-    if (grc != 0 || !res)
-        return pd_errf(err, PD_EINVAL, "--http-listen %s: %s", p->listen, gai_strerror(grc));
+    struct addrinfo *res = NULL;
+    char why[PD_ERR_LEN];
+    if (pd_net_listen_addr(host, port, &res, why) < 0)
+        return pd_errf(err, PD_EINVAL, "--http-listen %s: %s", p->listen, why);
     rtr_http *h = calloc(1, sizeof *h);
     if (!h) {
         freeaddrinfo(res);

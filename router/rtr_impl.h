@@ -5,14 +5,24 @@
 #ifndef PD_RTR_IMPL_H
 #define PD_RTR_IMPL_H
 
+/* The headers both files use; each includes only what it needs beyond these. */
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
+#include "common/error.h"
+#include "common/log.h"
 #include "common/metrics.h"
 #include "common/rpc/rpc.h"
 #include "router/registry.h"
+#include "svc/svc_auth.h"
+#include "svc/svc_core.h"
 #include "svc/svc_metrics.h"
+#include "text/chat_template.h"
 #include "text/model_config.h"
 #include "text/tokenizer.h"
 

@@ -29,36 +29,15 @@
  * mean gap between later tokens, end to end) and token counts of every public call are
  * recorded once, where the call is finished (finish_locked, on_cancel, reject); the
  * instances' load comes from the registry at scrape time. */
-#include <errno.h>
-#include <pthread.h>
 #include <stdarg.h>
-#include <stdatomic.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/resource.h>
 #include <time.h>
-#include <unistd.h>
 
-#include "common/error.h"
-#include "common/flags.h"
-#include "common/log.h"
 #include "common/random.h"
-#include "common/rpc/rpc.h"
 #include "pdserve/internal/v1/decode.pb-c.h"
 #include "pdserve/internal/v1/prefill.pb-c.h"
-#include "pdserve/public_descriptors.h"
-#include "router/registry.h"
 #include "router/rtr_errors.h"
-#include "router/rtr_http.h"
-#include "svc/svc_auth.h"
-#include "svc/svc_core.h"
-#include "svc/svc_metrics.h"
 #include "text/block_hash.h"
-#include "text/chat_template.h"
-#include "text/model_config.h"
 #include "text/stopstr.h"
-#include "text/tokenizer.h"
 
 #include "router/rtr_impl.h"
 
@@ -1223,8 +1202,10 @@ void rtr_handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *user
                "chat template (tokenizer_config.json chat_template)");
         return;
     }
-    /* Strings arrive valid UTF-8 without NUL bytes (the rpc layer checks the wire). The
-     * limits are the instances' too (svc_request_limits_check). */
+    /* Strings arrive valid UTF-8 without NUL bytes (the rpc layer checks the wire). The checks
+     * are the instances' (svc_request_check), in two steps here: the limits and conversions
+     * now, before a pending slot is taken and a text or chat prompt tokenized, and
+     * svc_prompt_check once the prompt is tokens. */
     if (svc_request_limits_check(q->request_id, q->stopping, q->logprobs, q->n,
                                  RTR_MAX_CHOICES, err) < 0) {
         reject(call, RPC_STATUS_INVALID_ARGUMENT, "%s", err);
@@ -1267,19 +1248,18 @@ void rtr_handle_generate(rpc_call *call, const ProtobufCMessage *msg, void *user
         rc = tok_encode(g.tok, q->prompt, strlen(q->prompt), true, &r->prompt, &r->n_prompt, err);
         if (rc < 0) bad = err;
         else if (r->n_prompt == 0) bad = "the prompt encodes to no tokens";
+    } else if (svc_prompt_check(q->prompt_token_ids, q->n_prompt_token_ids, g.cfg.vocab_size,
+                                g.cfg.max_position, err) < 0) {
+        bad = err; /* the instances' check of prompt ids (svc_request_check makes it too) */
     } else {
         r->n_prompt = (int32_t)q->n_prompt_token_ids;
         r->prompt = malloc(q->n_prompt_token_ids * sizeof *r->prompt);
         if (!r->prompt) bad = "out of memory";
-        for (size_t i = 0; !bad && i < q->n_prompt_token_ids; i++) {
-            if (q->prompt_token_ids[i] >= (uint32_t)g.cfg.vocab_size) {
-                snprintf(err, sizeof err, "prompt_token_ids[%zu] = %u is out of range [0, %d)", i,
-                         q->prompt_token_ids[i], g.cfg.vocab_size);
-                bad = err;
-            }
-            if (!bad) r->prompt[i] = (int32_t)q->prompt_token_ids[i];
-        }
+        for (size_t i = 0; !bad && i < q->n_prompt_token_ids; i++)
+            r->prompt[i] = (int32_t)q->prompt_token_ids[i];
     }
+    /* A tokenized prompt (text or chat: its ids are the tokenizer's, in range) is held to the
+     * length svc_prompt_check holds ids to. */
     if (!bad && r->n_prompt >= g.cfg.max_position) {
         snprintf(err, sizeof err, "the prompt has %d tokens; the model's maximum length is %d",
                  r->n_prompt, g.cfg.max_position);

@@ -48,11 +48,16 @@ typedef struct {
     uint32_t logprobs, n;
 } svc_request_fields;
 
-/* The one validator of those fields: prompt_token_ids non-empty, each below vocab and fewer
- * than max_len of them (max_len 0: no bound here), then svc_request_limits_check (n at most
- * max_choices), svc_sampling_from_proto into *sampling and svc_stopping_from_proto into *stop
- * (max_tokens default_max_tokens when unset). Returns 0, or PD_EINVAL with a message for the
- * client in err. */
+/* The prompt ids every service checks, at the public API (a request that sends ids) and at the
+ * internal ports alike: ids[0..n) non-empty, fewer than max_len of them (max_len 0: no bound
+ * here), each below vocab. Returns 0, or PD_EINVAL with a message for the client in err. */
+int svc_prompt_check(const uint32_t *ids, size_t n, int32_t vocab, int32_t max_len, char *err);
+/* The one validator of those fields: svc_prompt_check on prompt_token_ids, then
+ * svc_request_limits_check (n at most max_choices), svc_sampling_from_proto into *sampling and
+ * svc_stopping_from_proto into *stop (max_tokens default_max_tokens when unset). Returns 0, or
+ * PD_EINVAL with a message for the client in err. The router makes the same checks in two
+ * steps (the limits and conversions before it takes a pending slot, svc_prompt_check once the
+ * prompt is tokens), as a text or chat prompt is tokenized only after the cheap checks. */
 int svc_request_check(const svc_request_fields *f, int32_t vocab, int32_t max_len,
                       int32_t max_choices, int32_t default_max_tokens, smp_params *sampling,
                       seq_stopping *stop, char *err);

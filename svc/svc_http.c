@@ -1,15 +1,13 @@
 /* svc_http.c -- /metrics over HTTP with libmicrohttpd (see svc_http.h). */
 #include "svc/svc_http.h"
 
-#include <arpa/inet.h>
 #include <microhttpd.h>
-#include <netdb.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 
 #include "common/error.h"
+#include "common/net.h"
 
 struct svc_http {
     struct MHD_Daemon *d;
@@ -66,22 +64,10 @@ int svc_http_start(pd_metrics *m, const char *host, int port, svc_http **out, ch
 {
     *out = NULL;
     if (port < 0 || port > 65535) return pd_errf(err, PD_EINVAL, "bad metrics port %d", port);
-    struct addrinfo hints, *res = NULL;
-    memset(&hints, 0, sizeof hints);
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-    char ps[16];
-    snprintf(ps, sizeof ps, "%d", port);
-    const char *hh = host && *host && strcmp(host, "0.0.0.0") ? host : NULL;
-    char v6[INET6_ADDRSTRLEN + 2];
-    if (hh && hh[0] == '[') { /* [v6] as in host:port strings */
-        snprintf(v6, sizeof v6, "%.*s", (int)strlen(hh) - 2, hh + 1);
-        hh = v6;
-    }
-    if (!hh) hints.ai_family = AF_INET; /* every IPv4 address, as gRPC's 0.0.0.0 */
-    int grc = getaddrinfo(hh, ps, &hints, &res);
-    if (grc != 0 || !res)
-        return pd_errf(err, PD_EINVAL, "metrics address %s: %s", host, gai_strerror(grc));
+    struct addrinfo *res = NULL;
+    char why[PD_ERR_LEN];
+    if (pd_net_listen_addr(host, port, &res, why) < 0)
+        return pd_errf(err, PD_EINVAL, "metrics address %s: %s", host ? host : "", why);
     svc_http *h = calloc(1, sizeof *h);
     if (!h) {
         freeaddrinfo(res);

@@ -160,19 +160,26 @@ Pdserve__V1__TokenLogprob *svc_token_logprob_new(uint32_t token, float logprob,
     return m;
 }
 
+int svc_prompt_check(const uint32_t *ids, size_t n, int32_t vocab, int32_t max_len, char *err)
+{
+    if (n == 0) return pd_errf(err, PD_EINVAL, "prompt_token_ids is empty");
+    if (max_len > 0 && n >= (size_t)max_len)
+        return pd_errf(err, PD_EINVAL, "the prompt has %zu tokens; the model's maximum length "
+                       "is %d", n, max_len);
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] >= (uint32_t)vocab)
+            return pd_errf(err, PD_EINVAL, "prompt_token_ids[%zu] = %u is out of range [0, %d)",
+                           i, ids[i], vocab);
+    return 0;
+}
+
 int svc_request_check(const svc_request_fields *f, int32_t vocab, int32_t max_len,
                       int32_t max_choices, int32_t default_max_tokens, smp_params *sampling,
                       seq_stopping *stop, char *err)
 {
-    if (f->n_prompt_token_ids == 0) return pd_errf(err, PD_EINVAL, "prompt_token_ids is empty");
-    if (max_len > 0 && f->n_prompt_token_ids >= (size_t)max_len)
-        return pd_errf(err, PD_EINVAL, "the prompt has %zu tokens; the maximum length is %d",
-                       f->n_prompt_token_ids, max_len);
-    for (size_t i = 0; i < f->n_prompt_token_ids; i++)
-        if (f->prompt_token_ids[i] >= (uint32_t)vocab)
-            return pd_errf(err, PD_EINVAL, "prompt_token_ids[%zu] = %u is out of range [0, %d)",
-                           i, f->prompt_token_ids[i], vocab);
-    int rc = svc_request_limits_check(f->request_id, f->stopping, f->logprobs, f->n, max_choices,
+    int rc = svc_prompt_check(f->prompt_token_ids, f->n_prompt_token_ids, vocab, max_len, err);
+    if (rc == 0)
+        rc = svc_request_limits_check(f->request_id, f->stopping, f->logprobs, f->n, max_choices,
                                       err);
     if (rc == 0) rc = svc_sampling_from_proto(f->sampling, sampling, err);
     if (rc == 0) rc = svc_stopping_from_proto(f->stopping, default_max_tokens, stop, err);

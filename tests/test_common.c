@@ -1,9 +1,12 @@
 /* test_common.c -- Tests for common/: the error table (names, messages, pd_errf), dtype sizes
  * and the bf16/f16 <-> f32 conversions (rounding, subnormals, inf, NaN), and the jansson
- * helpers in json_util (typed readers, file loading and their error messages). */
+ * helpers in json_util (typed readers, file loading and their error messages), and the
+ * listening addresses of net.h. */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <float.h>
 #include <jansson.h>
+#include <netinet/in.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +16,7 @@
 #include "common/dtype.h"
 #include "common/error.h"
 #include "common/json_util.h"
+#include "common/net.h"
 #include "test_util.h"
 
 static uint32_t f32_bits(float f)
@@ -530,6 +534,38 @@ static void test_fp8_quant_row(void)
     CHECK(z[0] == 0 && z[3] == 0 && !signbit(z[1]));
 }
 
+/* ------------------------------------------------------------------ net.h */
+
+static void test_listen_addr(void)
+{
+    char err[PD_ERR_LEN];
+    struct addrinfo *a = NULL;
+    /* "", NULL and 0.0.0.0: every IPv4 address (a passive, wildcard address) */
+    const char *any[] = {"", NULL, "0.0.0.0"};
+    for (int i = 0; i < 3; i++) {
+        CHECK_EQ_INT(pd_net_listen_addr(any[i], 8080, &a, err), 0);
+        CHECK(a && a->ai_family == AF_INET && a->ai_socktype == SOCK_STREAM);
+        if (a) CHECK_EQ_INT(ntohs(((struct sockaddr_in *)a->ai_addr)->sin_port), 8080);
+        if (a) CHECK(((struct sockaddr_in *)a->ai_addr)->sin_addr.s_addr == htonl(INADDR_ANY));
+        if (a) freeaddrinfo(a);
+    }
+    CHECK_EQ_INT(pd_net_listen_addr("127.0.0.1", 0, &a, err), 0);
+    CHECK(a && a->ai_family == AF_INET);
+    if (a) freeaddrinfo(a);
+    /* IPv6, bracketed as in host:port strings or not */
+    const char *v6[] = {"[::1]", "::1"};
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ_INT(pd_net_listen_addr(v6[i], 9, &a, err), 0);
+        CHECK(a && a->ai_family == AF_INET6);
+        if (a) freeaddrinfo(a);
+    }
+    struct addrinfo sentinel;
+    a = &sentinel; /* set to NULL on failure */
+    CHECK_EQ_INT(pd_net_listen_addr("127.0.0.1", 65536, &a, err), PD_EINVAL);
+    CHECK(a == NULL);
+    CHECK_STR_CONTAINS(err, "65536");
+}
+
 int main(void)
 {
     test_errors();
@@ -541,5 +577,6 @@ int main(void)
     test_fp8_quant_row();
     test_json_getters();
     test_json_load_file();
+    test_listen_addr();
     return pd_test_result("test_common");
 }

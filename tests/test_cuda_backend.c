@@ -387,7 +387,7 @@ static void test_swiglu(void)
 static void test_rmsnorm(void)
 {
     /* the register kernel of 256 threads up to 4096 elements a row, of 1024 up to 16384, the
-     * looping one above; from as many rows as SMs (132 on an H100) with rows of a multiple of
+     * looping one above; from as many rows as SMs (an H100 has 132) with rows of a multiple of
      * 8, the 16-byte one (1, 2, 4 and 8 accesses a thread; 600 x 8 shorter than a block) */
     const int32_t shapes[13][2] = {{3, 64},    {17, 1024},  {5, 4000},   {2, 4096},
                                    {3, 8193},  {1, 8192},   {2, 16384},  {2, 16390},

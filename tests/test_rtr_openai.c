@@ -440,7 +440,6 @@ static void test_responses(void)
               "%s", body);
     json_decref(o);
     free(body);
-    free(ch[0].text);
     /* No fingerprint given: null (the field is still there, as OpenAI's may be null). */
     oai_ctx bare = ctx;
     bare.system_fingerprint[0] = 0;
@@ -450,6 +449,7 @@ static void test_responses(void)
     CHECK_MSG(o && json_is_null(json_object_get(o, "system_fingerprint")), "%s", body);
     json_decref(o);
     free(body);
+    free(ch[0].text); /* after the last body that reads it */
     r.ctx = &ctx;
 
     /* Error shape and status mapping. */

@@ -7,32 +7,31 @@
  * scale folded into q) and the groups are merged through shared memory at the end.
  *
  * Three kernels walk the keys. On sm_90 with head sizes 64 and 128 (the default there) the
- * tensor-core kernel: each warp streams tiles of 16 keys' K/V rows with bulk copies through
- * its own ring in shared memory and computes S = Q K^T and O += P V with mma.sync, the GQA
- * group's query heads as the rows (PDSERVE_CUDA_DECODE_MMA: its ring's slots, 2 by default,
- * 0 = off). The CUDA-core kernels below it (head sizes 64 and 128 elsewhere, and every other
- * size) give each key TPK = head_dim / 8 lanes, 16 bytes of K and of V each, with an online
- * softmax per lane group; they issue ~130 instructions per key and head, which holds them
- * near 3 TB/s. The pipelined one streams each lane's K/V through a ring of STAGES tiles with
- * cp.async, so STAGES - 1 tiles stay in flight while one is computed; the register kernel
- * (every head size, and PDSERVE_CUDA_DECODE_STAGES=0) loads K/V straight into registers, two
- * rounds unrolled, the block-table entries a round ahead. Batch 256 x 1k on an H200: 67% of
- * the copy rate with the register kernel, 72 - 75% pipelined, 89% on the tensor cores; on an
- * H100 85% and 93% for the first two (docs/perf-history.md).
+ * tensor-core kernel: each warp streams tiles of 16 keys' K/V rows with bulk copies through its own
+ * ring in shared memory and computes S = Q K^T and O += P V with mma.sync, the GQA group's query
+ * heads as the rows (PDSERVE_CUDA_DECODE_MMA: its ring's slots, 2 by default, 0 = off). The
+ * CUDA-core kernels below it (head sizes 64 and 128 elsewhere, and every other size) give each key
+ * TPK = head_dim / 8 lanes, 16 bytes of K and of V each, with an online softmax per lane group;
+ * they issue about 130 instructions per key and head, which makes them issue-bound below the copy
+ * rate. The pipelined one streams each lane's K/V through a ring of STAGES tiles with cp.async, so
+ * STAGES - 1 tiles stay in flight while one is computed; the register kernel (every head size, and
+ * PDSERVE_CUDA_DECODE_STAGES=0) loads K/V straight into registers, two rounds unrolled, the
+ * block-table entries a round ahead. The tensor-core kernel comes closest to the copy rate, then
+ * the pipelined one, then the register one (docs/perf-history.md, the third and fifth passes of
+ * issue #8).
  *
- * A sequence whose keys fit one chunk is written by split 0 directly; otherwise each split
- * with keys writes its unnormalised partial output, max and sum to the workspace and the last
- * one to finish (a counter per (sequence, KV head)) combines them; splits past a sequence's
- * keys return at once. The split count aims at PDSERVE_CUDA_DECODE_BLOCKS_PER_SM blocks per SM
- * (4 for the tensor-core kernel, 16 for the others), chunks of at least MIN_CHUNK keys, at most
- * INLINE_SPLITS, within the workspace; with the longest context unknown (a graph) it comes
- * from the batch alone and each sequence cuts its own context. Many small blocks keep the last
- * wave short on the varied contexts of a serving batch (the 256-request workload with the
- * CUDA-core kernel: 47.0% of its floor at 4 blocks per SM, 49.3%
- * at 16). What these kernels do not cover (head_dim not in {8, 16, 32, 64, 128, 256}, more
- * than 8 query heads per KV head, prefill-shaped batches, a batch too large for the
- * workspace, unaligned caches, PDSERVE_CUDA_SPLIT_KV=0) goes to the general kernel
- * (cuda_attention.cu). */
+ * A sequence whose keys fit one chunk is written by split 0 directly; otherwise each split with
+ * keys writes its unnormalised partial output, max and sum to the workspace and the last one to
+ * finish (a counter per (sequence, KV head)) combines them; splits past a sequence's keys return at
+ * once. The split count aims at PDSERVE_CUDA_DECODE_BLOCKS_PER_SM blocks per SM (4 for the
+ * tensor-core kernel, 16 for the others), chunks of at least MIN_CHUNK keys, at most INLINE_SPLITS,
+ * within the workspace; with the longest context unknown (a graph) it comes from the batch alone
+ * and each sequence cuts its own context. Many small blocks keep the last wave short on the varied
+ * contexts of a serving batch (the 256-request workload with the CUDA-core kernel was nearer its
+ * floor at 16 blocks per SM than at 4: docs/perf-history.md, issue #8's third pass). What these
+ * kernels do not cover (head_dim not in {8, 16, 32, 64, 128, 256}, more than 8 query heads per KV
+ * head, prefill-shaped batches, a batch too large for the workspace, unaligned caches,
+ * PDSERVE_CUDA_SPLIT_KV=0) goes to the general kernel (cuda_attention.cu). */
 
 #include <math.h>
 
@@ -486,19 +485,18 @@ split_async_kernel(PD_SPLIT_PARAMS) /* 6 blocks an SM (their ring's share of sha
                                 ci.row, ci.n_used, n_seqs, n_heads, G, v_scale);
 }
 
-/* Tensor-core kernel (sm_90; head sizes 64 and 128, up to 8 query heads per KV head): the
- * CUDA-core kernels spend ~130 instructions per key and head, which caps them near 3 TB/s
- * (issue-bound: ncu on an H200, batch 256 x 1k). Here each warp takes every NW-th tile of
- * MMA_KT keys of the block's chunk and streams them through its own ring of STAGES slots
- * with bulk copies (cp.async.bulk, one 2 * head_dim-byte row of K or V per lane, completion on
- * an mbarrier per slot), so one warp instruction fetches a whole tile. S = Q K^T and O += P V
- * run on mma.m16n8k16 with the GQA group's query heads as the rows (rows G .. 15 are zero),
- * P in bf16, the online softmax in fp32 (base 2) on the quad of lanes that holds a row.
- * Shared-memory rows are padded by 16 bytes, so the 8 rows an ldmatrix reads fall in
- * different banks. About 6 instructions per key and head. With an FP8 cache (KV = pd_fp8) the
- * ring holds e4m3 rows (half the bytes); once a tile has landed each lane converts its own row
- * into the warp's bf16 tile (exact) and refills the slot at once, and the same mma code reads
- * that tile. */
+/* Tensor-core kernel (sm_90; head sizes 64 and 128, up to 8 query heads per KV head): the CUDA-core
+ * kernels spend about 130 instructions per key and head, which caps them below the copy rate
+ * (issue-bound under ncu: docs/perf-history.md, issue #8's fifth pass). Here each warp takes every
+ * NW-th tile of MMA_KT keys of the block's chunk and streams them through its own ring of STAGES
+ * slots with bulk copies (cp.async.bulk, one 2 * head_dim-byte row of K or V per lane, completion
+ * on an mbarrier per slot), so one warp instruction fetches a whole tile. S = Q K^T and O += P V
+ * run on mma.m16n8k16 with the GQA group's query heads as the rows (rows G .. 15 are zero), P in
+ * bf16, the online softmax in fp32 (base 2) on the quad of lanes that holds a row. Shared-memory
+ * rows are padded by 16 bytes, so the 8 rows an ldmatrix reads fall in different banks. About 6
+ * instructions per key and head. With an FP8 cache (KV = pd_fp8) the ring holds e4m3 rows (half the
+ * bytes); once a tile has landed each lane converts its own row into the warp's bf16 tile (exact)
+ * and refills the slot at once, and the same mma code reads that tile. */
 #define MMA_KT 16 /* keys per tile: a lane per K row, a lane per V row */
 
 template <int HD>
@@ -784,9 +782,9 @@ static cudaError_t launch_mma(const pd_attn_args *a, float *part, int32_t *count
                            a->sliding_window, chunk, sc.scale_log2, sc.v_scale);
 }
 
-/* Head sizes 64 and 128: the tensor-core kernel on sm_90 (mma_stages 2 - 4: its ring; 0 =
- * off), else the pipelined kernel (stages 2 or 4; others round down: 2, the default, measured
- * best on an H200, 4 as good on an H100, 6 slower); the register kernel otherwise and with
+/* Head sizes 64 and 128: the tensor-core kernel on sm_90 (mma_stages 2 - 4: its ring; 0 = off),
+ * else the pipelined kernel (stages 2 or 4; others round down: 2, the default, was the best of 2, 4
+ * and 6 in issue #8's third pass, docs/perf-history.md); the register kernel otherwise and with
  * stages 0. */
 template <typename KV, int TPK>
 static cudaError_t launch_t(const pd_attn_args *a, float *part, int32_t *count, int n_splits,
@@ -855,15 +853,16 @@ static int attention_decode(void *ctx, const pd_attn_args *a)
     const int mma_stages = c->cc_major >= 9 ? c->decode_mma_stages : 0;
     const bool mma = mma_stages > 0 && (hd == 64 || hd == 128);
     /* Blocks per SM aimed at: about as many as fit at once for the tensor-core kernel (3 of
-     * its blocks do): on an H200, 4 against 8 takes batch 128 x 128 from 42.9 to 28.1 us and
-     * 32 x 8k from 299 to 272 (splits cost their combine and more waves), the 256-request
-     * workload the same (16: 4% slower). The CUDA-core kernels' best was 16. */
+     * its blocks do): 4 beat 8 on short and long contexts alike, since splits cost their combine
+     * and more waves, and left the 256-request workload where it was, while 16 lost on it. The
+     * CUDA-core kernels' best was 16 (docs/perf-history.md, issue #8's fifth pass). */
     const int per_sm = c->decode_blocks_per_sm > 0 ? c->decode_blocks_per_sm : mma ? 4 : 16;
     const int64_t base_blocks = (int64_t)a->n_seqs * a->n_kv_heads;
     const int64_t target = (int64_t)per_sm * c->sm_count;
-    /* Rounded up: a batch of 256 x 8 KV heads gets 2 splits, 8% slower on uniform contexts
-     * than 1 (rounding to nearest), but the 256-request workload, whose batches pass through
-     * 130 - 260 sequences of varied contexts, runs 3% faster with it (docs/perf-history.md). */
+    /* Rounded up: a batch of 256 x 8 KV heads gets 2 splits, slower on uniform contexts than 1
+     * (rounding to nearest), but the 256-request workload, whose batches pass through
+     * 130 - 260 sequences of varied contexts, runs faster with it (docs/perf-history.md, issue
+     * #8's third pass). */
     int64_t ns = (target + base_blocks - 1) / base_blocks;
     if (n_keys > 0) {
         const int64_t by_len = (n_keys + MIN_CHUNK - 1) / MIN_CHUNK;

@@ -191,8 +191,8 @@ bool pd_cuda__switch_on(const char *name, int *cache);
  * pd_cuda__launch: the same with the programmatic-serialisation attribute when PDL is on and
  * the grid is small (PD_PDL_MAX_BLOCKS: the latency-bound launches of a
  * decode step; the successor of a grid of several waves would park its blocks in the slots
- * of the last wave: measured slower on the 256-request workload). Returns the launch's
- * error. */
+ * of the last wave: slower on the 256-request workload, docs/perf-history.md, the issue #8
+ * benchmark suite after graphs). Returns the launch's error. */
 #define PD_PDL_MAX_BLOCKS 1024
 template <typename... KArgs, typename... Args>
 static inline cudaError_t pd_cuda__launch_attrs(void (*kernel)(KArgs...), dim3 grid, dim3 block,

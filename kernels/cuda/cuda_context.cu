@@ -29,9 +29,9 @@ bool pd_cuda__switch_on(const char *name, int *cache)
 }
 
 /* PDL needs sm_90; the kernels are built for sm_90a (PD_CUDA_ARCHS) and the check in them
- * makes the instructions no-ops below that. Off unless PDSERVE_CUDA_PDL=1: on an H200 it made
- * batch-1 and batch-32 decode steps 4-5% faster but the 256-request workload 1.7% slower
- * (docs/perf-history.md), so it stays an opt-in until that is understood. */
+ * makes the instructions no-ops below that. Off unless PDSERVE_CUDA_PDL=1: it made small
+ * decode batches faster but the 256-request workload slower (docs/perf-history.md, the issue
+ * #8 benchmark suite after graphs), so it stays an opt-in until that is understood. */
 bool pd_cuda__pdl_on(void)
 {
     static int on = -1; /* racy first reads all get the same value */

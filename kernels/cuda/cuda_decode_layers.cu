@@ -3,7 +3,8 @@
  *
  * A step of one sequence through a 0.6B-parameter model reads 1.2 GB of weights; op by op that
  * is six launches a layer of 1 - 12 MB each, and each launch pays its start, the latency of its
- * first loads and its tail, which together took 4x the time of the bytes (docs/perf-history.md).
+ * first loads and its tail, which together took several times the time of the bytes
+ * (docs/perf-history.md, issue #8's fourth pass).
  * Here one block per SM runs the whole stack. Its products are spread over all blocks by output
  * rows; a stage that needs other blocks' results waits for exactly those (flagged lines,
  * below), with no grid barrier:
@@ -24,14 +25,13 @@
  * holds a 1024-k slice of 8 weight rows; the consumer warps split its k between them on the
  * tensor cores (the n rows of x, in shared memory, as the A operand), then hand the slot back.
  *
- * Stage outputs go from block to block as flagged lines (ll_store / ll_copy): no fence,
- * counter or barrier, each reader polls the lines it needs. Grid barriers cost 1.6 - 2.5 us
- * each on an H100 (their fence waited behind the weight stream's loads) and were 30% of a
- * step; with the lines, the residual columns kept per block and the split merge on flagged
- * partials, a Qwen3-0.6B batch-1 step went from 0.95 to 0.79 ms on an H100 (1.94x its
- * weight-bytes floor) and 0.94 to 0.77 ms on an H200 (docs/perf-history.md, sixth pass). Batches of
- * 2 and 4 gain too, but lost against the op-by-op graphs after long prompts when measured
- * (the attention stage has fewer splits a sequence), hence n = 1 by default
+ * Stage outputs go from block to block as flagged lines (ll_store / ll_copy): no fence, counter
+ * or barrier, each reader polls the lines it needs. Grid barriers were a large share of a step
+ * (their fence waited behind the weight stream's loads); the lines, the residual columns kept
+ * per block and the split merge on flagged partials took the Qwen3-0.6B batch-1 step to issue
+ * #8's goal, twice its weight-bytes floor, on one of the two chips tried (docs/perf-history.md,
+ * issue #8's sixth pass). Batches of 2 and 4 gain too, but lost against the op-by-op graphs
+ * after long prompts (the attention stage has fewer splits a sequence), hence n = 1 by default
  * (PDSERVE_CUDA_FUSED_DECODE=N: up to N).
  *
  * The grid is cooperative (every block resident, so that polling blocks never wait for one
@@ -65,8 +65,8 @@
 /* ---- host ---- */
 
 /* The largest n the fused kernel takes: by default 1 (PDSERVE_CUDA_FUSED_DECODE's default in
- * common/env.c), measured on an H200 against the op-by-op graphs (docs/perf-history.md),
- * batch 1 faster after short and long prompts, 2 and 4 only after short ones.
+ * common/env.c): against the op-by-op graphs, batch 1 was faster after short and long prompts,
+ * 2 and 4 only after short ones (docs/perf-history.md, issue #8's sixth pass).
  * PDSERVE_CUDA_FUSED_DECODE=N moves it (0 = off, at most DL_MAX_N). */
 static int fused_max_n(void)
 {
@@ -174,8 +174,8 @@ static void ts_report(const unsigned long long *ts, int32_t n_stages, int grid)
  * its chain takes about twice its weights' time at the copy rate). One slot a block in flight
  * paces the stream to a slot a round trip, smoothly; that suits a layer whose weights per
  * block fill about one ring (Qwen3-0.6B: 15 slots a block, 12 in the ring), which then still
- * arrive within the layer: batch 1 +4.7 - 6.0% on an H200, +11% on an H100, +4.4% and +7.8%
- * after a 1000-token prompt (docs/perf-history.md, twelfth pass). A layer of k rings a block gets k
+ * arrive within the layer, and batch 1 gains after short and long prompts alike
+ * (docs/perf-history.md, issue #8's twelfth pass). A layer of k rings a block gets k
  * slots in flight, and from a ring's worth on (a stream-bound layer, e.g. Llama-3-8B's 206
  * slots a block) none is held back: one slot in flight cost those shapes half their speed.
  * The head is never paced. PDSERVE_CUDA_DL_INFLIGHT=N sets it (0: none). */

@@ -36,16 +36,17 @@
                             * (the registers: 4 spilled with 8) */
 template <int MAXG> static constexpr __host__ __device__ int dl_pf() { return MAXG <= 4 ? DL_PF_ROUNDS : 2; }
 /* Whether those batches load during S1's products rather than at S2's start (their bytes then
- * arrive while the block multiplies, not while it polls for q / k / v: +2% after 400 and 1000
- * tokens, docs/perf-history.md, fourteenth pass); not with 3 - 4 query heads a KV head, or 8
+ * arrive while the block multiplies, not while it polls for q / k / v: docs/perf-history.md,
+ * issue #8's fourteenth pass); not with 3 - 4 query heads a KV head, or 8
  * sequences at 2, where the registers held through S1 spill; nor with FP8 weights (WQ), whose
  * products need more registers (held through them, the batches spilled 28 - 180 bytes). */
 template <int NMAX, int MAXG, int WQ = 0> static constexpr __host__ __device__ bool dl_early()
 {
     return WQ == 0 && MAXG != 4 && !(NMAX == 8 && MAXG == 2);
 }
-#define DL_MIN_CHUNK 16    /* keys of a split, at least: more splits of one key batch each (against
-                            * 32: +7% at batch 1 after short prompts; 8: as 16) */
+#define DL_MIN_CHUNK 16    /* keys of a split, at least: more splits of one key batch each (faster
+                            * than 32 at batch 1 after short prompts, 8 no better: issue #8's
+                            * seventh pass in docs/perf-history.md) */
 #define DL_MAX_SPLITS 32
 #define DL_MERGE_BATCH 16 /* splits' lines a thread of the merge loads at once */
 #define DL_SLOT_STEPS (DL_SLOT_BYTES / (8 * 2 * 32 * DL_CW)) /* a warp's mma steps a slot */

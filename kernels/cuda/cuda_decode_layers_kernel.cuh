@@ -16,7 +16,7 @@ static __device__ __forceinline__ void cons_sync(void)
  * two (bf16 pair, flag) halves, each half written by one 8-byte store, so a reader that sees
  * a half's flag equal to the stage's sees its data. No fence, counter or barrier: a reader
  * polls the lines it needs and goes on once they carry this stage's flag (a grid barrier's
- * fence waited behind the weight stream's loads, 1.6 - 2.5 us on an H100: docs/perf-history.md).
+ * fence waited behind the weight stream's loads: docs/perf-history.md, issue #8's sixth pass).
  * Flags are (launch epoch << 10) + stage, never 0: the zeroed lines of a new context and the
  * last launch's lines never match. A line is rewritten a layer later, when every block is
  * past reading it (each layer's stages need every block's output of the one before). */
@@ -464,7 +464,8 @@ static __device__ __forceinline__ void dl_products_f8(float (&d)[2][4], const ch
  * consecutive k of row g (16 bytes). Up to 4 x rows the weights are mma.m16n8k16's A, one mma
  * a step: A row g takes 4 of the lane's k, row g + 8 the other 4, and x is B, its column 2q + h
  * x row q's matching 4 k (loaded by lane 2q + h alone), so D[g][2q] + D[g + 8][2q + 1] is unit
- * g's sum for x row q (+1.5% a step against the pair below: docs/perf-history.md). With more x rows,
+ * g's sum for x row q (half the mma of the pair below, and a faster step: docs/perf-history.md,
+ * issue #8's ninth pass). With more x rows,
  * as the GEMV kernel of cuda_linear.cu does it: an mma pair, the weights as B and the n <= 8 x
  * rows as A rows g (rows past n feed outputs that are dropped). A slot's steps (at most DL_SLOT_STEPS a warp) are spread over the consumer warps, each
  * loaded before any is multiplied, into accumulators of their own (no chain of dependent
@@ -472,7 +473,8 @@ static __device__ __forceinline__ void dl_products_f8(float (&d)[2][4], const ch
  * atomics, which contended 8 ways); after a chunk of groups (all of a layer's stage, the head
  * in pieces) the threads add the warps' parts and finish one (column, x row) each. x is [n][k]
  * in shared memory (k % 256 == 0); out rows are `ld` apart. (fp32 FMAs with one conversion
- * per element were instruction-bound at a third of the bandwidth: docs/perf-history.md.)
+ * per element were instruction-bound well below the bandwidth: docs/perf-history.md, issue #8's
+ * fourth pass.)
  * FP8 weights (WQ, dl_layer): a lane's 16 bytes of a row are 16 k, a warp step 64 k, as many
  * steps a slot. DL_W_F8: xs holds the rows' e4m3 codes [n][k] (quant_rows) and the mma is
  * m16n8k32 on e4m3, laid out as the bf16 one with bytes for elements; DL_W_F8W: xs is bf16,
@@ -671,11 +673,11 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
 }
 
 /* 1 / sqrt(mean square + eps), the norms' scale, in float. The ops (and the CPU) take it in
- * double, rounded once to float; here it sits on the chain of every norm of every layer (the
- * two row norms and the q / k head norms, every thread of the block waiting for it), and the
- * double divide, square root and reciprocal took ~0.15 us each time, 2% of a Qwen3-0.6B step
- * (docs/perf-history.md, fourteenth pass). The float one differs from it by an ulp or two of the
- * scale, before the bf16 rounding of the product it scales. */
+ * double, rounded once to float; here it sits on the chain of every norm of every layer (the two
+ * row norms and the q / k head norms, every thread of the block waiting for it), and the double
+ * divide, square root and reciprocal were a visible share of a Qwen3-0.6B step
+ * (docs/perf-history.md, issue #8's fourteenth pass). The float one differs from it by an ulp or
+ * two of the scale, before the bf16 rounding of the product it scales. */
 static __device__ __forceinline__ float norm_scale(float ss, float inv_len, float eps)
 {
     return rsqrtf(fmaf(ss, inv_len, eps));
@@ -1218,7 +1220,8 @@ static __device__ __forceinline__ float *f8_wsc(const dl_params &p, float *own)
 
 /* TP: the tensor-parallel instance (tp_sum in the residual stages), apart so that the
  * single-GPU one keeps its registers (tp_sum held live beside the attention stage's key
- * offsets spilled some: a Qwen3-0.6B shape step 6% slower). WQ: the layers' weights (DL_W_*;
+ * offsets spilled some and slowed a Qwen3-0.6B shape step: docs/perf-history.md, issue #29's
+ * fused decode steps). WQ: the layers' weights (DL_W_*;
  * the FP8 ones single-GPU only), instances apart for the same reason. */
 template <int HD, int NMAX, int MAXG, bool TP, int WQ>
 static __global__ void __launch_bounds__(DL_THREADS, 1)

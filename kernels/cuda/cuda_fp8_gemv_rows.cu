@@ -2,9 +2,9 @@
  * decode steps): a warp streams 4 whole weight rows, 16 e4m3 bytes a lane a step (the next
  * step's loads issued before this step's arithmetic), codes widened to f32, each 16-element
  * chunk's dot product times its group's weight and input scales, the lanes' sums added across
- * the warp; bias, residual add and SwiGLU in the same launch. On an H100 it reads Llama-3-8B's
- * products faster at n = 1 than the k-split tensor-core kernel of cuda_fp8_gemv.cu (qkv 18.1
- * vs 25.0 us, gate_up 52.6 vs 69.4), which takes n >= 3 (docs/perf-history.md). Needs what
+ * the warp; bias, residual add and SwiGLU in the same launch. It reads Llama-3-8B's products
+ * faster at n = 1 than the k-split tensor-core kernel of cuda_fp8_gemv.cu, which takes n >= 3
+ * (docs/perf-history.md, the FP8 weights and KV cache of issue #37). Needs what
  * pd_cuda__fp8_gemv_can says (k % 16 == 0, a group of k or a multiple of 128, aligned rows). */
 #include "kernels/cuda/cuda_fp8.cuh"
 

@@ -108,8 +108,8 @@ static cudaError_t copy_rows(void *dst, size_t dst_pitch, const void *src, size_
  * A step's metadata is a few hundred bytes to a few KiB. A kernel that reads the pinned host
  * memory itself (unified addressing) costs a launch and one round trip over the bus, less than
  * the copy engine's copy, whether in the stream's order or on a side stream behind a
- * cross-stream wait: a pipelined Qwen3-0.6B batch-1 step on an H200 0.5% and 0.9% faster
- * (docs/perf-history.md, eleventh pass). Larger uploads keep the copy engine. */
+ * cross-stream wait: a pipelined Qwen3-0.6B batch-1 step came out faster either way
+ * (docs/perf-history.md, issue #8's eleventh pass). Larger uploads keep the copy engine. */
 #define FETCH_MAX_BYTES (64 << 10)
 #define FETCH_THREADS 256
 

@@ -36,10 +36,10 @@
 #define GEMV_STEPS_PER_WARP 8 /* at least this many steps per warp before k is split further */
 #define GEMV_MAX_WARPS 8     /* warps splitting k in a block */
 #define GEMV_MAX_N 32        /* rows of x the kernels take (two 16-row A tiles) */
-/* The crossover in n to cuBLAS, 32 (measured, docs/perf-history.md "Kernel benchmarks"), is
+/* The crossover in n to cuBLAS, 32 (docs/perf-history.md, "Kernel benchmarks"), is
  * PDSERVE_CUDA_GEMV_MAX_N's default in common/env.c. */
 #define GEMV_MAX_M 2048      /* products the kernel takes: m <= this and weights <= */
-#define GEMV_MAX_BYTES ((size_t)8 << 20) /* this many bytes (measured, see gemv_takes) */
+#define GEMV_MAX_BYTES ((size_t)8 << 20) /* this many bytes (see gemv_takes) */
 
 /* A 16-byte load of streamed data: read once, so not kept in L1 (where x lives); the L2 fetches
  * the rest of the 256-byte segment that the next steps of the same row read. */
@@ -263,12 +263,11 @@ static int gemv_max_n(void)
 }
 
 /* Whether the streaming kernel takes this product: small n, rows of whole 16-byte chunks,
- * aligned operands, the mma (compute capability 8.0 and up), and a small m. Measured on an
- * H200 (docs/perf-history.md, "Kernel benchmarks"): for n <= 32, cuBLAS 13.0 runs the m >= 4096
- * products of Qwen3-0.6B (qkv, gate_up, lm_head) and Llama-3-8B as fast as this kernel or
- * faster (n = 1: 1% slower to 7% faster on Qwen3's, 4 to 35% faster on Llama's), but splits k
- * of an m = 1024 product over a second kernel: 12.9 / 7.7 us for Qwen3's o_proj / down at
- * n = 1 against 4.6 / 6.0 here (5.8 / 7.8 against 5.3 / 7.1 at n = 32). So the kernel takes
+ * aligned operands, the mma (compute capability 8.0 and up), and a small m. For n <= 32,
+ * cuBLAS 13.0 runs the m >= 4096 products of Qwen3-0.6B (qkv, gate_up, lm_head) and
+ * Llama-3-8B about as fast as this kernel or faster, but splits k of an m = 1024 product
+ * (Qwen3's o_proj and down) over a second kernel, where this one is faster at every n up to
+ * 32 (docs/perf-history.md, "Kernel benchmarks"). So the kernel takes
  * the products of m <= 2048 up to 8 MiB (gemv_takes); gemv_can is the rest of the test. */
 static bool gemv_can(const pd_cuda_ctx *c, const void *x, const void *w, int32_t n, int32_t k)
 {

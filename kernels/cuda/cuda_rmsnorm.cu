@@ -12,8 +12,9 @@
 /* Rows of at most NT * MAXK elements: each thread loads its elements once and keeps them
  * in registers for the scaling pass (all loads of the row in flight at once). NT = 256 up to
  * 4096 elements, 1024 up to 16384 (a Llama-3-70B row of 8192: the looping kernel's dependent
- * load-store passes over one row took ~25 us, as long as a 30 MB product; with tensor
- * parallelism two of these run every layer of a decode step). */
+ * load-store passes over one row took as long as a large weight product, and with tensor
+ * parallelism two of these run every layer of a decode step; docs/perf-history.md, issue
+ * #29's fused decode steps). */
 template <int NT>
 static __global__ void __launch_bounds__(NT)
 rmsnorm_reg_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, float eps,
@@ -63,8 +64,8 @@ rmsnorm_reg_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, fl
  * V of them a thread, the row kept in registers as bf16 pairs (the sum rounded to bf16 is what
  * is normed), the weights loaded with it. The register kernel above keeps 16 floats a thread
  * and, at 1024 threads a row for 8192-wide rows, one block an SM: a 2048-row prefill step of a
- * Llama-3-70B shape took ~110 us a norm (the rows one SM-wave after the other, each a memory
- * round trip), this one a few per SM in flight. */
+ * Llama-3-70B shape ran its rows one SM-wave after the other, each a memory round trip; this
+ * one keeps a few per SM in flight (docs/perf-history.md, issue #29's prefill norms). */
 template <int V>
 static __global__ void __launch_bounds__(THREADS)
 rmsnorm_vec_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, float eps,

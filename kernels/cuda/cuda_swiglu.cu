@@ -15,8 +15,8 @@ static __global__ void swiglu_kernel(const bf16 *gate_up, size_t total, int32_t 
 
 /* 8 outputs a thread with 16-byte loads and stores and 32-bit indices (f % 8 == 0, aligned
  * buffers, fewer than 2^32 groups of 8): a prefill's SwiGLU is bound by its bytes, which the
- * element-wise kernel's 2-byte accesses and 64-bit divisions did not reach (H200, 1024 x 3072:
- * 16.6 us for 18 MB). */
+ * element-wise kernel's 2-byte accesses and 64-bit divisions did not reach (docs/perf-history.md,
+ * issue #8's third pass). */
 static __global__ void swiglu8_kernel(const uint4 *__restrict__ gate_up, uint32_t groups,
                                       uint32_t f8, uint4 *__restrict__ out)
 {
