@@ -4,8 +4,8 @@
  * kernel's device code is cuda_decode_layers_kernel.cuh; CMake makes one translation unit a
  * (head size, weights) pair from cuda_decode_layers_inst.cu.in, each instantiating
  * dl_launch<HD, TP, WQ> for every row-count bound (1, 4, 8) and GQA group bound (2, 4, 8), so
- * that they compile in parallel (one file of all the kernels kept one core busy for over ten
- * minutes). */
+ * that they compile in parallel (one file of all the kernels kept one core busy for most of
+ * the backend's build: docs/perf-history.md, "The CUDA backend's build time"). */
 #ifndef PD_CUDA_DECODE_LAYERS_CUH
 #define PD_CUDA_DECODE_LAYERS_CUH
 #include "kernels/cuda/cuda_fp8.cuh"

@@ -1430,8 +1430,9 @@ static cudaError_t dl_launch_one(const dl_params &p, int grid, size_t smem, cuda
 
 /* Instantiations a (HD, TP, WQ): x rows up to 1, 4, 8 (nmax_of; two rows take the 4-row
  * instance: batches above 1 are fused only when PDSERVE_CUDA_FUSED_DECODE raises its default
- * of 1, and a 2-row instance of every kind cost a quarter of this kernel's build), query heads
- * per KV head up to 2, 4, 8 (the attention stage's registers are sized by the last). */
+ * of 1, and 2-row instances of every kind lengthened the build: docs/perf-history.md, "The
+ * CUDA backend's build time"), query heads per KV head up to 2, 4, 8 (the attention stage's
+ * registers are sized by the last). */
 template <int HD, int MAXG, bool TP, int WQ>
 static cudaError_t dl_launch_g(const dl_params &p, int grid, size_t smem, cudaStream_t stream)
 {

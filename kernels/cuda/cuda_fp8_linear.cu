@@ -78,8 +78,9 @@ static int state_get(pd_cuda_ctx *c, fp8_state **out)
  * accumulation (the tensor cores' own accumulator throughout, without the periodic promotion
  * to f32: faster, as vLLM's Hopper FP8 GEMMs run, but its error grows with k):
  * k <= PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K (default 4096, read once; 0 never). At k 8192 and
- * 14336 it broke test_cuda_fp8's bound (relative L2 5.1e-3 and 5.8e-3 against 5e-3, elements
- * off); block-wise products always promote (their scales apply per k block). */
+ * 14336 it broke test_cuda_fp8's error bound (docs/perf-history.md, "FP8 prefill: the
+ * activation quantization, fast accumulation"); block-wise products always promote (their
+ * scales apply per k block). */
 static int8_t fast_accum(int32_t k)
 {
     static const int64_t max_k = pd_env_int("PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K");
