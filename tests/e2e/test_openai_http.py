@@ -280,7 +280,13 @@ try:
               "completions: usage %s" % u)
         check(v.get("id", "").startswith("cmpl-") and v.get("object") == "text_completion" and
               v.get("model") == name and isinstance(v.get("created"), int), "completions: id, object, model, created")
+        fp = v.get("system_fingerprint")
+        check(isinstance(fp, str) and fp != "", "completions: a system_fingerprint (%r)" % fp)
         v = ok("stream") or {}
+        check(v.get("fingerprints") == [fp], "streamed: every chunk the same system_fingerprint (%s)" % v.get("fingerprints"))
+        check(v.get("chunks", 0) > 1 and v.get("usage_null") == v.get("chunks", 0) - 1,
+              "streamed with include_usage: usage null in every chunk but the last (%s of %s)"
+              % (v.get("usage_null"), v.get("chunks")))
         check(v.get("text", {}).get("0") == g["text"] and v.get("finish", {}).get("0") == g["finish"],
               "streamed: the same text in %s chunks" % v.get("chunks"))
         check(len(v.get("ids", [])) == 1 and v.get("objects") == ["text_completion"] and
@@ -341,6 +347,9 @@ try:
               and e.get("class") == "BadRequestError", "max_tokens as a string: 400 naming the param (%s)" % e)
         e = err("bad_temp")
         check(e.get("status") == 400 and "temperature" in e.get("message", ""), "temperature -1: 400 (%s)" % e.get("message"))
+        e = err("temp3")
+        check(e.get("status") == 400 and e.get("param") == "temperature",
+              "temperature 3: 400 naming temperature (OpenAI's range is 0 - 2) (%s)" % e.get("message"))
         e = err("bad_model")
         check(e.get("status") == 404 and e.get("code") == "model_not_found" and e.get("class") == "NotFoundError",
               "an unknown model: 404 model_not_found")
@@ -362,6 +371,10 @@ try:
             check((c0.get("message") or {}).get("content") == g["text"] and c0["message"].get("role") == "assistant"
                   and c0.get("finish_reason") == g["finish"],
                   "chat: the reply equals gRPC Generate of the template's text (%r)" % g["text"])
+            cp = ((ok("chat_parts") or {}).get("choices") or [{}])[0]
+            check((cp.get("message") or {}).get("content") == g["text"],
+                  "chat with list-form content ([{type: text, text}]): the same reply (%r)"
+                  % (cp.get("message") or {}).get("content"))
             check(v.get("id", "").startswith("chatcmpl-") and v.get("object") == "chat.completion" and
                   (v.get("usage") or {}).get("prompt_tokens") == len(chat_ref["ids"]),
                   "chat: id, object, and usage.prompt_tokens = the rendered prompt's tokens (no BOS added)")

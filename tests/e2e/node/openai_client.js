@@ -31,11 +31,13 @@ async function attempt(fn) {
 // Reads a completions stream into {text per index, finish per index, chunks, usage, ids}.
 async function drain(stream, chat) {
   const out = { text: {}, finish: {}, chunks: 0, usage: null, ids: new Set(), objects: new Set(),
-                logprobs: {}, roles: {} };
+                logprobs: {}, roles: {}, fingerprints: new Set(), usage_null: 0 };
   for await (const chunk of stream) {
     out.chunks++;
     out.ids.add(chunk.id);
     out.objects.add(chunk.object);
+    out.fingerprints.add(chunk.system_fingerprint ?? null);
+    if ('usage' in chunk && chunk.usage === null) out.usage_null++;
     if (chunk.usage) out.usage = chunk.usage;
     for (const c of chunk.choices) {
       const piece = chat ? (c.delta.content ?? '') : c.text;
@@ -61,6 +63,7 @@ async function drain(stream, chat) {
   }
   out.ids = [...out.ids];
   out.objects = [...out.objects];
+  out.fingerprints = [...out.fingerprints];
   return out;
 }
 
@@ -90,6 +93,7 @@ async function main() {
     { ...greedy, prompt: JSON.parse(idsJson) }));
   r.bad_type = await attempt(() => client.completions.create({ ...greedy, max_tokens: 'five' }));
   r.bad_temp = await attempt(() => client.completions.create({ ...greedy, temperature: -1 }));
+  r.temp3 = await attempt(() => client.completions.create({ ...greedy, temperature: 3 }));
   r.bad_model = await attempt(() => client.completions.create({ ...greedy, model: 'gpt-4o' }));
   r.too_long = await attempt(() => client.completions.create({ ...greedy, max_tokens: 100000 }));
   r.echo = await attempt(() => client.completions.create({ ...greedy, echo: true }));
@@ -103,6 +107,9 @@ async function main() {
                       { role: 'user', content: 'Tell me about a cat.' }];
     const greedyChat = { model: chatModel, messages, max_completion_tokens: 16, temperature: 0 };
     r.chat_plain = await attempt(() => chat.chat.completions.create(greedyChat));
+    // the same messages with list-form content, as the SDKs send multi-part input
+    r.chat_parts = await attempt(() => chat.chat.completions.create({ ...greedyChat,
+      messages: messages.map((m) => ({ role: m.role, content: [{ type: 'text', text: m.content }] })) }));
     r.chat_stream2 = await attempt(async () => drain(await chat.chat.completions.create(
       { ...greedyChat, stream: true, stream_options: { include_usage: true } }), true));
     r.chat_n2 = await attempt(() => chat.chat.completions.create(
