@@ -50,7 +50,13 @@ start_fake() {
     local name=$1; shift
     "$FAKE" "$@" >"$TMP/$name.out" 2>"$TMP/$name.err" &
     PIDS+=($!)
-    for _ in $(seq 100); do grep -q '^PORT ' "$TMP/$name.out" 2>/dev/null && break; sleep 0.05; done
+    local pid=$!
+    # until its PORT line or its exit (no fixed while: busy cores under ASan start slowly)
+    for _ in $(seq 2400); do
+        grep -q '^PORT ' "$TMP/$name.out" 2>/dev/null && break
+        kill -0 $pid 2>/dev/null || break
+        sleep 0.05
+    done
     FAKE_ADDR=127.0.0.1:$(awk '/^PORT /{print $2}' "$TMP/$name.out")
     [ "$FAKE_ADDR" != "127.0.0.1:" ] || { echo "FAIL: the fake server did not start"; cat "$TMP/$name.err"; exit 1; }
 }
@@ -320,7 +326,7 @@ else
     "$BIN/pdserve-up" --model "$STORIES" --colocated --port 0 >"$TMP/up.out" 2>"$TMP/up.err" &
     UP=$!
     PIDS+=($UP)
-    for _ in $(seq 200); do grep -q '^ROUTER ' "$TMP/up.out" && break; kill -0 $UP 2>/dev/null || break; sleep 0.1; done
+    for _ in $(seq 1800); do grep -q '^ROUTER ' "$TMP/up.out" && break; kill -0 $UP 2>/dev/null || break; sleep 0.1; done
     R=$(awk '/^ROUTER /{print $2}' "$TMP/up.out")
     if [ -z "$R" ]; then fail "I: pdserve-up did not start"; cat "$TMP/up.err"; else
         bench I --addr "$R" --workload shared-prefix --prefix-groups 2 --prefix-len 32 \

@@ -73,13 +73,17 @@ python3 -c 'import socket, sys, time
 s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
 print(s.getsockname()[1], flush=True); time.sleep(120)' >"$TMP/held.port" &
 holder=$!
-for _ in $(seq 100); do [ -s "$TMP/held.port" ] && break; sleep 0.1; done
+# (python's start on two busy cores under ASan can take seconds: wait for the port as long as
+# it takes, up to the test's own timeout, never for a fixed while)
+for _ in $(seq 1800); do [ -s "$TMP/held.port" ] && break; sleep 0.1; done
 hport=$(head -1 "$TMP/held.port")
+check "[ -n '$hport' ]" "a port held by another process ($hport)"
 PDSERVE_LOG_DIR=$TMP/clash timeout 60 "$BIN/pdserve-up" --model "$MODEL" --port 0 --colocated \
     --router-args "--http-listen 127.0.0.1:$hport" -- --backend cpu >"$TMP/clash.out" 2>"$TMP/clash.err"
 rc=$?
 kill $holder 2>/dev/null; wait $holder 2>/dev/null
 check "[ $rc -eq 1 ] && grep -q 'router did not start' '$TMP/clash.err' && grep -q 'address in use' '$TMP/clash.err' && ! grep -q '^ROUTER' '$TMP/clash.out'" "an HTTP port clash: the router did not start, with its reason, no ROUTER line (rc $rc)"
+grep -q 'address in use' "$TMP/clash.err" || sed 's/^/  clash.err: /' "$TMP/clash.err" | tail -n 25
 
 "$BIN/pdserve-up" --model "$MODEL" --port 0 --colocated -- --backend cpu >"$TMP/own.out" 2>"$TMP/own.err" &
 up=$!
