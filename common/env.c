@@ -76,6 +76,10 @@ static const pd_env_knob k_knobs[] = {
      "cuBLASLt's FP8 fast accumulation (no periodic promotion to f32, as vLLM's Hopper FP8 "
      "GEMMs) for per-channel x per-token products of k up to this (0: never). Longer k "
      "promotes: at k 8192 and 14336 fast accumulation broke test_cuda_fp8's error bound."},
+    {"PDSERVE_CUDA_FP8_FUSED_QUANT", PD_ENV_BOOL, "1", 0, 0, NULL, "kernels/cuda",
+     "The FP8 products' activation quantization fused into the RMSNorm and SwiGLU kernels "
+     "that make their input rows (prefill sizes; the same bits); 0: separate kernels, for A/B "
+     "runs."},
     {"PDSERVE_CUDA_FP8_GEMV_MAX_N", PD_ENV_INT, "8", I64_MIN, I64_MAX, NULL, "kernels/cuda",
      "The FP8 products' crossover in n to the large-n paths (clamped to 0 .. 8; 0: never the "
      "small-n kernel)."},
@@ -90,6 +94,9 @@ static const pd_env_knob k_knobs[] = {
      "order, for A/B runs."},
     {"PDSERVE_CUDA_PDL", PD_ENV_BOOL, "0", 0, 0, NULL, "kernels/cuda",
      "Programmatic dependent launch for small grids (sm_90)."},
+    {"PDSERVE_CUDA_ROPE_VEC", PD_ENV_BOOL, "1", 0, 0, NULL, "kernels/cuda",
+     "rope_store_kv's block-a-token kernel (angles once a token, 16-byte accesses) for head "
+     "sizes 64, 128 and 256; 0: the warp-a-head kernel, for A/B runs."},
     {"PDSERVE_CUDA_SAMPLE_CLUSTER", PD_ENV_INT, "0", I64_MIN, I64_MAX, NULL, "kernels/cuda",
      "Caps the sample kernel's blocks per row (a cluster) at 1, 2, 4 or 8, for A/B runs (the "
      "same results; values < 1: no cap)."},

@@ -743,6 +743,21 @@ static int upload_meta(mr *r, const mr_batch *b, int32_t T, int32_t S, char *err
 /* A linear's op: its weights' op set's (quantized), else the backend's own. */
 #define LIN(ops) ((ops) ? (ops)->linear_fused : o->linear_fused)
 
+/* A layer's MLP products, gate_up (swiglu) then down: in one call of their op set's
+ * linear_pair where both are of a set that has one (its intermediate in the set's own form),
+ * else the two linear ops. */
+static int mlp_products(const pd_backend *be, const pd_layer_weights *w, pd_linear_args *gu,
+                        pd_linear_args *dn)
+{
+    const pd_backend_ops *o = be->ops;
+    gu->w = w->gate_up;
+    dn->w = w->down;
+    if (w->gate_up_ops && w->gate_up_ops == w->down_ops && w->gate_up_ops->linear_pair)
+        return w->gate_up_ops->linear_pair(be->ctx, gu, dn);
+    const int rc = LIN(w->gate_up_ops)(be->ctx, gu);
+    return rc < 0 ? rc : LIN(w->down_ops)(be->ctx, dn);
+}
+
 static double mr_now_s(void)
 {
     struct timespec ts;
@@ -870,10 +885,14 @@ static int run_layers_tp(mr *r, int32_t T, pd_linear_args *lqkv, pd_rope_args *r
         }
         /* MLP block */
         TCALL(0, o->rmsnorm(x, r->h, r->a, w->mlp_norm, T, hs, c->rms_eps, r->h));
-        lgu.w = w->gate_up;
-        TCALL(5, LIN(w->gate_up_ops)(x, &lgu));
-        ld.w = w->down;
-        TCALL(6, LIN(w->down_ops)(x, &ld));
+        if (r->debug_op_timing) { /* each product's time of its own */
+            lgu.w = w->gate_up;
+            TCALL(5, LIN(w->gate_up_ops)(x, &lgu));
+            ld.w = w->down;
+            TCALL(6, LIN(w->down_ops)(x, &ld));
+        } else {
+            CALL(mlp_products(be, w, &lgu, &ld));
+        }
         if (!skip_ar)
             TCALL(7, cm->ops->all_reduce_sum(cm->ctx, r->rank, r->h, o->act_dtype, n_sum));
     }
@@ -977,11 +996,8 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
         lo.bias = w->o_bias;
         CALL(LIN(w->o_ops)(x, &lo));
         /* MLP block */
-        lgu.w = w->gate_up;
         lgu.norm_w = w->mlp_norm;
-        CALL(LIN(w->gate_up_ops)(x, &lgu));
-        ld.w = w->down;
-        CALL(LIN(w->down_ops)(x, &ld));
+        CALL(mlp_products(be, w, &lgu, &ld));
     }
 final_norm:
     if (final) CALL(o->rmsnorm(x, r->a, NULL, r->m->final_norm, T, hs, c->rms_eps, r->h));

@@ -282,6 +282,12 @@ typedef struct pd_wq_ops {
      * weight's act says, then multiplied as pd_qweight_desc says; the bias, accumulate and
      * swiglu as in pd_linear_args. Returns 0, PD_EINVAL, PD_EBACKEND. */
     int (*linear_fused)(void *ctx, const pd_linear_args *a);
+    /* Optional (NULL: the caller makes the two linear_fused calls): an MLP's two products of
+     * this op set's weights, gate_up (with swiglu) then down (its x gate_up's out, k gate_up's
+     * m, the same n), computing exactly what linear_fused(gate_up); linear_fused(down)
+     * computes, the intermediate in the op set's own form (gate_up->out, and its tmp_out, are
+     * scratch: their contents afterwards are unspecified). Returns as linear_fused. */
+    int (*linear_pair)(void *ctx, const pd_linear_args *gate_up, const pd_linear_args *down);
 } pd_wq_ops;
 
 struct pd_backend;

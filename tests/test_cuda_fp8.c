@@ -367,6 +367,108 @@ static void test_linear(void)
            st.n_cases, st.n_failed, st.max_err_rel);
 }
 
+/* Downloads n bf16 of two device buffers and whether their bits are equal. */
+static bool same_bits(const void *a, const void *b, size_t n)
+{
+    float *ha = xmalloc(n * sizeof *ha), *hb = xmalloc(n * sizeof *hb);
+    download(ha, a, PD_DTYPE_BF16, n);
+    download(hb, b, PD_DTYPE_BF16, n);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += memcmp(&ha[i], &hb[i], sizeof ha[i]) != 0;
+    free(ha);
+    free(hb);
+    return bad == 0;
+}
+
+/* The fusions of the quantization into the kernels that make its rows change no bit:
+ * linear_fused with norm_w equals the norm op followed by linear_fused without it, and
+ * linear_pair (gate_up with SwiGLU, then down accumulating) equals the two linear_fused calls,
+ * over n (decode sizes that take neither fusion, prefill sizes that take both), groups (a
+ * scale a row, 128), dynamic and static activations, bias, and a row length off the 128 grid
+ * (no fused form: the calls as they are). */
+static void test_fusions_exact(void)
+{
+    static const struct { int32_t k, f; } shapes[] = {{256, 512}, {512, 200}, {4096, 14336}};
+    static const int32_t ns[] = {7, 133, 600};
+    static const pd_act_quant acts[] = {PD_ACT_DYNAMIC, PD_ACT_STATIC};
+    const pd_wq_ops *ops = g_gpu->ops->fp8;
+    int n_cases = 0;
+    CHECK(ops->linear_pair != NULL);
+    if (!ops->linear_pair) return;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (int gi = 0; gi < 2; gi++)
+            for (size_t ai = 0; ai < sizeof acts / sizeof acts[0]; ai++) {
+                const int32_t k = shapes[si].k, f = shapes[si].f;
+                const int32_t gg = gi ? 128 : k, gd = gi ? 128 : f;
+                host_weight hg = make_weight(2 * f, k, gg, true), hd = make_weight(k, f, gd, true);
+                const float in_scale = 0.6f / 448.0f;
+                pd_qweight_desc d1 = {hg.w8, hg.scale, 2 * f, k, gg, acts[ai], in_scale};
+                pd_qweight_desc d2 = {hd.w8, hd.scale, k, f, gd, acts[ai], in_scale};
+                void *wg = NULL, *wd = NULL;
+                CHECK_EQ_INT(ops->weight_create(g_gpu->ctx, &d1, &wg), 0);
+                CHECK_EQ_INT(ops->weight_create(g_gpu->ctx, &d2, &wd), 0);
+                for (size_t ni = 0; wg && wd && ni < sizeof ns / sizeof ns[0]; ni++) {
+                    const int32_t n = ns[ni];
+                    float *x = rand_bf16((size_t)n * k, 1.0), *nw = rand_bf16(k, 1.0);
+                    float *bias = rand_bf16(2 * (size_t)f, 0.5), *init = rand_bf16((size_t)n * k, 2.0);
+                    for (int32_t j = 0; j < k; j++) nw[j] = bf16_round(1.0f + 0.25f * nw[j]);
+                    void *dx = dev_bf16(x, (size_t)n * k), *dnw = dev_bf16(nw, k);
+                    void *db = dev_bf16(bias, 2 * (size_t)f);
+                    void *o1 = dev_bf16(init, (size_t)n * k), *o2 = dev_bf16(init, (size_t)n * k);
+                    void *tx = dev_alloc(PD_DTYPE_BF16, (size_t)n * k);
+                    void *act = dev_alloc(PD_DTYPE_BF16, (size_t)n * f);
+                    void *gu = dev_alloc(PD_DTYPE_BF16, (size_t)n * 2 * f);
+                    void *q1 = dev_alloc(PD_DTYPE_BF16, (size_t)n * 2 * f);
+                    void *q2 = dev_alloc(PD_DTYPE_BF16, (size_t)n * 2 * f);
+                    pd_linear_args a = {.x = dx, .w = wg, .bias = db, .out = act, .n = n,
+                                        .k = k, .m = f, .norm_w = dnw, .norm_eps = 1e-5f,
+                                        .swiglu = true, .tmp_x = tx, .tmp_out = gu};
+                    pd_linear_args b = {.x = act, .w = wd, .out = o1, .n = n, .k = f, .m = k,
+                                        .accumulate = true};
+                    /* the norm fused, and the norm op then the product without it */
+                    a.out = q1;
+                    CHECK_EQ_INT(ops->linear_fused(g_gpu->ctx, &a), 0);
+                    CHECK_EQ_INT(g_gpu->ops->rmsnorm(g_gpu->ctx, dx, NULL, dnw, n, k, 1e-5f, tx), 0);
+                    pd_linear_args a2 = a;
+                    a2.x = tx;
+                    a2.norm_w = NULL;
+                    a2.out = q2;
+                    CHECK_EQ_INT(ops->linear_fused(g_gpu->ctx, &a2), 0);
+                    CHECK_MSG(same_bits(q1, q2, (size_t)n * f),
+                              "k %d group %d act %d n %d: the fused norm's product differs "
+                              "from the norm op's", k, gg, (int)acts[ai], n);
+                    /* the pair, and the two calls */
+                    a.out = act;
+                    CHECK_EQ_INT(ops->linear_fused(g_gpu->ctx, &a), 0);
+                    CHECK_EQ_INT(ops->linear_fused(g_gpu->ctx, &b), 0);
+                    b.out = o2;
+                    CHECK_EQ_INT(ops->linear_pair(g_gpu->ctx, &a, &b), 0);
+                    CHECK_MSG(same_bits(o1, o2, (size_t)n * k),
+                              "k %d f %d group %d act %d n %d: linear_pair differs from the two "
+                              "linear_fused calls", k, f, gg, (int)acts[ai], n);
+                    n_cases++;
+                    free(x);
+                    free(nw);
+                    free(bias);
+                    free(init);
+                    void *bufs[] = {dx, dnw, db, o1, o2, tx, act, gu, q1, q2};
+                    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+                        g_gpu->ops->free(g_gpu->ctx, bufs[i]);
+                }
+                ops->weight_destroy(g_gpu->ctx, wg);
+                ops->weight_destroy(g_gpu->ctx, wd);
+                free(hg.w8);
+                free(hg.scale);
+                free(hd.w8);
+                free(hd.scale);
+            }
+    /* a pair whose down does not take gate_up's output is refused */
+    pd_linear_args a = {.n = 1}, b = {.n = 2};
+    CHECK_EQ_INT(ops->linear_pair(g_gpu->ctx, &a, &b), PD_EINVAL);
+    printf("  fused norm and SwiGLU quantization: %d cases, equal bits to the unfused calls\n",
+           n_cases);
+}
+
 /* The weight checks and NULL handling of the op set. */
 static void test_weight_rules(void)
 {
@@ -459,6 +561,7 @@ int main(void)
     test_weight_rules();
     test_quant_exact();
     test_linear();
+    test_fusions_exact();
     test_graph();
     pd_backend_destroy(g_gpu);
     return pd_test_result("test_cuda_fp8");

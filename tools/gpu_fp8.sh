@@ -5,10 +5,12 @@
 # dependent launches (PDSERVE_CUDA_PDL=1) and without cuBLASLt's FP8 fast accumulation
 # (PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K=0); the Llama-3-8B shape (dummy) batch-1 decode at bf16 and
 # with FP8 weights (as it is and with PDL), and FP8 prefill of 2k-token prompts with and
-# without fast accumulation, each next to the floors of this run; "profile": the GPU time of
-# each kernel of one 2048-token prefill at bf16 and FP8 (ncu, when it reads the counters).
+# without fast accumulation and without the quantization fused into RMSNorm / SwiGLU
+# (PDSERVE_CUDA_FP8_FUSED_QUANT=0), each next to the floors of this run; "profile": the GPU time of
+# each kernel of one 2048-token prefill at bf16 and FP8 (ncu, when it reads the counters);
+# "profile_decode": the same for 8 decode steps of 64 sequences op by op (bf16; FP8 weights + KV).
 # Logs in $OUT/fp8ab/ and $OUT/fp8ab.tgz; a summary at the end. FP8AB_SKIP="tests kernels 8b
-# profile" leaves parts out.
+# profile profile_decode" leaves parts out.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 . tools/gpu_env.sh
@@ -58,8 +60,9 @@ if ! skip 8b; then
     run prefill_bf16 "$G/bin/pdserve-bench-offline" "${PRE[@]}"
     run prefill_fp8 "$G/bin/pdserve-bench-offline" "${PRE[@]}" --quantization fp8
     run prefill_fp8_promote PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K=0 "$G/bin/pdserve-bench-offline" "${PRE[@]}" --quantization fp8
+    run prefill_fp8_unfused PDSERVE_CUDA_FP8_FUSED_QUANT=0 "$G/bin/pdserve-bench-offline" "${PRE[@]}" --quantization fp8
     echo "== summary (Llama-3-8B shape; copy $BW GB/s, GEMM $TF TFLOP/s in this run)"
-    for f in decode_bf16 decode_fp8 decode_fp8_pdl decode_fp8_ops prefill_bf16 prefill_fp8 prefill_fp8_promote; do
+    for f in decode_bf16 decode_fp8 decode_fp8_pdl decode_fp8_ops prefill_bf16 prefill_fp8 prefill_fp8_promote prefill_fp8_unfused; do
         env -u LD_LIBRARY_PATH python3 -c '
 import json, sys
 try:
@@ -77,15 +80,8 @@ else:
     print("%-18s %.0f prompt tok/s" % (sys.argv[2], d["prefill_tok_s"]))' "$F/$f.log" "$f"
     done
 fi
-if ! skip profile; then
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    for q in none fp8; do
-        "$NCU" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
-            "$G/bin/pdserve-generate" --model tools/shapes/llama3-8b --load-format dummy \
-            --backend cuda --kv-cache-mb 4096 --quantization "$q" --random-prompt-len 2048 \
-            --max-tokens 1 --ignore-eos --temperature 0 >"$F/profile_$q.log" 2>&1
-        echo "== profile $q (one 2048-token prefill; kernel, calls, total us)"
-        env -u LD_LIBRARY_PATH python3 - "$F/profile_$q.log" <<'PY'
+summarize() { # summarize NCU_LOG: the kernels' GPU time, largest first
+        env -u LD_LIBRARY_PATH python3 - "$1" <<'PY'
 import re, sys
 rows, name, calls = [], None, 0
 for line in open(sys.argv[1], errors="replace"):
@@ -103,6 +99,31 @@ tot = sum(r[0] for r in rows)
 for t, c, n in rows[:18]: print("%-60s %6d %10.0f" % (n, c, t))
 print("%-60s %6s %10.0f" % ("total", "", tot))
 PY
+}
+if ! skip profile; then
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for q in none fp8; do
+        "$NCU" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+            "$G/bin/pdserve-generate" --model tools/shapes/llama3-8b --load-format dummy \
+            --backend cuda --kv-cache-mb 4096 --quantization "$q" --random-prompt-len 2048 \
+            --max-tokens 1 --ignore-eos --temperature 0 >"$F/profile_$q.log" 2>&1
+        echo "== profile $q (one 2048-token prefill; kernel, calls, total us)"
+        summarize "$F/profile_$q.log"
+    done
+fi
+if ! skip profile_decode; then
+    # decode steps of 64 sequences op by op (the goodput workloads' decode batches): 64
+    # prompts of 128 tokens, 8 steps; the fill and prefill kernels are listed too
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for q in none fp8; do
+        kv=auto; [ "$q" = fp8 ] && kv=fp8
+        "$NCU" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+            "$G/bin/pdserve-bench-offline" --model tools/shapes/llama3-8b --load-format dummy \
+            --backend cuda --kv-cache-mb 4096 --quantization "$q" --kv-cache-dtype "$kv" \
+            --num-requests 64 --input-len 128 --output-len 9 --max-num-seqs 64 \
+            --enforce-eager >"$F/profile_decode_$q.log" 2>&1
+        echo "== profile decode $q (64 sequences, 8 steps op by op + their prefill; kernel, calls, total us)"
+        summarize "$F/profile_decode_$q.log"
     done
 fi
 tar -czf "$OUT/fp8ab.tgz" -C "$OUT" fp8ab 2>/dev/null

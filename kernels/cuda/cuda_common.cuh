@@ -361,6 +361,65 @@ static __device__ __forceinline__ unsigned pd_pack_bf16(float lo, float hi)
     return *reinterpret_cast<const unsigned *>(&v);
 }
 
+/* The row-parallel RMSNorm (cuda_rmsnorm.cu's vector kernel: PD_RMSNORM_THREADS threads a row,
+ * 16-byte chunks, chunk j of a row in thread j % PD_RMSNORM_THREADS) takes n rows of dim
+ * when this holds and its buffers are 16-byte aligned; the FP8 op set's fused norm +
+ * quantization runs exactly where it does, with the same reduction (the same bits). */
+#define PD_RMSNORM_THREADS 256
+static inline bool pd_rmsnorm_vec_fits(int32_t n, int32_t dim, int sm_count)
+{
+    return n >= sm_count && dim % 8 == 0 && dim <= 8 * PD_RMSNORM_THREADS * 8;
+}
+
+/* RMSNorm's element rule on 8 bf16 (16 bytes): bf16(w * (x * r)) each, r the row's
+ * 1 / rms. The norm kernels and the FP8 op set's fused norm + quantization share it, so
+ * the fused form writes the same bits. */
+static __device__ __forceinline__ uint4 pd_rmsnorm8(uint4 x, uint4 w, float r)
+{
+    const uint32_t xa[4] = {x.x, x.y, x.z, x.w};
+    const uint32_t wa[4] = {w.x, w.y, w.z, w.w};
+    uint32_t o[4];
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+        o[e] = pd_pack_bf16(pd_bf16_lo(wa[e]) * (pd_bf16_lo(xa[e]) * r),
+                            pd_bf16_hi(wa[e]) * (pd_bf16_hi(xa[e]) * r));
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+/* A row's 1 / rms from each thread's partial sum of squares (the whole block's threads
+ * call it): the block sum, then 1 / sqrt(ss / dim + eps) in double. */
+static __device__ __forceinline__ float pd_rms_inv(float ss_part, int32_t dim, float eps)
+{
+    const float ss = pd_block_sum(ss_part);
+    return (float)(1.0 / sqrt((double)ss / dim + eps));
+}
+
+/* SwiGLU's element rule: silu(g) * u in fp32, with the hardware's exp2 and reciprocal
+ * (__expf, __fdividef: a few ulp of fp32, far below the bf16 rounding of the result; g below
+ * about -87 gives 0). The IEEE expf and division made a prefill's SwiGLU bound by its
+ * instructions, not its bytes (docs/perf-history.md, "FP8 prefill: the quantization fused
+ * into its producers"). */
+static __device__ __forceinline__ float pd_silu_mul(float g, float u)
+{
+    return __fdividef(g, 1.0f + __expf(-g)) * u;
+}
+
+/* SwiGLU's element rule on 8 gate and 8 up values: bf16(pd_silu_mul(g, u)) each (the swiglu
+ * op's; the FP8 op set's fused SwiGLU + quantization shares it). */
+static __device__ __forceinline__ uint4 pd_swiglu8(uint4 gv, uint4 uv)
+{
+    const __nv_bfloat162 *g2 = reinterpret_cast<const __nv_bfloat162 *>(&gv);
+    const __nv_bfloat162 *u2 = reinterpret_cast<const __nv_bfloat162 *>(&uv);
+    uint4 ov;
+    __nv_bfloat162 *o2 = reinterpret_cast<__nv_bfloat162 *>(&ov);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const float2 x = __bfloat1622float2(g2[e]), u = __bfloat1622float2(u2[e]);
+        o2[e] = __floats2bfloat162_rn(pd_silu_mul(x.x, u.x), pd_silu_mul(x.y, u.y));
+    }
+    return ov;
+}
+
 /* A 16-byte line of global memory as it is now (a volatile load: polled until its writer's
  * flags show; decode_layers' exchanges). */
 static __device__ __forceinline__ uint4 pd_ld_volatile4(const void *p)

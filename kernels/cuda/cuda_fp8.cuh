@@ -36,6 +36,23 @@ cudaError_t pd_cuda__fp8_launch_quant(const bf16 *x, int32_t n, int32_t k, int32
                                       pd_act_quant act, float in_scale, uint8_t *q, float *s,
                                       cudaStream_t stream);
 
+/* The quantization fused into the kernel that makes its input rows (cuda_fp8_quant.cu), the
+ * same codes and scales as that kernel's bf16 rows through launch_quant: rows of k columns
+ * fit when k % 8 == 0, k <= PD_FP8_FUSED_MAX_K, a scale a row or groups of 128 (k % 128 == 0),
+ * and the rows and codes 16-byte aligned (pd_cuda__fp8_fused_quant_fits).
+ *   norm_quant: RMSNorm of x [n][k] with weights w (no residual), for the rows where the norm
+ *     op takes its vector kernel (pd_rmsnorm_vec_fits; k <= 16384), whose reduction it repeats;
+ *   swiglu_quant: the SwiGLU of gate_up [n][2f] (the swiglu op's rule). */
+#define PD_FP8_FUSED_MAX_K 32768
+bool pd_cuda__fp8_fused_quant_fits(int32_t k, int32_t group, const void *rows, const void *q);
+cudaError_t pd_cuda__fp8_launch_norm_quant(const bf16 *x, const bf16 *w, int32_t n, int32_t k,
+                                           float eps, int32_t group, pd_act_quant act,
+                                           float in_scale, uint8_t *q, float *s,
+                                           cudaStream_t stream);
+cudaError_t pd_cuda__fp8_launch_swiglu_quant(const bf16 *gate_up, int32_t n, int32_t f,
+                                             int32_t group, pd_act_quant act, float in_scale,
+                                             uint8_t *q, float *s, cudaStream_t stream);
+
 /* out[r][j] = q[r][j] * s[(j / group) * n + r] in f32 (the quantized rows as values). */
 cudaError_t pd_cuda__fp8_launch_expand(const uint8_t *q, const float *s, int32_t n, int32_t k,
                                        int32_t group, float *out, cudaStream_t stream);

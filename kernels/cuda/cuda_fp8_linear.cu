@@ -366,65 +366,152 @@ static int gemv_max_n(void)
     return v;
 }
 
-extern "C" int pd_cuda__fp8_linear_fused(void *ctx, const pd_linear_args *a)
+/* Whether the quantization is fused into the kernels that make its input rows (the norm of a
+ * linear with norm_w, the SwiGLU of linear_pair): PDSERVE_CUDA_FP8_FUSED_QUANT (default 1; 0 for
+ * A/B runs), read once. The same bits either way. */
+static bool fused_quant(void)
 {
-    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    static const bool v = pd_env_bool("PDSERVE_CUDA_FP8_FUSED_QUANT");
+    return v;
+}
+
+static int check_args(const pd_linear_args *a)
+{
     if (!a || a->n < 0 || a->k <= 0 || a->m <= 0 || !a->x || !a->w || !a->out ||
         (a->norm_w && !a->tmp_x) || (a->swiglu && (!a->tmp_out || a->accumulate)) ||
         (a->swiglu && a->m > INT32_MAX / 2))
         return PD_EINVAL;
-    pd_fp8_weight *w = (pd_fp8_weight *)a->w;
-    const int32_t n = a->n, k = a->k, m = a->m, mw = a->swiglu ? 2 * m : m;
-    if (w->k != k || w->m != mw) return PD_EINVAL;
-    if (a->n == 0) return 0;
-    fp8_state *st = (fp8_state *)c->fp8_state; /* made by the weight's creation */
-    int rc;
+    const pd_fp8_weight *w = (const pd_fp8_weight *)a->w;
+    return w->k == a->k && w->m == (a->swiglu ? 2 * a->m : a->m) ? 0 : PD_EINVAL;
+}
+
+/* The quantized input of a linear of large n (w->act not PD_ACT_NONE) into st->xq / xs: its
+ * rows a->x, normed first when a->norm_w is set (in one kernel with the quantization where
+ * that fits, else the norm op into a->tmp_x). */
+static int quant_input(pd_cuda_ctx *c, fp8_state *st, const pd_fp8_weight *w,
+                       const pd_linear_args *a)
+{
+    int rc = ws_input(c, st, w, a->n);
+    if (rc < 0) return rc;
     const void *x = a->x;
     if (a->norm_w) {
-        rc = pd_cuda__rmsnorm(ctx, x, NULL, a->norm_w, n, k, a->norm_eps, a->tmp_x);
+        if (fused_quant() && pd_rmsnorm_vec_fits(a->n, a->k, c->sm_count) &&
+            pd_cuda__fp8_fused_quant_fits(a->k, w->group, x, st->xq) &&
+            ((uintptr_t)a->norm_w & 15) == 0) {
+            PD_CUDA_CHECK(pd_cuda__fp8_launch_norm_quant(
+                (const bf16 *)x, (const bf16 *)a->norm_w, a->n, a->k, a->norm_eps, w->group,
+                w->act, w->in_scale, st->xq, st->xs, c->stream));
+            return 0;
+        }
+        rc = pd_cuda__rmsnorm(c, x, NULL, a->norm_w, a->n, a->k, a->norm_eps, a->tmp_x);
         if (rc < 0) return rc;
         x = a->tmp_x;
     }
+    PD_CUDA_CHECK(pd_cuda__fp8_launch_quant((const bf16 *)x, a->n, a->k, w->group, w->act,
+                                            w->in_scale, st->xq, st->xs, c->stream));
+    return 0;
+}
+
+/* d [n][w->m] = the product of the quantized input in st->xq / xs (+ bias) (+ d when acc):
+ * cuBLASLt, else the tiled kernel. */
+static int product(pd_cuda_ctx *c, fp8_state *st, pd_fp8_weight *w, int32_t n,
+                   const bf16 *bias, bf16 *d, bool acc)
+{
+    const int rc = lt_product(c, st, w, st->xq, st->xs, n, d, acc);
+    if (rc < 0) return rc;
+    if (rc == 0) {
+        if (bias) PD_CUDA_CHECK(pd_cuda__fp8_launch_bias(d, bias, n, w->m, c->stream));
+        return 0;
+    }
+    const pd_fp8_input in = {st->xq, st->xs, NULL};
+    PD_CUDA_CHECK(pd_cuda__fp8_launch_tile(w, &in, bias, d, n, acc, c->stream));
+    return 0;
+}
+
+extern "C" int pd_cuda__fp8_linear_fused(void *ctx, const pd_linear_args *a)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    int rc = check_args(a);
+    if (rc < 0) return rc;
+    pd_fp8_weight *w = (pd_fp8_weight *)a->w;
+    const int32_t n = a->n, k = a->k, m = a->m, mw = a->swiglu ? 2 * m : m;
+    if (n == 0) return 0;
+    fp8_state *st = (fp8_state *)c->fp8_state; /* made by the weight's creation */
     const bf16 *bias = (const bf16 *)a->bias;
     bf16 *out = (bf16 *)a->out;
-    pd_fp8_input in = {NULL, NULL, (const bf16 *)x};
     const bool small = n <= gemv_max_n();
-    if (w->act == PD_ACT_NONE) {
+    if (w->act == PD_ACT_NONE || small) {
+        const void *x = a->x;
+        if (a->norm_w) {
+            rc = pd_cuda__rmsnorm(ctx, x, NULL, a->norm_w, n, k, a->norm_eps, a->tmp_x);
+            if (rc < 0) return rc;
+            x = a->tmp_x;
+        }
+        pd_fp8_input in = {NULL, NULL, (const bf16 *)x};
+        if (w->act != PD_ACT_NONE) {
+            rc = ws_input(c, st, w, n);
+            if (rc < 0) return rc;
+            PD_CUDA_CHECK(pd_cuda__fp8_launch_quant((const bf16 *)x, n, k, w->group, w->act,
+                                                    w->in_scale, st->xq, st->xs, c->stream));
+            in.xq = st->xq;
+            in.xs = st->xs;
+        }
         if (small && pd_cuda__fp8_gemv_can(c, w, &in, n)) {
             PD_CUDA_CHECK(pd_cuda__fp8_launch_gemv(w, &in, bias, out, n, m, a->swiglu,
                                                    a->accumulate, c->stream));
             return 0;
         }
-        /* weight-only, larger n: the bf16 product of the dequantized weight */
-        rc = ws_grow(c, st, (void **)&st->wdq, &st->wdq_bytes, (size_t)mw * k * sizeof(bf16),
-                     "dequant");
+        if (w->act == PD_ACT_NONE) {
+            /* weight-only, larger n: the bf16 product of the dequantized weight */
+            rc = ws_grow(c, st, (void **)&st->wdq, &st->wdq_bytes,
+                         (size_t)mw * k * sizeof(bf16), "dequant");
+            if (rc < 0) return rc;
+            PD_CUDA_CHECK(pd_cuda__fp8_launch_dequant(w, st->wdq, c->stream));
+            pd_linear_args b = *a;
+            b.x = x;
+            b.w = st->wdq;
+            b.norm_w = NULL;
+            return pd_cuda__linear_fused(ctx, &b);
+        }
+    } else {
+        rc = quant_input(c, st, w, a);
         if (rc < 0) return rc;
-        PD_CUDA_CHECK(pd_cuda__fp8_launch_dequant(w, st->wdq, c->stream));
-        pd_linear_args b = *a;
-        b.x = x;
-        b.w = st->wdq;
-        b.norm_w = NULL;
-        return pd_cuda__linear_fused(ctx, &b);
-    }
-    rc = ws_input(c, st, w, n);
-    if (rc < 0) return rc;
-    PD_CUDA_CHECK(pd_cuda__fp8_launch_quant((const bf16 *)x, n, k, w->group, w->act,
-                                            w->in_scale, st->xq, st->xs, c->stream));
-    in.xq = st->xq;
-    in.xs = st->xs;
-    if (small && pd_cuda__fp8_gemv_can(c, w, &in, n)) {
-        PD_CUDA_CHECK(pd_cuda__fp8_launch_gemv(w, &in, bias, out, n, m, a->swiglu, a->accumulate,
-                                               c->stream));
-        return 0;
     }
     bf16 *d = a->swiglu ? (bf16 *)a->tmp_out : out;
-    const bool acc = a->accumulate && !a->swiglu;
-    rc = lt_product(c, st, w, st->xq, st->xs, n, d, acc);
+    rc = product(c, st, w, n, bias, d, a->accumulate && !a->swiglu);
     if (rc < 0) return rc;
-    if (rc == 0) {
-        if (bias) PD_CUDA_CHECK(pd_cuda__fp8_launch_bias(d, bias, n, mw, c->stream));
-    } else {
-        PD_CUDA_CHECK(pd_cuda__fp8_launch_tile(w, &in, bias, d, n, acc, c->stream));
-    }
     return a->swiglu ? pd_cuda__swiglu(ctx, d, n, m, out) : 0;
+}
+
+/* pd_wq_ops.linear_pair: gate_up (with swiglu) then down (its x gate_up's out). For large n
+ * with both weights' inputs quantized, the SwiGLU writes the down product's codes and scales
+ * in one kernel (gate_up->out is not written); otherwise the two linear_fused calls. */
+extern "C" int pd_cuda__fp8_linear_pair(void *ctx, const pd_linear_args *gu,
+                                        const pd_linear_args *dn)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    int rc = check_args(gu);
+    if (rc == 0) rc = check_args(dn);
+    if (rc < 0) return rc;
+    if (!gu->swiglu || dn->swiglu || dn->norm_w || dn->x != gu->out || dn->n != gu->n ||
+        dn->k != gu->m)
+        return PD_EINVAL;
+    pd_fp8_weight *wg = (pd_fp8_weight *)gu->w, *wd = (pd_fp8_weight *)dn->w;
+    const int32_t n = gu->n, f = gu->m;
+    fp8_state *st = (fp8_state *)c->fp8_state;
+    if (n == 0) return 0;
+    if (!fused_quant() || n <= gemv_max_n() || wg->act == PD_ACT_NONE ||
+        wd->act == PD_ACT_NONE || !pd_cuda__fp8_fused_quant_fits(f, wd->group, gu->tmp_out, st->xq)) {
+        rc = pd_cuda__fp8_linear_fused(ctx, gu);
+        return rc < 0 ? rc : pd_cuda__fp8_linear_fused(ctx, dn);
+    }
+    rc = quant_input(c, st, wg, gu);
+    if (rc < 0) return rc;
+    bf16 *gate_up = (bf16 *)gu->tmp_out;
+    rc = product(c, st, wg, n, (const bf16 *)gu->bias, gate_up, false);
+    if (rc == 0) rc = ws_input(c, st, wd, n); /* (a grown workspace: the old one is retired) */
+    if (rc < 0) return rc;
+    PD_CUDA_CHECK(pd_cuda__fp8_launch_swiglu_quant(gate_up, n, f, wd->group, wd->act,
+                                                   wd->in_scale, st->xq, st->xs, c->stream));
+    return product(c, st, wd, n, (const bf16 *)dn->bias, (bf16 *)dn->out, dn->accumulate);
 }

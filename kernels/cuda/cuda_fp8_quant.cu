@@ -178,6 +178,154 @@ quant_row_vec_kernel(const bf16 *x, int32_t n, int32_t k, bool dynamic, float in
     if (threadIdx.x == 0) s[r] = sc;
 }
 
+/* ---- the quantization fused into the kernel that makes its rows ----
+ * A block a row, QUANT_THREADS threads; the row's n8 16-byte chunks made in registers, chunk
+ * j = threadIdx.x + i * QUANT_THREADS in y[i] (zeros past the row's end), then quantized as
+ * launch_quant's kernels quantize the same bf16 row (the same codes and scales, bit for bit):
+ * a scale a row, or (g128) groups of 128, a group being the 16 chunks of 16 consecutive
+ * threads (n8 % 16 == 0: no group straddles the row's end or a warp's halves). */
+template <int V>
+static __device__ __forceinline__ void quant_kept(const uint4 (&y)[V], int32_t n8, int32_t n,
+                                                  bool g128, bool dynamic, float in_scale,
+                                                  uint8_t *q, float *s)
+{
+    __shared__ float part[QUANT_THREADS / 32];
+    const int32_t r = blockIdx.x;
+    uint2 *qr = reinterpret_cast<uint2 *>(q + (int64_t)r * n8 * 8);
+    if (g128) {
+#pragma unroll
+        for (int i = 0; i < V; i++) {
+            const int32_t j = (int32_t)threadIdx.x + i * QUANT_THREADS;
+            float sc = in_scale;
+            if (dynamic) { /* every lane shuffles: a half-warp is all in or all out */
+                float a = amax8(y[i], 0.0f);
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+                sc = dyn_scale(a);
+            }
+            if (j < n8) {
+                qr[j] = quant8(y[i], sc);
+                if ((j & 15) == 0) s[(int64_t)(j >> 4) * n + r] = sc;
+            }
+        }
+        return;
+    }
+    float sc = in_scale;
+    if (dynamic) {
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < V; i++) amax = amax8(y[i], amax);
+        amax = pd_warp_max(amax);
+        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = amax;
+        __syncthreads();
+        amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < QUANT_THREADS / 32; i++) amax = fmaxf(amax, part[i]);
+        sc = dyn_scale(amax);
+    }
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+        const int32_t j = (int32_t)threadIdx.x + i * QUANT_THREADS;
+        if (j < n8) qr[j] = quant8(y[i], sc);
+    }
+    if (threadIdx.x == 0) s[r] = sc;
+}
+
+/* RMSNorm (no residual) then the quantization: the norm as cuda_rmsnorm.cu's vector kernel
+ * computes it (the same thread layout and reduction: PD_RMSNORM_THREADS == QUANT_THREADS),
+ * its bf16 values never stored. */
+template <int V>
+static __global__ void __launch_bounds__(QUANT_THREADS)
+norm_quant_kernel(const bf16 *x, const bf16 *w, int32_t n, int32_t dim, float eps, bool g128,
+                  bool dynamic, float in_scale, uint8_t *q, float *s)
+{
+    pd_pdl_enter();
+    const int32_t n8 = dim / 8;
+    const uint4 *xr = reinterpret_cast<const uint4 *>(x + (size_t)blockIdx.x * dim);
+    const uint4 *wr = reinterpret_cast<const uint4 *>(w);
+    uint4 v[V], wv[V];
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+        const int32_t j = (int32_t)threadIdx.x + i * QUANT_THREADS;
+        v[i] = wv[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (j < n8) {
+            v[i] = xr[j];
+            wv[i] = __ldg(wr + j);
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < V; i++) ss += pd_sumsq8(v[i]);
+    const float r = pd_rms_inv(ss, dim, eps);
+#pragma unroll
+    for (int i = 0; i < V; i++)
+        if ((int32_t)threadIdx.x + i * QUANT_THREADS < n8) v[i] = pd_rmsnorm8(v[i], wv[i], r);
+    quant_kept<V>(v, n8, n, g128, dynamic, in_scale, q, s);
+}
+
+/* SwiGLU of gate_up [n][2f] (gate columns, then up) then the quantization of its [n][f] rows. */
+template <int V>
+static __global__ void __launch_bounds__(QUANT_THREADS)
+swiglu_quant_kernel(const bf16 *gate_up, int32_t n, int32_t f, bool g128, bool dynamic,
+                    float in_scale, uint8_t *q, float *s)
+{
+    pd_pdl_enter();
+    const int32_t f8 = f / 8;
+    const uint4 *row = reinterpret_cast<const uint4 *>(gate_up + (size_t)blockIdx.x * 2 * f);
+    uint4 y[V];
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+        const int32_t j = (int32_t)threadIdx.x + i * QUANT_THREADS;
+        y[i] = j < f8 ? pd_swiglu8(row[j], row[f8 + j]) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    quant_kept<V>(y, f8, n, g128, dynamic, in_scale, q, s);
+}
+
+static_assert(PD_RMSNORM_THREADS == QUANT_THREADS, "the fused norm must reduce as the norm does");
+
+/* The chunks a thread keeps for rows of k: 1, 2, 4, 8 or 16 (k <= PD_FP8_FUSED_MAX_K). */
+static int kept_chunks(int32_t k)
+{
+    const int32_t per = 8 * QUANT_THREADS;
+    return k <= per ? 1 : k <= 2 * per ? 2 : k <= 4 * per ? 4 : k <= 8 * per ? 8 : 16;
+}
+
+bool pd_cuda__fp8_fused_quant_fits(int32_t k, int32_t group, const void *rows, const void *q)
+{
+    const int32_t ng = (k + group - 1) / group;
+    return k % 8 == 0 && k <= PD_FP8_FUSED_MAX_K && (ng == 1 || (group == 128 && k % 128 == 0)) &&
+           (((uintptr_t)rows | (uintptr_t)q) & 15) == 0;
+}
+
+#define FUSED_LAUNCH(kern, V, ...)                                                            \
+    pd_cuda__launch(kern<V>, dim3((unsigned)n), dim3(QUANT_THREADS), 0, stream, __VA_ARGS__)
+#define FUSED_DISPATCH(kern, kc, ...)                                                         \
+    ((kc) == 1   ? FUSED_LAUNCH(kern, 1, __VA_ARGS__)                                         \
+     : (kc) == 2 ? FUSED_LAUNCH(kern, 2, __VA_ARGS__)                                         \
+     : (kc) == 4 ? FUSED_LAUNCH(kern, 4, __VA_ARGS__)                                         \
+     : (kc) == 8 ? FUSED_LAUNCH(kern, 8, __VA_ARGS__)                                         \
+                 : FUSED_LAUNCH(kern, 16, __VA_ARGS__))
+
+cudaError_t pd_cuda__fp8_launch_norm_quant(const bf16 *x, const bf16 *w, int32_t n, int32_t k,
+                                           float eps, int32_t group, pd_act_quant act,
+                                           float in_scale, uint8_t *q, float *s,
+                                           cudaStream_t stream)
+{
+    const bool g128 = (k + group - 1) / group > 1, dynamic = act == PD_ACT_DYNAMIC;
+    const int kc = kept_chunks(k);
+    if (kc > 8) return cudaErrorInvalidValue; /* the norm kernel's rows: pd_rmsnorm_vec_fits */
+    return FUSED_DISPATCH(norm_quant_kernel, kc, x, w, n, k, eps, g128, dynamic, in_scale, q, s);
+}
+
+cudaError_t pd_cuda__fp8_launch_swiglu_quant(const bf16 *gate_up, int32_t n, int32_t f,
+                                             int32_t group, pd_act_quant act, float in_scale,
+                                             uint8_t *q, float *s, cudaStream_t stream)
+{
+    const bool g128 = (f + group - 1) / group > 1, dynamic = act == PD_ACT_DYNAMIC;
+    return FUSED_DISPATCH(swiglu_quant_kernel, kept_chunks(f), gate_up, n, f, g128, dynamic,
+                          in_scale, q, s);
+}
+
 cudaError_t pd_cuda__fp8_launch_quant(const bf16 *x, int32_t n, int32_t k, int32_t group,
                                       pd_act_quant act, float in_scale, uint8_t *q, float *s,
                                       cudaStream_t stream)

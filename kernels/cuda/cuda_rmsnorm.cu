@@ -3,7 +3,7 @@
  * values (what the next layer will read), as the CPU op takes it of its stored residual. */
 #include "kernels/cuda/cuda_common.cuh"
 
-#define THREADS 256
+#define THREADS PD_RMSNORM_THREADS
 
 /* out may alias x: every x element is read before the block's barrier (with a residual) or
  * read and written by the same thread (without). */
@@ -108,21 +108,12 @@ rmsnorm_vec_kernel(const bf16 *x, bf16 *residual, const bf16 *w, int32_t dim, fl
     float ss = 0.0f;
 #pragma unroll
     for (int k = 0; k < V; k++) ss += pd_sumsq8(v[k]);
-    ss = pd_block_sum(ss);
-    const float r = (float)(1.0 / sqrt((double)ss / dim + eps));
+    const float r = pd_rms_inv(ss, dim, eps);
     uint4 *o4 = reinterpret_cast<uint4 *>(out + row);
 #pragma unroll
     for (int k = 0; k < V; k++) {
         const int32_t j = threadIdx.x + k * THREADS;
-        if (j >= n8) continue;
-        const uint32_t xa[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-        const uint32_t wa[4] = {wv[k].x, wv[k].y, wv[k].z, wv[k].w};
-        uint32_t o[4];
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-            o[e] = pd_pack_bf16(pd_bf16_lo(wa[e]) * (pd_bf16_lo(xa[e]) * r),
-                                pd_bf16_hi(wa[e]) * (pd_bf16_hi(xa[e]) * r));
-        o4[j] = make_uint4(o[0], o[1], o[2], o[3]);
+        if (j < n8) o4[j] = pd_rmsnorm8(v[k], wv[k], r);
     }
 }
 
@@ -158,8 +149,8 @@ static cudaError_t launch_rmsnorm(const bf16 *x, bf16 *residual, const bf16 *w, 
                                   int32_t dim, float eps, bf16 *out, int sm_count,
                                   cudaStream_t stream)
 {
-    if (n >= sm_count && dim % 8 == 0 && dim <= 8 * THREADS * 8 && aligned16(x) &&
-        aligned16(w) && aligned16(out) && (!residual || aligned16(residual))) {
+    if (pd_rmsnorm_vec_fits(n, dim, sm_count) && aligned16(x) && aligned16(w) &&
+        aligned16(out) && (!residual || aligned16(residual))) {
         const dim3 g((unsigned)n), b(THREADS);
         if (dim <= 8 * THREADS * 1)
             return pd_cuda__launch(rmsnorm_vec_kernel<1>, g, b, 0, stream, x, residual, w, dim,

@@ -176,6 +176,174 @@ static float2 scales_of(const pd_rope_args *a)
     return sizeof(KV) == 1 ? make_float2(a->k_scale, a->v_scale) : make_float2(1.0f, 1.0f);
 }
 
+/* ---- a block a token, 16-byte accesses (head_dim 64, 128, 256) ----
+ * The warp kernel above computes each angle's cos and sin once a head (in double) and moves
+ * 2-byte elements: a prefill step's rows of many heads spent more time there than their bytes
+ * take (docs/perf-history.md, "FP8 prefill: the quantization fused into its producers").
+ * Here a block takes a token: its angles once into shared memory, then LPH = head_dim / 16
+ * lanes a head, a lane's 8 elements of the first half (one 16-byte load) and their 8 rotation
+ * partners of the second half. Each element's arithmetic is the warp kernel's (the same bits;
+ * a head norm's sum is reduced in another order, so a normed bf16 q or k may differ in its last
+ * bit; an FP8 cache's exact k path sums in double, exact in any order). */
+
+/* A lane's 8 cache elements (16 bytes of bf16, 8 of e4m3) from f32 values. */
+static __device__ __forceinline__ void kv_put8(bf16 *p, const float (&x)[8], float scale)
+{
+    (void)scale;
+    *reinterpret_cast<uint4 *>(p) = make_uint4(pd_pack_bf16(x[0], x[1]), pd_pack_bf16(x[2], x[3]),
+                                               pd_pack_bf16(x[4], x[5]), pd_pack_bf16(x[6], x[7]));
+}
+static __device__ __forceinline__ void kv_put8(pd_fp8 *p, const float (&x)[8], float scale)
+{
+    uint32_t o[2] = {0, 0};
+#pragma unroll
+    for (int e = 0; e < 8; e++)
+        o[e >> 2] |= (uint32_t)pd_f32_to_e4m3_dev(__fdiv_rn(x[e], scale)) << (8 * (e & 3));
+    *reinterpret_cast<uint2 *>(p) = make_uint2(o[0], o[1]);
+}
+
+static __device__ __forceinline__ void unpack8(uint4 v, float (&x)[8])
+{
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        x[2 * e] = pd_bf16_lo(w[e]);
+        x[2 * e + 1] = pd_bf16_hi(w[e]);
+    }
+}
+
+/* A sum over the LPH lanes of a head (mask: those lanes). */
+template <int LPH, typename T>
+static __device__ __forceinline__ T head_sum(T v, unsigned mask)
+{
+#pragma unroll
+    for (int o = LPH / 2; o > 0; o >>= 1) v += __shfl_xor_sync(mask, v, o);
+    return v;
+}
+
+template <typename KV, int HD>
+static __global__ void __launch_bounds__(1024)
+rope_vec_kernel(bf16 *qkv, const int32_t *positions, const int32_t *slots,
+                const float *inv_freq, KV *k_cache, KV *v_cache, int32_t n_heads,
+                int32_t n_kv_heads, float attn_factor, const bf16 *q_norm, const bf16 *k_norm,
+                float eps, float k_scale, float v_scale)
+{
+    constexpr int HALF = HD / 2, LPH = HALF / 8;
+    constexpr bool FP8 = sizeof(KV) == 1;
+    __shared__ float cs[HALF], sn[HALF];
+    pd_pdl_enter();
+    const int64_t t = blockIdx.x;
+    const int32_t heads = n_heads + 2 * n_kv_heads, slot = slots[t];
+    const int c = threadIdx.x % LPH, lane = threadIdx.x & 31;
+    bf16 *row = qkv + t * heads * HD;
+    /* the thread's first head is loaded before the angles (usually its only one: the block
+     * has a lane for every head's chunk up to 1024 threads) */
+    int32_t h = threadIdx.x / LPH;
+    uint4 a1 = make_uint4(0u, 0u, 0u, 0u), a2 = a1;
+    if (h < heads) {
+        a1 = *reinterpret_cast<const uint4 *>(row + (size_t)h * HD + 8 * c);
+        a2 = *reinterpret_cast<const uint4 *>(row + (size_t)h * HD + HALF + 8 * c);
+    }
+    const float pos = (float)positions[t];
+    for (int i = threadIdx.x; i < HALF; i += blockDim.x) {
+        double sd, cd;
+        sincos((double)(pos * inv_freq[i]), &sd, &cd);
+        cs[i] = (float)cd * attn_factor;
+        sn[i] = (float)sd * attn_factor;
+    }
+    __syncthreads();
+    const int64_t kv_row = (int64_t)n_kv_heads * HD;
+    const unsigned mask = (LPH == 32 ? 0xffffffffu : ((1u << LPH) - 1u)) << (lane / LPH * LPH);
+    for (bool first = true; h < heads; h += blockDim.x / LPH, first = false) {
+        bf16 *p = row + (size_t)h * HD;
+        uint4 *p1 = reinterpret_cast<uint4 *>(p + 8 * c), *p2 = reinterpret_cast<uint4 *>(p + HALF + 8 * c);
+        float x1[8], x2[8];
+        unpack8(first ? a1 : *p1, x1);
+        unpack8(first ? a2 : *p2, x2);
+        if (h >= n_heads + n_kv_heads) { /* a v head: to the cache as it is */
+            if (slot >= 0) {
+                KV *vd = v_cache + (size_t)slot * kv_row + (size_t)(h - n_heads - n_kv_heads) * HD;
+                kv_put8(vd + 8 * c, x1, v_scale);
+                kv_put8(vd + HALF + 8 * c, x2, v_scale);
+            }
+            continue;
+        }
+        const bool exact = FP8 && h >= n_heads; /* an FP8 cache's k head (the file's comment) */
+        const bf16 *nw = h < n_heads ? q_norm : k_norm;
+        if (nw) {
+            float w1[8], w2[8];
+            unpack8(*reinterpret_cast<const uint4 *>(nw + 8 * c), w1);
+            unpack8(*reinterpret_cast<const uint4 *>(nw + HALF + 8 * c), w2);
+            if (exact) {
+                double ss = 0.0;
+#pragma unroll
+                for (int e = 0; e < 8; e++) ss += (double)x1[e] * x1[e] + (double)x2[e] * x2[e];
+                const float rr = (float)(1.0 / sqrt(head_sum<LPH>(ss, mask) / HD + eps));
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    x1[e] = __fmul_rn(w1[e], __fmul_rn(x1[e], rr));
+                    x2[e] = __fmul_rn(w2[e], __fmul_rn(x2[e], rr));
+                }
+            } else {
+                float ss = 0.0f;
+#pragma unroll
+                for (int e = 0; e < 8; e++) ss += x1[e] * x1[e] + x2[e] * x2[e];
+                const float rr = (float)(1.0 / sqrt((double)head_sum<LPH>(ss, mask) / HD + eps));
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    x1[e] = __bfloat162float(__float2bfloat16_rn(w1[e] * (x1[e] * rr)));
+                    x2[e] = __bfloat162float(__float2bfloat16_rn(w2[e] * (x2[e] * rr)));
+                }
+            }
+        }
+        float o1[8], o2[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const int i = 8 * c + e;
+            if (exact) rotate<KV>(x1[e], x2[e], cs[i], sn[i], &o1[e], &o2[e]);
+            else rotate<bf16>(x1[e], x2[e], cs[i], sn[i], &o1[e], &o2[e]);
+        }
+        kv_put8(reinterpret_cast<bf16 *>(p1), o1, 1.0f);
+        kv_put8(reinterpret_cast<bf16 *>(p2), o2, 1.0f);
+        if (h >= n_heads && slot >= 0) {
+            KV *kd = k_cache + (size_t)slot * kv_row + (size_t)(h - n_heads) * HD;
+            kv_put8(kd + 8 * c, o1, k_scale);
+            kv_put8(kd + HALF + 8 * c, o2, k_scale);
+        }
+    }
+}
+
+template <typename KV, int HD>
+static cudaError_t launch_vec_t(const pd_rope_args *a, cudaStream_t stream)
+{
+    const int32_t heads = a->n_heads + 2 * a->n_kv_heads;
+    const int64_t lanes = (int64_t)heads * (HD / 16);
+    const unsigned threads = (unsigned)(lanes >= 1024 ? 1024 : (lanes + 31) / 32 * 32);
+    const float2 sc = scales_of<KV>(a);
+    return pd_cuda__launch(rope_vec_kernel<KV, HD>, dim3((unsigned)a->n_tokens), dim3(threads), 0,
+                           stream, (bf16 *)a->qkv, a->positions, a->slot_mapping, a->inv_freq,
+                           (KV *)a->k_cache, (KV *)a->v_cache, a->n_heads, a->n_kv_heads,
+                           a->attn_factor, (const bf16 *)a->q_norm, (const bf16 *)a->k_norm,
+                           a->norm_eps, sc.x, sc.y);
+}
+
+/* The block-a-token kernel for its head sizes and 16-byte aligned buffers;
+ * cudaErrorNotSupported for the others. */
+template <typename KV>
+static cudaError_t launch_vec(const pd_rope_args *a, cudaStream_t stream)
+{
+    const uintptr_t al = (uintptr_t)a->qkv | (uintptr_t)a->k_cache | (uintptr_t)a->v_cache |
+                         (uintptr_t)a->q_norm | (uintptr_t)a->k_norm;
+    if ((al & 15) != 0 || a->n_tokens > INT32_MAX) return cudaErrorNotSupported;
+    switch (a->head_dim) {
+    case 64: return launch_vec_t<KV, 64>(a, stream);
+    case 128: return launch_vec_t<KV, 128>(a, stream);
+    case 256: return launch_vec_t<KV, 256>(a, stream);
+    default: return cudaErrorNotSupported;
+    }
+}
+
+
 template <typename KV, int NR>
 static cudaError_t launch_warp_t(const pd_rope_args *a, cudaStream_t stream)
 {
@@ -229,6 +397,14 @@ static int rope_store_kv(void *ctx, const pd_rope_args *a)
     if (a->head_dim / 2 > MAX_HALF) return PD_EUNSUPPORTED;
     if (!a->q_norm != !a->k_norm) return PD_EINVAL;
     const int64_t items = (int64_t)a->n_tokens * (a->n_heads + 2 * a->n_kv_heads);
+    static const bool vec = pd_env_bool("PDSERVE_CUDA_ROPE_VEC");
+    if (vec) {
+        const cudaError_t e = launch_vec<KV>(a, c->stream);
+        if (e != cudaErrorNotSupported) {
+            PD_CUDA_CHECK(e);
+            return 0;
+        }
+    }
     if (a->head_dim % 64 == 0 && a->head_dim <= 256 && (items + WARPS - 1) / WARPS < INT32_MAX) {
         PD_CUDA_CHECK(launch_warp<KV>(a, c->stream));
         return 0;

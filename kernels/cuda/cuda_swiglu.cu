@@ -1,4 +1,5 @@
-/* cuda_swiglu.cu -- swiglu: out[n][f] = silu(gate_up[n][0:f]) * gate_up[n][f:2f], in fp32. */
+/* cuda_swiglu.cu -- swiglu: out[n][f] = silu(gate_up[n][0:f]) * gate_up[n][f:2f], in fp32
+ * (pd_silu_mul). */
 #include "kernels/cuda/cuda_common.cuh"
 
 static __global__ void swiglu_kernel(const bf16 *gate_up, size_t total, int32_t f, bf16 *out)
@@ -9,7 +10,7 @@ static __global__ void swiglu_kernel(const bf16 *gate_up, size_t total, int32_t 
         const size_t r = i / (size_t)f, j = i % (size_t)f;
         const bf16 *g = gate_up + r * 2 * (size_t)f;
         const float x = pd_ld(g + j), u = pd_ld(g + f + j);
-        pd_st(out + i, x / (1.0f + expf(-x)) * u);
+        pd_st(out + i, pd_silu_mul(x, u));
     }
 }
 
@@ -25,18 +26,7 @@ static __global__ void swiglu8_kernel(const uint4 *__restrict__ gate_up, uint32_
          i += gridDim.x * blockDim.x) {
         const uint32_t r = i / f8, j = i - r * f8;
         const uint4 *row = gate_up + (size_t)r * 2 * f8;
-        const uint4 gv = row[j], uv = row[f8 + j];
-        const __nv_bfloat162 *g2 = reinterpret_cast<const __nv_bfloat162 *>(&gv);
-        const __nv_bfloat162 *u2 = reinterpret_cast<const __nv_bfloat162 *>(&uv);
-        uint4 ov;
-        __nv_bfloat162 *o2 = reinterpret_cast<__nv_bfloat162 *>(&ov);
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            const float2 x = __bfloat1622float2(g2[e]), u = __bfloat1622float2(u2[e]);
-            o2[e] = __floats2bfloat162_rn(x.x / (1.0f + expf(-x.x)) * u.x,
-                                          x.y / (1.0f + expf(-x.y)) * u.y);
-        }
-        out[i] = ov;
+        out[i] = pd_swiglu8(row[j], row[f8 + j]);
     }
 }
 
