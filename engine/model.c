@@ -396,6 +396,10 @@ int pd_shard_of(const mc_config *c, int32_t rank, int32_t n_ranks, pd_shard *out
     if (c->intermediate_size % n_ranks != 0)
         return pd_errf(err, PD_EINVAL, "tensor parallel %d: the model's intermediate size %d "
                        "does not divide among %d ranks", n_ranks, c->intermediate_size, n_ranks);
+    if (c->n_experts > 0 && c->moe_intermediate % n_ranks != 0)
+        return pd_errf(err, PD_EINVAL, "tensor parallel %d: the model's expert intermediate "
+                       "size %d does not divide among %d ranks", n_ranks, c->moe_intermediate,
+                       n_ranks);
     out->rank = rank;
     out->n_ranks = n_ranks;
     out->n_heads = c->n_heads / n_ranks;
@@ -409,6 +413,43 @@ int pd_shard_of(const mc_config *c, int32_t rank, int32_t n_ranks, pd_shard *out
     }
     out->intermediate = c->intermediate_size / n_ranks;
     out->ff0 = rank * out->intermediate;
+    out->moe_intermediate = c->n_experts > 0 ? c->moe_intermediate / n_ranks : 0;
+    out->moe_ff0 = rank * out->moe_intermediate;
+    return 0;
+}
+
+/* A sparse layer's router (whole) and experts (this shard's columns of each), under the
+ * published checkpoints' names: Qwen3-MoE's mlp.gate and mlp.experts.E.{gate,up,down}_proj,
+ * Mixtral's block_sparse_moe.gate and block_sparse_moe.experts.E.{w1,w3,w2}. */
+static int load_experts(pd_model *m, const loader *L, int32_t li, pd_layer_weights *w, char *err)
+{
+    static const char *const k_proj[2][3] = {{"gate_proj", "up_proj", "down_proj"},
+                                             {"w1", "w3", "w2"}};
+    const mc_config *c = &m->cfg;
+    const int mixtral = c->arch == MC_ARCH_MIXTRAL;
+    const char *blk = mixtral ? "block_sparse_moe" : "mlp";
+    const int64_t h = c->hidden_size, f = c->moe_intermediate;
+    const window wf = {m->shard.moe_ff0, m->shard.moe_intermediate, 0, h};
+    char name[256];
+    int rc;
+    snprintf(name, sizeof name, "model.layers.%d.%s.gate.weight", li, blk);
+    if ((rc = alloc_w(m, (size_t)c->n_experts * (size_t)h, &w->router, err)) < 0 ||
+        (rc = put(m, L, name, c->n_experts, h, w->router, 0, 0)) < 0)
+        return rc;
+    w->experts = calloc((size_t)c->n_experts, sizeof *w->experts);
+    if (!w->experts) return pd_errf(err, PD_ENOMEM, "out of memory");
+    for (int32_t e = 0; e < c->n_experts; e++) {
+        pd_expert *x = &w->experts[e];
+        lin_part gu[2] = {{.rows = f, .cols = h, .w = wf}, {.rows = f, .cols = h, .w = wf}};
+        lin_part dn = {.rows = h, .cols = f, .w = {0, h, wf.r0, wf.nr}};
+        lin_part *parts[3] = {&gu[0], &gu[1], &dn};
+        for (int i = 0; i < 3; i++)
+            snprintf(parts[i]->module, sizeof parts[i]->module, "model.layers.%d.%s.experts.%d.%s",
+                     li, blk, e, k_proj[mixtral][i]);
+        if ((rc = put_linear(m, L, gu, 2, &x->gate_up, &x->gate_up_ops)) < 0 ||
+            (rc = put_linear(m, L, &dn, 1, &x->down, &x->down_ops)) < 0)
+            return rc;
+    }
     return 0;
 }
 
@@ -463,14 +504,16 @@ static int load_layer(pd_model *m, const loader *L, int32_t li, char *err)
             (rc = put(m, L, NAME("self_attn.o_proj.bias"), h, 0, w->o_bias, 0, 0)) < 0)
             return rc;
     }
+    if ((rc = alloc_w(m, (size_t)h, &w->mlp_norm, err)) < 0 ||
+        (rc = put(m, L, NAME("post_attention_layernorm.weight"), h, 0, w->mlp_norm, 0, 1.0f)) < 0)
+        return rc;
+    if (mc_layer_sparse(c, li)) return load_experts(m, L, li, w, err);
     lin_part gu[2] = {{.rows = f, .cols = h, .w = wf}, {.rows = f, .cols = h, .w = wf}};
     lin_part dn = {.rows = h, .cols = f, .w = {0, h, f0, fl}};
     snprintf(gu[0].module, sizeof gu[0].module, "model.layers.%d.mlp.gate_proj", li);
     snprintf(gu[1].module, sizeof gu[1].module, "model.layers.%d.mlp.up_proj", li);
     snprintf(dn.module, sizeof dn.module, "model.layers.%d.mlp.down_proj", li);
-    if ((rc = alloc_w(m, (size_t)h, &w->mlp_norm, err)) < 0 ||
-        (rc = put(m, L, NAME("post_attention_layernorm.weight"), h, 0, w->mlp_norm, 0, 1.0f)) < 0 ||
-        (rc = put_linear(m, L, gu, 2, &w->gate_up, &w->gate_up_ops)) < 0 ||
+    if ((rc = put_linear(m, L, gu, 2, &w->gate_up, &w->gate_up_ops)) < 0 ||
         (rc = put_linear(m, L, &dn, 1, &w->down, &w->down_ops)) < 0)
         return rc;
 #undef NAME
@@ -492,6 +535,10 @@ int pd_model_load_shard(const mc_config *cfg, const char *dir, pd_load_format fm
     st_model *st = NULL;
     pd_shard shard;
     if ((rc = pd_shard_of(cfg, rank, n_ranks, &shard, err)) < 0) return rc;
+    if (cfg->n_experts > 0 && (!be->ops->moe_route || !be->ops->moe_combine))
+        return pd_errf(err, PD_EUNSUPPORTED, "%s is a mixture-of-experts model, and the %s "
+                       "backend has no mixture-of-experts ops (moe_route, moe_combine) yet: "
+                       "run it on --backend cpu", cfg->arch_name, be->ops->name);
     pd_model *m = calloc(1, sizeof *m);
     if (!m) return pd_errf(err, PD_ENOMEM, "out of memory");
     m->cfg = *cfg;
@@ -553,6 +600,12 @@ void pd_model_destroy(pd_model *m)
             FREE(w->attn_norm); WFREE(w->qkv, w->qkv_ops); FREE(w->qkv_bias); FREE(w->q_norm);
             FREE(w->k_norm); WFREE(w->o_proj, w->o_ops); FREE(w->o_bias); FREE(w->mlp_norm);
             WFREE(w->gate_up, w->gate_up_ops); WFREE(w->down, w->down_ops);
+            FREE(w->router);
+            for (int32_t e = 0; w->experts && e < m->cfg.n_experts; e++) {
+                WFREE(w->experts[e].gate_up, w->experts[e].gate_up_ops);
+                WFREE(w->experts[e].down, w->experts[e].down_ops);
+            }
+            free(w->experts);
 #undef WFREE
         }
         free(m->layers);

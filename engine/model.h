@@ -1,6 +1,6 @@
 /* model.h -- A model's weights in backend memory: loaded from safetensors (q/k/v and
- * gate/up fused into one matrix each at load time) or filled with random values of the
- * configured shapes (--load-format dummy). */
+ * gate/up fused into one matrix each at load time, a mixture-of-experts layer's router and
+ * experts too) or filled with random values of the configured shapes (--load-format dummy). */
 #ifndef PD_MODEL_H
 #define PD_MODEL_H
 
@@ -17,7 +17,9 @@ typedef enum {
 /* One rank's share of the model under tensor parallelism (Megatron-style, as vLLM): the
  * query heads, the KV heads and the MLP's intermediate columns are divided among the ranks;
  * q/k/v and gate/up are split by output rows, o_proj and down by input columns (their partial
- * products summed by an all-reduce); norms, embedding and LM head are whole on every rank.
+ * products summed by an all-reduce); every expert of a sparse layer likewise (its own
+ * intermediate columns divided), its router whole on every rank; norms, embedding and LM head
+ * are whole on every rank.
  * When the ranks outnumber the KV heads each KV head is replicated on n_ranks / n_kv_heads
  * ranks (one head a rank). One rank: the whole model. */
 typedef struct {
@@ -25,12 +27,23 @@ typedef struct {
     int32_t n_heads, q_head0;  /* query heads here, and the first one's index in the model */
     int32_t n_kv_heads, kv_head0; /* KV heads here (every rank the same number) and the first */
     int32_t intermediate, ff0; /* MLP columns here, and the first */
+    int32_t moe_intermediate, moe_ff0; /* each expert's MLP columns here, and the first (0
+                                * for a dense model) */
 } pd_shard;
 
 /* Fills *out with rank's shard of n_ranks. The model must divide: n_heads and
- * intermediate_size by n_ranks, and n_kv_heads by n_ranks or n_ranks by n_kv_heads.
+ * intermediate_size (and a mixture-of-experts model's moe_intermediate) by n_ranks, and
+ * n_kv_heads by n_ranks or n_ranks by n_kv_heads.
  * Returns 0, or PD_EINVAL with err saying what does not divide. */
 int pd_shard_of(const mc_config *cfg, int32_t rank, int32_t n_ranks, pd_shard *out, char *err);
+
+/* One expert of a sparse layer: its MLP as the dense layer's gate_up and down (the shard's
+ * moe_intermediate columns). */
+typedef struct {
+    void *gate_up;    /* [2 moe_intermediate][hidden]: gate rows, then up rows */
+    void *down;       /* [hidden][moe_intermediate] */
+    const pd_wq_ops *gate_up_ops, *down_ops; /* as pd_layer_weights' */
+} pd_expert;
 
 /* A layer's weights; head counts and intermediate are the shard's (pd_shard). */
 typedef struct {
@@ -42,8 +55,11 @@ typedef struct {
     void *o_proj;     /* [hidden][n_heads head_dim] */
     void *o_bias;     /* [hidden] or NULL (also on every rank but 0: added once) */
     void *mlp_norm;   /* [hidden] post_attention_layernorm */
-    void *gate_up;    /* [2 intermediate][hidden]: gate rows, then up rows */
-    void *down;       /* [hidden][intermediate] */
+    void *gate_up;    /* [2 intermediate][hidden]: gate rows, then up rows; NULL in a sparse
+                       * layer */
+    void *down;       /* [hidden][intermediate]; NULL in a sparse layer */
+    void *router;     /* a sparse layer's (mc_layer_sparse): [n_experts][hidden]; else NULL */
+    pd_expert *experts; /* a sparse layer's [n_experts] (host array); else NULL */
     /* The op set of each linear's weights: NULL = the backend's own (act_dtype buffers above);
      * else a quantized weight of that set (its weight_create result; docs/quantization.md). */
     const pd_wq_ops *qkv_ops, *o_ops, *gate_up_ops, *down_ops;
@@ -74,7 +90,9 @@ typedef struct {
  * PD_EFORMAT naming it. With cfg->quant set, the decoder layers' projections are loaded into
  * the backend's op set of that precision (PD_EUNSUPPORTED when it has none), with their
  * scales; the fused q/k/v and gate/up parts must be quantized alike; an F8_E4M3 tensor where
- * the config expects none is PD_EFORMAT. With PD_LOAD_DUMMY nothing is read and weights are uniform in
+ * the config expects none is PD_EFORMAT. A model with sparse layers on a backend without the
+ * mixture-of-experts ops (moe_route, moe_combine) is PD_EUNSUPPORTED. With PD_LOAD_DUMMY
+ * nothing is read and weights are uniform in
  * [-scale, scale) from seed (norm weights around 1). Returns 0 and *out (free with
  * pd_model_destroy), or an error with err set. */
 int pd_model_load(const mc_config *cfg, const char *dir, pd_load_format fmt, uint64_t seed,

@@ -21,6 +21,7 @@
 #include "common/env.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "engine/moe.h"
 #include "engine/tp.h"
 
 #define LOGITS_CHUNK 64 /* rows of logits computed per lm_head product (eager steps) */
@@ -67,6 +68,7 @@ struct mr {
     int32_t *d_ids_next;          /* the other buffer's ids: where a step's picks go */
     size_t o_ids, o_pos, o_slots, o_rows, o_cu_q, o_ctx, o_tag;        /* offsets */
     float *inv_freq;
+    moe_ws *moe;                  /* the sparse layers' workspace (engine/moe.c), or NULL */
     /* decode graphs: graph_bs[i] rows, ascending; graphs[k][i] reads metadata buffer k */
     int32_t n_graphs;
     int32_t graph_bs[MAX_GRAPHS];
@@ -274,7 +276,8 @@ static int create_rank(const mr_params *p, const pd_model *m, pd_comm *comm, boo
     }
     /* The workspace first: a pool sized from free device memory must count it. */
     int32_t gmax = p->max_graph_batch;
-    if (!r->be->ops->graph_begin || gmax < 0) gmax = 0;
+    /* (a sparse layer's routing brings its groups' sizes to the host: no graphs) */
+    if (!r->be->ops->graph_begin || gmax < 0 || c->n_experts > 0) gmax = 0;
     if (gmax > p->max_num_seqs) gmax = p->max_num_seqs;
     if (gmax > p->max_num_batched_tokens) gmax = p->max_num_batched_tokens;
     r->p.max_graph_batch = gmax;
@@ -291,7 +294,8 @@ static int create_rank(const mr_params *p, const pd_model *m, pd_comm *comm, boo
         (rc = be_alloc(r, act, LOGITS_CHUNK * hs, &r->lh, err)) < 0 ||
         (rc = be_alloc(r, act, chunk * (size_t)c->vocab_size, &r->logits, err)) < 0 ||
         (rc = be_alloc(r, PD_DTYPE_I32, meta_n, (void **)&r->d_metas[0], err)) < 0 ||
-        (rc = be_alloc(r, PD_DTYPE_F32, hd / 2, (void **)&r->inv_freq, err)) < 0)
+        (rc = be_alloc(r, PD_DTYPE_F32, hd / 2, (void **)&r->inv_freq, err)) < 0 ||
+        (rc = moe_ws_create(m, p->max_num_batched_tokens, &r->moe, err)) < 0)
         goto fail;
     if (r->be->ops->host_alloc && r->be->ops->upload_rows &&
         r->be->ops->host_alloc(r->be->ctx, meta_n * sizeof(int32_t), (void **)&r->h_meta) == 0) {
@@ -367,7 +371,8 @@ static int create_rank(const mr_params *p, const pd_model *m, pd_comm *comm, boo
             .mlp_norm = w->mlp_norm, .gate_up = w->gate_up, .down = w->down,
             .k_cache = r->k_cache[l], .v_cache = r->v_cache[l], .wq = w->qkv_ops};
         /* the fused step takes a layer's four products of one precision only */
-        if (w->o_ops != w->qkv_ops || w->gate_up_ops != w->qkv_ops || w->down_ops != w->qkv_ops)
+        if (w->o_ops != w->qkv_ops || w->gate_up_ops != w->qkv_ops || w->down_ops != w->qkv_ops ||
+            w->experts) /* (and no sparse layers) */
             r->fused_ok = false;
     }
     r->attn_factor = mc_rope_inv_freq(c, host_freq);
@@ -441,10 +446,17 @@ void mr_destroy(mr *r)
     if (r->d_metas[1]) FREE(r->d_metas[1]);
     FREE(r->inv_freq);
 #undef FREE
+    moe_ws_destroy(r->moe);
     if (r->h_meta_pinned) be->ops->host_free(be->ctx, r->h_meta);
     else free(r->h_meta);
     if (r->h_meta2) be->ops->host_free(be->ctx, r->h_meta2);
     free(r);
+}
+
+int mr_set_router_hook(mr *r, moe_router_fn fn, void *arg)
+{
+    mr *r0 = r->ranks ? r->ranks[0] : r;
+    return r0->moe ? moe_set_router_hook(r0->moe, fn, arg) : PD_EINVAL;
 }
 
 void mr_set_layer_hook(mr *r, mr_layer_fn fn, void *arg)
@@ -883,9 +895,12 @@ static int run_layers_tp(mr *r, int32_t T, pd_linear_args *lqkv, pd_rope_args *r
                                "its KV store of layer %d", l);
             r->layer_fn(r->layer_arg, l);
         }
-        /* MLP block */
+        /* MLP block (a sparse layer's: this rank's columns of every expert, engine/moe.c) */
         TCALL(0, o->rmsnorm(x, r->h, r->a, w->mlp_norm, T, hs, c->rms_eps, r->h));
-        if (r->debug_op_timing) { /* each product's time of its own */
+        if (w->experts) {
+            const int rc = moe_ffn(r->moe, w, l, r->h, T, r->h, false, err);
+            if (rc < 0) return rc;
+        } else if (r->debug_op_timing) { /* each product's time of its own */
             lgu.w = w->gate_up;
             TCALL(5, LIN(w->gate_up_ops)(x, &lgu));
             ld.w = w->down;
@@ -995,7 +1010,13 @@ static int run_layers(mr *r, int32_t T, int32_t S, int32_t max_q, int32_t max_ct
         lo.w = w->o_proj;
         lo.bias = w->o_bias;
         CALL(LIN(w->o_ops)(x, &lo));
-        /* MLP block */
+        /* MLP block (a sparse layer's: engine/moe.c) */
+        if (w->experts) {
+            CALL(o->rmsnorm(x, r->a, NULL, w->mlp_norm, T, hs, c->rms_eps, r->h));
+            const int rc = moe_ffn(r->moe, w, l, r->h, T, r->a, true, err);
+            if (rc < 0) return rc;
+            continue;
+        }
         lgu.norm_w = w->mlp_norm;
         CALL(mlp_products(be, w, &lgu, &ld));
     }

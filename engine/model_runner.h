@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "engine/model.h"
+#include "engine/moe.h"
 
 /* The KV cache's element type (--kv-cache-dtype). */
 typedef enum {
@@ -146,6 +147,11 @@ uint32_t mr_tp_fused_sizes(const mr *r);
  * rank having recorded an event on its own stream right after it (mr_layer_events). */
 typedef void (*mr_layer_fn)(void *arg, int32_t layer);
 void mr_set_layer_hook(mr *r, mr_layer_fn fn, void *arg);
+
+/* Tests: fn sees every sparse layer's router logits and chosen experts in each forward
+ * (moe_router_fn; a tensor-parallel runner's rank 0's, on the caller's thread). NULL fn
+ * removes it. Returns 0, PD_EINVAL (the model has no sparse layer), PD_ENOMEM. */
+int mr_set_router_hook(mr *r, moe_router_fn fn, void *arg);
 
 /* Inside the layer hook of a tensor-parallel runner: moves into ev[mr_n_ranks(r)] the events
  * each rank recorded on its own stream (its backend's event_record, on its thread) right

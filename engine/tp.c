@@ -289,6 +289,10 @@ int tp_group_load(const tp_group_params *p, tp_group **out, char *err)
                 sh.n_kv_heads, p->cfg->n_kv_heads,
                 p->cfg->n_kv_heads < R ? " (replicated)" : "", sh.intermediate,
                 p->cfg->intermediate_size);
+    if (R > 1 && p->cfg->n_experts > 0)
+        PD_LOGI("tensor parallel %d: %d of %d columns of each of the %d experts a rank, the "
+                "routers whole", R, sh.moe_intermediate, p->cfg->moe_intermediate,
+                p->cfg->n_experts);
     *out = g;
     return 0;
 fail:

@@ -160,6 +160,45 @@ typedef struct {
     bool check_only;
 } pd_decode_args;
 
+/* The routing of a mixture-of-experts layer (the moe_route op), for n token rows, each
+ * choosing k of n_experts experts:
+ *   p = softmax(logits[t]) over all the experts (in float or wider);
+ *   the k experts of the largest p, chosen as torch.topk on the CPU chooses them (so that
+ *   equal probabilities resolve as in the references: kernels/cpu/cpu_moe.c says how);
+ *   their weights = their p, divided by the k values' sum when renormalize.
+ * Then the n * k choices grouped by expert for the experts' products: rows[] lists the token
+ * row of every choice, expert by expert ascending and within an expert by ascending row;
+ * expert e's choices are rows[offsets[e] .. offsets[e + 1]); pos[t * k + j] is where choice
+ * j of row t sits in rows. An expert appears at most once in a row's choices. */
+typedef struct {
+    const void *logits;          /* [n][n_experts] act_dtype: the router's product */
+    int32_t n;                   /* token rows, >= 0 */
+    int32_t n_experts;           /* >= 1 */
+    int32_t k;                   /* 1..n_experts */
+    bool renormalize;            /* the k weights divided by their sum */
+    int32_t *ids;                /* [n][k] out: the experts chosen, most probable first */
+    float *weights;              /* [n][k] out (F32): their routing weights */
+    int32_t *rows;               /* [n * k] out: token rows grouped by expert */
+    int32_t *pos;                /* [n][k] out: each choice's index into rows */
+    int32_t *offsets;            /* [n_experts + 1] out, HOST memory: the groups' bounds; the
+                                  * op returns once they are written (a device backend
+                                  * synchronises: the caller sizes the experts' products by
+                                  * them) */
+} pd_moe_route_args;
+
+/* The experts' outputs weighted and summed back into token order (the moe_combine op):
+ *   out[t] = (out[t] +) sum over j < k of weights[t * k + j] * y[pos[t * k + j]]
+ * for each of n rows, the terms added in j order. With moe_route's pos and weights, y's rows
+ * in its grouped order. */
+typedef struct {
+    const void *y;               /* [n * k][dim] act_dtype */
+    const int32_t *pos;          /* [n][k] */
+    const float *weights;        /* [n][k] F32 */
+    int32_t n, k, dim;
+    bool accumulate;             /* add to out (the residual stream) rather than write it */
+    void *out;                   /* [n][dim] act_dtype; must not overlap y */
+} pd_moe_combine_args;
+
 /* pd_decode_args' pick_slot for a step sampled by the sample op (not sample_launch). */
 #define PD_SAMPLE_SYNC_SLOT 2
 
@@ -343,6 +382,12 @@ typedef struct pd_backend_ops {
     /* out[i] = x[idx[i]] for n_idx rows of dim elements; idx is an I32 buffer. */
     int (*gather_rows)(void *ctx, const void *x, const int32_t *idx, int32_t n_idx, int32_t dim,
                        void *out);
+    /* Optional (NULL = not offered): mixture-of-experts routing and combination
+     * (pd_moe_route_args, pd_moe_combine_args above), both or neither; the experts' products
+     * are gather_rows and linear_fused. A model with sparse layers is refused at load on a
+     * backend without them. Return 0, PD_EINVAL, PD_EBACKEND. */
+    int (*moe_route)(void *ctx, const pd_moe_route_args *a);
+    int (*moe_combine)(void *ctx, const pd_moe_combine_args *a);
     /* KV blocks to / from host memory (for transfer staging). For each i, block ids[i] of a
      * cache laid out [n_blocks][block_elems] is copied to / from host + i * block_elems,
      * converted to / from f32. ids is host memory. */

@@ -1,7 +1,8 @@
 /* test_cpu_backend.c -- Runs every op of the CPU backend against naive double-precision
  * references written here, on random inputs, with outputs poisoned (NaN) beforehand so that
  * every element is checked to have been written. Buffers go through the op table (alloc,
- * upload, download_f32) as engine code would use them. */
+ * upload, download_f32) as engine code would use them. The mixture-of-experts routing is also
+ * checked against the choices libstdc++ (what torch.topk calls) makes among tied values. */
 #include <math.h>
 #include <stdint.h>
 
@@ -828,6 +829,133 @@ static void test_fp8_kv(void)
     DEV_FREE(dfreq, q1, q2, dpos, dslots, kf, vf, k8, v8, dcu, dctx, dbt, o1, o2);
 }
 
+/* moe_route's choice among tied probabilities, against what libstdc++'s nth_element /
+ * partial_sort and sort (the calls torch's CPU topk makes) returned for these rows, recorded
+ * with g++ 12 (libstdc++): logits (i a + b) % L, or (i a + b) / -L for L < 0, halved. */
+static void test_moe_route_ties(void)
+{
+    static const struct {
+        int32_t n, k, a, b, L;
+        int32_t want[16];
+    } k_cases[] = {
+        {8, 4, 3, 1, 3, {6, 5, 4, 7}},
+        {4, 2, 1, 0, 2, {1, 3}},
+        {8, 2, 5, 0, 2, {1, 7}},
+        {128, 2, 5, 2, 4, {5, 1}}, /* k * 64 <= n: partial_sort */
+        {64, 8, 7, 3, 5, {43, 53, 13, 48, 18, 38, 33, 28}},
+        {300, 10, 1, 0, -4, {299, 298, 297, 296, 295, 292, 293, 294, 288, 289}},
+        {128, 8, 1, 0, -5, {127, 126, 125, 120, 121, 122, 124, 123}},
+        {256, 3, 3, 1, -7, {254, 255, 253}},
+        {16, 16, 1, 0, 2, {1, 15, 13, 11, 9, 7, 5, 3, 12, 0, 14, 2, 10, 4, 8, 6}},
+    };
+    const pd_backend_ops *o = g_be->ops;
+    for (size_t c = 0; c < sizeof k_cases / sizeof k_cases[0]; c++) {
+        const int32_t n = k_cases[c].n, k = k_cases[c].k, a = k_cases[c].a, b = k_cases[c].b;
+        const int32_t L = k_cases[c].L;
+        float *lg = hmalloc((size_t)n);
+        for (int32_t i = 0; i < n; i++)
+            lg[i] = 0.5f * (float)(L > 0 ? (i * a + b) % L : (i * a + b) / -L);
+        void *dlg = dev_f32(lg, (size_t)n);
+        int32_t *ids = dev_alloc(PD_DTYPE_I32, (size_t)k), *rows = dev_alloc(PD_DTYPE_I32, (size_t)k);
+        int32_t *pos = dev_alloc(PD_DTYPE_I32, (size_t)k), offsets[301];
+        float *w = dev_alloc(PD_DTYPE_F32, (size_t)k);
+        const pd_moe_route_args ra = {.logits = dlg, .n = 1, .n_experts = n, .k = k,
+                                      .renormalize = true, .ids = ids, .weights = w,
+                                      .rows = rows, .pos = pos, .offsets = offsets};
+        CHECK_EQ_INT(o->moe_route(g_be->ctx, &ra), 0);
+        float *got = hmalloc((size_t)k);
+        CHECK_EQ_INT(o->download_f32(g_be->ctx, got, ids, PD_DTYPE_I32, 0, (size_t)k), 0);
+        for (int32_t j = 0; j < k; j++)
+            CHECK_MSG((int32_t)got[j] == k_cases[c].want[j], "case %zu (n %d, k %d) choice %d: "
+                      "expert %d, libstdc++ %d", c, n, k, j, (int)got[j], k_cases[c].want[j]);
+        DEV_FREE(dlg, ids, rows, pos, w);
+        HOST_FREE(lg, got);
+    }
+}
+
+/* moe_route on distinct probabilities (the plain top k, weights against double) and its
+ * grouping; moe_combine against double, writing and accumulating; bad arguments. */
+static void test_moe_route_combine(void)
+{
+    const pd_backend_ops *o = g_be->ops;
+    enum { N = 7, E = 6, K = 3, D = 5 };
+    float lg[N * E];
+    fill_rand(lg, N * E, 2.0);
+    void *dlg = dev_f32(lg, N * E);
+    int32_t *ids = dev_alloc(PD_DTYPE_I32, N * K), *rows = dev_alloc(PD_DTYPE_I32, N * K);
+    int32_t *pos = dev_alloc(PD_DTYPE_I32, N * K), offsets[E + 1];
+    float *w = dev_alloc(PD_DTYPE_F32, N * K);
+    for (int renorm = 0; renorm < 2; renorm++) {
+        pd_moe_route_args ra = {.logits = dlg, .n = N, .n_experts = E, .k = K,
+                                .renormalize = renorm, .ids = ids, .weights = w, .rows = rows,
+                                .pos = pos, .offsets = offsets};
+        CHECK_EQ_INT(o->moe_route(g_be->ctx, &ra), 0);
+        /* the CPU's buffers are host memory */
+        double ref[N * K];
+        for (int t = 0; t < N; t++) {
+            double p[E], sum = 0, top = 0;
+            for (int e = 0; e < E; e++) sum += p[e] = exp((double)lg[t * E + e]);
+            for (int j = 0; j < K; j++) { /* j-th largest, by selection */
+                int best = -1;
+                for (int e = 0; e < E; e++) {
+                    bool used = false;
+                    for (int i = 0; i < j; i++) used |= ids[t * K + i] == e;
+                    if (!used && (best < 0 || p[e] > p[best])) best = e;
+                }
+                CHECK_EQ_INT(ids[t * K + j], best);
+                ref[t * K + j] = p[best] / sum;
+                top += p[best] / sum;
+            }
+            for (int j = 0; renorm && j < K; j++) ref[t * K + j] /= top;
+        }
+        check_close("moe_route weights", w, ref, N * K);
+        CHECK_EQ_INT(offsets[0], 0);
+        CHECK_EQ_INT(offsets[E], N * K);
+        for (int e = 0; e < E; e++)
+            for (int32_t i = offsets[e]; i < offsets[e + 1]; i++) {
+                CHECK(i == offsets[e] || rows[i] > rows[i - 1]); /* ascending, no repeat */
+                bool chose = false;
+                for (int j = 0; j < K; j++) chose |= ids[rows[i] * K + j] == e;
+                CHECK(chose);
+            }
+        for (int t = 0; t < N; t++)
+            for (int j = 0; j < K; j++) {
+                const int32_t p = pos[t * K + j];
+                CHECK(p >= offsets[ids[t * K + j]] && p < offsets[ids[t * K + j] + 1] &&
+                      rows[p] == t);
+            }
+    }
+    float y[N * K * D], base[N * D];
+    fill_rand(y, N * K * D, 1.0);
+    fill_rand(base, N * D, 1.0);
+    void *dy = dev_f32(y, N * K * D), *out = dev_f32(base, N * D);
+    for (int acc = 0; acc < 2; acc++) {
+        pd_moe_combine_args ca = {.y = dy, .pos = pos, .weights = w, .n = N, .k = K, .dim = D,
+                                  .accumulate = acc, .out = out};
+        if (!acc) dev_set(out, NAN, N * D);
+        else CHECK_EQ_INT(o->upload(g_be->ctx, out, PD_DTYPE_F32, 0, base, PD_DTYPE_F32, N * D), 0);
+        CHECK_EQ_INT(o->moe_combine(g_be->ctx, &ca), 0);
+        double ref[N * D];
+        for (int t = 0; t < N; t++)
+            for (int d = 0; d < D; d++) {
+                ref[t * D + d] = acc ? base[t * D + d] : 0;
+                for (int j = 0; j < K; j++)
+                    ref[t * D + d] += (double)w[t * K + j] * y[pos[t * K + j] * D + d];
+            }
+        float *got = dl(out, N * D);
+        check_close(acc ? "moe_combine accumulate" : "moe_combine", got, ref, N * D);
+        free(got);
+    }
+    pd_moe_route_args bad = {.logits = dlg, .n = N, .n_experts = E, .k = E + 1, .ids = ids,
+                             .weights = w, .rows = rows, .pos = pos, .offsets = offsets};
+    CHECK_EQ_INT(o->moe_route(g_be->ctx, &bad), PD_EINVAL);
+    pos[3] = N * K; /* past the choices */
+    pd_moe_combine_args badc = {.y = dy, .pos = pos, .weights = w, .n = N, .k = K, .dim = D,
+                                .out = out};
+    CHECK_EQ_INT(o->moe_combine(g_be->ctx, &badc), PD_EINVAL);
+    DEV_FREE(dlg, ids, rows, pos, w, dy, out);
+}
+
 int main(void)
 {
     char err[PD_ERR_LEN] = "";
@@ -848,6 +976,8 @@ int main(void)
     test_kv_blocks_roundtrip();
     test_fp8_linear();
     test_fp8_kv();
+    test_moe_route_ties();
+    test_moe_route_combine();
     pd_backend_destroy(g_be);
     return pd_test_result("test_cpu_backend");
 }

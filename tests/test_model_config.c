@@ -1,6 +1,7 @@
 /* test_model_config.c -- Tests for text/model_config: parsing the shared tiny checkpoints'
  * config.json files, old- and new-style RoPE settings, every rejected input (code and message),
- * RoPE inverse frequencies against independent re-implementations, and the parameter count. */
+ * RoPE inverse frequencies against independent re-implementations, the parameter count, and
+ * the mixture-of-experts settings (which layers are sparse, the refused features). */
 #include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -9,6 +10,7 @@
 #include <unistd.h>
 
 #include "common/error.h"
+#include "common/json_util.h"
 #include "test_util.h"
 #include "text/model_config.h"
 
@@ -820,6 +822,108 @@ static void test_quantization(void)
     CHECK_EQ_INT(mc_set_quantization(&c, "none", err), PD_EINVAL);
 }
 
+/* The MoE goldens' configs (tests/data/golden-moe), both spellings of the expert count and of
+ * RoPE, which layers are sparse, the parameter count (the checkpoints' element counts), and
+ * every refusal naming its key. */
+static void test_moe_configs(void)
+{
+    mc_config c;
+    char err[PD_ERR_LEN], dir[1200];
+    static const struct {
+        const char *name;
+        mc_arch arch;
+        int32_t layers, experts, k, inter, step;
+        bool renorm, tied;
+        double theta;
+        const char *sparse; /* per layer: 's' sparse, 'd' dense */
+        int64_t params;     /* elements in model.safetensors */
+    } k_want[] = {
+        {"qwen3-moe-tiny", MC_ARCH_QWEN3_MOE, 3, 8, 4, 48, 1, true, false, 1e4, "sds", 319104},
+        {"qwen3-moe-tiny-step2", MC_ARCH_QWEN3_MOE, 4, 8, 4, 48, 2, false, true, 1e4, "dsds",
+         341824},
+        {"mixtral-tiny", MC_ARCH_MIXTRAL, 2, 4, 2, 96, 1, true, false, 1e6, "ss", 238400},
+    };
+    for (size_t i = 0; i < sizeof k_want / sizeof k_want[0]; i++) {
+        snprintf(dir, sizeof dir, "%s/tests/data/golden-moe/%s", PD_SOURCE_DIR, k_want[i].name);
+        int rc = mc_load(dir, &c, err);
+        CHECK_MSG(rc == 0, "%s: %s", dir, err);
+        if (rc < 0) continue;
+        CHECK_EQ_INT(c.arch, k_want[i].arch);
+        CHECK_EQ_INT(c.n_layers, k_want[i].layers);
+        CHECK_EQ_INT(c.n_experts, k_want[i].experts);
+        CHECK_EQ_INT(c.n_experts_per_tok, k_want[i].k);
+        CHECK_EQ_INT(c.moe_intermediate, k_want[i].inter);
+        CHECK_EQ_INT(c.decoder_sparse_step, k_want[i].step);
+        CHECK(c.norm_topk_prob == k_want[i].renorm);
+        CHECK(c.tie_word_embeddings == k_want[i].tied);
+        CHECK(c.qk_norm == (k_want[i].arch == MC_ARCH_QWEN3_MOE));
+        CHECK_NEAR(c.rope_theta, k_want[i].theta, 0);
+        for (int32_t l = 0; l < c.n_layers; l++)
+            CHECK_MSG(mc_layer_sparse(&c, l) == (k_want[i].sparse[l] == 's'), "%s layer %d",
+                      k_want[i].name, l);
+        CHECK_EQ_INT(mc_param_count(&c), k_want[i].params);
+    }
+    /* transformers' rule: not in mlp_only_layers, and (i + 1) % step == 0 */
+    memset(&c, 0, sizeof c);
+    c.n_experts = 4;
+    c.decoder_sparse_step = 3;
+    c.n_mlp_only = 1;
+    c.mlp_only[0] = 5;
+    const char *want = "ddsddddds"; /* layer 5 would be sparse but is listed */
+    for (int32_t l = 0; l < 9; l++) CHECK(mc_layer_sparse(&c, l) == (want[l] == 's'));
+    c.n_experts = 0;
+    CHECK(!mc_layer_sparse(&c, 2));
+
+    /* refusals, each on the Qwen3-MoE golden's config with one key changed */
+    static const struct {
+        const char *key, *val;
+        int code;
+        const char *msg;
+    } k_bad[] = {
+        {"num_experts", NULL, PD_EFORMAT, "num_experts"},
+        {"num_local_experts", "6", PD_EFORMAT, "differ"},
+        {"num_experts", "-2", PD_EFORMAT, "num_experts"},
+        {"num_experts", "5000", PD_EFORMAT, "num_experts"},
+        {"num_experts_per_tok", "9", PD_EFORMAT, "num_experts_per_tok"},
+        {"num_experts_per_tok", NULL, PD_EFORMAT, "num_experts_per_tok"},
+        {"moe_intermediate_size", NULL, PD_EFORMAT, "moe_intermediate_size"},
+        {"decoder_sparse_step", "0", PD_EFORMAT, "decoder_sparse_step"},
+        {"mlp_only_layers", "[1, \"2\"]", PD_EFORMAT, "mlp_only_layers"},
+        {"mlp_only_layers", "3", PD_EFORMAT, "mlp_only_layers"},
+        {"norm_topk_prob", "1", PD_EFORMAT, "norm_topk_prob"},
+        {"shared_expert_intermediate_size", "64", PD_EUNSUPPORTED,
+         "shared_expert_intermediate_size"},
+        {"n_shared_experts", "1", PD_EUNSUPPORTED, "n_shared_experts"},
+        {"n_group", "4", PD_EUNSUPPORTED, "n_group"},
+        {"routed_scaling_factor", "2.5", PD_EUNSUPPORTED, "routed_scaling_factor"},
+        {"scoring_func", "\"sigmoid\"", PD_EUNSUPPORTED, "scoring_func"},
+        {"architectures", "[\"Qwen2MoeForCausalLM\"]", PD_EUNSUPPORTED, "Qwen2MoeForCausalLM"},
+    };
+    char path[1300];
+    snprintf(path, sizeof path, "%s/tests/data/golden-moe/qwen3-moe-tiny/config.json",
+             PD_SOURCE_DIR);
+    for (size_t i = 0; i < sizeof k_bad / sizeof k_bad[0]; i++) {
+        json_t *o = NULL;
+        if (pd_json_load_file(path, &o, err) < 0) {
+            CHECK_MSG(0, "%s", err);
+            return;
+        }
+        if (k_bad[i].val) json_object_set_new(o, k_bad[i].key, json_loads(k_bad[i].val,
+                                                                           JSON_DECODE_ANY, NULL));
+        else json_object_del(o, k_bad[i].key);
+        EXPECT_FAIL(load_cfg(o, NULL, &c_, e_), k_bad[i].code, "config.json", k_bad[i].msg);
+    }
+    /* neutral values of the refused keys, and a training-only one, are accepted */
+    json_t *o = NULL;
+    if (pd_json_load_file(path, &o, err) < 0) return;
+    json_object_set_new(o, "n_shared_experts", json_integer(0));
+    json_object_set_new(o, "routed_scaling_factor", json_real(1.0));
+    json_object_set_new(o, "scoring_func", json_string("softmax"));
+    json_object_set_new(o, "router_jitter_noise", json_real(0.1));
+    int rc = load_cfg(o, NULL, &c, err);
+    CHECK_MSG(rc == 0, "%s", err);
+}
+
 int main(void)
 {
     snprintf(g_dir, sizeof g_dir, "/tmp/pd_test_mc_XXXXXX");
@@ -839,6 +943,7 @@ int main(void)
     test_inv_freq();
     test_param_count();
     test_quantization();
+    test_moe_configs();
 
     unlink(g_cfg_path);
     unlink(g_gen_path);

@@ -3,7 +3,8 @@
  * every prompt position's logits within 2e-3 of HF's and within 1e-4 of TP 1's, and greedy
  * tokens (all of a model's prompts in one engine run: batched prefill and decode) equal to
  * HF's up to the first step whose reference top-1/top-2 margin is under 0.01, as
- * test_golden; stories260k's golden greedy text token for token. A model whose heads do not
+ * test_golden; stories260k's golden greedy text token for token; the same for the
+ * mixture-of-experts goldens (tests/data/golden-moe). A model whose heads do not
  * divide (llama-tiny's 6 heads at TP 4) is refused with a message that says so. A synthetic
  * Llama checkpoint written here with one KV head (replicated on every rank), q/k/v and o
  * biases and an untied head: prefill and 20 decode steps of three sequences over shuffled
@@ -575,5 +576,11 @@ int main(void)
     }
     snprintf(dir, sizeof dir, "%s/models/stories260k", pd_test_shared_dir());
     run_model(dir, "stories260k");
+    /* mixture of experts: every expert's columns split like the dense MLP's, routers whole */
+    const char *moe[] = {"qwen3-moe-tiny", "qwen3-moe-tiny-step2", "mixtral-tiny"};
+    for (size_t i = 0; i < sizeof moe / sizeof moe[0]; i++) {
+        snprintf(dir, sizeof dir, "%s/tests/data/golden-moe/%s", PD_SOURCE_DIR, moe[i]);
+        run_model(dir, moe[i]);
+    }
     return pd_test_result("test_tp");
 }

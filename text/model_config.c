@@ -21,6 +21,8 @@ static const struct {
     {"MistralForCausalLM", MC_ARCH_MISTRAL, "mistral"},
     {"Qwen2ForCausalLM", MC_ARCH_QWEN2, "qwen2"},
     {"Qwen3ForCausalLM", MC_ARCH_QWEN3, "qwen3"},
+    {"Qwen3MoeForCausalLM", MC_ARCH_QWEN3_MOE, "qwen3_moe"},
+    {"MixtralForCausalLM", MC_ARCH_MIXTRAL, "mixtral"},
 };
 #define N_ARCHS ((int)(sizeof k_archs / sizeof k_archs[0]))
 
@@ -48,7 +50,8 @@ static int parse_arch(const json_t *root, mc_config *c, const char *path, char *
         }
         return pd_errf(err, PD_EUNSUPPORTED,
                        "%s: architecture \"%s\" is not supported (supported: LlamaForCausalLM, "
-                       "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)",
+                       "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                       "Qwen3MoeForCausalLM, MixtralForCausalLM)",
                        path, json_string_value(a));
     }
     /* No architectures list: fall back on model_type. */
@@ -238,6 +241,7 @@ static int check_sizes(const mc_config *c, const char *path, char *err)
         {"intermediate_size", c->intermediate_size},
         {"vocab_size", c->vocab_size},
         {"num_attention_heads * head_dim", (int64_t)c->n_heads * c->head_dim},
+        {"moe_intermediate_size", c->moe_intermediate},
     };
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
         if (widths[i].v > MC_MAX_WIDTH)
@@ -248,14 +252,115 @@ static int check_sizes(const mc_config *c, const char *path, char *err)
                        c->n_layers, MC_MAX_LAYERS);
     /* an upper bound of mc_param_count, in double so that it cannot overflow */
     double h = c->hidden_size, hd = c->head_dim;
+    double mlp = 3.0 * h * c->intermediate_size;
+    double moe = (double)c->n_experts * (3.0 * h * c->moe_intermediate + h);
     double per_layer = h * ((double)c->n_heads + 2.0 * c->n_kv_heads) * hd +
-                       (double)c->n_heads * hd * h + 3.0 * h * c->intermediate_size + 4.0 * h +
+                       (double)c->n_heads * hd * h + (mlp > moe ? mlp : moe) + 4.0 * h +
                        2.0 * hd;
     double params = c->n_layers * per_layer + 2.0 * c->vocab_size * h + h;
     if (params > MC_MAX_PARAMS)
         return pd_errf(err, PD_EFORMAT, "%s: the sizes give %.3g parameters, more than %.3g",
                        path, params, MC_MAX_PARAMS);
     return 0;
+}
+
+/* Mixture-of-experts fields that ask for more than plain top-k softmax routing over routed
+ * experts (shared experts as Qwen2-MoE's, DeepSeek's grouped routing and scaling): refused
+ * when present with anything but their neutral value. */
+static int refuse_moe_extras(const json_t *root, const char *path, char *err)
+{
+    static const char *const k_counts[] = {"shared_expert_intermediate_size", "n_shared_experts",
+                                           "num_shared_experts", "n_group", "topk_group"};
+    for (size_t i = 0; i < sizeof k_counts / sizeof k_counts[0]; i++) {
+        const json_t *v = json_object_get(root, k_counts[i]);
+        if (!v || json_is_null(v)) continue;
+        const bool neutral = json_is_integer(v) && json_integer_value(v) <=
+                             (strstr(k_counts[i], "group") ? 1 : 0);
+        if (!neutral)
+            return pd_errf(err, PD_EUNSUPPORTED, "%s: \"%s\" is not supported (shared experts "
+                           "and grouped routing are not implemented)", path, k_counts[i]);
+    }
+    double scale = 1.0;
+    int rc = pd_json_get_double(root, "routed_scaling_factor", &scale, path, err);
+    if (rc < 0) return rc;
+    if (scale != 1.0)
+        return pd_errf(err, PD_EUNSUPPORTED, "%s: \"routed_scaling_factor\" %g is not supported "
+                       "(1 only)", path, scale);
+    const json_t *sf = json_object_get(root, "scoring_func");
+    if (sf && !json_is_null(sf) &&
+        (!json_is_string(sf) || strcmp(json_string_value(sf), "softmax") != 0))
+        return pd_errf(err, PD_EUNSUPPORTED, "%s: \"scoring_func\" %s is not supported (softmax)",
+                       path, json_is_string(sf) ? json_string_value(sf) : "(non-string)");
+    return 0;
+}
+
+/* Qwen3-MoE's mlp_only_layers: a list of layer indices (absent or null: none). */
+static int parse_mlp_only(const json_t *root, mc_config *c, const char *path, char *err)
+{
+    const json_t *v = json_object_get(root, "mlp_only_layers");
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_array(v))
+        return pd_errf(err, PD_EFORMAT, "%s: \"mlp_only_layers\" must be a list of layer indices",
+                       path);
+    size_t i;
+    const json_t *e;
+    json_array_foreach(v, i, e) {
+        if (!json_is_integer(e) || json_integer_value(e) < 0 ||
+            json_integer_value(e) > INT32_MAX)
+            return pd_errf(err, PD_EFORMAT, "%s: \"mlp_only_layers\" must hold layer indices "
+                           ">= 0", path);
+        if (c->n_mlp_only == MC_MAX_MLP_ONLY)
+            return pd_errf(err, PD_EUNSUPPORTED, "%s: \"mlp_only_layers\" lists more than %d "
+                           "layers", path, MC_MAX_MLP_ONLY);
+        c->mlp_only[c->n_mlp_only++] = (int32_t)json_integer_value(e);
+    }
+    return 0;
+}
+
+/* The mixture-of-experts settings of Qwen3MoeForCausalLM and MixtralForCausalLM (nothing for
+ * the dense architectures). Both spellings of the expert count are read: num_experts (the
+ * Hub's Qwen3-MoE configs) and num_local_experts (Mixtral's, and transformers 5's for both);
+ * given both, they must agree. router_jitter_noise is read by nothing: transformers applies
+ * it in training only. */
+static int parse_moe(const json_t *root, mc_config *c, const char *path, char *err)
+{
+    if (c->arch != MC_ARCH_QWEN3_MOE && c->arch != MC_ARCH_MIXTRAL) return 0;
+    int rc;
+    int32_t ne = 0, nle = 0;
+    if ((rc = pd_json_get_i32(root, "num_experts", &ne, path, err)) < 0 ||
+        (rc = pd_json_get_i32(root, "num_local_experts", &nle, path, err)) < 0)
+        return rc;
+    if (ne && nle && ne != nle)
+        return pd_errf(err, PD_EFORMAT, "%s: \"num_experts\" (%d) and \"num_local_experts\" (%d) "
+                       "differ", path, ne, nle);
+    c->n_experts = ne ? ne : nle;
+    if (c->n_experts == 0)
+        return pd_errf(err, PD_EFORMAT, "%s: required key \"num_experts\" (or "
+                       "\"num_local_experts\") is missing", path);
+    if (c->n_experts < 0 || c->n_experts > MC_MAX_EXPERTS)
+        return pd_errf(err, PD_EFORMAT, "%s: \"num_experts\" must be in 1..%d (got %d)", path,
+                       MC_MAX_EXPERTS, c->n_experts);
+    if ((rc = req_pos(root, "num_experts_per_tok", &c->n_experts_per_tok, path, err)) < 0)
+        return rc;
+    if (c->n_experts_per_tok > c->n_experts)
+        return pd_errf(err, PD_EFORMAT, "%s: \"num_experts_per_tok\" (%d) is more than the %d "
+                       "experts", path, c->n_experts_per_tok, c->n_experts);
+    if ((rc = refuse_moe_extras(root, path, err)) < 0) return rc;
+    c->decoder_sparse_step = 1;
+    if (c->arch == MC_ARCH_MIXTRAL) { /* every layer sparse, top k always renormalised */
+        c->moe_intermediate = c->intermediate_size;
+        c->norm_topk_prob = true;
+        return 0;
+    }
+    if ((rc = req_pos(root, "moe_intermediate_size", &c->moe_intermediate, path, err)) < 0 ||
+        (rc = pd_json_get_i32(root, "decoder_sparse_step", &c->decoder_sparse_step, path,
+                              err)) < 0 ||
+        (rc = pd_json_get_bool(root, "norm_topk_prob", &c->norm_topk_prob, path, err)) < 0)
+        return rc;
+    if (c->decoder_sparse_step < 1)
+        return pd_errf(err, PD_EFORMAT, "%s: \"decoder_sparse_step\" must be >= 1 (got %d)", path,
+                       c->decoder_sparse_step);
+    return parse_mlp_only(root, c, path, err);
 }
 
 static int parse_config(const json_t *root, mc_config *c, const char *path, char *err)
@@ -286,6 +391,7 @@ static int parse_config(const json_t *root, mc_config *c, const char *path, char
     if (c->head_dim <= 0 || c->head_dim % 2 != 0)
         return pd_errf(err, PD_EFORMAT, "%s: head_dim must be a positive even number (got %d)",
                        path, c->head_dim);
+    if ((rc = parse_moe(root, c, path, err)) < 0) return rc;
     if ((rc = check_sizes(c, path, err)) < 0) return rc;
     c->max_position = 2048;
     if ((rc = pd_json_get_i32(root, "max_position_embeddings", &c->max_position, path, err)) < 0)
@@ -316,6 +422,7 @@ static int parse_config(const json_t *root, mc_config *c, const char *path, char
         c->qkv_bias = true; /* Qwen2 always has q/k/v biases and no o_proj bias */
         break;
     case MC_ARCH_QWEN3:
+    case MC_ARCH_QWEN3_MOE:
         c->qk_norm = true;
         c->qkv_bias = c->o_bias = attn_bias;
         break;
@@ -324,7 +431,7 @@ static int parse_config(const json_t *root, mc_config *c, const char *path, char
         break;
     }
     c->sliding_window = 0;
-    if (c->arch == MC_ARCH_MISTRAL) {
+    if (c->arch == MC_ARCH_MISTRAL || c->arch == MC_ARCH_MIXTRAL) {
         if ((rc = pd_json_get_i32(root, "sliding_window", &c->sliding_window, path, err)) < 0) return rc;
         if (c->sliding_window < 0) c->sliding_window = 0;
         if (c->sliding_window >= c->max_position) c->sliding_window = 0;
@@ -512,6 +619,14 @@ float mc_rope_inv_freq(const mc_config *c, float *inv_freq)
     return c->rope_type == MC_ROPE_YARN ? (float)c->rope_attn_factor : 1.0f;
 }
 
+bool mc_layer_sparse(const mc_config *c, int32_t li)
+{
+    if (c->n_experts <= 0 || c->decoder_sparse_step < 1) return false;
+    for (int32_t i = 0; i < c->n_mlp_only; i++)
+        if (c->mlp_only[i] == li) return false;
+    return (li + 1) % c->decoder_sparse_step == 0;
+}
+
 bool mc_is_eos(const mc_config *c, int32_t tok)
 {
     for (int i = 0; i < c->n_eos; i++)
@@ -523,10 +638,15 @@ int64_t mc_param_count(const mc_config *c)
 {
     int64_t h = c->hidden_size, hd = c->head_dim;
     int64_t qkv = ((int64_t)c->n_heads + 2 * (int64_t)c->n_kv_heads) * hd;
-    int64_t per_layer = h * qkv + (int64_t)c->n_heads * hd * h + 3 * h * c->intermediate_size + 2 * h;
+    int64_t per_layer = h * qkv + (int64_t)c->n_heads * hd * h + 2 * h;
     if (c->qkv_bias) per_layer += qkv;
     if (c->o_bias) per_layer += h;
     if (c->qk_norm) per_layer += 2 * hd;
+    const int64_t dense = 3 * h * c->intermediate_size;
+    /* a sparse layer: the router's [n_experts][hidden] and every expert's three matrices */
+    const int64_t sparse = (int64_t)c->n_experts * (3 * h * c->moe_intermediate + h);
+    int64_t mlps = 0;
+    for (int32_t li = 0; li < c->n_layers; li++) mlps += mc_layer_sparse(c, li) ? sparse : dense;
     int64_t emb = (int64_t)c->vocab_size * h;
-    return c->n_layers * per_layer + emb * (c->tie_word_embeddings ? 1 : 2) + h;
+    return c->n_layers * per_layer + mlps + emb * (c->tie_word_embeddings ? 1 : 2) + h;
 }

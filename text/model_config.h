@@ -1,7 +1,7 @@
 /* model_config.h -- A model's shape and behaviour, read from a HuggingFace config.json and
  * generation_config.json: architecture, sizes, RoPE (both the rope_theta/rope_scaling and the
  * rope_parameters styles; default, linear, llama3 and yarn types), biases, tied embeddings,
- * stop token ids. */
+ * mixture-of-experts layers, stop token ids. */
 #ifndef PD_MODEL_CONFIG_H
 #define PD_MODEL_CONFIG_H
 
@@ -14,12 +14,16 @@
 #define MC_MAX_EOS 16
 #define MC_MAX_IGNORE 64      /* modules a quantization_config may leave unquantized */
 #define MC_IGNORE_LEN 160     /* bytes of one such name or pattern, NUL included */
+#define MC_MAX_MLP_ONLY 256   /* entries of a Qwen3-MoE mlp_only_layers list */
+#define MC_MAX_EXPERTS 4096   /* routed experts of a sparse layer */
 
 typedef enum {
     MC_ARCH_LLAMA = 0,   /* LlamaForCausalLM */
     MC_ARCH_MISTRAL,     /* MistralForCausalLM */
     MC_ARCH_QWEN2,       /* Qwen2ForCausalLM: q/k/v bias */
     MC_ARCH_QWEN3,       /* Qwen3ForCausalLM: per-head q/k RMSNorm */
+    MC_ARCH_QWEN3_MOE,   /* Qwen3MoeForCausalLM: Qwen3 attention, sparse MoE layers */
+    MC_ARCH_MIXTRAL,     /* MixtralForCausalLM: Mistral attention, every layer sparse */
 } mc_arch;
 
 typedef enum {
@@ -90,6 +94,19 @@ typedef struct {
     bool qkv_bias;               /* q/k/v projections have biases (Qwen2, attention_bias) */
     bool o_bias;                 /* o_proj has a bias (Llama attention_bias) */
     bool qk_norm;                /* per-head q/k RMSNorm (Qwen3) */
+
+    /* Mixture of experts (docs/engine.md "Mixture of experts"); n_experts 0: every layer has
+     * the dense MLP of intermediate_size. Which layers are sparse: mc_layer_sparse. */
+    int32_t n_experts;           /* routed experts of a sparse layer (num_experts, or
+                                  * num_local_experts), 1..MC_MAX_EXPERTS */
+    int32_t n_experts_per_tok;   /* experts each token runs (top k), 1..n_experts */
+    int32_t moe_intermediate;    /* an expert's MLP width (moe_intermediate_size; Mixtral:
+                                  * intermediate_size) */
+    int32_t decoder_sparse_step; /* Qwen3-MoE: every this-many-th layer is sparse; >= 1 */
+    int32_t n_mlp_only;          /* mlp_only_layers: layers that keep the dense MLP */
+    int32_t mlp_only[MC_MAX_MLP_ONLY];
+    bool norm_topk_prob;         /* the top k routing weights renormalised to sum 1 (Mixtral
+                                  * always) */
     mc_quant quant;              /* quantization_config (MC_QUANT_NONE when absent) */
 } mc_config;
 
@@ -100,7 +117,10 @@ typedef struct {
  * frequencies: rope_theta <= 1, a scaling factor < 1, non-positive yarn betas, llama3
  * low_freq_factor or original_max_position_embeddings),
  * PD_EUNSUPPORTED (architecture, activation, rope type, sliding-window mode, MLP bias not
- * supported). err names the file and key. */
+ * supported; mixture-of-experts features beyond plain top-k softmax routing: shared experts,
+ * another scoring function, grouped routing, a routed scaling factor). err names the file and
+ * key. Mixture-of-experts configs need num_experts (or num_local_experts),
+ * num_experts_per_tok and, for Qwen3-MoE, moe_intermediate_size. */
 int mc_load(const char *dir, mc_config *out, char *err);
 
 /* Parses config.json text held in memory (json, len bytes; not kept) into *out, with mc_load's
@@ -116,6 +136,11 @@ int mc_parse_generation_json(const char *json, size_t len, mc_config *cfg, char 
 /* Fills inv_freq[head_dim / 2] with the rotary inverse frequencies of cfg's RoPE settings
  * (scaling applied) and returns the cos/sin multiplier (YaRN attention factor, else 1). */
 float mc_rope_inv_freq(const mc_config *cfg, float *inv_freq);
+
+/* Whether layer li is a sparse (mixture-of-experts) layer, as transformers' Qwen3-MoE decides:
+ * li not in mlp_only_layers, n_experts > 0 and (li + 1) % decoder_sparse_step == 0. Mixtral:
+ * every layer. A dense model: none. */
+bool mc_layer_sparse(const mc_config *cfg, int32_t li);
 
 /* True when tok is one of the model's end-of-sequence ids. */
 bool mc_is_eos(const mc_config *cfg, int32_t tok);

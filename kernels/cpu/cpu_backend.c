@@ -16,6 +16,7 @@ static void cpu_destroy(void *ctx)
     if (!c) return;
     free(c->scratch);
     free(c->qx);
+    free(c->moe);
     free(c);
 }
 
@@ -450,6 +451,8 @@ static const pd_backend_ops k_cpu_ops = {
     .swiglu = cpu_swiglu,
     .linear_fused = pd_cpu__linear_fused,
     .gather_rows = cpu_gather_rows,
+    .moe_route = pd_cpu__moe_route,
+    .moe_combine = pd_cpu__moe_combine,
     .kv_blocks_to_host = cpu_kv_to_host,
     .kv_blocks_from_host = cpu_kv_from_host,
     .kv_blocks_copy = cpu_kv_copy,
