@@ -4,6 +4,7 @@
  * the mixture-of-experts settings (which layers are sparse, the refused features). */
 #include <errno.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -862,6 +863,34 @@ static void test_moe_configs(void)
             CHECK_MSG(mc_layer_sparse(&c, l) == (k_want[i].sparse[l] == 's'), "%s layer %d",
                       k_want[i].name, l);
         CHECK_EQ_INT(mc_param_count(&c), k_want[i].params);
+    }
+    /* the goldens' active parameters: the experts of every sparse layer counted k times */
+    for (size_t i = 0; i < sizeof k_want / sizeof k_want[0]; i++) {
+        snprintf(dir, sizeof dir, "%s/tests/data/golden-moe/%s", PD_SOURCE_DIR, k_want[i].name);
+        if (mc_load(dir, &c, err) < 0) continue;
+        int64_t n_sparse = 0;
+        for (int32_t l = 0; l < c.n_layers; l++) n_sparse += mc_layer_sparse(&c, l);
+        const int64_t idle = n_sparse * (c.n_experts - c.n_experts_per_tok) * 3 *
+                             (int64_t)c.hidden_size * c.moe_intermediate;
+        CHECK_EQ_INT(mc_active_param_count(&c), k_want[i].params - idle);
+    }
+    /* the benchmark shapes (tools/shapes) against their model cards' totals (to 1%) and active
+     * parameters (to 2%: the cards give two digits, 3.3B for Qwen3-30B-A3B's 3.35B) */
+    static const struct {
+        const char *name;
+        double total, active;
+    } k_cards[] = {{"qwen3-30b-a3b", 30.5e9, 3.3e9}, {"mixtral-8x7b", 46.7e9, 12.9e9},
+                   {"llama3-8b", 8.03e9, 8.03e9}};
+    for (size_t i = 0; i < sizeof k_cards / sizeof k_cards[0]; i++) {
+        snprintf(dir, sizeof dir, "%s/tools/shapes/%s", PD_SOURCE_DIR, k_cards[i].name);
+        const int rc = mc_load(dir, &c, err);
+        CHECK_MSG(rc == 0, "%s: %s", dir, err);
+        if (rc < 0) continue;
+        const double tot = (double)mc_param_count(&c), act = (double)mc_active_param_count(&c);
+        CHECK_MSG(fabs(tot / k_cards[i].total - 1.0) < 0.01 &&
+                      fabs(act / k_cards[i].active - 1.0) < 0.02,
+                  "%s: %.4g parameters, %.4g active (the card: %.3g, %.3g)", k_cards[i].name,
+                  tot, act, k_cards[i].total, k_cards[i].active);
     }
     /* transformers' rule: not in mlp_only_layers, and (i + 1) % step == 0 */
     memset(&c, 0, sizeof c);

@@ -634,7 +634,8 @@ bool mc_is_eos(const mc_config *c, int32_t tok)
     return false;
 }
 
-int64_t mc_param_count(const mc_config *c)
+/* The parameters with each sparse layer's experts counted `experts` times. */
+static int64_t param_count(const mc_config *c, int64_t experts)
 {
     int64_t h = c->hidden_size, hd = c->head_dim;
     int64_t qkv = ((int64_t)c->n_heads + 2 * (int64_t)c->n_kv_heads) * hd;
@@ -643,10 +644,17 @@ int64_t mc_param_count(const mc_config *c)
     if (c->o_bias) per_layer += h;
     if (c->qk_norm) per_layer += 2 * hd;
     const int64_t dense = 3 * h * c->intermediate_size;
-    /* a sparse layer: the router's [n_experts][hidden] and every expert's three matrices */
-    const int64_t sparse = (int64_t)c->n_experts * (3 * h * c->moe_intermediate + h);
+    /* a sparse layer: the router's [n_experts][hidden] and `experts` experts' three matrices */
+    const int64_t sparse = experts * 3 * h * c->moe_intermediate + (int64_t)c->n_experts * h;
     int64_t mlps = 0;
     for (int32_t li = 0; li < c->n_layers; li++) mlps += mc_layer_sparse(c, li) ? sparse : dense;
     int64_t emb = (int64_t)c->vocab_size * h;
     return c->n_layers * per_layer + mlps + emb * (c->tie_word_embeddings ? 1 : 2) + h;
+}
+
+int64_t mc_param_count(const mc_config *c) { return param_count(c, c->n_experts); }
+
+int64_t mc_active_param_count(const mc_config *c)
+{
+    return param_count(c, c->n_experts_per_tok);
 }

@@ -164,4 +164,9 @@ bool mc_quant_ignored(const mc_quant *q, const char *module);
 /* Parameters, in elements, of a model of this shape (embeddings counted once when tied). */
 int64_t mc_param_count(const mc_config *cfg);
 
+/* The parameters one token's forward pass reads: mc_param_count with each sparse layer's
+ * experts counted n_experts_per_tok times instead of n_experts (its router whole); equal to
+ * mc_param_count for a dense model. */
+int64_t mc_active_param_count(const mc_config *cfg);
+
 #endif

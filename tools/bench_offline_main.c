@@ -9,6 +9,7 @@
  * turns them into floor times and says how far the run is from them. */
 #include <errno.h>
 #include <getopt.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -457,6 +458,20 @@ int main(int argc, char **argv)
     double w_bytes = weight_bytes > 0 /* quantized weights: the bytes held */
                          ? weight_bytes - (cfg.tie_word_embeddings ? 0 : (double)emb * esize)
                          : (double)(n_params - (cfg.tie_word_embeddings ? 0 : emb)) * (double)esize;
+    /* A mixture of experts' step reads only the experts its rows chose: of E experts with k a
+     * row, b rows choose E (1 - (1 - k / E)^b) distinct ones on average under uniform routing
+     * (exactly k at batch 1), b the mean decode rows of a step. The experts' share of the
+     * bytes scales w_bytes (quantized weights: their bytes in proportion). */
+    if (cfg.n_experts > 0 && res.steps_with_decode > 0) {
+        int64_t n_sparse = 0;
+        for (int32_t l = 0; l < cfg.n_layers; l++) n_sparse += mc_layer_sparse(&cfg, l);
+        const double E = cfg.n_experts, k = cfg.n_experts_per_tok;
+        const double b = (double)res.decode_rows / (double)res.steps_with_decode;
+        const double touched = E * (1.0 - pow(1.0 - k / E, b));
+        const double per_expert = (double)n_sparse * 3.0 * cfg.hidden_size * cfg.moe_intermediate;
+        const double full = (double)(n_params - (cfg.tie_word_embeddings ? 0 : emb));
+        w_bytes *= (full - (E - touched) * per_expert) / full;
+    }
     /* per rank with tensor parallelism: rank 0's KV heads and query heads */
     const int32_t kv_heads = m ? m->shard.n_kv_heads : cfg.n_kv_heads;
     const int32_t q_heads = m ? m->shard.n_heads : cfg.n_heads;
@@ -466,10 +481,11 @@ int main(int argc, char **argv)
     double bw_floor_s = bw_gbs > 0 ? dec_bytes / (bw_gbs * 1e9) : 0;
     double bw_floor_tps = bw_floor_s > 0 ? res.generated_tokens / bw_floor_s : 0;
     double bw_ratio = bw_floor_s > 0 && res.elapsed_s > 0 ? bw_floor_s / res.elapsed_s : 0;
-    /* FLOPs of the prompt rows: 2 per weight of every product except the embedding lookup
+    /* FLOPs of the prompt rows: 2 per weight of every product a row runs (a mixture of
+     * experts': its k experts) except the embedding lookup
      * (the lm_head runs on one row per prompt), plus the causal attention: 2 products
      * (QK^T, PV) of head_dim multiply-adds per (query, key) pair and query head. */
-    double mm_params = (double)(n_params - emb);
+    double mm_params = (double)(mc_active_param_count(&cfg) - emb); /* (a row's experts) */
     double pf_flops = 2.0 * mm_params * (double)res.prompt_rows +
                       4.0 * q_heads * cfg.head_dim * res.attn_pairs;
     double pf_floor_s = gemm_tflops > 0 ? pf_flops / (gemm_tflops * 1e12) : 0;
