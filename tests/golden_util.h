@@ -14,6 +14,7 @@
 #include "engine/model.h"
 #include "engine/model_runner.h"
 #include "kernels/backend.h"
+#include "tests/test_util.h"
 
 typedef struct {
     pd_backend *be;
@@ -78,6 +79,39 @@ static inline gen_request tg_greedy(const int32_t *prompt, int32_t n, int32_t ma
     q.max_tokens = max_tokens;
     q.ignore_eos = true;
     return q;
+}
+
+/* Golden case cs's greedy tokens by the margin rule: each step's token equals the
+ * reference's while the reference's margin (top-1 over top-2 logit) is at least margin_min; a
+ * smaller margin ends the comparison (another argmax is as valid there). Returns the tokens
+ * compared. */
+static inline int tg_check_greedy(tg_model *t, const json_t *cs, const char *name, int ci,
+                                  double margin_min)
+{
+    int32_t *prompt, *ref;
+    const int32_t n = tg_ids(json_object_get(cs, "prompt_ids"), &prompt);
+    const int32_t nref = tg_ids(json_object_get(cs, "greedy_ids"), &ref);
+    const json_t *margins = json_object_get(cs, "greedy_margins");
+    gen_request q = tg_greedy(prompt, n, nref);
+    gen_result res;
+    char err[PD_ERR_LEN];
+    int compared = 0;
+    const int rc = gen_run(t->r, t->m, &q, 1, &res, NULL, err);
+    CHECK_MSG(rc == 0, "%s case %d: %s", name, ci, err);
+    if (rc == 0) {
+        CHECK_EQ_INT(res.n_tokens, nref);
+        for (int32_t i = 0; i < nref && i < res.n_tokens; i++) {
+            if (json_number_value(json_array_get(margins, (size_t)i)) < margin_min) break;
+            CHECK_MSG(res.tokens[i] == ref[i], "%s case %d step %d: got %d, reference %d", name,
+                      ci, i, res.tokens[i], ref[i]);
+            compared++;
+            if (res.tokens[i] != ref[i]) break;
+        }
+        gen_results_free(&res, 1);
+    }
+    free(prompt);
+    free(ref);
+    return compared;
 }
 
 #endif

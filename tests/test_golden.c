@@ -56,31 +56,6 @@ static void check_logits_case(tg_model *t, const json_t *cs, const char *name, i
     free(prompt); free(pos); free(slots); free(rows); free(bt); free(logits);
 }
 
-static void check_greedy_case(tg_model *t, const json_t *cs, const char *name, int ci, int *compared)
-{
-    int32_t *prompt, *ref;
-    int32_t n = tg_ids(json_object_get(cs, "prompt_ids"), &prompt);
-    int32_t nref = tg_ids(json_object_get(cs, "greedy_ids"), &ref);
-    const json_t *margins = json_object_get(cs, "greedy_margins");
-    gen_request q = tg_greedy(prompt, n, nref);
-    gen_result res;
-    char err[PD_ERR_LEN];
-    int rc = gen_run(t->r, t->m, &q, 1, &res, NULL, err);
-    CHECK_MSG(rc == 0, "%s case %d: %s", name, ci, err);
-    if (rc == 0) {
-        CHECK_EQ_INT(res.n_tokens, nref);
-        for (int32_t i = 0; i < nref && i < res.n_tokens; i++) {
-            if (json_number_value(json_array_get(margins, (size_t)i)) < MARGIN_MIN) break;
-            CHECK_MSG(res.tokens[i] == ref[i], "%s case %d step %d: got %d, reference %d", name,
-                      ci, i, res.tokens[i], ref[i]);
-            (*compared)++;
-            if (res.tokens[i] != ref[i]) break;
-        }
-        gen_results_free(&res, 1);
-    }
-    free(prompt);
-    free(ref);
-}
 
 static void run_model(const char *name)
 {
@@ -105,7 +80,7 @@ static void run_model(const char *name)
     int compared = 0;
     for (size_t i = 0; i < json_array_size(cases); i++) {
         check_logits_case(&t, json_array_get(cases, i), name, (int)i, &worst);
-        check_greedy_case(&t, json_array_get(cases, i), name, (int)i, &compared);
+        compared += tg_check_greedy(&t, json_array_get(cases, i), name, (int)i, MARGIN_MIN);
     }
     fprintf(stderr, "%s: %zu cases, max |logit - HF| = %.2e, %d greedy tokens compared\n", name,
             json_array_size(cases), worst, compared);

@@ -129,6 +129,19 @@ static __device__ __forceinline__ float amax8(uint4 v, float a)
     return a;
 }
 
+/* The largest of every thread's amax over a block of QUANT_THREADS threads (all of them call
+ * it once; part is QUANT_THREADS / 32 floats of shared memory). */
+static __device__ __forceinline__ float block_amax(float amax, float *part)
+{
+    amax = pd_warp_max(amax);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < QUANT_THREADS / 32; i++) amax = fmaxf(amax, part[i]);
+    return amax;
+}
+
 /* A scale a row (group k), k a multiple of 8 and the rows 16-byte aligned: the same rule in
  * 16-byte loads and 8-byte stores, the row's first QV_REGS chunks a thread kept in registers
  * between the two passes (rows up to QUANT_THREADS x 8 x QV_REGS elements are read once). */
@@ -153,13 +166,7 @@ quant_row_vec_kernel(const bf16 *x, int32_t n, int32_t k, bool dynamic, float in
         }
         for (int32_t c = (int32_t)threadIdx.x + QV_REGS * QUANT_THREADS; c < nc; c += QUANT_THREADS)
             amax = amax8(xr[c], amax);
-        amax = pd_warp_max(amax);
-        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = amax;
-        __syncthreads();
-        amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < QUANT_THREADS / 32; i++) amax = fmaxf(amax, part[i]);
-        sc = dyn_scale(amax);
+        sc = dyn_scale(block_amax(amax, part));
     } else {
 #pragma unroll
         for (int i = 0; i < QV_REGS; i++) {
@@ -215,13 +222,7 @@ static __device__ __forceinline__ void quant_kept(const uint4 (&y)[V], int32_t n
         float amax = 0.0f;
 #pragma unroll
         for (int i = 0; i < V; i++) amax = amax8(y[i], amax);
-        amax = pd_warp_max(amax);
-        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = amax;
-        __syncthreads();
-        amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < QUANT_THREADS / 32; i++) amax = fmaxf(amax, part[i]);
-        sc = dyn_scale(amax);
+        sc = dyn_scale(block_amax(amax, part));
     }
 #pragma unroll
     for (int i = 0; i < V; i++) {
