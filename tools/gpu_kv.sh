@@ -29,7 +29,7 @@
 #   policy    conditional disaggregation: workload A disaggregated with
 #             PDSERVE_PREFILL_BUSY_TOKENS=$BUSY_TOKENS (4096), and 64-token prompts computed
 #             remotely vs on the decode instance (TTFT, TPOT at 2 req/s)
-#   plan      pdserve-plan over every GPU of the host (PLAN_WORKLOAD B, A or S; PLAN_* below)
+#   plan      pdserve-plan over every GPU of the host (PLAN_WORKLOAD B, A, S, L or B70; PLAN_* below)
 #   kill      faults mid-transfer (tools/gpu_faults.py kill): stories260k on --gpus 0,1, device
 #             path, every prompt through prefill (--prefill-policy remote); 16 closed-loop
 #             clients (pdserve-bench), then kill -9 of the prefill process while a transfer is in
@@ -316,19 +316,24 @@ if has policy && [ -n "$MODES" ]; then
     done
 fi
 if has plan && [ -n "$MODES" ]; then
-    # The placement planner on every GPU of the host, workload B (or PLAN_WORKLOAD=A or S).
+    # The placement planner on every GPU of the host, workload B (or PLAN_WORKLOAD=A, S, L, B70).
     # PLAN_SPLITS (P:D,...; default every split), PLAN_NOCOLO=1 (no colocated run),
     # PLAN_DURATION_S (> 0: each probe sends for this long instead of 120 requests),
     # PLAN_RATE (first probe), PLAN_TOL (search tolerance, default 0.1), PLAN_PROBES (5),
     # PLAN_TAG (results in $OUT/plan$PLAN_TAG), PLAN_MODEL (a shape folder, default
     # tools/shapes/llama3-8b), PLAN_TP ("T" or "Tp.Td": --prefill-tp / --decode-tp),
     # PLAN_QUANT / PLAN_KV (--quantization / --kv-cache-dtype, default auto), PLAN_KV_MB (16384),
-    # PLAN_GPUS (default every GPU). Workload B70: B with TTFT <= 1.5 s, TPOT <= 30 ms (issue
-    # #37's 70B goal). Every process serves /metrics (the planner keeps a snapshot of each
-    # after its search).
+    # PLAN_GPU_UTIL (instead of PLAN_KV_MB: --gpu-memory-utilization, the pool an operator's
+    # deployment would have), PLAN_GPUS (default every GPU). Workload B70: B with TTFT <= 1.5 s,
+    # TPOT <= 30 ms (issue #37's 70B goal); L: goodputL's long outputs (input U[512,4096],
+    # output U[128,512], TTFT <= 1.5 s, TPOT <= 20 ms). Every process serves /metrics (the
+    # planner keeps a snapshot of each after its search).
     NG=$(nvidia-smi -L | wc -l)
     GL=${PLAN_GPUS:-$(seq -s, 0 $((NG - 1)))}
+    OUTL=64:256
     case ${PLAN_WORKLOAD:-B} in
+        L) WL="--input-len 512:4096 --slo-ttft-ms 1500 --slo-tpot-ms 20 --rate ${PLAN_RATE:-16}"
+           OUTL=128:512 ;;
         B70) WL="--input-len 1024:3072 --slo-ttft-ms 1500 --slo-tpot-ms 30 --rate ${PLAN_RATE:-4}" ;;
         A) WL="--input-len 256:2048 --slo-ttft-ms 300 --slo-tpot-ms 15 --rate ${PLAN_RATE:-24}" ;;
         B) WL="--input-len 1024:3072 --slo-ttft-ms 1000 --slo-tpot-ms 10 --rate ${PLAN_RATE:-16}" ;;
@@ -346,11 +351,13 @@ if has plan && [ -n "$MODES" ]; then
         PX+=(--prefill-tp "${PLAN_TP%.*}" --decode-tp "${PLAN_TP#*.}")
     fi
     PX+=(--quantization "${PLAN_QUANT:-auto}" --kv-cache-dtype "${PLAN_KV:-auto}")
+    POOL="--kv-cache-mb ${PLAN_KV_MB:-16384}"
+    [ -n "${PLAN_GPU_UTIL:-}" ] && POOL="--gpu-memory-utilization $PLAN_GPU_UTIL"
     PDSERVE_UP_START_S=300 PDSERVE_METRICS_PORT=0 "$G/bin/pdserve-plan" \
         --model "${PLAN_MODEL:-tools/shapes/llama3-8b}" --gpus "$GL" \
         --out "$OUT/plan${PLAN_TAG:-}" "${PX[@]}" \
-        --instance-args "--load-format dummy --backend cuda --kv-cache-mb ${PLAN_KV_MB:-16384}" \
-        --bench-args "$WL --output-len 64:256 $LEN --seed 1 --slo-attainment 0.9 --goodput-tolerance ${PLAN_TOL:-0.1} --max-probes ${PLAN_PROBES:-5}" \
+        --instance-args "--load-format dummy --backend cuda $POOL" \
+        --bench-args "$WL --output-len $OUTL $LEN --seed 1 --slo-attainment 0.9 --goodput-tolerance ${PLAN_TOL:-0.1} --max-probes ${PLAN_PROBES:-5}" \
         2>&1 | grep -v '^$'
     for d in "$OUT/plan${PLAN_TAG:-}"/*/; do # every probe of every search
         grep -h '^probe' "$d/bench.txt" 2>/dev/null | sed "s|^|$(basename "$d"): |"
