@@ -81,5 +81,13 @@ int main(void)
             run_model(dir, strrchr(cg_models[i].path, '/') + 1, cg_models[i].abs_tol,
                       cg_models[i].margin_min, eager);
     }
+    /* the mixture-of-experts goldens (no decode graphs: their routing sizes the experts'
+     * products on the host), the tolerances of the dense goldens */
+    static const char *const moe[] = {"qwen3-moe-tiny", "qwen3-moe-tiny-step2", "mixtral-tiny"};
+    for (size_t i = 0; i < sizeof moe / sizeof moe[0]; i++) {
+        char dir[1024];
+        snprintf(dir, sizeof dir, "%s/tests/data/golden-moe/%s", PD_SOURCE_DIR, moe[i]);
+        run_model(dir, moe[i], 0.1, 0.1, true);
+    }
     return pd_test_result("test_cuda_golden");
 }

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 SHARED=${PDSERVE_SHARED:-../shared}
 B=${PD_GPU_BUILD:-build-gpu}
 G=${PD_GPU_DIR:-.gpu}
-BINS="test_cuda_backend test_cuda_golden test_cuda_sample test_cuda_comm test_cuda_tp test_cuda_tpkv test_cuda_fp8 test_cuda_kv_fp8 test_cuda_fp8_fused test_cpu_backend pdserve-generate
+BINS="test_cuda_backend test_cuda_golden test_cuda_sample test_cuda_comm test_cuda_tp test_cuda_tpkv test_cuda_fp8 test_cuda_kv_fp8 test_cuda_fp8_fused test_cuda_moe test_cpu_backend pdserve-generate
       pdserve-bench-offline pdserve-bench-kernels pdserve-bench-exchange pdserve-prefill
       pdserve-decode pdserve-router pdserve-cli ${PD_GPU_EXTRA:-}"
 

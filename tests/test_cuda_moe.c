@@ -1,0 +1,179 @@
+/* test_cuda_moe.c -- The CUDA backend's mixture-of-experts ops against the CPU backend's
+ * (kernels/cpu/cpu_moe.c, itself checked against transformers by test_moe_golden):
+ * moe_route on logits full of exact ties (values on a coarse grid, the same on both sides)
+ * must choose the same experts in the same order, group them identically and weigh them alike
+ * (to the last bits of the double softmax); moe_combine must sum the same terms, to bf16
+ * rounding. Shapes from a tiny router to Qwen3-30B-A3B's 128 experts (top 8, the
+ * nth_element path) and DeepSeek-like 256 (the heap-select path at k 4). Exits 77 (skipped)
+ * without a CUDA device. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/dtype.h"
+#include "common/error.h"
+#include "kernels/backend.h"
+#include "tests/test_util.h"
+#define PD_TEST_SEED 0x51ed270b4a3c9e1dull
+#include "tests/test_rand.h"
+
+static pd_backend *g_cpu, *g_gpu;
+
+/* A buffer of n elements of type t on backend b, from host floats (NULL: zeros). */
+static void *put(pd_backend *b, pd_dtype t, const float *h, size_t n)
+{
+    void *d = NULL;
+    CHECK_EQ_INT(b->ops->alloc(b->ctx, t, n, &d), 0);
+    if (h && d) CHECK_EQ_INT(b->ops->upload(b->ctx, d, t, 0, h, PD_DTYPE_F32, n), 0);
+    return d;
+}
+
+static void get(pd_backend *b, float *h, const void *d, pd_dtype t, size_t n)
+{
+    CHECK_EQ_INT(b->ops->download_f32(b->ctx, h, d, t, 0, n), 0);
+}
+
+typedef struct {
+    void *logits, *ids, *weights, *rows, *pos;
+    int32_t *offsets;
+} route_bufs;
+
+static int route_on(pd_backend *b, const float *lg, int32_t n, int32_t E, int32_t k, bool renorm,
+                    route_bufs *r)
+{
+    const size_t nk = (size_t)n * k;
+    r->logits = put(b, b->ops->act_dtype, lg, (size_t)n * E);
+    r->ids = put(b, PD_DTYPE_I32, NULL, nk);
+    r->weights = put(b, PD_DTYPE_F32, NULL, nk);
+    r->rows = put(b, PD_DTYPE_I32, NULL, nk);
+    r->pos = put(b, PD_DTYPE_I32, NULL, nk);
+    r->offsets = xmalloc(((size_t)E + 1) * sizeof *r->offsets);
+    const pd_moe_route_args a = {.logits = r->logits, .n = n, .n_experts = E, .k = k,
+                                 .renormalize = renorm, .ids = r->ids, .weights = r->weights,
+                                 .rows = r->rows, .pos = r->pos, .offsets = r->offsets};
+    return b->ops->moe_route(b->ctx, &a);
+}
+
+static void route_free(pd_backend *b, route_bufs *r)
+{
+    void *bufs[] = {r->logits, r->ids, r->weights, r->rows, r->pos};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) b->ops->free(b->ctx, bufs[i]);
+    free(r->offsets);
+}
+
+/* The n * k int32 (or float) outputs of both sides, as floats. */
+static size_t count_diff(pd_backend *pc, const void *c, pd_backend *pg, const void *g,
+                         pd_dtype t, size_t n, double tol)
+{
+    float *hc = xmalloc(n * sizeof *hc), *hg = xmalloc(n * sizeof *hg);
+    get(pc, hc, c, t, n);
+    get(pg, hg, g, t, n);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += !(fabs((double)hc[i] - hg[i]) <= tol);
+    free(hc);
+    free(hg);
+    return bad;
+}
+
+static void run_case(int32_t n, int32_t E, int32_t k, bool renorm, int32_t dim)
+{
+    /* logits on a grid of quarters in [-3, 3]: exact in bf16 and f32, many ties a row */
+    float *lg = xmalloc((size_t)n * E * sizeof *lg);
+    for (size_t i = 0; i < (size_t)n * E; i++) lg[i] = (float)((int)(urand() * 25) - 12) / 4.0f;
+    route_bufs rc = {0}, rg = {0};
+    CHECK_EQ_INT(route_on(g_cpu, lg, n, E, k, renorm, &rc), 0);
+    CHECK_EQ_INT(route_on(g_gpu, lg, n, E, k, renorm, &rg), 0);
+    CHECK_EQ_INT(g_gpu->ops->sync(g_gpu->ctx), 0);
+    const size_t nk = (size_t)n * k;
+    size_t bad_off = 0;
+    for (int32_t e = 0; e <= E; e++) bad_off += rc.offsets[e] != rg.offsets[e];
+    const size_t bad_ids = count_diff(g_cpu, rc.ids, g_gpu, rg.ids, PD_DTYPE_I32, nk, 0);
+    const size_t bad_rows = count_diff(g_cpu, rc.rows, g_gpu, rg.rows, PD_DTYPE_I32, nk, 0);
+    const size_t bad_pos = count_diff(g_cpu, rc.pos, g_gpu, rg.pos, PD_DTYPE_I32, nk, 0);
+    const size_t bad_w = count_diff(g_cpu, rc.weights, g_gpu, rg.weights, PD_DTYPE_F32, nk, 1e-6);
+    CHECK_MSG(bad_off == 0 && bad_ids == 0 && bad_rows == 0 && bad_pos == 0 && bad_w == 0,
+              "moe_route n %d E %d k %d renorm %d: offsets %zu, ids %zu, rows %zu, pos %zu, "
+              "weights %zu of %zu differ", n, E, k, renorm, bad_off, bad_ids, bad_rows, bad_pos,
+              bad_w, nk);
+
+    /* combine: the same expert outputs, routing and residual on both sides */
+    float *y = xmalloc(nk * dim * sizeof *y), *res = xmalloc((size_t)n * dim * sizeof *res);
+    for (size_t i = 0; i < nk * dim; i++) y[i] = bf16_round((float)(4.0 * urand() - 2.0));
+    for (size_t i = 0; i < (size_t)n * dim; i++) res[i] = bf16_round((float)(2.0 * urand() - 1.0));
+    double worst = 0;
+    for (int acc = 0; acc < 2; acc++) {
+        void *yc = put(g_cpu, g_cpu->ops->act_dtype, y, nk * dim);
+        void *yg = put(g_gpu, g_gpu->ops->act_dtype, y, nk * dim);
+        void *oc = put(g_cpu, g_cpu->ops->act_dtype, res, (size_t)n * dim);
+        void *og = put(g_gpu, g_gpu->ops->act_dtype, res, (size_t)n * dim);
+        pd_moe_combine_args ca = {.y = yc, .pos = rc.pos, .weights = rc.weights, .n = n,
+                                  .k = k, .dim = dim, .accumulate = acc, .out = oc};
+        CHECK_EQ_INT(g_cpu->ops->moe_combine(g_cpu->ctx, &ca), 0);
+        ca.y = yg;
+        ca.pos = rg.pos;
+        ca.weights = rg.weights;
+        ca.out = og;
+        CHECK_EQ_INT(g_gpu->ops->moe_combine(g_gpu->ctx, &ca), 0);
+        float *hc = xmalloc((size_t)n * dim * sizeof *hc), *hg = xmalloc((size_t)n * dim * sizeof *hg);
+        get(g_cpu, hc, oc, g_cpu->ops->act_dtype, (size_t)n * dim);
+        get(g_gpu, hg, og, g_gpu->ops->act_dtype, (size_t)n * dim);
+        size_t bad = 0;
+        for (size_t i = 0; i < (size_t)n * dim; i++) {
+            /* the GPU rounds the result to bf16 once (the CPU keeps f32): half a bf16 step,
+             * and f32 sums in another precision */
+            const double e = fabs((double)hc[i] - hg[i]), tol = 4e-3 * fabs(hc[i]) + 1e-3;
+            bad += !(e <= tol);
+            if (e > worst) worst = e;
+        }
+        CHECK_MSG(bad == 0, "moe_combine n %d k %d dim %d accumulate %d: %zu of %zu differ",
+                  n, k, dim, acc, bad, (size_t)n * dim);
+        free(hc);
+        free(hg);
+        void *bufs_c[] = {yc, oc}, *bufs_g[] = {yg, og};
+        for (int i = 0; i < 2; i++) {
+            g_cpu->ops->free(g_cpu->ctx, bufs_c[i]);
+            g_gpu->ops->free(g_gpu->ctx, bufs_g[i]);
+        }
+    }
+    printf("  n %4d E %3d k %d renorm %d: routing equal (%zu choices), combine max |diff| %.3g\n",
+           n, E, k, renorm, nk, worst);
+    route_free(g_cpu, &rc);
+    route_free(g_gpu, &rg);
+    free(lg);
+    free(y);
+    free(res);
+}
+
+int main(void)
+{
+    char err[PD_ERR_LEN] = "";
+    if (pd_backend_create("cuda", NULL, &g_gpu, err) < 0) {
+        fprintf(stderr, "test_cuda_moe: skipped: %s\n", err);
+        return 77;
+    }
+    if (pd_backend_create("cpu", NULL, &g_cpu, err) < 0) {
+        fprintf(stderr, "test_cuda_moe: cpu backend: %s\n", err);
+        return 1;
+    }
+    printf("test_cuda_moe: moe_route and moe_combine on cuda against cpu\n");
+    CHECK(g_gpu->ops->moe_route && g_gpu->ops->moe_combine);
+    if (g_gpu->ops->moe_route && g_gpu->ops->moe_combine) {
+        run_case(37, 8, 2, true, 64);     /* Mixtral's routing */
+        run_case(5, 8, 8, false, 32);     /* every expert chosen */
+        run_case(300, 128, 8, true, 96);  /* Qwen3-30B-A3B's: nth_element */
+        run_case(1, 128, 8, true, 2048);  /* a decode row */
+        run_case(64, 256, 4, false, 64);  /* k * 64 <= E: the heap select */
+        /* no rows: the groups empty, nothing queued */
+        route_bufs r = {0};
+        CHECK_EQ_INT(route_on(g_gpu, NULL, 0, 8, 2, true, &r), 0);
+        for (int e = 0; e <= 8; e++) CHECK_EQ_INT(r.offsets[e], 0);
+        route_free(g_gpu, &r);
+        const pd_moe_route_args bad = {.n = 1, .n_experts = 4, .k = 5};
+        CHECK_EQ_INT(g_gpu->ops->moe_route(g_gpu->ctx, &bad), PD_EINVAL);
+    }
+    pd_backend_destroy(g_cpu);
+    pd_backend_destroy(g_gpu);
+    return pd_test_result("test_cuda_moe");
+}
