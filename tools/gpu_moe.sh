@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# gpu_moe.sh -- The mixture-of-experts runs of issue #39 on the lent GPU machine, over what
+# tools/gpu_package.sh packed (PD_GPU_DIR): test_cuda_moe (the CUDA routing and combination
+# against the CPU's) and test_cuda_golden (the MoE goldens' logits on cuda against cpu), then
+# the Qwen3-30B-A3B shape (dummy weights) next to the floors of this run
+# (pdserve-bench-kernels --floor): batch-1 decode against its active weights + KV at the copy
+# rate, batch-64 decode tokens/s beside the dense Llama-3-8B's, and 2k-token prefill against
+# the GEMM rate over active FLOPs. Logs in $OUT/moe/ and $OUT/moe.tgz; a summary at the end.
+# MOE_SKIP="tests 30b 8b" leaves parts out; MOE_MODEL replaces the shape (e.g.
+# tools/shapes/mixtral-8x7b).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+. tools/gpu_env.sh
+F="$OUT/moe"
+mkdir -p "$F"
+rc=0
+skip() { case " ${MOE_SKIP:-} " in *" $1 "*) return 0 ;; esac; return 1; }
+run() { # run NAME COMMAND...: output in $F/NAME.log
+    local name=$1 r
+    shift
+    echo "== $name: $*"
+    "$@" >"$F/$name.log" 2>&1
+    r=$?
+    grep -E 'FAILED|passed|routing equal|moe' "$F/$name.log" | tail -n 6
+    [ "$r" -eq 0 ] || { echo "== $name: exit $r"; rc=1; }
+}
+if ! skip tests; then
+    run test_cuda_moe "$G/bin/test_cuda_moe"
+    run test_cuda_golden "$G/bin/test_cuda_golden"
+fi
+"$G/bin/pdserve-bench-kernels" --floor >"$F/floor.log" 2>&1
+BW=$(sed -n 's/.*FLOOR copy_gbps=\([0-9.]*\).*/\1/p' "$F/floor.log" | tail -n 1)
+TF=$(sed -n 's/.*FLOOR.*gemm_tflops=\([0-9.]*\).*/\1/p' "$F/floor.log" | tail -n 1)
+FL=()
+[ -n "$BW" ] && FL+=(--bandwidth-gbs "$BW")
+[ -n "$TF" ] && FL+=(--gemm-tflops "$TF")
+M=${MOE_MODEL:-tools/shapes/qwen3-30b-a3b}
+bench() { # bench NAME MODEL ARGS...: pdserve-bench-offline --json
+    local name=$1 model=$2
+    shift 2
+    run "$name" "$G/bin/pdserve-bench-offline" --model "$model" --load-format dummy \
+        --backend cuda --kv-cache-mb 8192 "${FL[@]}" --json "$@"
+}
+if ! skip 30b; then
+    bench moe_decode1 "$M" --num-requests 1 --input-len 128 --output-len 256 --max-num-seqs 1
+    bench moe_decode64 "$M" --num-requests 64 --input-len 1024 --output-len 256 --max-num-seqs 64
+    bench moe_prefill "$M" --num-requests 8 --input-len 2048 --output-len 1 \
+        --max-num-batched-tokens 2048
+fi
+if ! skip 8b; then
+    bench dense_decode64 tools/shapes/llama3-8b --num-requests 64 --input-len 1024 \
+        --output-len 256 --max-num-seqs 64
+fi
+echo "== summary ($M; copy $BW GB/s, GEMM $TF TFLOP/s in this run)"
+for f in moe_decode1 moe_decode64 moe_prefill dense_decode64; do
+    [ -f "$F/$f.log" ] || continue
+    env -u LD_LIBRARY_PATH python3 -c '
+import json, sys
+try:
+    d = json.loads([l for l in open(sys.argv[1]) if l.startswith("{")][-1])
+except Exception:
+    print("%-15s (no result)" % sys.argv[2]); sys.exit(0)
+n = sys.argv[2]
+if n == "moe_decode1":
+    print("%-15s %.3f ms/token; active weights + KV at the copy rate: %.2fx the floor" % (n, 1e3 / d["decode_tok_s"], 1 / d["floor_ratio"] if d.get("floor_ratio") else float("nan")))
+elif n.endswith("decode64"):
+    print("%-15s %.0f decode tok/s (mean batch %.1f)" % (n, d["decode_tok_s"], d["mean_batch"]))
+else:
+    print("%-15s %.0f prompt tok/s, %.0f%% of the GEMM rate over active FLOPs" % (n, d["prefill_tok_s"], 100 * d.get("prefill_floor_ratio", 0)))' "$F/$f.log" "$f"
+done
+tar -czf "$OUT/moe.tgz" -C "$OUT" moe 2>/dev/null
+exit $rc
