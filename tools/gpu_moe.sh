@@ -62,7 +62,9 @@ except Exception:
     print("%-15s (no result)" % sys.argv[2]); sys.exit(0)
 n = sys.argv[2]
 if n == "moe_decode1":
-    print("%-15s %.3f ms/token; active weights + KV at the copy rate: %.2fx the floor" % (n, 1e3 / d["decode_tok_s"], 1 / d["floor_ratio"] if d.get("floor_ratio") else float("nan")))
+    ms = 1e3 / d["decode_tok_s"]
+    fl = d["weight_bytes_per_step"] / (d["bandwidth_gbs"] * 1e9) * 1e3 if d.get("bandwidth_gbs") else float("nan")
+    print("%-15s %.3f ms/token, active weights at the copy rate %.3f ms: %.2fx" % (n, ms, fl, ms / fl))
 elif n.endswith("decode64"):
     print("%-15s %.0f decode tok/s (mean batch %.1f)" % (n, d["decode_tok_s"], d["mean_batch"]))
 else:
