@@ -62,6 +62,7 @@ typedef struct {
     double worst_rel; /* largest relative L2 error of any row */
     double max_ref;   /* largest |logit| on the CPU */
     int rows, argmax_checked, argmax_wrong;
+    int outliers; /* rows past the tolerances that outlier_frac let through */
 } cg_stats;
 
 /* One comparison's labels and tolerances. */
@@ -72,6 +73,12 @@ typedef struct {
     double abs_tol;       /* max |logit diff| per row */
     double margin_min;    /* argmax compared where the CPU's top-1 leads its top-2 by more */
     bool terse;           /* test_cuda_tp's shorter failure messages */
+    /* > 0: rows past abs_tol or the relative L2 bound are counted in cg_stats.outliers (and
+     * their argmax not compared) instead of failing, the caller checking the count against
+     * this fraction of the rows: a mixture of experts whose router scores two experts within
+     * bf16's rounding of each other takes the other one on the GPU for that token, a
+     * different (equally valid) row */
+    double outlier_frac;
 } cg_run;
 
 /* Compares n_rows rows of logits; updates st. */
@@ -99,6 +106,13 @@ static inline void cg_compare_rows(const cg_run *run, const char *what, const fl
         double rel = den > 0 ? sqrt(num / den) : 0;
         CHECK_MSG(finite, "%s row %d: non-finite logits%s", what, r,
                   run->terse ? "" : " on the GPU");
+        if (run->outlier_frac > 0 && finite && !(mx < abs_tol && rel < REL_L2_TOL)) {
+            printf("  %s row %d: max |logit diff| %.3g, relative L2 %.3g: an outlier\n", what, r,
+                   mx, rel);
+            st->outliers++;
+            st->rows++;
+            continue;
+        }
         CHECK_MSG(mx < abs_tol, "%s row %d: max |logit diff| %.3g >= %g", what, r, mx, abs_tol);
         if (run->terse)
             CHECK_MSG(rel < REL_L2_TOL, "%s row %d: relative L2 %.3g", what, r, rel);
