@@ -59,10 +59,10 @@ static const pd_env_knob k_knobs[] = {
     {"PDSERVE_CUDA_DECODE_STAGES", PD_ENV_INT, "2", 0, 4, NULL, "kernels/cuda",
      "Pipeline stages of the decode attention kernel (0 .. 4), for A/B runs."},
     {"PDSERVE_CUDA_DL_DEBUG", PD_ENV_INT, "0", I64_MIN, I64_MAX, NULL, "kernels/cuda",
-     "decode_layers debug bits (values <= 0: none): 1 the products' arithmetic off, 8 the "
-     "weight stream off (both: wrong results, timing only), 16 stage timing (-DPD_DL_TIMING=1 "
-     "builds), 32 no evict-first L2 policy on the weight stream, 128 no L2 prefetch of the "
-     "small vectors."},
+     "decode_layers debug bits (values <= 0: none): 1 the products' arithmetic off, 2 the "
+     "FP8 layers' input quantization off, 8 the weight stream off (1, 2, 8: wrong results, "
+     "timing only), 16 stage timing (-DPD_DL_TIMING=1 builds), 32 no evict-first L2 policy on "
+     "the weight stream, 128 no L2 prefetch of the small vectors."},
     {"PDSERVE_CUDA_DL_INFLIGHT", PD_ENV_INT, "-1", I64_MIN, I64_MAX, NULL, "kernels/cuda",
      "decode_layers' weight-stream slots a block may have in flight (unset: chosen per shape; "
      "values <= 0: none held back)."},

@@ -314,6 +314,44 @@ static void run_case(void *wdev, const host_weight *h, pd_act_quant act, float i
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) g_gpu->ops->free(g_gpu->ctx, bufs[i]);
 }
 
+/* The quantization's division (pd_e4m3x2_div: a product by the scale's reciprocal, the
+ * division only next to a rounding midpoint) gives e4m3(x / s)'s codes for every bf16 x and
+ * random floats, over scales as the dynamic rule makes them (a bf16 amax / 448, floored),
+ * random ones of every exponent, and the edges (the floor, 1, the largest float, infinity). */
+static void test_div_exact(void)
+{
+#ifdef PD_WITH_CUDA
+    enum { NS = 4096 };
+    float *sc = xmalloc(NS * sizeof *sc);
+    uint32_t z = 0x1234567u;
+    for (int i = 0; i < NS; i++) {
+        z = z * 1664525u + 1013904223u;
+        float s;
+        if (i % 2 == 0) { /* the dynamic rule's scales */
+            const uint32_t u = (z >> 16 & 0x7fffu) << 16;
+            float amax;
+            memcpy(&amax, &u, sizeof amax);
+            s = amax / PD_FP8_MAX;
+        } else { /* any finite positive float */
+            const uint32_t u = z & 0x7f7fffffu;
+            memcpy(&s, &u, sizeof s);
+        }
+        sc[i] = s >= PD_FP8_MIN_SCALE ? s : PD_FP8_MIN_SCALE;
+    }
+    sc[0] = PD_FP8_MIN_SCALE;
+    sc[1] = 1.0f;
+    sc[2] = 3.4028235e38f;
+    sc[3] = INFINITY;
+    uint64_t bad = 1;
+    CHECK_EQ_INT(pd_cuda__fp8_div_check(g_gpu->ctx, sc, NS, &bad), 0);
+    CHECK_MSG(bad == 0, "pd_e4m3x2_div: %llu codes differ from the division's",
+              (unsigned long long)bad);
+    printf("  division by the reciprocal: %d scales x 131,072 values, %llu codes differ\n", NS,
+           (unsigned long long)bad);
+    free(sc);
+#endif
+}
+
 static void test_linear(void)
 {
     static const struct { int32_t m, k; bool band_uniform; } shapes[] = {
@@ -560,6 +598,7 @@ int main(void)
     printf("test_cuda_fp8: the fp8 weight op set against the host reference\n");
     test_weight_rules();
     test_quant_exact();
+    test_div_exact();
     test_linear();
     test_fusions_exact();
     test_graph();

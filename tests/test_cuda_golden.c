@@ -90,9 +90,8 @@ int main(void)
     /* the mixture-of-experts goldens (no decode graphs: their routing sizes the experts'
      * products on the host), the tolerances of the dense goldens but for up to 5% of the rows:
      * the goldens' random routers score experts close together, and where bf16's rounding
-     * reorders two of them at the top-k boundary the GPU's row takes the other expert (the
-     * first GPU run: 1 row of 184 for qwen3-moe-tiny, 3 for mixtral-tiny, the rest within
-     * the dense tolerances) */
+     * reorders two of them at the top-k boundary the GPU's row takes the other expert (how
+     * many did: docs/perf-history.md, "MoE on the GPU, first run") */
     static const char *const moe[] = {"qwen3-moe-tiny", "qwen3-moe-tiny-step2", "mixtral-tiny"};
     for (size_t i = 0; i < sizeof moe / sizeof moe[0]; i++) {
         char dir[1024];

@@ -9,8 +9,10 @@
 # (PDSERVE_CUDA_FP8_FUSED_QUANT=0), each next to the floors of this run; "profile": the GPU time of
 # each kernel of one 2048-token prefill at bf16 and FP8 (ncu, when it reads the counters);
 # "profile_decode": the same for 8 decode steps of 64 sequences op by op (bf16; FP8 weights + KV).
+# "decomp": the batch-1 FP8 and bf16 decode steps with parts of the persistent kernel off
+# (PDSERVE_CUDA_DL_DEBUG; DECOMP_VARIANTS="QUANT BITS [INFLIGHT|-];..." replaces the list).
 # Logs in $OUT/fp8ab/ and $OUT/fp8ab.tgz; a summary at the end. FP8AB_SKIP="tests kernels 8b
-# profile profile_decode" leaves parts out.
+# profile profile_decode decomp" leaves parts out.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 . tools/gpu_env.sh
@@ -124,6 +126,32 @@ if ! skip profile_decode; then
             --enforce-eager >"$F/profile_decode_$q.log" 2>&1
         echo "== profile decode $q (64 sequences, 8 steps op by op + their prefill; kernel, calls, total us)"
         summarize "$F/profile_decode_$q.log"
+    done
+fi
+if ! skip decomp; then
+    # where the batch-1 FP8 decode step's time goes (the persistent kernel's debug bits,
+    # PDSERVE_CUDA_DL_DEBUG: 1 no arithmetic, 2 no FP8 input quantization, 8 no weight stream;
+    # timing only, wrong tokens) and the weight stream's slots in flight; bf16 beside
+    DEC1=(--model tools/shapes/llama3-8b --load-format dummy --backend cuda --kv-cache-mb 4096
+          --num-requests 1 --input-len 128 --output-len 256 --max-num-seqs 1 --json)
+    echo "== decomposition (Llama-3-8B shape, batch 1; ms/token)"
+    IFS=';' read -ra VARIANTS <<<"${DECOMP_VARIANTS:-fp8 0;fp8 1;fp8 2;fp8 8;fp8 9;fp8 11;bf16 0;bf16 1;bf16 8;bf16 9}"
+    for v in "${VARIANTS[@]}"; do
+        set -- $v
+        q=$1 dbg=$2 inf=${3:--}
+        a=("${DEC1[@]}")
+        [ "$q" = fp8 ] && a+=(--quantization fp8)
+        e=(PDSERVE_CUDA_DL_DEBUG=$dbg)
+        name="decomp_${q}_${dbg}"
+        [ "$inf" != - ] && e+=(PDSERVE_CUDA_DL_INFLIGHT=$inf) && name+="_i$inf"
+        env "${e[@]}" "$G/bin/pdserve-bench-offline" "${a[@]}" >"$F/$name.log" 2>&1
+        env -u LD_LIBRARY_PATH python3 -c '
+import json, sys
+try:
+    d = json.loads([l for l in open(sys.argv[1]) if l.startswith("{")][-1])
+    print("%-22s %.3f" % (sys.argv[2], 1e3 / d["decode_tok_s"]))
+except Exception:
+    print("%-22s (no result)" % sys.argv[2])' "$F/$name.log" "$name"
     done
 fi
 tar -czf "$OUT/fp8ab.tgz" -C "$OUT" fp8ab 2>/dev/null

@@ -79,9 +79,9 @@ static int fused_max_n(void)
 }
 
 /* PDSERVE_CUDA_DL_DEBUG: parts of the kernel off, for timing breakdowns only (the results are
- * wrong): 1 the products' arithmetic, 8 the weight stream; 16 stage timing (in a -DPD_DL_TIMING=1
- * build); A/B switches (results right): 32 the weight stream without its evict-first L2
- * policy, 128 no L2 prefetch of the small vectors. */
+ * wrong): 1 the products' arithmetic, 2 the FP8 input quantization, 8 the weight stream; 16
+ * stage timing (in a -DPD_DL_TIMING=1 build); A/B switches (results right): 32 the weight
+ * stream without its evict-first L2 policy, 128 no L2 prefetch of the small vectors. */
 static int debug_bits(void)
 {
     static int v = -1; /* racy first reads all get the same value */

@@ -5,6 +5,7 @@
 #define PD_CUDA_DECODE_LAYERS_KERNEL_CUH
 
 #include "kernels/cuda/cuda_decode_layers.cuh"
+#include "kernels/cuda/cuda_kv_fp8.cuh"
 
 /* The consumer warps' own barrier (the producer warp never joins one). */
 static __device__ __forceinline__ void cons_sync(void)
@@ -753,10 +754,12 @@ static __device__ void copy_rows(const uint4 *src_ll, uint32_t flag, int32_t n, 
 /* FP8 with PD_ACT_DYNAMIC: the n bf16 rows xs [n][k] (as the op path's bf16 buffer holds
  * them: normed and rounded) quantized per token as pd_fp8_quant_row does, in place: each row's
  * scale s = max(amax / 448, PD_FP8_MIN_SCALE) into xsc[row], its codes e4m3(x / s) (IEEE
- * division, RNE, satfinite) into xs as bytes [n][k]. The amax is a pass over the rows in
- * shared memory; the codes are written in rounds, each read whole before the barrier and then
- * written: a round's codes land on bf16 elements at half their index, which this or an
- * earlier round read. */
+ * division's bits, RNE, satfinite: pd_e4m3x8_div) into xs as bytes [n][k]. The amax is a pass
+ * over the rows in shared memory; the codes are written in rounds, each read whole before the
+ * barrier and then written: a round's codes land on bf16 elements at half their index, which
+ * this or an earlier round read. (The rows kept in registers between the two passes, one
+ * barrier fewer, made the step slower: docs/perf-history.md, "FP8 batch-1 decode: where the
+ * step goes".) */
 template <int NMAX>
 static __device__ void quant_rows(const dl_params &p, int32_t k, bf16 *xs, float *xsc)
 {
@@ -804,17 +807,7 @@ static __device__ void quant_rows(const dl_params &p, int32_t k, bf16 *xs, float
 #pragma unroll
             for (int qq = 1; qq < NMAX; qq++)
                 if (qq == q) sv = sc[qq];
-            const uint4 v = x4[i];
-            const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-            uint32_t w[2] = {0u, 0u};
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float2 f = make_float2(__fdiv_rn(pd_bf16_lo(u[e]), sv),
-                                             __fdiv_rn(pd_bf16_hi(u[e]), sv));
-                w[e >> 1] |= (uint32_t)__nv_cvt_float2_to_fp8x2(f, __NV_SATFINITE, __NV_E4M3)
-                             << (16 * (e & 1));
-            }
-            c[r] = make_uint2(w[0], w[1]);
+            c[r] = pd_e4m3x8_div(x4[i], sv, __frcp_rn(sv));
         }
         cons_sync(); /* the round's bf16 read before any of its codes land */
 #pragma unroll
@@ -1304,7 +1297,8 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         if ((int32_t)blockIdx.x == l % (int32_t)gridDim.x && !(p.debug & 128))
             prefetch_small(p, l, HD);
         norm_rows<NMAX>(p, L.attn_norm, l ? p.ll_r5 : NULL, f0 - 1, xs);
-        if constexpr (WQ == DL_W_F8) quant_rows<NMAX>(p, p.hidden, xs, f8_xsc<NMAX>(p, own));
+        if constexpr (WQ == DL_W_F8)
+            if (!(p.debug & 2)) quant_rows<NMAX>(p, p.hidden, xs, f8_xsc<NMAX>(p, own));
         dl_mark(p, m0, 1);
         /* the first S2 unit's first key batches, loaded during this stage's products */
         uint32_t kvp[PF][DL_KEYS_PER_WARP][2][HD / 64];
@@ -1341,7 +1335,8 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         s = stage_of(p, l, 1, HD, cols, ESZ);
         dl_mark(p, m0 + 2, 0);
         copy_rows(p.ll_attn, f0 + 1, p.n, s.k, xs);
-        if constexpr (WQ == DL_W_F8) quant_rows<NMAX>(p, s.k, xs, f8_xsc<NMAX>(p, own));
+        if constexpr (WQ == DL_W_F8)
+            if (!(p.debug & 2)) quant_rows<NMAX>(p, s.k, xs, f8_xsc<NMAX>(p, own));
         dl_mark(p, m0 + 2, 1);
         o = {DL_ADD, L.o_bias, p.ll_r3, f0 + 2, NULL, p.hidden, own, TP ? 0 : -1};
         if constexpr (WQ == DL_W_BF16)
@@ -1354,7 +1349,8 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         s = stage_of(p, l, 2, HD, cols, ESZ);
         dl_mark(p, m0 + 3, 0);
         norm_rows<NMAX>(p, L.mlp_norm, p.ll_r3, f0 + 2, xs);
-        if constexpr (WQ == DL_W_F8) quant_rows<NMAX>(p, p.hidden, xs, f8_xsc<NMAX>(p, own));
+        if constexpr (WQ == DL_W_F8)
+            if (!(p.debug & 2)) quant_rows<NMAX>(p, p.hidden, xs, f8_xsc<NMAX>(p, own));
         dl_mark(p, m0 + 3, 1);
         o = {DL_SWIGLU, NULL, p.ll_act, f0 + 3, last ? p.act : NULL, p.inter, NULL, -1};
         if constexpr (WQ == DL_W_BF16)
@@ -1368,7 +1364,8 @@ decode_layers_kernel(const __grid_constant__ dl_params p)
         s = stage_of(p, l, 3, HD, cols, ESZ);
         dl_mark(p, m0 + 4, 0);
         copy_rows(p.ll_act, f0 + 3, p.n, p.inter, xs);
-        if constexpr (WQ == DL_W_F8) quant_rows<NMAX>(p, p.inter, xs, f8_xsc<NMAX>(p, own));
+        if constexpr (WQ == DL_W_F8)
+            if (!(p.debug & 2)) quant_rows<NMAX>(p, p.inter, xs, f8_xsc<NMAX>(p, own));
         dl_mark(p, m0 + 4, 1);
         o = {DL_ADD, NULL, p.ll_r5, f0 + 4, last ? p.resid : NULL, p.hidden, own, TP ? 1 : -1};
         if constexpr (WQ == DL_W_BF16)

@@ -5,6 +5,7 @@
 #include <math.h>
 
 #include "kernels/cuda/cuda_fp8.cuh"
+#include "kernels/cuda/cuda_kv_fp8.cuh"
 
 /* One element of the rule: e4m3(x / s) with IEEE division (no fast math in this build),
  * round to nearest even, saturating at +-448 (pd_f32_to_e4m3). */
@@ -107,17 +108,11 @@ quant_block_kernel(const bf16 *x, int32_t n, int32_t k, int32_t group, int32_t n
     if (threadIdx.x == 0) s[(int64_t)g * n + r] = sc;
 }
 
-/* A row's eight elements x[0..7] (a 16-byte chunk) to their codes (8 bytes). */
-static __device__ __forceinline__ uint2 quant8(uint4 v, float sc)
+/* A row's eight elements x[0..7] (a 16-byte chunk) to their codes (8 bytes), quant1's bits
+ * from the scale's reciprocal rc = __frcp_rn(sc) (pd_e4m3x8_div). */
+static __device__ __forceinline__ uint2 quant8(uint4 v, float sc, float rc)
 {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    uint32_t o[2] = {0, 0};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const uint32_t lo = quant1(pd_bf16_lo(w[i]), sc), hi = quant1(pd_bf16_hi(w[i]), sc);
-        o[i >> 1] |= (lo | hi << 8) << ((i & 1) * 16);
-    }
-    return make_uint2(o[0], o[1]);
+    return pd_e4m3x8_div(v, sc, rc);
 }
 
 static __device__ __forceinline__ float amax8(uint4 v, float a)
@@ -175,13 +170,14 @@ quant_row_vec_kernel(const bf16 *x, int32_t n, int32_t k, bool dynamic, float in
         }
     }
     uint2 *qr = reinterpret_cast<uint2 *>(q + (int64_t)r * k);
+    const float rc = __frcp_rn(sc);
 #pragma unroll
     for (int i = 0; i < QV_REGS; i++) {
         const int32_t c = (int32_t)threadIdx.x + i * QUANT_THREADS;
-        if (c < nc) qr[c] = quant8(keep[i], sc);
+        if (c < nc) qr[c] = quant8(keep[i], sc, rc);
     }
     for (int32_t c = (int32_t)threadIdx.x + QV_REGS * QUANT_THREADS; c < nc; c += QUANT_THREADS)
-        qr[c] = quant8(xr[c], sc);
+        qr[c] = quant8(xr[c], sc, rc);
     if (threadIdx.x == 0) s[r] = sc;
 }
 
@@ -211,7 +207,7 @@ static __device__ __forceinline__ void quant_kept(const uint4 (&y)[V], int32_t n
                 sc = dyn_scale(a);
             }
             if (j < n8) {
-                qr[j] = quant8(y[i], sc);
+                qr[j] = quant8(y[i], sc, __frcp_rn(sc));
                 if ((j & 15) == 0) s[(int64_t)(j >> 4) * n + r] = sc;
             }
         }
@@ -224,10 +220,11 @@ static __device__ __forceinline__ void quant_kept(const uint4 (&y)[V], int32_t n
         for (int i = 0; i < V; i++) amax = amax8(y[i], amax);
         sc = dyn_scale(block_amax(amax, part));
     }
+    const float rc = __frcp_rn(sc);
 #pragma unroll
     for (int i = 0; i < V; i++) {
         const int32_t j = (int32_t)threadIdx.x + i * QUANT_THREADS;
-        if (j < n8) qr[j] = quant8(y[i], sc);
+        if (j < n8) qr[j] = quant8(y[i], sc, rc);
     }
     if (threadIdx.x == 0) s[r] = sc;
 }
@@ -433,4 +430,59 @@ extern "C" int pd_cuda__fp8_quant_rows_f32(void *ctx, const void *x, int32_t n, 
     if (q) (void)cudaFreeAsync(q, c->stream);
     if (s) (void)cudaFreeAsync(s, c->stream);
     return rc;
+}
+
+/* ---- pd_e4m3x2_div against the division, for tests ---- */
+
+/* Every bf16 pattern h as x, and x2 a float of h's high half with low bits from a hash, each
+ * over every scale: a mismatch of either code with e4m3(__fdiv_rn(x, s)) counts. */
+static __global__ void div_check_kernel(const float *scales, int32_t n_s,
+                                        unsigned long long *bad)
+{
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (int64_t)n_s * 65536) return;
+    const int32_t si = (int32_t)(t >> 16);
+    const uint32_t h = (uint32_t)(t & 0xffff);
+    uint32_t z = h * 0x9e3779b9u ^ (uint32_t)si * 0x85ebca6bu;
+    z ^= z >> 15;
+    z *= 0x2c1b3c6du;
+    z ^= z >> 12;
+    const float s = scales[si], r = __frcp_rn(s);
+    const float x = __uint_as_float(h << 16), x2 = __uint_as_float(h << 16 | (z & 0xffffu));
+    const uint32_t got = pd_e4m3x2_div(x, x2, s, r);
+    const uint32_t want = pd_f32_to_e4m3_dev(__fdiv_rn(x, s)) |
+                          (uint32_t)pd_f32_to_e4m3_dev(__fdiv_rn(x2, s)) << 8;
+    if (got != want) atomicAdd(bad, (unsigned long long)((got & 0xffu) != (want & 0xffu)) +
+                                        ((got >> 8) != (want >> 8)));
+}
+
+extern "C" int pd_cuda__fp8_div_check(void *ctx, const float *scales, int32_t n_s,
+                                      uint64_t *mismatches)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    if (n_s <= 0 || !scales || !mismatches) return PD_EINVAL;
+    float *ds = NULL;
+    unsigned long long *dbad = NULL, bad = 0;
+    cudaError_t e = cudaMallocAsync((void **)&ds, (size_t)n_s * sizeof(float), c->stream);
+    if (e == cudaSuccess) e = cudaMallocAsync((void **)&dbad, sizeof bad, c->stream);
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(ds, scales, (size_t)n_s * sizeof(float), cudaMemcpyHostToDevice,
+                            c->stream);
+    if (e == cudaSuccess) e = cudaMemsetAsync(dbad, 0, sizeof bad, c->stream);
+    if (e == cudaSuccess) {
+        const int64_t total = (int64_t)n_s * 65536;
+        div_check_kernel<<<(unsigned)((total + 255) / 256), 256, 0, c->stream>>>(ds, n_s, dbad);
+        e = cudaGetLastError();
+    }
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(&bad, dbad, sizeof bad, cudaMemcpyDeviceToHost, c->stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
+    if (ds) (void)cudaFreeAsync(ds, c->stream);
+    if (dbad) (void)cudaFreeAsync(dbad, c->stream);
+    if (e != cudaSuccess) {
+        pd_cuda__report("pd_cuda__fp8_div_check", cudaGetErrorString(e), __FILE__, __LINE__);
+        return PD_EBACKEND;
+    }
+    *mismatches = bad;
+    return 0;
 }

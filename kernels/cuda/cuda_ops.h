@@ -130,6 +130,11 @@ void pd_cuda__fp8_free(void *state); /* NULL is a no-op */
  * buffer). Returns 0, PD_EINVAL, PD_EBACKEND. */
 int pd_cuda__fp8_quant_rows_f32(void *ctx, const void *x, int32_t n, int32_t k, int32_t group,
                                 pd_act_quant act, float in_scale, float *out);
+/* cuda_fp8_quant.cu, for tests: the codes of pd_e4m3x2_div (the quantization's division by
+ * the scale's reciprocal) against e4m3(x / s) by IEEE division, for every bf16 x and as many
+ * floats of random low bits, over the n_s scales (host array); the codes that differ into
+ * *mismatches. Returns 0, PD_EINVAL, PD_EBACKEND. */
+int pd_cuda__fp8_div_check(void *ctx, const float *scales, int32_t n_s, uint64_t *mismatches);
 
 #ifdef __cplusplus
 }

@@ -195,10 +195,12 @@ static __device__ __forceinline__ void kv_put8(bf16 *p, const float (&x)[8], flo
 }
 static __device__ __forceinline__ void kv_put8(pd_fp8 *p, const float (&x)[8], float scale)
 {
-    uint32_t o[2] = {0, 0};
+    const float r = __frcp_rn(scale); /* e4m3(x / scale), bit for bit (pd_e4m3x2_div) */
+    uint32_t o[2];
 #pragma unroll
-    for (int e = 0; e < 8; e++)
-        o[e >> 2] |= (uint32_t)pd_f32_to_e4m3_dev(__fdiv_rn(x[e], scale)) << (8 * (e & 3));
+    for (int e = 0; e < 2; e++)
+        o[e] = pd_e4m3x2_div(x[4 * e], x[4 * e + 1], scale, r) |
+               pd_e4m3x2_div(x[4 * e + 2], x[4 * e + 3], scale, r) << 16;
     *reinterpret_cast<uint2 *>(p) = make_uint2(o[0], o[1]);
 }
 
