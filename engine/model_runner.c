@@ -21,6 +21,7 @@
 #include "common/env.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "engine/be_call.h"
 #include "engine/moe.h"
 #include "engine/tp.h"
 
@@ -630,12 +631,7 @@ static int validate(const mr *r, const mr_batch *b, int32_t *max_q, int32_t *max
     return 0;
 }
 
-#define CALL(expr)                                                                     \
-    do {                                                                               \
-        int rc_ = (expr);                                                              \
-        if (rc_ < 0) return pd_errf(err, rc_, "%s backend: %s failed: %s", be->ops->name, \
-                                    #expr, pd_strerror(rc_));                          \
-    } while (0)
+#define CALL(expr) PD_BE_CALL(expr)
 
 /* Metadata offsets (elements): ids, positions, slots and logits rows (T each), cu_q (S + 1),
  * contexts (S), the step's sample slot (1: decode_layers' pick_slot), then the block tables

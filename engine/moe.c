@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "engine/be_call.h"
 
 struct moe_ws {
     const pd_model *m;
@@ -30,12 +31,7 @@ struct moe_ws {
     int32_t *h_ids_i;
 };
 
-#define CALL(expr)                                                                       \
-    do {                                                                                 \
-        int rc_ = (expr);                                                                \
-        if (rc_ < 0) return pd_errf(err, rc_, "%s backend: %s failed: %s", be->ops->name, \
-                                    #expr, pd_strerror(rc_));                            \
-    } while (0)
+#define CALL(expr) PD_BE_CALL(expr)
 
 int moe_ws_create(const pd_model *m, int32_t max_rows, moe_ws **out, char *err)
 {

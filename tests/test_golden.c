@@ -56,7 +56,6 @@ static void check_logits_case(tg_model *t, const json_t *cs, const char *name, i
     free(prompt); free(pos); free(slots); free(rows); free(bt); free(logits);
 }
 
-
 static void run_model(const char *name)
 {
     char dir[1024], path[1100], err[PD_ERR_LEN];
