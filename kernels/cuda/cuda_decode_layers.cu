@@ -42,8 +42,9 @@
  * slot holds the same 16 KiB, so twice the k, and the stream moves the same bytes in flight
  * for half the step. The products are what the FP8 op set's linear_fused computes: with
  * dynamic activations each stage's input rows (the bf16 rows the op path would write) are
- * quantized per token in shared memory (quant_rows) and multiplied e4m3 by e4m3 on the tensor
- * cores in f32; weight-only, each code becomes its bf16 value and meets the bf16 rows; either
+ * quantized per token in shared memory (quant_rows, kept as the codes' f16 values) and each
+ * weight code becomes its f16 value for the f16 mma (exact, f32 sums: the e4m3 mma is not
+ * native on sm_90); weight-only, each code becomes its bf16 value and meets the bf16 rows; either
  * way the sums are scaled once by the row's weight scale (times the token's). The head and
  * the embedding stay bf16; group 128, static activations and tensor parallelism are refused.
  *
@@ -176,9 +177,12 @@ static void ts_report(const unsigned long long *ts, int32_t n_stages, int grid)
  * block fill about one ring (Qwen3-0.6B: 15 slots a block, 12 in the ring), which then still
  * arrive within the layer, and batch 1 gains after short and long prompts alike
  * (docs/perf-history.md, issue #8's twelfth pass). A layer of k rings a block gets k
- * slots in flight, and from a ring's worth on (a stream-bound layer, e.g. Llama-3-8B's 206
- * slots a block) none is held back: one slot in flight cost those shapes half their speed.
+ * slots in flight, and from DL_PACE_RINGS rings on (a stream-bound layer, e.g. Llama-3-8B's
+ * 206 slots a block, or its 102 with FP8 weights) none is held back: one slot in flight cost
+ * those shapes half their speed, and 9 slots of 11 in flight slowed the FP8 ones
+ * (docs/perf-history.md, "FP8 batch-1 decode: the products on f16").
  * The head is never paced. PDSERVE_CUDA_DL_INFLIGHT=N sets it (0: none). */
+#define DL_PACE_RINGS 4 /* a layer's weights a block, in rings, from which none is held back */
 static int32_t pace_of(const dl_params &p, int32_t hd, int grid, int esz)
 {
     static int v = -2; /* -1: not set (racy first reads all get the same value) */
@@ -195,6 +199,7 @@ static int32_t pace_of(const dl_params &p, int32_t hd, int grid, int esz)
             slots += (cols + cpg - 1) / cpg * ((k + ks - 1) / ks);
         }
         f = slots / p.n_slots < 1 ? 1 : slots / p.n_slots;
+        if (f >= DL_PACE_RINGS) f = 0;
     }
     /* a ring's worth in flight is no limit (and keeps the producer's count within a round) */
     return f >= p.n_slots ? 0 : (int32_t)f;

@@ -344,18 +344,6 @@ static __device__ __forceinline__ void tp_sum(const dl_params &p, int st, int32_
     for (int e = 0; e < 4; e++) r[e] = sum[e];
 }
 
-/* d += A . B for a 16x32 e4m3 A (rows g and g + 8 in a0/a2 and a1/a3: 4 k each, a2 / a3 the
- * second 16 k) and a 32x8 e4m3 B (b0, b1), in f32 (the products of two e4m3 are exact). */
-static __device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1,
-                                                uint32_t a2, uint32_t a3, uint32_t b0,
-                                                uint32_t b1)
-{
-    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 /* Four e4m3 codes (the lowest byte first) as two bf16 pairs, exactly (every e4m3 value is a
  * bf16 value): each byte sign-extended into a 16-bit half (prmt), its 7 magnitude bits moved
  * under the bf16 exponent's low 4 bits and the sign kept, which is the value times 2^-120
@@ -372,91 +360,81 @@ static __device__ __forceinline__ uint2 e4m3x4_bf16(uint32_t w)
     return make_uint2(lo, hi);
 }
 
+/* The weight kind's 4 codes as two 16-bit pairs and its m16n8k16 mma: DL_W_F8 f16
+ * (pd_e4m3x4_f16; xs holds the quantized rows as f16, quant_rows), DL_W_F8W bf16 (xs the bf16
+ * rows). */
+template <int WQ> static __device__ __forceinline__ uint2 f8_widen(uint32_t w)
+{
+    return WQ == DL_W_F8 ? pd_e4m3x4_f16(w) : e4m3x4_bf16(w);
+}
+
+template <int WQ>
+static __device__ __forceinline__ void f8_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                              uint32_t a3, uint32_t b0, uint32_t b1)
+{
+    if constexpr (WQ == DL_W_F8) mma_f16(d, a0, a1, a2, a3, b0, b1);
+    else mma_bf16(d, a0, a1, a2, a3, b0, b1);
+}
+
 /* consume's products of one slot of FP8 weights (len bytes of each of the 8 rows, at k0 of
- * rows of k) into the warp's two chains d, the layouts of the bf16 ones (below) with a lane's
- * 16 bytes for 16 k: DL_W_F8 one m16n8k32 a step up to 4 x rows (two from 5), on xs's codes;
- * DL_W_F8W the codes made bf16 and twice the bf16 mma (four from 5), on xs's bf16 rows. */
-template <int NMAX, int WQ>
-static __device__ __forceinline__ void dl_products_f8(float (&d)[2][4], const char *slot,
-                                                      const bf16 *xs, int32_t len, int32_t k0,
-                                                      int32_t k, int32_t n)
+ * rows of k; FULL: len makes DL_SLOT_STEPS steps a warp) into the warp's chains d, the
+ * layouts of the bf16 ones (below) with a lane's 16 bytes for 16 k: the codes widened to 16
+ * bits (f8_widen) and twice the 16-bit mma a step up to 4 x rows (four from 5), on xs's 16-bit
+ * rows (f16 of the codes for DL_W_F8, bf16 for DL_W_F8W). */
+template <int NMAX, int WQ, int NCH, bool FULL>
+static __device__ __forceinline__ void dl_products_f8(float (&d)[NCH][4],
+                                                      const char *slot, const bf16 *xs,
+                                                      int32_t len, int32_t k0, int32_t k,
+                                                      int32_t n)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int32_t per = len / (64 * DL_CW);
-    const uint4 *wrow = reinterpret_cast<const uint4 *>(slot) + (size_t)g * (len / 16) + t;
+    const int32_t per = len / (64 * DL_CW), L = len / 16;
+    const uint4 *wrow = reinterpret_cast<const uint4 *>(slot) + (size_t)g * L + t;
+    /* up to 4 x rows, four chains: a step's two mma go to two of them (fewer dependent mma
+     * a slot); with more, a step's four mma to one of two (the registers) */
+    constexpr int c1 = NCH == 4 ? 1 : 0, c2 = NCH == 4 ? 2 : 1;
     uint4 wv[DL_SLOT_STEPS];
 #pragma unroll
     for (int i = 0; i < DL_SLOT_STEPS; i++)
-        if (i < per) wv[i] = wrow[(warp + i * DL_CW) * 4];
-    if constexpr (WQ == DL_W_F8) {
-        const uint8_t *xq = reinterpret_cast<const uint8_t *>(xs);
-        if constexpr (NMAX <= 4) {
-            /* the weights as A (row g bytes 0 - 7, row g + 8 bytes 8 - 15 of the lane's 16);
-             * x as B, column 2q + h x row q's bytes 8h .. 8h + 7 */
-            const uint2 *xh = reinterpret_cast<const uint2 *>(xq + (size_t)min(g >> 1, n - 1) * k) +
-                              k0 / 8 + 2 * t + (g & 1);
-            uint2 xv[DL_SLOT_STEPS];
+        if (FULL || i < per) wv[i] = wrow[(warp + i * DL_CW) * 4];
+    if constexpr (NMAX <= 4) {
+        /* mma 1: row g takes k 0 - 3 of the lane's 16, row g + 8 k 8 - 11; mma 2: 4 - 7
+         * and 12 - 15; x column 2q + h x row q's k 8h .. 8h + 7 */
+        const uint4 *xh = reinterpret_cast<const uint4 *>(xs + (size_t)min(g >> 1, n - 1) * k) +
+                          k0 / 8 + 2 * t + (g & 1);
+        uint4 xv[DL_SLOT_STEPS];
 #pragma unroll
-            for (int i = 0; i < DL_SLOT_STEPS; i++)
-                if (i < per) xv[i] = g < 2 * n ? xh[(warp + i * DL_CW) * 8] : make_uint2(0u, 0u);
+        for (int i = 0; i < DL_SLOT_STEPS; i++)
+            if (FULL || i < per)
+                xv[i] = g < 2 * n ? xh[(warp + i * DL_CW) * 8] : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-            for (int i = 0; i < DL_SLOT_STEPS; i++)
-                if (i < per)
-                    mma_e4m3(d[i & 1], wv[i].x, wv[i].z, wv[i].y, wv[i].w, xv[i].x, xv[i].y);
-        } else {
-            const uint4 *xr =
-                reinterpret_cast<const uint4 *>(xq + (size_t)min(g, n - 1) * k) + k0 / 16 + t;
-            uint4 xv[DL_SLOT_STEPS];
-#pragma unroll
-            for (int i = 0; i < DL_SLOT_STEPS; i++)
-                if (i < per) xv[i] = xr[(warp + i * DL_CW) * 4];
-#pragma unroll
-            for (int i = 0; i < DL_SLOT_STEPS; i++)
-                if (i < per) {
-                    mma_e4m3(d[i & 1], xv[i].x, 0u, xv[i].y, 0u, wv[i].x, wv[i].y);
-                    mma_e4m3(d[i & 1], xv[i].z, 0u, xv[i].w, 0u, wv[i].z, wv[i].w);
-                }
-        }
+        for (int i = 0; i < DL_SLOT_STEPS; i++)
+            if (FULL || i < per) {
+                const uint2 p0 = f8_widen<WQ>(wv[i].x), p1 = f8_widen<WQ>(wv[i].y);
+                const uint2 p2 = f8_widen<WQ>(wv[i].z), p3 = f8_widen<WQ>(wv[i].w);
+                f8_mma<WQ>(d[c2 * (i & 1)], p0.x, p2.x, p0.y, p2.y, xv[i].x, xv[i].y);
+                f8_mma<WQ>(d[c2 * (i & 1) + c1], p1.x, p3.x, p1.y, p3.y, xv[i].z, xv[i].w);
+            }
     } else {
-        if constexpr (NMAX <= 4) {
-            /* mma 1: row g takes k 0 - 3 of the lane's 16, row g + 8 k 8 - 11; mma 2: 4 - 7
-             * and 12 - 15; x column 2q + h x row q's k 8h .. 8h + 7 */
-            const uint4 *xh = reinterpret_cast<const uint4 *>(xs + (size_t)min(g >> 1, n - 1) * k) +
-                              k0 / 8 + 2 * t + (g & 1);
-            uint4 xv[DL_SLOT_STEPS];
+        const uint4 *xr =
+            reinterpret_cast<const uint4 *>(xs + (size_t)min(g, n - 1) * k) + k0 / 8 + 2 * t;
+        uint4 xa[DL_SLOT_STEPS], xb[DL_SLOT_STEPS];
 #pragma unroll
-            for (int i = 0; i < DL_SLOT_STEPS; i++)
-                if (i < per)
-                    xv[i] = g < 2 * n ? xh[(warp + i * DL_CW) * 8] : make_uint4(0u, 0u, 0u, 0u);
+        for (int i = 0; i < DL_SLOT_STEPS; i++)
+            if (FULL || i < per) {
+                xa[i] = xr[(warp + i * DL_CW) * 8];
+                xb[i] = xr[(warp + i * DL_CW) * 8 + 1];
+            }
 #pragma unroll
-            for (int i = 0; i < DL_SLOT_STEPS; i++)
-                if (i < per) {
-                    const uint2 p0 = e4m3x4_bf16(wv[i].x), p1 = e4m3x4_bf16(wv[i].y);
-                    const uint2 p2 = e4m3x4_bf16(wv[i].z), p3 = e4m3x4_bf16(wv[i].w);
-                    mma_bf16(d[i & 1], p0.x, p2.x, p0.y, p2.y, xv[i].x, xv[i].y);
-                    mma_bf16(d[i & 1], p1.x, p3.x, p1.y, p3.y, xv[i].z, xv[i].w);
-                }
-        } else {
-            const uint4 *xr =
-                reinterpret_cast<const uint4 *>(xs + (size_t)min(g, n - 1) * k) + k0 / 8 + 2 * t;
-            uint4 xa[DL_SLOT_STEPS], xb[DL_SLOT_STEPS];
-#pragma unroll
-            for (int i = 0; i < DL_SLOT_STEPS; i++)
-                if (i < per) {
-                    xa[i] = xr[(warp + i * DL_CW) * 8];
-                    xb[i] = xr[(warp + i * DL_CW) * 8 + 1];
-                }
-#pragma unroll
-            for (int i = 0; i < DL_SLOT_STEPS; i++)
-                if (i < per) {
-                    const uint2 p0 = e4m3x4_bf16(wv[i].x), p1 = e4m3x4_bf16(wv[i].y);
-                    const uint2 p2 = e4m3x4_bf16(wv[i].z), p3 = e4m3x4_bf16(wv[i].w);
-                    mma_bf16(d[i & 1], xa[i].x, 0u, xa[i].y, 0u, p0.x, p0.y);
-                    mma_bf16(d[i & 1], xa[i].z, 0u, xa[i].w, 0u, p1.x, p1.y);
-                    mma_bf16(d[i & 1], xb[i].x, 0u, xb[i].y, 0u, p2.x, p2.y);
-                    mma_bf16(d[i & 1], xb[i].z, 0u, xb[i].w, 0u, p3.x, p3.y);
-                }
-        }
+        for (int i = 0; i < DL_SLOT_STEPS; i++)
+            if (FULL || i < per) {
+                const uint2 p0 = f8_widen<WQ>(wv[i].x), p1 = f8_widen<WQ>(wv[i].y);
+                const uint2 p2 = f8_widen<WQ>(wv[i].z), p3 = f8_widen<WQ>(wv[i].w);
+                f8_mma<WQ>(d[c2 * (i & 1)], xa[i].x, 0u, xa[i].y, 0u, p0.x, p0.y);
+                f8_mma<WQ>(d[c2 * (i & 1) + c1], xa[i].z, 0u, xa[i].w, 0u, p1.x, p1.y);
+                f8_mma<WQ>(d[c2 * (i & 1)], xb[i].x, 0u, xb[i].y, 0u, p2.x, p2.y);
+                f8_mma<WQ>(d[c2 * (i & 1) + c1], xb[i].z, 0u, xb[i].w, 0u, p3.x, p3.y);
+            }
     }
 }
 
@@ -477,10 +455,10 @@ static __device__ __forceinline__ void dl_products_f8(float (&d)[2][4], const ch
  * per element were instruction-bound well below the bandwidth: docs/perf-history.md, issue #8's
  * fourth pass.)
  * FP8 weights (WQ, dl_layer): a lane's 16 bytes of a row are 16 k, a warp step 64 k, as many
- * steps a slot. DL_W_F8: xs holds the rows' e4m3 codes [n][k] (quant_rows) and the mma is
- * m16n8k32 on e4m3, laid out as the bf16 one with bytes for elements; DL_W_F8W: xs is bf16,
- * each code becomes a bf16 (e4m3x4_bf16) and a step takes twice the bf16 mma. The sums are
- * then scaled once per (column, row): by the row's weight scale (ws, staged into wsc at the
+ * steps a slot, each code widened to 16 bits and twice the 16-bit mma a step
+ * (dl_products_f8). DL_W_F8: xs holds the rows' quantized values [n][k] as f16 (quant_rows)
+ * and the codes become f16; DL_W_F8W: xs is bf16 and the codes become bf16. The sums
+ * are then scaled once per (column, row): by the row's weight scale (ws, staged into wsc at the
  * stage's start: [columns], then the up rows' with SwiGLU) times, for DL_W_F8, the x row's
  * scale (xsc), as the FP8 op set's linear_fused scales them. */
 template <int NMAX, bool PICK = false, bool TP_SUM = false, int WQ = DL_W_BF16>
@@ -516,7 +494,9 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
         const int32_t ncols = min(chunk, s.c1 - cb);
         for (int32_t c = cb; c < cb + ncols; c += s.cpg) {
             const int32_t vc = min(s.cpg, s.c1 - c); /* valid columns of the group */
-            float d[2][4] = {}; /* two chains, alternating steps */
+            /* two chains, alternating steps (FP8 up to 4 x rows: four, dl_products_f8) */
+            constexpr int NCH = WQ != DL_W_BF16 && NMAX <= 4 ? 4 : 2;
+            float d[NCH][4] = {};
             for (int32_t k0 = 0; k0 < s.k; k0 += s.kslice, pos.next(p.n_slots)) {
                 const int32_t len = min(s.kslice, s.k - k0), per = len / (32 * DL_CW);
                 const unsigned long long tw = DL_TIMED(p) && threadIdx.x == 0 ? dl_now() : 0;
@@ -525,9 +505,16 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                     waited += dl_now() - tw;
                     n_wait++;
                 }
-                if (WQ != DL_W_BF16 && !(p.debug & 9)) {
-                    dl_products_f8<NMAX, WQ>(d, ring + (size_t)pos.slot() * p.slot_bytes, xs, len,
-                                             k0, s.k, n);
+                if constexpr (WQ != DL_W_BF16) {
+                    /* a whole slot (every warp DL_SLOT_STEPS steps): without the steps' guards,
+                     * so that the compiler schedules the steps together */
+                    const char *slot = ring + (size_t)pos.slot() * p.slot_bytes;
+                    if (p.debug & 9) {
+                    } else if (len == DL_SLOT_STEPS * 64 * DL_CW) {
+                        dl_products_f8<NMAX, WQ, NCH, true>(d, slot, xs, len, k0, s.k, n);
+                    } else {
+                        dl_products_f8<NMAX, WQ, NCH, false>(d, slot, xs, len, k0, s.k, n);
+                    }
                 } else if (!(p.debug & 9)) {
                     const uint4 *wrow = reinterpret_cast<const uint4 *>(
                                             ring + (size_t)pos.slot() * p.slot_bytes) +
@@ -572,14 +559,18 @@ static __device__ void consume(const dl_params &p, const dl_stage &s, const bf16
                 if (lane == 0 && !(p.debug & 8)) pd_mbar_arrive(&empty[pos.slot()]); /* free */
             }
             if constexpr (NMAX <= 4) { /* lane (g, t): unit g of the group, x row t */
-                const float v = d[0][0] + d[1][0] + d[0][3] + d[1][3];
+                float v = 0.0f;
+#pragma unroll
+                for (int ch = 0; ch < NCH; ch++) v += d[ch][0] + d[ch][3];
                 const int col = s.swiglu ? (g & 3) : g;
                 if (t < n && col < vc)
                     wmine[((s.swiglu && g >= 4 ? ncols : 0) + c - cb + col) * NMAX + t] = v;
             } else { /* lane (g, t): x row g, units 2t and 2t + 1 of the group */
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
-                    const float v = d[0][j] + d[1][j];
+                    float v = 0.0f;
+#pragma unroll
+                    for (int ch = 0; ch < NCH; ch++) v += d[ch][j];
                     const int u = 2 * t + j, col = s.swiglu ? (u & 3) : u;
                     if (g < n && col < vc)
                         wmine[((s.swiglu && u >= 4 ? ncols : 0) + c - cb + col) * NMAX + g] = v;
@@ -754,20 +745,20 @@ static __device__ void copy_rows(const uint4 *src_ll, uint32_t flag, int32_t n, 
 /* FP8 with PD_ACT_DYNAMIC: the n bf16 rows xs [n][k] (as the op path's bf16 buffer holds
  * them: normed and rounded) quantized per token as pd_fp8_quant_row does, in place: each row's
  * scale s = max(amax / 448, PD_FP8_MIN_SCALE) into xsc[row], its codes e4m3(x / s) (IEEE
- * division's bits, RNE, satfinite: pd_e4m3x8_div) into xs as bytes [n][k]. The amax is a pass
- * over the rows in shared memory; the codes are written in rounds, each read whole before the
- * barrier and then written: a round's codes land on bf16 elements at half their index, which
- * this or an earlier round read. (The rows kept in registers between the two passes, one
- * barrier fewer, made the step slower: docs/perf-history.md, "FP8 batch-1 decode: where the
- * step goes".) */
+ * division's bits, RNE, satfinite: pd_e4m3x8_div) into xs as the f16 values the products
+ * take (pd_e4m3x4_f16), [n][k] where the bf16 were: each thread
+ * writes the 16 bytes it read, so one pass and no barrier between the reads and the writes.
+ * The amax is a pass over the rows in shared memory. (The rows kept in registers between the
+ * two passes made the step slower: docs/perf-history.md, "FP8 batch-1 decode: where the step
+ * goes".) */
 template <int NMAX>
 static __device__ void quant_rows(const dl_params &p, int32_t k, bf16 *xs, float *xsc)
 {
-    constexpr int32_t T = DL_CW * 32, R = 4; /* 16-byte reads of a thread a round */
+    constexpr int32_t T = DL_CW * 32;
     __shared__ float red[NMAX][DL_CW];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int32_t kc = k / 8, n = p.n;
-    const uint4 *x4 = reinterpret_cast<const uint4 *>(xs);
+    uint4 *x4 = reinterpret_cast<uint4 *>(xs);
 #pragma unroll
     for (int q = 0; q < NMAX; q++) {
         if (q >= n) break;
@@ -794,25 +785,16 @@ static __device__ void quant_rows(const dl_params &p, int32_t k, bf16 *xs, float
         sc[q] = v;
         if (threadIdx.x == q) xsc[q] = v; /* read after the closing cons_sync */
     }
-    uint2 *c2 = reinterpret_cast<uint2 *>(xs);
     const int32_t total = n * kc;
-    for (int32_t b = 0; b < total; b += R * T) { /* every thread every round: the barrier */
-        uint2 c[R];
+    for (int32_t i = threadIdx.x; i < total; i += T) {
+        const int32_t q = i / kc;
+        float sv = sc[0];
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-            const int32_t i = b + r * T + (int32_t)threadIdx.x;
-            if (i >= total) break;
-            const int32_t q = i / kc;
-            float sv = sc[0];
-#pragma unroll
-            for (int qq = 1; qq < NMAX; qq++)
-                if (qq == q) sv = sc[qq];
-            c[r] = pd_e4m3x8_div(x4[i], sv, __frcp_rn(sv));
-        }
-        cons_sync(); /* the round's bf16 read before any of its codes land */
-#pragma unroll
-        for (int r = 0; r < R; r++)
-            if (b + r * T + (int32_t)threadIdx.x < total) c2[b + r * T + (int32_t)threadIdx.x] = c[r];
+        for (int qq = 1; qq < NMAX; qq++)
+            if (qq == q) sv = sc[qq];
+        const uint2 c = pd_e4m3x8_div(x4[i], sv, __frcp_rn(sv));
+        const uint2 lo = pd_e4m3x4_f16(c.x), hi = pd_e4m3x4_f16(c.y);
+        x4[i] = make_uint4(lo.x, lo.y, hi.x, hi.y);
     }
     cons_sync();
 }

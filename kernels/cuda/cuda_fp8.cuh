@@ -29,6 +29,38 @@ typedef struct {
     cublasLtMatmulAlgo_t lt_algo;
 } pd_fp8_weight;
 
+/* d += A . B as mma_bf16 (cuda_common.cuh), the operands f16. */
+static __device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1,
+                                               uint32_t a2, uint32_t a3, uint32_t b0,
+                                               uint32_t b1)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    (void)d; (void)a0; (void)a1; (void)a2; (void)a3; (void)b0; (void)b1;
+    __trap(); /* the host takes this path only on compute capability 8.0 and up */
+#endif
+}
+
+/* Four e4m3 codes (the lowest byte first) as two f16 pairs (codes 0, 1 and 2, 3, the lower in
+ * the lower half), exactly (every e4m3 value is an f16 value): two conversions of a pair.
+ *   The products of FP8 weights on compute capability 9.0 take these and the f16 mma:
+ * mma.sync on e4m3 is not native there, the compiler widens both operands before every f16
+ * mma, where a kernel can widen the input rows once (docs/perf-history.md, "FP8 batch-1
+ * decode: the products on f16"). */
+static __device__ __forceinline__ uint2 pd_e4m3x4_f16(uint32_t w)
+{
+    uint32_t lo, hi;
+    asm("{\n.reg .b16 l, u;\nmov.b32 {l, u}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
+        "cvt.rn.f16x2.e4m3x2 %1, u;\n}"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w));
+    return make_uint2(lo, hi);
+}
+
 /* The quantization of pd_fp8_quant_row on n bf16 rows x[n][k] (row stride k): e4m3 codes into
  * q[n][k] and each (row, group)'s scale into s[g * n + row] (group-major: cuBLASLt's
  * OUTER_VEC_32F for ng = 1, VEC128_32F for group 128). act must not be PD_ACT_NONE. */
