@@ -83,9 +83,9 @@ static const pd_env_knob k_knobs[] = {
     {"PDSERVE_CUDA_FP8_GEMV_MAX_N", PD_ENV_INT, "8", I64_MIN, I64_MAX, NULL, "kernels/cuda",
      "The FP8 products' crossover in n to the large-n paths (clamped to 0 .. 8; 0: never the "
      "small-n kernel)."},
-    {"PDSERVE_CUDA_FUSED_DECODE", PD_ENV_INT, "1", I64_MIN, I64_MAX, NULL, "kernels/cuda",
+    {"PDSERVE_CUDA_FUSED_DECODE", PD_ENV_INT, "-1", I64_MIN, I64_MAX, NULL, "kernels/cuda",
      "The most sequences a decode step runs as one decode_layers kernel (clamped to 0 .. 8; "
-     "0: off)."},
+     "values <= 0: off; unset: 1 with bf16 weights, 2 with FP8 weights)."},
     {"PDSERVE_CUDA_GEMV_MAX_N", PD_ENV_INT, "32", I64_MIN, I64_MAX, NULL, "kernels/cuda",
      "The bf16 products' crossover in n from the streaming kernel to cuBLAS (clamped to "
      "0 .. 32; 0: always cuBLAS)."},

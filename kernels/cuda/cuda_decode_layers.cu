@@ -32,7 +32,7 @@
  * #8's goal, twice its weight-bytes floor, on one of the two chips tried (docs/perf-history.md,
  * issue #8's sixth pass). Batches of 2 and 4 gain too, but lost against the op-by-op graphs
  * after long prompts (the attention stage has fewer splits a sequence), hence n = 1 by default
- * (PDSERVE_CUDA_FUSED_DECODE=N: up to N).
+ * with bf16 weights, 2 with FP8 ones (fused_max_n; PDSERVE_CUDA_FUSED_DECODE=N: up to N).
  *
  * The grid is cooperative (every block resident, so that polling blocks never wait for one
  * that is not running); the last block out resets the done counter and moves the epoch.
@@ -65,18 +65,21 @@
 
 /* ---- host ---- */
 
-/* The largest n the fused kernel takes: by default 1 (PDSERVE_CUDA_FUSED_DECODE's default in
- * common/env.c): against the op-by-op graphs, batch 1 was faster after short and long prompts,
- * 2 and 4 only after short ones (docs/perf-history.md, issue #8's sixth pass).
- * PDSERVE_CUDA_FUSED_DECODE=N moves it (0 = off, at most DL_MAX_N). */
-static int fused_max_n(void)
+/* The largest n the fused kernel takes for layers of weights wq: PDSERVE_CUDA_FUSED_DECODE=N
+ * when set (0 = off, at most DL_MAX_N); unset, 1 with bf16 layers (against the op-by-op
+ * graphs, batch 1 was faster after short and long prompts, 2 and 4 only after short ones:
+ * docs/perf-history.md, issue #8's sixth pass) and 2 with FP8 ones (faster than the FP8 ops at
+ * 1 and 2 after short and long prompts, at 4 barely after long ones: docs/perf-history.md,
+ * "FP8 batch-1 decode: the products on f16"). */
+static int fused_max_n(int wq)
 {
-    static int v = -1; /* racy first reads all get the same value */
-    if (v < 0) {
+    static int v = -2; /* -1: not set (racy first reads all get the same value) */
+    if (v == -2) {
         const int64_t x = pd_env_int("PDSERVE_CUDA_FUSED_DECODE");
-        v = (int)(x < 0 ? 0 : x > DL_MAX_N ? DL_MAX_N : x);
+        v = !pd_env_raw("PDSERVE_CUDA_FUSED_DECODE") ? -1
+            : (int)(x < 0 ? 0 : x > DL_MAX_N ? DL_MAX_N : x);
     }
-    return v;
+    return v >= 0 ? v : wq == DL_W_BF16 ? 1 : 2;
 }
 
 /* PDSERVE_CUDA_DL_DEBUG: parts of the kernel off, for timing breakdowns only (the results are
@@ -279,7 +282,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
         return PD_EINVAL;
     if (a->n == 0 || a->n_layers == 0) return 0;
     const int32_t G = a->n_heads / a->n_kv_heads, hd = a->head_dim;
-    if (c->cc_major < 9 || a->n > fused_max_n() || a->n_layers > DL_MAX_LAYERS ||
+    if (c->cc_major < 9 || a->n > DL_MAX_N || a->n_layers > DL_MAX_LAYERS ||
         (hd != 64 && hd != 128) || G > DL_MAX_G || a->hidden % 256 ||
         a->intermediate % 256 || (a->n_heads * hd) % 256)
         return PD_EUNSUPPORTED; /* a warp's 32 chunks of 8 in one weight row */
@@ -307,6 +310,7 @@ extern "C" int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a)
         return PD_EUNSUPPORTED;
     /* FP8 layers: single-GPU, and rows of whole warp steps (64 k a lane group of 4) */
     const int wq = weights_of(a);
+    if (wq >= 0 && a->n > fused_max_n(wq)) return PD_EUNSUPPORTED;
     if (wq < 0 || (wq != DL_W_BF16 && (tp || a->hidden % 512 || a->intermediate % 512 ||
                                        (a->n_heads * hd) % 512)))
         return PD_EUNSUPPORTED;
