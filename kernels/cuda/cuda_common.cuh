@@ -283,20 +283,33 @@ static __device__ __forceinline__ float pd_sumsq8(uint4 a)
 
 /* ---- tensor cores ---- */
 
-/* d += A . B for a 16x16 bf16 A (rows g and g + 8 in a0/a2 and a1/a3) and a 16x8 bf16 B. */
-static __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1,
-                                                uint32_t a2, uint32_t a3, uint32_t b0,
-                                                uint32_t b1)
+/* d += A . B for a 16x16 A (rows g and g + 8 in a0/a2 and a1/a3) and a 16x8 B, both bf16
+ * (F16 false) or both f16, in f32. */
+#define PD_MMA16816(ty)                                                                        \
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." ty "." ty ".f32 {%0, %1, %2, %3}, "           \
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"                                        \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                       \
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+template <bool F16>
+static __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1,
+                                                 uint32_t a2, uint32_t a3, uint32_t b0,
+                                                 uint32_t b1)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    if constexpr (F16) PD_MMA16816("f16");
+    else PD_MMA16816("bf16");
 #else
     (void)d; (void)a0; (void)a1; (void)a2; (void)a3; (void)b0; (void)b1;
     __trap(); /* the host takes this path only on compute capability 8.0 and up */
 #endif
+}
+#undef PD_MMA16816
+
+static __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1,
+                                                uint32_t a2, uint32_t a3, uint32_t b0,
+                                                uint32_t b1)
+{
+    mma_16816<false>(d, a0, a1, a2, a3, b0, b1);
 }
 
 /* ---- cp.async (sm_80 and up): the K/V tiles of the attention kernels ---- */

@@ -372,8 +372,7 @@ template <int WQ>
 static __device__ __forceinline__ void f8_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                               uint32_t a3, uint32_t b0, uint32_t b1)
 {
-    if constexpr (WQ == DL_W_F8) mma_f16(d, a0, a1, a2, a3, b0, b1);
-    else mma_bf16(d, a0, a1, a2, a3, b0, b1);
+    mma_16816<WQ == DL_W_F8>(d, a0, a1, a2, a3, b0, b1);
 }
 
 /* consume's products of one slot of FP8 weights (len bytes of each of the 8 rows, at k0 of

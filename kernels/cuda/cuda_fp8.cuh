@@ -29,22 +29,6 @@ typedef struct {
     cublasLtMatmulAlgo_t lt_algo;
 } pd_fp8_weight;
 
-/* d += A . B as mma_bf16 (cuda_common.cuh), the operands f16. */
-static __device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1,
-                                               uint32_t a2, uint32_t a3, uint32_t b0,
-                                               uint32_t b1)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-    (void)d; (void)a0; (void)a1; (void)a2; (void)a3; (void)b0; (void)b1;
-    __trap(); /* the host takes this path only on compute capability 8.0 and up */
-#endif
-}
-
 /* Four e4m3 codes (the lowest byte first) as two f16 pairs (codes 0, 1 and 2, 3, the lower in
  * the lower half), exactly (every e4m3 value is an f16 value): two conversions of a pair.
  *   The products of FP8 weights on compute capability 9.0 take these and the f16 mma:
