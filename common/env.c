@@ -71,6 +71,12 @@ static const pd_env_knob k_knobs[] = {
      "them."},
     {"PDSERVE_CUDA_FLASH_PREFILL", PD_ENV_BOOL, "1", 0, 0, NULL, "kernels/cuda",
      "The tensor-core prefill attention kernel; 0: the general kernel, for A/B runs."},
+    {"PDSERVE_CUDA_FLASH_ROWS", PD_ENV_INT, "0", 0, 128, NULL, "kernels/cuda",
+     "The tensor-core prefill attention's tile height for A/B runs: 64 or 128 rows always; "
+     "0 (or another value): chosen per batch."},
+    {"PDSERVE_CUDA_FLASH_WGMMA", PD_ENV_BOOL, "1", 0, 0, NULL, "kernels/cuda",
+     "The tensor-core prefill attention's products on wgmma (compute capability 9.0, an sm_90a "
+     "build); 0: on mma.sync, for A/B runs."},
     {"PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K", PD_ENV_INT, "4096", 0, INT32_MAX, NULL,
      "kernels/cuda",
      "cuBLASLt's FP8 fast accumulation (no periodic promotion to f32, as vLLM's Hopper FP8 "

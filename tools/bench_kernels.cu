@@ -27,7 +27,8 @@ static void usage(FILE *f)
 {
     fprintf(f,
         "usage: pdserve-bench-kernels [--floor] [--linear] [--attention] [--kv-fp8] [--sample]\n"
-        "                             [--all] [--fp8] [--all-reduce N] [--device N] [--json]\n"
+        "                             [--prefill-attention] [--all] [--fp8] [--all-reduce N]\n"
+        "                             [--device N] [--json]\n"
         "\n"
         "Times the CUDA backend's decode-path ops through its op table on random data, and the\n"
         "device's physical floors in the same run. Sections (none given = --all):\n"
@@ -46,6 +47,12 @@ static void usage(FILE *f)
         "               op set), the same heads, batch 1 / 32 / 64 at contexts 1024 / 8192: us\n"
         "               per call of each next to its floor (KV bytes read / the copy's rate),\n"
         "               and the FP8 cache's speed-up\n"
+        "  --prefill-attention\n"
+        "               attention_prefill of fresh causal prompts, Llama-3-8B heads (32 q, 8 KV,\n"
+        "               head_dim 128, blocks of 16), 1 x 512 / 1024 / 2048 / 8192, 8 x 2048 and\n"
+        "               32 x 512 tokens, a bf16 and an FP8 KV cache: us per call, TFLOP/s\n"
+        "               counting the causal products (4 x head_dim x heads x the keys each\n"
+        "               query sees) and %% of the GEMM rate. Not part of --all.\n"
         "  --sample     the sample op (if offered) on 1 / 32 / 256 rows of 151,936 logits, greedy\n"
         "               and temperature 1 + top-p 0.9 + top-k 50\n"
         "  --fp8        the FP8 weight op set's linear_fused (pd_backend_ops.fp8, dynamic\n"
@@ -80,6 +87,7 @@ typedef struct {
     bool floor, linear, attention, sample; /* sections */
     bool fp8;                              /* --fp8 */
     bool kv_fp8;                           /* the bf16 / FP8 cache comparison (--kv-fp8) */
+    bool prefill;                          /* attention_prefill (--prefill-attention) */
     int all_reduce;                        /* ranks of --all-reduce (0: not run) */
     bool json;                             /* JSON lines instead of tables */
     int device;                            /* CUDA ordinal */
@@ -877,6 +885,151 @@ done:
     return rc;
 }
 
+/* ---- attention_prefill (--prefill-attention) ---- */
+
+#define PA_HEADS 32
+#define PA_KV_HEADS 8
+#define PA_POOL_BLOCKS 4096 /* per cache: 4096 x 16 x 8 x 128 = 64 Mi elements */
+#define PA_MAX_TOKENS 16384
+
+static int pa_call(pd_backend *be, void *arg, int i)
+{
+    (void)i;
+    const att_arg *t = (const att_arg *)arg;
+    return t->kv ? t->kv->attention_prefill(be->ctx, &t->a)
+                 : be->ops->attention_prefill(be->ctx, &t->a);
+}
+
+/* One prompt shape (seqs x len fresh tokens) at both cache types. Returns 0 or -1. */
+static int pa_case(const bk_opts *opt, pd_backend *be, const bk_floor *fl, int32_t seqs,
+                   int32_t len, void *const pools[2][2], void *q, void *out, int32_t *perm)
+{
+    const pd_backend_ops *o = be->ops;
+    const int32_t mb = (len + ATT_BLOCK - 1) / ATT_BLOCK, need = seqs * mb;
+    int32_t *bt = (int32_t *)malloc((size_t)need * sizeof(int32_t));
+    int32_t *lens = (int32_t *)malloc((size_t)seqs * sizeof(int32_t));
+    int32_t *cu = (int32_t *)malloc(((size_t)seqs + 1) * sizeof(int32_t));
+    void *d_bt = NULL, *d_lens = NULL, *d_cu = NULL;
+    double us[2] = {-1, -1};
+    int rc = -1;
+    /* each query sees its own position's keys: len (len + 1) / 2 a sequence */
+    const double flops =
+        4.0 * ATT_HEAD_DIM * PA_HEADS * (double)seqs * (double)len * (len + 1) / 2.0;
+    if (!bt || !lens || !cu || need > PA_POOL_BLOCKS || seqs * len > PA_MAX_TOKENS) goto done;
+    for (int32_t i = PA_POOL_BLOCKS - 1; i > 0; i--) {
+        const int32_t j = (int32_t)(rnd() % (uint64_t)(i + 1)), tmp = perm[i];
+        perm[i] = perm[j];
+        perm[j] = tmp;
+    }
+    for (int32_t e = 0; e < need; e++) bt[e] = perm[e];
+    for (int32_t i = 0; i < seqs; i++) lens[i] = len;
+    for (int32_t i = 0; i <= seqs; i++) cu[i] = i * len;
+    if (o->alloc(be->ctx, PD_DTYPE_I32, (size_t)need, &d_bt) != 0 ||
+        o->alloc(be->ctx, PD_DTYPE_I32, (size_t)seqs, &d_lens) != 0 ||
+        o->alloc(be->ctx, PD_DTYPE_I32, (size_t)seqs + 1, &d_cu) != 0 ||
+        o->upload(be->ctx, d_bt, PD_DTYPE_I32, 0, bt, PD_DTYPE_I32, need) != 0 ||
+        o->upload(be->ctx, d_lens, PD_DTYPE_I32, 0, lens, PD_DTYPE_I32, seqs) != 0 ||
+        o->upload(be->ctx, d_cu, PD_DTYPE_I32, 0, cu, PD_DTYPE_I32, seqs + 1) != 0)
+        goto done;
+    for (int f = 0; f < 2; f++) { /* 0: bf16, 1: FP8 */
+        att_arg t;
+        memset(&t, 0, sizeof t);
+        t.kv = f ? o->kv_fp8 : NULL;
+        if (f && !t.kv) break; /* no FP8 cache ops: the bf16 row alone */
+        t.a.q = q;
+        t.a.q_row_stride = PA_HEADS * ATT_HEAD_DIM;
+        t.a.k_cache = pools[f][0];
+        t.a.v_cache = pools[f][1];
+        t.a.out = out;
+        t.a.cu_q = (const int32_t *)d_cu;
+        t.a.ctx_lens = (const int32_t *)d_lens;
+        t.a.block_tables = (const int32_t *)d_bt;
+        t.a.n_seqs = seqs;
+        t.a.n_tokens = seqs * len;
+        t.a.max_q_len = len;
+        t.a.max_ctx_len = len;
+        t.a.max_blocks_per_seq = mb;
+        t.a.n_heads = PA_HEADS;
+        t.a.n_kv_heads = PA_KV_HEADS;
+        t.a.head_dim = ATT_HEAD_DIM;
+        t.a.block_size = ATT_BLOCK;
+        t.a.scale = 1.0f / sqrtf((float)ATT_HEAD_DIM);
+        t.a.k_scale = 1.0f / 256;
+        t.a.v_scale = 1.0f / 256;
+        if (pa_call(be, &t, 0) != 0 || o->sync(be->ctx) != 0) {
+            fprintf(stderr, "pdserve-bench-kernels: attention_prefill (%s cache) failed\n",
+                    f ? "fp8" : "bf16");
+            goto done;
+        }
+        bool graphed = false;
+        const double tm = time_batch(be, pa_call, &t, 4, &graphed);
+        if (tm <= 0) goto done;
+        us[f] = tm * 1e6;
+        if (opt->json)
+            printf("{\"bench\":\"attention_prefill\",\"cache\":\"%s\",\"seqs\":%d,"
+                   "\"len\":%d,\"us\":%.1f,\"tflops\":%.1f,\"pct_gemm\":%.1f,"
+                   "\"graph\":%s}\n",
+                   f ? "fp8" : "bf16", seqs, len, us[f], flops / tm / 1e12,
+                   100.0 * flops / tm / 1e12 / fl->gemm_tflops, graphed ? "true" : "false");
+    }
+    if (!opt->json) {
+        printf("%5d %6d %10.1f %8.1f %6.1f%%", seqs, len, us[0], flops / us[0] / 1e6,
+               100.0 * flops / us[0] / 1e6 / fl->gemm_tflops);
+        if (us[1] > 0)
+            printf(" %10.1f %8.1f %6.1f%%", us[1], flops / us[1] / 1e6,
+                   100.0 * flops / us[1] / 1e6 / fl->gemm_tflops);
+        printf("\n");
+    }
+    fflush(stdout);
+    rc = 0;
+done:
+    (void)cudaGetLastError();
+    o->free(be->ctx, d_bt);
+    o->free(be->ctx, d_lens);
+    o->free(be->ctx, d_cu);
+    free(bt);
+    free(lens);
+    free(cu);
+    return rc;
+}
+
+static int bench_prefill_attention(const bk_opts *opt, pd_backend *be, const bk_floor *fl)
+{
+    static const int32_t shapes[][2] = {{1, 512}, {1, 1024}, {1, 2048}, {8, 2048}, {1, 8192},
+                                        {32, 512}};
+    const pd_backend_ops *o = be->ops;
+    const size_t n = (size_t)ATT_BLOCK * PA_KV_HEADS * ATT_HEAD_DIM * PA_POOL_BLOCKS;
+    const size_t q_elems = (size_t)PA_MAX_TOKENS * PA_HEADS * ATT_HEAD_DIM;
+    void *pools[2][2] = {{rand_buf(be, PD_DTYPE_BF16, n, 420, -1.0f, 1.0f),
+                          rand_buf(be, PD_DTYPE_BF16, n, 421, -1.0f, 1.0f)},
+                         {o->kv_fp8 ? fp8_buf(be, n) : NULL, o->kv_fp8 ? fp8_buf(be, n) : NULL}};
+    void *q = rand_buf(be, PD_DTYPE_BF16, q_elems, 422, -1.0f, 1.0f);
+    void *out = rand_buf(be, PD_DTYPE_BF16, q_elems, 423, -1.0f, 1.0f);
+    int32_t *perm = (int32_t *)malloc(PA_POOL_BLOCKS * sizeof(int32_t));
+    int rc = -1;
+    if (!pools[0][0] || !pools[0][1] || (o->kv_fp8 && (!pools[1][0] || !pools[1][1])) || !q ||
+        !out || !perm)
+        goto done;
+    for (int32_t i = 0; i < PA_POOL_BLOCKS; i++) perm[i] = i;
+    if (!opt->json)
+        printf("\n## attention_prefill, fresh causal prompts (32 q heads, 8 KV heads, head_dim "
+               "128, blocks of 16; %% of the GEMM rate %.1f TFLOP/s)\n%5s %6s %10s %8s %7s %10s "
+               "%8s %7s\n", fl->gemm_tflops, "seqs", "len", "bf16 us", "TFLOP/s", "%gemm",
+               "fp8 us", "TFLOP/s", "%gemm");
+    for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++)
+        if (pa_case(opt, be, fl, shapes[c][0], shapes[c][1], pools, q, out, perm) != 0)
+            goto done;
+    rc = 0;
+done:
+    for (int f = 0; f < 2; f++)
+        for (int k = 0; k < 2; k++)
+            if (pools[f][k]) o->free(be->ctx, pools[f][k]);
+    o->free(be->ctx, q);
+    o->free(be->ctx, out);
+    free(perm);
+    return rc;
+}
+
 /* ---- sample ---- */
 
 static int bench_sample(const bk_opts *opt, pd_backend *be)
@@ -1117,6 +1270,8 @@ int main(int argc, char **argv)
             opt.attention = any = true;
         } else if (!strcmp(a, "--kv-fp8")) {
             opt.kv_fp8 = any = true;
+        } else if (!strcmp(a, "--prefill-attention")) {
+            opt.prefill = any = true;
         } else if (!strcmp(a, "--sample")) {
             opt.sample = any = true;
         } else if (!strcmp(a, "--fp8")) {
@@ -1185,6 +1340,7 @@ int main(int argc, char **argv)
     if (rc == 0 && opt.linear && bench_linear(&opt, be, &fl) != 0) rc = 1;
     if (rc == 0 && opt.attention && bench_attention(&opt, be, &fl) != 0) rc = 1;
     if (rc == 0 && opt.kv_fp8 && bench_attention_kv8(&opt, be, &fl) != 0) rc = 1;
+    if (rc == 0 && opt.prefill && bench_prefill_attention(&opt, be, &fl) != 0) rc = 1;
     if (rc == 0 && opt.sample && bench_sample(&opt, be) != 0) rc = 1;
     if (rc == 0 && opt.fp8 && bench_fp8(&opt, be, &fl) != 0) rc = 1;
     if (rc == 0 && opt.all_reduce && bench_all_reduce(&opt) != 0) rc = 1;

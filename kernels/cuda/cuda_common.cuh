@@ -39,6 +39,7 @@ typedef struct {
     size_t staging_bytes;  /* size of staging */
     int sm_count;          /* multiprocessors (sizes the split-KV decode grid) */
     int cc_major;          /* compute capability major (the tensor-core kernels need 8+) */
+    int cc_minor;          /* and minor (sm_90a code: exactly 9.0) */
     int smem_optin;        /* shared memory a block may opt in to, bytes */
     bool split_kv;         /* split-KV decode attention on (PDSERVE_CUDA_SPLIT_KV=0: off) */
     int decode_blocks_per_sm; /* the split count aims at this many blocks per SM

@@ -141,6 +141,7 @@ extern "C" int pd_cuda__ctx_create(int32_t device, void **out, char *err)
     }
     c->sm_count = prop.multiProcessorCount;
     c->cc_major = prop.major;
+    c->cc_minor = prop.minor;
     c->smem_optin = (int)prop.sharedMemPerBlockOptin;
     c->split_kv = pd_env_bool("PDSERVE_CUDA_SPLIT_KV");
     /* The decode kernel's split target (0: auto) and pipeline stages, for A/B runs
