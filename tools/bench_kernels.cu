@@ -585,6 +585,74 @@ typedef struct {
     size_t set_entries;   /* batch * max_blocks */
 } att_arg;
 
+/* A batch's block tables, context lengths and query offsets on the device. */
+typedef struct {
+    void *bt, *lens, *cu;
+} att_tables;
+
+static void att_tables_free(pd_backend *be, att_tables *t)
+{
+    be->ops->free(be->ctx, t->bt);
+    be->ops->free(be->ctx, t->lens);
+    be->ops->free(be->ctx, t->cu);
+    memset(t, 0, sizeof *t);
+}
+
+/* seqs sequences of ctx tokens, the last q_len of each the queries; the block tables are the
+ * first `entries` blocks (entries <= n_pool) of a fresh random order of the pool's n_pool
+ * (perm), so that the tables of different sets are disjoint. Returns 0 or -1. */
+static int att_tables_make(pd_backend *be, att_tables *t, int32_t *perm, int32_t n_pool,
+                           size_t entries, int32_t seqs, int32_t ctx, int32_t q_len)
+{
+    const pd_backend_ops *o = be->ops;
+    int32_t *lens = (int32_t *)malloc((size_t)seqs * sizeof(int32_t));
+    int32_t *cu = (int32_t *)malloc(((size_t)seqs + 1) * sizeof(int32_t));
+    int rc = -1;
+    memset(t, 0, sizeof *t);
+    if (!lens || !cu || entries > (size_t)n_pool) goto done;
+    for (int32_t i = n_pool - 1; i > 0; i--) {
+        const int32_t j = (int32_t)(rnd() % (uint64_t)(i + 1)), tmp = perm[i];
+        perm[i] = perm[j];
+        perm[j] = tmp;
+    }
+    for (int32_t i = 0; i < seqs; i++) lens[i] = ctx;
+    for (int32_t i = 0; i <= seqs; i++) cu[i] = i * q_len;
+    if (o->alloc(be->ctx, PD_DTYPE_I32, entries, &t->bt) != 0 ||
+        o->alloc(be->ctx, PD_DTYPE_I32, (size_t)seqs, &t->lens) != 0 ||
+        o->alloc(be->ctx, PD_DTYPE_I32, (size_t)seqs + 1, &t->cu) != 0 ||
+        o->upload(be->ctx, t->bt, PD_DTYPE_I32, 0, perm, PD_DTYPE_I32, entries) != 0 ||
+        o->upload(be->ctx, t->lens, PD_DTYPE_I32, 0, lens, PD_DTYPE_I32, seqs) != 0 ||
+        o->upload(be->ctx, t->cu, PD_DTYPE_I32, 0, cu, PD_DTYPE_I32, seqs + 1) != 0)
+        goto done;
+    rc = 0;
+done:
+    free(lens);
+    free(cu);
+    if (rc != 0) att_tables_free(be, t);
+    return rc;
+}
+
+/* The arguments every case shares: the tables, heads of ATT_HEAD_DIM (the queries' rows
+ * packed), blocks of ATT_BLOCK (mb a sequence), no window, 1 / sqrt(head_dim), the FP8
+ * cache's scales. */
+static void att_args_init(pd_attn_args *a, const att_tables *d, int32_t heads, int32_t kv_heads,
+                          int32_t mb)
+{
+    a->q_row_stride = (int64_t)heads * ATT_HEAD_DIM;
+    a->cu_q = (const int32_t *)d->cu;
+    a->ctx_lens = (const int32_t *)d->lens;
+    a->block_tables = (const int32_t *)d->bt;
+    a->max_blocks_per_seq = mb;
+    a->n_heads = heads;
+    a->n_kv_heads = kv_heads;
+    a->head_dim = ATT_HEAD_DIM;
+    a->block_size = ATT_BLOCK;
+    a->sliding_window = 0;
+    a->scale = 1.0f / sqrtf((float)ATT_HEAD_DIM);
+    a->k_scale = 1.0f / 256;
+    a->v_scale = 1.0f / 256;
+}
+
 static int att_call(pd_backend *be, void *arg, int i)
 {
     const att_arg *t = (const att_arg *)arg;
@@ -622,49 +690,21 @@ static int bench_attention(const bk_opts *opt, pd_backend *be, const bk_floor *f
         int sets = ATT_POOL_BLOCKS / need;
         if (sets > MAX_CALLS) sets = MAX_CALLS;
         const size_t entries = (size_t)need * sets;
-        int32_t *bt = (int32_t *)malloc(entries * sizeof(int32_t));
-        int32_t *lens = (int32_t *)malloc((size_t)batch * sizeof(int32_t));
-        int32_t *cu = (int32_t *)malloc(((size_t)batch + 1) * sizeof(int32_t));
-        void *d_bt = NULL, *d_lens = NULL, *d_cu = NULL;
-        bool ok = bt && lens && cu;
-        if (ok) {
-            for (int32_t i = ATT_POOL_BLOCKS - 1; i > 0; i--) { /* fresh random pool order */
-                const int32_t j = (int32_t)(rnd() % (uint64_t)(i + 1)), tmp = perm[i];
-                perm[i] = perm[j];
-                perm[j] = tmp;
-            }
-            for (size_t e = 0; e < entries; e++) bt[e] = perm[e]; /* disjoint per set */
-            for (int32_t i = 0; i < batch; i++) lens[i] = ctx;
-            for (int32_t i = 0; i <= batch; i++) cu[i] = i;
-            ok = o->alloc(be->ctx, PD_DTYPE_I32, entries, &d_bt) == 0 &&
-                 o->alloc(be->ctx, PD_DTYPE_I32, (size_t)batch, &d_lens) == 0 &&
-                 o->alloc(be->ctx, PD_DTYPE_I32, (size_t)batch + 1, &d_cu) == 0 &&
-                 o->upload(be->ctx, d_bt, PD_DTYPE_I32, 0, bt, PD_DTYPE_I32, entries) == 0 &&
-                 o->upload(be->ctx, d_lens, PD_DTYPE_I32, 0, lens, PD_DTYPE_I32, batch) == 0 &&
-                 o->upload(be->ctx, d_cu, PD_DTYPE_I32, 0, cu, PD_DTYPE_I32, batch + 1) == 0;
-        }
+        att_tables d;
+        const bool ok =
+            att_tables_make(be, &d, perm, ATT_POOL_BLOCKS, entries, batch, ctx, 1) == 0;
         att_arg t;
         memset(&t, 0, sizeof t);
+        att_args_init(&t.a, &d, ATT_HEADS, ATT_KV_HEADS, mb);
         t.a.q = q;
-        t.a.q_row_stride = q_dim;
         t.a.k_cache = kc;
         t.a.v_cache = vc;
         t.a.out = out;
-        t.a.cu_q = (const int32_t *)d_cu;
-        t.a.ctx_lens = (const int32_t *)d_lens;
-        t.a.block_tables = (const int32_t *)d_bt;
         t.a.n_seqs = batch;
         t.a.n_tokens = batch;
         t.a.max_q_len = 1;
         t.a.max_ctx_len = cases[c].unknown ? 0 : ctx;
-        t.a.max_blocks_per_seq = mb;
-        t.a.n_heads = ATT_HEADS;
-        t.a.n_kv_heads = ATT_KV_HEADS;
-        t.a.head_dim = ATT_HEAD_DIM;
-        t.a.block_size = ATT_BLOCK;
-        t.a.sliding_window = 0;
-        t.a.scale = 1.0f / sqrtf((float)ATT_HEAD_DIM);
-        t.bt = (const int32_t *)d_bt;
+        t.bt = (const int32_t *)d.bt;
         t.sets = sets;
         t.set_entries = (size_t)need;
         const double kv_bytes = (double)batch * ctx * ATT_KV_HEADS * ATT_HEAD_DIM * 2 * 2;
@@ -700,12 +740,7 @@ static int bench_attention(const bk_opts *opt, pd_backend *be, const bk_floor *f
         }
         fflush(stdout);
         (void)cudaGetLastError();
-        o->free(be->ctx, d_bt);
-        o->free(be->ctx, d_lens);
-        o->free(be->ctx, d_cu);
-        free(bt);
-        free(lens);
-        free(cu);
+        att_tables_free(be, &d);
         if (!ok) goto done;
     }
     rc = 0;
@@ -760,52 +795,24 @@ static int kv8_case(const bk_opts *opt, pd_backend *be, const bk_floor *fl, int3
     int sets = KV8_POOL_BLOCKS / need;
     if (sets > MAX_CALLS) sets = MAX_CALLS;
     const size_t entries = (size_t)need * sets;
-    int32_t *bt = (int32_t *)malloc(entries * sizeof(int32_t));
-    int32_t *lens = (int32_t *)malloc((size_t)batch * sizeof(int32_t));
-    int32_t *cu = (int32_t *)malloc(((size_t)batch + 1) * sizeof(int32_t));
-    void *d_bt = NULL, *d_lens = NULL, *d_cu = NULL;
+    att_tables d = {NULL, NULL, NULL};
     int rc = -1;
     double us[2] = {-1, -1}, floor_us[2], kv_bytes[2];
-    if (!bt || !lens || !cu || sets < 1) goto done;
-    for (int32_t i = KV8_POOL_BLOCKS - 1; i > 0; i--) {
-        const int32_t j = (int32_t)(rnd() % (uint64_t)(i + 1)), tmp = perm[i];
-        perm[i] = perm[j];
-        perm[j] = tmp;
-    }
-    for (size_t e = 0; e < entries; e++) bt[e] = perm[e];
-    for (int32_t i = 0; i < batch; i++) lens[i] = ctx;
-    for (int32_t i = 0; i <= batch; i++) cu[i] = i;
-    if (o->alloc(be->ctx, PD_DTYPE_I32, entries, &d_bt) != 0 ||
-        o->alloc(be->ctx, PD_DTYPE_I32, (size_t)batch, &d_lens) != 0 ||
-        o->alloc(be->ctx, PD_DTYPE_I32, (size_t)batch + 1, &d_cu) != 0 ||
-        o->upload(be->ctx, d_bt, PD_DTYPE_I32, 0, bt, PD_DTYPE_I32, entries) != 0 ||
-        o->upload(be->ctx, d_lens, PD_DTYPE_I32, 0, lens, PD_DTYPE_I32, batch) != 0 ||
-        o->upload(be->ctx, d_cu, PD_DTYPE_I32, 0, cu, PD_DTYPE_I32, batch + 1) != 0)
+    if (sets < 1 || att_tables_make(be, &d, perm, KV8_POOL_BLOCKS, entries, batch, ctx, 1) != 0)
         goto done;
     for (int f = 0; f < 2; f++) { /* 0: bf16, 1: FP8 */
         att_arg t;
         memset(&t, 0, sizeof t);
         t.kv = f ? o->kv_fp8 : NULL;
+        att_args_init(&t.a, &d, ATT_HEADS, ATT_KV_HEADS, mb);
         t.a.q = q;
-        t.a.q_row_stride = ATT_HEADS * ATT_HEAD_DIM;
         t.a.k_cache = pools[f][0];
         t.a.v_cache = pools[f][1];
         t.a.out = out;
-        t.a.cu_q = (const int32_t *)d_cu;
-        t.a.ctx_lens = (const int32_t *)d_lens;
-        t.a.block_tables = (const int32_t *)d_bt;
         t.a.n_seqs = t.a.n_tokens = batch;
         t.a.max_q_len = 1;
         t.a.max_ctx_len = ctx;
-        t.a.max_blocks_per_seq = mb;
-        t.a.n_heads = ATT_HEADS;
-        t.a.n_kv_heads = ATT_KV_HEADS;
-        t.a.head_dim = ATT_HEAD_DIM;
-        t.a.block_size = ATT_BLOCK;
-        t.a.scale = 1.0f / sqrtf((float)ATT_HEAD_DIM);
-        t.a.k_scale = 1.0f / 256;
-        t.a.v_scale = 1.0f / 256;
-        t.bt = (const int32_t *)d_bt;
+        t.bt = (const int32_t *)d.bt;
         t.sets = sets;
         t.set_entries = (size_t)need;
         kv_bytes[f] = (double)batch * ctx * ATT_KV_HEADS * ATT_HEAD_DIM * 2 * (f ? 1 : 2);
@@ -837,12 +844,7 @@ static int kv8_case(const bk_opts *opt, pd_backend *be, const bk_floor *fl, int3
     rc = 0;
 done:
     (void)cudaGetLastError();
-    o->free(be->ctx, d_bt);
-    o->free(be->ctx, d_lens);
-    o->free(be->ctx, d_cu);
-    free(bt);
-    free(lens);
-    free(cu);
+    att_tables_free(be, &d);
     return rc;
 }
 
@@ -906,56 +908,29 @@ static int pa_case(const bk_opts *opt, pd_backend *be, const bk_floor *fl, int32
 {
     const pd_backend_ops *o = be->ops;
     const int32_t mb = (len + ATT_BLOCK - 1) / ATT_BLOCK, need = seqs * mb;
-    int32_t *bt = (int32_t *)malloc((size_t)need * sizeof(int32_t));
-    int32_t *lens = (int32_t *)malloc((size_t)seqs * sizeof(int32_t));
-    int32_t *cu = (int32_t *)malloc(((size_t)seqs + 1) * sizeof(int32_t));
-    void *d_bt = NULL, *d_lens = NULL, *d_cu = NULL;
+    att_tables d = {NULL, NULL, NULL};
     double us[2] = {-1, -1};
     int rc = -1;
     /* each query sees its own position's keys: len (len + 1) / 2 a sequence */
     const double flops =
         4.0 * ATT_HEAD_DIM * PA_HEADS * (double)seqs * (double)len * (len + 1) / 2.0;
-    if (!bt || !lens || !cu || need > PA_POOL_BLOCKS || seqs * len > PA_MAX_TOKENS) goto done;
-    for (int32_t i = PA_POOL_BLOCKS - 1; i > 0; i--) {
-        const int32_t j = (int32_t)(rnd() % (uint64_t)(i + 1)), tmp = perm[i];
-        perm[i] = perm[j];
-        perm[j] = tmp;
-    }
-    for (int32_t e = 0; e < need; e++) bt[e] = perm[e];
-    for (int32_t i = 0; i < seqs; i++) lens[i] = len;
-    for (int32_t i = 0; i <= seqs; i++) cu[i] = i * len;
-    if (o->alloc(be->ctx, PD_DTYPE_I32, (size_t)need, &d_bt) != 0 ||
-        o->alloc(be->ctx, PD_DTYPE_I32, (size_t)seqs, &d_lens) != 0 ||
-        o->alloc(be->ctx, PD_DTYPE_I32, (size_t)seqs + 1, &d_cu) != 0 ||
-        o->upload(be->ctx, d_bt, PD_DTYPE_I32, 0, bt, PD_DTYPE_I32, need) != 0 ||
-        o->upload(be->ctx, d_lens, PD_DTYPE_I32, 0, lens, PD_DTYPE_I32, seqs) != 0 ||
-        o->upload(be->ctx, d_cu, PD_DTYPE_I32, 0, cu, PD_DTYPE_I32, seqs + 1) != 0)
+    if (seqs * len > PA_MAX_TOKENS ||
+        att_tables_make(be, &d, perm, PA_POOL_BLOCKS, (size_t)need, seqs, len, len) != 0)
         goto done;
     for (int f = 0; f < 2; f++) { /* 0: bf16, 1: FP8 */
         att_arg t;
         memset(&t, 0, sizeof t);
         t.kv = f ? o->kv_fp8 : NULL;
         if (f && !t.kv) break; /* no FP8 cache ops: the bf16 row alone */
+        att_args_init(&t.a, &d, PA_HEADS, PA_KV_HEADS, mb);
         t.a.q = q;
-        t.a.q_row_stride = PA_HEADS * ATT_HEAD_DIM;
         t.a.k_cache = pools[f][0];
         t.a.v_cache = pools[f][1];
         t.a.out = out;
-        t.a.cu_q = (const int32_t *)d_cu;
-        t.a.ctx_lens = (const int32_t *)d_lens;
-        t.a.block_tables = (const int32_t *)d_bt;
         t.a.n_seqs = seqs;
         t.a.n_tokens = seqs * len;
         t.a.max_q_len = len;
         t.a.max_ctx_len = len;
-        t.a.max_blocks_per_seq = mb;
-        t.a.n_heads = PA_HEADS;
-        t.a.n_kv_heads = PA_KV_HEADS;
-        t.a.head_dim = ATT_HEAD_DIM;
-        t.a.block_size = ATT_BLOCK;
-        t.a.scale = 1.0f / sqrtf((float)ATT_HEAD_DIM);
-        t.a.k_scale = 1.0f / 256;
-        t.a.v_scale = 1.0f / 256;
         if (pa_call(be, &t, 0) != 0 || o->sync(be->ctx) != 0) {
             fprintf(stderr, "pdserve-bench-kernels: attention_prefill (%s cache) failed\n",
                     f ? "fp8" : "bf16");
@@ -984,12 +959,7 @@ static int pa_case(const bk_opts *opt, pd_backend *be, const bk_floor *fl, int32
     rc = 0;
 done:
     (void)cudaGetLastError();
-    o->free(be->ctx, d_bt);
-    o->free(be->ctx, d_lens);
-    o->free(be->ctx, d_cu);
-    free(bt);
-    free(lens);
-    free(cu);
+    att_tables_free(be, &d);
     return rc;
 }
 
