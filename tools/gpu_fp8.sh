@@ -3,10 +3,12 @@
 # tools/gpu_package.sh packed (PD_GPU_DIR): test_cuda_fp8 (and test_cuda_fp8_fused, when
 # packed) and test_cuda_golden; pdserve-bench-kernels --fp8 as it is, with programmatic
 # dependent launches (PDSERVE_CUDA_PDL=1) and without cuBLASLt's FP8 fast accumulation
-# (PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K=0); the Llama-3-8B shape (dummy) batch-1 decode at bf16 and
+# (PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K=0), and --prefill-attention with the wgmma kernel and
+# without (PDSERVE_CUDA_FLASH_WGMMA=0); the Llama-3-8B shape (dummy) batch-1 decode at bf16 and
 # with FP8 weights (as it is and with PDL), and FP8 prefill of 2k-token prompts with and
 # without fast accumulation and without the quantization fused into RMSNorm / SwiGLU
-# (PDSERVE_CUDA_FP8_FUSED_QUANT=0), each next to the floors of this run; "profile": the GPU time of
+# (PDSERVE_CUDA_FP8_FUSED_QUANT=0), with the FP8 KV cache too, and bf16 / FP8 with the prefill
+# attention on mma.sync, each next to the floors of this run; "profile": the GPU time of
 # each kernel of one 2048-token prefill at bf16 and FP8 (ncu, when it reads the counters);
 # "profile_decode": the same for 8 decode steps of 64 sequences op by op (bf16; FP8 weights + KV).
 # "decomp": the batch-1 FP8 and bf16 decode steps with parts of the persistent kernel off
@@ -43,6 +45,11 @@ if ! skip kernels; then
     grep -E 'llama3-8b' "$F/kernels_pdl.log" | awk '$5 <= 8'
     echo "-- with PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K=0"
     grep -E 'llama3-8b' "$F/kernels_promote.log" | awk '$5 == 2048'
+    run prefill_attn "$G/bin/pdserve-bench-kernels" --prefill-attention
+    run prefill_attn_mma PDSERVE_CUDA_FLASH_WGMMA=0 "$G/bin/pdserve-bench-kernels" --prefill-attention
+    echo "-- prefill attention alone (wgmma, then mma.sync: PDSERVE_CUDA_FLASH_WGMMA=0)"
+    grep -A 7 '^## attention_prefill' "$F/prefill_attn.log" | tail -n 7
+    grep -A 7 '^## attention_prefill' "$F/prefill_attn_mma.log" | tail -n 7
 fi
 if ! skip 8b; then
     BW=$(sed -n 's/.*FLOOR copy_gbps=\([0-9.]*\).*/\1/p' "$F/kernels.log" | tail -n 1)
@@ -63,8 +70,11 @@ if ! skip 8b; then
     run prefill_fp8 "$G/bin/pdserve-bench-offline" "${PRE[@]}" --quantization fp8
     run prefill_fp8_promote PDSERVE_CUDA_FP8_FAST_ACCUM_MAX_K=0 "$G/bin/pdserve-bench-offline" "${PRE[@]}" --quantization fp8
     run prefill_fp8_unfused PDSERVE_CUDA_FP8_FUSED_QUANT=0 "$G/bin/pdserve-bench-offline" "${PRE[@]}" --quantization fp8
+    run prefill_fp8_kv "$G/bin/pdserve-bench-offline" "${PRE[@]}" --quantization fp8 --kv-cache-dtype fp8
+    run prefill_bf16_mma PDSERVE_CUDA_FLASH_WGMMA=0 "$G/bin/pdserve-bench-offline" "${PRE[@]}"
+    run prefill_fp8_mma PDSERVE_CUDA_FLASH_WGMMA=0 "$G/bin/pdserve-bench-offline" "${PRE[@]}" --quantization fp8
     echo "== summary (Llama-3-8B shape; copy $BW GB/s, GEMM $TF TFLOP/s in this run)"
-    for f in decode_bf16 decode_fp8 decode_fp8_pdl decode_fp8_ops prefill_bf16 prefill_fp8 prefill_fp8_promote prefill_fp8_unfused; do
+    for f in decode_bf16 decode_fp8 decode_fp8_pdl decode_fp8_ops prefill_bf16 prefill_fp8 prefill_fp8_promote prefill_fp8_unfused prefill_fp8_kv prefill_bf16_mma prefill_fp8_mma; do
         env -u LD_LIBRARY_PATH python3 -c '
 import json, sys
 try:
