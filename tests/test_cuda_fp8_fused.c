@@ -8,7 +8,7 @@
  * 5e-2, the same argmax where the top-1 leads by more than 0.1), with decode graphs and eager.
  * Both sides quantize the same bf16 rows; they differ by the norms' scale (float against
  * double), f32 accumulation order and the bf16 roundings that follow. Exits 77 (skipped)
- * without a CUDA device. */
+ * without a CUDA device. `test_cuda_fp8_fused SHAPE` runs one shape (dynamic activations). */
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -197,7 +197,27 @@ static void run_shape(int32_t hidden, int32_t inter, int32_t heads, int32_t kv_h
     rmdir(dir);
 }
 
-int main(void)
+/* The shapes: 0 and 1 with graphs and eager in either activation mode, 3 (every stage's k a
+ * multiple of 2048: several whole FP8 slots a group, as the Llama-3-8B shape's) with graphs
+ * and eager, 2 eager. */
+static const struct {
+    int32_t hidden, inter, heads, kv_heads, head_dim;
+} k_shapes[] = {
+    {1024, 3072, 16, 8, 64},  /* GQA 2, head 64 */
+    {1024, 2048, 8, 2, 128},  /* GQA 4, head 128 */
+    {512, 1536, 16, 2, 64},   /* GQA 8 */
+    {2048, 4096, 16, 4, 128}, /* GQA 4, head 128, k 2048 / 4096 */
+};
+
+static void run_index(int i, pd_act_quant act, bool eager)
+{
+    run_shape(k_shapes[i].hidden, k_shapes[i].inter, k_shapes[i].heads, k_shapes[i].kv_heads,
+              k_shapes[i].head_dim, act, eager);
+}
+
+/* test_cuda_fp8_fused [SHAPE]: all the shapes, or one of k_shapes (dynamic activations, graphs
+ * and eager). */
+int main(int argc, char **argv)
 {
     char err[PD_ERR_LEN] = "";
     pd_backend *probe = NULL;
@@ -208,13 +228,24 @@ int main(void)
     pd_backend_destroy(probe);
     setenv("PDSERVE_CUDA_FUSED_DECODE", "8", 1); /* read at the first decode_layers call */
     printf("test_cuda_fp8_fused: FP8 decode steps fused against op by op\n");
+    const int n_shapes = (int)(sizeof k_shapes / sizeof k_shapes[0]);
+    if (argc > 1) {
+        const int i = atoi(argv[1]);
+        if (i < 0 || i >= n_shapes) {
+            fprintf(stderr, "usage: test_cuda_fp8_fused [SHAPE 0..%d]\n", n_shapes - 1);
+            return 2;
+        }
+        for (int eager = 0; eager < 2; eager++) run_index(i, PD_ACT_DYNAMIC, eager);
+        return pd_test_result("test_cuda_fp8_fused");
+    }
     for (int eager = 0; eager < 2; eager++) {
         const pd_act_quant acts[2] = {PD_ACT_DYNAMIC, PD_ACT_NONE};
         for (int a = 0; a < 2; a++) {
-            run_shape(1024, 3072, 16, 8, 64, acts[a], eager);  /* GQA 2, head 64 */
-            run_shape(1024, 2048, 8, 2, 128, acts[a], eager);  /* GQA 4, head 128 */
+            run_index(0, acts[a], eager);
+            run_index(1, acts[a], eager);
         }
+        run_index(3, PD_ACT_DYNAMIC, eager);
     }
-    run_shape(512, 1536, 16, 2, 64, PD_ACT_DYNAMIC, true);     /* GQA 8 */
+    run_index(2, PD_ACT_DYNAMIC, true);
     return pd_test_result("test_cuda_fp8_fused");
 }

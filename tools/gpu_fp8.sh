@@ -13,8 +13,11 @@
 # "profile_decode": the same for 8 decode steps of 64 sequences op by op (bf16; FP8 weights + KV).
 # "decomp": the batch-1 FP8 and bf16 decode steps with parts of the persistent kernel off
 # (PDSERVE_CUDA_DL_DEBUG; DECOMP_VARIANTS="QUANT BITS [INFLIGHT|-];..." replaces the list).
+# "stalls": where the batch-1 persistent kernel's warps wait (ncu's warp states, bank conflicts
+# and the stall samples of each SASS instruction, FP8 and bf16; STALLS_QUANT picks, an entry
+# QUANT@BITS with PDSERVE_CUDA_DL_DEBUG=BITS).
 # Logs in $OUT/fp8ab/ and $OUT/fp8ab.tgz; a summary at the end. FP8AB_SKIP="tests kernels 8b
-# profile profile_decode decomp" leaves parts out.
+# profile profile_decode decomp stalls" leaves parts out.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 . tools/gpu_env.sh
@@ -162,6 +165,34 @@ try:
     print("%-22s %.3f" % (sys.argv[2], 1e3 / d["decode_tok_s"]))
 except Exception:
     print("%-22s (no result)" % sys.argv[2])' "$F/$name.log" "$name"
+    done
+fi
+if ! skip stalls; then
+    # where the batch-1 persistent decode kernel's warps wait (ncu: one launch, eager, after
+    # 8 steps; the warp states, the scheduler, shared-memory bank conflicts, and the stall
+    # samples of each SASS instruction); STALLS_QUANT="fp8 none" by default
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for v in ${STALLS_QUANT:-fp8 none}; do
+        q=${v%@*} dbg=0 # an entry QUANT@BITS runs with PDSERVE_CUDA_DL_DEBUG=BITS
+        [ "$v" != "$q" ] && dbg=${v#*@}
+        v=${q}_$dbg
+        PDSERVE_CUDA_DL_DEBUG=$dbg "$NCU" --clock-control none -k regex:decode_layers_kernel \
+            --launch-skip 8 \
+            --launch-count 1 --import-source no --section WarpStateStats \
+            --section SourceCounters --section SchedulerStats --section LaunchStats \
+            --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
+            --section InstructionStats --metrics \
+            l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed_op_shared_ld.sum \
+            -f -o "$F/stalls_$v" "$G/bin/pdserve-bench-offline" --model tools/shapes/llama3-8b \
+            --load-format dummy --backend cuda --kv-cache-mb 4096 --quantization "$q" \
+            --num-requests 1 --input-len 128 --output-len 16 --max-num-seqs 1 \
+            --enforce-eager >"$F/stalls_$v.log" 2>&1
+        "$NCU" -i "$F/stalls_$v.ncu-rep" --page details >"$F/stalls_${v}_details.txt" 2>&1
+        "$NCU" -i "$F/stalls_$v.ncu-rep" --page source --csv --print-source sass \
+            >"$F/stalls_${v}_sass.csv" 2>&1
+        echo "== stalls $v: $(wc -l <"$F/stalls_${v}_sass.csv") SASS lines"
+        grep -E "Duration|Bank|bank|Warp Cycles Per Issued|Issued Warp|No Eligible|Stall" \
+            "$F/stalls_${v}_details.txt" | head -n 30
     done
 fi
 tar -czf "$OUT/fp8ab.tgz" -C "$OUT" fp8ab 2>/dev/null
