@@ -24,6 +24,8 @@ cd "$(dirname "$0")/.." || exit 2
 F="$OUT/fp8ab"
 mkdir -p "$F"
 rc=0
+# ncu, for the parts "profile", "profile_decode" and "stalls"
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 skip() { case " ${FP8AB_SKIP:-} " in *" $1 "*) return 0 ;; esac; return 1; }
 run() { # run NAME [ENV=V ...] COMMAND...: output in $F/NAME.log
     local name=$1 r
@@ -116,7 +118,6 @@ print("%-60s %6s %10.0f" % ("total", "", tot))
 PY
 }
 if ! skip profile; then
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for q in none fp8; do
         "$NCU" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
             "$G/bin/pdserve-generate" --model tools/shapes/llama3-8b --load-format dummy \
@@ -129,7 +130,6 @@ fi
 if ! skip profile_decode; then
     # decode steps of 64 sequences op by op (the goodput workloads' decode batches): 64
     # prompts of 128 tokens, 8 steps; the fill and prefill kernels are listed too
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for q in none fp8; do
         kv=auto; [ "$q" = fp8 ] && kv=fp8
         "$NCU" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
@@ -171,14 +171,12 @@ if ! skip stalls; then
     # where the batch-1 persistent decode kernel's warps wait (ncu: one launch, eager, after
     # 8 steps; the warp states, the scheduler, shared-memory bank conflicts, and the stall
     # samples of each SASS instruction); STALLS_QUANT="fp8 none" by default
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     for v in ${STALLS_QUANT:-fp8 none}; do
         q=${v%@*} dbg=0 # an entry QUANT@BITS runs with PDSERVE_CUDA_DL_DEBUG=BITS
         [ "$v" != "$q" ] && dbg=${v#*@}
         v=${q}_$dbg
         PDSERVE_CUDA_DL_DEBUG=$dbg "$NCU" --clock-control none -k regex:decode_layers_kernel \
-            --launch-skip 8 \
-            --launch-count 1 --import-source no --section WarpStateStats \
+            --launch-skip 8 --launch-count 1 --import-source no --section WarpStateStats \
             --section SourceCounters --section SchedulerStats --section LaunchStats \
             --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
             --section InstructionStats --metrics \
