@@ -95,6 +95,11 @@ static const pd_env_knob k_knobs[] = {
     {"PDSERVE_CUDA_GEMV_MAX_N", PD_ENV_INT, "32", I64_MIN, I64_MAX, NULL, "kernels/cuda",
      "The bf16 products' crossover in n from the streaming kernel to cuBLAS (clamped to "
      "0 .. 32; 0: always cuBLAS)."},
+    {"PDSERVE_CUDA_MOE_GEMM_ROWS", PD_ENV_INT, "16", 0, I64_MAX, NULL, "kernels/cuda",
+     "The mixture-of-experts experts' products run as grouped wgmma GEMMs (compute capability "
+     "9.0, an sm_90a build) when a layer's choices average at least this many token rows an "
+     "expert (n k / n_experts), else on the row-streaming kernel that reads each chosen "
+     "expert's weights once (decode); 0: the row-streaming kernel always, for A/B runs."},
     {"PDSERVE_CUDA_OVERLAP_UPLOAD", PD_ENV_BOOL, "1", 0, 0, NULL, "kernels/cuda",
      "A pipelined step's metadata uploaded on a side stream beside the step before; 0: in "
      "order, for A/B runs."},

@@ -292,8 +292,9 @@ static int quant_part(pd_model *m, const loader *L, const lin_part *pt, int32_t 
 }
 
 /* A linear made of n_parts stacked along its rows (q, k, v; gate, up), this shard's windows:
- * into *dst either act_dtype rows as put_part writes them (*ops NULL), or one quantized weight
- * of the backend's op set (*ops). The parts are quantized alike or not at all. */
+ * into *dst either act_dtype rows as put_part writes them (*ops NULL; into the buffer *dst
+ * already points to when it is not NULL, else a new one), or one quantized weight of the
+ * backend's op set (*ops). The parts are quantized alike or not at all. */
 static int put_linear(pd_model *m, const loader *L, const lin_part *parts, int n_parts,
                       void **dst, const pd_wq_ops **ops)
 {
@@ -311,7 +312,7 @@ static int put_linear(pd_model *m, const loader *L, const lin_part *parts, int n
     }
     *ops = NULL;
     if (!quant) {
-        if ((rc = alloc_w(m, (size_t)(M * K), dst, L->err)) < 0) return rc;
+        if (!*dst && (rc = alloc_w(m, (size_t)(M * K), dst, L->err)) < 0) return rc;
         char name[200];
         for (int i = 0, off = 0; i < n_parts; off += (int)parts[i].w.nr, i++) {
             snprintf(name, sizeof name, "%s.weight", parts[i].module);
@@ -438,6 +439,20 @@ static int load_experts(pd_model *m, const loader *L, int32_t li, pd_layer_weigh
         return rc;
     w->experts = calloc((size_t)c->n_experts, sizeof *w->experts);
     if (!w->experts) return pd_errf(err, PD_ENOMEM, "out of memory");
+    /* Unquantized experts go into one buffer each for gate_up and down (the backend's
+     * moe_experts runs them all in one op); quantized ones are each their own weight. */
+    bool slab = true;
+    for (int32_t e = 0; e < c->n_experts && slab; e++)
+        for (int i = 0; i < 3 && slab; i++) {
+            snprintf(name, sizeof name, "model.layers.%d.%s.experts.%d.%s", li, blk, e,
+                     k_proj[mixtral][i]);
+            slab = mc_quant_ignored(&c->quant, name);
+        }
+    const size_t fl = (size_t)m->shard.moe_intermediate, es = pd_dtype_size(m->be->ops->act_dtype);
+    if (slab &&
+        ((rc = alloc_w(m, (size_t)c->n_experts * 2 * fl * (size_t)h, &w->experts_gate_up, err)) < 0 ||
+         (rc = alloc_w(m, (size_t)c->n_experts * (size_t)h * fl, &w->experts_down, err)) < 0))
+        return rc;
     for (int32_t e = 0; e < c->n_experts; e++) {
         pd_expert *x = &w->experts[e];
         lin_part gu[2] = {{.rows = f, .cols = h, .w = wf}, {.rows = f, .cols = h, .w = wf}};
@@ -446,6 +461,10 @@ static int load_experts(pd_model *m, const loader *L, int32_t li, pd_layer_weigh
         for (int i = 0; i < 3; i++)
             snprintf(parts[i]->module, sizeof parts[i]->module, "model.layers.%d.%s.experts.%d.%s",
                      li, blk, e, k_proj[mixtral][i]);
+        if (slab) {
+            x->gate_up = (char *)w->experts_gate_up + (size_t)e * 2 * fl * (size_t)h * es;
+            x->down = (char *)w->experts_down + (size_t)e * (size_t)h * fl * es;
+        }
         if ((rc = put_linear(m, L, gu, 2, &x->gate_up, &x->gate_up_ops)) < 0 ||
             (rc = put_linear(m, L, &dn, 1, &x->down, &x->down_ops)) < 0)
             return rc;
@@ -601,10 +620,12 @@ void pd_model_destroy(pd_model *m)
             FREE(w->k_norm); WFREE(w->o_proj, w->o_ops); FREE(w->o_bias); FREE(w->mlp_norm);
             WFREE(w->gate_up, w->gate_up_ops); WFREE(w->down, w->down_ops);
             FREE(w->router);
-            for (int32_t e = 0; w->experts && e < m->cfg.n_experts; e++) {
+            for (int32_t e = 0; w->experts && !w->experts_gate_up && e < m->cfg.n_experts; e++) {
                 WFREE(w->experts[e].gate_up, w->experts[e].gate_up_ops);
                 WFREE(w->experts[e].down, w->experts[e].down_ops);
             }
+            FREE(w->experts_gate_up);
+            FREE(w->experts_down);
             free(w->experts);
 #undef WFREE
         }

@@ -277,8 +277,9 @@ static int create_rank(const mr_params *p, const pd_model *m, pd_comm *comm, boo
     }
     /* The workspace first: a pool sized from free device memory must count it. */
     int32_t gmax = p->max_graph_batch;
-    /* (a sparse layer's routing brings its groups' sizes to the host: no graphs) */
-    if (!r->be->ops->graph_begin || gmax < 0 || c->n_experts > 0) gmax = 0;
+    /* (a sparse layer whose experts run one by one brings its groups' sizes to the host:
+     * no graphs) */
+    if (!r->be->ops->graph_begin || gmax < 0 || !moe_without_host(m)) gmax = 0;
     if (gmax > p->max_num_seqs) gmax = p->max_num_seqs;
     if (gmax > p->max_num_batched_tokens) gmax = p->max_num_batched_tokens;
     r->p.max_graph_batch = gmax;

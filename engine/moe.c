@@ -18,10 +18,12 @@ struct moe_ws {
     /* backend memory */
     void *logits;                 /* [max_rows][n_experts] the router's product */
     int32_t *ids, *rows, *pos;    /* [max_rows * k] moe_route's outputs */
+    int32_t *d_offsets;           /* [n_experts + 1] the groups' bounds for moe_experts */
     float *weights;               /* [max_rows * k] */
     void *xe;                     /* [max_rows][hidden] one expert's rows gathered */
     void *gu;                     /* [max_rows][2 inter] its gate/up product */
-    void *act;                    /* [max_rows][inter] its SwiGLU */
+    void *act;                    /* [max_rows][inter] its SwiGLU (moe_experts: every
+                                   * choice's, [max_rows * k][inter]) */
     void *y;                      /* [max_rows * k][hidden] every choice's expert output */
     /* host memory */
     int32_t *offsets;             /* [n_experts + 1] the experts' groups in rows */
@@ -61,8 +63,9 @@ int moe_ws_create(const pd_model *m, int32_t max_rows, moe_ws **out, char *err)
         {act, T * (size_t)ws->n_experts, &ws->logits}, {PD_DTYPE_I32, TK, (void **)&ws->ids},
         {PD_DTYPE_I32, TK, (void **)&ws->rows},        {PD_DTYPE_I32, TK, (void **)&ws->pos},
         {PD_DTYPE_F32, TK, (void **)&ws->weights},     {act, T * H, &ws->xe},
-        {act, T * 2 * F, &ws->gu},                     {act, T * F, &ws->act},
+        {act, T * 2 * F, &ws->gu},                     {act, TK * F, &ws->act},
         {act, TK * H, &ws->y},
+        {PD_DTYPE_I32, (size_t)ws->n_experts + 1, (void **)&ws->d_offsets},
     };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
         int rc = o->alloc(m->be->ctx, bufs[i].t, bufs[i].n, bufs[i].p);
@@ -86,13 +89,21 @@ void moe_ws_destroy(moe_ws *ws)
     if (!ws) return;
     pd_backend *be = ws->be;
     void *bufs[] = {ws->logits, ws->ids, ws->rows, ws->pos, ws->weights,
-                    ws->xe,     ws->gu,  ws->act,  ws->y};
+                    ws->xe,     ws->gu,  ws->act,  ws->y,   ws->d_offsets};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->ops->free(be->ctx, bufs[i]);
     free(ws->offsets);
     free(ws->h_logits);
     free(ws->h_ids);
     free(ws->h_ids_i);
     free(ws);
+}
+
+bool moe_without_host(const pd_model *m)
+{
+    if (!m->be->ops->moe_experts) return false;
+    for (int32_t l = 0; l < m->cfg.n_layers; l++)
+        if (m->layers[l].experts && !m->layers[l].experts_gate_up) return false;
+    return true;
 }
 
 int moe_set_router_hook(moe_ws *ws, moe_router_fn fn, void *arg)
@@ -157,15 +168,27 @@ int moe_ffn(moe_ws *ws, const pd_layer_weights *w, int32_t layer, const void *x,
     void *ctx = be->ctx;
     const pd_backend_ops *o = be->ops;
     CALL(o->linear(ctx, x, w->router, NULL, n, ws->hidden, ws->n_experts, ws->logits));
+    /* experts in one buffer each on a backend with moe_experts: the groups stay on the
+     * backend (no synchronisation); else each expert's products, sized on the host */
+    const bool one_op = o->moe_experts && w->experts_gate_up;
     const pd_moe_route_args ra = {
         .logits = ws->logits, .n = n, .n_experts = ws->n_experts, .k = ws->k,
         .renormalize = ws->m->cfg.norm_topk_prob, .ids = ws->ids, .weights = ws->weights,
-        .rows = ws->rows, .pos = ws->pos, .offsets = ws->offsets,
+        .rows = ws->rows, .pos = ws->pos, .offsets = one_op ? NULL : ws->offsets,
+        .dev_offsets = one_op ? ws->d_offsets : NULL,
     };
     CALL(o->moe_route(ctx, &ra));
     int rc;
     if (ws->hook && (rc = report_routing(ws, layer, n, err)) < 0) return rc;
-    for (int32_t e = 0; e < ws->n_experts; e++) {
+    if (one_op) {
+        const pd_moe_experts_args ea = {
+            .x = x, .n = n, .k = ws->k, .n_experts = ws->n_experts, .hidden = ws->hidden,
+            .inter = ws->inter, .rows = ws->rows, .offsets = ws->d_offsets,
+            .gate_up = w->experts_gate_up, .down = w->experts_down, .act = ws->act, .y = ws->y,
+        };
+        CALL(o->moe_experts(ctx, &ea));
+    }
+    for (int32_t e = 0; !one_op && e < ws->n_experts; e++) {
         const int32_t r0 = ws->offsets[e], n_e = ws->offsets[e + 1] - r0;
         if (n_e > 0 && (rc = expert_mlp(ws, &w->experts[e], x, r0, n_e, err)) < 0) return rc;
     }

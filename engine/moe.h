@@ -1,7 +1,9 @@
 /* moe.h -- A sparse (mixture-of-experts) layer's feed-forward block as backend-op calls: the
  * router's product (linear), the routing (moe_route: softmax, top k, the choices grouped by
- * expert), each expert's MLP over the rows routed to it (gather_rows, linear_fused with
- * SwiGLU, linear_fused) and the weighted sum back into token order (moe_combine). The model
+ * expert), the experts' MLPs over the rows routed to each (moe_experts, one op for them all;
+ * or, for quantized experts or a backend without it, expert by expert: gather_rows,
+ * linear_fused with SwiGLU, linear_fused) and the weighted sum back into token order
+ * (moe_combine). The model
  * runner calls it for the layers mc_layer_sparse names; see docs/engine.md "Mixture of
  * experts". */
 #ifndef PD_MOE_H
@@ -25,6 +27,11 @@ typedef void (*moe_router_fn)(void *arg, int32_t layer, int32_t n, int32_t n_exp
  * (err says what). Free with moe_ws_destroy (NULL is a no-op). */
 int moe_ws_create(const pd_model *m, int32_t max_rows, moe_ws **out, char *err);
 void moe_ws_destroy(moe_ws *ws);
+
+/* Whether model m's sparse layers all run without the host between their ops (the
+ * backend's moe_experts over experts held in one buffer each): what lets a decode step with
+ * them be captured in a graph. True for a model without sparse layers. */
+bool moe_without_host(const pd_model *m);
 
 /* Sets the router hook (fn NULL removes it). Returns 0 or PD_ENOMEM (its host copies). */
 int moe_set_router_hook(moe_ws *ws, moe_router_fn fn, void *arg);

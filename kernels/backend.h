@@ -180,11 +180,38 @@ typedef struct {
     float *weights;              /* [n][k] out (F32): their routing weights */
     int32_t *rows;               /* [n * k] out: token rows grouped by expert */
     int32_t *pos;                /* [n][k] out: each choice's index into rows */
-    int32_t *offsets;            /* [n_experts + 1] out, HOST memory: the groups' bounds; the
-                                  * op returns once they are written (a device backend
-                                  * synchronises: the caller sizes the experts' products by
-                                  * them) */
+    int32_t *offsets;            /* [n_experts + 1] out, HOST memory, or NULL: the groups'
+                                  * bounds; when given, the op returns once they are written
+                                  * (a device backend synchronises: the caller sizes the
+                                  * experts' products by them) */
+    int32_t *dev_offsets;        /* [n_experts + 1] out, backend memory, or NULL: the same
+                                  * bounds where moe_experts reads them, written in stream
+                                  * order (no synchronisation: a graph may hold the call).
+                                  * At least one of offsets and dev_offsets is given. */
 } pd_moe_route_args;
+
+/* The experts' MLPs of a mixture-of-experts layer over moe_route's grouped choices (the
+ * moe_experts op): for every choice p in expert e's group [offsets[e], offsets[e + 1]),
+ *   act[p] = swiglu(gate_up[e] x[rows[p]])   (the product rounded to act_dtype, then
+ *                                             linear_fused's swiglu rule)
+ *   y[p]   = down[e] act[p]                   (rounded to act_dtype)
+ * each product summed in f32 or wider, as linear_fused computes one expert's rows. Every
+ * expert's weights sit in one buffer: gate_up [n_experts][2 inter][hidden] (each expert's
+ * gate rows, then its up rows) and down [n_experts][hidden][inter], act_dtype. The groups'
+ * bounds are read from backend memory (moe_route's dev_offsets), so a device backend runs
+ * the whole block without the host. */
+typedef struct {
+    const void *x;               /* [n][hidden] act_dtype: the normed token rows */
+    int32_t n;                   /* token rows, >= 0 */
+    int32_t k;                   /* choices a row: the groups hold n * k rows in all */
+    int32_t n_experts, hidden, inter;
+    const int32_t *rows;         /* [n * k] moe_route's */
+    const int32_t *offsets;      /* [n_experts + 1] backend memory (moe_route's dev_offsets) */
+    const void *gate_up;         /* [n_experts][2 inter][hidden] */
+    const void *down;            /* [n_experts][hidden][inter] */
+    void *act;                   /* [n * k][inter] act_dtype: scratch (the SwiGLU rows) */
+    void *y;                     /* [n * k][hidden] act_dtype out, in the grouped order */
+} pd_moe_experts_args;
 
 /* The experts' outputs weighted and summed back into token order (the moe_combine op):
  *   out[t] = (out[t] +) sum over j < k of weights[t * k + j] * y[pos[t * k + j]]
@@ -384,10 +411,14 @@ typedef struct pd_backend_ops {
                        void *out);
     /* Optional (NULL = not offered): mixture-of-experts routing and combination
      * (pd_moe_route_args, pd_moe_combine_args above), both or neither; the experts' products
-     * are gather_rows and linear_fused. A model with sparse layers is refused at load on a
+     * are moe_experts, or gather_rows and linear_fused. A model with sparse layers is refused at load on a
      * backend without them. Return 0, PD_EINVAL, PD_EBACKEND. */
     int (*moe_route)(void *ctx, const pd_moe_route_args *a);
     int (*moe_combine)(void *ctx, const pd_moe_combine_args *a);
+    /* Optional (NULL: the engine runs each expert's products as above, with the groups'
+     * bounds on the host): every expert's MLP in one op (pd_moe_experts_args), for experts
+     * held in one buffer each (unquantized). Returns 0, PD_EINVAL, PD_EBACKEND. */
+    int (*moe_experts)(void *ctx, const pd_moe_experts_args *a);
     /* KV blocks to / from host memory (for transfer staging). For each i, block ids[i] of a
      * cache laid out [n_blocks][block_elems] is copied to / from host + i * block_elems,
      * converted to / from f32. ids is host memory. */

@@ -956,6 +956,66 @@ static void test_moe_route_combine(void)
     DEV_FREE(dlg, ids, rows, pos, w, dy, out);
 }
 
+/* moe_route with the groups' bounds in backend memory only (dev_offsets) groups as with the
+ * host's copy; moe_experts (every expert's MLP in one op, experts in one buffer each)
+ * against double; bounds that do not add up are refused. */
+static void test_moe_experts(void)
+{
+    const pd_backend_ops *o = g_be->ops;
+    enum { N = 9, E = 5, K = 2, H = 12, F = 6 };
+    float lg[N * E], x[N * H], gu[E * 2 * F * H], dn[E * H * F];
+    fill_rand(lg, N * E, 2.0);
+    fill_rand(x, N * H, 1.0);
+    fill_rand(gu, E * 2 * F * H, 0.5);
+    fill_rand(dn, E * H * F, 0.5);
+    void *dlg = dev_f32(lg, N * E), *dx = dev_f32(x, N * H);
+    void *dgu = dev_f32(gu, E * 2 * F * H), *ddn = dev_f32(dn, E * H * F);
+    int32_t *ids = dev_alloc(PD_DTYPE_I32, N * K), *rows = dev_alloc(PD_DTYPE_I32, N * K);
+    int32_t *pos = dev_alloc(PD_DTYPE_I32, N * K), *doff = dev_alloc(PD_DTYPE_I32, E + 1);
+    int32_t offsets[E + 1], rows_host[N * K];
+    float *w = dev_alloc(PD_DTYPE_F32, N * K), *act = dev_alloc(PD_DTYPE_F32, N * K * F);
+    float *y = dev_alloc(PD_DTYPE_F32, N * K * H);
+    pd_moe_route_args ra = {.logits = dlg, .n = N, .n_experts = E, .k = K, .renormalize = true,
+                            .ids = ids, .weights = w, .rows = rows, .pos = pos,
+                            .offsets = offsets};
+    CHECK_EQ_INT(o->moe_route(g_be->ctx, &ra), 0);
+    memcpy(rows_host, rows, sizeof rows_host);
+    ra.offsets = NULL;
+    ra.dev_offsets = doff;
+    CHECK_EQ_INT(o->moe_route(g_be->ctx, &ra), 0);
+    for (int e = 0; e <= E; e++) CHECK_EQ_INT(doff[e], offsets[e]);
+    for (int i = 0; i < N * K; i++) CHECK_EQ_INT(rows[i], rows_host[i]);
+    const pd_moe_experts_args ea = {.x = dx, .n = N, .k = K, .n_experts = E, .hidden = H,
+                                    .inter = F, .rows = rows, .offsets = doff, .gate_up = dgu,
+                                    .down = ddn, .act = act, .y = y};
+    CHECK_EQ_INT(o->moe_experts(g_be->ctx, &ea), 0);
+    double ref[N * K * H];
+    for (int e = 0; e < E; e++)
+        for (int32_t p = offsets[e]; p < offsets[e + 1]; p++) {
+            const float *xr = x + rows[p] * H;
+            double a[F];
+            for (int f = 0; f < F; f++) {
+                double g = 0, u = 0;
+                for (int h = 0; h < H; h++) {
+                    g += (double)gu[(e * 2 * F + f) * H + h] * xr[h];
+                    u += (double)gu[(e * 2 * F + F + f) * H + h] * xr[h];
+                }
+                a[f] = g / (1.0 + exp(-g)) * u;
+            }
+            for (int h = 0; h < H; h++) {
+                double v = 0;
+                for (int f = 0; f < F; f++) v += (double)dn[(e * H + h) * F + f] * a[f];
+                ref[p * H + h] = v;
+            }
+        }
+    check_close("moe_experts", y, ref, N * K * H);
+    doff[E] = N * K - 1; /* the groups do not hold every choice */
+    CHECK_EQ_INT(o->moe_experts(g_be->ctx, &ea), PD_EINVAL);
+    ra.dev_offsets = NULL; /* neither copy of the bounds */
+    CHECK_EQ_INT(o->moe_route(g_be->ctx, &ra), PD_EINVAL);
+    DEV_FREE(dlg, dx, dgu, ddn, ids, rows, pos, doff, w, act, y);
+}
+
 int main(void)
 {
     char err[PD_ERR_LEN] = "";
@@ -978,6 +1038,7 @@ int main(void)
     test_fp8_kv();
     test_moe_route_ties();
     test_moe_route_combine();
+    test_moe_experts();
     pd_backend_destroy(g_be);
     return pd_test_result("test_cpu_backend");
 }

@@ -1,11 +1,18 @@
 /* test_cuda_moe.c -- The CUDA backend's mixture-of-experts ops against the CPU backend's
  * (kernels/cpu/cpu_moe.c, itself checked against transformers by test_moe_golden):
- * moe_route on logits full of exact ties (values on a coarse grid, the same on both sides)
- * must choose the same experts in the same order, group them identically and weigh them alike
- * (to the last bits of the double softmax); moe_combine must sum the same terms, to bf16
- * rounding. Shapes from a tiny router to Qwen3-30B-A3B's 128 experts (top 8, the
- * nth_element path) and DeepSeek-like 256 (the heap-select path at k 4). Exits 77 (skipped)
- * without a CUDA device. */
+ *   - moe_route on logits full of exact ties (values on a coarse grid, the same on both
+ *     sides: the replayed selection) and on tie-free logits (the parallel top k) must choose
+ *     the same experts in the same order, group them identically and weigh them alike (to the
+ *     last bits of the double softmax), with the groups' bounds on the host or on the device
+ *     only;
+ *   - moe_combine must sum the same terms, to bf16 rounding;
+ *   - moe_experts (every expert's MLP in one op) must compute the CPU's f32 products to bf16
+ *     rounding, on the row-streaming kernel (few rows an expert, groups larger than its
+ *     tile too) and the grouped wgmma GEMMs (many rows an expert, partial tiles in rows and
+ *     columns), both fed by the device-side grouping.
+ * Shapes from a tiny router to Qwen3-30B-A3B's 128 experts (top 8, the nth_element path) and
+ * DeepSeek-like 256 (the heap-select path at k 4). Exits 77 (skipped) without a CUDA
+ * device. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -77,11 +84,20 @@ static size_t count_diff(pd_backend *pc, const void *c, pd_backend *pg, const vo
     return bad;
 }
 
-static void run_case(int32_t n, int32_t E, int32_t k, bool renorm, int32_t dim)
+/* Logits on a grid of quarters in [-3, 3] (ties: exact in bf16 and f32, many ties a row),
+ * else bf16 values in [-4, 4] (ties rare; a row with one among its top k + 1 is replayed). */
+static float *make_logits(int32_t n, int32_t E, bool ties)
 {
-    /* logits on a grid of quarters in [-3, 3]: exact in bf16 and f32, many ties a row */
     float *lg = xmalloc((size_t)n * E * sizeof *lg);
-    for (size_t i = 0; i < (size_t)n * E; i++) lg[i] = (float)((int)(urand() * 25) - 12) / 4.0f;
+    for (size_t i = 0; i < (size_t)n * E; i++)
+        lg[i] = ties ? (float)((int)(urand() * 25) - 12) / 4.0f
+                     : bf16_round((float)(8.0 * urand() - 4.0));
+    return lg;
+}
+
+static void run_case(int32_t n, int32_t E, int32_t k, bool renorm, int32_t dim, bool ties)
+{
+    float *lg = make_logits(n, E, ties);
     route_bufs rc = {0}, rg = {0};
     CHECK_EQ_INT(route_on(g_cpu, lg, n, E, k, renorm, &rc), 0);
     CHECK_EQ_INT(route_on(g_gpu, lg, n, E, k, renorm, &rg), 0);
@@ -94,9 +110,9 @@ static void run_case(int32_t n, int32_t E, int32_t k, bool renorm, int32_t dim)
     const size_t bad_pos = count_diff(g_cpu, rc.pos, g_gpu, rg.pos, PD_DTYPE_I32, nk, 0);
     const size_t bad_w = count_diff(g_cpu, rc.weights, g_gpu, rg.weights, PD_DTYPE_F32, nk, 1e-6);
     CHECK_MSG(bad_off == 0 && bad_ids == 0 && bad_rows == 0 && bad_pos == 0 && bad_w == 0,
-              "moe_route n %d E %d k %d renorm %d: offsets %zu, ids %zu, rows %zu, pos %zu, "
-              "weights %zu of %zu differ", n, E, k, renorm, bad_off, bad_ids, bad_rows, bad_pos,
-              bad_w, nk);
+              "moe_route n %d E %d k %d renorm %d ties %d: offsets %zu, ids %zu, rows %zu, pos "
+              "%zu, weights %zu of %zu differ", n, E, k, renorm, ties, bad_off, bad_ids, bad_rows,
+              bad_pos, bad_w, nk);
 
     /* combine: the same expert outputs, routing and residual on both sides */
     float *y = xmalloc(nk * dim * sizeof *y), *res = xmalloc((size_t)n * dim * sizeof *res);
@@ -137,13 +153,95 @@ static void run_case(int32_t n, int32_t E, int32_t k, bool renorm, int32_t dim)
             g_gpu->ops->free(g_gpu->ctx, bufs_g[i]);
         }
     }
-    printf("  n %4d E %3d k %d renorm %d: routing equal (%zu choices), combine max |diff| %.3g\n",
-           n, E, k, renorm, nk, worst);
+    printf("  n %4d E %3d k %d renorm %d ties %d: routing equal (%zu choices), combine max "
+           "|diff| %.3g\n", n, E, k, renorm, ties, nk, worst);
     route_free(g_cpu, &rc);
     route_free(g_gpu, &rg);
     free(lg);
     free(y);
     free(res);
+}
+
+/* moe_experts on both backends over the same routing (the GPU's grouped on the device only,
+ * its bounds then compared with the CPU's), random bf16 weights and rows. */
+static void run_experts(int32_t n, int32_t E, int32_t k, int32_t H, int32_t F)
+{
+    float *lg = make_logits(n, E, false);
+    const size_t nk = (size_t)n * k;
+    route_bufs rc = {0};
+    CHECK_EQ_INT(route_on(g_cpu, lg, n, E, k, true, &rc), 0);
+    /* the GPU's routing with its bounds on the device only (no synchronisation) */
+    void *glg = put(g_gpu, g_gpu->ops->act_dtype, lg, (size_t)n * E);
+    void *gids = put(g_gpu, PD_DTYPE_I32, NULL, nk), *gw = put(g_gpu, PD_DTYPE_F32, NULL, nk);
+    void *grows = put(g_gpu, PD_DTYPE_I32, NULL, nk), *gpos = put(g_gpu, PD_DTYPE_I32, NULL, nk);
+    void *goff = put(g_gpu, PD_DTYPE_I32, NULL, (size_t)E + 1);
+    const pd_moe_route_args ra = {.logits = glg, .n = n, .n_experts = E, .k = k,
+                                  .renormalize = true, .ids = gids, .weights = gw, .rows = grows,
+                                  .pos = gpos, .dev_offsets = goff};
+    CHECK_EQ_INT(g_gpu->ops->moe_route(g_gpu->ctx, &ra), 0);
+    float *hoff = xmalloc(((size_t)E + 1) * sizeof *hoff);
+    get(g_gpu, hoff, goff, PD_DTYPE_I32, (size_t)E + 1);
+    size_t bad_off = 0;
+    int32_t most = 0;
+    for (int32_t e = 0; e <= E; e++) {
+        bad_off += (int32_t)hoff[e] != rc.offsets[e];
+        if (e < E && rc.offsets[e + 1] - rc.offsets[e] > most) most = rc.offsets[e + 1] - rc.offsets[e];
+    }
+    const size_t bad_rows = count_diff(g_cpu, rc.rows, g_gpu, grows, PD_DTYPE_I32, nk, 0);
+    CHECK_MSG(bad_off == 0 && bad_rows == 0, "moe_route (device bounds) n %d E %d k %d: "
+              "offsets %zu, rows %zu differ", n, E, k, bad_off, bad_rows);
+    /* weights and rows: bf16 values, products of unit scale */
+    const size_t ngu = (size_t)E * 2 * F * H, ndn = (size_t)E * H * F;
+    float *wgu = xmalloc(ngu * sizeof *wgu), *wdn = xmalloc(ndn * sizeof *wdn);
+    float *x = xmalloc((size_t)n * H * sizeof *x);
+    const double sg = 2.0 * sqrt(3.0 / H), sd = 2.0 * sqrt(3.0 / F);
+    for (size_t i = 0; i < ngu; i++) wgu[i] = bf16_round((float)(sg * (urand() - 0.5)));
+    for (size_t i = 0; i < ndn; i++) wdn[i] = bf16_round((float)(sd * (urand() - 0.5)));
+    for (size_t i = 0; i < (size_t)n * H; i++) x[i] = bf16_round((float)(4.0 * urand() - 2.0));
+    float *out[2];
+    pd_backend *bk[2] = {g_cpu, g_gpu};
+    for (int b = 0; b < 2; b++) {
+        pd_backend *be = bk[b];
+        const pd_dtype t = be->ops->act_dtype;
+        void *dx = put(be, t, x, (size_t)n * H), *dgu = put(be, t, wgu, ngu);
+        void *ddn = put(be, t, wdn, ndn), *dact = put(be, t, NULL, nk * F);
+        void *dy = put(be, t, NULL, nk * H);
+        const pd_moe_experts_args ea = {
+            .x = dx, .n = n, .k = k, .n_experts = E, .hidden = H, .inter = F,
+            .rows = b ? grows : rc.rows, .offsets = b ? goff : rc.offsets, .gate_up = dgu,
+            .down = ddn, .act = dact, .y = dy};
+        CHECK_EQ_INT(be->ops->moe_experts(be->ctx, &ea), 0);
+        out[b] = xmalloc(nk * H * sizeof *out[b]);
+        get(be, out[b], dy, t, nk * H);
+        void *bufs[] = {dx, dgu, ddn, dact, dy};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->ops->free(be->ctx, bufs[i]);
+    }
+    /* the GPU rounds the gate/up products, the SwiGLU rows and the outputs to bf16 */
+    double ss = 0, se = 0, worst = 0;
+    size_t bad = 0;
+    for (size_t i = 0; i < nk * H; i++) ss += (double)out[0][i] * out[0][i];
+    const double rms = sqrt(ss / (double)(nk * H));
+    for (size_t i = 0; i < nk * H; i++) {
+        const double e = fabs((double)out[0][i] - out[1][i]);
+        se += e * e;
+        bad += !(e <= 2e-2 * fabs(out[0][i]) + 2e-2 * rms);
+        if (e > worst) worst = e;
+    }
+    const double rel = sqrt(se / ss);
+    CHECK_MSG(bad == 0 && rel < 1e-2, "moe_experts n %d E %d k %d hidden %d inter %d: %zu of "
+              "%zu outside the bound, relative error %.3g", n, E, k, H, F, bad, nk * H, rel);
+    printf("  moe_experts n %4d E %3d k %d hidden %4d inter %4d (largest group %d): relative "
+           "error %.3g, max |diff| %.3g (rms %.3g)\n", n, E, k, H, F, most, rel, worst, rms);
+    void *gb[] = {glg, gids, gw, grows, gpos, goff};
+    for (size_t i = 0; i < sizeof gb / sizeof gb[0]; i++) g_gpu->ops->free(g_gpu->ctx, gb[i]);
+    route_free(g_cpu, &rc);
+    free(out[0]);
+    free(out[1]);
+    free(hoff);
+    free(wgu);
+    free(wdn);
+    free(x);
+    free(lg);
 }
 
 int main(void)
@@ -160,11 +258,14 @@ int main(void)
     printf("test_cuda_moe: moe_route and moe_combine on cuda against cpu\n");
     CHECK(g_gpu->ops->moe_route && g_gpu->ops->moe_combine);
     if (g_gpu->ops->moe_route && g_gpu->ops->moe_combine) {
-        run_case(37, 8, 2, true, 64);     /* Mixtral's routing */
-        run_case(5, 8, 8, false, 32);     /* every expert chosen */
-        run_case(300, 128, 8, true, 96);  /* Qwen3-30B-A3B's: nth_element */
-        run_case(1, 128, 8, true, 2048);  /* a decode row */
-        run_case(64, 256, 4, false, 64);  /* k * 64 <= E: the heap select */
+        for (int ties = 1; ties >= 0; ties--) {
+            run_case(37, 8, 2, true, 64, ties);     /* Mixtral's routing */
+            run_case(5, 8, 8, false, 32, ties);     /* every expert chosen */
+            run_case(300, 128, 8, true, 96, ties);  /* Qwen3-30B-A3B's: nth_element */
+            run_case(1, 128, 8, true, 2048, ties);  /* a decode row */
+            run_case(64, 256, 4, false, 64, ties);  /* k * 64 <= E: the heap select */
+        }
+        run_case(2100, 16, 4, true, 32, false);   /* more choices than the grouping's block */
         /* no rows: the groups empty, nothing queued */
         route_bufs r = {0};
         CHECK_EQ_INT(route_on(g_gpu, NULL, 0, 8, 2, true, &r), 0);
@@ -172,6 +273,18 @@ int main(void)
         route_free(g_gpu, &r);
         const pd_moe_route_args bad = {.n = 1, .n_experts = 4, .k = 5};
         CHECK_EQ_INT(g_gpu->ops->moe_route(g_gpu->ctx, &bad), PD_EINVAL);
+    }
+    CHECK(g_gpu->ops->moe_experts != NULL);
+    if (g_gpu->ops->moe_experts) {
+        printf("test_cuda_moe: moe_experts on cuda against cpu\n");
+        run_experts(1, 128, 8, 256, 96);    /* a decode row: the row-streaming kernel */
+        run_experts(6, 128, 8, 264, 40);    /* a small batch, odd sizes */
+        run_experts(40, 8, 2, 128, 64);     /* groups past the streaming kernel's 8 rows */
+        run_experts(512, 16, 4, 256, 96);   /* 128 rows an expert: the grouped GEMMs */
+        run_experts(300, 8, 2, 320, 200);   /* partial row and column tiles, k not /64 */
+        const pd_moe_experts_args bad = {.n = 1, .k = 1, .n_experts = 2, .hidden = 12,
+                                         .inter = 8};
+        CHECK_EQ_INT(g_gpu->ops->moe_experts(g_gpu->ctx, &bad), PD_EINVAL);
     }
     pd_backend_destroy(g_cpu);
     pd_backend_destroy(g_gpu);

@@ -98,24 +98,7 @@ else:
     done
 fi
 summarize() { # summarize NCU_LOG: the kernels' GPU time, largest first
-        env -u LD_LIBRARY_PATH python3 - "$1" <<'PY'
-import re, sys
-rows, name, calls = [], None, 0
-for line in open(sys.argv[1], errors="replace"):
-    m = re.match(r"\s{2}(\S.*?) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)", line)
-    if m: name = m.group(1)[:60]
-    m = re.search(r"Invocations\s+(\d+)", line) or re.search(r"^\s*(\d+) invocations", line)
-    if m and name: calls = int(m.group(1))
-    m = re.match(r"\s+gpu__time_duration.sum\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", line)
-    if m and name:
-        unit, avg = m.group(1), float(m.group(3).replace(",", ""))
-        f = {"ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "nsecond": 1e-3}.get(unit, 1.0)
-        rows.append((avg * f * max(calls, 1), calls, name)); name = None
-rows.sort(reverse=True)
-tot = sum(r[0] for r in rows)
-for t, c, n in rows[:18]: print("%-60s %6d %10.0f" % (n, c, t))
-print("%-60s %6s %10.0f" % ("total", "", tot))
-PY
+    env -u LD_LIBRARY_PATH python3 tools/ncu_summary.py "$1"
 }
 if ! skip profile; then
     for q in none fp8; do

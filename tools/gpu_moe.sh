@@ -6,7 +6,10 @@
 # (pdserve-bench-kernels --floor): batch-1 decode against its active weights + KV at the copy
 # rate, batch-64 decode tokens/s beside the dense Llama-3-8B's, and 2k-token prefill against
 # the GEMM rate over active FLOPs. Logs in $OUT/moe/ and $OUT/moe.tgz; a summary at the end.
-# MOE_SKIP="tests 30b 8b" leaves parts out; MOE_MODEL replaces the shape (e.g.
+# Part "ab": the prefill and batch-64 decode with the experts on the row-streaming kernel
+# only (PDSERVE_CUDA_MOE_GEMM_ROWS=0) beside the grouped GEMMs. Part "profile": ncu's GPU
+# time a kernel for batch-1 decode steps (eager) and one 2048-token prefill.
+# MOE_SKIP="tests 30b 8b ab profile" leaves parts out; MOE_MODEL replaces the shape (e.g.
 # tools/shapes/mixtral-8x7b).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -35,11 +38,12 @@ FL=()
 [ -n "$BW" ] && FL+=(--bandwidth-gbs "$BW")
 [ -n "$TF" ] && FL+=(--gemm-tflops "$TF")
 M=${MOE_MODEL:-tools/shapes/qwen3-30b-a3b}
-bench() { # bench NAME MODEL ARGS...: pdserve-bench-offline --json
-    local name=$1 model=$2
+bench() { # bench NAME MODEL [ENV=V ...] ARGS...: pdserve-bench-offline --json
+    local name=$1 model=$2 e=()
     shift 2
-    run "$name" "$G/bin/pdserve-bench-offline" --model "$model" --load-format dummy \
-        --backend cuda --kv-cache-mb 8192 "${FL[@]}" --json "$@"
+    while [ $# -gt 0 ] && [[ $1 == *=* && $1 != --* ]]; do e+=("$1"); shift; done
+    run "$name" env "${e[@]}" "$G/bin/pdserve-bench-offline" --model "$model" \
+        --load-format dummy --backend cuda --kv-cache-mb 8192 "${FL[@]}" --json "$@"
 }
 if ! skip 30b; then
     bench moe_decode1 "$M" --num-requests 1 --input-len 128 --output-len 256 --max-num-seqs 1
@@ -47,12 +51,37 @@ if ! skip 30b; then
     bench moe_prefill "$M" --num-requests 8 --input-len 2048 --output-len 1 \
         --max-num-batched-tokens 2048
 fi
+if ! skip ab; then
+    bench moe_decode64_rows "$M" PDSERVE_CUDA_MOE_GEMM_ROWS=0 --num-requests 64 \
+        --input-len 1024 --output-len 256 --max-num-seqs 64
+    bench moe_prefill_rows "$M" PDSERVE_CUDA_MOE_GEMM_ROWS=0 --num-requests 8 --input-len 2048 \
+        --output-len 1 --max-num-batched-tokens 2048
+fi
+if ! skip profile; then
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    if [ -n "$NCU" ]; then
+        "$NCU" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+            "$G/bin/pdserve-bench-offline" --model "$M" --load-format dummy --backend cuda \
+            --kv-cache-mb 4096 --num-requests 1 --input-len 128 --output-len 9 \
+            --max-num-seqs 1 --enforce-eager >"$F/profile_decode.log" 2>&1
+        echo "== profile: batch-1 decode, 8 steps eager + the prompt (kernel, calls, total us)"
+        env -u LD_LIBRARY_PATH python3 tools/ncu_summary.py "$F/profile_decode.log" 24
+        "$NCU" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+            "$G/bin/pdserve-generate" --model "$M" --load-format dummy --backend cuda \
+            --kv-cache-mb 4096 --random-prompt-len 2048 --max-tokens 1 --ignore-eos \
+            --temperature 0 >"$F/profile_prefill.log" 2>&1
+        echo "== profile: one 2048-token prefill (kernel, calls, total us)"
+        env -u LD_LIBRARY_PATH python3 tools/ncu_summary.py "$F/profile_prefill.log" 24
+    else
+        echo "== profile: no ncu on this machine"
+    fi
+fi
 if ! skip 8b; then
     bench dense_decode64 tools/shapes/llama3-8b --num-requests 64 --input-len 1024 \
         --output-len 256 --max-num-seqs 64
 fi
 echo "== summary ($M; copy $BW GB/s, GEMM $TF TFLOP/s in this run)"
-for f in moe_decode1 moe_decode64 moe_prefill dense_decode64; do
+for f in moe_decode1 moe_decode64 moe_decode64_rows moe_prefill moe_prefill_rows dense_decode64; do
     [ -f "$F/$f.log" ] || continue
     env -u LD_LIBRARY_PATH python3 -c '
 import json, sys
@@ -65,7 +94,7 @@ if n == "moe_decode1":
     ms = 1e3 / d["decode_tok_s"]
     fl = d["weight_bytes_per_step"] / (d["bandwidth_gbs"] * 1e9) * 1e3 if d.get("bandwidth_gbs") else float("nan")
     print("%-15s %.3f ms/token, active weights at the copy rate %.3f ms: %.2fx" % (n, ms, fl, ms / fl))
-elif n.endswith("decode64"):
+elif "decode64" in n:
     print("%-15s %.0f decode tok/s (mean batch %.1f)" % (n, d["decode_tok_s"], d["mean_batch"]))
 else:
     print("%-15s %.0f prompt tok/s, %.0f%% of the GEMM rate over active FLOPs" % (n, d["prefill_tok_s"], 100 * d.get("prefill_floor_ratio", 0)))' "$F/$f.log" "$f"

@@ -17,6 +17,7 @@ static void cpu_destroy(void *ctx)
     free(c->scratch);
     free(c->qx);
     free(c->moe);
+    free(c->moe_x);
     free(c);
 }
 
@@ -453,6 +454,7 @@ static const pd_backend_ops k_cpu_ops = {
     .gather_rows = cpu_gather_rows,
     .moe_route = pd_cpu__moe_route,
     .moe_combine = pd_cpu__moe_combine,
+    .moe_experts = pd_cpu__moe_experts,
     .kv_blocks_to_host = cpu_kv_to_host,
     .kv_blocks_from_host = cpu_kv_from_host,
     .kv_blocks_copy = cpu_kv_copy,

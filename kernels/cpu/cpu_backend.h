@@ -14,6 +14,8 @@ typedef struct {
     size_t qx_cap;       /* elements in qx */
     void *moe;           /* moe_route's candidates and cursors, grown on demand */
     size_t moe_cap;      /* bytes in moe */
+    float *moe_x;        /* moe_experts' gathered rows and gate/up products, grown on demand */
+    size_t moe_x_cap;    /* elements in moe_x */
 } pd_cpu_ctx;
 
 /* Paged causal attention on fp32 buffers; serves both prefill and decode batches. */
@@ -28,9 +30,10 @@ int pd_cpu__rmsnorm(void *ctx, const void *x, void *residual, const void *w, int
 /* The backend's linear_fused (fp32 weights). */
 int pd_cpu__linear_fused(void *ctx, const pd_linear_args *a);
 
-/* cpu_moe.c: the mixture-of-experts ops (backend.h's moe_route and moe_combine). */
+/* cpu_moe.c: the mixture-of-experts ops (backend.h's moe_route, moe_combine, moe_experts). */
 int pd_cpu__moe_route(void *ctx, const pd_moe_route_args *a);
 int pd_cpu__moe_combine(void *ctx, const pd_moe_combine_args *a);
+int pd_cpu__moe_experts(void *ctx, const pd_moe_experts_args *a);
 
 /* cpu_fp8.c: the FP8 weight and KV-cache op sets. */
 extern const pd_wq_ops pd_cpu__fp8_ops;

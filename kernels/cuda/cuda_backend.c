@@ -49,6 +49,7 @@ static const pd_backend_ops k_cuda_ops = {
     .gather_rows = pd_cuda__gather_rows,
     .moe_route = pd_cuda__moe_route,
     .moe_combine = pd_cuda__moe_combine,
+    .moe_experts = pd_cuda__moe_experts,
     .kv_blocks_to_host = pd_cuda__kv_blocks_to_host,
     .kv_blocks_from_host = pd_cuda__kv_blocks_from_host,
     .kv_blocks_copy = pd_cuda__kv_blocks_copy,

@@ -75,8 +75,9 @@ typedef struct {
      * on, the event a copy records */
     cudaStream_t side;
     cudaEvent_t ev_upload;
-    void *moe_host;        /* moe_route's host scratch (cuda_moe.cu), grown on demand */
-    size_t moe_host_bytes;
+    int32_t *moe_off;      /* moe_route's groups' bounds on the device when the caller
+                            * wants the host's copy only (cuda_moe.cu), grown on demand */
+    size_t moe_off_n;
 } pd_cuda_ctx;
 
 /* A copy queue (copyq_create, cuda_ipc.cu): its own stream, on the context's device; the

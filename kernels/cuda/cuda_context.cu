@@ -56,7 +56,7 @@ extern "C" void pd_cuda__ctx_destroy(void *ctx)
     if (c->stream) (void)cudaStreamSynchronize(c->stream);
     pd_cuda__sample_free(c->sample_state);
     pd_cuda__fp8_free(c->fp8_state);
-    free(c->moe_host);
+    if (c->moe_off) (void)cudaFree(c->moe_off);
     if (c->cublas) (void)cublasDestroy(c->cublas);
     if (c->staging) (void)cudaFreeHost(c->staging);
     if (c->attn_part) (void)cudaFree(c->attn_part);

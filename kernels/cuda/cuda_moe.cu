@@ -1,28 +1,433 @@
-/* cuda_moe.cu -- The CUDA backend's mixture-of-experts ops (backend.h's moe_route and
- * moe_combine): the routing of each token row on the device (the softmax in double and the
- * top k by kernels/moe_select.h, the CPU backend's own definition, so both resolve equal
- * probabilities alike), the choices' grouping by expert on the host (the op hands the groups'
- * bounds to the host anyway: the engine sizes the experts' products by them), and the
- * weighted sum of the experts' outputs back into token order. */
+/* cuda_moe.cu -- The CUDA backend's mixture-of-experts ops (backend.h's moe_route, moe_combine
+ * and moe_experts):
+ *   - the routing of each token row on the device: the softmax in double and the top k, equal
+ *     to kernels/moe_select.h's choice (the CPU backend's definition): the plain top k when
+ *     the k + 1 largest probabilities are distinct, else that file's replay of torch's
+ *     selection;
+ *   - the choices' grouping by expert, on the device (a counting sort, rows ascending within
+ *     an expert), with the groups' bounds copied to the host only when the caller asks;
+ *   - the experts' MLPs over the groups in two launches, all experts at once, the groups
+ *     read from device memory: a row-streaming kernel that reads each chosen expert's
+ *     weights once for up to GV_R of its rows (decode), or grouped GEMMs on wgmma (prefill);
+ *   - the weighted sum of the experts' outputs back into token order. */
 #include <stdlib.h>
 
+#include <atomic>
+
+#include "common/env.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_wgmma.cuh"
 #include "kernels/moe_select.h"
 
 #define ROUTE_THREADS 32
 
-/* A block a row: the row's logits into shared memory, then one thread replays the selection
- * (sequential by nature; E is at most a few hundred). Shared: E floats, E candidates. */
+/* A block (one warp) a row. The exponentials in parallel, their sum in expert order on one
+ * thread (the reference's order, so that the probabilities are its bits), then the top k + 1
+ * by k + 1 rounds of a warp arg-max. When those are distinct (no tie can change the choice or
+ * its order) they are the answer; else (or a NaN) one thread replays moe_select.h's selection.
+ * Shared: E candidates, E logits, E taken flags. */
 static __global__ void __launch_bounds__(ROUTE_THREADS)
 route_kernel(const bf16 *logits, int32_t E, int32_t k, bool renorm, int32_t *ids, float *w)
 {
     extern __shared__ double smem_d[]; /* (double alignment for the candidates) */
     pd_moe_cand *c = reinterpret_cast<pd_moe_cand *>(smem_d);
     float *lg = reinterpret_cast<float *>(c + E);
+    unsigned char *taken = reinterpret_cast<unsigned char *>(lg + E);
+    __shared__ double s_sum;
+    __shared__ double s_p[ROUTE_THREADS + 1];
+    __shared__ int32_t s_e[ROUTE_THREADS + 1];
+    const int lane = (int)threadIdx.x;
     const size_t t = blockIdx.x;
-    for (int32_t e = threadIdx.x; e < E; e += ROUTE_THREADS) lg[e] = pd_ld(logits + t * E + e);
+    bool bad = false;
+    float mx = -INFINITY;
+    for (int32_t e = lane; e < E; e += ROUTE_THREADS) {
+        const float v = pd_ld(logits + t * E + e);
+        lg[e] = v;
+        bad |= isnan(v);
+        mx = fmaxf(mx, v);
+        taken[e] = 0;
+    }
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    bad = __any_sync(0xffffffffu, bad);
+    const bool fast = !bad && k < ROUTE_THREADS; /* (k + 1 picks fit s_p) */
+    if (fast) {
+        for (int32_t e = lane; e < E; e += ROUTE_THREADS) {
+            c[e].p = exp((double)lg[e] - (double)mx);
+            c[e].e = e;
+        }
+        __syncwarp();
+        if (lane == 0) {
+            double sum = 0;
+            for (int32_t e = 0; e < E; e++) sum += c[e].p;
+            s_sum = sum;
+        }
+        __syncwarp();
+        const double sum = s_sum;
+        for (int32_t e = lane; e < E; e += ROUTE_THREADS) c[e].p /= sum;
+        __syncwarp();
+        const int32_t picks = k < E ? k + 1 : k;
+        for (int32_t j = 0; j < picks; j++) {
+            double bp = -1.0;
+            int32_t be = INT32_MAX;
+            for (int32_t e = lane; e < E; e += ROUTE_THREADS)
+                if (!taken[e] && c[e].p > bp) { /* (ascending e: the first of equals) */
+                    bp = c[e].p;
+                    be = e;
+                }
+            for (int o = 16; o > 0; o >>= 1) {
+                const double op = __shfl_xor_sync(0xffffffffu, bp, o);
+                const int32_t oe = __shfl_xor_sync(0xffffffffu, be, o);
+                if (op > bp || (op == bp && oe < be)) {
+                    bp = op;
+                    be = oe;
+                }
+            }
+            if (lane == 0) {
+                s_p[j] = bp;
+                s_e[j] = be;
+                taken[be] = 1;
+            }
+            __syncwarp();
+        }
+        bool tie = false;
+        for (int32_t j = 0; j + 1 < picks; j++) tie |= s_p[j] == s_p[j + 1];
+        if (!tie) {
+            if (lane == 0) {
+                double top = 0;
+                for (int32_t j = 0; j < k; j++) top += s_p[j];
+                for (int32_t j = 0; j < k; j++) {
+                    ids[t * k + j] = s_e[j];
+                    w[t * k + j] = (float)(renorm ? s_p[j] / top : s_p[j]);
+                }
+            }
+            return;
+        }
+    }
+    __syncwarp();
+    if (lane == 0) pd_moe_route_row(lg, E, k, renorm, c, ids + t * k, w + t * k);
+}
+
+/* The n * k choices grouped by expert (pd_moe_group's order: experts ascending, rows
+ * ascending within one), by one block: the groups' sizes by shared atomics, their offsets,
+ * then the choices in rounds of the block's size, each choice's place = its expert's cursor
+ * + the same expert's choices before it in the round (earlier warps' counts, then its own
+ * warp's lanes below it). Shared: E cursors, [warps][E] counts. */
+static __global__ void __launch_bounds__(1024)
+group_kernel(const int32_t *ids, int32_t nk, int32_t k, int32_t E, int32_t *off, int32_t *rows,
+             int32_t *pos)
+{
+    extern __shared__ int32_t sg[];
+    const int nw = (int)blockDim.x / 32, warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    int32_t *cur = sg, *wc = sg + E;
+    for (int32_t e = threadIdx.x; e < E; e += blockDim.x) cur[e] = 0;
     __syncthreads();
-    if (threadIdx.x == 0) pd_moe_route_row(lg, E, k, renorm, c, ids + t * k, w + t * k);
+    for (int32_t i = threadIdx.x; i < nk; i += blockDim.x) atomicAdd(&cur[ids[i]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int32_t run = 0;
+        for (int32_t e = 0; e < E; e++) {
+            const int32_t c = cur[e];
+            off[e] = run;
+            cur[e] = run;
+            run += c;
+        }
+        off[E] = run;
+    }
+    __syncthreads();
+    for (int32_t base = 0; base < nk; base += blockDim.x) {
+        const int32_t i = base + (int32_t)threadIdx.x;
+        const bool valid = i < nk;
+        const int32_t e = valid ? ids[i] : -1;
+        for (int32_t x = threadIdx.x; x < nw * E; x += blockDim.x) wc[x] = 0;
+        __syncthreads();
+        const unsigned peers = __match_any_sync(0xffffffffu, e);
+        const int32_t lower = __popc(peers & ((1u << lane) - 1u));
+        if (valid && lower == 0) wc[warp * E + e] = __popc(peers);
+        __syncthreads();
+        for (int32_t x = threadIdx.x; x < E; x += blockDim.x) {
+            int32_t run = cur[x];
+            for (int w = 0; w < nw; w++) {
+                const int32_t c = wc[w * E + x];
+                wc[w * E + x] = run;
+                run += c;
+            }
+            cur[x] = run;
+        }
+        __syncthreads();
+        if (valid) {
+            const int32_t p = wc[warp * E + e] + lower;
+            rows[p] = i / k;
+            pos[i] = p;
+        }
+        __syncthreads();
+    }
+}
+
+/* Which expert, and which of its row tiles, grid index g names: expert e's group of ne rows
+ * makes ceil(ne / unit) tiles, numbered expert by expert. Returns e (*sub the tile), or -1
+ * past the last tile. Every thread of the block calls it (blockDim a multiple of 32). */
+static __device__ int32_t find_tile(const int32_t *off, int32_t E, int32_t unit, int32_t g,
+                                    int32_t *sub)
+{
+    __shared__ int32_t s_e, s_sub, s_tot[32];
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, nw = (int)blockDim.x / 32;
+    if (threadIdx.x == 0) s_e = -1;
+    int32_t base = 0;
+    for (int32_t e0 = 0; e0 < E; e0 += blockDim.x) {
+        const int32_t e = e0 + (int32_t)threadIdx.x;
+        const int32_t ne = e < E ? off[e + 1] - off[e] : 0;
+        const int32_t c = (ne + unit - 1) / unit;
+        int32_t v = c;
+        for (int d = 1; d < 32; d <<= 1) {
+            const int32_t y = __shfl_up_sync(0xffffffffu, v, d);
+            if (lane >= d) v += y;
+        }
+        if (lane == 31) s_tot[warp] = v;
+        __syncthreads();
+        int32_t wbase = 0, total = 0;
+        for (int w = 0; w < nw; w++) {
+            wbase += w < warp ? s_tot[w] : 0;
+            total += s_tot[w];
+        }
+        const int32_t excl = base + wbase + v - c;
+        if (c > 0 && g >= excl && g < excl + c) {
+            s_e = e;
+            s_sub = g - excl;
+        }
+        base += total;
+        __syncthreads();
+    }
+    *sub = s_sub;
+    return s_e;
+}
+
+/* ---- the experts' products, rows streamed (decode) ---- */
+
+#define GV_WARPS 8
+#define GV_R 8 /* token rows a block at most */
+
+/* 8 products of bf16 pairs summed into acc. */
+static __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc)
+{
+    const uint32_t x[4] = {a.x, a.y, a.z, a.w}, y[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        acc = fmaf(pd_bf16_lo(x[i]), pd_bf16_lo(y[i]), acc);
+        acc = fmaf(pd_bf16_hi(x[i]), pd_bf16_hi(y[i]), acc);
+    }
+    return acc;
+}
+
+/* Grid (row tile, column tile): a block takes up to R rows of one expert's group (find_tile),
+ * their x rows (gathered by rows, or the group's own rows when rows is NULL) in shared memory,
+ * and GV_WARPS * 2 output columns: each warp streams its weight rows once (SWIGLU: the gate and
+ * up rows of two columns, W [E][2M][K]; else two rows, W [E][M][K]) against every row. out
+ * [choices][M] in the grouped order. K % 8 == 0. */
+template <bool SWIGLU>
+static __global__ void __launch_bounds__(GV_WARPS * 32)
+moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
+                const int32_t *__restrict__ off, int32_t E, int32_t R,
+                const bf16 *__restrict__ W, int32_t M, int32_t K, bf16 *__restrict__ out)
+{
+    extern __shared__ uint4 xs[]; /* [R][K / 8] */
+    int32_t sub;
+    const int32_t e = find_tile(off, E, R, (int32_t)blockIdx.x, &sub);
+    if (e < 0) return;
+    const int32_t r0 = off[e] + sub * R, nr = min(R, off[e + 1] - r0), K8 = K / 8;
+    for (int32_t i = threadIdx.x; i < nr * K8; i += blockDim.x) {
+        const int32_t r = i / K8, c = i - r * K8;
+        const int64_t src = rows ? rows[r0 + r] : r0 + r;
+        xs[i] = reinterpret_cast<const uint4 *>(x + src * K)[c];
+    }
+    __syncthreads();
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    const int32_t i0 = ((int32_t)blockIdx.y * GV_WARPS + warp) * 2;
+    if (i0 >= M) return;
+    constexpr int NW = SWIGLU ? 4 : 2;
+    const bf16 *We = W + (size_t)e * (SWIGLU ? 2 : 1) * (size_t)M * K;
+    const uint4 *wr[NW];
+    bool ok[NW];
+#pragma unroll
+    for (int q = 0; q < NW; q++) {
+        const int32_t col = i0 + (q & 1);
+        ok[q] = col < M;
+        wr[q] = reinterpret_cast<const uint4 *>(We + (size_t)((SWIGLU && q >= 2 ? M : 0) +
+                                                              (ok[q] ? col : 0)) * K);
+    }
+    float acc[NW][GV_R];
+#pragma unroll
+    for (int q = 0; q < NW; q++)
+#pragma unroll
+        for (int r = 0; r < GV_R; r++) acc[q][r] = 0.0f;
+#pragma unroll 2
+    for (int32_t c = lane; c < K8; c += 32) {
+        uint4 wv[NW];
+#pragma unroll
+        for (int q = 0; q < NW; q++) wv[q] = ok[q] ? __ldg(wr[q] + c) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int r = 0; r < GV_R; r++) {
+            if (r >= nr) break;
+            const uint4 xv = xs[r * K8 + c];
+#pragma unroll
+            for (int q = 0; q < NW; q++) acc[q][r] = dot8(wv[q], xv, acc[q][r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < GV_R; r++) {
+        if (r >= nr) break;
+#pragma unroll
+        for (int q = 0; q < NW; q++) acc[q][r] = pd_warp_sum(acc[q][r]);
+        if (lane != 0) continue;
+        bf16 *o = out + (size_t)(r0 + r) * M;
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            if (!ok[q]) continue;
+            if (SWIGLU) /* the products rounded as linear_fused's gate/up rows, then swiglu */
+                pd_st(o + i0 + q, pd_silu_mul(__bfloat162float(__float2bfloat16_rn(acc[q][r])),
+                                              __bfloat162float(__float2bfloat16_rn(acc[q + 2][r]))));
+            else
+                pd_st(o + i0 + q, acc[q][r]);
+        }
+    }
+}
+
+/* ---- the experts' products as grouped GEMMs on wgmma (prefill) ---- */
+
+#define GM_BM 128   /* token rows a tile: two warpgroups of 64 */
+#define GM_BN 256   /* weight rows a tile (SWIGLU: 128 gate rows and the same columns' up rows) */
+#define GM_BK 64    /* one 128-byte swizzled row of bf16 */
+#define GM_STAGES 4
+#define GM_STAGE_ELEMS ((GM_BM + GM_BN) * GM_BK)
+#define GM_SMEM (GM_STAGES * GM_STAGE_ELEMS * 2 + 1024)
+
+/* Element offset of 16-byte chunk c of row r in a tile of 64-element rows, 128-byte swizzled
+ * (cuda_wgmma.cuh's layout; the tile starts on a 1024-byte boundary). */
+static __device__ __forceinline__ int gm_swz(int r, int c)
+{
+    return r * GM_BK + ((c ^ (r & 7)) << 3);
+}
+
+/* Grid (row tile, column tile): a block takes up to GM_BM rows of one expert's group (x rows
+ * gathered by rows, or the group's own when rows is NULL) and GM_BN weight rows (SWIGLU: the
+ * gate rows of 128 columns and their up rows: 128 outputs; else 256 outputs), K in steps of
+ * 64 through a ring of GM_STAGES tiles loaded by cp.async (two in flight ahead of the one the
+ * products read), each warpgroup 64 rows x 256 as two 64 x 128 wgmma products with A and B in
+ * shared memory. */
+template <bool SWIGLU>
+static __global__ void __launch_bounds__(256, 1)
+moe_gemm_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
+                const int32_t *__restrict__ off, int32_t E, const bf16 *__restrict__ W, int32_t M,
+                int32_t K, bf16 *__restrict__ out)
+{
+    extern __shared__ uint8_t gm_raw[];
+    bf16 *sm = reinterpret_cast<bf16 *>(((uintptr_t)gm_raw + 1023) & ~(uintptr_t)1023);
+    int32_t sub;
+    const int32_t e = find_tile(off, E, GM_BM, (int32_t)blockIdx.x, &sub);
+    if (e < 0) return;
+    const int32_t r0 = off[e] + sub * GM_BM, nr = min(GM_BM, off[e + 1] - r0);
+    const int tid = (int)threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
+    const int32_t c0 = (int32_t)blockIdx.y * (SWIGLU ? GM_BN / 2 : GM_BN);
+    const bf16 *We = W + (size_t)e * (SWIGLU ? 2 : 1) * (size_t)M * K;
+    /* this thread's copies: chunk tid % 8 of A rows tid / 8 + 32 j (4) and B rows (8) */
+    const int ch = tid % 8, rb = tid / 8;
+    const bf16 *src_a[GM_BM / 32];
+    bool ok_a[GM_BM / 32];
+#pragma unroll
+    for (int j = 0; j < GM_BM / 32; j++) {
+        const int32_t r = rb + 32 * j;
+        ok_a[j] = r < nr;
+        const int64_t src = !ok_a[j] ? 0 : rows ? rows[r0 + r] : r0 + r;
+        src_a[j] = x + src * K;
+    }
+    const bf16 *src_b[GM_BN / 32];
+    bool ok_b[GM_BN / 32];
+#pragma unroll
+    for (int j = 0; j < GM_BN / 32; j++) {
+        const int32_t r = rb + 32 * j;
+        const int32_t col = c0 + (SWIGLU ? (r & (GM_BN / 2 - 1)) : r);
+        ok_b[j] = col < M;
+        src_b[j] = We + (size_t)(ok_b[j] ? (SWIGLU && r >= GM_BN / 2 ? M : 0) + col : 0) * K;
+    }
+    const int32_t KT = (K + GM_BK - 1) / GM_BK;
+    auto load = [&](int32_t kt) {
+        bf16 *sa = sm + (kt % GM_STAGES) * GM_STAGE_ELEMS, *sb = sa + GM_BM * GM_BK;
+        const int32_t kc = kt * GM_BK + ch * 8;
+        const bool kin = kc < K;
+#pragma unroll
+        for (int j = 0; j < GM_BM / 32; j++)
+            pd_cp16(sa + gm_swz(rb + 32 * j, ch), src_a[j] + (kin ? kc : 0), ok_a[j] && kin);
+#pragma unroll
+        for (int j = 0; j < GM_BN / 32; j++)
+            pd_cp16(sb + gm_swz(rb + 32 * j, ch), src_b[j] + (kin ? kc : 0), ok_b[j] && kin);
+    };
+#pragma unroll
+    for (int s = 0; s < GM_STAGES - 2; s++) {
+        if (s < KT) load(s);
+        pd_cp_commit();
+    }
+    float d0[16][4], d1[16][4];
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+#pragma unroll
+        for (int v = 0; v < 4; v++) d0[j][v] = d1[j][v] = 0.0f;
+    for (int32_t kt = 0; kt < KT; kt++) {
+        pd_cp_wait<GM_STAGES - 3>();
+        pd_fence_proxy_async();
+        __syncthreads(); /* tile kt landed for all; tile kt - 2's products done by both */
+        if (kt + GM_STAGES - 2 < KT) load(kt + GM_STAGES - 2);
+        pd_cp_commit();
+        /* (a warpgroup past the group's rows computes zeros: a branch around wgmma would
+         * serialise it) */
+        const bf16 *sa = sm + (kt % GM_STAGES) * GM_STAGE_ELEMS + wg * 64 * GM_BK;
+        const bf16 *sb = sm + (kt % GM_STAGES) * GM_STAGE_ELEMS + GM_BM * GM_BK;
+        pd_wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < GM_BK / 16; kk++) {
+            const uint64_t da = pd_wg_desc(sa + kk * 16, 16, 1024);
+            pd_wgmma_n128_ss(d0, da, pd_wg_desc(sb + kk * 16, 16, 1024), 1);
+            pd_wgmma_n128_ss(d1, da, pd_wg_desc(sb + 128 * GM_BK + kk * 16, 16, 1024), 1);
+        }
+        pd_wg_commit();
+        pd_wg_wait<1>();
+    }
+    pd_cp_wait<0>();
+    pd_wg_wait<0>();
+    pd_wg_hold(d0);
+    pd_wg_hold(d1);
+    const int g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int32_t i = wg * 64 + (warp & 3) * 16 + g + 8 * h; /* the tile's row */
+        if (i >= nr) continue;
+        bf16 *o = out + (size_t)(r0 + i) * M;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            if (SWIGLU) {
+                const int32_t col = c0 + 8 * j + 2 * q;
+                if (col >= M) continue;
+                float v[2];
+#pragma unroll
+                for (int u = 0; u < 2; u++)
+                    v[u] = pd_silu_mul(__bfloat162float(__float2bfloat16_rn(d0[j][2 * h + u])),
+                                       __bfloat162float(__float2bfloat16_rn(d1[j][2 * h + u])));
+                if (col + 1 < M)
+                    *reinterpret_cast<unsigned *>(o + col) = pd_pack_bf16(v[0], v[1]);
+                else
+                    pd_st(o + col, v[0]);
+            } else {
+#pragma unroll
+                for (int b = 0; b < 2; b++) {
+                    const int32_t col = c0 + 128 * b + 8 * j + 2 * q;
+                    const float *dv = b ? d1[j] : d0[j];
+                    if (col + 1 < M)
+                        *reinterpret_cast<unsigned *>(o + col) =
+                            pd_pack_bf16(dv[2 * h], dv[2 * h + 1]);
+                    else if (col < M)
+                        pd_st(o + col, dv[2 * h]);
+                }
+            }
+        }
+    }
 }
 
 /* out[t][d] = (out[t][d] +) sum over j of w[t][j] * y[pos[t][j]][d], the sum in f32 in j
@@ -42,51 +447,153 @@ static __global__ void combine_kernel(const bf16 *y, const int32_t *pos, const f
     }
 }
 
-/* The context's host scratch for the grouping, grown to bytes (kept until the context goes). */
-static int host_scratch(pd_cuda_ctx *c, size_t bytes, int32_t **out)
-{
-    if (bytes > c->moe_host_bytes) {
-        void *p = realloc(c->moe_host, bytes);
-        if (!p) return PD_ENOMEM;
-        c->moe_host = p;
-        c->moe_host_bytes = bytes;
-    }
-    *out = (int32_t *)c->moe_host;
-    return 0;
-}
-
 extern "C" int pd_cuda__moe_route(void *ctx, const pd_moe_route_args *a)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
-    if (!a || a->n < 0 || a->n_experts < 1 || a->k < 1 || a->k > a->n_experts || !a->offsets ||
+    if (!a || a->n < 0 || a->n_experts < 1 || a->k < 1 || a->k > a->n_experts ||
+        (!a->offsets && !a->dev_offsets) ||
         (a->n > 0 && (!a->logits || !a->ids || !a->weights || !a->rows || !a->pos)))
         return PD_EINVAL;
     const int32_t n = a->n, E = a->n_experts, k = a->k;
-    const size_t smem = (size_t)E * (sizeof(pd_moe_cand) + sizeof(float));
-    if (smem > 48 * 1024) return PD_EINVAL; /* (thousands of experts: not a model we know) */
+    const size_t smem = (size_t)E * (sizeof(pd_moe_cand) + sizeof(float) + 1);
+    if (smem > 48 * 1024 || (int64_t)n * k > INT32_MAX)
+        return PD_EINVAL; /* (thousands of experts: not a model we know) */
     if (n == 0) {
-        for (int32_t e = 0; e <= E; e++) a->offsets[e] = 0;
+        for (int32_t e = 0; a->offsets && e <= E; e++) a->offsets[e] = 0;
+        if (a->dev_offsets)
+            PD_CUDA_CHECK(cudaMemsetAsync(a->dev_offsets, 0, (size_t)(E + 1) * sizeof(int32_t),
+                                          c->stream));
         return 0;
     }
-    const size_t nk = (size_t)n * k;
-    int32_t *h = NULL;
-    int rc = host_scratch(c, (3 * nk + (size_t)E) * sizeof(int32_t), &h);
-    if (rc < 0) return rc;
-    int32_t *h_ids = h, *h_rows = h + nk, *h_pos = h + 2 * nk, *cursor = h + 3 * nk;
     route_kernel<<<(unsigned)n, ROUTE_THREADS, smem, c->stream>>>(
         (const bf16 *)a->logits, E, k, a->renormalize, a->ids, a->weights);
     PD_CUDA_CHECK(cudaGetLastError());
-    /* the groups are the host's to size the experts' products: synchronous copies */
-    PD_CUDA_CHECK(cudaMemcpyAsync(h_ids, a->ids, nk * sizeof(int32_t), cudaMemcpyDeviceToHost,
-                                  c->stream));
-    PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
-    pd_moe_group(h_ids, n, k, E, a->offsets, cursor, h_rows, h_pos);
-    PD_CUDA_CHECK(cudaMemcpyAsync(a->rows, h_rows, nk * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                  c->stream));
-    PD_CUDA_CHECK(cudaMemcpyAsync(a->pos, h_pos, nk * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                  c->stream));
-    /* (pageable sources: the copies have read them when they return) */
+    /* the grouping: one block, as many warps as the choices need (up to 32) and its shared
+     * counts allow */
+    const int32_t nk = n * k;
+    int nw = (nk + 31) / 32;
+    if (nw > 32) nw = 32;
+    const int fit = (int)((size_t)c->smem_optin / (4 * (size_t)E)) - 1;
+    if (nw > fit) nw = fit;
+    if (nw < 1) return PD_EINVAL;
+    const size_t gsmem = (size_t)(1 + nw) * E * sizeof(int32_t);
+    if (gsmem > 48 * 1024)
+        PD_CUDA_CHECK(cudaFuncSetAttribute(group_kernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)gsmem));
+    int32_t *doff = a->dev_offsets;
+    if (!doff) { /* (the host's copy only: the context's scratch on the device) */
+        if (c->moe_off_n < (size_t)E + 1) {
+            if (c->moe_off) PD_CUDA_CHECK(cudaFree(c->moe_off));
+            c->moe_off = NULL;
+            c->moe_off_n = 0;
+            PD_CUDA_CHECK(cudaMalloc(&c->moe_off, ((size_t)E + 1) * sizeof(int32_t)));
+            c->moe_off_n = (size_t)E + 1;
+        }
+        doff = c->moe_off;
+    }
+    group_kernel<<<1, (unsigned)(nw * 32), gsmem, c->stream>>>(a->ids, nk, k, E, doff, a->rows,
+                                                                a->pos);
+    PD_CUDA_CHECK(cudaGetLastError());
+    if (a->offsets) { /* the caller sizes the experts' products by them: synchronous */
+        PD_CUDA_CHECK(cudaMemcpyAsync(a->offsets, doff, (size_t)(E + 1) * sizeof(int32_t),
+                                      cudaMemcpyDeviceToHost, c->stream));
+        PD_CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    }
     return 0;
+}
+
+/* Whether the grouped GEMMs run: wgmma (an sm_90a build on compute capability 9.0) and the
+ * choices averaging PDSERVE_CUDA_MOE_GEMM_ROWS rows an expert or more (0: never). */
+static bool use_gemm(const pd_cuda_ctx *c, int64_t nk, int32_t E)
+{
+#if defined(PD_CUDA_SM90A)
+    static const int64_t rows = pd_env_int("PDSERVE_CUDA_MOE_GEMM_ROWS");
+    return c->cc_major == 9 && c->cc_minor == 0 && rows > 0 && nk >= rows * (int64_t)E;
+#else
+    (void)c;
+    (void)nk;
+    (void)E;
+    return false;
+#endif
+}
+
+#if defined(PD_CUDA_SM90A)
+/* The GEMM's shared memory (past 48 KiB: allowed per device) set once a device, before any
+ * graph capture can hold the launch (the first prefill runs eagerly). */
+template <bool SWIGLU>
+static cudaError_t gemm_smem_allowed(void)
+{
+    static std::atomic<unsigned long long> done{0};
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
+    if (bit && (done.load() & bit)) return cudaSuccess;
+    e = cudaFuncSetAttribute(moe_gemm_kernel<SWIGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             GM_SMEM);
+    if (e == cudaSuccess) done.fetch_or(bit);
+    return e;
+}
+#endif
+
+/* One of the two products over every group: out[choices][M] from x's rows (gathered by rows,
+ * or the groups' own when rows is NULL) and each expert's W. */
+template <bool SWIGLU>
+static int experts_product(pd_cuda_ctx *c, bool gemm, const bf16 *x, const int32_t *rows,
+                           const int32_t *off, int32_t E, int64_t nk, const bf16 *W, int32_t M,
+                           int32_t K, bf16 *out)
+{
+    const int64_t busy = nk < E ? nk : E; /* experts with rows, at most */
+#if defined(PD_CUDA_SM90A)
+    if (gemm) {
+        const int64_t tiles = (nk + GM_BM - 1) / GM_BM + busy;
+        const int32_t per = SWIGLU ? GM_BN / 2 : GM_BN;
+        PD_CUDA_CHECK(gemm_smem_allowed<SWIGLU>());
+        moe_gemm_kernel<SWIGLU><<<dim3((unsigned)tiles, (unsigned)((M + per - 1) / per)), 256,
+                                  GM_SMEM, c->stream>>>(x, rows, off, E, W, M, K, out);
+        PD_CUDA_CHECK(cudaGetLastError());
+        return 0;
+    }
+#else
+    (void)gemm;
+#endif
+    /* rows a block: as many as 48 KiB of shared memory holds, up to GV_R */
+    int32_t R = (int32_t)((48 * 1024) / ((size_t)K * sizeof(bf16)));
+    if (R > GV_R) R = GV_R;
+    if (R < 1) return PD_EINVAL;
+    const int64_t tiles = (nk + R - 1) / R + busy;
+    const int32_t per = GV_WARPS * 2;
+    moe_gemv_kernel<SWIGLU><<<dim3((unsigned)tiles, (unsigned)((M + per - 1) / per)),
+                              GV_WARPS * 32, (size_t)R * K * sizeof(bf16), c->stream>>>(
+        x, rows, off, E, R, W, M, K, out);
+    PD_CUDA_CHECK(cudaGetLastError());
+    return 0;
+}
+
+extern "C" int pd_cuda__moe_experts(void *ctx, const pd_moe_experts_args *a)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    if (!a || a->n < 0 || a->k < 1 || a->n_experts < 1 || a->hidden < 8 || a->inter < 8 ||
+        a->hidden % 8 != 0 || a->inter % 8 != 0 ||
+        (a->n > 0 && (!a->x || !a->rows || !a->offsets || !a->gate_up || !a->down || !a->act ||
+                      !a->y)))
+        return PD_EINVAL;
+    const uintptr_t bits = (uintptr_t)a->x | (uintptr_t)a->gate_up | (uintptr_t)a->down |
+                           (uintptr_t)a->act | (uintptr_t)a->y;
+    if (bits & 15) return PD_EINVAL; /* (16-byte rows: the kernels' loads) */
+    if (a->n == 0) return 0;
+    const int64_t nk = (int64_t)a->n * a->k;
+    if (nk > INT32_MAX || (int64_t)a->n_experts * 2 * a->inter > INT32_MAX) return PD_EINVAL;
+    const bool gemm = use_gemm(c, nk, a->n_experts);
+    int rc = experts_product<true>(c, gemm, (const bf16 *)a->x, a->rows, a->offsets,
+                                   a->n_experts, nk, (const bf16 *)a->gate_up, a->inter,
+                                   a->hidden, (bf16 *)a->act);
+    if (rc == 0)
+        rc = experts_product<false>(c, gemm, (const bf16 *)a->act, NULL, a->offsets,
+                                    a->n_experts, nk, (const bf16 *)a->down, a->hidden,
+                                    a->inter, (bf16 *)a->y);
+    return rc;
 }
 
 extern "C" int pd_cuda__moe_combine(void *ctx, const pd_moe_combine_args *a)

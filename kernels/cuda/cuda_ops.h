@@ -58,9 +58,10 @@ int pd_cuda__decode_layers(void *ctx, const pd_decode_args *a);
 /* cuda_swiglu.cu */
 int pd_cuda__linear_fused(void *ctx, const pd_linear_args *a);
 int pd_cuda__swiglu(void *ctx, const void *gate_up, int32_t n, int32_t f, void *out);
-/* cuda_moe.cu: the mixture-of-experts ops (backend.h's moe_route, moe_combine) */
+/* cuda_moe.cu: the mixture-of-experts ops (backend.h's moe_route, moe_combine, moe_experts) */
 int pd_cuda__moe_route(void *ctx, const pd_moe_route_args *a);
 int pd_cuda__moe_combine(void *ctx, const pd_moe_combine_args *a);
+int pd_cuda__moe_experts(void *ctx, const pd_moe_experts_args *a);
 /* cuda_gather_rows.cu */
 int pd_cuda__gather_rows(void *ctx, const void *x, const int32_t *idx, int32_t n_idx,
                          int32_t dim, void *out);
