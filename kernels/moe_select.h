@@ -184,9 +184,24 @@ PD_MOE_FN void pd_moe_tie_select(pd_moe_cand *c, int32_t n, int32_t k)
     pd_moe_insertion_sort(c, 0, k - 1);
 }
 
+/* The top k of the probabilities c[0, E) (candidates in expert order, as
+ * pd_moe_route_probs leaves them): their ids and weights (divided by the k probabilities' sum
+ * when renorm), c reordered by the selection (moe_tie_select). */
+PD_MOE_FN void pd_moe_route_pick(pd_moe_cand *c, int32_t E, int32_t k, bool renorm,
+                                 int32_t *ids, float *w)
+{
+    pd_moe_tie_select(c, E, k);
+    double top = 0;
+    for (int32_t j = 0; j < k; j++) top += c[j].p;
+    for (int32_t j = 0; j < k; j++) {
+        ids[j] = c[j].e;
+        w[j] = (float)(renorm ? c[j].p / top : c[j].p);
+    }
+}
+
 /* Row lg[0, E)'s routing: the softmax in double over the experts into c (the candidates, E
- * of them), its top k (moe_tie_select), their ids and weights (divided by the k
- * probabilities' sum when renorm). */
+ * of them: exp(lg[e] - max) in expert order, summed in expert order, each divided by the
+ * sum), then its top k (pd_moe_route_pick). */
 PD_MOE_FN void pd_moe_route_row(const float *lg, int32_t E, int32_t k, bool renorm,
                                 pd_moe_cand *c, int32_t *ids, float *w)
 {
@@ -199,13 +214,7 @@ PD_MOE_FN void pd_moe_route_row(const float *lg, int32_t E, int32_t k, bool reno
         sum += c[e].p;
     }
     for (int32_t e = 0; e < E; e++) c[e].p /= sum;
-    pd_moe_tie_select(c, E, k);
-    double top = 0;
-    for (int32_t j = 0; j < k; j++) top += c[j].p;
-    for (int32_t j = 0; j < k; j++) {
-        ids[j] = c[j].e;
-        w[j] = (float)(renorm ? c[j].p / top : c[j].p);
-    }
+    pd_moe_route_pick(c, E, k, renorm, ids, w);
 }
 
 /* The n * k choices ids[n][k] grouped by expert (a counting sort, rows ascending within an

@@ -24,7 +24,8 @@
 /* A block (one warp) a row. The exponentials in parallel, their sum in expert order on one
  * thread (the reference's order, so that the probabilities are its bits), then the top k + 1
  * by k + 1 rounds of a warp arg-max. When those are distinct (no tie can change the choice or
- * its order) they are the answer; else (or a NaN) one thread replays moe_select.h's selection.
+ * its order) they are the answer; else one thread replays moe_select.h's selection over the
+ * same probabilities (and with a NaN logit, or k of 32 or more, its whole routing).
  * Shared: E candidates, E logits, E taken flags. */
 static __global__ void __launch_bounds__(ROUTE_THREADS)
 route_kernel(const bf16 *logits, int32_t E, int32_t k, bool renorm, int32_t *ids, float *w)
@@ -102,6 +103,10 @@ route_kernel(const bf16 *logits, int32_t E, int32_t k, bool renorm, int32_t *ids
             }
             return;
         }
+        /* a tie: the replay, over the candidates as the reference lays them out (c is
+         * untouched by the arg-max rounds) */
+        if (lane == 0) pd_moe_route_pick(c, E, k, renorm, ids + t * k, w + t * k);
+        return;
     }
     __syncwarp();
     if (lane == 0) pd_moe_route_row(lg, E, k, renorm, c, ids + t * k, w + t * k);
@@ -204,7 +209,8 @@ static __device__ int32_t find_tile(const int32_t *off, int32_t E, int32_t unit,
 /* ---- the experts' products, rows streamed (decode) ---- */
 
 #define GV_WARPS 8
-#define GV_R 8 /* token rows a block at most */
+#define GV_R 8 /* token rows a block at most (RT: 1, 2, 4 or 8 by the step's rows) */
+#define GV_COLS(SWIGLU) ((SWIGLU) ? 2 : 4) /* output columns a warp: 4 weight rows */
 
 /* 8 products of bf16 pairs summed into acc. */
 static __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc)
@@ -218,12 +224,13 @@ static __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc)
     return acc;
 }
 
-/* Grid (row tile, column tile): a block takes up to R rows of one expert's group (find_tile),
+/* Grid (row tile, column tile): a block takes up to R <= RT rows of one expert's group (find_tile),
  * their x rows (gathered by rows, or the group's own rows when rows is NULL) in shared memory,
- * and GV_WARPS * 2 output columns: each warp streams its weight rows once (SWIGLU: the gate and
- * up rows of two columns, W [E][2M][K]; else two rows, W [E][M][K]) against every row. out
+ * and GV_WARPS * GV_COLS output columns: each warp streams its 4 weight rows once (SWIGLU: the
+ * gate and up rows of two columns, W [E][2M][K]; else four rows, W [E][M][K]) against every
+ * row. out
  * [choices][M] in the grouped order. K % 8 == 0. */
-template <bool SWIGLU>
+template <bool SWIGLU, int RT>
 static __global__ void __launch_bounds__(GV_WARPS * 32)
 moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
                 const int32_t *__restrict__ off, int32_t E, int32_t R,
@@ -241,31 +248,31 @@ moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
     }
     __syncthreads();
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-    const int32_t i0 = ((int32_t)blockIdx.y * GV_WARPS + warp) * 2;
+    const int32_t i0 = ((int32_t)blockIdx.y * GV_WARPS + warp) * GV_COLS(SWIGLU);
     if (i0 >= M) return;
-    constexpr int NW = SWIGLU ? 4 : 2;
+    constexpr int NW = 4; /* weight rows a warp streams */
     const bf16 *We = W + (size_t)e * (SWIGLU ? 2 : 1) * (size_t)M * K;
     const uint4 *wr[NW];
     bool ok[NW];
 #pragma unroll
     for (int q = 0; q < NW; q++) {
-        const int32_t col = i0 + (q & 1);
+        const int32_t col = i0 + (SWIGLU ? (q & 1) : q);
         ok[q] = col < M;
         wr[q] = reinterpret_cast<const uint4 *>(We + (size_t)((SWIGLU && q >= 2 ? M : 0) +
                                                               (ok[q] ? col : 0)) * K);
     }
-    float acc[NW][GV_R];
+    float acc[NW][RT];
 #pragma unroll
     for (int q = 0; q < NW; q++)
 #pragma unroll
-        for (int r = 0; r < GV_R; r++) acc[q][r] = 0.0f;
+        for (int r = 0; r < RT; r++) acc[q][r] = 0.0f;
 #pragma unroll 2
     for (int32_t c = lane; c < K8; c += 32) {
         uint4 wv[NW];
 #pragma unroll
         for (int q = 0; q < NW; q++) wv[q] = ok[q] ? __ldg(wr[q] + c) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int r = 0; r < GV_R; r++) {
+        for (int r = 0; r < RT; r++) {
             if (r >= nr) break;
             const uint4 xv = xs[r * K8 + c];
 #pragma unroll
@@ -273,14 +280,14 @@ moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
         }
     }
 #pragma unroll
-    for (int r = 0; r < GV_R; r++) {
+    for (int r = 0; r < RT; r++) {
         if (r >= nr) break;
 #pragma unroll
         for (int q = 0; q < NW; q++) acc[q][r] = pd_warp_sum(acc[q][r]);
         if (lane != 0) continue;
         bf16 *o = out + (size_t)(r0 + r) * M;
 #pragma unroll
-        for (int q = 0; q < 2; q++) {
+        for (int q = 0; q < GV_COLS(SWIGLU); q++) {
             if (!ok[q]) continue;
             if (SWIGLU) /* the products rounded as linear_fused's gate/up rows, then swiglu */
                 pd_st(o + i0 + q, pd_silu_mul(__bfloat162float(__float2bfloat16_rn(acc[q][r])),
@@ -541,8 +548,8 @@ static cudaError_t gemm_smem_allowed(void)
  * or the groups' own when rows is NULL) and each expert's W. */
 template <bool SWIGLU>
 static int experts_product(pd_cuda_ctx *c, bool gemm, const bf16 *x, const int32_t *rows,
-                           const int32_t *off, int32_t E, int64_t nk, const bf16 *W, int32_t M,
-                           int32_t K, bf16 *out)
+                           const int32_t *off, int32_t E, int32_t n, int64_t nk, const bf16 *W,
+                           int32_t M, int32_t K, bf16 *out)
 {
     const int64_t busy = nk < E ? nk : E; /* experts with rows, at most */
 #if defined(PD_CUDA_SM90A)
@@ -558,15 +565,33 @@ static int experts_product(pd_cuda_ctx *c, bool gemm, const bf16 *x, const int32
 #else
     (void)gemm;
 #endif
-    /* rows a block: as many as 48 KiB of shared memory holds, up to GV_R */
+    /* rows a block: a group holds at most n (a row chooses an expert once), so the kernel's
+     * accumulators are sized by n (RT), and as many as 48 KiB of shared memory holds */
+    const int RT = n <= 1 ? 1 : n <= 2 ? 2 : n <= 4 ? 4 : GV_R;
     int32_t R = (int32_t)((48 * 1024) / ((size_t)K * sizeof(bf16)));
-    if (R > GV_R) R = GV_R;
+    if (R > RT) R = RT;
     if (R < 1) return PD_EINVAL;
     const int64_t tiles = (nk + R - 1) / R + busy;
-    const int32_t per = GV_WARPS * 2;
-    moe_gemv_kernel<SWIGLU><<<dim3((unsigned)tiles, (unsigned)((M + per - 1) / per)),
-                              GV_WARPS * 32, (size_t)R * K * sizeof(bf16), c->stream>>>(
-        x, rows, off, E, R, W, M, K, out);
+    const int32_t per = GV_WARPS * GV_COLS(SWIGLU);
+    const dim3 grid((unsigned)tiles, (unsigned)((M + per - 1) / per));
+    const size_t smem = (size_t)R * K * sizeof(bf16);
+    switch (RT) {
+    case 1:
+        moe_gemv_kernel<SWIGLU, 1><<<grid, GV_WARPS * 32, smem, c->stream>>>(x, rows, off, E, R,
+                                                                            W, M, K, out);
+        break;
+    case 2:
+        moe_gemv_kernel<SWIGLU, 2><<<grid, GV_WARPS * 32, smem, c->stream>>>(x, rows, off, E, R,
+                                                                            W, M, K, out);
+        break;
+    case 4:
+        moe_gemv_kernel<SWIGLU, 4><<<grid, GV_WARPS * 32, smem, c->stream>>>(x, rows, off, E, R,
+                                                                            W, M, K, out);
+        break;
+    default:
+        moe_gemv_kernel<SWIGLU, GV_R><<<grid, GV_WARPS * 32, smem, c->stream>>>(
+            x, rows, off, E, R, W, M, K, out);
+    }
     PD_CUDA_CHECK(cudaGetLastError());
     return 0;
 }
@@ -587,11 +612,11 @@ extern "C" int pd_cuda__moe_experts(void *ctx, const pd_moe_experts_args *a)
     if (nk > INT32_MAX || (int64_t)a->n_experts * 2 * a->inter > INT32_MAX) return PD_EINVAL;
     const bool gemm = use_gemm(c, nk, a->n_experts);
     int rc = experts_product<true>(c, gemm, (const bf16 *)a->x, a->rows, a->offsets,
-                                   a->n_experts, nk, (const bf16 *)a->gate_up, a->inter,
+                                   a->n_experts, a->n, nk, (const bf16 *)a->gate_up, a->inter,
                                    a->hidden, (bf16 *)a->act);
     if (rc == 0)
         rc = experts_product<false>(c, gemm, (const bf16 *)a->act, NULL, a->offsets,
-                                    a->n_experts, nk, (const bf16 *)a->down, a->hidden,
+                                    a->n_experts, a->n, nk, (const bf16 *)a->down, a->hidden,
                                     a->inter, (bf16 *)a->y);
     return rc;
 }
