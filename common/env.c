@@ -95,6 +95,10 @@ static const pd_env_knob k_knobs[] = {
     {"PDSERVE_CUDA_GEMV_MAX_N", PD_ENV_INT, "32", I64_MIN, I64_MAX, NULL, "kernels/cuda",
      "The bf16 products' crossover in n from the streaming kernel to cuBLAS (clamped to "
      "0 .. 32; 0: always cuBLAS)."},
+    {"PDSERVE_CUDA_MOE_GEMM_BM", PD_ENV_INT, "0", 0, 128, NULL, "kernels/cuda",
+     "The mixture-of-experts grouped GEMMs' tile height for A/B runs: 64 or 128 token rows "
+     "always; 0 (or another value): 128 when a layer's choices average 256 rows an expert or "
+     "more, else 64."},
     {"PDSERVE_CUDA_MOE_GEMM_ROWS", PD_ENV_INT, "16", 0, I64_MAX, NULL, "kernels/cuda",
      "The mixture-of-experts experts' products run as grouped wgmma GEMMs (compute capability "
      "9.0, an sm_90a build) when a layer's choices average at least this many token rows an "

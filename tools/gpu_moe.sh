@@ -6,9 +6,11 @@
 # (pdserve-bench-kernels --floor): batch-1 decode against its active weights + KV at the copy
 # rate, batch-64 decode tokens/s beside the dense Llama-3-8B's, and 2k-token prefill against
 # the GEMM rate over active FLOPs. Logs in $OUT/moe/ and $OUT/moe.tgz; a summary at the end.
-# Part "ab": the prefill and batch-64 decode with the experts on the row-streaming kernel
-# only (PDSERVE_CUDA_MOE_GEMM_ROWS=0) beside the grouped GEMMs. Part "profile": ncu's GPU
-# time a kernel for batch-1 decode steps (eager) and one 2048-token prefill.
+# Part "ab": batch-64 decode with the experts on the row-streaming kernel only
+# (PDSERVE_CUDA_MOE_GEMM_ROWS=0), and the prefill on the GEMMs' 128-row tiles
+# (PDSERVE_CUDA_MOE_GEMM_BM=128), beside the defaults. Part "profile": ncu's GPU
+# time a kernel for one 2048-token prefill and two batch-1 decode steps (eager), each run cut
+# at MOE_PROFILE_S seconds (240).
 # MOE_SKIP="tests 30b 8b ab profile" leaves parts out; MOE_MODEL replaces the shape (e.g.
 # tools/shapes/mixtral-8x7b).
 set -uo pipefail
@@ -54,24 +56,28 @@ fi
 if ! skip ab; then
     bench moe_decode64_rows "$M" PDSERVE_CUDA_MOE_GEMM_ROWS=0 --num-requests 64 \
         --input-len 1024 --output-len 256 --max-num-seqs 64
-    bench moe_prefill_rows "$M" PDSERVE_CUDA_MOE_GEMM_ROWS=0 --num-requests 8 --input-len 2048 \
-        --output-len 1 --max-num-batched-tokens 2048
+    bench moe_prefill_bm128 "$M" PDSERVE_CUDA_MOE_GEMM_BM=128 --num-requests 8 \
+        --input-len 2048 --output-len 1 --max-num-batched-tokens 2048
 fi
 if ! skip profile; then
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     if [ -n "$NCU" ]; then
-        "$NCU" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
-            "$G/bin/pdserve-bench-offline" --model "$M" --load-format dummy --backend cuda \
-            --kv-cache-mb 4096 --num-requests 1 --input-len 128 --output-len 9 \
-            --max-num-seqs 1 --enforce-eager >"$F/profile_decode.log" 2>&1
-        echo "== profile: batch-1 decode, 8 steps eager + the prompt (kernel, calls, total us)"
-        env -u LD_LIBRARY_PATH python3 tools/ncu_summary.py "$F/profile_decode.log" 24
-        "$NCU" --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
-            "$G/bin/pdserve-generate" --model "$M" --load-format dummy --backend cuda \
-            --kv-cache-mb 4096 --random-prompt-len 2048 --max-tokens 1 --ignore-eos \
-            --temperature 0 >"$F/profile_prefill.log" 2>&1
+        # (the dummy weights' fill kernels, thousands of them, are not profiled)
+        NK=(--clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel
+            --kernel-name-base function --kernel-name "regex:^(?!fill_kernel)")
+        timeout "${MOE_PROFILE_S:-240}" "$NCU" "${NK[@]}" "$G/bin/pdserve-generate" \
+            --model "$M" --load-format dummy --backend cuda --kv-cache-mb 4096 \
+            --random-prompt-len 2048 --max-tokens 1 --ignore-eos --temperature 0 \
+            >"$F/profile_prefill.log" 2>&1
         echo "== profile: one 2048-token prefill (kernel, calls, total us)"
         env -u LD_LIBRARY_PATH python3 tools/ncu_summary.py "$F/profile_prefill.log" 24
+        timeout "${MOE_PROFILE_S:-240}" "$NCU" "${NK[@]}" "$G/bin/pdserve-generate" \
+            --model "$M" --load-format dummy --backend cuda --kv-cache-mb 4096 \
+            --random-prompt-len 128 --max-tokens 3 --ignore-eos --temperature 0 --enforce-eager \
+            >"$F/profile_decode.log" 2>&1
+        echo "== profile: batch 1, a 128-token prompt and 2 decode steps eager" \
+             "(kernel, calls, total us)"
+        env -u LD_LIBRARY_PATH python3 tools/ncu_summary.py "$F/profile_decode.log" 24
     else
         echo "== profile: no ncu on this machine"
     fi
@@ -81,7 +87,7 @@ if ! skip 8b; then
         --output-len 256 --max-num-seqs 64
 fi
 echo "== summary ($M; copy $BW GB/s, GEMM $TF TFLOP/s in this run)"
-for f in moe_decode1 moe_decode64 moe_decode64_rows moe_prefill moe_prefill_rows dense_decode64; do
+for f in moe_decode1 moe_decode64 moe_decode64_rows moe_prefill moe_prefill_bm128 dense_decode64; do
     [ -f "$F/$f.log" ] || continue
     env -u LD_LIBRARY_PATH python3 -c '
 import json, sys

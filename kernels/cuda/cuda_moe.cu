@@ -3,7 +3,7 @@
  *   - the routing of each token row on the device: the softmax in double and the top k, equal
  *     to kernels/moe_select.h's choice (the CPU backend's definition): the plain top k when
  *     the k + 1 largest probabilities are distinct, else that file's replay of torch's
- *     selection;
+ *     selection, its partitions made by the whole warp;
  *   - the choices' grouping by expert, on the device (a counting sort, rows ascending within
  *     an expert), with the groups' bounds copied to the host only when the caller asks;
  *   - the experts' MLPs over the groups in two launches, all experts at once, the groups
@@ -21,19 +21,105 @@
 
 #define ROUTE_THREADS 32
 
+/* ---- moe_select.h's replay, with its partitions made by the whole warp ----
+ * __unguarded_partition(c, a, b, pivot c[pv]) stops its left scan at the elements not before
+ * the pivot and its right scan at those the pivot is not before. Before the pointers cross,
+ * each scan only meets elements as they were (a swap puts the element it moves behind the
+ * other scan), so iteration i swaps L[i], the i-th left stopper of the original range from
+ * the left, with R[i], the i-th right stopper from the right, for every i < m, m the first i
+ * with L[i] >= R[i]; it returns L[0] when m is 0, else min(L[m], R[m - 1]) (the left scan
+ * then meets the element the last swap put at R[m - 1]). So the stoppers are ranked with
+ * ballots, the m disjoint swaps made at once, and the result is pd_moe_partition's, swap for
+ * swap. Lp, Rp: shared scratch of b - a positions each. Every lane calls it. */
+static __device__ int32_t warp_partition(pd_moe_cand *c, int32_t a, int32_t b, int32_t pv,
+                                         int32_t *Lp, int32_t *Rp)
+{
+    const int lane = (int)threadIdx.x % 32;
+    const unsigned below = (1u << lane) - 1u;
+    const pd_moe_cand P = c[pv];
+    int32_t nL = 0, nR = 0;
+    for (int32_t o = 0; o < b - a; o += 32) {
+        const int32_t i = o + lane;
+        const bool in = i < b - a;
+        const bool sl = in && !pd_moe_before(&c[a + i], &P);     /* left stopper at a + i */
+        const bool sr = in && !pd_moe_before(&P, &c[b - 1 - i]); /* right stopper at b-1-i */
+        const unsigned ml = __ballot_sync(0xffffffffu, sl), mr = __ballot_sync(0xffffffffu, sr);
+        if (sl) Lp[nL + __popc(ml & below)] = a + i;
+        if (sr) Rp[nR + __popc(mr & below)] = b - 1 - i;
+        nL += __popc(ml);
+        nR += __popc(mr);
+    }
+    __syncwarp();
+    const int32_t np = min(nL, nR);
+    int32_t m = np;
+    for (int32_t o = 0; o < np; o += 32) {
+        const int32_t i = o + lane;
+        const unsigned stop = __ballot_sync(0xffffffffu, i < np && Lp[i] >= Rp[i]);
+        if (stop) {
+            m = o + __ffs(stop) - 1;
+            break;
+        }
+    }
+    int32_t cut;
+    if (m == 0) cut = Lp[0];
+    else cut = m < nL ? min(Lp[m], Rp[m - 1]) : Rp[m - 1];
+    __syncwarp();
+    for (int32_t i = lane; i < m; i += 32) pd_moe_swap(c, Lp[i], Rp[i]);
+    __syncwarp();
+    return cut;
+}
+
+/* pd_moe_route_pick on the nth_element path (k * 64 > E), the partitions by the warp
+ * (warp_partition), the rest of the replay on lane 0. Every lane calls it. */
+static __device__ void warp_route_pick(pd_moe_cand *c, int32_t E, int32_t k, bool renorm,
+                                       int32_t *ids, float *w, int32_t *Lp, int32_t *Rp)
+{
+    const int lane = (int)threadIdx.x % 32;
+    const int32_t nth = k - 1;
+    int32_t f = 0, l = E, depth = 2 * pd_moe_floor_log2(E);
+    bool done = false;
+    while (l - f > 3) {
+        if (depth == 0) {
+            if (lane == 0) {
+                pd_moe_heap_select(c + f, nth + 1 - f, l - f);
+                pd_moe_swap(c, f, nth);
+            }
+            done = true;
+            break;
+        }
+        depth--;
+        if (lane == 0) pd_moe_median_to_first(c, f, f + 1, f + (l - f) / 2, l - 1);
+        __syncwarp();
+        const int32_t cut = warp_partition(c, f + 1, l, f, Lp, Rp);
+        if (cut <= nth) f = cut;
+        else l = cut;
+    }
+    if (lane == 0) {
+        if (!done) pd_moe_insertion_sort(c, f, l);
+        pd_moe_insertion_sort(c, 0, k - 1);
+        double top = 0;
+        for (int32_t j = 0; j < k; j++) top += c[j].p;
+        for (int32_t j = 0; j < k; j++) {
+            ids[j] = c[j].e;
+            w[j] = (float)(renorm ? c[j].p / top : c[j].p);
+        }
+    }
+}
+
 /* A block (one warp) a row. The exponentials in parallel, their sum in expert order on one
  * thread (the reference's order, so that the probabilities are its bits), then the top k + 1
  * by k + 1 rounds of a warp arg-max. When those are distinct (no tie can change the choice or
  * its order) they are the answer; else one thread replays moe_select.h's selection over the
  * same probabilities (and with a NaN logit, or k of 32 or more, its whole routing).
- * Shared: E candidates, E logits, E taken flags. */
+ * Shared: E candidates, E logits, 2 E partition positions, E taken flags. */
 static __global__ void __launch_bounds__(ROUTE_THREADS)
 route_kernel(const bf16 *logits, int32_t E, int32_t k, bool renorm, int32_t *ids, float *w)
 {
     extern __shared__ double smem_d[]; /* (double alignment for the candidates) */
     pd_moe_cand *c = reinterpret_cast<pd_moe_cand *>(smem_d);
     float *lg = reinterpret_cast<float *>(c + E);
-    unsigned char *taken = reinterpret_cast<unsigned char *>(lg + E);
+    int32_t *Lp = reinterpret_cast<int32_t *>(lg + E), *Rp = Lp + E;
+    unsigned char *taken = reinterpret_cast<unsigned char *>(Rp + E);
     __shared__ double s_sum;
     __shared__ double s_p[ROUTE_THREADS + 1];
     __shared__ int32_t s_e[ROUTE_THREADS + 1];
@@ -104,8 +190,11 @@ route_kernel(const bf16 *logits, int32_t E, int32_t k, bool renorm, int32_t *ids
             return;
         }
         /* a tie: the replay, over the candidates as the reference lays them out (c is
-         * untouched by the arg-max rounds) */
-        if (lane == 0) pd_moe_route_pick(c, E, k, renorm, ids + t * k, w + t * k);
+         * untouched by the arg-max rounds); its partitions by the warp */
+        if ((int64_t)k * 64 > E)
+            warp_route_pick(c, E, k, renorm, ids + t * k, w + t * k, Lp, Rp);
+        else if (lane == 0)
+            pd_moe_route_pick(c, E, k, renorm, ids + t * k, w + t * k);
         return;
     }
     __syncwarp();
@@ -300,12 +389,12 @@ moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
 
 /* ---- the experts' products as grouped GEMMs on wgmma (prefill) ---- */
 
-#define GM_BM 128   /* token rows a tile: two warpgroups of 64 */
-#define GM_BN 256   /* weight rows a tile (SWIGLU: 128 gate rows and the same columns' up rows) */
+#define GM_BN 256   /* weight rows a tile (SWIGLU: the gate rows of 128 columns and their up
+                     * rows: 128 outputs) */
 #define GM_BK 64    /* one 128-byte swizzled row of bf16 */
 #define GM_STAGES 4
-#define GM_STAGE_ELEMS ((GM_BM + GM_BN) * GM_BK)
-#define GM_SMEM (GM_STAGES * GM_STAGE_ELEMS * 2 + 1024)
+#define GM_STAGE_ELEMS(BM) (((BM) + GM_BN) * GM_BK)
+#define GM_SMEM(BM) (GM_STAGES * GM_STAGE_ELEMS(BM) * 2 + 1024)
 
 /* Element offset of 16-byte chunk c of row r in a tile of 64-element rows, 128-byte swizzled
  * (cuda_wgmma.cuh's layout; the tile starts on a 1024-byte boundary). */
@@ -314,33 +403,52 @@ static __device__ __forceinline__ int gm_swz(int r, int c)
     return r * GM_BK + ((c ^ (r & 7)) << 3);
 }
 
-/* Grid (row tile, column tile): a block takes up to GM_BM rows of one expert's group (x rows
- * gathered by rows, or the group's own when rows is NULL) and GM_BN weight rows (SWIGLU: the
- * gate rows of 128 columns and their up rows: 128 outputs; else 256 outputs), K in steps of
- * 64 through a ring of GM_STAGES tiles loaded by cp.async (two in flight ahead of the one the
- * products read), each warpgroup 64 rows x 256 as two 64 x 128 wgmma products with A and B in
- * shared memory. */
-template <bool SWIGLU>
+/* Weight row r (0 .. GM_BN) of a tile whose first output column is c0: which row of the
+ * expert's W it reads (*col its output column, >= M past the end). SWIGLU pairs each column's
+ * gate and up rows in one warpgroup's 128 rows: BM 128, gate rows 0 .. 127 and up rows 128 ..
+ * 255 (the two accumulators of each warpgroup); BM 64, warpgroup w's rows 128 w .. + 63 the
+ * gates of columns 64 w .. + 63 and the next 64 their ups (one accumulator). */
+template <bool SWIGLU, int BM>
+static __device__ __forceinline__ int32_t gm_wrow(int r, int32_t c0, int32_t M, int32_t *col)
+{
+    if (!SWIGLU) {
+        *col = c0 + r;
+        return *col;
+    }
+    const bool up = BM == 128 ? r >= 128 : (r & 127) >= 64;
+    *col = c0 + (BM == 128 ? (r & 127) : 64 * (r >> 7) + (r & 63));
+    return (up ? M : 0) + *col;
+}
+
+/* Grid (row tile, column tile): a block takes up to BM rows of one expert's group (x rows
+ * gathered by rows, or the group's own when rows is NULL; BM 64 or 128) and GM_BN weight rows
+ * (gm_wrow; 128 outputs with SWIGLU, else 256), K in steps of 64 through a ring of GM_STAGES
+ * tiles loaded by cp.async (two in flight ahead of the one the products read). Each
+ * warpgroup computes 64 x 256 (BM 128: its own 64 rows, two 64 x 128 products) or 64 x 128
+ * (BM 64: the same 64 rows, its half of the weight rows) on wgmma, A and B in shared memory. */
+template <bool SWIGLU, int BM>
 static __global__ void __launch_bounds__(256, 1)
 moe_gemm_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
                 const int32_t *__restrict__ off, int32_t E, const bf16 *__restrict__ W, int32_t M,
                 int32_t K, bf16 *__restrict__ out)
 {
+    constexpr int NB = BM == 128 ? 2 : 1; /* accumulators (64 x 128 each) a warpgroup */
+    constexpr int SE = GM_STAGE_ELEMS(BM);
     extern __shared__ uint8_t gm_raw[];
     bf16 *sm = reinterpret_cast<bf16 *>(((uintptr_t)gm_raw + 1023) & ~(uintptr_t)1023);
     int32_t sub;
-    const int32_t e = find_tile(off, E, GM_BM, (int32_t)blockIdx.x, &sub);
+    const int32_t e = find_tile(off, E, BM, (int32_t)blockIdx.x, &sub);
     if (e < 0) return;
-    const int32_t r0 = off[e] + sub * GM_BM, nr = min(GM_BM, off[e + 1] - r0);
+    const int32_t r0 = off[e] + sub * BM, nr = min(BM, off[e + 1] - r0);
     const int tid = (int)threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
     const int32_t c0 = (int32_t)blockIdx.y * (SWIGLU ? GM_BN / 2 : GM_BN);
     const bf16 *We = W + (size_t)e * (SWIGLU ? 2 : 1) * (size_t)M * K;
-    /* this thread's copies: chunk tid % 8 of A rows tid / 8 + 32 j (4) and B rows (8) */
+    /* this thread's copies: chunk tid % 8 of A rows tid / 8 + 32 j and B rows likewise */
     const int ch = tid % 8, rb = tid / 8;
-    const bf16 *src_a[GM_BM / 32];
-    bool ok_a[GM_BM / 32];
+    const bf16 *src_a[BM / 32];
+    bool ok_a[BM / 32];
 #pragma unroll
-    for (int j = 0; j < GM_BM / 32; j++) {
+    for (int j = 0; j < BM / 32; j++) {
         const int32_t r = rb + 32 * j;
         ok_a[j] = r < nr;
         const int64_t src = !ok_a[j] ? 0 : rows ? rows[r0 + r] : r0 + r;
@@ -350,18 +458,18 @@ moe_gemm_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
     bool ok_b[GM_BN / 32];
 #pragma unroll
     for (int j = 0; j < GM_BN / 32; j++) {
-        const int32_t r = rb + 32 * j;
-        const int32_t col = c0 + (SWIGLU ? (r & (GM_BN / 2 - 1)) : r);
+        int32_t col;
+        const int32_t wr = gm_wrow<SWIGLU, BM>(rb + 32 * j, c0, M, &col);
         ok_b[j] = col < M;
-        src_b[j] = We + (size_t)(ok_b[j] ? (SWIGLU && r >= GM_BN / 2 ? M : 0) + col : 0) * K;
+        src_b[j] = We + (size_t)(ok_b[j] ? wr : 0) * K;
     }
     const int32_t KT = (K + GM_BK - 1) / GM_BK;
     auto load = [&](int32_t kt) {
-        bf16 *sa = sm + (kt % GM_STAGES) * GM_STAGE_ELEMS, *sb = sa + GM_BM * GM_BK;
+        bf16 *sa = sm + (kt % GM_STAGES) * SE, *sb = sa + BM * GM_BK;
         const int32_t kc = kt * GM_BK + ch * 8;
         const bool kin = kc < K;
 #pragma unroll
-        for (int j = 0; j < GM_BM / 32; j++)
+        for (int j = 0; j < BM / 32; j++)
             pd_cp16(sa + gm_swz(rb + 32 * j, ch), src_a[j] + (kin ? kc : 0), ok_a[j] && kin);
 #pragma unroll
         for (int j = 0; j < GM_BN / 32; j++)
@@ -372,11 +480,16 @@ moe_gemm_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
         if (s < KT) load(s);
         pd_cp_commit();
     }
-    float d0[16][4], d1[16][4];
+    float d[NB][16][4];
 #pragma unroll
-    for (int j = 0; j < 16; j++)
+    for (int b = 0; b < NB; b++)
 #pragma unroll
-        for (int v = 0; v < 4; v++) d0[j][v] = d1[j][v] = 0.0f;
+        for (int j = 0; j < 16; j++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) d[b][j][v] = 0.0f;
+    /* this warpgroup's A rows and B rows in a stage */
+    const int a_off = (BM == 128 ? wg * 64 : 0) * GM_BK;
+    const int b_off = BM * GM_BK + (BM == 128 ? 0 : wg * 128 * GM_BK);
     for (int32_t kt = 0; kt < KT; kt++) {
         pd_cp_wait<GM_STAGES - 3>();
         pd_fence_proxy_async();
@@ -385,54 +498,60 @@ moe_gemm_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
         pd_cp_commit();
         /* (a warpgroup past the group's rows computes zeros: a branch around wgmma would
          * serialise it) */
-        const bf16 *sa = sm + (kt % GM_STAGES) * GM_STAGE_ELEMS + wg * 64 * GM_BK;
-        const bf16 *sb = sm + (kt % GM_STAGES) * GM_STAGE_ELEMS + GM_BM * GM_BK;
+        const bf16 *st = sm + (kt % GM_STAGES) * SE;
         pd_wg_fence();
 #pragma unroll
         for (int kk = 0; kk < GM_BK / 16; kk++) {
-            const uint64_t da = pd_wg_desc(sa + kk * 16, 16, 1024);
-            pd_wgmma_n128_ss(d0, da, pd_wg_desc(sb + kk * 16, 16, 1024), 1);
-            pd_wgmma_n128_ss(d1, da, pd_wg_desc(sb + 128 * GM_BK + kk * 16, 16, 1024), 1);
+            const uint64_t da = pd_wg_desc(st + a_off + kk * 16, 16, 1024);
+#pragma unroll
+            for (int b = 0; b < NB; b++)
+                pd_wgmma_n128_ss(d[b], da,
+                                 pd_wg_desc(st + b_off + b * 128 * GM_BK + kk * 16, 16, 1024), 1);
         }
         pd_wg_commit();
         pd_wg_wait<1>();
     }
     pd_cp_wait<0>();
     pd_wg_wait<0>();
-    pd_wg_hold(d0);
-    pd_wg_hold(d1);
+#pragma unroll
+    for (int b = 0; b < NB; b++) pd_wg_hold(d[b]);
     const int g = lane / 4, q = lane % 4;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const int32_t i = wg * 64 + (warp & 3) * 16 + g + 8 * h; /* the tile's row */
+        const int32_t i = (BM == 128 ? wg * 64 : 0) + (warp & 3) * 16 + g + 8 * h; /* tile row */
         if (i >= nr) continue;
         bf16 *o = out + (size_t)(r0 + i) * M;
+        if (SWIGLU) {
+            /* gate from d[0][j] and up from d[1][j] (BM 128), or d[0][j] and d[0][j + 8] */
+            constexpr int NJ = BM == 128 ? 16 : 8;
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
-            if (SWIGLU) {
-                const int32_t col = c0 + 8 * j + 2 * q;
+            for (int j = 0; j < NJ; j++) {
+                const int32_t col = c0 + (BM == 128 ? 0 : 64 * wg) + 8 * j + 2 * q;
                 if (col >= M) continue;
+                const float *gv = d[0][j], *uv = BM == 128 ? d[NB - 1][j] : d[0][j + NJ];
                 float v[2];
 #pragma unroll
                 for (int u = 0; u < 2; u++)
-                    v[u] = pd_silu_mul(__bfloat162float(__float2bfloat16_rn(d0[j][2 * h + u])),
-                                       __bfloat162float(__float2bfloat16_rn(d1[j][2 * h + u])));
+                    v[u] = pd_silu_mul(__bfloat162float(__float2bfloat16_rn(gv[2 * h + u])),
+                                       __bfloat162float(__float2bfloat16_rn(uv[2 * h + u])));
                 if (col + 1 < M)
                     *reinterpret_cast<unsigned *>(o + col) = pd_pack_bf16(v[0], v[1]);
                 else
                     pd_st(o + col, v[0]);
-            } else {
+            }
+        } else {
 #pragma unroll
-                for (int b = 0; b < 2; b++) {
-                    const int32_t col = c0 + 128 * b + 8 * j + 2 * q;
-                    const float *dv = b ? d1[j] : d0[j];
+            for (int b = 0; b < NB; b++)
+#pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    const int32_t col = c0 + 128 * (BM == 128 ? b : wg) + 8 * j + 2 * q;
+                    const float *dv = d[b][j];
                     if (col + 1 < M)
                         *reinterpret_cast<unsigned *>(o + col) =
                             pd_pack_bf16(dv[2 * h], dv[2 * h + 1]);
                     else if (col < M)
                         pd_st(o + col, dv[2 * h]);
                 }
-            }
         }
     }
 }
@@ -462,7 +581,7 @@ extern "C" int pd_cuda__moe_route(void *ctx, const pd_moe_route_args *a)
         (a->n > 0 && (!a->logits || !a->ids || !a->weights || !a->rows || !a->pos)))
         return PD_EINVAL;
     const int32_t n = a->n, E = a->n_experts, k = a->k;
-    const size_t smem = (size_t)E * (sizeof(pd_moe_cand) + sizeof(float) + 1);
+    const size_t smem = (size_t)E * (sizeof(pd_moe_cand) + sizeof(float) + 2 * sizeof(int32_t) + 1);
     if (smem > 48 * 1024 || (int64_t)n * k > INT32_MAX)
         return PD_EINVAL; /* (thousands of experts: not a model we know) */
     if (n == 0) {
@@ -528,7 +647,7 @@ static bool use_gemm(const pd_cuda_ctx *c, int64_t nk, int32_t E)
 #if defined(PD_CUDA_SM90A)
 /* The GEMM's shared memory (past 48 KiB: allowed per device) set once a device, before any
  * graph capture can hold the launch (the first prefill runs eagerly). */
-template <bool SWIGLU>
+template <bool SWIGLU, int BM>
 static cudaError_t gemm_smem_allowed(void)
 {
     static std::atomic<unsigned long long> done{0};
@@ -537,10 +656,25 @@ static cudaError_t gemm_smem_allowed(void)
     if (e != cudaSuccess) return e;
     const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
     if (bit && (done.load() & bit)) return cudaSuccess;
-    e = cudaFuncSetAttribute(moe_gemm_kernel<SWIGLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             GM_SMEM);
+    e = cudaFuncSetAttribute(moe_gemm_kernel<SWIGLU, BM>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, GM_SMEM(BM));
     if (e == cudaSuccess) done.fetch_or(bit);
     return e;
+}
+
+/* A grouped GEMM of BM-row tiles over every group. */
+template <bool SWIGLU, int BM>
+static int launch_gemm(pd_cuda_ctx *c, const bf16 *x, const int32_t *rows, const int32_t *off,
+                       int32_t E, int64_t nk, int64_t busy, const bf16 *W, int32_t M, int32_t K,
+                       bf16 *out)
+{
+    const int64_t tiles = (nk + BM - 1) / BM + busy;
+    const int32_t per = SWIGLU ? GM_BN / 2 : GM_BN;
+    PD_CUDA_CHECK((gemm_smem_allowed<SWIGLU, BM>()));
+    moe_gemm_kernel<SWIGLU, BM><<<dim3((unsigned)tiles, (unsigned)((M + per - 1) / per)), 256,
+                                  GM_SMEM(BM), c->stream>>>(x, rows, off, E, W, M, K, out);
+    PD_CUDA_CHECK(cudaGetLastError());
+    return 0;
 }
 #endif
 
@@ -554,13 +688,12 @@ static int experts_product(pd_cuda_ctx *c, bool gemm, const bf16 *x, const int32
     const int64_t busy = nk < E ? nk : E; /* experts with rows, at most */
 #if defined(PD_CUDA_SM90A)
     if (gemm) {
-        const int64_t tiles = (nk + GM_BM - 1) / GM_BM + busy;
-        const int32_t per = SWIGLU ? GM_BN / 2 : GM_BN;
-        PD_CUDA_CHECK(gemm_smem_allowed<SWIGLU>());
-        moe_gemm_kernel<SWIGLU><<<dim3((unsigned)tiles, (unsigned)((M + per - 1) / per)), 256,
-                                  GM_SMEM, c->stream>>>(x, rows, off, E, W, M, K, out);
-        PD_CUDA_CHECK(cudaGetLastError());
-        return 0;
+        /* tiles of 64 rows unless the groups average 256 rows or more (fewer rows padded;
+         * PDSERVE_CUDA_MOE_GEMM_BM picks one for A/B runs) */
+        static const int64_t bm_env = pd_env_int("PDSERVE_CUDA_MOE_GEMM_BM");
+        const bool tall = bm_env == 128 || (bm_env != 64 && nk >= 256 * (int64_t)E);
+        return tall ? launch_gemm<SWIGLU, 128>(c, x, rows, off, E, nk, busy, W, M, K, out)
+                    : launch_gemm<SWIGLU, 64>(c, x, rows, off, E, nk, busy, W, M, K, out);
     }
 #else
     (void)gemm;
