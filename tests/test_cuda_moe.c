@@ -266,6 +266,7 @@ int main(void)
             run_case(64, 256, 4, false, 64, ties);  /* k * 64 <= E: the heap select */
         }
         run_case(2100, 16, 4, true, 32, false);   /* more choices than the grouping's block */
+        run_case(9, 16, 4, false, 30, true);      /* rows of dim % 8 != 0: combine's scalar path */
         /* no rows: the groups empty, nothing queued */
         route_bufs r = {0};
         CHECK_EQ_INT(route_on(g_gpu, NULL, 0, 8, 2, true, &r), 0);

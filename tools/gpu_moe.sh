@@ -7,8 +7,8 @@
 # rate, batch-64 decode tokens/s beside the dense Llama-3-8B's, and 2k-token prefill against
 # the GEMM rate over active FLOPs. Logs in $OUT/moe/ and $OUT/moe.tgz; a summary at the end.
 # Part "ab": batch-64 decode with the experts on the row-streaming kernel only
-# (PDSERVE_CUDA_MOE_GEMM_ROWS=0), and the prefill on the GEMMs' 128-row tiles
-# (PDSERVE_CUDA_MOE_GEMM_BM=128), beside the defaults. Part "profile": ncu's GPU
+# (PDSERVE_CUDA_MOE_GEMM_ROWS=0) and on the GEMMs (=1), and the prefill on the GEMMs' 128-row
+# tiles (PDSERVE_CUDA_MOE_GEMM_BM=128), beside the defaults. Part "profile": ncu's GPU
 # time a kernel for one 2048-token prefill and two batch-1 decode steps (eager), each run cut
 # at MOE_PROFILE_S seconds (240).
 # MOE_SKIP="tests 30b 8b ab profile" leaves parts out; MOE_MODEL replaces the shape (e.g.
@@ -56,6 +56,8 @@ fi
 if ! skip ab; then
     bench moe_decode64_rows "$M" PDSERVE_CUDA_MOE_GEMM_ROWS=0 --num-requests 64 \
         --input-len 1024 --output-len 256 --max-num-seqs 64
+    bench moe_decode64_gemm "$M" PDSERVE_CUDA_MOE_GEMM_ROWS=1 --num-requests 64 \
+        --input-len 1024 --output-len 256 --max-num-seqs 64
     bench moe_prefill_bm128 "$M" PDSERVE_CUDA_MOE_GEMM_BM=128 --num-requests 8 \
         --input-len 2048 --output-len 1 --max-num-batched-tokens 2048
 fi
@@ -65,10 +67,10 @@ if ! skip profile; then
         # (the dummy weights' fill kernels, thousands of them, are not profiled)
         NK=(--clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel
             --kernel-name-base function --kernel-name "regex:^(?!fill_kernel)")
-        timeout "${MOE_PROFILE_S:-240}" "$NCU" "${NK[@]}" "$G/bin/pdserve-generate" \
+        timeout "${MOE_PROFILE_S:-240}" "$NCU" "${NK[@]}" "$G/bin/pdserve-bench-offline" \
             --model "$M" --load-format dummy --backend cuda --kv-cache-mb 4096 \
-            --random-prompt-len 2048 --max-tokens 1 --ignore-eos --temperature 0 \
-            >"$F/profile_prefill.log" 2>&1
+            --num-requests 1 --input-len 2048 --output-len 1 --max-num-batched-tokens 2048 \
+            --enforce-eager >"$F/profile_prefill.log" 2>&1
         echo "== profile: one 2048-token prefill (kernel, calls, total us)"
         env -u LD_LIBRARY_PATH python3 tools/ncu_summary.py "$F/profile_prefill.log" 24
         timeout "${MOE_PROFILE_S:-240}" "$NCU" "${NK[@]}" "$G/bin/pdserve-generate" \
@@ -87,7 +89,7 @@ if ! skip 8b; then
         --output-len 256 --max-num-seqs 64
 fi
 echo "== summary ($M; copy $BW GB/s, GEMM $TF TFLOP/s in this run)"
-for f in moe_decode1 moe_decode64 moe_decode64_rows moe_prefill moe_prefill_bm128 dense_decode64; do
+for f in moe_decode1 moe_decode64 moe_decode64_rows moe_decode64_gemm moe_prefill moe_prefill_bm128 dense_decode64; do
     [ -f "$F/$f.log" ] || continue
     env -u LD_LIBRARY_PATH python3 -c '
 import json, sys

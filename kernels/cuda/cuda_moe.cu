@@ -112,8 +112,43 @@ static __device__ void warp_route_pick(pd_moe_cand *c, int32_t E, int32_t k, boo
  * its order) they are the answer; else one thread replays moe_select.h's selection over the
  * same probabilities (and with a NaN logit, or k of 32 or more, its whole routing).
  * Shared: E candidates, E logits, 2 E partition positions, E taken flags. */
+/* One row's k choices grouped by expert (pd_moe_group's result for n = 1: each expert chosen
+ * at most once), by the warp: offsets[e] = the choices of experts below e, each choice at its
+ * expert's rank among the k. */
+static __device__ void group_one_row(const int32_t *ids, int32_t k, int32_t E, int32_t *off,
+                                     int32_t *rows, int32_t *pos)
+{
+    const int lane = (int)threadIdx.x % 32;
+    for (int32_t e = lane; e <= E; e += 32) {
+        int32_t below = 0;
+        for (int32_t j = 0; j < k; j++) below += ids[j] < e;
+        off[e] = below;
+    }
+    for (int32_t j = lane; j < k; j++) {
+        int32_t below = 0;
+        for (int32_t i = 0; i < k; i++) below += ids[i] < ids[j];
+        pos[j] = below;
+        rows[below] = 0;
+    }
+}
+
+/* A row's routing (route_row), then, for a step of one row (off not NULL), its grouping
+ * (group_one_row): the grouping's launch spared. */
+static __device__ void route_row(const bf16 *logits, int32_t E, int32_t k, bool renorm,
+                                 int32_t *ids, float *w);
+
 static __global__ void __launch_bounds__(ROUTE_THREADS)
-route_kernel(const bf16 *logits, int32_t E, int32_t k, bool renorm, int32_t *ids, float *w)
+route_kernel(const bf16 *logits, int32_t E, int32_t k, bool renorm, int32_t *ids, float *w,
+             int32_t *off, int32_t *rows, int32_t *pos)
+{
+    route_row(logits, E, k, renorm, ids, w);
+    if (!off) return;
+    __syncwarp(); /* (the ids lane 0 wrote, visible to the warp) */
+    group_one_row(ids, k, E, off, rows, pos);
+}
+
+static __device__ void route_row(const bf16 *logits, int32_t E, int32_t k, bool renorm,
+                                 int32_t *ids, float *w)
 {
     extern __shared__ double smem_d[]; /* (double alignment for the candidates) */
     pd_moe_cand *c = reinterpret_cast<pd_moe_cand *>(smem_d);
@@ -557,19 +592,50 @@ moe_gemm_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
 }
 
 /* out[t][d] = (out[t][d] +) sum over j of w[t][j] * y[pos[t][j]][d], the sum in f32 in j
- * order, then added to out and rounded once. */
+ * order, then added to out and rounded once. V elements a thread (8: 16-byte accesses, for
+ * dim % 8 == 0 and aligned buffers; else 1). */
+template <int V>
 static __global__ void combine_kernel(const bf16 *y, const int32_t *pos, const float *w,
                                       int32_t n, int32_t k, int32_t dim, bool accumulate,
                                       bf16 *out)
 {
-    const size_t total = (size_t)n * dim;
+    const int32_t dv = dim / V;
+    const size_t total = (size_t)n * dv;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
          i += (size_t)gridDim.x * blockDim.x) {
-        const size_t t = i / (size_t)dim, d = i - t * (size_t)dim;
-        float s = 0.0f;
-        for (int32_t j = 0; j < k; j++)
-            s += w[t * k + j] * pd_ld(y + (size_t)pos[t * k + j] * dim + d);
-        pd_st(out + i, accumulate ? pd_ld(out + i) + s : s);
+        const size_t t = i / (size_t)dv, d = (i - t * (size_t)dv) * V;
+        float s[V];
+#pragma unroll
+        for (int v = 0; v < V; v++) s[v] = 0.0f;
+        for (int32_t j = 0; j < k; j++) {
+            const float wj = w[t * k + j];
+            const bf16 *yr = y + (size_t)pos[t * k + j] * dim + d;
+            if (V == 8) {
+                const uint4 u = *reinterpret_cast<const uint4 *>(yr);
+                const uint32_t a[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+                for (int v = 0; v < 4; v++) {
+                    s[2 * v] += wj * pd_bf16_lo(a[v]);
+                    s[2 * v + 1] += wj * pd_bf16_hi(a[v]);
+                }
+            } else {
+                s[0] += wj * pd_ld(yr);
+            }
+        }
+        bf16 *o = out + t * (size_t)dim + d;
+        if (V == 8) {
+            uint4 r = make_uint4(0, 0, 0, 0);
+            if (accumulate) r = *reinterpret_cast<const uint4 *>(o);
+            uint32_t a[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+            for (int v = 0; v < 4; v++)
+                a[v] = accumulate ? pd_pack_bf16(pd_bf16_lo(a[v]) + s[2 * v],
+                                                 pd_bf16_hi(a[v]) + s[2 * v + 1])
+                                  : pd_pack_bf16(s[2 * v], s[2 * v + 1]);
+            *reinterpret_cast<uint4 *>(o) = make_uint4(a[0], a[1], a[2], a[3]);
+        } else {
+            pd_st(o, accumulate ? pd_ld(o) + s[0] : s[0]);
+        }
     }
 }
 
@@ -581,7 +647,8 @@ extern "C" int pd_cuda__moe_route(void *ctx, const pd_moe_route_args *a)
         (a->n > 0 && (!a->logits || !a->ids || !a->weights || !a->rows || !a->pos)))
         return PD_EINVAL;
     const int32_t n = a->n, E = a->n_experts, k = a->k;
-    const size_t smem = (size_t)E * (sizeof(pd_moe_cand) + sizeof(float) + 2 * sizeof(int32_t) + 1);
+    const size_t smem =
+        (size_t)E * (sizeof(pd_moe_cand) + sizeof(float) + 2 * sizeof(int32_t) + 1);
     if (smem > 48 * 1024 || (int64_t)n * k > INT32_MAX)
         return PD_EINVAL; /* (thousands of experts: not a model we know) */
     if (n == 0) {
@@ -591,22 +658,6 @@ extern "C" int pd_cuda__moe_route(void *ctx, const pd_moe_route_args *a)
                                           c->stream));
         return 0;
     }
-    route_kernel<<<(unsigned)n, ROUTE_THREADS, smem, c->stream>>>(
-        (const bf16 *)a->logits, E, k, a->renormalize, a->ids, a->weights);
-    PD_CUDA_CHECK(cudaGetLastError());
-    /* the grouping: one block, as many warps as the choices need (up to 32) and its shared
-     * counts allow */
-    const int32_t nk = n * k;
-    int nw = (nk + 31) / 32;
-    if (nw > 32) nw = 32;
-    const int fit = (int)((size_t)c->smem_optin / (4 * (size_t)E)) - 1;
-    if (nw > fit) nw = fit;
-    if (nw < 1) return PD_EINVAL;
-    const size_t gsmem = (size_t)(1 + nw) * E * sizeof(int32_t);
-    if (gsmem > 48 * 1024)
-        PD_CUDA_CHECK(cudaFuncSetAttribute(group_kernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)gsmem));
     int32_t *doff = a->dev_offsets;
     if (!doff) { /* (the host's copy only: the context's scratch on the device) */
         if (c->moe_off_n < (size_t)E + 1) {
@@ -618,9 +669,29 @@ extern "C" int pd_cuda__moe_route(void *ctx, const pd_moe_route_args *a)
         }
         doff = c->moe_off;
     }
-    group_kernel<<<1, (unsigned)(nw * 32), gsmem, c->stream>>>(a->ids, nk, k, E, doff, a->rows,
-                                                                a->pos);
+    /* a step of one row (batch-1 decode) is grouped by the routing kernel itself */
+    route_kernel<<<(unsigned)n, ROUTE_THREADS, smem, c->stream>>>(
+        (const bf16 *)a->logits, E, k, a->renormalize, a->ids, a->weights, n == 1 ? doff : NULL,
+        a->rows, a->pos);
     PD_CUDA_CHECK(cudaGetLastError());
+    if (n > 1) {
+        /* the grouping: one block, as many warps as the choices need (up to 32) and its
+         * shared counts allow */
+        const int32_t nk = n * k;
+        int nw = (nk + 31) / 32;
+        if (nw > 32) nw = 32;
+        const int fit = (int)((size_t)c->smem_optin / (4 * (size_t)E)) - 1;
+        if (nw > fit) nw = fit;
+        if (nw < 1) return PD_EINVAL;
+        const size_t gsmem = (size_t)(1 + nw) * E * sizeof(int32_t);
+        if (gsmem > 48 * 1024)
+            PD_CUDA_CHECK(cudaFuncSetAttribute(group_kernel,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)gsmem));
+        group_kernel<<<1, (unsigned)(nw * 32), gsmem, c->stream>>>(a->ids, nk, k, E, doff,
+                                                                    a->rows, a->pos);
+        PD_CUDA_CHECK(cudaGetLastError());
+    }
     if (a->offsets) { /* the caller sizes the experts' products by them: synchronous */
         PD_CUDA_CHECK(cudaMemcpyAsync(a->offsets, doff, (size_t)(E + 1) * sizeof(int32_t),
                                       cudaMemcpyDeviceToHost, c->stream));
@@ -688,10 +759,11 @@ static int experts_product(pd_cuda_ctx *c, bool gemm, const bf16 *x, const int32
     const int64_t busy = nk < E ? nk : E; /* experts with rows, at most */
 #if defined(PD_CUDA_SM90A)
     if (gemm) {
-        /* tiles of 64 rows unless the groups average 256 rows or more (fewer rows padded;
-         * PDSERVE_CUDA_MOE_GEMM_BM picks one for A/B runs) */
+        /* tiles of 128 rows when the groups average 64 rows or more (prefill: half the
+         * weight traffic a product of 64-row tiles makes), else 64 (decode batches: fewer
+         * padded rows); PDSERVE_CUDA_MOE_GEMM_BM picks one for A/B runs */
         static const int64_t bm_env = pd_env_int("PDSERVE_CUDA_MOE_GEMM_BM");
-        const bool tall = bm_env == 128 || (bm_env != 64 && nk >= 256 * (int64_t)E);
+        const bool tall = bm_env == 128 || (bm_env != 64 && nk >= 64 * (int64_t)E);
         return tall ? launch_gemm<SWIGLU, 128>(c, x, rows, off, E, nk, busy, W, M, K, out)
                     : launch_gemm<SWIGLU, 64>(c, x, rows, off, E, nk, busy, W, M, K, out);
     }
@@ -761,10 +833,16 @@ extern "C" int pd_cuda__moe_combine(void *ctx, const pd_moe_combine_args *a)
         (a->n > 0 && (!a->y || !a->pos || !a->weights || !a->out)))
         return PD_EINVAL;
     if (a->n == 0) return 0;
-    const size_t total = (size_t)a->n * a->dim;
-    combine_kernel<<<pd_cuda__blocks(total, 256), 256, 0, c->stream>>>(
-        (const bf16 *)a->y, a->pos, a->weights, a->n, a->k, a->dim, a->accumulate,
-        (bf16 *)a->out);
+    const bool vec = a->dim % 8 == 0 && (((uintptr_t)a->y | (uintptr_t)a->out) & 15) == 0;
+    const size_t total = (size_t)a->n * a->dim / (vec ? 8 : 1);
+    if (vec)
+        combine_kernel<8><<<pd_cuda__blocks(total, 256), 256, 0, c->stream>>>(
+            (const bf16 *)a->y, a->pos, a->weights, a->n, a->k, a->dim, a->accumulate,
+            (bf16 *)a->out);
+    else
+        combine_kernel<1><<<pd_cuda__blocks(total, 256), 256, 0, c->stream>>>(
+            (const bf16 *)a->y, a->pos, a->weights, a->n, a->k, a->dim, a->accumulate,
+            (bf16 *)a->out);
     PD_CUDA_CHECK(cudaGetLastError());
     return 0;
 }
