@@ -99,7 +99,7 @@ static const pd_env_knob k_knobs[] = {
      "The mixture-of-experts grouped GEMMs' tile height for A/B runs: 64 or 128 token rows "
      "always; 0 (or another value): 128 when a layer's choices average 64 rows an expert or "
      "more, else 64."},
-    {"PDSERVE_CUDA_MOE_GEMM_ROWS", PD_ENV_INT, "2", 0, I64_MAX, NULL, "kernels/cuda",
+    {"PDSERVE_CUDA_MOE_GEMM_ROWS", PD_ENV_INT, "1", 0, I64_MAX, NULL, "kernels/cuda",
      "The mixture-of-experts experts' products run as grouped wgmma GEMMs (compute capability "
      "9.0, an sm_90a build) when a layer's choices average at least this many token rows an "
      "expert (n k / n_experts), else on the row-streaming kernel that reads each chosen "
