@@ -448,10 +448,10 @@ static int load_experts(pd_model *m, const loader *L, int32_t li, pd_layer_weigh
                      k_proj[mixtral][i]);
             slab = mc_quant_ignored(&c->quant, name);
         }
-    const size_t fl = (size_t)m->shard.moe_intermediate, es = pd_dtype_size(m->be->ops->act_dtype);
-    if (slab &&
-        ((rc = alloc_w(m, (size_t)c->n_experts * 2 * fl * (size_t)h, &w->experts_gate_up, err)) < 0 ||
-         (rc = alloc_w(m, (size_t)c->n_experts * (size_t)h * fl, &w->experts_down, err)) < 0))
+    const size_t fl = (size_t)m->shard.moe_intermediate;
+    const size_t es = pd_dtype_size(m->be->ops->act_dtype), nx = (size_t)c->n_experts;
+    if (slab && ((rc = alloc_w(m, nx * 2 * fl * (size_t)h, &w->experts_gate_up, err)) < 0 ||
+                 (rc = alloc_w(m, nx * (size_t)h * fl, &w->experts_down, err)) < 0))
         return rc;
     for (int32_t e = 0; e < c->n_experts; e++) {
         pd_expert *x = &w->experts[e];

@@ -411,8 +411,8 @@ typedef struct pd_backend_ops {
                        void *out);
     /* Optional (NULL = not offered): mixture-of-experts routing and combination
      * (pd_moe_route_args, pd_moe_combine_args above), both or neither; the experts' products
-     * are moe_experts, or gather_rows and linear_fused. A model with sparse layers is refused at load on a
-     * backend without them. Return 0, PD_EINVAL, PD_EBACKEND. */
+     * are moe_experts, or gather_rows and linear_fused. A model with sparse layers is refused
+     * at load on a backend without them. Return 0, PD_EINVAL, PD_EBACKEND. */
     int (*moe_route)(void *ctx, const pd_moe_route_args *a);
     int (*moe_combine)(void *ctx, const pd_moe_combine_args *a);
     /* Optional (NULL: the engine runs each expert's products as above, with the groups'

@@ -185,7 +185,8 @@ static void run_experts(int32_t n, int32_t E, int32_t k, int32_t H, int32_t F)
     int32_t most = 0;
     for (int32_t e = 0; e <= E; e++) {
         bad_off += (int32_t)hoff[e] != rc.offsets[e];
-        if (e < E && rc.offsets[e + 1] - rc.offsets[e] > most) most = rc.offsets[e + 1] - rc.offsets[e];
+        const int32_t ne = e < E ? rc.offsets[e + 1] - rc.offsets[e] : 0;
+        if (ne > most) most = ne;
     }
     const size_t bad_rows = count_diff(g_cpu, rc.rows, g_gpu, grows, PD_DTYPE_I32, nk, 0);
     CHECK_MSG(bad_off == 0 && bad_rows == 0, "moe_route (device bounds) n %d E %d k %d: "

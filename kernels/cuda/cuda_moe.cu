@@ -332,6 +332,15 @@ static __device__ int32_t find_tile(const int32_t *off, int32_t E, int32_t unit,
 
 /* ---- the experts' products, rows streamed (decode) ---- */
 
+/* A gate and up product's SwiGLU as linear_fused computes it: both rounded to bf16 (its
+ * gate/up rows), then pd_silu_mul. */
+static __device__ __forceinline__ float swiglu_rounded(float g, float u)
+{
+    return pd_silu_mul(__bfloat162float(__float2bfloat16_rn(g)),
+                       __bfloat162float(__float2bfloat16_rn(u)));
+}
+
+
 #define GV_WARPS 8
 #define GV_R 8 /* token rows a block at most (RT: 1, 2, 4 or 8 by the step's rows) */
 #define GV_COLS(SWIGLU) ((SWIGLU) ? 2 : 4) /* output columns a warp: 4 weight rows */
@@ -413,9 +422,8 @@ moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
 #pragma unroll
         for (int q = 0; q < GV_COLS(SWIGLU); q++) {
             if (!ok[q]) continue;
-            if (SWIGLU) /* the products rounded as linear_fused's gate/up rows, then swiglu */
-                pd_st(o + i0 + q, pd_silu_mul(__bfloat162float(__float2bfloat16_rn(acc[q][r])),
-                                              __bfloat162float(__float2bfloat16_rn(acc[q + 2][r]))));
+            if (SWIGLU)
+                pd_st(o + i0 + q, swiglu_rounded(acc[q][r], acc[q + 2][r]));
             else
                 pd_st(o + i0 + q, acc[q][r]);
         }
@@ -566,9 +574,7 @@ moe_gemm_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
                 const float *gv = d[0][j], *uv = BM == 128 ? d[NB - 1][j] : d[0][j + NJ];
                 float v[2];
 #pragma unroll
-                for (int u = 0; u < 2; u++)
-                    v[u] = pd_silu_mul(__bfloat162float(__float2bfloat16_rn(gv[2 * h + u])),
-                                       __bfloat162float(__float2bfloat16_rn(uv[2 * h + u])));
+                for (int u = 0; u < 2; u++) v[u] = swiglu_rounded(gv[2 * h + u], uv[2 * h + u]);
                 if (col + 1 < M)
                     *reinterpret_cast<unsigned *>(o + col) = pd_pack_bf16(v[0], v[1]);
                 else
