@@ -92,6 +92,13 @@ static const pd_env_knob k_knobs[] = {
     {"PDSERVE_CUDA_FUSED_DECODE", PD_ENV_INT, "-1", I64_MIN, I64_MAX, NULL, "kernels/cuda",
      "The most sequences a decode step runs as one decode_layers kernel (clamped to 0 .. 8; "
      "values <= 0: off; unset: 1 with bf16 weights, 2 with FP8 weights)."},
+    {"PDSERVE_CUDA_GEMV_FUSED_MAX_MB", PD_ENV_INT, "16", 0, 1024, NULL, "kernels/cuda",
+     "The largest product (MiB of bf16 weights) that the streaming kernel takes with its input "
+     "norm or SwiGLU fused at n <= 8; larger ones run the norm and cuBLAS (0: none past the "
+     "kernel's own size rule)."},
+    {"PDSERVE_CUDA_GEMV_MAX_MB", PD_ENV_INT, "8", 0, 1024, NULL, "kernels/cuda",
+     "The largest product (MiB of bf16 weights, m <= 2048) that the streaming kernel takes "
+     "without a fusion; larger ones run on cuBLAS."},
     {"PDSERVE_CUDA_GEMV_MAX_N", PD_ENV_INT, "32", I64_MIN, I64_MAX, NULL, "kernels/cuda",
      "The bf16 products' crossover in n from the streaming kernel to cuBLAS (clamped to "
      "0 .. 32; 0: always cuBLAS)."},
@@ -107,8 +114,8 @@ static const pd_env_knob k_knobs[] = {
     {"PDSERVE_CUDA_OVERLAP_UPLOAD", PD_ENV_BOOL, "1", 0, 0, NULL, "kernels/cuda",
      "A pipelined step's metadata uploaded on a side stream beside the step before; 0: in "
      "order, for A/B runs."},
-    {"PDSERVE_CUDA_PDL", PD_ENV_BOOL, "0", 0, 0, NULL, "kernels/cuda",
-     "Programmatic dependent launch for small grids (sm_90)."},
+    {"PDSERVE_CUDA_PDL", PD_ENV_BOOL, "1", 0, 0, NULL, "kernels/cuda",
+     "Programmatic dependent launch for small grids (sm_90; 0: every kernel launched plainly)."},
     {"PDSERVE_CUDA_ROPE_VEC", PD_ENV_BOOL, "1", 0, 0, NULL, "kernels/cuda",
      "rope_store_kv's block-a-token kernel (angles once a token, 16-byte accesses) for head "
      "sizes 64, 128 and 256; 0: the warp-a-head kernel, for A/B runs."},

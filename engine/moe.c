@@ -181,12 +181,16 @@ int moe_ffn(moe_ws *ws, const pd_layer_weights *w, int32_t layer, const void *x,
     int rc;
     if (ws->hook && (rc = report_routing(ws, layer, n, err)) < 0) return rc;
     if (one_op) {
+        /* the products and the combination in one op (a device backend fuses them) */
         const pd_moe_experts_args ea = {
             .x = x, .n = n, .k = ws->k, .n_experts = ws->n_experts, .hidden = ws->hidden,
             .inter = ws->inter, .rows = ws->rows, .offsets = ws->d_offsets,
             .gate_up = w->experts_gate_up, .down = w->experts_down, .act = ws->act, .y = ws->y,
+            .ids = ws->ids, .pos = ws->pos, .weights = ws->weights, .out = out,
+            .accumulate = accumulate,
         };
         CALL(o->moe_experts(ctx, &ea));
+        return 0;
     }
     for (int32_t e = 0; !one_op && e < ws->n_experts; e++) {
         const int32_t r0 = ws->offsets[e], n_e = ws->offsets[e + 1] - r0;

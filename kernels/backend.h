@@ -199,7 +199,9 @@ typedef struct {
  * expert's weights sit in one buffer: gate_up [n_experts][2 inter][hidden] (each expert's
  * gate rows, then its up rows) and down [n_experts][hidden][inter], act_dtype. The groups'
  * bounds are read from backend memory (moe_route's dev_offsets), so a device backend runs
- * the whole block without the host. */
+ * the whole block without the host. With out given, the op also makes moe_combine's result
+ * from y, pos and weights (bit for bit what moe_combine would make), and y is then scratch
+ * that a backend may leave unwritten (a device backend fuses the two at batch 1). */
 typedef struct {
     const void *x;               /* [n][hidden] act_dtype: the normed token rows */
     int32_t n;                   /* token rows, >= 0 */
@@ -211,6 +213,13 @@ typedef struct {
     const void *down;            /* [n_experts][hidden][inter] */
     void *act;                   /* [n * k][inter] act_dtype: scratch (the SwiGLU rows) */
     void *y;                     /* [n * k][hidden] act_dtype out, in the grouped order */
+    /* the combination, optional (out NULL: none): moe_route's outputs, as moe_combine takes
+     * them */
+    const int32_t *ids;          /* [n][k] each choice's expert */
+    const int32_t *pos;          /* [n][k] each choice's index into y */
+    const float *weights;        /* [n][k] F32 */
+    void *out;                   /* [n][hidden] act_dtype, or NULL */
+    bool accumulate;             /* out += the weighted sum (else out =) */
 } pd_moe_experts_args;
 
 /* The experts' outputs weighted and summed back into token order (the moe_combine op):

@@ -1009,11 +1009,32 @@ static void test_moe_experts(void)
             }
         }
     check_close("moe_experts", y, ref, N * K * H);
+    /* with the combination: the weighted sum of the reference's rows added to a residual */
+    float out[N * H];
+    fill_rand(out, N * H, 1.0);
+    double cref[N * H];
+    for (int t = 0; t < N; t++)
+        for (int h = 0; h < H; h++) {
+            double s = 0;
+            for (int j = 0; j < K; j++) s += (double)w[t * K + j] * ref[pos[t * K + j] * H + h];
+            cref[t * H + h] = (double)out[t * H + h] + s;
+        }
+    float *dout = dev_f32(out, N * H);
+    pd_moe_experts_args eb = ea;
+    eb.ids = ids;
+    eb.pos = pos;
+    eb.weights = w;
+    eb.out = dout;
+    eb.accumulate = true;
+    CHECK_EQ_INT(o->moe_experts(g_be->ctx, &eb), 0);
+    check_close("moe_experts with the combination", dout, cref, N * H);
+    eb.weights = NULL; /* a combination without its weights */
+    CHECK_EQ_INT(o->moe_experts(g_be->ctx, &eb), PD_EINVAL);
     doff[E] = N * K - 1; /* the groups do not hold every choice */
     CHECK_EQ_INT(o->moe_experts(g_be->ctx, &ea), PD_EINVAL);
     ra.dev_offsets = NULL; /* neither copy of the bounds */
     CHECK_EQ_INT(o->moe_route(g_be->ctx, &ra), PD_EINVAL);
-    DEV_FREE(dlg, dx, dgu, ddn, ids, rows, pos, doff, w, act, y);
+    DEV_FREE(dlg, dx, dgu, ddn, ids, rows, pos, doff, w, act, y, dout);
 }
 
 int main(void)

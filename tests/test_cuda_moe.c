@@ -78,24 +78,37 @@ static size_t count_diff(pd_backend *pc, const void *c, pd_backend *pg, const vo
     get(pc, hc, c, t, n);
     get(pg, hg, g, t, n);
     size_t bad = 0;
-    for (size_t i = 0; i < n; i++) bad += !(fabs((double)hc[i] - hg[i]) <= tol);
+    for (size_t i = 0; i < n; i++)
+        bad += !(fabs((double)hc[i] - hg[i]) <= tol) && !(isnan(hc[i]) && isnan(hg[i]));
     free(hc);
     free(hg);
     return bad;
 }
 
-/* Logits on a grid of quarters in [-3, 3] (ties: exact in bf16 and f32, many ties a row),
- * else bf16 values in [-4, 4] (ties rare; a row with one among its top k + 1 is replayed). */
-static float *make_logits(int32_t n, int32_t E, bool ties)
+enum { LG_DISTINCT, LG_TIES, LG_SPECIAL };
+
+/* LG_TIES: logits on a grid of quarters in [-3, 3] (exact in bf16 and f32, many ties a row);
+ * LG_DISTINCT: bf16 values in [-4, 4] (ties rare; a row with one among its top k + 1 is
+ * replayed); LG_SPECIAL: the values whose order as bf16 bits and as probabilities can part
+ * (+0 and -0, -inf, logits so far below the largest that their exponentials are equal or
+ * zero, huge ones) and, in one row of three, a NaN. */
+static float *make_logits(int32_t n, int32_t E, int mode)
 {
+    static const float special[] = {0.0f, -0.0f, -INFINITY, 1e-30f, -1e-30f, 2e-30f, 3.0f,
+                                    -3.0f, 60.0f, -60.0f, 1e30f, -1e30f};
     float *lg = xmalloc((size_t)n * E * sizeof *lg);
-    for (size_t i = 0; i < (size_t)n * E; i++)
-        lg[i] = ties ? (float)((int)(urand() * 25) - 12) / 4.0f
-                     : bf16_round((float)(8.0 * urand() - 4.0));
+    for (size_t i = 0; i < (size_t)n * E; i++) {
+        if (mode == LG_TIES) lg[i] = (float)((int)(urand() * 25) - 12) / 4.0f;
+        else if (mode == LG_DISTINCT || urand() < 0.3)
+            lg[i] = bf16_round((float)(8.0 * urand() - 4.0));
+        else lg[i] = bf16_round(special[(int)(urand() * 12) % 12]);
+    }
+    for (size_t r = 0; mode == LG_SPECIAL && r < (size_t)n; r += 3)
+        lg[r * E + (size_t)(urand() * E) % (size_t)E] = NAN;
     return lg;
 }
 
-static void run_case(int32_t n, int32_t E, int32_t k, bool renorm, int32_t dim, bool ties)
+static void run_case(int32_t n, int32_t E, int32_t k, bool renorm, int32_t dim, int ties)
 {
     float *lg = make_logits(n, E, ties);
     route_bufs rc = {0}, rg = {0};
@@ -119,7 +132,7 @@ static void run_case(int32_t n, int32_t E, int32_t k, bool renorm, int32_t dim, 
     for (size_t i = 0; i < nk * dim; i++) y[i] = bf16_round((float)(4.0 * urand() - 2.0));
     for (size_t i = 0; i < (size_t)n * dim; i++) res[i] = bf16_round((float)(2.0 * urand() - 1.0));
     double worst = 0;
-    for (int acc = 0; acc < 2; acc++) {
+    for (int acc = 0; acc < 2 && ties != LG_SPECIAL; acc++) { /* (NaN weights: not combined) */
         void *yc = put(g_cpu, g_cpu->ops->act_dtype, y, nk * dim);
         void *yg = put(g_gpu, g_gpu->ops->act_dtype, y, nk * dim);
         void *oc = put(g_cpu, g_cpu->ops->act_dtype, res, (size_t)n * dim);
@@ -166,7 +179,7 @@ static void run_case(int32_t n, int32_t E, int32_t k, bool renorm, int32_t dim, 
  * its bounds then compared with the CPU's), random bf16 weights and rows. */
 static void run_experts(int32_t n, int32_t E, int32_t k, int32_t H, int32_t F)
 {
-    float *lg = make_logits(n, E, false);
+    float *lg = make_logits(n, E, LG_DISTINCT);
     const size_t nk = (size_t)n * k;
     route_bufs rc = {0};
     CHECK_EQ_INT(route_on(g_cpu, lg, n, E, k, true, &rc), 0);
@@ -199,6 +212,8 @@ static void run_experts(int32_t n, int32_t E, int32_t k, int32_t H, int32_t F)
     for (size_t i = 0; i < ngu; i++) wgu[i] = bf16_round((float)(sg * (urand() - 0.5)));
     for (size_t i = 0; i < ndn; i++) wdn[i] = bf16_round((float)(sd * (urand() - 0.5)));
     for (size_t i = 0; i < (size_t)n * H; i++) x[i] = bf16_round((float)(4.0 * urand() - 2.0));
+    float *res = xmalloc((size_t)n * H * sizeof *res);
+    for (size_t i = 0; i < (size_t)n * H; i++) res[i] = bf16_round((float)(2.0 * urand() - 1.0));
     float *out[2];
     pd_backend *bk[2] = {g_cpu, g_gpu};
     for (int b = 0; b < 2; b++) {
@@ -214,6 +229,34 @@ static void run_experts(int32_t n, int32_t E, int32_t k, int32_t H, int32_t F)
         CHECK_EQ_INT(be->ops->moe_experts(be->ctx, &ea), 0);
         out[b] = xmalloc(nk * H * sizeof *out[b]);
         get(be, out[b], dy, t, nk * H);
+        /* the combination inside moe_experts (on the GPU at n = 1 one fused launch) makes
+         * moe_combine's bits */
+        for (int acc = 0; acc < 2; acc++) {
+            void *o1 = put(be, t, res, (size_t)n * H), *o2 = put(be, t, res, (size_t)n * H);
+            const pd_moe_combine_args ca = {.y = dy, .pos = b ? gpos : rc.pos,
+                                            .weights = b ? gw : rc.weights, .n = n, .k = k,
+                                            .dim = H, .accumulate = acc, .out = o1};
+            CHECK_EQ_INT(be->ops->moe_combine(be->ctx, &ca), 0);
+            pd_moe_experts_args eb = ea;
+            eb.ids = b ? gids : rc.ids;
+            eb.pos = ca.pos;
+            eb.weights = ca.weights;
+            eb.out = o2;
+            eb.accumulate = acc;
+            CHECK_EQ_INT(be->ops->moe_experts(be->ctx, &eb), 0);
+            float *h1 = xmalloc((size_t)n * H * sizeof *h1), *h2 = xmalloc((size_t)n * H * sizeof *h2);
+            get(be, h1, o1, t, (size_t)n * H);
+            get(be, h2, o2, t, (size_t)n * H);
+            size_t differ = 0;
+            for (size_t i = 0; i < (size_t)n * H; i++) differ += memcmp(&h1[i], &h2[i], sizeof *h1) != 0;
+            CHECK_MSG(differ == 0, "moe_experts with the combination on %s, n %d k %d hidden %d "
+                      "accumulate %d: %zu of %zu differ from moe_combine's", be->ops->name, n, k,
+                      H, acc, differ, (size_t)n * H);
+            free(h1);
+            free(h2);
+            be->ops->free(be->ctx, o1);
+            be->ops->free(be->ctx, o2);
+        }
         void *bufs[] = {dx, dgu, ddn, dact, dy};
         for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) be->ops->free(be->ctx, bufs[i]);
     }
@@ -242,6 +285,7 @@ static void run_experts(int32_t n, int32_t E, int32_t k, int32_t H, int32_t F)
     free(wgu);
     free(wdn);
     free(x);
+    free(res);
     free(lg);
 }
 
@@ -266,8 +310,21 @@ int main(void)
             run_case(1, 128, 8, true, 2048, ties);  /* a decode row */
             run_case(64, 256, 4, false, 64, ties);  /* k * 64 <= E: the heap select */
         }
-        run_case(2100, 16, 4, true, 32, false);   /* more choices than the grouping's block */
-        run_case(9, 16, 4, false, 30, true);      /* rows of dim % 8 != 0: combine's scalar path */
+        run_case(2100, 16, 4, true, 32, LG_DISTINCT); /* more choices than the grouping's block */
+        run_case(9, 16, 4, false, 30, LG_TIES);   /* rows of dim % 8 != 0: combine's scalar path */
+        /* the routing kernel's register widths (E up to 128, 256, 512) and the one-thread
+         * path past them; the values that part key order from probability order */
+        for (int mode = LG_DISTINCT; mode <= LG_SPECIAL; mode++) {
+            run_case(40, 512, 10, true, 32, mode);  /* Qwen3-Next's 512 experts, top 10 */
+            run_case(20, 600, 8, true, 32, mode);   /* past 512: one thread's routing */
+            run_case(60, 128, 8, true, 32, mode);
+            run_case(60, 8, 2, true, 32, mode);
+        }
+        /* decode rows one at a time: the grouping inside the routing kernel */
+        for (int i = 0; i < 24; i++) {
+            run_case(1, 128, 8, true, 64, i % 3);
+            run_case(1, 8, 2, false, 64, i % 3);
+        }
         /* no rows: the groups empty, nothing queued */
         route_bufs r = {0};
         CHECK_EQ_INT(route_on(g_gpu, NULL, 0, 8, 2, true, &r), 0);
@@ -280,6 +337,8 @@ int main(void)
     if (g_gpu->ops->moe_experts) {
         printf("test_cuda_moe: moe_experts on cuda against cpu\n");
         run_experts(1, 128, 8, 256, 96);    /* a decode row: the row-streaming kernel */
+        run_experts(1, 8, 2, 128, 64);      /* a Mixtral decode row: the fused down + combine */
+        run_experts(1, 40, 12, 136, 48);    /* more choices than the fused kernel's warps */
         run_experts(6, 128, 8, 264, 40);    /* a small batch, odd sizes */
         run_experts(40, 8, 2, 128, 64);     /* groups past the streaming kernel's 8 rows */
         run_experts(512, 16, 4, 256, 96);   /* 128 rows an expert: the grouped GEMMs */

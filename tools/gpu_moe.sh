@@ -11,7 +11,10 @@
 # tiles (PDSERVE_CUDA_MOE_GEMM_BM=128), beside the defaults. Part "profile": ncu's GPU
 # time a kernel for one 2048-token prefill and two batch-1 decode steps (eager), each run cut
 # at MOE_PROFILE_S seconds (240).
-# MOE_SKIP="tests 30b 8b ab profile" leaves parts out; MOE_MODEL replaces the shape (e.g.
+# Part "decode1ab": batch-1 decode under each of MOE_DECODE1_VARIANTS (space-separated; each a
+# comma-separated list of VAR=VALUE, e.g. "PDSERVE_CUDA_PDL=1,PDSERVE_CUDA_GEMV_MAX_MB=16"),
+# beside the defaults; skipped when that list is empty.
+# MOE_SKIP="tests 30b 8b ab decode1ab profile" leaves parts out; MOE_MODEL replaces the shape (e.g.
 # tools/shapes/mixtral-8x7b).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -61,6 +64,18 @@ if ! skip ab; then
     bench moe_prefill_bm128 "$M" PDSERVE_CUDA_MOE_GEMM_BM=128 --num-requests 8 \
         --input-len 2048 --output-len 1 --max-num-batched-tokens 2048
 fi
+D1AB=()
+if ! skip decode1ab && [ -n "${MOE_DECODE1_VARIANTS:-}" ]; then
+    i=0
+    for v in $MOE_DECODE1_VARIANTS; do
+        i=$((i + 1))
+        IFS=, read -r -a ev <<<"$v"
+        echo "== moe_decode1_v$i: $v"
+        bench "moe_decode1_v$i" "$M" "${ev[@]}" --num-requests 1 --input-len 128 \
+            --output-len 256 --max-num-seqs 1
+        D1AB+=("moe_decode1_v$i")
+    done
+fi
 if ! skip profile; then
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     if [ -n "$NCU" ]; then
@@ -89,7 +104,7 @@ if ! skip 8b; then
         --output-len 256 --max-num-seqs 64
 fi
 echo "== summary ($M; copy $BW GB/s, GEMM $TF TFLOP/s in this run)"
-for f in moe_decode1 moe_decode64 moe_decode64_rows moe_decode64_gemm moe_prefill moe_prefill_bm128 dense_decode64; do
+for f in moe_decode1 "${D1AB[@]}" moe_decode64 moe_decode64_rows moe_decode64_gemm moe_prefill moe_prefill_bm128 dense_decode64; do
     [ -f "$F/$f.log" ] || continue
     env -u LD_LIBRARY_PATH python3 -c '
 import json, sys
@@ -98,7 +113,7 @@ try:
 except Exception:
     print("%-15s (no result)" % sys.argv[2]); sys.exit(0)
 n = sys.argv[2]
-if n == "moe_decode1":
+if n.startswith("moe_decode1"):
     ms = 1e3 / d["decode_tok_s"]
     fl = d["weight_bytes_per_step"] / (d["bandwidth_gbs"] * 1e9) * 1e3 if d.get("bandwidth_gbs") else float("nan")
     print("%-15s %.3f ms/token, active weights at the copy rate %.3f ms: %.2fx" % (n, ms, fl, ms / fl))

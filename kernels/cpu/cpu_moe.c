@@ -47,7 +47,8 @@ int pd_cpu__moe_experts(void *ctx, const pd_moe_experts_args *a)
 {
     if (!a || a->n < 0 || a->k < 1 || a->n_experts < 1 || a->hidden < 1 || a->inter < 1 ||
         (a->n > 0 && (!a->x || !a->rows || !a->offsets || !a->gate_up || !a->down || !a->act ||
-                      !a->y)))
+                      !a->y)) ||
+        (a->n > 0 && a->out && (!a->pos || !a->weights)))
         return PD_EINVAL;
     if (a->n == 0) return 0;
     const int32_t E = a->n_experts, H = a->hidden, F = a->inter;
@@ -85,7 +86,11 @@ int pd_cpu__moe_experts(void *ctx, const pd_moe_experts_args *a)
         if (rc == 0) rc = pd_cpu__linear_fused(ctx, &d);
         if (rc < 0) return rc;
     }
-    return 0;
+    if (!a->out) return 0;
+    const pd_moe_combine_args ca = {.y = a->y, .pos = a->pos, .weights = a->weights, .n = a->n,
+                                    .k = a->k, .dim = H, .accumulate = a->accumulate,
+                                    .out = a->out};
+    return pd_cpu__moe_combine(ctx, &ca);
 }
 
 int pd_cpu__moe_combine(void *ctx, const pd_moe_combine_args *a)

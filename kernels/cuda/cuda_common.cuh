@@ -162,7 +162,7 @@ static inline unsigned pd_cuda__blocks(size_t n, unsigned per_block)
     return (unsigned)b;
 }
 
-/* Programmatic dependent launch (PDL), opt-in (PDSERVE_CUDA_PDL=1, see pd_cuda__pdl_on). The
+/* Programmatic dependent launch (PDL), on unless PDSERVE_CUDA_PDL=0 (pd_cuda__pdl_on). The
  * kernels of a decode step are launched with pd_cuda__launch, which then lets the next kernel
  * in the stream be scheduled while this one still runs: each such kernel calls pd_pdl_enter()
  * (or pd_pdl_wait()) first, which lets its own successor be scheduled and then waits until its

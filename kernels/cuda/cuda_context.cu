@@ -29,9 +29,10 @@ bool pd_cuda__switch_on(const char *name, int *cache)
 }
 
 /* PDL needs sm_90; the kernels are built for sm_90a (PD_CUDA_ARCHS) and the check in them
- * makes the instructions no-ops below that. Off unless PDSERVE_CUDA_PDL=1: it made small
- * decode batches faster but the 256-request workload slower (docs/perf-history.md, the issue
- * #8 benchmark suite after graphs), so it stays an opt-in until that is understood. */
+ * makes the instructions no-ops below that. On unless PDSERVE_CUDA_PDL=0: it makes the
+ * latency-bound decode steps faster (small dense batches, a MoE model's batch 1) and left the
+ * 256-request workload where it was (docs/perf-history.md, "MoE decode: the routing in
+ * registers, launches overlapped"). */
 bool pd_cuda__pdl_on(void)
 {
     static int on = -1; /* racy first reads all get the same value */

@@ -38,8 +38,8 @@
 #define GEMV_MAX_N 32        /* rows of x the kernels take (two 16-row A tiles) */
 /* The crossover in n to cuBLAS, 32 (docs/perf-history.md, "Kernel benchmarks"), is
  * PDSERVE_CUDA_GEMV_MAX_N's default in common/env.c. */
-#define GEMV_MAX_M 2048      /* products the kernel takes: m <= this and weights <= */
-#define GEMV_MAX_BYTES ((size_t)8 << 20) /* this many bytes (see gemv_takes) */
+#define GEMV_MAX_M 2048      /* products the kernel takes: m <= this and weights <=
+                              * PDSERVE_CUDA_GEMV_MAX_MB (see gemv_takes) */
 
 /* A 16-byte load of streamed data: read once, so not kept in L1 (where x lives); the L2 fetches
  * the rest of the 256-byte segment that the next steps of the same row read. */
@@ -278,8 +278,9 @@ static bool gemv_can(const pd_cuda_ctx *c, const void *x, const void *w, int32_t
 static bool gemv_takes(const pd_cuda_ctx *c, const void *x, const void *w, int32_t n, int32_t k,
                        int32_t m)
 {
+    static const size_t max_bytes = (size_t)pd_env_int("PDSERVE_CUDA_GEMV_MAX_MB") << 20;
     return gemv_can(c, x, w, n, k) && m <= GEMV_MAX_M &&
-           (size_t)m * (size_t)k * sizeof(bf16) <= GEMV_MAX_BYTES;
+           (size_t)m * (size_t)k * sizeof(bf16) <= max_bytes;
 }
 
 /* ---- the rest: cuBLAS ----
@@ -331,17 +332,18 @@ extern "C" int pd_cuda__linear(void *ctx, const void *x, const void *w, const vo
 }
 
 /* Whether one GEMV launch takes a whole fused product: what gemv_takes takes, and, where a
- * norm or SwiGLU would otherwise cost launches of their own, larger products at n <= 8 (for
- * these cuBLAS is about as fast as the kernel at n = 1, docs/perf-history.md, and the fused kernel
- * saves one or two launches). */
+ * norm or SwiGLU would otherwise cost launches of their own, larger products at n <= 8 up to
+ * PDSERVE_CUDA_GEMV_FUSED_MAX_MB (for these cuBLAS is about as fast as the kernel at n = 1 and
+ * the fused kernel saves one or two launches; past that size the norm and cuBLAS win:
+ * docs/perf-history.md, "MoE decode: the routing in registers, launches overlapped"). */
 #define GEMV_FUSED_MAX_N 8
-#define GEMV_FUSED_MAX_BYTES ((size_t)32 << 20)
 static bool gemv_fused_takes(const pd_cuda_ctx *c, const pd_linear_args *a, int32_t mw)
 {
+    static const size_t max_bytes = (size_t)pd_env_int("PDSERVE_CUDA_GEMV_FUSED_MAX_MB") << 20;
     if (((uintptr_t)a->norm_w & 15) != 0) return false;
     if (gemv_takes(c, a->x, a->w, a->n, a->k, mw)) return true;
     return (a->norm_w || a->swiglu) && a->n <= GEMV_FUSED_MAX_N &&
-           (size_t)mw * (size_t)a->k * sizeof(bf16) <= GEMV_FUSED_MAX_BYTES &&
+           (size_t)mw * (size_t)a->k * sizeof(bf16) <= max_bytes &&
            gemv_can(c, a->x, a->w, a->n, a->k);
 }
 

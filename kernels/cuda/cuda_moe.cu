@@ -69,10 +69,14 @@ static __device__ int32_t warp_partition(pd_moe_cand *c, int32_t a, int32_t b, i
     return cut;
 }
 
-/* pd_moe_route_pick on the nth_element path (k * 64 > E), the partitions by the warp
- * (warp_partition), the rest of the replay on lane 0. Every lane calls it. */
+/* pd_moe_route_pick on the nth_element path (k * 64 > E, k < 32), the partitions by the warp
+ * (warp_partition), the pivots and the last few elements on lane 0, then the sort of the first
+ * k - 1 by the warp: libstdc++'s insertion sort is stable and pd_moe_before a strict weak
+ * order, so each element's place is the number before it in that order plus the equal ones
+ * ahead of it. The choices also into picks (shared) for the grouping. Every lane calls it. */
 static __device__ void warp_route_pick(pd_moe_cand *c, int32_t E, int32_t k, bool renorm,
-                                       int32_t *ids, float *w, int32_t *Lp, int32_t *Rp)
+                                       int32_t *ids, float *w, int32_t *Lp, int32_t *Rp,
+                                       int32_t *picks)
 {
     const int lane = (int)threadIdx.x % 32;
     const int32_t nth = k - 1;
@@ -94,27 +98,36 @@ static __device__ void warp_route_pick(pd_moe_cand *c, int32_t E, int32_t k, boo
         if (cut <= nth) f = cut;
         else l = cut;
     }
-    if (lane == 0) {
-        if (!done) pd_moe_insertion_sort(c, f, l);
-        pd_moe_insertion_sort(c, 0, k - 1);
-        double top = 0;
-        for (int32_t j = 0; j < k; j++) top += c[j].p;
-        for (int32_t j = 0; j < k; j++) {
-            ids[j] = c[j].e;
-            w[j] = (float)(renorm ? c[j].p / top : c[j].p);
+    if (lane == 0 && !done) pd_moe_insertion_sort(c, f, l);
+    __syncwarp();
+    pd_moe_cand mine = {0.0, 0};
+    int32_t rank = 0;
+    if (lane < k - 1) {
+        mine = c[lane];
+        for (int32_t i = 0; i < k - 1; i++) {
+            const pd_moe_cand o = c[i];
+            rank += i != lane &&
+                    (pd_moe_before(&o, &mine) || (i < lane && !pd_moe_before(&mine, &o)));
         }
     }
+    __syncwarp();
+    if (lane < k - 1) c[rank] = mine;
+    __syncwarp();
+    double top = 0;
+    for (int32_t j = 0; j < k; j++) top += c[j].p; /* (in the choice's order) */
+    if (lane < k) {
+        const pd_moe_cand x = c[lane];
+        ids[lane] = x.e;
+        w[lane] = (float)(renorm ? x.p / top : x.p);
+        picks[lane] = x.e;
+    }
+    __syncwarp();
 }
 
-/* A block (one warp) a row. The exponentials in parallel, their sum in expert order on one
- * thread (the reference's order, so that the probabilities are its bits), then the top k + 1
- * by k + 1 rounds of a warp arg-max. When those are distinct (no tie can change the choice or
- * its order) they are the answer; else one thread replays moe_select.h's selection over the
- * same probabilities (and with a NaN logit, or k of 32 or more, its whole routing).
- * Shared: E candidates, E logits, 2 E partition positions, E taken flags. */
 /* One row's k choices grouped by expert (pd_moe_group's result for n = 1: each expert chosen
  * at most once), by the warp: offsets[e] = the choices of experts below e, each choice at its
- * expert's rank among the k. */
+ * expert's rank among the k. ids: the choices, in shared or global memory the warp wrote
+ * before a __syncwarp. */
 static __device__ void group_one_row(const int32_t *ids, int32_t k, int32_t E, int32_t *off,
                                      int32_t *rows, int32_t *pos)
 {
@@ -124,7 +137,7 @@ static __device__ void group_one_row(const int32_t *ids, int32_t k, int32_t E, i
         for (int32_t j = 0; j < k; j++) below += ids[j] < e;
         off[e] = below;
     }
-    for (int32_t j = lane; j < k; j++) {
+    for (int32_t j = lane; j < k; j += 32) {
         int32_t below = 0;
         for (int32_t i = 0; i < k; i++) below += ids[i] < ids[j];
         pos[j] = below;
@@ -132,108 +145,157 @@ static __device__ void group_one_row(const int32_t *ids, int32_t k, int32_t E, i
     }
 }
 
-/* A row's routing (route_row), then, for a step of one row (off not NULL), its grouping
- * (group_one_row): the grouping's launch spared. */
-static __device__ void route_row(const bf16 *logits, int32_t E, int32_t k, bool renorm,
-                                 int32_t *ids, float *w);
+#define ROUTE_RK_MAX 16 /* logits a lane holds at most: the register path's E <= 512 */
 
+static __device__ __forceinline__ unsigned warp_max_u32(unsigned v)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return __reduce_max_sync(0xffffffffu, v);
+#else
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+#endif
+}
+
+/* A logit's selection key: its bf16 bits mapped to an unsigned order (larger logit, larger
+ * key), the expert's complement below them (the lower expert first among equal bits). Any
+ * order would do for correctness: the choice is checked on the probabilities after. */
+static __device__ __forceinline__ unsigned route_key(unsigned short bits, int32_t e)
+{
+    const unsigned u = (bits & 0x8000u) ? (~(unsigned)bits & 0xFFFFu) : (bits | 0x8000u);
+    return u << 16 | (0xFFFFu - (unsigned)e);
+}
+
+/* A block (one warp) a row: the E logits in registers, RK a lane (E <= 32 RK).
+ *   1. The k largest by their keys (route_key): k rounds of a warp max, no memory.
+ *   2. The softmax as the reference computes it: exp(logit - max) in double, each lane its
+ *      own, the sum in expert order (every lane the same sequential sum from shared memory,
+ *      so that the probabilities are the reference's bits), each divided by it.
+ *   3. The choice checked on those probabilities: the k picks strictly decreasing and every
+ *      other expert strictly below the k-th. Then no tie can change the choice or its order
+ *      and the picks are the answer; else (equal probabilities at or above the k-th) the
+ *      replay of moe_select.h's selection over the candidates in expert order, its
+ *      partitions by the warp.
+ * A NaN logit, k of 32 or more, or more than 32 * RK experts: one thread's whole
+ * routing (pd_moe_route_row). For a step of one row (off not NULL) the grouping follows
+ * (group_one_row): the grouping's launch spared.
+ * Shared: E candidates, E logits, 2 E partition positions. */
+template <int RK>
 static __global__ void __launch_bounds__(ROUTE_THREADS)
 route_kernel(const bf16 *logits, int32_t E, int32_t k, bool renorm, int32_t *ids, float *w,
              int32_t *off, int32_t *rows, int32_t *pos)
-{
-    route_row(logits, E, k, renorm, ids, w);
-    if (!off) return;
-    __syncwarp(); /* (the ids lane 0 wrote, visible to the warp) */
-    group_one_row(ids, k, E, off, rows, pos);
-}
-
-static __device__ void route_row(const bf16 *logits, int32_t E, int32_t k, bool renorm,
-                                 int32_t *ids, float *w)
 {
     extern __shared__ double smem_d[]; /* (double alignment for the candidates) */
     pd_moe_cand *c = reinterpret_cast<pd_moe_cand *>(smem_d);
     float *lg = reinterpret_cast<float *>(c + E);
     int32_t *Lp = reinterpret_cast<int32_t *>(lg + E), *Rp = Lp + E;
-    unsigned char *taken = reinterpret_cast<unsigned char *>(Rp + E);
-    __shared__ double s_sum;
-    __shared__ double s_p[ROUTE_THREADS + 1];
-    __shared__ int32_t s_e[ROUTE_THREADS + 1];
+    __shared__ int32_t s_e[ROUTE_THREADS];
+    pd_pdl_enter();
     const int lane = (int)threadIdx.x;
     const size_t t = blockIdx.x;
+    const bf16 *row = logits + t * E;
+    ids += t * k;
+    w += t * k;
+    const bool regs = E <= 32 * RK && k < ROUTE_THREADS;
+    unsigned key[RK];
+    float v[RK];
     bool bad = false;
     float mx = -INFINITY;
-    for (int32_t e = lane; e < E; e += ROUTE_THREADS) {
-        const float v = pd_ld(logits + t * E + e);
-        lg[e] = v;
-        bad |= isnan(v);
-        mx = fmaxf(mx, v);
-        taken[e] = 0;
+    if (regs) {
+#pragma unroll
+        for (int i = 0; i < RK; i++) {
+            const int32_t e = lane + 32 * i;
+            key[i] = 0; /* (below every expert's key) */
+            v[i] = 0.f;
+            if (e < E) {
+                const bf16 b = row[e];
+                v[i] = __bfloat162float(b);
+                key[i] = route_key(__bfloat16_as_ushort(b), e);
+                bad |= isnan(v[i]);
+                mx = fmaxf(mx, v[i]);
+            }
+        }
     }
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     bad = __any_sync(0xffffffffu, bad);
-    const bool fast = !bad && k < ROUTE_THREADS; /* (k + 1 picks fit s_p) */
-    if (fast) {
-        for (int32_t e = lane; e < E; e += ROUTE_THREADS) {
-            c[e].p = exp((double)lg[e] - (double)mx);
-            c[e].e = e;
-        }
+    if (!regs || bad) {
+        for (int32_t e = lane; e < E; e += ROUTE_THREADS) lg[e] = pd_ld(row + e);
         __syncwarp();
-        if (lane == 0) {
-            double sum = 0;
-            for (int32_t e = 0; e < E; e++) sum += c[e].p;
-            s_sum = sum;
-        }
-        __syncwarp();
-        const double sum = s_sum;
-        for (int32_t e = lane; e < E; e += ROUTE_THREADS) c[e].p /= sum;
-        __syncwarp();
-        const int32_t picks = k < E ? k + 1 : k;
-        for (int32_t j = 0; j < picks; j++) {
-            double bp = -1.0;
-            int32_t be = INT32_MAX;
-            for (int32_t e = lane; e < E; e += ROUTE_THREADS)
-                if (!taken[e] && c[e].p > bp) { /* (ascending e: the first of equals) */
-                    bp = c[e].p;
-                    be = e;
-                }
-            for (int o = 16; o > 0; o >>= 1) {
-                const double op = __shfl_xor_sync(0xffffffffu, bp, o);
-                const int32_t oe = __shfl_xor_sync(0xffffffffu, be, o);
-                if (op > bp || (op == bp && oe < be)) {
-                    bp = op;
-                    be = oe;
-                }
-            }
-            if (lane == 0) {
-                s_p[j] = bp;
-                s_e[j] = be;
-                taken[be] = 1;
-            }
-            __syncwarp();
-        }
-        bool tie = false;
-        for (int32_t j = 0; j + 1 < picks; j++) tie |= s_p[j] == s_p[j + 1];
-        if (!tie) {
-            if (lane == 0) {
-                double top = 0;
-                for (int32_t j = 0; j < k; j++) top += s_p[j];
-                for (int32_t j = 0; j < k; j++) {
-                    ids[t * k + j] = s_e[j];
-                    w[t * k + j] = (float)(renorm ? s_p[j] / top : s_p[j]);
-                }
-            }
-            return;
-        }
-        /* a tie: the replay, over the candidates as the reference lays them out (c is
-         * untouched by the arg-max rounds); its partitions by the warp */
-        if ((int64_t)k * 64 > E)
-            warp_route_pick(c, E, k, renorm, ids + t * k, w + t * k, Lp, Rp);
-        else if (lane == 0)
-            pd_moe_route_pick(c, E, k, renorm, ids + t * k, w + t * k);
+        if (lane == 0) pd_moe_route_row(lg, E, k, renorm, c, ids, w);
+        if (!off) return;
+        __syncwarp(); /* (the ids lane 0 wrote, visible to the warp) */
+        group_one_row(ids, k, E, off, rows, pos);
         return;
     }
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    /* 1. the k largest keys */
+    unsigned sel[RK], best = 0, last = 0;
+#pragma unroll
+    for (int i = 0; i < RK; i++) {
+        sel[i] = key[i];
+        best = max(best, key[i]);
+    }
+    for (int32_t j = 0; j < k; j++) {
+        last = warp_max_u32(best);
+        if (lane == 0) s_e[j] = (int32_t)(0xFFFFu - (last & 0xFFFFu));
+        best = 0;
+#pragma unroll
+        for (int i = 0; i < RK; i++) {
+            sel[i] = sel[i] == last ? 0u : sel[i];
+            best = max(best, sel[i]);
+        }
+    }
+    /* 2. the softmax */
+    double x[RK];
+#pragma unroll
+    for (int i = 0; i < RK; i++) {
+        const int32_t e = lane + 32 * i;
+        x[i] = 0;
+        if (e < E) {
+            x[i] = exp((double)v[i] - (double)mx);
+            c[e].p = x[i];
+            c[e].e = e;
+        }
+    }
     __syncwarp();
-    if (lane == 0) pd_moe_route_row(lg, E, k, renorm, c, ids + t * k, w + t * k);
+    double sum = 0;
+    for (int32_t e = 0; e < E; e++) sum += c[e].p; /* (in expert order, as the reference) */
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < RK; i++) {
+        const int32_t e = lane + 32 * i;
+        if (e < E) {
+            x[i] /= sum;
+            c[e].p = x[i];
+        }
+    }
+    __syncwarp();
+    /* 3. the check */
+    const double pk = c[s_e[k - 1]].p;
+    bool ok = lane + 1 >= k || c[s_e[lane]].p > c[s_e[lane + 1]].p;
+#pragma unroll
+    for (int i = 0; i < RK; i++)
+        if (lane + 32 * i < E && key[i] < last) ok &= x[i] < pk;
+    if (__all_sync(0xffffffffu, ok)) {
+        double top = 0;
+        for (int32_t j = 0; j < k; j++) top += c[s_e[j]].p; /* (in the choice's order) */
+        if (lane < k) {
+            const double p = c[s_e[lane]].p;
+            ids[lane] = s_e[lane];
+            w[lane] = (float)(renorm ? p / top : p);
+        }
+        if (off) group_one_row(s_e, k, E, off, rows, pos);
+        return;
+    }
+    /* a tie: the replay, over the candidates as the reference lays them out */
+    if ((int64_t)k * 64 > E) {
+        warp_route_pick(c, E, k, renorm, ids, w, Lp, Rp, s_e);
+        if (off) group_one_row(s_e, k, E, off, rows, pos);
+        return;
+    }
+    if (lane == 0) pd_moe_route_pick(c, E, k, renorm, ids, w);
+    if (!off) return;
+    __syncwarp(); /* (the ids lane 0 wrote, visible to the warp) */
+    group_one_row(ids, k, E, off, rows, pos);
 }
 
 /* The n * k choices grouped by expert (pd_moe_group's order: experts ascending, rows
@@ -246,6 +308,7 @@ group_kernel(const int32_t *ids, int32_t nk, int32_t k, int32_t E, int32_t *off,
              int32_t *pos)
 {
     extern __shared__ int32_t sg[];
+    pd_pdl_enter();
     const int nw = (int)blockDim.x / 32, warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     int32_t *cur = sg, *wc = sg + E;
     for (int32_t e = threadIdx.x; e < E; e += blockDim.x) cur[e] = 0;
@@ -370,19 +433,13 @@ moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
                 const bf16 *__restrict__ W, int32_t M, int32_t K, bf16 *__restrict__ out)
 {
     extern __shared__ uint4 xs[]; /* [R][K / 8] */
+    pd_pdl_enter();
     int32_t sub;
     const int32_t e = find_tile(off, E, R, (int32_t)blockIdx.x, &sub);
     if (e < 0) return;
     const int32_t r0 = off[e] + sub * R, nr = min(R, off[e + 1] - r0), K8 = K / 8;
-    for (int32_t i = threadIdx.x; i < nr * K8; i += blockDim.x) {
-        const int32_t r = i / K8, c = i - r * K8;
-        const int64_t src = rows ? rows[r0 + r] : r0 + r;
-        xs[i] = reinterpret_cast<const uint4 *>(x + src * K)[c];
-    }
-    __syncthreads();
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int32_t i0 = ((int32_t)blockIdx.y * GV_WARPS + warp) * GV_COLS(SWIGLU);
-    if (i0 >= M) return;
     constexpr int NW = 4; /* weight rows a warp streams */
     const bf16 *We = W + (size_t)e * (SWIGLU ? 2 : 1) * (size_t)M * K;
     const uint4 *wr[NW];
@@ -394,16 +451,28 @@ moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
         wr[q] = reinterpret_cast<const uint4 *>(We + (size_t)((SWIGLU && q >= 2 ? M : 0) +
                                                               (ok[q] ? col : 0)) * K);
     }
+    /* the weights' first loads before the x rows' (they need only the expert) */
+    uint4 wv[NW];
+#pragma unroll
+    for (int q = 0; q < NW; q++)
+        wv[q] = ok[q] && lane < K8 ? __ldg(wr[q] + lane) : make_uint4(0, 0, 0, 0);
+    for (int32_t i = threadIdx.x; i < nr * K8; i += blockDim.x) {
+        const int32_t r = i / K8, c = i - r * K8;
+        const int64_t src = rows ? rows[r0 + r] : r0 + r;
+        xs[i] = reinterpret_cast<const uint4 *>(x + src * K)[c];
+    }
+    __syncthreads();
+    if (i0 >= M) return;
     float acc[NW][RT];
 #pragma unroll
     for (int q = 0; q < NW; q++)
 #pragma unroll
         for (int r = 0; r < RT; r++) acc[q][r] = 0.0f;
-#pragma unroll 2
-    for (int32_t c = lane; c < K8; c += 32) {
-        uint4 wv[NW];
+    for (int32_t c = lane; c < K8; c += 32) { /* (the next step's loads before this one's sums) */
+        uint4 nx[NW];
 #pragma unroll
-        for (int q = 0; q < NW; q++) wv[q] = ok[q] ? __ldg(wr[q] + c) : make_uint4(0, 0, 0, 0);
+        for (int q = 0; q < NW; q++)
+            nx[q] = ok[q] && c + 32 < K8 ? __ldg(wr[q] + c + 32) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int r = 0; r < RT; r++) {
             if (r >= nr) break;
@@ -411,6 +480,8 @@ moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
 #pragma unroll
             for (int q = 0; q < NW; q++) acc[q][r] = dot8(wv[q], xv, acc[q][r]);
         }
+#pragma unroll
+        for (int q = 0; q < NW; q++) wv[q] = nx[q];
     }
 #pragma unroll
     for (int r = 0; r < RT; r++) {
@@ -427,6 +498,60 @@ moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
             else
                 pd_st(o + i0 + q, acc[q][r]);
         }
+    }
+}
+
+/* The down products of a one-row step and their combination, in one launch (moe_experts with
+ * out at n = 1): block b takes output columns DC_COLS b ..; warp w the choices w, w + 8, ..:
+ * each streams its expert's DC_COLS down rows against the choice's SwiGLU row, summed as
+ * moe_gemv_kernel sums (lane-strided chunks, then the warp) and rounded to bf16 as y would be;
+ * then combine_kernel's sum over the choices in their order, added to out and rounded once.
+ * So out is what the two launches make, bit for bit. Shared: [k][DC_COLS] floats. */
+#define DC_COLS 4
+static __global__ void __launch_bounds__(GV_WARPS * 32)
+moe_down_combine_kernel(const bf16 *__restrict__ act, const int32_t *__restrict__ ids,
+                        const int32_t *__restrict__ pos, const float *__restrict__ wts, int32_t k,
+                        const bf16 *__restrict__ W, int32_t M, int32_t K, bool accumulate,
+                        bf16 *__restrict__ out)
+{
+    extern __shared__ float dc[]; /* [k][DC_COLS] */
+    pd_pdl_enter();
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    const int32_t c0 = (int32_t)blockIdx.x * DC_COLS, K8 = K / 8;
+    for (int32_t j = warp; j < k; j += GV_WARPS) {
+        const uint4 *xr = reinterpret_cast<const uint4 *>(act + (size_t)pos[j] * K);
+        const bf16 *We = W + (size_t)ids[j] * M * K;
+        const uint4 *wr[DC_COLS];
+        bool ok[DC_COLS];
+        float acc[DC_COLS];
+#pragma unroll
+        for (int q = 0; q < DC_COLS; q++) {
+            ok[q] = c0 + q < M;
+            wr[q] = reinterpret_cast<const uint4 *>(We + (size_t)(ok[q] ? c0 + q : 0) * K);
+            acc[q] = 0.0f;
+        }
+        for (int32_t c = lane; c < K8; c += 32) {
+            uint4 wv[DC_COLS];
+#pragma unroll
+            for (int q = 0; q < DC_COLS; q++)
+                wv[q] = ok[q] ? __ldg(wr[q] + c) : make_uint4(0, 0, 0, 0);
+            const uint4 xv = xr[c];
+#pragma unroll
+            for (int q = 0; q < DC_COLS; q++) acc[q] = dot8(wv[q], xv, acc[q]);
+        }
+#pragma unroll
+        for (int q = 0; q < DC_COLS; q++) {
+            acc[q] = pd_warp_sum(acc[q]);
+            if (lane == 0) dc[j * DC_COLS + q] = __bfloat162float(__float2bfloat16_rn(acc[q]));
+        }
+    }
+    __syncthreads();
+    const int q = (int)threadIdx.x;
+    if (q < DC_COLS && c0 + q < M) {
+        float s = 0.0f;
+        for (int32_t j = 0; j < k; j++) s += wts[j] * dc[j * DC_COLS + q];
+        bf16 *o = out + c0 + q;
+        pd_st(o, accumulate ? pd_ld(o) + s : s);
     }
 }
 
@@ -605,6 +730,7 @@ static __global__ void combine_kernel(const bf16 *y, const int32_t *pos, const f
                                       int32_t n, int32_t k, int32_t dim, bool accumulate,
                                       bf16 *out)
 {
+    pd_pdl_enter();
     const int32_t dv = dim / V;
     const size_t total = (size_t)n * dv;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
@@ -653,8 +779,7 @@ extern "C" int pd_cuda__moe_route(void *ctx, const pd_moe_route_args *a)
         (a->n > 0 && (!a->logits || !a->ids || !a->weights || !a->rows || !a->pos)))
         return PD_EINVAL;
     const int32_t n = a->n, E = a->n_experts, k = a->k;
-    const size_t smem =
-        (size_t)E * (sizeof(pd_moe_cand) + sizeof(float) + 2 * sizeof(int32_t) + 1);
+    const size_t smem = (size_t)E * (sizeof(pd_moe_cand) + sizeof(float) + 2 * sizeof(int32_t));
     if (smem > 48 * 1024 || (int64_t)n * k > INT32_MAX)
         return PD_EINVAL; /* (thousands of experts: not a model we know) */
     if (n == 0) {
@@ -676,10 +801,13 @@ extern "C" int pd_cuda__moe_route(void *ctx, const pd_moe_route_args *a)
         doff = c->moe_off;
     }
     /* a step of one row (batch-1 decode) is grouped by the routing kernel itself */
-    route_kernel<<<(unsigned)n, ROUTE_THREADS, smem, c->stream>>>(
-        (const bf16 *)a->logits, E, k, a->renormalize, a->ids, a->weights, n == 1 ? doff : NULL,
-        a->rows, a->pos);
-    PD_CUDA_CHECK(cudaGetLastError());
+    void (*route)(const bf16 *, int32_t, int32_t, bool, int32_t *, float *, int32_t *,
+                  int32_t *, int32_t *) = E <= 128   ? route_kernel<4>
+                                          : E <= 256 ? route_kernel<8>
+                                                     : route_kernel<ROUTE_RK_MAX>;
+    PD_CUDA_CHECK(pd_cuda__launch(route, dim3((unsigned)n), dim3(ROUTE_THREADS), smem, c->stream,
+                                  (const bf16 *)a->logits, E, k, a->renormalize, a->ids,
+                                  a->weights, n == 1 ? doff : NULL, a->rows, a->pos));
     if (n > 1) {
         /* the grouping: one block, as many warps as the choices need (up to 32) and its
          * shared counts allow */
@@ -694,9 +822,8 @@ extern "C" int pd_cuda__moe_route(void *ctx, const pd_moe_route_args *a)
             PD_CUDA_CHECK(cudaFuncSetAttribute(group_kernel,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                (int)gsmem));
-        group_kernel<<<1, (unsigned)(nw * 32), gsmem, c->stream>>>(a->ids, nk, k, E, doff,
-                                                                    a->rows, a->pos);
-        PD_CUDA_CHECK(cudaGetLastError());
+        PD_CUDA_CHECK(pd_cuda__launch(group_kernel, dim3(1), dim3((unsigned)(nw * 32)), gsmem,
+                                      c->stream, a->ids, nk, k, E, doff, a->rows, a->pos));
     }
     if (a->offsets) { /* the caller sizes the experts' products by them: synchronous */
         PD_CUDA_CHECK(cudaMemcpyAsync(a->offsets, doff, (size_t)(E + 1) * sizeof(int32_t),
@@ -782,29 +909,32 @@ static int experts_product(pd_cuda_ctx *c, bool gemm, const bf16 *x, const int32
     int32_t R = (int32_t)((48 * 1024) / ((size_t)K * sizeof(bf16)));
     if (R > RT) R = RT;
     if (R < 1) return PD_EINVAL;
-    const int64_t tiles = (nk + R - 1) / R + busy;
+    /* tiles: sum over experts of ceil(n_e / R): nk when R is 1, else at most nk / R + busy */
+    const int64_t tiles = R == 1 ? nk : (nk + R - 1) / R + busy;
     const int32_t per = GV_WARPS * GV_COLS(SWIGLU);
     const dim3 grid((unsigned)tiles, (unsigned)((M + per - 1) / per));
     const size_t smem = (size_t)R * K * sizeof(bf16);
-    switch (RT) {
-    case 1:
-        moe_gemv_kernel<SWIGLU, 1><<<grid, GV_WARPS * 32, smem, c->stream>>>(x, rows, off, E, R,
-                                                                            W, M, K, out);
-        break;
-    case 2:
-        moe_gemv_kernel<SWIGLU, 2><<<grid, GV_WARPS * 32, smem, c->stream>>>(x, rows, off, E, R,
-                                                                            W, M, K, out);
-        break;
-    case 4:
-        moe_gemv_kernel<SWIGLU, 4><<<grid, GV_WARPS * 32, smem, c->stream>>>(x, rows, off, E, R,
-                                                                            W, M, K, out);
-        break;
-    default:
-        moe_gemv_kernel<SWIGLU, GV_R><<<grid, GV_WARPS * 32, smem, c->stream>>>(
-            x, rows, off, E, R, W, M, K, out);
-    }
-    PD_CUDA_CHECK(cudaGetLastError());
+    void (*kernel)(const bf16 *, const int32_t *, const int32_t *, int32_t, int32_t,
+                   const bf16 *, int32_t, int32_t, bf16 *) =
+        RT == 1 ? moe_gemv_kernel<SWIGLU, 1>
+        : RT == 2 ? moe_gemv_kernel<SWIGLU, 2>
+        : RT == 4 ? moe_gemv_kernel<SWIGLU, 4>
+                  : moe_gemv_kernel<SWIGLU, GV_R>;
+    PD_CUDA_CHECK(pd_cuda__launch(kernel, grid, dim3(GV_WARPS * 32), smem, c->stream, x, rows, off,
+                                  E, R, W, M, K, out));
     return 0;
+}
+
+/* combine_kernel over n rows (V 8: 16-byte accesses where dim and the buffers allow). */
+static cudaError_t launch_combine(cudaStream_t stream, const bf16 *y, const int32_t *pos,
+                                  const float *w, int32_t n, int32_t k, int32_t dim,
+                                  bool accumulate, bf16 *out)
+{
+    const bool vec = dim % 8 == 0 && (((uintptr_t)y | (uintptr_t)out) & 15) == 0;
+    const size_t total = (size_t)n * dim / (vec ? 8 : 1);
+    return pd_cuda__launch(vec ? combine_kernel<8> : combine_kernel<1>,
+                           dim3(pd_cuda__blocks(total, 256)), dim3(256), 0, stream, y, pos, w, n,
+                           k, dim, accumulate, out);
 }
 
 extern "C" int pd_cuda__moe_experts(void *ctx, const pd_moe_experts_args *a)
@@ -813,7 +943,8 @@ extern "C" int pd_cuda__moe_experts(void *ctx, const pd_moe_experts_args *a)
     if (!a || a->n < 0 || a->k < 1 || a->n_experts < 1 || a->hidden < 8 || a->inter < 8 ||
         a->hidden % 8 != 0 || a->inter % 8 != 0 ||
         (a->n > 0 && (!a->x || !a->rows || !a->offsets || !a->gate_up || !a->down || !a->act ||
-                      !a->y)))
+                      !a->y)) ||
+        (a->n > 0 && a->out && (!a->ids || !a->pos || !a->weights)))
         return PD_EINVAL;
     const uintptr_t bits = (uintptr_t)a->x | (uintptr_t)a->gate_up | (uintptr_t)a->down |
                            (uintptr_t)a->act | (uintptr_t)a->y;
@@ -825,11 +956,24 @@ extern "C" int pd_cuda__moe_experts(void *ctx, const pd_moe_experts_args *a)
     int rc = experts_product<true>(c, gemm, (const bf16 *)a->x, a->rows, a->offsets,
                                    a->n_experts, a->n, nk, (const bf16 *)a->gate_up, a->inter,
                                    a->hidden, (bf16 *)a->act);
-    if (rc == 0)
-        rc = experts_product<false>(c, gemm, (const bf16 *)a->act, NULL, a->offsets,
-                                    a->n_experts, a->n, nk, (const bf16 *)a->down, a->hidden,
-                                    a->inter, (bf16 *)a->y);
-    return rc;
+    if (rc < 0) return rc;
+    if (a->out && a->n == 1 && !gemm && (size_t)a->k * DC_COLS * sizeof(float) <= 48 * 1024) {
+        /* a one-row step: the down products and the combination in one launch */
+        const dim3 grid((unsigned)((a->hidden + DC_COLS - 1) / DC_COLS));
+        PD_CUDA_CHECK(pd_cuda__launch(moe_down_combine_kernel, grid, dim3(GV_WARPS * 32),
+                                      (size_t)a->k * DC_COLS * sizeof(float), c->stream,
+                                      (const bf16 *)a->act, a->ids, a->pos, a->weights, a->k,
+                                      (const bf16 *)a->down, a->hidden, a->inter,
+                                      a->accumulate, (bf16 *)a->out));
+        return 0;
+    }
+    rc = experts_product<false>(c, gemm, (const bf16 *)a->act, NULL, a->offsets, a->n_experts,
+                                a->n, nk, (const bf16 *)a->down, a->hidden, a->inter,
+                                (bf16 *)a->y);
+    if (rc < 0 || !a->out) return rc;
+    PD_CUDA_CHECK(launch_combine(c->stream, (const bf16 *)a->y, a->pos, a->weights, a->n, a->k,
+                                 a->hidden, a->accumulate, (bf16 *)a->out));
+    return 0;
 }
 
 extern "C" int pd_cuda__moe_combine(void *ctx, const pd_moe_combine_args *a)
@@ -839,16 +983,7 @@ extern "C" int pd_cuda__moe_combine(void *ctx, const pd_moe_combine_args *a)
         (a->n > 0 && (!a->y || !a->pos || !a->weights || !a->out)))
         return PD_EINVAL;
     if (a->n == 0) return 0;
-    const bool vec = a->dim % 8 == 0 && (((uintptr_t)a->y | (uintptr_t)a->out) & 15) == 0;
-    const size_t total = (size_t)a->n * a->dim / (vec ? 8 : 1);
-    if (vec)
-        combine_kernel<8><<<pd_cuda__blocks(total, 256), 256, 0, c->stream>>>(
-            (const bf16 *)a->y, a->pos, a->weights, a->n, a->k, a->dim, a->accumulate,
-            (bf16 *)a->out);
-    else
-        combine_kernel<1><<<pd_cuda__blocks(total, 256), 256, 0, c->stream>>>(
-            (const bf16 *)a->y, a->pos, a->weights, a->n, a->k, a->dim, a->accumulate,
-            (bf16 *)a->out);
-    PD_CUDA_CHECK(cudaGetLastError());
+    PD_CUDA_CHECK(launch_combine(c->stream, (const bf16 *)a->y, a->pos, a->weights, a->n, a->k,
+                                 a->dim, a->accumulate, (bf16 *)a->out));
     return 0;
 }
