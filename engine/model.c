@@ -422,6 +422,36 @@ int pd_shard_of(const mc_config *c, int32_t rank, int32_t n_ranks, pd_shard *out
 /* A sparse layer's router (whole) and experts (this shard's columns of each), under the
  * published checkpoints' names: Qwen3-MoE's mlp.gate and mlp.experts.E.{gate,up,down}_proj,
  * Mixtral's block_sparse_moe.gate and block_sparse_moe.experts.E.{w1,w3,w2}. */
+/* Quantized experts as two weights of the FP8 op set (pd_wq_ops.moe_experts): every expert's
+ * gate and up rows stacked, [n_experts * 2 inter][hidden], and the down rows, [n_experts *
+ * hidden][inter], this shard's columns. */
+static int load_experts_stacked(pd_model *m, const loader *L, int32_t li, const char *blk,
+                                const char *const *proj, pd_layer_weights *w, char *err)
+{
+    const mc_config *c = &m->cfg;
+    const int64_t h = c->hidden_size, f = c->moe_intermediate, nx = c->n_experts;
+    const window wf = {m->shard.moe_ff0, m->shard.moe_intermediate, 0, h};
+    lin_part *pp = calloc((size_t)(3 * nx), sizeof *pp);
+    if (!pp) return pd_errf(err, PD_ENOMEM, "out of memory");
+    for (int64_t e = 0; e < nx; e++) {
+        lin_part *part[3] = {&pp[2 * e], &pp[2 * e + 1], &pp[2 * nx + e]};
+        for (int i = 0; i < 3; i++) {
+            *part[i] = i < 2 ? (lin_part){.rows = f, .cols = h, .w = wf}
+                             : (lin_part){.rows = h, .cols = f, .w = {0, h, wf.r0, wf.nr}};
+            snprintf(part[i]->module, sizeof part[i]->module, "model.layers.%d.%s.experts.%d.%s",
+                     li, blk, (int)e, proj[i]);
+        }
+    }
+    const pd_wq_ops *down_ops = NULL;
+    int rc = put_linear(m, L, pp, (int)(2 * nx), &w->experts_gate_up, &w->experts_ops);
+    if (rc == 0) rc = put_linear(m, L, pp + 2 * nx, (int)nx, &w->experts_down, &down_ops);
+    free(pp);
+    if (rc == 0 && (!w->experts_ops || down_ops != w->experts_ops))
+        rc = pd_errf(err, PD_EUNSUPPORTED, "layer %d: the experts' gate/up and down projections "
+                     "are quantized differently", li);
+    return rc;
+}
+
 static int load_experts(pd_model *m, const loader *L, int32_t li, pd_layer_weights *w, char *err)
 {
     static const char *const k_proj[2][3] = {{"gate_proj", "up_proj", "down_proj"},
@@ -440,14 +470,21 @@ static int load_experts(pd_model *m, const loader *L, int32_t li, pd_layer_weigh
     w->experts = calloc((size_t)c->n_experts, sizeof *w->experts);
     if (!w->experts) return pd_errf(err, PD_ENOMEM, "out of memory");
     /* Unquantized experts go into one buffer each for gate_up and down (the backend's
-     * moe_experts runs them all in one op); quantized ones are each their own weight. */
-    bool slab = true;
-    for (int32_t e = 0; e < c->n_experts && slab; e++)
-        for (int i = 0; i < 3 && slab; i++) {
+     * moe_experts runs them all in one op). Quantized ones go into one weight each, stacked
+     * the same way, where the op set has a moe_experts of its own and their input rows are
+     * quantized alike (static activations have a scale an expert); else each linear is its
+     * own weight, run expert by expert. */
+    int n_ignored = 0;
+    for (int32_t e = 0; e < c->n_experts; e++)
+        for (int i = 0; i < 3; i++) {
             snprintf(name, sizeof name, "model.layers.%d.%s.experts.%d.%s", li, blk, e,
                      k_proj[mixtral][i]);
-            slab = mc_quant_ignored(&c->quant, name);
+            n_ignored += mc_quant_ignored(&c->quant, name);
         }
+    const bool slab = n_ignored == 3 * c->n_experts;
+    const pd_wq_ops *fp8 = m->be->ops->fp8;
+    if (n_ignored == 0 && fp8 && fp8->moe_experts && c->quant.act != PD_ACT_STATIC)
+        return load_experts_stacked(m, L, li, blk, k_proj[mixtral], w, err);
     const size_t fl = (size_t)m->shard.moe_intermediate;
     const size_t es = pd_dtype_size(m->be->ops->act_dtype), nx = (size_t)c->n_experts;
     if (slab && ((rc = alloc_w(m, nx * 2 * fl * (size_t)h, &w->experts_gate_up, err)) < 0 ||
@@ -624,8 +661,8 @@ void pd_model_destroy(pd_model *m)
                 WFREE(w->experts[e].gate_up, w->experts[e].gate_up_ops);
                 WFREE(w->experts[e].down, w->experts[e].down_ops);
             }
-            FREE(w->experts_gate_up);
-            FREE(w->experts_down);
+            WFREE(w->experts_gate_up, w->experts_ops);
+            WFREE(w->experts_down, w->experts_ops);
             free(w->experts);
 #undef WFREE
         }

@@ -60,10 +60,13 @@ typedef struct {
     void *down;       /* [hidden][intermediate]; NULL in a sparse layer */
     void *router;     /* a sparse layer's (mc_layer_sparse): [n_experts][hidden]; else NULL */
     pd_expert *experts; /* a sparse layer's [n_experts] (host array); else NULL */
-    /* Unquantized experts' weights in one buffer each, [n_experts][2 moe_intermediate][hidden]
-     * and [n_experts][hidden][moe_intermediate] (each pd_expert points into them), else NULL
-     * (quantized experts: each its own weight). */
+    /* Every expert's weights in one each, [n_experts][2 moe_intermediate][hidden] and
+     * [n_experts][hidden][moe_intermediate]: unquantized, act_dtype buffers (each pd_expert
+     * points into them); quantized, two weights of the op set experts_ops (its moe_experts
+     * runs them; the pd_experts hold none). Else NULL: each expert's linears their own
+     * weights. */
     void *experts_gate_up, *experts_down;
+    const pd_wq_ops *experts_ops;
     /* The op set of each linear's weights: NULL = the backend's own (act_dtype buffers above);
      * else a quantized weight of that set (its weight_create result; docs/quantization.md). */
     const pd_wq_ops *qkv_ops, *o_ops, *gate_up_ops, *down_ops;

@@ -1,7 +1,8 @@
 /* moe.c -- The mixture-of-experts feed-forward block (moe.h): the router's product, the
  * backend's routing, the experts' MLPs expert by expert over the rows routed to each, and the
  * weighted combination, every step a backend op so that another backend runs the same
- * sequence. Quantized experts run their own op set's linear_fused, as dense layers do. */
+ * sequence. Quantized experts run their op set's moe_experts, or where they are each their own
+ * weights its linear_fused, as dense layers do. */
 #include "engine/moe.h"
 
 #include <stdlib.h>
@@ -98,11 +99,19 @@ void moe_ws_destroy(moe_ws *ws)
     free(ws);
 }
 
+/* The op that runs a sparse layer's experts in one call: the backend's moe_experts, or their
+ * weight op set's; NULL when the layer's experts are each their own weights. */
+static int (*experts_op(const pd_backend *be, const pd_layer_weights *w))(void *,
+                                                                     const pd_moe_experts_args *)
+{
+    if (!w->experts_gate_up) return NULL;
+    return w->experts_ops ? w->experts_ops->moe_experts : be->ops->moe_experts;
+}
+
 bool moe_without_host(const pd_model *m)
 {
-    if (!m->be->ops->moe_experts) return false;
     for (int32_t l = 0; l < m->cfg.n_layers; l++)
-        if (m->layers[l].experts && !m->layers[l].experts_gate_up) return false;
+        if (m->layers[l].experts && !experts_op(m->be, &m->layers[l])) return false;
     return true;
 }
 
@@ -170,7 +179,8 @@ int moe_ffn(moe_ws *ws, const pd_layer_weights *w, int32_t layer, const void *x,
     CALL(o->linear(ctx, x, w->router, NULL, n, ws->hidden, ws->n_experts, ws->logits));
     /* experts in one buffer each on a backend with moe_experts: the groups stay on the
      * backend (no synchronisation); else each expert's products, sized on the host */
-    const bool one_op = o->moe_experts && w->experts_gate_up;
+    int (*const experts)(void *, const pd_moe_experts_args *) = experts_op(be, w);
+    const bool one_op = experts != NULL;
     const pd_moe_route_args ra = {
         .logits = ws->logits, .n = n, .n_experts = ws->n_experts, .k = ws->k,
         .renormalize = ws->m->cfg.norm_topk_prob, .ids = ws->ids, .weights = ws->weights,
@@ -189,7 +199,7 @@ int moe_ffn(moe_ws *ws, const pd_layer_weights *w, int32_t layer, const void *x,
             .ids = ws->ids, .pos = ws->pos, .weights = ws->weights, .out = out,
             .accumulate = accumulate,
         };
-        CALL(o->moe_experts(ctx, &ea));
+        CALL(experts(ctx, &ea));
         return 0;
     }
     for (int32_t e = 0; !one_op && e < ws->n_experts; e++) {

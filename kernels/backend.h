@@ -363,6 +363,15 @@ typedef struct pd_wq_ops {
      * computes, the intermediate in the op set's own form (gate_up->out, and its tmp_out, are
      * scratch: their contents afterwards are unspecified). Returns as linear_fused. */
     int (*linear_pair)(void *ctx, const pd_linear_args *gate_up, const pd_linear_args *down);
+    /* Optional (NULL: a model keeps each expert's linears as weights of their own, and the
+     * engine runs them expert by expert): the moe_experts op (pd_moe_experts_args) over this
+     * op set's weights. gate_up is one weight_create result of every expert's gate and up rows
+     * stacked, [n_experts * 2 inter][hidden] (expert e's gate rows, then its up rows, from row
+     * 2 inter e), down one of [n_experts * hidden][inter]; each product is what linear_fused
+     * computes for one expert's rows (its input rows quantized as the weight's act says, the
+     * gate/up product with swiglu), the combination as moe_experts'. Returns 0, PD_EINVAL,
+     * PD_EBACKEND. */
+    int (*moe_experts)(void *ctx, const pd_moe_experts_args *a);
 } pd_wq_ops;
 
 struct pd_backend;
@@ -426,7 +435,8 @@ typedef struct pd_backend_ops {
     int (*moe_combine)(void *ctx, const pd_moe_combine_args *a);
     /* Optional (NULL: the engine runs each expert's products as above, with the groups'
      * bounds on the host): every expert's MLP in one op (pd_moe_experts_args), for experts
-     * held in one buffer each (unquantized). Returns 0, PD_EINVAL, PD_EBACKEND. */
+     * held in one buffer each (unquantized; a weight op set's moe_experts takes its own).
+     * Returns 0, PD_EINVAL, PD_EBACKEND. */
     int (*moe_experts)(void *ctx, const pd_moe_experts_args *a);
     /* KV blocks to / from host memory (for transfer staging). For each i, block ids[i] of a
      * cache laid out [n_blocks][block_elems] is copied to / from host + i * block_elems,

@@ -12,6 +12,7 @@
  * config refused naming the tensor. */
 #include <jansson.h>
 #include <math.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "tests/golden_util.h"
@@ -251,8 +252,10 @@ static void run_model(const char *name)
 }
 
 /* --quantization fp8 (per channel at load, activations per token): every expert's linears go
- * through the FP8 op set; the logits stay near HF's (docs/quantization.md's W8A8 bound: 0.6
- * of the logits' standard deviation). */
+ * through the FP8 op set, stacked into two weights a layer that its moe_experts runs; the
+ * logits stay near HF's (docs/quantization.md's W8A8 bound: 0.6 of the logits' standard
+ * deviation) and equal, bit for bit, those of the same model loaded on an op set without
+ * moe_experts (each expert's linears their own weights, run expert by expert). */
 static void test_fp8_at_load(void)
 {
     char dir[1024], path[1100], err[PD_ERR_LEN];
@@ -261,11 +264,14 @@ static void test_fp8_at_load(void)
     json_t *g = NULL;
     mc_config cfg;
     pd_backend *be = NULL;
-    pd_model *m = NULL;
-    mr *r = NULL;
+    pd_model *m = NULL, *m1 = NULL;
+    mr *r = NULL, *r1 = NULL;
     mr_params mp = mr_default_params();
     mp.n_blocks = 64;
     int rc;
+    pd_backend_ops ops1;
+    pd_wq_ops wq1;
+    pd_backend be1;
     if ((rc = pd_json_load_file(path, &g, err)) < 0 || (rc = mc_load(dir, &cfg, err)) < 0 ||
         (rc = mc_set_quantization(&cfg, "fp8", err)) < 0 ||
         (rc = pd_backend_create("cpu", NULL, &be, err)) < 0 ||
@@ -274,11 +280,25 @@ static void test_fp8_at_load(void)
         CHECK_MSG(0, "fp8 at load: %s", err);
         goto out;
     }
-    CHECK(m->quantized && m->layers[0].experts && m->layers[0].experts[3].gate_up_ops &&
-          m->layers[0].experts[3].down_ops && !m->layers[1].experts);
+    CHECK(m->quantized && m->layers[0].experts && m->layers[0].experts_gate_up &&
+          m->layers[0].experts_down && m->layers[0].experts_ops == be->ops->fp8 &&
+          !m->layers[0].experts[3].gate_up && !m->layers[1].experts);
+    /* the same backend whose FP8 op set has no moe_experts: each expert's own weights */
+    ops1 = *be->ops;
+    wq1 = *be->ops->fp8;
+    wq1.moe_experts = NULL;
+    ops1.fp8 = &wq1;
+    be1 = (pd_backend){.ops = &ops1, .ctx = be->ctx};
+    if ((rc = pd_model_load(&cfg, dir, PD_LOAD_SAFETENSORS, 0, &be1, &m1, err)) < 0 ||
+        (rc = mr_create(&mp, m1, &r1, err)) < 0) {
+        CHECK_MSG(0, "fp8 at load, expert by expert: %s", err);
+        goto out;
+    }
+    CHECK(!m1->layers[0].experts_gate_up && m1->layers[0].experts[3].gate_up_ops == &wq1 &&
+          m1->layers[0].experts[3].down_ops == &wq1);
     const json_t *cases = json_object_get(g, "cases");
     const int32_t V = cfg.vocab_size;
-    float *logits = malloc((size_t)V * sizeof(float));
+    float *logits = malloc((size_t)V * sizeof(float)), *logits1 = malloc((size_t)V * sizeof(float));
     double worst = 0;
     for (size_t c = 0; c < json_array_size(cases); c++) {
         const json_t *cs = json_array_get(cases, c), *last = json_object_get(cs, "last_logits");
@@ -286,6 +306,10 @@ static void test_fp8_at_load(void)
         const int32_t n = tg_ids(json_object_get(cs, "prompt_ids"), &ids);
         rc = prompt_logits(r, ids, n, false, logits, err);
         CHECK_MSG(rc == 0, "fp8 case %zu: %s", c, err);
+        const int rc1 = prompt_logits(r1, ids, n, false, logits1, err);
+        CHECK_MSG(rc1 == 0, "fp8 case %zu, expert by expert: %s", c, err);
+        CHECK_MSG(rc != 0 || rc1 != 0 || memcmp(logits, logits1, (size_t)V * sizeof(float)) == 0,
+                  "fp8 case %zu: the stacked experts' logits differ from expert by expert's", c);
         double mean = 0, var = 0;
         for (int32_t v = 0; v < V; v++) mean += json_number_value(json_array_get(last, (size_t)v));
         mean /= V;
@@ -300,7 +324,10 @@ static void test_fp8_at_load(void)
     fprintf(stderr, "qwen3-moe-tiny fp8 at load: max |logit - HF| / std = %.3f\n", worst);
     CHECK_MSG(worst <= 0.6, "fp8 at load: %.3f of the logits' std from HF", worst);
     free(logits);
+    free(logits1);
 out:
+    mr_destroy(r1);
+    pd_model_destroy(m1);
     mr_destroy(r);
     pd_model_destroy(m);
     pd_backend_destroy(be);

@@ -34,6 +34,16 @@ int pd_cpu__linear_fused(void *ctx, const pd_linear_args *a);
 int pd_cpu__moe_route(void *ctx, const pd_moe_route_args *a);
 int pd_cpu__moe_combine(void *ctx, const pd_moe_combine_args *a);
 int pd_cpu__moe_experts(void *ctx, const pd_moe_experts_args *a);
+/* How a product's input rows are quantized (pd_fp8_quant_row's arguments). */
+typedef struct {
+    int32_t group;
+    pd_act_quant act;
+    float in_scale;
+} pd_cpu_rowq;
+/* moe_experts over the f32 weights gate_up and down (a's are not read), each expert's gathered
+ * rows quantized as qgu says and its SwiGLU rows as qdn says (NULL: not quantized). */
+int pd_cpu__moe_experts_q(void *ctx, const pd_moe_experts_args *a, const float *gate_up,
+                          const float *down, const pd_cpu_rowq *qgu, const pd_cpu_rowq *qdn);
 
 /* cpu_fp8.c: the FP8 weight and KV-cache op sets. */
 extern const pd_wq_ops pd_cpu__fp8_ops;

@@ -95,12 +95,28 @@ static int fp8_linear_fused(void *ctx, const pd_linear_args *a)
     return pd_cpu__linear_fused(ctx, &b);
 }
 
+/* Every expert's MLP over the stacked weights (pd_wq_ops.moe_experts): cpu_moe.c's on the
+ * dequantized rows, each product's input rows quantized as fp8_linear_fused quantizes them. */
+static int fp8_moe_experts(void *ctx, const pd_moe_experts_args *a)
+{
+    if (!a || !a->gate_up || !a->down) return PD_EINVAL;
+    const cpu_qweight *g = a->gate_up, *d = a->down;
+    const int64_t E = a->n_experts;
+    if (g->k != a->hidden || (int64_t)g->m != E * 2 * a->inter || d->k != a->inter ||
+        (int64_t)d->m != E * a->hidden)
+        return PD_EINVAL;
+    const pd_cpu_rowq qg = {g->group, g->act, g->in_scale}, qd = {d->group, d->act, d->in_scale};
+    return pd_cpu__moe_experts_q(ctx, a, g->w, d->w, g->act != PD_ACT_NONE ? &qg : NULL,
+                                 d->act != PD_ACT_NONE ? &qd : NULL);
+}
+
 const pd_wq_ops pd_cpu__fp8_ops = {
     .name = "fp8",
     .weight_create = fp8_weight_create,
     .weight_destroy = fp8_weight_destroy,
     .weight_bytes = fp8_weight_bytes,
     .linear_fused = fp8_linear_fused,
+    .moe_experts = fp8_moe_experts,
 };
 
 static int kv_fp8_rope_store(void *ctx, const pd_rope_args *a)

@@ -2,7 +2,8 @@
  * the top k as torch.topk on the CPU chooses them, kernels/moe_select.h; the choices grouped by
  * expert), moe_combine (the experts' outputs weighted and summed back into token order) and
  * moe_experts (each expert's MLP over its group, composed of the backend's own row gather and
- * linear_fused: what engine/moe.c runs expert by expert when a backend has no moe_experts). */
+ * linear_fused: what engine/moe.c runs expert by expert when a backend has no moe_experts; the
+ * FP8 op set's, cpu_fp8.c, with the input rows quantized as its linear_fused quantizes them). */
 #include "kernels/cpu/cpu_backend.h"
 
 #include <math.h>
@@ -43,10 +44,11 @@ int pd_cpu__moe_route(void *ctx, const pd_moe_route_args *a)
     return 0;
 }
 
-int pd_cpu__moe_experts(void *ctx, const pd_moe_experts_args *a)
+int pd_cpu__moe_experts_q(void *ctx, const pd_moe_experts_args *a, const float *gate_up,
+                          const float *down, const pd_cpu_rowq *qgu, const pd_cpu_rowq *qdn)
 {
     if (!a || a->n < 0 || a->k < 1 || a->n_experts < 1 || a->hidden < 1 || a->inter < 1 ||
-        (a->n > 0 && (!a->x || !a->rows || !a->offsets || !a->gate_up || !a->down || !a->act ||
+        (a->n > 0 && (!a->x || !a->rows || !a->offsets || !gate_up || !down || !a->act ||
                       !a->y)) ||
         (a->n > 0 && a->out && (!a->pos || !a->weights)))
         return PD_EINVAL;
@@ -72,25 +74,35 @@ int pd_cpu__moe_experts(void *ctx, const pd_moe_experts_args *a)
     for (int32_t e = 0; e < E; e++) {
         const int32_t r0 = off[e], ne = off[e + 1] - r0;
         if (ne == 0) continue;
-        for (int32_t i = 0; i < ne; i++)
-            memcpy(xe + (size_t)i * H, (const float *)a->x + (size_t)a->rows[r0 + i] * H,
+        for (int32_t i = 0; i < ne; i++) {
+            float *xr = xe + (size_t)i * H;
+            memcpy(xr, (const float *)a->x + (size_t)a->rows[r0 + i] * H,
                    (size_t)H * sizeof(float));
+            if (qgu) pd_fp8_quant_row(xr, xr, H, qgu->group, qgu->act, qgu->in_scale);
+        }
         float *act = (float *)a->act + (size_t)r0 * F;
-        const pd_linear_args g = {.x = xe, .w = (const float *)a->gate_up + (size_t)e * 2 * F * H,
-                                  .out = act, .n = ne, .k = H, .m = F, .swiglu = true,
-                                  .tmp_out = gu};
-        const pd_linear_args d = {.x = act, .w = (const float *)a->down + (size_t)e * H * F,
+        const pd_linear_args g = {.x = xe, .w = gate_up + (size_t)e * 2 * F * H, .out = act,
+                                  .n = ne, .k = H, .m = F, .swiglu = true, .tmp_out = gu};
+        const pd_linear_args d = {.x = act, .w = down + (size_t)e * H * F,
                                   .out = (float *)a->y + (size_t)r0 * H, .n = ne, .k = F,
                                   .m = H};
         int rc = pd_cpu__linear_fused(ctx, &g);
-        if (rc == 0) rc = pd_cpu__linear_fused(ctx, &d);
         if (rc < 0) return rc;
+        for (int32_t i = 0; qdn && i < ne; i++) /* (act is scratch: quantized in place) */
+            pd_fp8_quant_row(act + (size_t)i * F, act + (size_t)i * F, F, qdn->group, qdn->act,
+                             qdn->in_scale);
+        if ((rc = pd_cpu__linear_fused(ctx, &d)) < 0) return rc;
     }
     if (!a->out) return 0;
     const pd_moe_combine_args ca = {.y = a->y, .pos = a->pos, .weights = a->weights, .n = a->n,
                                     .k = a->k, .dim = H, .accumulate = a->accumulate,
                                     .out = a->out};
     return pd_cpu__moe_combine(ctx, &ca);
+}
+
+int pd_cpu__moe_experts(void *ctx, const pd_moe_experts_args *a)
+{
+    return pd_cpu__moe_experts_q(ctx, a, a ? a->gate_up : NULL, a ? a->down : NULL, NULL, NULL);
 }
 
 int pd_cpu__moe_combine(void *ctx, const pd_moe_combine_args *a)
