@@ -291,12 +291,13 @@ static int quant_part(pd_model *m, const loader *L, const lin_part *pt, int32_t 
     return 0;
 }
 
-/* A linear made of n_parts stacked along its rows (q, k, v; gate, up), this shard's windows:
- * into *dst either act_dtype rows as put_part writes them (*ops NULL; into the buffer *dst
- * already points to when it is not NULL, else a new one), or one quantized weight of the
- * backend's op set (*ops). The parts are quantized alike or not at all. */
-static int put_linear(pd_model *m, const loader *L, const lin_part *parts, int n_parts,
-                      void **dst, const pd_wq_ops **ops)
+/* A linear made of n_parts stacked along its rows (q, k, v; gate, up; experts > 0: that many
+ * experts' rows for moe_experts, pd_qweight_desc.experts), this shard's windows: into *dst
+ * either act_dtype rows as put_part writes them (*ops NULL; into the buffer *dst already
+ * points to when it is not NULL, else a new one), or one quantized weight of the backend's op
+ * set (*ops). The parts are quantized alike or not at all. */
+static int put_linear_x(pd_model *m, const loader *L, const lin_part *parts, int n_parts,
+                        int32_t experts, void **dst, const pd_wq_ops **ops)
 {
     const mc_quant *q = &m->cfg.quant;
     const bool quant = !mc_quant_ignored(q, parts[0].module);
@@ -355,7 +356,8 @@ static int put_linear(pd_model *m, const loader *L, const lin_part *parts, int n
     }
     if (rc == 0) {
         const pd_qweight_desc d = {.w8 = w8, .scale = scale, .m = (int32_t)M, .k = (int32_t)K,
-                                   .group = group, .act = q->act, .in_scale = in_scale};
+                                   .group = group, .act = q->act, .in_scale = in_scale,
+                                   .experts = experts};
         rc = fp8->weight_create(m->be->ctx, &d, dst);
         if (rc < 0) {
             pd_errf(L->err, rc, "%s backend: cannot make the FP8 weight of %s [%lld x %lld]",
@@ -370,6 +372,12 @@ static int put_linear(pd_model *m, const loader *L, const lin_part *parts, int n
     free(w8);
     free(scale);
     return rc;
+}
+
+static int put_linear(pd_model *m, const loader *L, const lin_part *parts, int n_parts,
+                      void **dst, const pd_wq_ops **ops)
+{
+    return put_linear_x(m, L, parts, n_parts, 0, dst, ops);
 }
 
 /* An FP8 KV cache's scale of layer li (kv_cache_scheme: self_attn.k_scale / v_scale), else 1. */
@@ -443,8 +451,10 @@ static int load_experts_stacked(pd_model *m, const loader *L, int32_t li, const 
         }
     }
     const pd_wq_ops *down_ops = NULL;
-    int rc = put_linear(m, L, pp, (int)(2 * nx), &w->experts_gate_up, &w->experts_ops);
-    if (rc == 0) rc = put_linear(m, L, pp + 2 * nx, (int)nx, &w->experts_down, &down_ops);
+    int rc = put_linear_x(m, L, pp, (int)(2 * nx), (int32_t)nx, &w->experts_gate_up,
+                          &w->experts_ops);
+    if (rc == 0)
+        rc = put_linear_x(m, L, pp + 2 * nx, (int)nx, (int32_t)nx, &w->experts_down, &down_ops);
     free(pp);
     if (rc == 0 && (!w->experts_ops || down_ops != w->experts_ops))
         rc = pd_errf(err, PD_EUNSUPPORTED, "layer %d: the experts' gate/up and down projections "

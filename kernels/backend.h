@@ -328,6 +328,9 @@ typedef struct {
     int32_t group;               /* columns a scale covers: k, or 128 (block-wise) */
     pd_act_quant act;            /* how the input rows are quantized */
     float in_scale;              /* PD_ACT_STATIC's scale (> 0); else unused */
+    int32_t experts;             /* > 0: the rows of that many experts stacked, for the op
+                                  * set's moe_experts only (linear_fused need not take it); 0:
+                                  * a linear */
 } pd_qweight_desc;
 
 /* One KV-cache precision's ops (the KV op sets): the cache holds e4m3(k / k_scale) and

@@ -375,7 +375,7 @@ static void test_linear(void)
             for (size_t ai = 0; ai < sizeof acts / sizeof acts[0]; ai++) {
                 const float in_scale = 0.6f / 448.0f; /* saturates the larger elements */
                 void *w2 = NULL, *w1 = NULL;
-                pd_qweight_desc d = {h.w8, h.scale, 2 * m, k, group, acts[ai], in_scale};
+                pd_qweight_desc d = {h.w8, h.scale, 2 * m, k, group, acts[ai], in_scale, 0};
                 CHECK_EQ_INT(ops->weight_create(g_gpu->ctx, &d, &w2), 0);
                 d.m = m;
                 CHECK_EQ_INT(ops->weight_create(g_gpu->ctx, &d, &w1), 0);
@@ -440,8 +440,8 @@ static void test_fusions_exact(void)
                 const int32_t gg = gi ? 128 : k, gd = gi ? 128 : f;
                 host_weight hg = make_weight(2 * f, k, gg, true), hd = make_weight(k, f, gd, true);
                 const float in_scale = 0.6f / 448.0f;
-                pd_qweight_desc d1 = {hg.w8, hg.scale, 2 * f, k, gg, acts[ai], in_scale};
-                pd_qweight_desc d2 = {hd.w8, hd.scale, k, f, gd, acts[ai], in_scale};
+                pd_qweight_desc d1 = {hg.w8, hg.scale, 2 * f, k, gg, acts[ai], in_scale, 0};
+                pd_qweight_desc d2 = {hd.w8, hd.scale, k, f, gd, acts[ai], in_scale, 0};
                 void *wg = NULL, *wd = NULL;
                 CHECK_EQ_INT(ops->weight_create(g_gpu->ctx, &d1, &wg), 0);
                 CHECK_EQ_INT(ops->weight_create(g_gpu->ctx, &d2, &wd), 0);
@@ -513,7 +513,7 @@ static void test_weight_rules(void)
     const pd_wq_ops *ops = g_gpu->ops->fp8;
     uint8_t w8[64] = {0};
     float scale[4] = {1.0f, 1.0f, 0.0f, 1.0f};
-    pd_qweight_desc d = {w8, scale, 4, 16, 16, PD_ACT_DYNAMIC, 0.0f};
+    pd_qweight_desc d = {w8, scale, 4, 16, 16, PD_ACT_DYNAMIC, 0.0f, 0};
     void *w = NULL;
     CHECK_EQ_INT(ops->weight_create(g_gpu->ctx, &d, &w), PD_EINVAL); /* a zero scale */
     scale[2] = 1.0f;
@@ -537,7 +537,7 @@ static void test_graph(void)
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
         const int32_t n = cases[ci].n;
         host_weight h = make_weight(m, k, cases[ci].group, true);
-        pd_qweight_desc d = {h.w8, h.scale, m, k, cases[ci].group, PD_ACT_DYNAMIC, 0.0f};
+        pd_qweight_desc d = {h.w8, h.scale, m, k, cases[ci].group, PD_ACT_DYNAMIC, 0.0f, 0};
         void *w = NULL;
         CHECK_EQ_INT(ops->weight_create(g_gpu->ctx, &d, &w), 0);
         float *x = rand_bf16((size_t)n * k, 1.0);

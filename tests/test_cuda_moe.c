@@ -289,6 +289,167 @@ static void run_experts(int32_t n, int32_t E, int32_t k, int32_t H, int32_t F)
     free(lg);
 }
 
+/* One stage of the FP8 check: |gpu - ref| <= rel |ref| + sc rms(ref) for every element, and
+ * the relative L2 error under 5e-3. */
+static void check_stage(const char *what, const float *gpu, const double *ref, size_t n,
+                        double rel, double sc, const char *shape)
+{
+    double ss = 0, se = 0, worst = 0;
+    for (size_t i = 0; i < n; i++) ss += ref[i] * ref[i];
+    const double rms = sqrt(ss / (double)n);
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double e = fabs(gpu[i] - ref[i]);
+        se += e * e;
+        bad += !(e <= rel * fabs(ref[i]) + sc * rms);
+        if (e > worst) worst = e;
+    }
+    CHECK_MSG(bad == 0 && sqrt(se / ss) < 5e-3, "fp8 moe_experts %s (%s): %zu of %zu outside "
+              "the bound, relative L2 error %.3g", what, shape, bad, n, sqrt(se / ss));
+    printf("  fp8 moe_experts %s %s: relative error %.3g, max |diff| %.3g (rms %.3g)\n", what,
+           shape, sqrt(se / ss), worst, rms);
+}
+
+/* e4m3 codes of values spread over the format's range (no NaN code), and per-row scales of
+ * ng groups (equal on 128-row bands when banded: block-wise checkpoints). */
+static void fp8_weight(size_t m, int32_t k, int32_t ng, bool banded, uint8_t *w8, float *sc)
+{
+    for (size_t i = 0; i < m * (size_t)k; i++)
+        w8[i] = pd_f32_to_e4m3((float)((urand() - 0.5) * 2.0 * (urand() < 0.1 ? 400 : 40)));
+    for (size_t r = 0; r < m; r++)
+        for (int32_t g = 0; g < ng; g++)
+            sc[r * ng + g] = banded && r % 128 ? sc[(r - r % 128) * ng + g]
+                                               : (float)((0.5 + urand()) / (40.0 * sqrt(k)));
+}
+
+/* The FP8 op set's moe_experts (every expert's gate/up rows in one weight, its down rows in
+ * another; a scale a row or per 128 x 128 block; input rows dynamic, static or not quantized)
+ * against the product in double of pd_fp8_quant_row's rows and the dequantized weights, one
+ * stage at a time: the SwiGLU rows (gate and up rounded to bf16 first, the tolerance of
+ * test_cuda_fp8's SwiGLU) from x, then the down rows from the GPU's own SwiGLU rows (bf16
+ * output rounding, f32 sums). The combination inside the op equals moe_combine's bits. */
+static void run_experts_fp8(int32_t n, int32_t E, int32_t k, int32_t H, int32_t F, bool block,
+                            pd_act_quant act)
+{
+    const pd_wq_ops *ops = g_gpu->ops->fp8;
+    char shape[160];
+    snprintf(shape, sizeof shape, "n %d E %d k %d hidden %d inter %d %s act %d", n, E, k, H, F,
+             block ? "block 128" : "per row", (int)act);
+    float *lg = make_logits(n, E, LG_DISTINCT);
+    const size_t nk = (size_t)n * k;
+    route_bufs rc = {0};
+    CHECK_EQ_INT(route_on(g_cpu, lg, n, E, k, true, &rc), 0);
+    float *hrows = xmalloc(nk * sizeof *hrows);
+    get(g_cpu, hrows, rc.rows, PD_DTYPE_I32, nk);
+    void *glg = put(g_gpu, g_gpu->ops->act_dtype, lg, (size_t)n * E);
+    void *gids = put(g_gpu, PD_DTYPE_I32, NULL, nk), *gw = put(g_gpu, PD_DTYPE_F32, NULL, nk);
+    void *grows = put(g_gpu, PD_DTYPE_I32, NULL, nk), *gpos = put(g_gpu, PD_DTYPE_I32, NULL, nk);
+    void *goff = put(g_gpu, PD_DTYPE_I32, NULL, (size_t)E + 1);
+    const pd_moe_route_args ra = {.logits = glg, .n = n, .n_experts = E, .k = k,
+                                  .renormalize = true, .ids = gids, .weights = gw, .rows = grows,
+                                  .pos = gpos, .dev_offsets = goff};
+    CHECK_EQ_INT(g_gpu->ops->moe_route(g_gpu->ctx, &ra), 0);
+    const int32_t gg = block ? 128 : H, gd = block ? 128 : F;
+    const int32_t ngg = (H + gg - 1) / gg, ngd = (F + gd - 1) / gd;
+    const size_t mgu = (size_t)E * 2 * F, mdn = (size_t)E * H;
+    uint8_t *wgu = xmalloc(mgu * H), *wdn = xmalloc(mdn * F);
+    float *sgu = xmalloc(mgu * ngg * sizeof *sgu), *sdn = xmalloc(mdn * ngd * sizeof *sdn);
+    fp8_weight(mgu, H, ngg, block, wgu, sgu);
+    fp8_weight(mdn, F, ngd, block, wdn, sdn);
+    const float in_scale = 2.5f / 448.0f; /* static: the larger elements saturate */
+    const pd_qweight_desc dg = {wgu, sgu, (int32_t)mgu, H, gg, act, in_scale, E};
+    const pd_qweight_desc dd = {wdn, sdn, (int32_t)mdn, F, gd, act, in_scale, E};
+    void *qg = NULL, *qd = NULL;
+    CHECK_EQ_INT(ops->weight_create(g_gpu->ctx, &dg, &qg), 0);
+    CHECK_EQ_INT(ops->weight_create(g_gpu->ctx, &dd, &qd), 0);
+    float *x = xmalloc((size_t)n * H * sizeof *x), *res = xmalloc((size_t)n * H * sizeof *res);
+    for (size_t i = 0; i < (size_t)n * H; i++)
+        x[i] = bf16_round((float)((4.0 * urand() - 2.0) * (i % 41 == 7 ? 8.0 : 1.0)));
+    for (size_t i = 0; i < (size_t)n * H; i++) res[i] = bf16_round((float)(2.0 * urand() - 1.0));
+    const pd_dtype t = g_gpu->ops->act_dtype;
+    void *dx = put(g_gpu, t, x, (size_t)n * H), *dact = put(g_gpu, t, NULL, nk * F);
+    void *dy = put(g_gpu, t, NULL, nk * H);
+    pd_moe_experts_args ea = {.x = dx, .n = n, .k = k, .n_experts = E, .hidden = H, .inter = F,
+                              .rows = grows, .offsets = goff, .gate_up = qg, .down = qd,
+                              .act = dact, .y = dy};
+    if (!qg || !qd || ops->moe_experts(g_gpu->ctx, &ea) != 0) {
+        CHECK_MSG(0, "fp8 moe_experts (%s) failed", shape);
+        goto out;
+    }
+    float *hact = xmalloc(nk * F * sizeof *hact), *hy = xmalloc(nk * H * sizeof *hy);
+    get(g_gpu, hact, dact, t, nk * F);
+    get(g_gpu, hy, dy, t, nk * H);
+    double *ract = xmalloc(nk * F * sizeof *ract), *ry = xmalloc(nk * H * sizeof *ry);
+    float *q = xmalloc((size_t)(H > F ? H : F) * sizeof *q);
+    for (int32_t e = 0; e < E; e++)
+        for (int32_t p = rc.offsets[e]; p < rc.offsets[e + 1]; p++) {
+            pd_fp8_quant_row(x + (size_t)hrows[p] * H, q, H, gg, act, in_scale);
+            for (int32_t i = 0; i < F; i++) {
+                double gu[2] = {0, 0};
+                for (int h = 0; h < 2; h++) {
+                    const size_t row = (size_t)e * 2 * F + (size_t)h * F + i;
+                    for (int32_t j = 0; j < H; j++)
+                        gu[h] += (double)q[j] * pd_e4m3_to_f32(wgu[row * H + j]) *
+                                 sgu[row * ngg + j / gg];
+                }
+                const double gt = bf16_round((float)gu[0]), up = bf16_round((float)gu[1]);
+                ract[(size_t)p * F + i] = gt / (1.0 + exp(-gt)) * up;
+            }
+            pd_fp8_quant_row(hact + (size_t)p * F, q, F, gd, act, in_scale);
+            for (int32_t o = 0; o < H; o++) {
+                const size_t row = (size_t)e * H + o;
+                double d = 0;
+                for (int32_t j = 0; j < F; j++)
+                    d += (double)q[j] * pd_e4m3_to_f32(wdn[row * F + j]) * sdn[row * ngd + j / gd];
+                ry[(size_t)p * H + o] = d;
+            }
+        }
+    check_stage("gate/up + SwiGLU", hact, ract, nk * F, 1.0 / 32, 3e-2, shape);
+    check_stage("down", hy, ry, nk * H, 1.0 / 128, 1e-2, shape);
+    /* the combination inside the op: moe_combine's bits */
+    for (int acc = 0; acc < 2; acc++) {
+        void *o1 = put(g_gpu, t, res, (size_t)n * H), *o2 = put(g_gpu, t, res, (size_t)n * H);
+        const pd_moe_combine_args ca = {.y = dy, .pos = gpos, .weights = gw, .n = n, .k = k,
+                                        .dim = H, .accumulate = acc, .out = o1};
+        CHECK_EQ_INT(g_gpu->ops->moe_combine(g_gpu->ctx, &ca), 0);
+        pd_moe_experts_args eb = ea;
+        eb.ids = gids;
+        eb.pos = gpos;
+        eb.weights = gw;
+        eb.out = o2;
+        eb.accumulate = acc;
+        CHECK_EQ_INT(ops->moe_experts(g_gpu->ctx, &eb), 0);
+        float *h1 = xmalloc((size_t)n * H * sizeof *h1), *h2 = xmalloc((size_t)n * H * sizeof *h2);
+        get(g_gpu, h1, o1, t, (size_t)n * H);
+        get(g_gpu, h2, o2, t, (size_t)n * H);
+        CHECK_MSG(memcmp(h1, h2, (size_t)n * H * sizeof *h1) == 0, "fp8 moe_experts with the "
+                  "combination (%s, accumulate %d) differs from moe_combine's", shape, acc);
+        free(h1);
+        free(h2);
+        g_gpu->ops->free(g_gpu->ctx, o1);
+        g_gpu->ops->free(g_gpu->ctx, o2);
+    }
+    free(hact);
+    free(hy);
+    free(ract);
+    free(ry);
+    free(q);
+out:
+    ops->weight_destroy(g_gpu->ctx, qg);
+    ops->weight_destroy(g_gpu->ctx, qd);
+    void *gb[] = {glg, gids, gw, grows, gpos, goff, dx, dact, dy};
+    for (size_t i = 0; i < sizeof gb / sizeof gb[0]; i++) g_gpu->ops->free(g_gpu->ctx, gb[i]);
+    route_free(g_cpu, &rc);
+    free(hrows);
+    free(wgu);
+    free(wdn);
+    free(sgu);
+    free(sdn);
+    free(x);
+    free(res);
+    free(lg);
+}
+
 int main(void)
 {
     char err[PD_ERR_LEN] = "";
@@ -346,6 +507,22 @@ int main(void)
         const pd_moe_experts_args bad = {.n = 1, .k = 1, .n_experts = 2, .hidden = 12,
                                          .inter = 8};
         CHECK_EQ_INT(g_gpu->ops->moe_experts(g_gpu->ctx, &bad), PD_EINVAL);
+    }
+    CHECK(g_gpu->ops->fp8 && g_gpu->ops->fp8->moe_experts);
+    if (g_gpu->ops->fp8 && g_gpu->ops->fp8->moe_experts) {
+        printf("test_cuda_moe: the FP8 op set's moe_experts against double\n");
+        for (int act = PD_ACT_NONE; act <= PD_ACT_STATIC; act++) {
+            run_experts_fp8(1, 128, 8, 256, 128, true, (pd_act_quant)act);  /* a decode row */
+            run_experts_fp8(1, 8, 2, 272, 48, false, (pd_act_quant)act);    /* per row, odd k */
+        }
+        run_experts_fp8(6, 64, 8, 384, 256, true, PD_ACT_DYNAMIC);   /* a small batch */
+        run_experts_fp8(40, 8, 2, 256, 128, false, PD_ACT_DYNAMIC);  /* groups past 8 rows */
+        run_experts_fp8(300, 16, 4, 512, 384, true, PD_ACT_DYNAMIC); /* prefill's many rows */
+        run_experts_fp8(300, 16, 4, 256, 128, false, PD_ACT_NONE);
+        /* a weight of the wrong shape, rows off 16 */
+        const pd_moe_experts_args bad = {.n = 1, .k = 1, .n_experts = 2, .hidden = 24,
+                                         .inter = 16};
+        CHECK_EQ_INT(g_gpu->ops->fp8->moe_experts(g_gpu->ctx, &bad), PD_EINVAL);
     }
     pd_backend_destroy(g_cpu);
     pd_backend_destroy(g_gpu);

@@ -473,7 +473,7 @@ static int bench_fp8_shape(const bk_opts *opt, pd_backend *be, const bk_floor *f
                 scale[(size_t)i * ng + g] =
                     group == sh->k || i % 128 == 0 ? 1e-3f * (float)(1 + rnd() % 7)
                                                    : scale[(size_t)(i / 128 * 128) * ng + g];
-        pd_qweight_desc d = {w8, scale, sh->m, sh->k, group, PD_ACT_DYNAMIC, 0.0f};
+        pd_qweight_desc d = {w8, scale, sh->m, sh->k, group, PD_ACT_DYNAMIC, 0.0f, 0};
         BK_OP(o->fp8->weight_create(be->ctx, &d, &a.w[c]));
         a.copies = c + 1;
     }

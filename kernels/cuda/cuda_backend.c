@@ -16,6 +16,7 @@ static const pd_wq_ops k_cuda_fp8_ops = {
     .weight_bytes = pd_cuda__fp8_weight_bytes,
     .linear_fused = pd_cuda__fp8_linear_fused,
     .linear_pair = pd_cuda__fp8_linear_pair,
+    .moe_experts = pd_cuda__fp8_moe_experts,
 };
 
 /* The FP8 KV cache's ops: the cache holds e4m3 bytes (alloc takes PD_DTYPE_F8E4M3). */

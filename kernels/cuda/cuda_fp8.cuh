@@ -45,6 +45,59 @@ static __device__ __forceinline__ uint2 pd_e4m3x4_f16(uint32_t w)
     return make_uint2(lo, hi);
 }
 
+/* A 16-byte load of the weight, which is read once: not kept in L1 (x lives there). */
+static __device__ __forceinline__ uint4 pd_fp8_ld_stream16(const uint8_t *p)
+{
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+/* 16 e4m3 codes (element 0 in the lowest byte) as f32. */
+static __device__ __forceinline__ void pd_e4m3x16_f32(uint4 v, float (&f)[16])
+{
+    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(
+                (__nv_fp8x2_storage_t)((u[i] >> (16 * h)) & 0xffffu), __NV_E4M3);
+            const float2 f2 = __half22float2(__half2(hr));
+            f[4 * i + 2 * h] = f2.x;
+            f[4 * i + 2 * h + 1] = f2.y;
+        }
+    }
+}
+
+/* One element of the rule: e4m3(x / s) with IEEE division (no fast math in this build),
+ * round to nearest even, saturating at +-448 (pd_f32_to_e4m3). */
+static __device__ __forceinline__ uint8_t pd_fp8_quant1(float x, float s)
+{
+    return (uint8_t)__nv_cvt_float_to_fp8(x / s, __NV_SATFINITE, __NV_E4M3);
+}
+
+/* The scale of a group with largest magnitude amax (pd_fp8_quant_row: f32 division, floor
+ * PD_FP8_MIN_SCALE, which a NaN also takes). */
+static __device__ __forceinline__ float pd_fp8_dyn_scale(float amax)
+{
+    float s = amax / PD_FP8_MAX;
+    if (!(s >= PD_FP8_MIN_SCALE)) s = PD_FP8_MIN_SCALE;
+    return s;
+}
+
+/* The largest magnitude of eight bf16 (a 16-byte chunk) and a. */
+static __device__ __forceinline__ float pd_bf16x8_amax(uint4 v, float a)
+{
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        a = fmaxf(a, fmaxf(fabsf(pd_bf16_lo(w[i])), fabsf(pd_bf16_hi(w[i]))));
+    return a;
+}
+
 /* The quantization of pd_fp8_quant_row on n bf16 rows x[n][k] (row stride k): e4m3 codes into
  * q[n][k] and each (row, group)'s scale into s[g * n + row] (group-major: cuBLASLt's
  * OUTER_VEC_32F for ng = 1, VEC128_32F for group 128). act must not be PD_ACT_NONE. */
@@ -104,6 +157,15 @@ cudaError_t pd_cuda__fp8_launch_gemv(const pd_fp8_weight *w, const pd_fp8_input 
 cudaError_t pd_cuda__fp8_launch_gemv_rows(const pd_fp8_weight *w, const pd_fp8_input *in,
                                           const bf16 *bias, bf16 *out, int32_t n, int32_t m,
                                           bool swiglu, bool accumulate, cudaStream_t stream);
+
+/* One of moe_experts' two products over every group (cuda_fp8_moe.cu): out[choices][M] from
+ * the bf16 rows x (gathered by rows, or the groups' own when rows is NULL; quantized in the
+ * kernel as w->act says) and each expert's rows of the stacked weight w ([E * 2M][k] with
+ * swiglu, else [E * M][k]); n: the step's token rows (a group's most), nk: the choices. Needs
+ * k % 16 == 0, a group of k or a multiple of 16 and 16-byte aligned rows. */
+cudaError_t pd_cuda__fp8_launch_moe(const pd_fp8_weight *w, const bf16 *x, const int32_t *rows,
+                                    const int32_t *off, int32_t E, int32_t n, int64_t nk,
+                                    int32_t M, bool swiglu, bf16 *out, cudaStream_t stream);
 
 /* Any shape, any group (the fallback where cuBLASLt takes a product not): out[n][w->m] =
  * x . w^T (+ bias) (+ out when accumulate), f32 products of the dequantized values, rounded

@@ -13,33 +13,6 @@
 /* NR: rows of x the kernel holds (n <= NR); XQ: x is codes xq with scales xs ([ng][n]), else
  * bf16 xb. Grid: one warp per GV_ROWS weight rows, GV_WARPS warps a block. */
 
-/* A 16-byte load of the weight, which is read once: not kept in L1 (x lives there). */
-static __device__ __forceinline__ uint4 ld_stream16_rows(const uint8_t *p)
-{
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-
-/* 16 e4m3 codes (element 0 in the lowest byte) as f32. */
-static __device__ __forceinline__ void cvt16(uint4 v, float (&f)[16])
-{
-    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(
-                (__nv_fp8x2_storage_t)((u[i] >> (16 * h)) & 0xffffu), __NV_E4M3);
-            const float2 f2 = __half22float2(__half2(hr));
-            f[4 * i + 2 * h] = f2.x;
-            f[4 * i + 2 * h + 1] = f2.y;
-        }
-    }
-}
-
 /* 16 bf16 (two 16-byte loads) as f32. */
 static __device__ __forceinline__ void bf16x16(const bf16 *p, float (&f)[16])
 {
@@ -87,17 +60,18 @@ fp8_gemv_rows_kernel(const uint8_t *__restrict__ w8, const float *__restrict__ w
     uint4 cur[GV_ROWS];
 #pragma unroll
     for (int q = 0; q < GV_ROWS; q++)
-        cur[q] = ok[q] && lane < kc ? ld_stream16_rows(w8 + wr[q] * k + lane * 16) : zero;
+        cur[q] = ok[q] && lane < kc ? pd_fp8_ld_stream16(w8 + wr[q] * k + lane * 16) : zero;
     for (int32_t c = lane; c < kc; c += 32) {
         uint4 nxt[GV_ROWS];
 #pragma unroll
         for (int q = 0; q < GV_ROWS; q++)
-            nxt[q] = ok[q] && c + 32 < kc ? ld_stream16_rows(w8 + wr[q] * k + (c + 32) * 16) : zero;
+            nxt[q] = ok[q] && c + 32 < kc ? pd_fp8_ld_stream16(w8 + wr[q] * k + (c + 32) * 16)
+                                          : zero;
         const int32_t g = (c * 16) / group;
         float wf[GV_ROWS][16], sw[GV_ROWS];
 #pragma unroll
         for (int q = 0; q < GV_ROWS; q++) {
-            cvt16(cur[q], wf[q]);
+            pd_e4m3x16_f32(cur[q], wf[q]);
             sw[q] = ok[q] ? __ldg(wscale + wr[q] * ng + g) : 0.0f;
         }
 #pragma unroll
@@ -105,7 +79,7 @@ fp8_gemv_rows_kernel(const uint8_t *__restrict__ w8, const float *__restrict__ w
             if (r >= n) break; /* uniform over the warp */
             float xf[16], sx = 1.0f;
             if (XQ) {
-                cvt16(__ldg(reinterpret_cast<const uint4 *>(xq + (int64_t)r * k) + c), xf);
+                pd_e4m3x16_f32(__ldg(reinterpret_cast<const uint4 *>(xq + (int64_t)r * k) + c), xf);
                 sx = __ldg(xs + (int64_t)g * n + r);
             } else {
                 bf16x16(xb + (int64_t)r * k + c * 16, xf);

@@ -210,8 +210,11 @@ extern "C" int pd_cuda__fp8_weight_create(void *ctx, const pd_qweight_desc *d, v
                     "products of large n take the tiled kernel, not cuBLASLt", d->m, d->k);
         }
     }
-    /* the workspaces its products need, so that captures find them large enough */
-    if (d->act == PD_ACT_NONE)
+    /* the workspaces its products need, so that captures find them large enough (stacked
+     * experts' products need none) */
+    if (d->experts > 0)
+        rc = 0;
+    else if (d->act == PD_ACT_NONE)
         rc = ws_grow(c, st, (void **)&st->wdq, &st->wdq_bytes, wbytes * sizeof(bf16), "dequant");
     else
         rc = ws_input(c, st, w, WS_ROWS);
@@ -514,4 +517,38 @@ extern "C" int pd_cuda__fp8_linear_pair(void *ctx, const pd_linear_args *gu,
     PD_CUDA_CHECK(pd_cuda__fp8_launch_swiglu_quant(gate_up, n, f, wd->group, wd->act,
                                                    wd->in_scale, st->xq, st->xs, c->stream));
     return product(c, st, wd, n, (const bf16 *)dn->bias, (bf16 *)dn->out, dn->accumulate);
+}
+
+/* pd_wq_ops.moe_experts: the gate/up product with its SwiGLU into act, the down product into
+ * y (cuda_fp8_moe.cu, each quantizing its input rows itself), then the combination. */
+extern "C" int pd_cuda__fp8_moe_experts(void *ctx, const pd_moe_experts_args *a)
+{
+    pd_cuda_ctx *c = pd_cuda__ctx(ctx);
+    if (!a || a->n < 0 || a->k < 1 || a->n_experts < 1 || a->hidden < 16 || a->inter < 16 ||
+        a->hidden % 16 != 0 || a->inter % 16 != 0 || !a->gate_up || !a->down ||
+        (a->n > 0 && (!a->x || !a->rows || !a->offsets || !a->act || !a->y)) ||
+        (a->n > 0 && a->out && (!a->ids || !a->pos || !a->weights)))
+        return PD_EINVAL;
+    const pd_fp8_weight *wg = (const pd_fp8_weight *)a->gate_up;
+    const pd_fp8_weight *wd = (const pd_fp8_weight *)a->down;
+    const int64_t E = a->n_experts;
+    if (wg->k != a->hidden || wg->m != E * 2 * a->inter || wd->k != a->inter ||
+        wd->m != E * a->hidden || wg->group % 16 != 0 || wd->group % 16 != 0)
+        return PD_EINVAL;
+    const uintptr_t bits = (uintptr_t)a->x | (uintptr_t)a->act | (uintptr_t)a->y;
+    if (bits & 15) return PD_EINVAL; /* (16-byte rows: the kernels' loads) */
+    if (a->n == 0) return 0;
+    const int64_t nk = (int64_t)a->n * a->k;
+    if (nk > INT32_MAX) return PD_EINVAL;
+    PD_CUDA_CHECK(pd_cuda__fp8_launch_moe(wg, (const bf16 *)a->x, a->rows, a->offsets,
+                                          a->n_experts, a->n, nk, a->inter, true, (bf16 *)a->act,
+                                          c->stream));
+    PD_CUDA_CHECK(pd_cuda__fp8_launch_moe(wd, (const bf16 *)a->act, NULL, a->offsets,
+                                          a->n_experts, a->n, nk, a->hidden, false,
+                                          (bf16 *)a->y, c->stream));
+    if (!a->out) return 0;
+    const pd_moe_combine_args ca = {.y = a->y, .pos = a->pos, .weights = a->weights, .n = a->n,
+                                    .k = a->k, .dim = a->hidden, .accumulate = a->accumulate,
+                                    .out = a->out};
+    return pd_cuda__moe_combine(ctx, &ca);
 }

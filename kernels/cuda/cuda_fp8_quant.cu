@@ -7,22 +7,6 @@
 #include "kernels/cuda/cuda_fp8.cuh"
 #include "kernels/cuda/cuda_kv_fp8.cuh"
 
-/* One element of the rule: e4m3(x / s) with IEEE division (no fast math in this build),
- * round to nearest even, saturating at +-448 (pd_f32_to_e4m3). */
-static __device__ __forceinline__ uint8_t quant1(float x, float s)
-{
-    return (uint8_t)__nv_cvt_float_to_fp8(x / s, __NV_SATFINITE, __NV_E4M3);
-}
-
-/* The scale of a group with largest magnitude amax (pd_fp8_quant_row: f32 division, floor
- * PD_FP8_MIN_SCALE, which a NaN also takes). */
-static __device__ __forceinline__ float dyn_scale(float amax)
-{
-    float s = amax / PD_FP8_MAX;
-    if (!(s >= PD_FP8_MIN_SCALE)) s = PD_FP8_MIN_SCALE;
-    return s;
-}
-
 static __device__ __forceinline__ float e4m3_val(uint8_t b)
 {
     return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3)));
@@ -49,10 +33,10 @@ static __global__ void quant_warp_kernel(const bf16 *x, int32_t n, int32_t k, in
     if (dynamic) {
         float amax = 0.0f;
         for (int32_t j = j0 + lane; j < j1; j += 32) amax = fmaxf(amax, fabsf(pd_ld(xr + j)));
-        sc = dyn_scale(pd_warp_max(amax));
+        sc = pd_fp8_dyn_scale(pd_warp_max(amax));
     }
     uint8_t *qr = q + (int64_t)r * k;
-    for (int32_t j = j0 + lane; j < j1; j += 32) qr[j] = quant1(pd_ld(xr + j), sc);
+    for (int32_t j = j0 + lane; j < j1; j += 32) qr[j] = pd_fp8_quant1(pd_ld(xr + j), sc);
     if (lane == 0) s[(int64_t)g * n + r] = sc;
 }
 
@@ -71,11 +55,11 @@ static __global__ void quant_warp128_kernel(const bf16 *x, int32_t n, int32_t k,
     const float e[4] = {pd_bf16_lo(v.x), pd_bf16_hi(v.x), pd_bf16_lo(v.y), pd_bf16_hi(v.y)};
     float sc = in_scale;
     if (dynamic)
-        sc = dyn_scale(pd_warp_max(fmaxf(fmaxf(fabsf(e[0]), fabsf(e[1])),
+        sc = pd_fp8_dyn_scale(pd_warp_max(fmaxf(fmaxf(fabsf(e[0]), fabsf(e[1])),
                                          fmaxf(fabsf(e[2]), fabsf(e[3])))));
     uint32_t o = 0;
 #pragma unroll
-    for (int i = 0; i < 4; i++) o |= (uint32_t)quant1(e[i], sc) << (8 * i);
+    for (int i = 0; i < 4; i++) o |= (uint32_t)pd_fp8_quant1(e[i], sc) << (8 * i);
     *reinterpret_cast<uint32_t *>(q + at) = o;
     if (lane == 0) s[(int64_t)g * n + r] = sc;
 }
@@ -101,27 +85,19 @@ quant_block_kernel(const bf16 *x, int32_t n, int32_t k, int32_t group, int32_t n
         __syncthreads();
         amax = 0.0f;
         for (int i = 0; i < (int)(blockDim.x >> 5); i++) amax = fmaxf(amax, part[i]);
-        sc = dyn_scale(amax);
+        sc = pd_fp8_dyn_scale(amax);
     }
     uint8_t *qr = q + (int64_t)r * k;
-    for (int32_t j = j0 + threadIdx.x; j < j1; j += blockDim.x) qr[j] = quant1(pd_ld(xr + j), sc);
+    for (int32_t j = j0 + threadIdx.x; j < j1; j += blockDim.x)
+        qr[j] = pd_fp8_quant1(pd_ld(xr + j), sc);
     if (threadIdx.x == 0) s[(int64_t)g * n + r] = sc;
 }
 
-/* A row's eight elements x[0..7] (a 16-byte chunk) to their codes (8 bytes), quant1's bits
+/* A row's eight elements x[0..7] (a 16-byte chunk) to their codes (8 bytes), pd_fp8_quant1's bits
  * from the scale's reciprocal rc = __frcp_rn(sc) (pd_e4m3x8_div). */
 static __device__ __forceinline__ uint2 quant8(uint4 v, float sc, float rc)
 {
     return pd_e4m3x8_div(v, sc, rc);
-}
-
-static __device__ __forceinline__ float amax8(uint4 v, float a)
-{
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        a = fmaxf(a, fmaxf(fabsf(pd_bf16_lo(w[i])), fabsf(pd_bf16_hi(w[i]))));
-    return a;
 }
 
 /* The largest of every thread's amax over a block of QUANT_THREADS threads (all of them call
@@ -157,11 +133,11 @@ quant_row_vec_kernel(const bf16 *x, int32_t n, int32_t k, bool dynamic, float in
         for (int i = 0; i < QV_REGS; i++) {
             const int32_t c = (int32_t)threadIdx.x + i * QUANT_THREADS;
             keep[i] = c < nc ? xr[c] : make_uint4(0, 0, 0, 0);
-            amax = amax8(keep[i], amax);
+            amax = pd_bf16x8_amax(keep[i], amax);
         }
         for (int32_t c = (int32_t)threadIdx.x + QV_REGS * QUANT_THREADS; c < nc; c += QUANT_THREADS)
-            amax = amax8(xr[c], amax);
-        sc = dyn_scale(block_amax(amax, part));
+            amax = pd_bf16x8_amax(xr[c], amax);
+        sc = pd_fp8_dyn_scale(block_amax(amax, part));
     } else {
 #pragma unroll
         for (int i = 0; i < QV_REGS; i++) {
@@ -201,10 +177,10 @@ static __device__ __forceinline__ void quant_kept(const uint4 (&y)[V], int32_t n
             const int32_t j = (int32_t)threadIdx.x + i * QUANT_THREADS;
             float sc = in_scale;
             if (dynamic) { /* every lane shuffles: a half-warp is all in or all out */
-                float a = amax8(y[i], 0.0f);
+                float a = pd_bf16x8_amax(y[i], 0.0f);
 #pragma unroll
                 for (int o = 8; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-                sc = dyn_scale(a);
+                sc = pd_fp8_dyn_scale(a);
             }
             if (j < n8) {
                 qr[j] = quant8(y[i], sc, __frcp_rn(sc));
@@ -217,8 +193,8 @@ static __device__ __forceinline__ void quant_kept(const uint4 (&y)[V], int32_t n
     if (dynamic) {
         float amax = 0.0f;
 #pragma unroll
-        for (int i = 0; i < V; i++) amax = amax8(y[i], amax);
-        sc = dyn_scale(block_amax(amax, part));
+        for (int i = 0; i < V; i++) amax = pd_bf16x8_amax(y[i], amax);
+        sc = pd_fp8_dyn_scale(block_amax(amax, part));
     }
     const float rc = __frcp_rn(sc);
 #pragma unroll

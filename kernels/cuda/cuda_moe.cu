@@ -16,6 +16,7 @@
 
 #include "common/env.h"
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/cuda_moe.cuh"
 #include "kernels/cuda/cuda_wgmma.cuh"
 #include "kernels/moe_select.h"
 
@@ -355,54 +356,7 @@ group_kernel(const int32_t *ids, int32_t nk, int32_t k, int32_t E, int32_t *off,
     }
 }
 
-/* Which expert, and which of its row tiles, grid index g names: expert e's group of ne rows
- * makes ceil(ne / unit) tiles, numbered expert by expert. Returns e (*sub the tile), or -1
- * past the last tile. Every thread of the block calls it (blockDim a multiple of 32). */
-static __device__ int32_t find_tile(const int32_t *off, int32_t E, int32_t unit, int32_t g,
-                                    int32_t *sub)
-{
-    __shared__ int32_t s_e, s_sub, s_tot[32];
-    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32, nw = (int)blockDim.x / 32;
-    if (threadIdx.x == 0) s_e = -1;
-    int32_t base = 0;
-    for (int32_t e0 = 0; e0 < E; e0 += blockDim.x) {
-        const int32_t e = e0 + (int32_t)threadIdx.x;
-        const int32_t ne = e < E ? off[e + 1] - off[e] : 0;
-        const int32_t c = (ne + unit - 1) / unit;
-        int32_t v = c;
-        for (int d = 1; d < 32; d <<= 1) {
-            const int32_t y = __shfl_up_sync(0xffffffffu, v, d);
-            if (lane >= d) v += y;
-        }
-        if (lane == 31) s_tot[warp] = v;
-        __syncthreads();
-        int32_t wbase = 0, total = 0;
-        for (int w = 0; w < nw; w++) {
-            wbase += w < warp ? s_tot[w] : 0;
-            total += s_tot[w];
-        }
-        const int32_t excl = base + wbase + v - c;
-        if (c > 0 && g >= excl && g < excl + c) {
-            s_e = e;
-            s_sub = g - excl;
-        }
-        base += total;
-        __syncthreads();
-    }
-    *sub = s_sub;
-    return s_e;
-}
-
 /* ---- the experts' products, rows streamed (decode) ---- */
-
-/* A gate and up product's SwiGLU as linear_fused computes it: both rounded to bf16 (its
- * gate/up rows), then pd_silu_mul. */
-static __device__ __forceinline__ float swiglu_rounded(float g, float u)
-{
-    return pd_silu_mul(__bfloat162float(__float2bfloat16_rn(g)),
-                       __bfloat162float(__float2bfloat16_rn(u)));
-}
-
 
 #define GV_WARPS 8
 #define GV_R 8 /* token rows a block at most (RT: 1, 2, 4 or 8 by the step's rows) */
@@ -420,11 +374,11 @@ static __device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc)
     return acc;
 }
 
-/* Grid (row tile, column tile): a block takes up to R <= RT rows of one expert's group (find_tile),
- * their x rows (gathered by rows, or the group's own rows when rows is NULL) in shared memory,
- * and GV_WARPS * GV_COLS output columns: each warp streams its 4 weight rows once (SWIGLU: the
- * gate and up rows of two columns, W [E][2M][K]; else four rows, W [E][M][K]) against every
- * row. out
+/* Grid (row tile, column tile): a block takes up to R <= RT rows of one expert's group
+ * (pd_moe_find_tile), their x rows (gathered by rows, or the group's own rows when rows is
+ * NULL) in shared memory, and GV_WARPS * GV_COLS output columns: each warp streams its 4
+ * weight rows once (SWIGLU: the gate and up rows of two columns, W [E][2M][K]; else four rows,
+ * W [E][M][K]) against every row. out
  * [choices][M] in the grouped order. K % 8 == 0. */
 template <bool SWIGLU, int RT>
 static __global__ void __launch_bounds__(GV_WARPS * 32)
@@ -435,7 +389,7 @@ moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
     extern __shared__ uint4 xs[]; /* [R][K / 8] */
     pd_pdl_enter();
     int32_t sub;
-    const int32_t e = find_tile(off, E, R, (int32_t)blockIdx.x, &sub);
+    const int32_t e = pd_moe_find_tile(off, E, R, (int32_t)blockIdx.x, &sub);
     if (e < 0) return;
     const int32_t r0 = off[e] + sub * R, nr = min(R, off[e + 1] - r0), K8 = K / 8;
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
@@ -494,7 +448,7 @@ moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
         for (int q = 0; q < GV_COLS(SWIGLU); q++) {
             if (!ok[q]) continue;
             if (SWIGLU)
-                pd_st(o + i0 + q, swiglu_rounded(acc[q][r], acc[q + 2][r]));
+                pd_st(o + i0 + q, pd_moe_swiglu_rounded(acc[q][r], acc[q + 2][r]));
             else
                 pd_st(o + i0 + q, acc[q][r]);
         }
@@ -605,7 +559,7 @@ moe_gemm_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
     extern __shared__ uint8_t gm_raw[];
     bf16 *sm = reinterpret_cast<bf16 *>(((uintptr_t)gm_raw + 1023) & ~(uintptr_t)1023);
     int32_t sub;
-    const int32_t e = find_tile(off, E, BM, (int32_t)blockIdx.x, &sub);
+    const int32_t e = pd_moe_find_tile(off, E, BM, (int32_t)blockIdx.x, &sub);
     if (e < 0) return;
     const int32_t r0 = off[e] + sub * BM, nr = min(BM, off[e + 1] - r0);
     const int tid = (int)threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
@@ -699,7 +653,8 @@ moe_gemm_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
                 const float *gv = d[0][j], *uv = BM == 128 ? d[NB - 1][j] : d[0][j + NJ];
                 float v[2];
 #pragma unroll
-                for (int u = 0; u < 2; u++) v[u] = swiglu_rounded(gv[2 * h + u], uv[2 * h + u]);
+                for (int u = 0; u < 2; u++)
+                    v[u] = pd_moe_swiglu_rounded(gv[2 * h + u], uv[2 * h + u]);
                 if (col + 1 < M)
                     *reinterpret_cast<unsigned *>(o + col) = pd_pack_bf16(v[0], v[1]);
                 else

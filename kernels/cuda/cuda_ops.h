@@ -124,6 +124,7 @@ size_t pd_cuda__fp8_weight_bytes(void *ctx, const void *w);
 int pd_cuda__fp8_linear_fused(void *ctx, const pd_linear_args *a);
 int pd_cuda__fp8_linear_pair(void *ctx, const pd_linear_args *gate_up,
                             const pd_linear_args *down);
+int pd_cuda__fp8_moe_experts(void *ctx, const pd_moe_experts_args *a);
 void pd_cuda__fp8_free(void *state); /* NULL is a no-op */
 /* cuda_fp8_quant.cu: the activation quantization of the FP8 set, for tests: the n bf16 rows
  * x[n][k] (device) quantized as pd_fp8_quant_row does (group, act, in_scale), by the kernel
