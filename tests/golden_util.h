@@ -24,18 +24,26 @@ typedef struct {
 
 /* Loads dir's weights onto be (owned by t from here on, also on failure: tg_close frees it)
  * and creates a runner with mp. Returns 0 or an error with err. */
-static inline int tg_open_on(const char *dir, const mr_params *mp, pd_backend *be, tg_model *t,
-                             char *err)
+/* tg_open_on with --quantization quant (NULL: the checkpoint's). */
+static inline int tg_open_quant(const char *dir, const char *quant, const mr_params *mp,
+                                pd_backend *be, tg_model *t, char *err)
 {
     mc_config cfg;
     memset(t, 0, sizeof *t);
     t->be = be;
     int rc;
     if ((rc = mc_load(dir, &cfg, err)) < 0 ||
+        (quant && (rc = mc_set_quantization(&cfg, quant, err)) < 0) ||
         (rc = pd_model_load(&cfg, dir, PD_LOAD_SAFETENSORS, 0, be, &t->m, err)) < 0 ||
         (rc = mr_create(mp, t->m, &t->r, err)) < 0)
         return rc;
     return 0;
+}
+
+static inline int tg_open_on(const char *dir, const mr_params *mp, pd_backend *be, tg_model *t,
+                             char *err)
+{
+    return tg_open_quant(dir, NULL, mp, be, t, err);
 }
 
 static inline int tg_open(const char *dir, const mr_params *mp, tg_model *t)

@@ -23,24 +23,25 @@
 #include "tests/test_util.h"
 #include "text/model_config.h"
 
-static int side_open(const char *backend, const char *dir, bool eager, tg_model *s, char *err)
+static int side_open(const char *backend, const char *dir, const char *quant, bool eager,
+                     tg_model *s, char *err)
 {
     memset(s, 0, sizeof *s);
     mr_params mp = cg_params(eager);
     pd_backend *be = NULL;
     int rc = pd_backend_create(backend, NULL, &be, err);
-    return rc < 0 ? rc : tg_open_on(dir, &mp, be, s, err);
+    return rc < 0 ? rc : tg_open_quant(dir, quant, &mp, be, s, err);
 }
 
 /* Compares the GPU's logits with the CPU's for a prefill and decode steps. The GPU side
  * replays decode graphs, or with eager runs every step op by op. */
-static void run_model(const char *dir, const char *name, double abs_tol, double margin_min,
-                      bool eager, double outlier_frac)
+static void run_model(const char *dir, const char *name, const char *quant, double abs_tol,
+                      double margin_min, bool eager, double outlier_frac)
 {
     char err[PD_ERR_LEN] = "";
     tg_model cpu = {0}, gpu = {0};
-    if (side_open("cpu", dir, false, &cpu, err) < 0 ||
-        side_open("cuda", dir, eager, &gpu, err) < 0) {
+    if (side_open("cpu", dir, quant, false, &cpu, err) < 0 ||
+        side_open("cuda", dir, quant, eager, &gpu, err) < 0) {
         CHECK_MSG(0, "%s: %s", name, err);
         tg_close(&cpu);
         tg_close(&gpu);
@@ -84,7 +85,7 @@ int main(void)
         char dir[1024];
         snprintf(dir, sizeof dir, "%s/%s", pd_test_shared_dir(), cg_models[i].path);
         for (int eager = 0; eager < 2; eager++)
-            run_model(dir, strrchr(cg_models[i].path, '/') + 1, cg_models[i].abs_tol,
+            run_model(dir, strrchr(cg_models[i].path, '/') + 1, NULL, cg_models[i].abs_tol,
                       cg_models[i].margin_min, eager, 0);
     }
     /* the mixture-of-experts goldens (no decode graphs: their routing sizes the experts'
@@ -96,7 +97,18 @@ int main(void)
     for (size_t i = 0; i < sizeof moe / sizeof moe[0]; i++) {
         char dir[1024];
         snprintf(dir, sizeof dir, "%s/tests/data/golden-moe/%s", PD_SOURCE_DIR, moe[i]);
-        run_model(dir, moe[i], 0.1, 0.1, true, 0.05);
+        run_model(dir, moe[i], NULL, 0.1, 0.1, true, 0.05);
+    }
+    /* FP8 experts (--quantization fp8 on both backends: every linear per channel, activations
+     * per token), the experts stacked for the op set's moe_experts and the decode steps
+     * replayed as graphs (no host in a step): the same tolerances but for up to 10% of the
+     * rows, where the GPU's bf16 SwiGLU rows quantize to a neighbouring e4m3 code of the
+     * CPU's f32 ones */
+    for (size_t i = 0; i < sizeof moe / sizeof moe[0]; i += 2) {
+        char dir[1024], name[64];
+        snprintf(dir, sizeof dir, "%s/tests/data/golden-moe/%s", PD_SOURCE_DIR, moe[i]);
+        snprintf(name, sizeof name, "%s-fp8", moe[i]);
+        run_model(dir, name, "fp8", 0.1, 0.1, false, 0.1);
     }
     return pd_test_result("test_cuda_golden");
 }

@@ -225,6 +225,30 @@ static double kv_mib(const mr *r)
     return (double)bytes / 1048576.0;
 }
 
+/* The bytes the experts of m (a rank's shard) hold, every sparse layer's, as loaded: act_dtype
+ * elements of esize bytes, or a weight op set's weights (their bytes and scales). */
+static double experts_bytes(const pd_model *m, size_t esize)
+{
+    const double lin = (double)m->cfg.hidden_size * m->shard.moe_intermediate * (double)esize;
+    void *ctx = m->be->ctx;
+    double b = 0;
+    for (int32_t l = 0; l < m->cfg.n_layers; l++) {
+        const pd_layer_weights *w = &m->layers[l];
+        if (!w->experts) continue;
+        if (w->experts_ops) {
+            b += (double)w->experts_ops->weight_bytes(ctx, w->experts_gate_up) +
+                 (double)w->experts_ops->weight_bytes(ctx, w->experts_down);
+            continue;
+        }
+        for (int32_t e = 0; e < m->cfg.n_experts; e++) {
+            const pd_expert *x = &w->experts[e];
+            b += x->gate_up_ops ? (double)x->gate_up_ops->weight_bytes(ctx, x->gate_up) : 2 * lin;
+            b += x->down_ops ? (double)x->down_ops->weight_bytes(ctx, x->down) : lin;
+        }
+    }
+    return b;
+}
+
 int main(int argc, char **argv)
 {
     enum { O_MODEL = 256, O_FMT, O_BACKEND, O_THREADS, O_N, O_IN, O_OUT, O_SHARED, O_SEED, O_BS,
@@ -460,17 +484,13 @@ int main(int argc, char **argv)
                          : (double)(n_params - (cfg.tie_word_embeddings ? 0 : emb)) * (double)esize;
     /* A mixture of experts' step reads only the experts its rows chose: of E experts with k a
      * row, b rows choose E (1 - (1 - k / E)^b) distinct ones on average under uniform routing
-     * (exactly k at batch 1), b the mean decode rows of a step. The experts' share of the
-     * bytes scales w_bytes (quantized weights: their bytes in proportion). */
-    if (cfg.n_experts > 0 && res.steps_with_decode > 0) {
-        int64_t n_sparse = 0;
-        for (int32_t l = 0; l < cfg.n_layers; l++) n_sparse += mc_layer_sparse(&cfg, l);
+     * (exactly k at batch 1), b the mean decode rows of a step. The others' bytes (as held:
+     * FP8 experts one byte an element and their scales) come off w_bytes. */
+    if (cfg.n_experts > 0 && res.steps_with_decode > 0 && m) {
         const double E = cfg.n_experts, k = cfg.n_experts_per_tok;
         const double b = (double)res.decode_rows / (double)res.steps_with_decode;
         const double touched = E * (1.0 - pow(1.0 - k / E, b));
-        const double per_expert = (double)n_sparse * 3.0 * cfg.hidden_size * cfg.moe_intermediate;
-        const double full = (double)(n_params - (cfg.tie_word_embeddings ? 0 : emb));
-        w_bytes *= (full - (E - touched) * per_expert) / full;
+        w_bytes -= (E - touched) * experts_bytes(m, esize) / E;
     }
     /* per rank with tensor parallelism: rank 0's KV heads and query heads */
     const int32_t kv_heads = m ? m->shard.n_kv_heads : cfg.n_kv_heads;

@@ -14,7 +14,10 @@
 # Part "decode1ab": batch-1 decode under each of MOE_DECODE1_VARIANTS (space-separated; each a
 # comma-separated list of VAR=VALUE, e.g. "PDSERVE_CUDA_PDL=1,PDSERVE_CUDA_GEMV_MAX_MB=16"),
 # beside the defaults; skipped when that list is empty.
-# MOE_SKIP="tests 30b 8b ab decode1ab profile" leaves parts out; MOE_MODEL replaces the shape (e.g.
+# Part "fp8": the same three runs with the experts (and every other linear) in FP8
+# (--quantization fp8: per-channel weights, activations per token), the floor of batch-1 decode
+# then the FP8 active bytes.
+# MOE_SKIP="tests 30b fp8 8b ab decode1ab profile" leaves parts out; MOE_MODEL replaces the shape (e.g.
 # tools/shapes/mixtral-8x7b).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -55,6 +58,14 @@ if ! skip 30b; then
     bench moe_decode64 "$M" --num-requests 64 --input-len 1024 --output-len 256 --max-num-seqs 64
     bench moe_prefill "$M" --num-requests 8 --input-len 2048 --output-len 1 \
         --max-num-batched-tokens 2048
+fi
+if ! skip fp8; then
+    bench moe_fp8_decode1 "$M" --quantization fp8 --num-requests 1 --input-len 128 \
+        --output-len 256 --max-num-seqs 1
+    bench moe_fp8_decode64 "$M" --quantization fp8 --num-requests 64 --input-len 1024 \
+        --output-len 256 --max-num-seqs 64
+    bench moe_fp8_prefill "$M" --quantization fp8 --num-requests 8 --input-len 2048 \
+        --output-len 1 --max-num-batched-tokens 2048
 fi
 if ! skip ab; then
     bench moe_decode64_rows "$M" PDSERVE_CUDA_MOE_GEMM_ROWS=0 --num-requests 64 \
@@ -104,7 +115,8 @@ if ! skip 8b; then
         --output-len 256 --max-num-seqs 64
 fi
 echo "== summary ($M; copy $BW GB/s, GEMM $TF TFLOP/s in this run)"
-for f in moe_decode1 "${D1AB[@]}" moe_decode64 moe_decode64_rows moe_decode64_gemm moe_prefill moe_prefill_bm128 dense_decode64; do
+for f in moe_decode1 "${D1AB[@]}" moe_decode64 moe_decode64_rows moe_decode64_gemm moe_prefill \
+    moe_prefill_bm128 moe_fp8_decode1 moe_fp8_decode64 moe_fp8_prefill dense_decode64; do
     [ -f "$F/$f.log" ] || continue
     env -u LD_LIBRARY_PATH python3 -c '
 import json, sys
@@ -113,10 +125,10 @@ try:
 except Exception:
     print("%-15s (no result)" % sys.argv[2]); sys.exit(0)
 n = sys.argv[2]
-if n.startswith("moe_decode1"):
+if n.startswith("moe_decode1") or n.startswith("moe_fp8_decode1"):
     ms = 1e3 / d["decode_tok_s"]
     fl = d["weight_bytes_per_step"] / (d["bandwidth_gbs"] * 1e9) * 1e3 if d.get("bandwidth_gbs") else float("nan")
-    print("%-15s %.3f ms/token, active weights at the copy rate %.3f ms: %.2fx" % (n, ms, fl, ms / fl))
+    print("%-16s %.3f ms/token, active weights at the copy rate %.3f ms: %.2fx" % (n, ms, fl, ms / fl))
 elif "decode64" in n:
     print("%-15s %.0f decode tok/s (mean batch %.1f)" % (n, d["decode_tok_s"], d["mean_batch"]))
 else:
