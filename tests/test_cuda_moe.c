@@ -327,7 +327,8 @@ static void fp8_weight(size_t m, int32_t k, int32_t ng, bool banded, uint8_t *w8
  * against the product in double of pd_fp8_quant_row's rows and the dequantized weights, one
  * stage at a time: the SwiGLU rows (gate and up rounded to bf16 first, the tolerance of
  * test_cuda_fp8's SwiGLU) from x, then the down rows from the GPU's own SwiGLU rows (bf16
- * output rounding, f32 sums). The combination inside the op equals moe_combine's bits. */
+ * output rounding, f32 sums). The combination inside the op equals moe_combine's bits. Few
+ * rows an expert take the row-streaming kernel, many the grouped GEMMs (on sm_90a). */
 static void run_experts_fp8(int32_t n, int32_t E, int32_t k, int32_t H, int32_t F, bool block,
                             pd_act_quant act)
 {
@@ -517,7 +518,12 @@ int main(void)
         }
         run_experts_fp8(6, 64, 8, 384, 256, true, PD_ACT_DYNAMIC);   /* a small batch */
         run_experts_fp8(40, 8, 2, 256, 128, false, PD_ACT_DYNAMIC);  /* groups past 8 rows */
-        run_experts_fp8(300, 16, 4, 512, 384, true, PD_ACT_DYNAMIC); /* prefill's many rows */
+        /* prefill's many rows an expert: the grouped e4m3 GEMMs (groups of 128 on 64-row
+         * tiles; a scale a row on 128-row tiles, or 64 with fewer rows an expert, K off the
+         * 128-code steps), weight-only on the row-streaming kernel */
+        run_experts_fp8(300, 16, 4, 512, 384, true, PD_ACT_DYNAMIC);
+        run_experts_fp8(300, 8, 2, 256, 128, false, PD_ACT_DYNAMIC);
+        run_experts_fp8(200, 8, 2, 272, 48, false, PD_ACT_STATIC);
         run_experts_fp8(300, 16, 4, 256, 128, false, PD_ACT_NONE);
         /* a weight of the wrong shape, rows off 16 */
         const pd_moe_experts_args bad = {.n = 1, .k = 1, .n_experts = 2, .hidden = 24,

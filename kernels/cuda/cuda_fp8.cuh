@@ -167,6 +167,17 @@ cudaError_t pd_cuda__fp8_launch_moe(const pd_fp8_weight *w, const bf16 *x, const
                                     const int32_t *off, int32_t E, int32_t n, int64_t nk,
                                     int32_t M, bool swiglu, bf16 *out, cudaStream_t stream);
 
+/* Whether the grouped e4m3 GEMMs of cuda_fp8_moe.cu take w (an sm_90a build on compute
+ * capability 9.0; quantized input rows; a scale a row or groups of 128). */
+bool pd_cuda__fp8_moe_gemm_can(const pd_cuda_ctx *c, const pd_fp8_weight *w);
+/* One of moe_experts' two products as grouped GEMMs: out[choices][M] from the quantized rows
+ * xq [nx][k] with scales xs [ng][nx] (gathered by rows, or the groups' own when rows is NULL)
+ * and w as pd_cuda__fp8_launch_moe takes it. */
+cudaError_t pd_cuda__fp8_launch_moe_gemm(const pd_fp8_weight *w, const uint8_t *xq,
+                                         const float *xs, int32_t nx, const int32_t *rows,
+                                         const int32_t *off, int32_t E, int64_t nk, int32_t M,
+                                         bool swiglu, bf16 *out, cudaStream_t stream);
+
 /* Any shape, any group (the fallback where cuBLASLt takes a product not): out[n][w->m] =
  * x . w^T (+ bias) (+ out when accumulate), f32 products of the dequantized values, rounded
  * once. */

@@ -20,6 +20,7 @@
 
 #define LT_WS_BYTES ((size_t)32 << 20) /* cuBLASLt's workspace (its Hopper recommendation) */
 #define WS_ROWS 512                     /* input rows the quantized-input workspace starts at */
+#define WS_MOE_ROWS 4096                /* ... for stacked experts: choices (n k) */
 
 /* The op set's per-context state (pd_cuda_ctx.fp8_state). */
 typedef struct {
@@ -210,10 +211,10 @@ extern "C" int pd_cuda__fp8_weight_create(void *ctx, const pd_qweight_desc *d, v
                     "products of large n take the tiled kernel, not cuBLASLt", d->m, d->k);
         }
     }
-    /* the workspaces its products need, so that captures find them large enough (stacked
-     * experts' products need none) */
-    if (d->experts > 0)
-        rc = 0;
+    /* the workspaces its products need, so that captures find them large enough */
+    if (d->experts > 0) /* moe_experts' grouped GEMMs: as many choice rows as decode
+                         * batches make */
+        rc = d->act == PD_ACT_NONE ? 0 : ws_input(c, st, w, WS_MOE_ROWS);
     else if (d->act == PD_ACT_NONE)
         rc = ws_grow(c, st, (void **)&st->wdq, &st->wdq_bytes, wbytes * sizeof(bf16), "dequant");
     else
@@ -519,8 +520,39 @@ extern "C" int pd_cuda__fp8_linear_pair(void *ctx, const pd_linear_args *gu,
     return product(c, st, wd, n, (const bf16 *)dn->bias, (bf16 *)dn->out, dn->accumulate);
 }
 
+/* Whether moe_experts' products run as grouped GEMMs: both weights taken by them and the
+ * choices averaging PDSERVE_CUDA_FP8_MOE_GEMM_ROWS rows an expert or more (0: never); and the
+ * quantized rows' workspace large enough for n token rows and nk choices, or grown to it
+ * (outside a graph capture: inside one, too small a workspace keeps the row-streaming
+ * kernel). */
+static int moe_gemm(pd_cuda_ctx *c, fp8_state *st, const pd_fp8_weight *wg,
+                    const pd_fp8_weight *wd, int32_t n, int64_t nk, int32_t E, bool *gemm)
+{
+    static const int64_t rows = pd_env_int("PDSERVE_CUDA_FP8_MOE_GEMM_ROWS");
+    *gemm = rows > 0 && nk >= rows * (int64_t)E && pd_cuda__fp8_moe_gemm_can(c, wg) &&
+            pd_cuda__fp8_moe_gemm_can(c, wd);
+    if (!*gemm) return 0;
+    const size_t qb = (size_t)n * wg->k > (size_t)nk * wd->k ? (size_t)n * wg->k
+                                                             : (size_t)nk * wd->k;
+    const size_t sb = ((size_t)n * wg->ng > (size_t)nk * wd->ng ? (size_t)n * wg->ng
+                                                                : (size_t)nk * wd->ng) *
+                      sizeof(float);
+    if (qb > st->xq_bytes || sb > st->xs_bytes) {
+        cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+        PD_CUDA_CHECK(cudaStreamIsCapturing(c->stream, &cs));
+        if (cs != cudaStreamCaptureStatusNone) {
+            *gemm = false;
+            return 0;
+        }
+    }
+    int rc = ws_grow(c, st, (void **)&st->xq, &st->xq_bytes, qb, "input");
+    return rc < 0 ? rc : ws_grow(c, st, (void **)&st->xs, &st->xs_bytes, sb, "input scale");
+}
+
 /* pd_wq_ops.moe_experts: the gate/up product with its SwiGLU into act, the down product into
- * y (cuda_fp8_moe.cu, each quantizing its input rows itself), then the combination. */
+ * y, then the combination. Few rows an expert: cuda_fp8_moe.cu's row-streaming kernel, each
+ * launch quantizing its input rows itself; many: its grouped GEMMs over rows quantized first
+ * (the token rows once, then the SwiGLU rows). */
 extern "C" int pd_cuda__fp8_moe_experts(void *ctx, const pd_moe_experts_args *a)
 {
     pd_cuda_ctx *c = pd_cuda__ctx(ctx);
@@ -540,12 +572,31 @@ extern "C" int pd_cuda__fp8_moe_experts(void *ctx, const pd_moe_experts_args *a)
     if (a->n == 0) return 0;
     const int64_t nk = (int64_t)a->n * a->k;
     if (nk > INT32_MAX) return PD_EINVAL;
-    PD_CUDA_CHECK(pd_cuda__fp8_launch_moe(wg, (const bf16 *)a->x, a->rows, a->offsets,
-                                          a->n_experts, a->n, nk, a->inter, true, (bf16 *)a->act,
-                                          c->stream));
-    PD_CUDA_CHECK(pd_cuda__fp8_launch_moe(wd, (const bf16 *)a->act, NULL, a->offsets,
-                                          a->n_experts, a->n, nk, a->hidden, false,
-                                          (bf16 *)a->y, c->stream));
+    fp8_state *st = (fp8_state *)c->fp8_state; /* made by the weights' creation */
+    bool gemm = false;
+    int rc = moe_gemm(c, st, wg, wd, a->n, nk, a->n_experts, &gemm);
+    if (rc < 0) return rc;
+    if (gemm) {
+        PD_CUDA_CHECK(pd_cuda__fp8_launch_quant((const bf16 *)a->x, a->n, a->hidden, wg->group,
+                                                wg->act, wg->in_scale, st->xq, st->xs,
+                                                c->stream));
+        PD_CUDA_CHECK(pd_cuda__fp8_launch_moe_gemm(wg, st->xq, st->xs, a->n, a->rows,
+                                                   a->offsets, a->n_experts, nk, a->inter, true,
+                                                   (bf16 *)a->act, c->stream));
+        PD_CUDA_CHECK(pd_cuda__fp8_launch_quant((const bf16 *)a->act, (int32_t)nk, a->inter,
+                                                wd->group, wd->act, wd->in_scale, st->xq,
+                                                st->xs, c->stream));
+        PD_CUDA_CHECK(pd_cuda__fp8_launch_moe_gemm(wd, st->xq, st->xs, (int32_t)nk, NULL,
+                                                   a->offsets, a->n_experts, nk, a->hidden,
+                                                   false, (bf16 *)a->y, c->stream));
+    } else {
+        PD_CUDA_CHECK(pd_cuda__fp8_launch_moe(wg, (const bf16 *)a->x, a->rows, a->offsets,
+                                              a->n_experts, a->n, nk, a->inter, true,
+                                              (bf16 *)a->act, c->stream));
+        PD_CUDA_CHECK(pd_cuda__fp8_launch_moe(wd, (const bf16 *)a->act, NULL, a->offsets,
+                                              a->n_experts, a->n, nk, a->hidden, false,
+                                              (bf16 *)a->y, c->stream));
+    }
     if (!a->out) return 0;
     const pd_moe_combine_args ca = {.y = a->y, .pos = a->pos, .weights = a->weights, .n = a->n,
                                     .k = a->k, .dim = a->hidden, .accumulate = a->accumulate,

@@ -11,10 +11,20 @@
  * make), so neither product needs a quantization launch of its own; weight-only weights take
  * the bf16 rows. Each 16-element chunk's dot product (f32) is scaled by its group's weight and
  * input scales, as cuda_fp8_gemv_rows.cu's. The gate/up product's SwiGLU rounds both to bf16
- * first (linear_fused's rule). Prefill's many rows an expert run the same kernel, 8 rows a
- * tile (a grouped FP8 GEMM is not written yet: docs/quantization.md). */
+ * first (linear_fused's rule).
+ *
+ * Many rows an expert (prefill) with quantized input rows take grouped GEMMs on wgmma's e4m3
+ * products instead (sm_90a): the rows quantized beforehand (pd_cuda__fp8_launch_quant), tiles
+ * of 64 or 128 token rows x 256 weight rows, K in 128-code steps through a ring of cp.async
+ * stages, the layout of cuda_moe.cu's bf16 GEMMs byte for byte. A scale a row: the f32 sums of
+ * the whole row scaled once by the token's and the weight row's scales; groups of 128
+ * (block-wise checkpoints, 64-row tiles): each 128-code step's products summed apart and added
+ * to the row's total times that group's two scales. */
+#include <atomic>
+
 #include "kernels/cuda/cuda_fp8.cuh"
 #include "kernels/cuda/cuda_moe.cuh"
+#include "kernels/cuda/cuda_wgmma.cuh"
 
 #define FM_WARPS 8
 #define FM_R 8                            /* token rows a block at most */
@@ -211,4 +221,287 @@ cudaError_t pd_cuda__fp8_launch_moe(const pd_fp8_weight *w, const bf16 *x, const
                   : launch_t<true, false>(w, x, rows, off, E, n, nk, M, out, stream);
     return xq ? launch_t<false, true>(w, x, rows, off, E, n, nk, M, out, stream)
               : launch_t<false, false>(w, x, rows, off, E, n, nk, M, out, stream);
+}
+
+/* ---- grouped GEMMs on e4m3 wgmma (prefill) ---- */
+
+#if defined(PD_CUDA_SM90A)
+#define FG_BN 256 /* weight rows a tile (SWIGLU: the gate rows of 128 columns and their ups) */
+#define FG_BK 128 /* codes a step: one 128-byte swizzled row */
+#define FG_STAGES 4
+#define FG_STAGE_BYTES(BM) (((BM) + FG_BN) * FG_BK)
+#define FG_SMEM(BM) (FG_STAGES * FG_STAGE_BYTES(BM) + 1024)
+
+/* Byte offset of 16-byte chunk c of row r in a tile of 128-byte swizzled rows. */
+static __device__ __forceinline__ int fg_swz(int r, int c)
+{
+    return r * FG_BK + ((c ^ (r & 7)) << 4);
+}
+
+/* Grid (row tile, column tile), as cuda_moe.cu's moe_gemm_kernel: a block takes up to BM rows
+ * of one expert's group (codes xq [..][K] gathered by rows, or the group's own rows; their
+ * scales xs [ng][nx]) and FG_BN rows of the expert's weight (pd_moe_gm_wrow). GROUP: groups
+ * of 128 (BM 64 only: two accumulators a warpgroup), else a scale a row. */
+template <bool SWIGLU, int BM, bool GROUP>
+static __global__ void __launch_bounds__(256, 1)
+fp8_moe_gemm_kernel(const uint8_t *__restrict__ xq, const float *__restrict__ xs, int32_t nx,
+                    const int32_t *__restrict__ rows, const int32_t *__restrict__ off,
+                    int32_t E, const uint8_t *__restrict__ W, const float *__restrict__ ws,
+                    int32_t ng, int32_t M, int32_t K, bf16 *__restrict__ out)
+{
+    static_assert(!GROUP || BM == 64, "groups of 128 take 64-row tiles");
+    constexpr int NB = BM == 128 ? 2 : 1; /* accumulators (64 x 128 each) a warpgroup */
+    constexpr int NT = GROUP ? NB : 1;    /* totals kept apart from them */
+    constexpr int SB = FG_STAGE_BYTES(BM);
+    extern __shared__ uint8_t fg_raw[];
+    uint8_t *sm = reinterpret_cast<uint8_t *>(((uintptr_t)fg_raw + 1023) & ~(uintptr_t)1023);
+    pd_pdl_enter();
+    int32_t sub;
+    const int32_t e = pd_moe_find_tile(off, E, BM, (int32_t)blockIdx.x, &sub);
+    if (e < 0) return;
+    const int32_t r0 = off[e] + sub * BM, nr = min(BM, off[e + 1] - r0);
+    const int tid = (int)threadIdx.x, wg = tid / 128, warp = tid / 32, lane = tid % 32;
+    const int32_t c0 = (int32_t)blockIdx.y * (SWIGLU ? FG_BN / 2 : FG_BN);
+    const int64_t base = (int64_t)e * (SWIGLU ? 2 : 1) * M;
+    const int ch = tid % 8, rb = tid / 8;
+    const uint8_t *src_a[BM / 32];
+    bool ok_a[BM / 32];
+#pragma unroll
+    for (int j = 0; j < BM / 32; j++) {
+        const int32_t r = rb + 32 * j;
+        ok_a[j] = r < nr;
+        const int64_t src = !ok_a[j] ? 0 : rows ? rows[r0 + r] : r0 + r;
+        src_a[j] = xq + src * K;
+    }
+    const uint8_t *src_b[FG_BN / 32];
+    bool ok_b[FG_BN / 32];
+#pragma unroll
+    for (int j = 0; j < FG_BN / 32; j++) {
+        int32_t col;
+        const int32_t wr = pd_moe_gm_wrow<SWIGLU, BM>(rb + 32 * j, c0, M, &col);
+        ok_b[j] = col < M;
+        src_b[j] = W + (base + (ok_b[j] ? wr : 0)) * K;
+    }
+    const int32_t KT = (K + FG_BK - 1) / FG_BK;
+    auto load = [&](int32_t kt) {
+        uint8_t *sa = sm + (kt % FG_STAGES) * SB, *sb = sa + BM * FG_BK;
+        const int32_t kc = kt * FG_BK + ch * 16;
+        const bool kin = kc < K;
+#pragma unroll
+        for (int j = 0; j < BM / 32; j++)
+            pd_cp16(sa + fg_swz(rb + 32 * j, ch), src_a[j] + (kin ? kc : 0), ok_a[j] && kin);
+#pragma unroll
+        for (int j = 0; j < FG_BN / 32; j++)
+            pd_cp16(sb + fg_swz(rb + 32 * j, ch), src_b[j] + (kin ? kc : 0), ok_b[j] && kin);
+    };
+#pragma unroll
+    for (int s = 0; s < FG_STAGES - 2; s++) {
+        if (s < KT) load(s);
+        pd_cp_commit();
+    }
+    /* this thread's accumulator elements: tile rows g, g + 8 of its warp's 16; weight rows
+     * (B rows) 8 j + 2 q (+ 1) of accumulator b's 128 */
+    const int g = lane / 4, q = lane % 4;
+    const int32_t trow0 = (BM == 128 ? wg * 64 : 0) + (warp & 3) * 16 + g;
+    auto b_row = [&](int b, int j, int u) {
+        return (BM == 128 ? 128 * b : 128 * wg) + 8 * j + 2 * q + u;
+    };
+    float d[NB][16][4], t[NT][16][4];
+#pragma unroll
+    for (int b = 0; b < NB; b++)
+#pragma unroll
+        for (int j = 0; j < 16; j++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) d[b][j][v] = 0.0f;
+#pragma unroll
+    for (int b = 0; b < NT; b++)
+#pragma unroll
+        for (int j = 0; j < 16; j++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) t[b][j][v] = 0.0f;
+    /* the token rows' scales (GROUP: of the step's group, reloaded each step) */
+    int64_t srow[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int32_t i = trow0 + 8 * h;
+        srow[h] = i >= nr ? -1 : rows ? rows[r0 + i] : r0 + i;
+    }
+    const int a_off = (BM == 128 ? wg * 64 : 0) * FG_BK;
+    const int b_off = BM * FG_BK + (BM == 128 ? 0 : wg * 128 * FG_BK);
+    for (int32_t kt = 0; kt < KT; kt++) {
+        pd_cp_wait<FG_STAGES - 3>();
+        pd_fence_proxy_async();
+        __syncthreads(); /* tile kt landed for all; tile kt - 2's products done by both */
+        if (kt + FG_STAGES - 2 < KT) load(kt + FG_STAGES - 2);
+        pd_cp_commit();
+        const uint8_t *st = sm + (kt % FG_STAGES) * SB;
+        pd_wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < FG_BK / 32; kk++) {
+            const uint64_t da = pd_wg_desc(st + a_off + kk * 32, 16, 1024);
+#pragma unroll
+            for (int b = 0; b < NB; b++)
+                pd_wgmma_n128_ss_e4m3(d[b], da,
+                                      pd_wg_desc(st + b_off + b * 128 * FG_BK + kk * 32, 16, 1024),
+                                      GROUP ? kk > 0 : 1);
+        }
+        pd_wg_commit();
+        if (!GROUP) {
+            pd_wg_wait<1>();
+            continue;
+        }
+        /* this step's group: its sums into the totals, times the group's two scales */
+        pd_wg_wait<0>();
+#pragma unroll
+        for (int b = 0; b < NB; b++) pd_wg_hold(d[b]);
+        float sx[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) sx[h] = srow[h] < 0 ? 0.0f : __ldg(xs + (int64_t)kt * nx + srow[h]);
+#pragma unroll
+        for (int b = 0; b < NB; b++)
+#pragma unroll
+            for (int j = 0; j < 16; j++)
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    int32_t col;
+                    const int32_t wr = pd_moe_gm_wrow<SWIGLU, BM>(b_row(b, j, u), c0, M, &col);
+                    const float sw = col < M ? __ldg(ws + (base + wr) * ng + kt) : 0.0f;
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        t[b][j][2 * h + u] = fmaf(d[b][j][2 * h + u], sw * sx[h], t[b][j][2 * h + u]);
+                }
+    }
+    pd_cp_wait<0>();
+    pd_wg_wait<0>();
+#pragma unroll
+    for (int b = 0; b < NB; b++) pd_wg_hold(d[b]);
+    if (!GROUP) { /* a scale a row: the sums times the token's and the weight row's */
+        float sx[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) sx[h] = srow[h] < 0 ? 0.0f : __ldg(xs + srow[h]);
+#pragma unroll
+        for (int b = 0; b < NB; b++)
+#pragma unroll
+            for (int j = 0; j < 16; j++)
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    int32_t col;
+                    const int32_t wr = pd_moe_gm_wrow<SWIGLU, BM>(b_row(b, j, u), c0, M, &col);
+                    const float sw = col < M ? __ldg(ws + (base + wr) * ng) : 0.0f;
+#pragma unroll
+                    for (int h = 0; h < 2; h++) d[b][j][2 * h + u] *= sw * sx[h];
+                }
+    }
+    float(&v)[NB][16][4] = GROUP ? reinterpret_cast<float(&)[NB][16][4]>(t) : d;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int32_t i = trow0 + 8 * h; /* tile row */
+        if (i >= nr) continue;
+        bf16 *o = out + (size_t)(r0 + i) * M;
+        if (SWIGLU) {
+            /* gate from v[0][j] and up from v[1][j] (BM 128), or v[0][j] and v[0][j + 8] */
+            constexpr int NJ = BM == 128 ? 16 : 8;
+#pragma unroll
+            for (int j = 0; j < NJ; j++) {
+                const int32_t col = c0 + (BM == 128 ? 0 : 64 * wg) + 8 * j + 2 * q;
+                if (col >= M) continue;
+                const float *gv = v[0][j], *uv = BM == 128 ? v[NB - 1][j] : v[0][j + NJ];
+                float r[2];
+#pragma unroll
+                for (int u = 0; u < 2; u++)
+                    r[u] = pd_moe_swiglu_rounded(gv[2 * h + u], uv[2 * h + u]);
+                if (col + 1 < M)
+                    *reinterpret_cast<unsigned *>(o + col) = pd_pack_bf16(r[0], r[1]);
+                else
+                    pd_st(o + col, r[0]);
+            }
+        } else {
+#pragma unroll
+            for (int b = 0; b < NB; b++)
+#pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    const int32_t col = c0 + 128 * (BM == 128 ? b : wg) + 8 * j + 2 * q;
+                    const float *dv = v[b][j];
+                    if (col + 1 < M)
+                        *reinterpret_cast<unsigned *>(o + col) =
+                            pd_pack_bf16(dv[2 * h], dv[2 * h + 1]);
+                    else if (col < M)
+                        pd_st(o + col, dv[2 * h]);
+                }
+        }
+    }
+}
+
+/* The GEMM's shared memory (past 48 KiB: allowed per device) set once a device, before any
+ * graph capture can hold the launch. */
+template <bool SWIGLU, int BM, bool GROUP>
+static cudaError_t gemm_smem_allowed(void)
+{
+    static std::atomic<unsigned long long> done{0};
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    const unsigned long long bit = dev >= 0 && dev < 64 ? 1ull << dev : 0;
+    if (bit && (done.load() & bit)) return cudaSuccess;
+    e = cudaFuncSetAttribute(fp8_moe_gemm_kernel<SWIGLU, BM, GROUP>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, FG_SMEM(BM));
+    if (e == cudaSuccess) done.fetch_or(bit);
+    return e;
+}
+
+template <bool SWIGLU, int BM, bool GROUP>
+static cudaError_t launch_gemm_t(const pd_fp8_weight *w, const uint8_t *xq, const float *xs,
+                                 int32_t nx, const int32_t *rows, const int32_t *off, int32_t E,
+                                 int64_t nk, int32_t M, bf16 *out, cudaStream_t stream)
+{
+    cudaError_t e = gemm_smem_allowed<SWIGLU, BM, GROUP>();
+    if (e != cudaSuccess) return e;
+    const int64_t busy = nk < E ? nk : E;
+    const int64_t tiles = (nk + BM - 1) / BM + busy;
+    const int32_t per = SWIGLU ? FG_BN / 2 : FG_BN;
+    return pd_cuda__launch(fp8_moe_gemm_kernel<SWIGLU, BM, GROUP>,
+                           dim3((unsigned)tiles, (unsigned)((M + per - 1) / per)), dim3(256),
+                           (size_t)FG_SMEM(BM), stream, xq, xs, nx, rows, off, E,
+                           (const uint8_t *)w->w8, (const float *)w->scale, w->ng, M, w->k, out);
+}
+
+template <bool SWIGLU>
+static cudaError_t launch_gemm_s(const pd_fp8_weight *w, const uint8_t *xq, const float *xs,
+                                 int32_t nx, const int32_t *rows, const int32_t *off, int32_t E,
+                                 int64_t nk, int32_t M, bf16 *out, cudaStream_t stream)
+{
+    if (w->ng > 1)
+        return launch_gemm_t<SWIGLU, 64, true>(w, xq, xs, nx, rows, off, E, nk, M, out, stream);
+    /* 128-row tiles when the groups average 64 rows or more (half the weight traffic) */
+    return nk >= 64 * (int64_t)E
+               ? launch_gemm_t<SWIGLU, 128, false>(w, xq, xs, nx, rows, off, E, nk, M, out, stream)
+               : launch_gemm_t<SWIGLU, 64, false>(w, xq, xs, nx, rows, off, E, nk, M, out, stream);
+}
+#endif
+
+bool pd_cuda__fp8_moe_gemm_can(const pd_cuda_ctx *c, const pd_fp8_weight *w)
+{
+#if defined(PD_CUDA_SM90A)
+    return c->cc_major == 9 && c->cc_minor == 0 && w->act != PD_ACT_NONE &&
+           (w->ng == 1 || w->group == 128);
+#else
+    (void)c;
+    (void)w;
+    return false;
+#endif
+}
+
+cudaError_t pd_cuda__fp8_launch_moe_gemm(const pd_fp8_weight *w, const uint8_t *xq,
+                                         const float *xs, int32_t nx, const int32_t *rows,
+                                         const int32_t *off, int32_t E, int64_t nk, int32_t M,
+                                         bool swiglu, bf16 *out, cudaStream_t stream)
+{
+#if defined(PD_CUDA_SM90A)
+    return swiglu ? launch_gemm_s<true>(w, xq, xs, nx, rows, off, E, nk, M, out, stream)
+                  : launch_gemm_s<false>(w, xq, xs, nx, rows, off, E, nk, M, out, stream);
+#else
+    (void)w; (void)xq; (void)xs; (void)nx; (void)rows; (void)off; (void)E; (void)nk; (void)M;
+    (void)swiglu; (void)out; (void)stream;
+    return cudaErrorNotSupported;
+#endif
 }

@@ -525,27 +525,10 @@ static __device__ __forceinline__ int gm_swz(int r, int c)
     return r * GM_BK + ((c ^ (r & 7)) << 3);
 }
 
-/* Weight row r (0 .. GM_BN) of a tile whose first output column is c0: which row of the
- * expert's W it reads (*col its output column, >= M past the end). SWIGLU pairs each column's
- * gate and up rows in one warpgroup's 128 rows: BM 128, gate rows 0 .. 127 and up rows 128 ..
- * 255 (the two accumulators of each warpgroup); BM 64, warpgroup w's rows 128 w .. + 63 the
- * gates of columns 64 w .. + 63 and the next 64 their ups (one accumulator). */
-template <bool SWIGLU, int BM>
-static __device__ __forceinline__ int32_t gm_wrow(int r, int32_t c0, int32_t M, int32_t *col)
-{
-    if (!SWIGLU) {
-        *col = c0 + r;
-        return *col;
-    }
-    const bool up = BM == 128 ? r >= 128 : (r & 127) >= 64;
-    *col = c0 + (BM == 128 ? (r & 127) : 64 * (r >> 7) + (r & 63));
-    return (up ? M : 0) + *col;
-}
-
 /* Grid (row tile, column tile): a block takes up to BM rows of one expert's group (x rows
  * gathered by rows, or the group's own when rows is NULL; BM 64 or 128) and GM_BN weight rows
- * (gm_wrow; 128 outputs with SWIGLU, else 256), K in steps of 64 through a ring of GM_STAGES
- * tiles loaded by cp.async (two in flight ahead of the one the products read). Each
+ * (pd_moe_gm_wrow; 128 outputs with SWIGLU, else 256), K in steps of 64 through a ring of
+ * GM_STAGES tiles loaded by cp.async (two in flight ahead of the one the products read). Each
  * warpgroup computes 64 x 256 (BM 128: its own 64 rows, two 64 x 128 products) or 64 x 128
  * (BM 64: the same 64 rows, its half of the weight rows) on wgmma, A and B in shared memory. */
 template <bool SWIGLU, int BM>
@@ -581,7 +564,7 @@ moe_gemm_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
 #pragma unroll
     for (int j = 0; j < GM_BN / 32; j++) {
         int32_t col;
-        const int32_t wr = gm_wrow<SWIGLU, BM>(rb + 32 * j, c0, M, &col);
+        const int32_t wr = pd_moe_gm_wrow<SWIGLU, BM>(rb + 32 * j, c0, M, &col);
         ok_b[j] = col < M;
         src_b[j] = We + (size_t)(ok_b[j] ? wr : 0) * K;
     }

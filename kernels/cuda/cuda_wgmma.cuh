@@ -162,3 +162,22 @@ static __device__ __forceinline__ void pd_wgmma_n128_ss(float (&d)[16][4], uint6
     __trap(); /* the host takes this path only on sm_90a builds on compute capability 9.0 */
 #endif
 }
+
+/* d (+)= A . B over 32 of K in e4m3 (both operands K-major in shared memory, descriptors as
+ * pd_wgmma_n128_ss's: a 128-byte row holds 128 codes, the start advanced 32 bytes per step),
+ * 64 x 128 products summed in fp32; scale_d 0 overwrites d. */
+static __device__ __forceinline__ void pd_wgmma_n128_ss_e4m3(float (&d)[16][4], uint64_t a_desc,
+                                                          uint64_t b_desc, int scale_d)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+                 PD_WG_D128_REGS
+                 "}, %64, %65, p, 1, 1;\n}\n"
+                 : PD_WG_D128(d)
+                 : "l"(a_desc), "l"(b_desc), "r"(scale_d));
+#else
+    (void)d; (void)a_desc; (void)b_desc; (void)scale_d;
+    __trap(); /* the host takes this path only on sm_90a builds on compute capability 9.0 */
+#endif
+}
