@@ -134,7 +134,7 @@ static void run_batch(side *fu, side *op, const char *label, int32_t n, int32_t 
             if (fabs(lo[i]) > top) top = fabs(lo[i]);
         char what[128];
         snprintf(what, sizeof what, "%s n=%d decode step %d", label, n, step);
-        const cg_run run = {label, label, "cuda fused", 0.1 + 0.02 * top, 0.1, false, 0};
+        const cg_run run = {label, label, "cuda fused", 0.1 + 0.02 * top, 0.1, false, 0, 0};
         cg_compare_rows(&run, what, lf, lo, n, V, &st);
     }
     /* eager: every step fused; with graphs at least the capture's */

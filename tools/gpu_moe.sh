@@ -10,7 +10,8 @@
 # (PDSERVE_CUDA_MOE_GEMM_ROWS=0) and on the GEMMs (=1), and the prefill on the GEMMs' 128-row
 # tiles (PDSERVE_CUDA_MOE_GEMM_BM=128), beside the defaults. Part "profile": ncu's GPU
 # time a kernel for one 2048-token prefill and two batch-1 decode steps (eager), each run cut
-# at MOE_PROFILE_S seconds (240).
+# at MOE_PROFILE_S seconds (240), with MOE_PROFILE_ARGS added to both (e.g. "--quantization
+# fp8").
 # Part "decode1ab": batch-1 decode under each of MOE_DECODE1_VARIANTS (space-separated; each a
 # comma-separated list of VAR=VALUE, e.g. "PDSERVE_CUDA_PDL=1,PDSERVE_CUDA_GEMV_MAX_MB=16"),
 # beside the defaults; skipped when that list is empty.
@@ -96,13 +97,13 @@ if ! skip profile; then
         timeout "${MOE_PROFILE_S:-240}" "$NCU" "${NK[@]}" "$G/bin/pdserve-bench-offline" \
             --model "$M" --load-format dummy --backend cuda --kv-cache-mb 4096 \
             --num-requests 1 --input-len 2048 --output-len 1 --max-num-batched-tokens 2048 \
-            --enforce-eager >"$F/profile_prefill.log" 2>&1
+            --enforce-eager ${MOE_PROFILE_ARGS:-} >"$F/profile_prefill.log" 2>&1
         echo "== profile: one 2048-token prefill (kernel, calls, total us)"
         env -u LD_LIBRARY_PATH python3 tools/ncu_summary.py "$F/profile_prefill.log" 24
         timeout "${MOE_PROFILE_S:-240}" "$NCU" "${NK[@]}" "$G/bin/pdserve-generate" \
             --model "$M" --load-format dummy --backend cuda --kv-cache-mb 4096 \
             --random-prompt-len 128 --max-tokens 3 --ignore-eos --temperature 0 --enforce-eager \
-            >"$F/profile_decode.log" 2>&1
+            ${MOE_PROFILE_ARGS:-} >"$F/profile_decode.log" 2>&1
         echo "== profile: batch 1, a 128-token prompt and 2 decode steps eager" \
              "(kernel, calls, total us)"
         env -u LD_LIBRARY_PATH python3 tools/ncu_summary.py "$F/profile_decode.log" 24

@@ -32,7 +32,8 @@
 
 /* x rows (gathered by rows, or the group's own rows r0 .. when rows is NULL) of K columns
  * into shared memory: XQ, codes xq[R][K] and scales xs[R][ng] (pd_fp8_quant_row's rule,
- * group columns a scale), a warp a (row, group); else the bf16 rows xb[R][K]. */
+ * group columns a scale; a scale a row: the block's threads over each row, else a warp a
+ * (row, group)); else the bf16 rows xb[R][K]. Every thread of the block calls it. */
 template <bool XQ>
 static __device__ __forceinline__ void fm_load_rows(const bf16 *__restrict__ x,
                                                     const int32_t *__restrict__ rows, int32_t r0,
@@ -47,6 +48,44 @@ static __device__ __forceinline__ void fm_load_rows(const bf16 *__restrict__ x,
             const int32_t r = i / K8, c = i - r * K8;
             const int64_t src = rows ? rows[r0 + r] : r0 + r;
             reinterpret_cast<uint4 *>(xb)[i] = reinterpret_cast<const uint4 *>(x + src * K)[c];
+        }
+    } else if (ng == 1) {
+        /* a scale a row: the whole block finds each row's largest magnitude, then quantizes */
+        __shared__ float s_part[FM_WARPS][FM_R];
+        const int32_t K8 = K / 8;
+        if (dynamic) {
+            for (int32_t r = 0; r < nr; r++) {
+                const int64_t src = rows ? rows[r0 + r] : r0 + r;
+                const uint4 *xr = reinterpret_cast<const uint4 *>(x + src * K);
+                float amax = 0.0f;
+                for (int32_t c = threadIdx.x; c < K8; c += blockDim.x)
+                    amax = pd_bf16x8_amax(xr[c], amax);
+                amax = pd_warp_max(amax);
+                if (lane == 0) s_part[warp][r] = amax;
+            }
+            __syncthreads();
+        }
+        if ((int32_t)threadIdx.x < nr) {
+            float amax = 0.0f;
+            for (int w = 0; dynamic && w < (int)blockDim.x / 32; w++)
+                amax = fmaxf(amax, s_part[w][threadIdx.x]);
+            xs[threadIdx.x] = dynamic ? pd_fp8_dyn_scale(amax) : in_scale;
+        }
+        __syncthreads();
+        for (int32_t i = threadIdx.x; i < nr * K8; i += blockDim.x) {
+            const int32_t r = i / K8, c = i - r * K8;
+            const int64_t src = rows ? rows[r0 + r] : r0 + r;
+            const uint4 v = reinterpret_cast<const uint4 *>(x + src * K)[c];
+            const float sc = xs[r];
+            const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+            uint32_t q[2] = {0, 0};
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const uint32_t lo = pd_fp8_quant1(pd_bf16_lo(u[k]), sc);
+                const uint32_t hi = pd_fp8_quant1(pd_bf16_hi(u[k]), sc);
+                q[k / 2] |= (lo | hi << 8) << (16 * (k % 2));
+            }
+            reinterpret_cast<uint2 *>(xq)[i] = make_uint2(q[0], q[1]);
         }
     } else {
         for (int32_t p = warp; p < nr * ng; p += (int32_t)blockDim.x / 32) {
