@@ -89,7 +89,7 @@ static const pd_env_knob k_knobs[] = {
     {"PDSERVE_CUDA_FP8_GEMV_MAX_N", PD_ENV_INT, "8", I64_MIN, I64_MAX, NULL, "kernels/cuda",
      "The FP8 products' crossover in n to the large-n paths (clamped to 0 .. 8; 0: never the "
      "small-n kernel)."},
-    {"PDSERVE_CUDA_FP8_MOE_GEMM_ROWS", PD_ENV_INT, "16", 0, I64_MAX, NULL, "kernels/cuda",
+    {"PDSERVE_CUDA_FP8_MOE_GEMM_ROWS", PD_ENV_INT, "1", 0, I64_MAX, NULL, "kernels/cuda",
      "FP8 experts' products (quantized input rows) run as grouped e4m3 wgmma GEMMs (compute "
      "capability 9.0, an sm_90a build) when a layer's choices average at least this many "
      "token rows an expert, else on the row-streaming kernel that reads each chosen expert's "

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 
 #include "kernels/cuda/cuda_fp8.cuh"
+#include "kernels/cuda/cuda_fp8_moe.cuh"
 
 #define LT_WS_BYTES ((size_t)32 << 20) /* cuBLASLt's workspace (its Hopper recommendation) */
 #define WS_ROWS 512                     /* input rows the quantized-input workspace starts at */
@@ -593,6 +594,13 @@ extern "C" int pd_cuda__fp8_moe_experts(void *ctx, const pd_moe_experts_args *a)
         PD_CUDA_CHECK(pd_cuda__fp8_launch_moe(wg, (const bf16 *)a->x, a->rows, a->offsets,
                                               a->n_experts, a->n, nk, a->inter, true,
                                               (bf16 *)a->act, c->stream));
+        if (a->out && a->n == 1 && a->k <= 8) {
+            /* a one-row step: the down products and the combination in one launch */
+            PD_CUDA_CHECK(pd_cuda__fp8_launch_moe_down_combine(
+                wd, (const bf16 *)a->act, a->ids, a->pos, a->weights, a->k, a->hidden,
+                a->accumulate, (bf16 *)a->out, c->stream));
+            return 0;
+        }
         PD_CUDA_CHECK(pd_cuda__fp8_launch_moe(wd, (const bf16 *)a->act, NULL, a->offsets,
                                               a->n_experts, a->n, nk, a->hidden, false,
                                               (bf16 *)a->y, c->stream));

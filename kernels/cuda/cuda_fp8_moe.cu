@@ -23,6 +23,7 @@
 #include <atomic>
 
 #include "kernels/cuda/cuda_fp8.cuh"
+#include "kernels/cuda/cuda_fp8_moe.cuh"
 #include "kernels/cuda/cuda_moe.cuh"
 #include "kernels/cuda/cuda_wgmma.cuh"
 
@@ -222,6 +223,86 @@ fp8_moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows
     }
 }
 
+/* The down products of a one-row step and their combination in one launch (moe_experts with
+ * out at n = 1; cuda_moe.cu's moe_down_combine_kernel for FP8 weights): the block quantizes the
+ * k SwiGLU rows (act[pos[j]]) as the row-streaming kernel does; block b takes output columns
+ * FM_DC b ..; warp w the choices w, w + 8, ..: each streams its expert's FM_DC down rows
+ * against the choice's row, summed as fp8_moe_gemv_kernel sums and rounded to bf16 as y
+ * would be; then the combination's sum over the choices in their order, added to out and
+ * rounded once: the bits of the two launches. k <= FM_R. */
+#define FM_DC 4
+template <bool XQ>
+static __global__ void __launch_bounds__(FM_WARPS * 32)
+fp8_moe_down_combine_kernel(const bf16 *__restrict__ act, const int32_t *__restrict__ ids,
+                            const int32_t *__restrict__ pos, const float *__restrict__ wts,
+                            int32_t k, const uint8_t *__restrict__ W,
+                            const float *__restrict__ ws, int32_t group, int32_t ng,
+                            bool dynamic, float in_scale, int32_t M, int32_t K,
+                            bool accumulate, bf16 *__restrict__ out)
+{
+    extern __shared__ uint4 fm_smem[];
+    pd_pdl_enter();
+    uint8_t *xq = reinterpret_cast<uint8_t *>(fm_smem);
+    float *xs = reinterpret_cast<float *>(xq + (size_t)k * K);
+    bf16 *xb = reinterpret_cast<bf16 *>(fm_smem);
+    float *dc = XQ ? xs + k * ng : reinterpret_cast<float *>(xb + (size_t)k * K);
+    const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
+    const int32_t c0 = (int32_t)blockIdx.x * FM_DC, K16 = K / 16;
+    fm_load_rows<XQ>(act, pos, 0, k, K, group, ng, dynamic, in_scale, xq, xs, xb);
+    __syncthreads();
+    for (int32_t j = warp; j < k; j += FM_WARPS) {
+        int64_t wr[FM_DC];
+        bool ok[FM_DC];
+        float acc[FM_DC];
+#pragma unroll
+        for (int q = 0; q < FM_DC; q++) {
+            ok[q] = c0 + q < M;
+            wr[q] = (int64_t)ids[j] * M + (ok[q] ? c0 + q : 0);
+            acc[q] = 0.0f;
+        }
+        for (int32_t c = lane; c < K16; c += 32) {
+            const int32_t g = c * 16 / group;
+            float xf[16], sx = 1.0f;
+            if (XQ) {
+                pd_e4m3x16_f32(reinterpret_cast<const uint4 *>(xq + (size_t)j * K)[c], xf);
+                sx = xs[j * ng + g];
+            } else {
+                const uint4 *p = reinterpret_cast<const uint4 *>(xb + (size_t)j * K + c * 16);
+                const uint4 a = p[0], b = p[1];
+                const uint32_t u[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    xf[2 * i] = pd_bf16_lo(u[i]);
+                    xf[2 * i + 1] = pd_bf16_hi(u[i]);
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < FM_DC; q++) {
+                if (!ok[q]) continue;
+                float wf[16];
+                pd_e4m3x16_f32(pd_fp8_ld_stream16(W + wr[q] * K + c * 16), wf);
+                float d = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 16; i++) d = fmaf(wf[i], xf[i], d);
+                acc[q] = fmaf(d, __ldg(ws + wr[q] * ng + g) * sx, acc[q]);
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < FM_DC; q++) {
+            acc[q] = pd_warp_sum(acc[q]);
+            if (lane == 0) dc[j * FM_DC + q] = __bfloat162float(__float2bfloat16_rn(acc[q]));
+        }
+    }
+    __syncthreads();
+    const int q = (int)threadIdx.x;
+    if (q < FM_DC && c0 + q < M) {
+        float s = 0.0f;
+        for (int32_t j = 0; j < k; j++) s += wts[j] * dc[j * FM_DC + q];
+        bf16 *o = out + c0 + q;
+        pd_st(o, accumulate ? pd_ld(o) + s : s);
+    }
+}
+
 template <bool SWIGLU, bool XQ>
 static cudaError_t launch_t(const pd_fp8_weight *w, const bf16 *x, const int32_t *rows,
                             const int32_t *off, int32_t E, int32_t n, int64_t nk, int32_t M,
@@ -248,6 +329,23 @@ static cudaError_t launch_t(const pd_fp8_weight *w, const bf16 *x, const int32_t
     return pd_cuda__launch(kernel, grid, dim3(FM_WARPS * 32), (size_t)R * row_bytes, stream, x,
                            rows, off, E, R, (const uint8_t *)w->w8, (const float *)w->scale,
                            w->group, w->ng, w->act == PD_ACT_DYNAMIC, w->in_scale, M, K, out);
+}
+
+cudaError_t pd_cuda__fp8_launch_moe_down_combine(const pd_fp8_weight *w, const bf16 *act,
+                                                 const int32_t *ids, const int32_t *pos,
+                                                 const float *wts, int32_t k, int32_t M,
+                                                 bool accumulate, bf16 *out, cudaStream_t stream)
+{
+    const bool xq = w->act != PD_ACT_NONE;
+    const size_t smem = xq ? (size_t)k * (w->k + w->ng * sizeof(float) + FM_DC * sizeof(float))
+                           : (size_t)k * (w->k * sizeof(bf16) + FM_DC * sizeof(float));
+    if (k > FM_R || smem > 48 * 1024) return cudaErrorInvalidValue;
+    const dim3 grid((unsigned)((M + FM_DC - 1) / FM_DC));
+    return pd_cuda__launch(xq ? fp8_moe_down_combine_kernel<true>
+                              : fp8_moe_down_combine_kernel<false>,
+                           grid, dim3(FM_WARPS * 32), smem, stream, act, ids, pos, wts, k,
+                           (const uint8_t *)w->w8, (const float *)w->scale, w->group, w->ng,
+                           w->act == PD_ACT_DYNAMIC, w->in_scale, M, w->k, accumulate, out);
 }
 
 cudaError_t pd_cuda__fp8_launch_moe(const pd_fp8_weight *w, const bf16 *x, const int32_t *rows,
