@@ -516,8 +516,14 @@ int main(void)
             run_experts_fp8(1, 128, 8, 256, 128, true, (pd_act_quant)act);  /* a decode row */
             run_experts_fp8(1, 8, 2, 272, 48, false, (pd_act_quant)act);    /* per row, odd k */
         }
-        run_experts_fp8(6, 64, 8, 384, 256, true, PD_ACT_DYNAMIC);   /* a small batch */
-        run_experts_fp8(40, 8, 2, 256, 128, false, PD_ACT_DYNAMIC);  /* groups past 8 rows */
+        /* small batches on the row-streaming kernel (fewer choices than experts: 2, 4 and 8
+         * rows a tile), then groups past its 8 rows */
+        run_experts_fp8(2, 128, 8, 256, 128, false, PD_ACT_DYNAMIC);
+        run_experts_fp8(3, 64, 2, 2048, 768, false, PD_ACT_DYNAMIC);
+        run_experts_fp8(6, 64, 8, 384, 256, true, PD_ACT_DYNAMIC);
+        run_experts_fp8(1, 128, 8, 2048, 768, false, PD_ACT_DYNAMIC); /* Qwen3-30B-A3B's */
+        run_experts_fp8(1, 16, 8, 256, 4096, false, PD_ACT_DYNAMIC);  /* rows read twice */
+        run_experts_fp8(40, 8, 2, 256, 128, false, PD_ACT_DYNAMIC);
         /* prefill's many rows an expert: the grouped e4m3 GEMMs (groups of 128 on 64-row
          * tiles; a scale a row on 128-row tiles, or 64 with fewer rows an expert, K off the
          * 128-code steps), weight-only on the row-streaming kernel */

@@ -52,11 +52,12 @@ static __device__ __forceinline__ float pd_moe_swiglu_rounded(float g, float u)
                        __bfloat162float(__float2bfloat16_rn(u)));
 }
 
-/* Weight row r (0 .. 256) of a grouped GEMM's tile whose first output column is c0: which row of the
- * expert's W it reads (*col its output column, >= M past the end). SWIGLU pairs each column's
- * gate and up rows in one warpgroup's 128 rows: BM 128, gate rows 0 .. 127 and up rows 128 ..
- * 255 (the two accumulators of each warpgroup); BM 64, warpgroup w's rows 128 w .. + 63 the
- * gates of columns 64 w .. + 63 and the next 64 their ups (one accumulator). */
+/* Weight row r (0 .. 256) of a grouped GEMM's tile whose first output column is c0: which
+ * row of the expert's W it reads (*col its output column, >= M past the end). SWIGLU pairs
+ * each column's gate and up rows in one warpgroup's 128 rows: BM 128, gate rows 0 .. 127 and
+ * up rows 128 .. 255 (the two accumulators of each warpgroup); BM 64, warpgroup w's rows
+ * 128 w .. + 63 the gates of columns 64 w .. + 63 and the next 64 their ups (one
+ * accumulator). */
 template <bool SWIGLU, int BM>
 static __device__ __forceinline__ int32_t pd_moe_gm_wrow(int r, int32_t c0, int32_t M,
                                                         int32_t *col)
