@@ -144,6 +144,29 @@ static __device__ __forceinline__ void fm_load_rows(const bf16 *__restrict__ x,
     }
 }
 
+/* The 16 values of chunk c of fm_load_rows' row r as f32 (XQ: codes; else bf16), and the
+ * scale of their group g (1 for bf16 rows). */
+template <bool XQ>
+static __device__ __forceinline__ float fm_row16(const uint8_t *xq, const float *xs,
+                                                 const bf16 *xb, int32_t r, int32_t K,
+                                                 int32_t ng, int32_t c, int32_t g,
+                                                 float (&xf)[16])
+{
+    if (XQ) {
+        pd_e4m3x16_f32(reinterpret_cast<const uint4 *>(xq + (size_t)r * K)[c], xf);
+        return xs[r * ng + g];
+    }
+    const uint4 *p = reinterpret_cast<const uint4 *>(xb + (size_t)r * K + c * 16);
+    const uint4 a = p[0], b = p[1];
+    const uint32_t h[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        xf[2 * i] = pd_bf16_lo(h[i]);
+        xf[2 * i + 1] = pd_bf16_hi(h[i]);
+    }
+    return 1.0f;
+}
+
 /* Grid (row tile, column tile). W [E * (SWIGLU ? 2M : M)][K] e4m3 with scales ws [..][ng]
  * (expert e's gate rows, then its up rows, from row 2Me with SWIGLU); out [choices][M] in the
  * grouped order. K % 16 == 0, group % 16 == 0, 16-byte aligned rows. */
@@ -215,20 +238,8 @@ fp8_moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows
 #pragma unroll
             for (int r = 0; r < RT; r++) {
                 if (r >= nr) break;
-                float xf[16], sx = 1.0f;
-                if (XQ) {
-                    pd_e4m3x16_f32(reinterpret_cast<const uint4 *>(xq + (size_t)r * K)[c], xf);
-                    sx = xs[r * ng + g];
-                } else {
-                    const uint4 *p = reinterpret_cast<const uint4 *>(xb + (size_t)r * K + c * 16);
-                    const uint4 a = p[0], b = p[1];
-                    const uint32_t h[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        xf[2 * i] = pd_bf16_lo(h[i]);
-                        xf[2 * i + 1] = pd_bf16_hi(h[i]);
-                    }
-                }
+                float xf[16];
+                const float sx = fm_row16<XQ>(xq, xs, xb, r, K, ng, c, g, xf);
 #pragma unroll
                 for (int q = 0; q < NW; q++) {
                     float d = 0.0f;
@@ -239,22 +250,7 @@ fp8_moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows
             }
         }
     }
-#pragma unroll
-    for (int r = 0; r < RT; r++) {
-        if (r >= nr) break;
-#pragma unroll
-        for (int q = 0; q < NW; q++) acc[q][r] = pd_warp_sum(acc[q][r]);
-        if (lane != 0) continue;
-        bf16 *o = out + (size_t)(r0 + r) * M;
-#pragma unroll
-        for (int q = 0; q < FM_COLS(SWIGLU); q++) {
-            if (!ok[q]) continue;
-            if (SWIGLU)
-                pd_st(o + i0 + q, pd_moe_swiglu_rounded(acc[q][r], acc[q + 2][r]));
-            else
-                pd_st(o + i0 + q, acc[q][r]);
-        }
-    }
+    pd_moe_gv_store<SWIGLU, RT>(acc, ok, nr, lane, i0, r0, M, out);
 }
 
 /* The down products of a one-row step and their combination in one launch (moe_experts with
@@ -319,20 +315,8 @@ fp8_moe_down_combine_kernel(const bf16 *__restrict__ act, const int32_t *__restr
                 const int32_t c = cb + 32 * u;
                 if (c >= K16) break;
                 const int32_t g = c * 16 / group;
-                float xf[16], sx = 1.0f;
-                if (XQ) {
-                    pd_e4m3x16_f32(reinterpret_cast<const uint4 *>(xq + (size_t)j * K)[c], xf);
-                    sx = xs[j * ng + g];
-                } else {
-                    const uint4 *p = reinterpret_cast<const uint4 *>(xb + (size_t)j * K + c * 16);
-                    const uint4 a = p[0], b = p[1];
-                    const uint32_t h[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        xf[2 * i] = pd_bf16_lo(h[i]);
-                        xf[2 * i + 1] = pd_bf16_hi(h[i]);
-                    }
-                }
+                float xf[16];
+                const float sx = fm_row16<XQ>(xq, xs, xb, j, K, ng, c, g, xf);
 #pragma unroll
                 for (int q = 0; q < FM_DC; q++) {
                     if (!ok[q]) continue;
@@ -589,44 +573,10 @@ fp8_moe_gemm_kernel(const uint8_t *__restrict__ xq, const float *__restrict__ xs
                     for (int h = 0; h < 2; h++) d[b][j][2 * h + u] *= sw * sx[h];
                 }
     }
-    float(&v)[NB][16][4] = GROUP ? reinterpret_cast<float(&)[NB][16][4]>(t) : d;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int32_t i = trow0 + 8 * h; /* tile row */
-        if (i >= nr) continue;
-        bf16 *o = out + (size_t)(r0 + i) * M;
-        if (SWIGLU) {
-            /* gate from v[0][j] and up from v[1][j] (BM 128), or v[0][j] and v[0][j + 8] */
-            constexpr int NJ = BM == 128 ? 16 : 8;
-#pragma unroll
-            for (int j = 0; j < NJ; j++) {
-                const int32_t col = c0 + (BM == 128 ? 0 : 64 * wg) + 8 * j + 2 * q;
-                if (col >= M) continue;
-                const float *gv = v[0][j], *uv = BM == 128 ? v[NB - 1][j] : v[0][j + NJ];
-                float r[2];
-#pragma unroll
-                for (int u = 0; u < 2; u++)
-                    r[u] = pd_moe_swiglu_rounded(gv[2 * h + u], uv[2 * h + u]);
-                if (col + 1 < M)
-                    *reinterpret_cast<unsigned *>(o + col) = pd_pack_bf16(r[0], r[1]);
-                else
-                    pd_st(o + col, r[0]);
-            }
-        } else {
-#pragma unroll
-            for (int b = 0; b < NB; b++)
-#pragma unroll
-                for (int j = 0; j < 16; j++) {
-                    const int32_t col = c0 + 128 * (BM == 128 ? b : wg) + 8 * j + 2 * q;
-                    const float *dv = v[b][j];
-                    if (col + 1 < M)
-                        *reinterpret_cast<unsigned *>(o + col) =
-                            pd_pack_bf16(dv[2 * h], dv[2 * h + 1]);
-                    else if (col < M)
-                        pd_st(o + col, dv[2 * h]);
-                }
-        }
-    }
+    if constexpr (GROUP)
+        pd_moe_gm_store<SWIGLU, BM>(t, wg, warp, lane, nr, r0, c0, M, out);
+    else
+        pd_moe_gm_store<SWIGLU, BM>(d, wg, warp, lane, nr, r0, c0, M, out);
 }
 
 /* The GEMM's shared memory (past 48 KiB: allowed per device) set once a device, before any

@@ -437,22 +437,7 @@ moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
 #pragma unroll
         for (int q = 0; q < NW; q++) wv[q] = nx[q];
     }
-#pragma unroll
-    for (int r = 0; r < RT; r++) {
-        if (r >= nr) break;
-#pragma unroll
-        for (int q = 0; q < NW; q++) acc[q][r] = pd_warp_sum(acc[q][r]);
-        if (lane != 0) continue;
-        bf16 *o = out + (size_t)(r0 + r) * M;
-#pragma unroll
-        for (int q = 0; q < GV_COLS(SWIGLU); q++) {
-            if (!ok[q]) continue;
-            if (SWIGLU)
-                pd_st(o + i0 + q, pd_moe_swiglu_rounded(acc[q][r], acc[q + 2][r]));
-            else
-                pd_st(o + i0 + q, acc[q][r]);
-        }
-    }
+    pd_moe_gv_store<SWIGLU, RT>(acc, ok, nr, lane, i0, r0, M, out);
 }
 
 /* The down products of a one-row step and their combination, in one launch (moe_experts with
@@ -620,44 +605,7 @@ moe_gemm_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
     pd_wg_wait<0>();
 #pragma unroll
     for (int b = 0; b < NB; b++) pd_wg_hold(d[b]);
-    const int g = lane / 4, q = lane % 4;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int32_t i = (BM == 128 ? wg * 64 : 0) + (warp & 3) * 16 + g + 8 * h; /* tile row */
-        if (i >= nr) continue;
-        bf16 *o = out + (size_t)(r0 + i) * M;
-        if (SWIGLU) {
-            /* gate from d[0][j] and up from d[1][j] (BM 128), or d[0][j] and d[0][j + 8] */
-            constexpr int NJ = BM == 128 ? 16 : 8;
-#pragma unroll
-            for (int j = 0; j < NJ; j++) {
-                const int32_t col = c0 + (BM == 128 ? 0 : 64 * wg) + 8 * j + 2 * q;
-                if (col >= M) continue;
-                const float *gv = d[0][j], *uv = BM == 128 ? d[NB - 1][j] : d[0][j + NJ];
-                float v[2];
-#pragma unroll
-                for (int u = 0; u < 2; u++)
-                    v[u] = pd_moe_swiglu_rounded(gv[2 * h + u], uv[2 * h + u]);
-                if (col + 1 < M)
-                    *reinterpret_cast<unsigned *>(o + col) = pd_pack_bf16(v[0], v[1]);
-                else
-                    pd_st(o + col, v[0]);
-            }
-        } else {
-#pragma unroll
-            for (int b = 0; b < NB; b++)
-#pragma unroll
-                for (int j = 0; j < 16; j++) {
-                    const int32_t col = c0 + 128 * (BM == 128 ? b : wg) + 8 * j + 2 * q;
-                    const float *dv = d[b][j];
-                    if (col + 1 < M)
-                        *reinterpret_cast<unsigned *>(o + col) =
-                            pd_pack_bf16(dv[2 * h], dv[2 * h + 1]);
-                    else if (col < M)
-                        pd_st(o + col, dv[2 * h]);
-                }
-        }
-    }
+    pd_moe_gm_store<SWIGLU, BM>(d, wg, warp, lane, nr, r0, c0, M, out);
 }
 
 /* out[t][d] = (out[t][d] +) sum over j of w[t][j] * y[pos[t][j]][d], the sum in f32 in j
