@@ -522,7 +522,7 @@ int main(void)
         run_experts_fp8(3, 64, 2, 2048, 768, false, PD_ACT_DYNAMIC);
         run_experts_fp8(6, 64, 8, 384, 256, true, PD_ACT_DYNAMIC);
         run_experts_fp8(1, 128, 8, 2048, 768, false, PD_ACT_DYNAMIC); /* Qwen3-30B-A3B's */
-        run_experts_fp8(1, 16, 8, 256, 4096, false, PD_ACT_DYNAMIC);  /* rows read twice */
+        run_experts_fp8(1, 16, 8, 256, 4096, false, PD_ACT_DYNAMIC);  /* long SwiGLU rows */
         run_experts_fp8(40, 8, 2, 256, 128, false, PD_ACT_DYNAMIC);
         /* prefill's many rows an expert: the grouped e4m3 GEMMs (groups of 128 on 64-row
          * tiles; a scale a row on 128-row tiles, or 64 with fewer rows an expert, K off the

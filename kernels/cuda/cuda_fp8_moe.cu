@@ -45,14 +45,10 @@ static __device__ __forceinline__ uint2 fm_quant8(uint4 v, float sc)
     return make_uint2(q[0], q[1]);
 }
 
-#define FM_HOLD 8 /* 16-byte chunks a thread holds while the block finds the rows' scales */
-
 /* x rows (gathered by rows, or the group's own rows r0 .. when rows is NULL) of K columns
  * into shared memory: XQ, codes xq[R][K] and scales xs[R][ng] (pd_fp8_quant_row's rule,
- * group columns a scale); else the bf16 rows xb[R][K]. A scale a row: the block's threads
- * over each row, their chunks loaded once and held in registers while the block reduces the
- * rows' largest magnitudes (one round trip to memory) where they fit, else read twice; groups:
- * a warp a (row, group). Every thread of the block calls it. */
+ * group columns a scale; a scale a row: the block's threads over each row, else a warp a
+ * (row, group)); else the bf16 rows xb[R][K]. Every thread of the block calls it. */
 template <bool XQ>
 static __device__ __forceinline__ void fm_load_rows(const bf16 *__restrict__ x,
                                                     const int32_t *__restrict__ rows, int32_t r0,
@@ -61,42 +57,24 @@ static __device__ __forceinline__ void fm_load_rows(const bf16 *__restrict__ x,
                                                     uint8_t *xq, float *xs, bf16 *xb)
 {
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
-    const int32_t K8 = K / 8, nt = (int32_t)blockDim.x;
     if constexpr (!XQ) {
-        for (int32_t i = threadIdx.x; i < nr * K8; i += nt) {
+        const int32_t K8 = K / 8;
+        for (int32_t i = threadIdx.x; i < nr * K8; i += blockDim.x) {
             const int32_t r = i / K8, c = i - r * K8;
             const int64_t src = rows ? rows[r0 + r] : r0 + r;
             reinterpret_cast<uint4 *>(xb)[i] = reinterpret_cast<const uint4 *>(x + src * K)[c];
         }
     } else if (ng == 1) {
+        /* a scale a row: the whole block finds each row's largest magnitude, then quantizes */
         __shared__ float s_part[FM_WARPS][FM_R];
-        const int32_t cpt = (K8 + nt - 1) / nt; /* chunks a thread a row */
-        const bool hold = nr * cpt <= FM_HOLD;
-        uint4 v[FM_HOLD];
-        if (hold) { /* chunk h: row h / cpt, the thread's (h % cpt)-th */
-#pragma unroll
-            for (int h = 0; h < FM_HOLD; h++) {
-                const int32_t r = h / cpt, c = (int32_t)threadIdx.x + (h % cpt) * nt;
-                v[h] = make_uint4(0, 0, 0, 0);
-                if (r < nr && c < K8) {
-                    const int64_t src = rows ? rows[r0 + r] : r0 + r;
-                    v[h] = reinterpret_cast<const uint4 *>(x + src * K)[c];
-                }
-            }
-        }
+        const int32_t K8 = K / 8;
         if (dynamic) {
             for (int32_t r = 0; r < nr; r++) {
+                const int64_t src = rows ? rows[r0 + r] : r0 + r;
+                const uint4 *xr = reinterpret_cast<const uint4 *>(x + src * K);
                 float amax = 0.0f;
-                if (hold) {
-#pragma unroll
-                    for (int h = 0; h < FM_HOLD; h++)
-                        if (h / cpt == r) amax = pd_bf16x8_amax(v[h], amax);
-                } else {
-                    const int64_t src = rows ? rows[r0 + r] : r0 + r;
-                    const uint4 *xr = reinterpret_cast<const uint4 *>(x + src * K);
-                    for (int32_t c = threadIdx.x; c < K8; c += nt)
-                        amax = pd_bf16x8_amax(xr[c], amax);
-                }
+                for (int32_t c = threadIdx.x; c < K8; c += blockDim.x)
+                    amax = pd_bf16x8_amax(xr[c], amax);
                 amax = pd_warp_max(amax);
                 if (lane == 0) s_part[warp][r] = amax;
             }
@@ -104,27 +82,20 @@ static __device__ __forceinline__ void fm_load_rows(const bf16 *__restrict__ x,
         }
         if ((int32_t)threadIdx.x < nr) {
             float amax = 0.0f;
-            for (int w = 0; dynamic && w < nt / 32; w++) amax = fmaxf(amax, s_part[w][threadIdx.x]);
+            for (int w = 0; dynamic && w < (int)blockDim.x / 32; w++)
+                amax = fmaxf(amax, s_part[w][threadIdx.x]);
             xs[threadIdx.x] = dynamic ? pd_fp8_dyn_scale(amax) : in_scale;
         }
         __syncthreads();
-        if (hold) {
-#pragma unroll
-            for (int h = 0; h < FM_HOLD; h++) {
-                const int32_t r = h / cpt, c = (int32_t)threadIdx.x + (h % cpt) * nt;
-                if (r < nr && c < K8)
-                    reinterpret_cast<uint2 *>(xq)[(size_t)r * K8 + c] = fm_quant8(v[h], xs[r]);
-            }
-            return;
-        }
-        for (int32_t i = threadIdx.x; i < nr * K8; i += nt) {
+        for (int32_t i = threadIdx.x; i < nr * K8; i += blockDim.x) {
             const int32_t r = i / K8, c = i - r * K8;
             const int64_t src = rows ? rows[r0 + r] : r0 + r;
-            reinterpret_cast<uint2 *>(xq)[i] =
-                fm_quant8(reinterpret_cast<const uint4 *>(x + src * K)[c], xs[r]);
+            const uint4 v = reinterpret_cast<const uint4 *>(x + src * K)[c];
+            const float sc = xs[r];
+            reinterpret_cast<uint2 *>(xq)[i] = fm_quant8(v, sc);
         }
     } else {
-        for (int32_t p = warp; p < nr * ng; p += nt / 32) {
+        for (int32_t p = warp; p < nr * ng; p += (int32_t)blockDim.x / 32) {
             const int32_t r = p / ng, g = p - r * ng;
             const int64_t src = rows ? rows[r0 + r] : r0 + r;
             const bf16 *xr = x + src * K;
@@ -136,9 +107,10 @@ static __device__ __forceinline__ void fm_load_rows(const bf16 *__restrict__ x,
                     amax = pd_bf16x8_amax(*reinterpret_cast<const uint4 *>(xr + j), amax);
                 sc = pd_fp8_dyn_scale(pd_warp_max(amax));
             }
-            for (int32_t j = j0 + lane * 8; j < j1; j += 256)
+            for (int32_t j = j0 + lane * 8; j < j1; j += 256) {
                 *reinterpret_cast<uint2 *>(xq + (int64_t)r * K + j) =
                     fm_quant8(*reinterpret_cast<const uint4 *>(xr + j), sc);
+            }
             if (lane == 0) xs[r * ng + g] = sc;
         }
     }
@@ -197,20 +169,11 @@ fp8_moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows
         wr[q] = base + (SWIGLU && q >= 2 ? M : 0) + (ok[q] ? col : 0);
     }
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    /* U 16-byte steps of each row a lane loads at once (all of a 2048-code row's at RT 1),
-     * the first ones before the rows' (they need only the expert) */
-    constexpr int U = RT <= 2 ? 4 : 2;
-    uint4 wv[U][NW];
-    auto load = [&](int32_t c0) {
+    /* the weights' first loads before the rows' (they need only the expert) */
+    uint4 wv[NW];
 #pragma unroll
-        for (int u = 0; u < U; u++)
-#pragma unroll
-            for (int q = 0; q < NW; q++) {
-                const int32_t c = c0 + 32 * u;
-                wv[u][q] = ok[q] && c < K16 ? pd_fp8_ld_stream16(W + wr[q] * K + c * 16) : zero;
-            }
-    };
-    load(lane);
+    for (int q = 0; q < NW; q++)
+        wv[q] = ok[q] && lane < K16 ? pd_fp8_ld_stream16(W + wr[q] * K + lane * 16) : zero;
     uint8_t *xq = reinterpret_cast<uint8_t *>(fm_smem);
     float *xs = reinterpret_cast<float *>(xq + (size_t)R * K);
     bf16 *xb = reinterpret_cast<bf16 *>(fm_smem);
@@ -222,33 +185,34 @@ fp8_moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows
     for (int q = 0; q < NW; q++)
 #pragma unroll
         for (int r = 0; r < RT; r++) acc[q][r] = 0.0f;
-    for (int32_t c0 = lane; c0 < K16; c0 += 32 * U) {
-        if (c0 != lane) load(c0);
+    for (int32_t c = lane; c < K16; c += 32) { /* (the next step's loads before this one's sums) */
+        uint4 nx[NW];
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int32_t c = c0 + 32 * u;
-            if (c >= K16) break;
-            const int32_t g = c * 16 / group;
-            float wf[NW][16], sw[NW];
+        for (int q = 0; q < NW; q++)
+            nx[q] = ok[q] && c + 32 < K16 ? pd_fp8_ld_stream16(W + wr[q] * K + (c + 32) * 16)
+                                          : zero;
+        const int32_t g = c * 16 / group;
+        float wf[NW][16], sw[NW];
+#pragma unroll
+        for (int q = 0; q < NW; q++) {
+            pd_e4m3x16_f32(wv[q], wf[q]);
+            sw[q] = ok[q] ? __ldg(ws + wr[q] * ng + g) : 0.0f;
+        }
+#pragma unroll
+        for (int r = 0; r < RT; r++) {
+            if (r >= nr) break;
+            float xf[16];
+            const float sx = fm_row16<XQ>(xq, xs, xb, r, K, ng, c, g, xf);
 #pragma unroll
             for (int q = 0; q < NW; q++) {
-                pd_e4m3x16_f32(wv[u][q], wf[q]);
-                sw[q] = ok[q] ? __ldg(ws + wr[q] * ng + g) : 0.0f;
-            }
+                float d = 0.0f;
 #pragma unroll
-            for (int r = 0; r < RT; r++) {
-                if (r >= nr) break;
-                float xf[16];
-                const float sx = fm_row16<XQ>(xq, xs, xb, r, K, ng, c, g, xf);
-#pragma unroll
-                for (int q = 0; q < NW; q++) {
-                    float d = 0.0f;
-#pragma unroll
-                    for (int i = 0; i < 16; i++) d = fmaf(wf[q][i], xf[i], d);
-                    acc[q][r] = fmaf(d, sw[q] * sx, acc[q][r]);
-                }
+                for (int i = 0; i < 16; i++) d = fmaf(wf[q][i], xf[i], d);
+                acc[q][r] = fmaf(d, sw[q] * sx, acc[q][r]);
             }
         }
+#pragma unroll
+        for (int q = 0; q < NW; q++) wv[q] = nx[q];
     }
     pd_moe_gv_store<SWIGLU, RT>(acc, ok, nr, lane, i0, r0, M, out);
 }
@@ -256,10 +220,10 @@ fp8_moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows
 /* The down products of a one-row step and their combination in one launch (moe_experts with
  * out at n = 1; cuda_moe.cu's moe_down_combine_kernel for FP8 weights): the block quantizes the
  * k SwiGLU rows (act[pos[j]]) as the row-streaming kernel does; block b takes output columns
- * FM_DC b ..; warp j choice j: it streams its expert's FM_DC down rows
+ * FM_DC b ..; warp w the choices w, w + 8, ..: each streams its expert's FM_DC down rows
  * against the choice's row, summed as fp8_moe_gemv_kernel sums and rounded to bf16 as y
  * would be; then the combination's sum over the choices in their order, added to out and
- * rounded once: the bits of the two launches. k <= FM_WARPS (= FM_R). */
+ * rounded once: the bits of the two launches. k <= FM_R. */
 #define FM_DC 4
 template <bool XQ>
 static __global__ void __launch_bounds__(FM_WARPS * 32)
@@ -278,55 +242,31 @@ fp8_moe_down_combine_kernel(const bf16 *__restrict__ act, const int32_t *__restr
     float *dc = XQ ? xs + k * ng : reinterpret_cast<float *>(xb + (size_t)k * K);
     const int warp = (int)threadIdx.x / 32, lane = (int)threadIdx.x % 32;
     const int32_t c0 = (int32_t)blockIdx.x * FM_DC, K16 = K / 16;
-    /* warp j's choice j (k <= FM_WARPS): its expert's rows, the first DU steps of each loaded
-     * before the SwiGLU rows are */
-    constexpr int DU = 4;
-    const int j = warp;
-    int64_t wr[FM_DC];
-    bool ok[FM_DC];
-    uint4 wv[DU][FM_DC];
-    const int64_t ex = j < k ? ids[j] : 0;
-#pragma unroll
-    for (int q = 0; q < FM_DC; q++) {
-        ok[q] = j < k && c0 + q < M;
-        wr[q] = ex * M + (ok[q] ? c0 + q : 0);
-    }
-    auto load = [&](int32_t cb) {
-#pragma unroll
-        for (int u = 0; u < DU; u++)
-#pragma unroll
-            for (int q = 0; q < FM_DC; q++) {
-                const int32_t c = cb + 32 * u;
-                wv[u][q] = ok[q] && c < K16 ? pd_fp8_ld_stream16(W + wr[q] * K + c * 16)
-                                            : make_uint4(0, 0, 0, 0);
-            }
-    };
-    load(lane);
     fm_load_rows<XQ>(act, pos, 0, k, K, group, ng, dynamic, in_scale, xq, xs, xb);
     __syncthreads();
-    if (j < k) {
+    for (int32_t j = warp; j < k; j += FM_WARPS) {
+        int64_t wr[FM_DC];
+        bool ok[FM_DC];
         float acc[FM_DC];
 #pragma unroll
-        for (int q = 0; q < FM_DC; q++) acc[q] = 0.0f;
-        for (int32_t cb = lane; cb < K16; cb += 32 * DU) {
-            if (cb != lane) load(cb);
+        for (int q = 0; q < FM_DC; q++) {
+            ok[q] = c0 + q < M;
+            wr[q] = (int64_t)ids[j] * M + (ok[q] ? c0 + q : 0);
+            acc[q] = 0.0f;
+        }
+        for (int32_t c = lane; c < K16; c += 32) {
+            const int32_t g = c * 16 / group;
+            float xf[16];
+            const float sx = fm_row16<XQ>(xq, xs, xb, j, K, ng, c, g, xf);
 #pragma unroll
-            for (int u = 0; u < DU; u++) {
-                const int32_t c = cb + 32 * u;
-                if (c >= K16) break;
-                const int32_t g = c * 16 / group;
-                float xf[16];
-                const float sx = fm_row16<XQ>(xq, xs, xb, j, K, ng, c, g, xf);
+            for (int q = 0; q < FM_DC; q++) {
+                if (!ok[q]) continue;
+                float wf[16];
+                pd_e4m3x16_f32(pd_fp8_ld_stream16(W + wr[q] * K + c * 16), wf);
+                float d = 0.0f;
 #pragma unroll
-                for (int q = 0; q < FM_DC; q++) {
-                    if (!ok[q]) continue;
-                    float wf[16];
-                    pd_e4m3x16_f32(wv[u][q], wf);
-                    float d = 0.0f;
-#pragma unroll
-                    for (int i = 0; i < 16; i++) d = fmaf(wf[i], xf[i], d);
-                    acc[q] = fmaf(d, __ldg(ws + wr[q] * ng + g) * sx, acc[q]);
-                }
+                for (int i = 0; i < 16; i++) d = fmaf(wf[i], xf[i], d);
+                acc[q] = fmaf(d, __ldg(ws + wr[q] * ng + g) * sx, acc[q]);
             }
         }
 #pragma unroll
@@ -381,7 +321,7 @@ cudaError_t pd_cuda__fp8_launch_moe_down_combine(const pd_fp8_weight *w, const b
     const bool xq = w->act != PD_ACT_NONE;
     const size_t smem = xq ? (size_t)k * (w->k + w->ng * sizeof(float) + FM_DC * sizeof(float))
                            : (size_t)k * (w->k * sizeof(bf16) + FM_DC * sizeof(float));
-    if (k > FM_WARPS || k > FM_R || smem > 48 * 1024) return cudaErrorInvalidValue;
+    if (k > FM_R || smem > 48 * 1024) return cudaErrorInvalidValue;
     const dim3 grid((unsigned)((M + FM_DC - 1) / FM_DC));
     return pd_cuda__launch(xq ? fp8_moe_down_combine_kernel<true>
                               : fp8_moe_down_combine_kernel<false>,
