@@ -141,9 +141,11 @@ static __device__ __forceinline__ float fm_row16(const uint8_t *xq, const float 
 
 /* Grid (row tile, column tile). W [E * (SWIGLU ? 2M : M)][K] e4m3 with scales ws [..][ng]
  * (expert e's gate rows, then its up rows, from row 2Me with SWIGLU); out [choices][M] in the
- * grouped order. K % 16 == 0, group % 16 == 0, 16-byte aligned rows. */
+ * grouped order. K % 16 == 0, group % 16 == 0, 16-byte aligned rows. One row a tile (batch-1
+ * decode: a few hundred blocks of little work each) at 3 blocks an SM, so that the grid is
+ * one wave (docs/perf-history.md, "FP8 experts on CUDA"). */
 template <bool SWIGLU, int RT, bool XQ>
-static __global__ void __launch_bounds__(FM_WARPS * 32)
+static __global__ void __launch_bounds__(FM_WARPS * 32, RT == 1 ? 3 : 1)
 fp8_moe_gemv_kernel(const bf16 *__restrict__ x, const int32_t *__restrict__ rows,
                     const int32_t *__restrict__ off, int32_t E, int32_t R,
                     const uint8_t *__restrict__ W, const float *__restrict__ ws, int32_t group,
