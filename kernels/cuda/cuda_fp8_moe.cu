@@ -447,6 +447,32 @@ fp8_moe_gemm_kernel(const uint8_t *__restrict__ xq, const float *__restrict__ xs
         const int32_t i = trow0 + 8 * h;
         srow[h] = i >= nr ? -1 : rows ? rows[r0 + i] : r0 + i;
     }
+    /* group g's token and weight-row scales on the sums d: added into the totals t (GROUP),
+     * else d scaled in place */
+    auto apply_scales = [&](int32_t g) {
+        float sx[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            sx[h] = srow[h] < 0 ? 0.0f : __ldg(xs + (int64_t)g * nx + srow[h]);
+#pragma unroll
+        for (int b = 0; b < NB; b++)
+#pragma unroll
+            for (int j = 0; j < 16; j++)
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    int32_t col;
+                    const int32_t wr = pd_moe_gm_wrow<SWIGLU, BM>(b_row(b, j, u), c0, M, &col);
+                    const float sw = col < M ? __ldg(ws + (base + wr) * ng + g) : 0.0f;
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        float &v = d[b][j][2 * h + u];
+                        if (GROUP)
+                            t[b][j][2 * h + u] = fmaf(v, sw * sx[h], t[b][j][2 * h + u]);
+                        else
+                            v *= sw * sx[h];
+                    }
+                }
+    };
     const int a_off = (BM == 128 ? wg * 64 : 0) * FG_BK;
     const int b_off = BM * FG_BK + (BM == 128 ? 0 : wg * 128 * FG_BK);
     for (int32_t kt = 0; kt < KT; kt++) {
@@ -475,46 +501,13 @@ fp8_moe_gemm_kernel(const uint8_t *__restrict__ xq, const float *__restrict__ xs
         pd_wg_wait<0>();
 #pragma unroll
         for (int b = 0; b < NB; b++) pd_wg_hold(d[b]);
-        float sx[2];
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-            sx[h] = srow[h] < 0 ? 0.0f : __ldg(xs + (int64_t)kt * nx + srow[h]);
-#pragma unroll
-        for (int b = 0; b < NB; b++)
-#pragma unroll
-            for (int j = 0; j < 16; j++)
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    int32_t col;
-                    const int32_t wr = pd_moe_gm_wrow<SWIGLU, BM>(b_row(b, j, u), c0, M, &col);
-                    const float sw = col < M ? __ldg(ws + (base + wr) * ng + kt) : 0.0f;
-#pragma unroll
-                    for (int h = 0; h < 2; h++)
-                        t[b][j][2 * h + u] =
-                            fmaf(d[b][j][2 * h + u], sw * sx[h], t[b][j][2 * h + u]);
-                }
+        apply_scales(kt);
     }
     pd_cp_wait<0>();
     pd_wg_wait<0>();
 #pragma unroll
     for (int b = 0; b < NB; b++) pd_wg_hold(d[b]);
-    if (!GROUP) { /* a scale a row: the sums times the token's and the weight row's */
-        float sx[2];
-#pragma unroll
-        for (int h = 0; h < 2; h++) sx[h] = srow[h] < 0 ? 0.0f : __ldg(xs + srow[h]);
-#pragma unroll
-        for (int b = 0; b < NB; b++)
-#pragma unroll
-            for (int j = 0; j < 16; j++)
-#pragma unroll
-                for (int u = 0; u < 2; u++) {
-                    int32_t col;
-                    const int32_t wr = pd_moe_gm_wrow<SWIGLU, BM>(b_row(b, j, u), c0, M, &col);
-                    const float sw = col < M ? __ldg(ws + (base + wr) * ng) : 0.0f;
-#pragma unroll
-                    for (int h = 0; h < 2; h++) d[b][j][2 * h + u] *= sw * sx[h];
-                }
-    }
+    if (!GROUP) apply_scales(0); /* a scale a row: the sums scaled once */
     if constexpr (GROUP)
         pd_moe_gm_store<SWIGLU, BM>(t, wg, warp, lane, nr, r0, c0, M, out);
     else
